@@ -1,0 +1,114 @@
+"""Framework-free helpers: timers, schedules, result tables, run statistics, atomic files.
+
+Nothing here imports torch, so it can be read and tested on its own.
+"""
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+
+class Timer:
+    """Wall-clock timer with an optional device synchronise, called before every reading.
+
+    `timer()` returns the seconds since the previous call; `include=True` also adds them to
+    `timer.total`, so work between readings that must not count (evaluation) is left out by
+    calling `timer(include=False)` after it.
+    """
+
+    def __init__(self, synchronize=None):
+        self.synchronize = synchronize or (lambda: None)
+        self.synchronize()
+        self.last = time.perf_counter()
+        self.total = 0.0
+
+    def __call__(self, include=True):
+        self.synchronize()
+        now = time.perf_counter()
+        dt, self.last = now - self.last, now
+        if include:
+            self.total += dt
+        return dt
+
+
+@dataclass(frozen=True)
+class PiecewiseLinear:
+    """Linear interpolation between knots, constant beyond the ends: PiecewiseLinear([0, 5, 24], [0, .4, 0])."""
+    knots: tuple
+    values: tuple
+
+    def __post_init__(self):
+        if len(self.knots) != len(self.values) or len(self.knots) < 1:
+            raise ValueError(f"PiecewiseLinear needs as many knots as values, got {self.knots} and {self.values}")
+        if any(b < a for a, b in zip(self.knots, self.knots[1:])):
+            raise ValueError(f"PiecewiseLinear knots must not decrease, got {self.knots}")
+
+    def __call__(self, t):
+        k, v = self.knots, self.values
+        if t <= k[0]:
+            return float(v[0])
+        for i in range(1, len(k)):
+            if t <= k[i]:
+                if k[i] == k[i - 1]:
+                    return float(v[i])
+                f = (t - k[i - 1]) / (k[i] - k[i - 1])
+                return float(v[i - 1] + f * (v[i] - v[i - 1]))
+        return float(v[-1])
+
+
+class Table:
+    """Prints one row per call as soon as it arrives, header first, fixed-width columns."""
+
+    def __init__(self, columns, width=10, file=None, formats=None):
+        self.columns, self.width = list(columns), width
+        self.file = file or sys.stdout
+        self.formats = formats or {}
+        self.rows = []
+
+    def _fmt(self, key, value):
+        if isinstance(value, float):
+            value = format(value, self.formats.get(key, ".4f"))
+        return str(value).rjust(self.width)
+
+    def append(self, row):
+        if not self.rows:
+            print("".join(c.rjust(self.width) for c in self.columns), file=self.file, flush=True)
+        self.rows.append(dict(row))
+        print("".join(self._fmt(c, row.get(c, "")) for c in self.columns), file=self.file, flush=True)
+
+
+def summarize(values):
+    """n, mean, sample std (ddof=1), min and max of a list of numbers (None entries are dropped)."""
+    xs = [float(x) for x in values if x is not None]
+    n = len(xs)
+    if n == 0:
+        return {"n": 0, "mean": None, "std": None, "min": None, "max": None}
+    mean = sum(xs) / n
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1)) if n > 1 else 0.0
+    return {"n": n, "mean": mean, "std": std, "min": min(xs), "max": max(xs)}
+
+
+def write_atomic(path, write):
+    """Call write(tmp_path), then rename onto path, so readers never see a half-written file."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_json(path, obj):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+    write_atomic(path, write)

@@ -1,0 +1,99 @@
+import numpy as np
+import pytest
+import torch
+
+import torch_backend as tb
+
+
+def padded_index_images(n, size=32, pad=4):
+    """Images whose pixel value encodes its own (row, col) in the padded frame, so crops can be read back."""
+    s = size + 2 * pad
+    rows = torch.arange(s).view(1, 1, s, 1).expand(n, 3, s, s)
+    cols = torch.arange(s).view(1, 1, 1, s).expand(n, 3, s, s)
+    return (rows * 100 + cols).float()
+
+
+def test_crop_offsets_cover_the_range_uniformly_and_crop_exactly():
+    n, pad, size = 20000, 4, 32
+    g = torch.Generator().manual_seed(0)
+    r = tb.draw_augmentation(n, size, pad, flip=False, cutout=0, generator=g)
+    x = tb.augment(padded_index_images(n, size, pad), r, size, cutout=0)
+    dy, dx = (x[:, 0, 0, 0] // 100).long(), (x[:, 0, 0, 0] % 100).long()
+    assert torch.equal(dy, r["dy"]) and torch.equal(dx, r["dx"])
+    # every crop is a contiguous size×size window starting at its offset
+    expected = padded_index_images(1, size, pad)[0, 0]
+    for i in range(0, n, 997):
+        assert torch.equal(x[i, 1], expected[dy[i]:dy[i] + size, dx[i]:dx[i] + size])
+    counts = torch.bincount(dy * (2 * pad + 1) + dx, minlength=81).float()
+    assert counts.min() > 0
+    # chi-square against uniform over 81 cells: 80 d.o.f., p < 1e-4 above ~135
+    chi2 = ((counts - n / 81) ** 2 / (n / 81)).sum().item()
+    assert chi2 < 135
+
+
+def test_about_half_flipped_and_flips_mirror():
+    n = 10000
+    g = torch.Generator().manual_seed(1)
+    r = tb.draw_augmentation(n, 32, 0, flip=True, cutout=0, generator=g)
+    x = torch.arange(32.0).view(1, 1, 1, 32).expand(n, 3, 32, 32)
+    out = tb.augment(x, r, 32, cutout=0)
+    flipped = out[:, 0, 0, 0] == 31
+    assert torch.equal(flipped, r["flip"])
+    assert torch.equal(out[flipped][0, 0, 0], torch.arange(31.0, -1, -1))
+    assert abs(flipped.float().mean().item() - 0.5) < 0.02       # ~4 sigma for n=10000
+
+
+@pytest.mark.parametrize("patch", [5, 8])
+def test_cutout_patches_have_the_stated_size_and_stay_inside(patch):
+    n = 5000
+    g = torch.Generator().manual_seed(2)
+    r = tb.draw_augmentation(n, 32, 0, flip=False, cutout=patch, generator=g)
+    out = tb.augment(torch.ones(n, 3, 32, 32), r, 32, cutout=patch)
+    zero = out[:, 0] == 0
+    assert torch.equal(zero.sum((1, 2)), torch.full((n,), patch * patch))
+    assert torch.equal(out[:, 0] == 0, out[:, 2] == 0)              # same patch in every channel
+    ys = zero.any(2).float().argmax(1)
+    xs = zero.any(1).float().argmax(1)
+    assert torch.equal(ys, r["cy"]) and torch.equal(xs, r["cx"])
+    assert r["cy"].min() == 0 and r["cy"].max() == 32 - patch       # the whole range is used
+
+
+def small_data(n=64):
+    x = torch.randn(n, 3, 40, 40)
+    y = torch.arange(n) % 10
+    return {"train_images": x, "train_labels": y, "test_images": x[:, :, 4:-4, 4:-4], "test_labels": y}
+
+
+HP = {"crop_pad": 4, "flip": True, "cutout": 8, "batch_size": 16}
+
+
+def test_labels_follow_their_images_and_epochs_differ():
+    data = small_data()
+    # tag each image with its label; the 4x4 centre of any crop lies inside the tagged area
+    data["train_images"][:, :, 4:36, 4:36] = data["train_labels"].float().view(-1, 1, 1, 1) + 1
+    g = torch.Generator().manual_seed(3)
+    e1 = list(tb.epoch_batches(data, HP, g, torch.contiguous_format))
+    e2 = list(tb.epoch_batches(data, HP, g, torch.contiguous_format))
+    assert len(e1) == 4 and all(x.shape == (16, 3, 32, 32) for x, _ in e1)
+    for x, y in e1 + e2:
+        centre = x[:, 0, 14:18, 14:18].amax((1, 2))
+        tagged = centre > 0                           # false only where cutout hid the whole centre
+        assert tagged.float().mean() > 0.5
+        assert torch.equal(centre[tagged], y[tagged].float() + 1)
+    assert sorted(torch.cat([y for _, y in e1]).tolist()) == sorted(data["train_labels"].tolist())
+    assert not torch.equal(torch.cat([x for x, _ in e1]), torch.cat([x for x, _ in e2]))
+
+
+def test_random_calls_per_epoch_do_not_grow_with_the_dataset(monkeypatch):
+    calls = []
+    for name in ("rand", "randint", "randperm", "randn", "bernoulli", "multinomial"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    counts = []
+    for n in (64, 640):
+        calls.clear()
+        g = torch.Generator().manual_seed(0)
+        data = small_data(n)
+        list(tb.epoch_batches(data, HP, g, torch.contiguous_format))
+        counts.append(len(calls))
+    assert counts[0] == counts[1] <= 5, counts

@@ -1,0 +1,75 @@
+"""The command line end to end, on small synthetic data, in a subprocess as a user runs it."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, synthetic_arrays
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, str(ROOT / "cifar10_fast.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def synth_npz(tmp_path_factory):
+    p = tmp_path_factory.mktemp("synth") / "synth.npz"
+    np.savez(p, **synthetic_arrays(n_train=256, n_test=128))
+    return p
+
+
+def test_two_runs_print_the_table_and_write_the_json(synth_npz, tmp_path):
+    out = tmp_path / "results.json"
+    r = run_cli("--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "2", "--width", "0.125",
+                "--batch-size", "64", "--runs", "2", "--target", "0.2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "warning: no GPU in use" in r.stderr
+    lines = r.stdout.splitlines()
+    header = [l for l in lines if l.split()[:2] == ["epoch", "lr"]]
+    assert len(header) == 2
+    assert header[0].split() == ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
+    rows = [l.split() for l in lines if l.split() and l.split()[0] in ("1", "2")]
+    assert [row[0] for row in rows] == ["1", "2", "1", "2"] and all(len(row) == 8 for row in rows)
+    assert "summary over 2 runs of myrtle24" in r.stdout and "runs reaching 20.00%" in r.stdout
+
+    res = json.loads(out.read_text())
+    assert res["recipe"] == "myrtle24" and res["hyperparameters"]["epochs"] == 2
+    assert res["hyperparameters"]["batch_size"] == 64 and res["hyperparameters"]["width"] == 0.125
+    assert res["environment"]["torch"] and res["environment"]["device"] == "cpu"
+    assert [r["seed"] for r in res["runs"]] == [0, 1]
+    assert all(len(run["rows"]) == 2 for run in res["runs"])
+    # printed numbers are the JSON's numbers
+    assert float(rows[1][5]) == pytest.approx(res["runs"][0]["rows"][1]["test_acc"], abs=1e-4)
+    s = res["summary"]
+    assert s["final_acc"]["n"] == 2 and s["final_acc"]["mean"] == pytest.approx(
+        np.mean([run["final_acc"] for run in res["runs"]]))
+    assert 0 <= s["fraction_reaching_target"] <= 1
+    # the class is written into the images, so even 2 epochs on 256 images learn something
+    assert s["final_acc"]["mean"] > 0.2
+
+
+def test_list_recipes():
+    r = run_cli("--list-recipes")
+    assert r.returncode == 0
+    names = [l.split()[0] for l in r.stdout.splitlines()]
+    assert names[:2] == ["myrtle24", "myrtle10"]
+
+
+def test_bad_data_is_one_line_and_nonzero(tmp_path):
+    bad = tmp_path / "bad.npz"
+    d = synthetic_arrays(16, 16)
+    d["train_images"] = d["train_images"].astype(np.int16)
+    np.savez(bad, **d)
+    r = run_cli("--data-dir", str(bad), "--device", "cpu")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == f"error: {bad}: train_images has dtype int16, expected uint8"
+
+
+def test_unknown_recipe_and_bad_flag(synth_npz):
+    r = run_cli("--recipe", "nope", "--data-dir", str(synth_npz))
+    assert r.returncode == 2 and "unknown recipe 'nope'; choose from myrtle24" in r.stderr
+    r = run_cli("--epochs", "two")
+    assert r.returncode == 2 and "--epochs: invalid" in r.stderr

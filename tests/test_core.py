@@ -1,0 +1,69 @@
+import io
+import json
+import math
+
+import pytest
+
+from core import PiecewiseLinear, Table, Timer, summarize, write_atomic, write_json
+
+
+def test_piecewise_linear_exact_at_knots_and_between():
+    s = PiecewiseLinear((0, 5, 24), (0.0, 0.4, 0.0))
+    assert [s(t) for t in (0, 5, 24)] == [0.0, 0.4, 0.0]
+    assert s(2.5) == pytest.approx(0.2)
+    assert s(14.5) == pytest.approx(0.2)
+    assert s(-1) == 0.0 and s(30) == 0.0          # constant beyond the ends
+
+
+def test_piecewise_linear_flat_tail_like_myrtle10():
+    s = PiecewiseLinear((0, 0.2, 0.8), (0.0, 1.0, 0.1))
+    assert s(0.2) == 1.0 and s(0.8) == pytest.approx(0.1) and s(1.0) == pytest.approx(0.1)
+    assert s(0.5) == pytest.approx(0.55)
+
+
+def test_piecewise_linear_rejects_bad_knots():
+    with pytest.raises(ValueError, match="as many knots as values"):
+        PiecewiseLinear((0, 1), (0,))
+    with pytest.raises(ValueError, match="must not decrease"):
+        PiecewiseLinear((0, 2, 1), (0, 1, 0))
+
+
+def test_table_prints_header_once_and_each_row_as_it_arrives():
+    out = io.StringIO()
+    t = Table(["epoch", "acc"], width=6, file=out, formats={"acc": ".2f"})
+    t.append({"epoch": 1, "acc": 0.5})
+    assert out.getvalue().splitlines() == [" epoch   acc", "     1  0.50"]
+    t.append({"epoch": 2, "acc": 0.75})
+    assert out.getvalue().splitlines()[-1] == "     2  0.75"
+    assert len(t.rows) == 2
+
+
+def test_summarize():
+    s = summarize([0.93, 0.94, 0.95, None])
+    assert s["n"] == 3 and s["mean"] == pytest.approx(0.94)
+    assert s["std"] == pytest.approx(0.01) and s["min"] == 0.93 and s["max"] == 0.95
+    assert summarize([])["mean"] is None
+    assert summarize([2.0])["std"] == 0.0
+
+
+def test_timer_excludes_what_it_is_told_to():
+    calls = []
+    t = Timer(lambda: calls.append(1))
+    a = t()
+    b = t(include=False)
+    assert t.total == pytest.approx(a)
+    assert len(calls) == 3 and b >= 0
+
+
+def test_write_json_is_atomic_on_failure(tmp_path):
+    p = tmp_path / "r.json"
+    write_json(p, {"a": 1})
+    assert json.loads(p.read_text()) == {"a": 1}
+
+    def broken(tmp):
+        open(tmp, "w").write("half")
+        raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError):
+        write_atomic(p, broken)
+    assert json.loads(p.read_text()) == {"a": 1}       # old file untouched
+    assert [f.name for f in tmp_path.iterdir()] == ["r.json"]   # no temporary left
