@@ -10,25 +10,46 @@ of the same name (`--batch-size 768`, `--lr-knots 0,0.2,1`).
 """
 import argparse
 import datetime
+import io
 import platform
 import sys
 
 import torch
 
 import torch_backend as tb
-from core import Table, summarize, write_json
+from core import Table, one_sided_p, summarize, write_json
 
 # Every hyperparameter, with the value it has unless a recipe or flag says otherwise.
-# lr and weight_decay are for the batch-mean loss (see torch_backend.make_optimizer);
-# lr_knots are fractions of the whole run, so --epochs stretches the schedule with it.
+# lr_knots are fractions of the whole run, so --epochs stretches the schedule with it; lr_values
+# and weight_decay are in the units of `param` (see torch_backend.make_optimizers).
 BASE = dict(
     model="resnet9", width=1.0, epochs=24, batch_size=512,
-    lr_knots=(0, 5 / 24, 1), lr_values=(0.0, 0.4, 0.0),
+    # optimiser and schedule
+    param="myrtle", optimizer="sgd", lr_knots=(0, 5 / 24, 1), lr_values=(0.0, 0.4, 0.0),
     momentum=0.9, nesterov=True, weight_decay=5e-4, bias_lr_mult=1.0, label_smoothing=0.0,
-    crop_pad=4, flip=True, cutout=8,
+    muon_lr=0.0, muon_momentum=0.6,
+    # augmentation and test-time augmentation
+    crop_pad=4, flip="random", cutout=8, tta="none",
+    # network
     act="relu", celu_alpha=0.3, pool_first=False, ghost_batch=0, freeze_bn_scale=False,
-    whiten=False, whiten_eps=1e-2, output_scale=0.125,
-    ema_momentum=0.0, ema_every=5, tta="none",
+    bn_momentum=0.1, bn_eps=1e-5, dirac_init=False, output_scale=0.125,
+    block_widths=(64, 256, 256), block_depth=2,
+    whiten=False, whiten_size=3, whiten_pad=1, whiten_signs=1, whiten_bias=False, whiten_bias_epochs=0,
+    whiten_eps=1e-2,
+    # weight averaging
+    ema_momentum=0.0, ema_every=5, lookahead_momentum=0.0, lookahead_every=5,
+)
+
+# Jordan (2024)'s three-block network and training, from the published airbench94 hyperparameters
+# (our own implementation); fast95 and fast96 widen it, and fast96 deepens it, as airbench95/96 do.
+FAST = dict(
+    model="fastnet", block_widths=(64, 256, 256), act="gelu", epochs=9.9, batch_size=1024,
+    param="decoupled", lr_knots=(0, 0.23, 1), lr_values=(0.2 * 11.5, 11.5, 0.07 * 11.5),
+    momentum=0.85, weight_decay=0.0153, bias_lr_mult=64.0, label_smoothing=0.2,
+    crop_pad=2, flip="alternate", cutout=0, tta="flip_translate",
+    freeze_bn_scale=True, bn_momentum=0.4, bn_eps=1e-12, dirac_init=True, output_scale=1 / 9,
+    whiten=True, whiten_size=2, whiten_pad=0, whiten_signs=2, whiten_bias=True, whiten_bias_epochs=3,
+    whiten_eps=5e-4, lookahead_momentum=0.95, lookahead_every=5,
 )
 
 RECIPES = {
@@ -42,6 +63,16 @@ RECIPES = {
         act="celu", pool_first=True, ghost_batch=32, freeze_bn_scale=True, bias_lr_mult=64.0,
         whiten=True, output_scale=1 / 16, ema_momentum=0.99, ema_every=5, tta="flip",
     ),
+    # Our speed recipes (issue 3). Starting points from the published airbench hyperparameters;
+    # GPU accuracy and time not measured yet (README).
+    "fast94": dict(FAST, doc="3-block net, 2x2 whitening, dirac init, lookahead, alternating flip, 6-view TTA: "
+                             "9.9 epochs at batch 1024 (target 94%)"),
+    "fast95": dict(FAST, doc="fast94 widened to 128/384/384 for 15 epochs (target 95%)",
+                   block_widths=(128, 384, 384), epochs=15, lr_values=(0.2 * 10, 10.0, 0.07 * 10)),
+    "fast96": dict(FAST, doc="fast94 widened to 128/512/512 with 3 convs per block, 40 epochs, translate 4, "
+                             "cutout 12 (target 96%)",
+                   block_widths=(128, 512, 512), block_depth=3, epochs=40, crop_pad=4, cutout=12,
+                   lr_values=(0.2 * 9, 9.0, 0.07 * 9)),
 }
 
 
@@ -61,7 +92,10 @@ def _parse(kind):
     if isinstance(kind, bool):
         return lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
     if isinstance(kind, tuple):
-        return lambda s: tuple(float(eval_number(v)) for v in s.split(","))
+        item = int if all(isinstance(v, int) for v in kind) else float
+        return lambda s: tuple(item(eval_number(v)) for v in s.split(","))
+    if isinstance(kind, int):
+        return lambda s: int(eval_number(s)) if float(eval_number(s)).is_integer() else float(eval_number(s))
     if isinstance(kind, float):
         return lambda s: float(eval_number(s))
     return type(kind)
@@ -89,6 +123,9 @@ def parse_args(argv=None):
     p.add_argument("--subset", type=int, default=None, help="train on the first N training images")
     p.add_argument("--target", type=float, default=0.94, help="test accuracy whose first epoch stops the clock")
     p.add_argument("--out", default=None, help="write config, environment, per-epoch rows and summary as JSON")
+    p.add_argument("--compile", default=None, choices=["default", "max-autotune", "reduce-overhead"],
+                   help="torch.compile the network with this mode (compiled once, in the untimed warm-up); "
+                        "reduce-overhead also captures CUDA graphs")
     hp = p.add_argument_group("hyperparameters (override the recipe)")
     for key, value in BASE.items():
         hp.add_argument("--" + key.replace("_", "-"), dest=key, type=_parse(value), default=None,
@@ -113,6 +150,62 @@ def fmt_stats(name, s, scale=1.0, unit=""):
         return f"{name}: none"
     return (f"{name}: mean {s['mean'] * scale:.4f}{unit}  std {s['std'] * scale:.4f}{unit}  "
             f"min {s['min'] * scale:.4f}{unit}  max {s['max'] * scale:.4f}{unit}  (n={s['n']})")
+
+
+COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
+
+
+def summarize_runs(runs, target, flops=None):
+    accs = [r["final_acc"] for r in runs]
+    s = {"final_acc": summarize(accs), "p_mean_above_target": one_sided_p(accs, target),
+         "time": summarize([r["time"] for r in runs]),
+         "train_time": summarize([r["train_time"] for r in runs]),
+         "time_to_target": summarize([r["time_to_target"] for r in runs]),
+         "fraction_reaching_target": sum(r["time_to_target"] is not None for r in runs) / len(runs)}
+    if flops:
+        s["flops_per_run"] = flops["total"]
+        s["tflops_per_s"] = flops["total"] / s["time"]["mean"] / 1e12
+    return s
+
+
+def print_summary(name, s, target):
+    print(f"\nsummary over {s['final_acc']['n']} runs of {name}")
+    print(fmt_stats("final test accuracy", s["final_acc"]))
+    if s["p_mean_above_target"] is not None:
+        print(f"one-sided t-test, mean accuracy > {target:.2%}: p = {s['p_mean_above_target']:.3g}")
+    print(fmt_stats("time (training + final evaluation)", s["time"], unit=" s"))
+    print(fmt_stats(f"time to {target:.2%}", s["time_to_target"], unit=" s"))
+    print(f"runs reaching {target:.2%}: {s['fraction_reaching_target']:.0%}")
+    if "flops_per_run" in s:
+        print(f"FLOPs per run {s['flops_per_run'] / 1e12:.3f} T; achieved {s['tflops_per_s']:.2f} TFLOP/s")
+
+
+def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=None, verbose=True):
+    """Trains `runs` fresh networks (seeds seed, seed+1, ...) after one untimed warm-up on a GPU.
+    Returns the per-run results (without models) and their summary."""
+    net = forward = None
+    if compile_mode:
+        net, forward = tb.compiled_model(hp, device, compile_mode)
+    if device.type == "cuda" or compile_mode:
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+        tb.warmup(hp, data, device, dtype, net, forward)
+    results = []
+    for r in range(runs):
+        if verbose and runs > 1:
+            print(f"run {r + 1}/{runs} (seed {seed + r})", flush=True)
+        table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
+                      file=None if verbose else io.StringIO())
+        result = tb.train(hp, data, device, seed + r, dtype, target, table.append, net, forward)
+        result.pop("model")
+        results.append(result)
+        if verbose:
+            ttt = result["time_to_target"]
+            print(f"final test accuracy {result['final_acc']:.4f}; "
+                  + (f"time to {target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {target:.2%}")
+                  + f"; training {result['train_time']:.2f} s + final evaluation {result['final_eval_time']:.2f} s",
+                  flush=True)
+    return results
 
 
 def main(argv=None):
@@ -147,39 +240,16 @@ def main(argv=None):
     data = tb.to_device(arrays, device, dtype, hp["crop_pad"])
     print(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
           f"{len(arrays['train_labels'])} training and {len(arrays['test_labels'])} test images", flush=True)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        tb.warmup(hp, data, device, dtype, torch.channels_last)
-
-    columns = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
-    runs = []
-    for r in range(args.runs):
-        seed = args.seed + r
-        if args.runs > 1:
-            print(f"run {r + 1}/{args.runs} (seed {seed})", flush=True)
-        table = Table(columns, width=11, formats={"lr": ".4f", "epoch_time": ".2f", "total_time": ".2f"})
-        result = tb.train(hp, data, device, seed, dtype, args.target, on_epoch=table.append)
-        result.pop("model")
-        runs.append(result)
-        ttt = result["time_to_target"]
-        print(f"final test accuracy {result['final_acc']:.4f}; "
-              + (f"time to {args.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {args.target:.2%}")
-              + f"; training time {result['train_time']:.2f} s", flush=True)
-
-    summary = {"final_acc": summarize([r["final_acc"] for r in runs]),
-               "train_time": summarize([r["train_time"] for r in runs]),
-               "time_to_target": summarize([r["time_to_target"] for r in runs]),
-               "fraction_reaching_target": sum(r["time_to_target"] is not None for r in runs) / len(runs)}
+    flops = tb.count_flops(hp, data)
+    runs = run_many(hp, data, device, dtype, args.runs, args.seed, args.target, args.compile)
+    summary = summarize_runs(runs, args.target, flops)
     if args.runs > 1:
-        print(f"\nsummary over {args.runs} runs of {args.recipe}")
-        print(fmt_stats("final test accuracy", summary["final_acc"]))
-        print(fmt_stats(f"time to {args.target:.2%}", summary["time_to_target"], unit=" s"))
-        print(fmt_stats("training time", summary["train_time"], unit=" s"))
-        print(f"runs reaching {args.target:.2%}: {summary['fraction_reaching_target']:.0%}")
+        print_summary(args.recipe, summary, args.target)
     if args.out:
         write_json(args.out, {
             "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "subset": args.subset,
-            "argv": sys.argv[1:] if argv is None else list(argv), "environment": environment(device),
+            "compile": args.compile, "argv": sys.argv[1:] if argv is None else list(argv),
+            "environment": environment(device), "flops": flops,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "runs": runs, "summary": summary})
         print(f"wrote {args.out}")
     return 0

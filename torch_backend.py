@@ -216,17 +216,30 @@ def to_device(d, device, dtype, pad):
             "test_labels": torch.from_numpy(d["test_labels"]).to(device).long()}
 
 
-def draw_augmentation(n, size, pad, flip, cutout, generator):
-    """Every random number for one epoch of n images, in at most five calls whatever n is."""
+def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=None):
+    """Every random number for one epoch of n images, in at most five calls whatever n is.
+
+    flip="random" flips each image with probability 1/2 every epoch; flip="alternate" (Jordan 2024)
+    flips image i in epoch e iff flip_base[i] xor (e odd), so every image is seen both ways in any two
+    consecutive epochs; flip_base is drawn once per run (see flip_bits).
+    """
     device = generator.device
     r = {"perm": torch.randperm(n, device=device, generator=generator)}
     if pad:
         r["dy"], r["dx"] = torch.randint(0, 2 * pad + 1, (2, n), device=device, generator=generator)
-    if flip:
-        r["flip"] = torch.rand(n, device=device, generator=generator) < 0.5
+    if flip == "random":
+        r["flip"] = flip_bits(n, generator)
+    elif flip == "alternate":
+        r["flip"] = flip_base ^ bool(epoch % 2)
+    elif flip != "none":
+        raise ValueError(f"flip must be none, random or alternate, not {flip!r}")
     if cutout:
         r["cy"], r["cx"] = torch.randint(0, size - cutout + 1, (2, n), device=device, generator=generator)
     return r
+
+
+def flip_bits(n, generator):
+    return torch.rand(n, device=generator.device, generator=generator) < 0.5
 
 
 def batch_crop(x, dy, dx, size):
@@ -262,11 +275,11 @@ def augment(images, r, size, cutout):
     return x
 
 
-def epoch_batches(data, hp, generator, memory_format):
+def epoch_batches(data, hp, generator, memory_format, epoch=0, flip_base=None):
     """Yields (images, labels) for one shuffled, augmented epoch; the last partial batch is dropped."""
     size = data["test_images"].shape[-1]
     x, y = data["train_images"], data["train_labels"]
-    r = draw_augmentation(len(x), size, hp["crop_pad"], hp["flip"], hp["cutout"], generator)
+    r = draw_augmentation(len(x), size, hp["crop_pad"], hp["flip"], hp["cutout"], generator, epoch, flip_base)
     x = augment(x, r, size, hp["cutout"])[r["perm"]].contiguous(memory_format=memory_format)
     y = y[r["perm"]]
     bs = hp["batch_size"]
@@ -287,8 +300,8 @@ class BatchNorm(nn.BatchNorm2d):
     shuffled data and needs only a reshape); running statistics average over the groups.
     """
 
-    def __init__(self, c, freeze_scale=False, ghost_batch=0):
-        super().__init__(c)
+    def __init__(self, c, freeze_scale=False, ghost_batch=0, momentum=0.1, eps=1e-5):
+        super().__init__(c, eps=eps, momentum=momentum)
         self.ghost_batch = ghost_batch
         self.weight.requires_grad_(not freeze_scale)
 
@@ -307,20 +320,38 @@ class BatchNorm(nn.BatchNorm2d):
         return y.reshape(n, c, h, w)
 
 
+def batch_norm(c, hp):
+    return BatchNorm(c, hp["freeze_bn_scale"], hp["ghost_batch"], hp["bn_momentum"], hp["bn_eps"])
+
+
 def activation(hp):
-    return nn.CELU(hp["celu_alpha"]) if hp["act"] == "celu" else nn.ReLU(inplace=True)
+    act = hp["act"]
+    if act == "celu":
+        return nn.CELU(hp["celu_alpha"])
+    if act == "gelu":
+        return nn.GELU()
+    if act == "relu":
+        return nn.ReLU(inplace=True)
+    raise ValueError(f"act must be relu, celu or gelu, not {act!r}")
+
+
+def conv(c_in, c_out, hp, kernel=3):
+    """A bias-free convolution; with hp["dirac_init"] its first c_in filters start as the identity
+    (Jordan 2024), so a fresh network passes its input through and early steps train faster."""
+    layer = nn.Conv2d(c_in, c_out, kernel, padding=kernel // 2, bias=False)
+    if hp["dirac_init"] and kernel > 1 and c_out >= c_in:
+        with torch.no_grad():
+            nn.init.dirac_(layer.weight[:c_in])
+    return layer
 
 
 def conv_bn(c_in, c_out, hp, pool=False, kernel=3):
     """conv → batch norm → activation, with an optional 2×2 max-pool after it, or moved to
     straight after the conv (`pool_first`), which does the same maths on 4× fewer pixels."""
-    conv = nn.Conv2d(c_in, c_out, kernel, padding=kernel // 2, bias=False)
-    bn = BatchNorm(c_out, hp["freeze_bn_scale"], hp["ghost_batch"])
-    if not pool:
-        return nn.Sequential(conv, bn, activation(hp))
-    if hp["pool_first"]:
-        return nn.Sequential(conv, nn.MaxPool2d(2), bn, activation(hp))
-    return nn.Sequential(conv, bn, activation(hp), nn.MaxPool2d(2))
+    layers = [conv(c_in, c_out, hp, kernel), batch_norm(c_out, hp), activation(hp)]
+    if pool:
+        layers.insert(1 if hp["pool_first"] else 3, nn.MaxPool2d(2))
+    return nn.Sequential(*layers)
 
 
 class Residual(nn.Module):
@@ -342,45 +373,91 @@ class Mul(nn.Module):
 
 
 class Whitening(nn.Conv2d):
-    """A frozen 3×3 convolution whose filters whiten the input's 3×3 patches (one output per
-    eigenvector of the patch covariance, scaled by 1/sqrt(eigenvalue + eps))."""
+    """A frozen k×k convolution whose filters whiten the input's k×k patches: one filter per
+    eigenvector of the training-set patch covariance, scaled by 1/sqrt(eigenvalue + eps).
+    both_signs adds each filter's negative too (so a following ReLU/GELU loses nothing);
+    the optional bias is trainable (see make_optimizer's whiten_bias_epochs)."""
 
-    def __init__(self, eps):
-        super().__init__(3, 27, 3, padding=1, bias=False)
-        self.eps = eps
+    def __init__(self, k, eps, both_signs=False, bias=False, padding=0):
+        super().__init__(3, 3 * k * k * (2 if both_signs else 1), k, padding=padding, bias=bias)
+        self.eps, self.both_signs = eps, both_signs
         self.weight.requires_grad_(False)
+        if bias:
+            nn.init.zeros_(self.bias)
 
     @torch.no_grad()
     def fit(self, images):
-        patches = images.float().unfold(2, 3, 1).unfold(3, 3, 1)          # N,3,H',W',3,3
-        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 27)
+        k = self.kernel_size[0]
+        patches = images.float().unfold(2, k, 1).unfold(3, k, 1)           # N,3,H',W',k,k
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
         patches = patches - patches.mean(0)
         cov = patches.T @ patches / (len(patches) - 1)
         eigvals, eigvecs = torch.linalg.eigh(cov.double())                  # ascending
         eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
-        filters = (eigvecs / torch.sqrt(eigvals + self.eps)).T.reshape(27, 3, 3, 3)
+        filters = (eigvecs / torch.sqrt(eigvals + self.eps)).T.reshape(-1, 3, k, k)
+        if self.both_signs:
+            filters = torch.cat([filters, -filters])
         self.weight.copy_(filters.to(self.weight))
+
+
+def first_layer(hp, c_out):
+    """The input layer: patch whitening when hp["whiten"], else an ordinary trainable convolution."""
+    k = hp["whiten_size"]
+    if not hp["whiten"]:
+        return nn.Conv2d(3, c_out, k, padding=hp["whiten_pad"], bias=hp["whiten_bias"])
+    return Whitening(k, hp["whiten_eps"], hp["whiten_signs"] == 2, hp["whiten_bias"], hp["whiten_pad"])
+
+
+def widths(hp, base):
+    return [max(1, round(c * hp["width"])) for c in base]
 
 
 def resnet9(hp, num_classes=10):
     """Myrtle's ResNet-9: prep 64, layer1 128 + residual, layer2 256, layer3 512 + residual,
-    global max-pool, linear, logits × output_scale. 6,573,120 parameters at width 1."""
-    w = lambda c: max(1, round(c * hp["width"]))
+    global max-pool, linear, logits × output_scale. 6,573,120 parameters at width 1.
+    With whitening, the prep conv becomes a frozen 3×3 whitening layer and a 1×1 conv (Myrtle)."""
+    c0, c1, c2, c3 = widths(hp, (64, 128, 256, 512))
     if hp["whiten"]:
-        prep = nn.Sequential(Whitening(hp["whiten_eps"]), conv_bn(27, w(64), hp, kernel=1))
+        white = first_layer(hp, 0)
+        prep = nn.Sequential(white, conv_bn(white.out_channels, c0, hp, kernel=1))
     else:
-        prep = conv_bn(3, w(64), hp)
+        prep = conv_bn(3, c0, hp)
     return nn.Sequential(
         prep,
-        conv_bn(w(64), w(128), hp, pool=True),
-        Residual(conv_bn(w(128), w(128), hp), conv_bn(w(128), w(128), hp)),
-        conv_bn(w(128), w(256), hp, pool=True),
-        conv_bn(w(256), w(512), hp, pool=True),
-        Residual(conv_bn(w(512), w(512), hp), conv_bn(w(512), w(512), hp)),
+        conv_bn(c0, c1, hp, pool=True),
+        Residual(conv_bn(c1, c1, hp), conv_bn(c1, c1, hp)),
+        conv_bn(c1, c2, hp, pool=True),
+        conv_bn(c2, c3, hp, pool=True),
+        Residual(conv_bn(c3, c3, hp), conv_bn(c3, c3, hp)),
         nn.AdaptiveMaxPool2d(1), nn.Flatten(),
-        nn.Linear(w(512), num_classes, bias=False),
+        nn.Linear(c3, num_classes, bias=False),
         Mul(hp["output_scale"]),
     )
+
+
+def conv_group(c_in, c_out, hp):
+    """Jordan's block: conv → 2×2 max-pool → BN → act → conv → BN → act; at block_depth 3 two more
+    conv-BN-act units follow as a residual branch (airbench96-style)."""
+    first = [conv(c_in, c_out, hp), nn.MaxPool2d(2), batch_norm(c_out, hp), activation(hp)]
+    unit = lambda: [conv(c_out, c_out, hp), batch_norm(c_out, hp), activation(hp)]
+    if hp["block_depth"] == 2:
+        return nn.Sequential(*first, *unit())
+    if hp["block_depth"] == 3:
+        return nn.Sequential(*first, Residual(*unit(), *unit()))
+    raise ValueError(f"block_depth must be 2 or 3, not {hp['block_depth']}")
+
+
+def fastnet(hp, num_classes=10):
+    """The three-block network of Jordan (2024), "94% on CIFAR-10 in 3.29 seconds": a frozen 2×2
+    patch-whitening layer (both signs, 24 channels, trainable bias) and GELU, three conv groups of
+    hp["block_widths"] channels (each halves the resolution), global max-pool, linear, logits × output_scale."""
+    white = first_layer(hp, 2 * 3 * hp["whiten_size"] ** 2)
+    layers, c = [white, activation(hp)], white.out_channels
+    for w in widths(hp, hp["block_widths"]):
+        layers.append(conv_group(c, w, hp))
+        c = w
+    layers += [nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(c, num_classes, bias=False), Mul(hp["output_scale"])]
+    return nn.Sequential(*layers)
 
 
 class PreActBlock(nn.Module):
@@ -388,7 +465,7 @@ class PreActBlock(nn.Module):
 
     def __init__(self, c_in, c_out, stride, hp):
         super().__init__()
-        self.bn1, self.bn2 = BatchNorm(c_in), BatchNorm(c_out)
+        self.bn1, self.bn2 = batch_norm(c_in, hp), batch_norm(c_out, hp)
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.act = activation(hp)
@@ -403,17 +480,17 @@ class PreActBlock(nn.Module):
 
 def resnet18(hp, num_classes=10):
     """Pre-activation ResNet-18 for 32×32 inputs: the baseline of Myrtle's series."""
-    w = lambda c: max(1, round(c * hp["width"]))
-    layers, c_in = [nn.Conv2d(3, w(64), 3, 1, 1, bias=False)], w(64)
-    for c, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        layers += [PreActBlock(c_in, w(c), stride, hp), PreActBlock(w(c), w(c), 1, hp)]
-        c_in = w(c)
-    layers += [BatchNorm(c_in), activation(hp), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    c = widths(hp, (64, 128, 256, 512))
+    layers, c_in = [nn.Conv2d(3, c[0], 3, 1, 1, bias=False)], c[0]
+    for c_out, stride in zip(c, (1, 2, 2, 2)):
+        layers += [PreActBlock(c_in, c_out, stride, hp), PreActBlock(c_out, c_out, 1, hp)]
+        c_in = c_out
+    layers += [batch_norm(c_in, hp), activation(hp), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                nn.Linear(c_in, num_classes), Mul(hp["output_scale"])]
     return nn.Sequential(*layers)
 
 
-MODELS = {"resnet9": resnet9, "resnet18": resnet18}
+MODELS = {"resnet9": resnet9, "resnet18": resnet18, "fastnet": fastnet}
 
 
 def build_model(hp, device, memory_format=torch.contiguous_format):
@@ -426,31 +503,112 @@ def count_parameters(model):
     return sum(p.numel() for p in model.parameters())
 
 
+def fit_whitening(model, train_images, size, n=10000):
+    """Fits every Whitening layer to (at most n) training images, cropped back to size×size."""
+    layers = [m for m in model.modules() if isinstance(m, Whitening)]
+    if layers:
+        pad = (train_images.shape[-1] - size) // 2
+        x = train_images[:n, :, pad:pad + size, pad:pad + size]
+        for m in layers:
+            m.fit(x)
+
+
 # ---------------------------------------------------------------------------------------------
-# Optimiser, EMA, evaluation
+# Optimisers, weight averaging, evaluation
 # ---------------------------------------------------------------------------------------------
 
-def make_optimizer(model, hp):
-    """Nesterov SGD in Myrtle's parametrisation: the loss is summed over the batch, so the
-    step size is lr per example (lr / batch_size) and weight decay is scaled by batch_size,
-    which together equal plain SGD on the mean loss with (lr, weight_decay).
+def newton_schulz(g, steps=5, eps=1e-7):
+    """Approximately the orthogonal factor U Vᵀ of g = U S Vᵀ (all singular values pushed towards 1),
+    by a quintic Newton–Schulz iteration in bf16. The coefficients (Jordan et al. 2024, Muon) trade
+    exactness for speed: five steps leave singular values roughly in [0.7, 1.2]."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.bfloat16()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / (x.norm() + eps)                     # spectral norm ≤ Frobenius norm ≤ 1: inside the basin
+    for _ in range(steps):
+        s = x @ x.T
+        x = a * x + (b * s + c * s @ s) @ x
+    return (x.T if tall else x).to(g.dtype)
 
-    Biases (batch-norm shifts) get lr × bias_lr_mult and weight decay ÷ bias_lr_mult: with
-    frozen batch-norm scales they are the only per-channel knobs, and need larger steps.
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024): SGD momentum whose update for each weight matrix (a conv filter
+    bank flattened to out × in·k·k) is orthogonalised by newton_schulz, so every direction of the
+    update moves at the same rate. Scaled by sqrt(max(1, rows/cols)) as in the original."""
+
+    def __init__(self, params, lr, momentum=0.9, nesterov=True, ns_steps=5):
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum", torch.zeros_like(p.grad))
+                buf.mul_(group["momentum"]).add_(p.grad)
+                g = p.grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
+                g = g.reshape(len(g), -1)
+                update = newton_schulz(g, group["ns_steps"]) * max(1.0, g.shape[0] / g.shape[1]) ** 0.5
+                p.add_(update.view_as(p), alpha=-group["lr"])
+
+
+def make_optimizers(model, hp):
+    """The optimisers for one run; set_lr() then sets every group's step size from the schedule.
+
+    Two parametrisations of lr and weight decay (wd), both on the batch-summed loss:
+    - "myrtle" (Myrtle 2018): step size lr/batch_size and decay wd·batch_size, which together equal
+      plain SGD on the batch-mean loss with (lr, wd).
+    - "decoupled" (Jordan 2024): lr and wd are per 1024 examples and divided by the Nesterov gain
+      1 + 1/(1 - momentum), so the average step does not change with momentum; the decay per step is
+      wd·batch_size/(1024·gain) × the schedule's factor, whatever lr and bias_lr_mult are, so lr,
+      wd and momentum can be tuned one at a time.
+    Batch-norm biases get lr × bias_lr_mult: with frozen scales they are the only per-channel knobs.
+    With optimizer="muon", conv filter banks (4-D weights) use Muon at muon_lr × the schedule factor.
+    The whitening layer's bias trains only for the first whiten_bias_epochs (its lr is then set to 0
+    rather than requires_grad flipped, which would make a compiled model recompile mid-run).
     """
-    bs, mult = hp["batch_size"], hp["bias_lr_mult"]
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    biases = [p for n, p in params if n.endswith("bias")]
-    others = [p for n, p in params if not n.endswith("bias")]
-    groups = [{"params": others, "lr_scale": 1.0, "weight_decay": hp["weight_decay"] * bs},
-              {"params": biases, "lr_scale": mult, "weight_decay": hp["weight_decay"] * bs / mult}]
-    groups = [g for g in groups if g["params"]]
-    return torch.optim.SGD(groups, lr=0.0, momentum=hp["momentum"], nesterov=hp["nesterov"])
+    bs, m, wd, peak = hp["batch_size"], hp["momentum"], hp["weight_decay"], max(hp["lr_values"])
+    if hp["param"] == "myrtle":
+        unit, decay = 1 / bs, lambda scale: wd * bs / scale
+    elif hp["param"] == "decoupled":
+        gain = 1 + 1 / (1 - m)
+        unit, decay = 1 / (1024 * gain), lambda scale: wd * bs / (peak * scale)
+    else:
+        raise ValueError(f"param must be myrtle or decoupled, not {hp['param']!r}")
+    bn_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, nn.BatchNorm2d)}
+    whiten_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, Whitening) and mod.bias is not None}
+    muon = hp["optimizer"] == "muon"
+    groups = {"weights": [], "bn_biases": [], "whiten_bias": [], "filters": []}
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        key = ("bn_biases" if id(p) in bn_biases else "whiten_bias" if id(p) in whiten_biases
+               else "filters" if muon and p.ndim == 4 else "weights")
+        groups[key].append(p)
+    scales = {"weights": 1.0, "bn_biases": hp["bias_lr_mult"], "whiten_bias": 1.0}
+    sgd = [{"params": groups[k], "lr_unit": unit * scales[k], "weight_decay": decay(scales[k]), "name": k,
+            "until_epoch": hp["whiten_bias_epochs"] if k == "whiten_bias" else None}
+           for k in scales if groups[k]]
+    opts = [torch.optim.SGD(sgd, lr=0.0, momentum=m, nesterov=hp["nesterov"])]
+    if groups["filters"]:
+        opts.append(Muon([{"params": groups["filters"], "lr_unit": hp["muon_lr"] / peak, "name": "filters",
+                           "until_epoch": None}], lr=0.0, momentum=hp["muon_momentum"], nesterov=hp["nesterov"]))
+    return opts
 
 
-def set_lr(opt, lr, batch_size):
-    for g in opt.param_groups:
-        g["lr"] = lr * g["lr_scale"] / batch_size
+def set_lr(opts, lr, epoch=0):
+    """Sets each group's step size to lr (the schedule's value, in the recipe's units) × its unit."""
+    for opt in opts:
+        for g in opt.param_groups:
+            frozen = g["until_epoch"] is not None and epoch >= g["until_epoch"]
+            g["lr"] = 0.0 if frozen else lr * g["lr_unit"]
+
+
+def float_state(model):
+    return [t for t in model.state_dict().values() if t.is_floating_point()]
 
 
 class EMA:
@@ -465,11 +623,24 @@ class EMA:
     @torch.no_grad()
     def update(self, model):
         self.steps += 1
-        if self.steps % self.every:
-            return
-        src = [t for t in model.state_dict().values() if t.is_floating_point()]
-        dst = [t for t in self.model.state_dict().values() if t.is_floating_point()]
-        torch._foreach_lerp_(dst, src, 1 - self.rho)
+        if self.steps % self.every == 0:
+            torch._foreach_lerp_(float_state(self.model), float_state(model), 1 - self.rho)
+
+
+class Lookahead:
+    """Lookahead (Zhang et al. 2019) used as weight averaging (Jordan 2024): every few steps the slow
+    weights move towards the fast ones, slow ← slow + (1 - decay)(fast - slow), and the fast weights
+    restart from the slow ones. The caller ramps decay up during training; decay=1 at the end hands
+    the slow weights to the model."""
+
+    def __init__(self, model):
+        self.slow = [t.detach().clone() for t in float_state(model)]
+
+    @torch.no_grad()
+    def update(self, model, decay):
+        fast = float_state(model)
+        torch._foreach_lerp_(self.slow, fast, 1 - decay)
+        torch._foreach_copy_(fast, self.slow)
 
 
 def autocast(device, dtype):
@@ -478,9 +649,26 @@ def autocast(device, dtype):
     return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
+def tta_views(x, mode):
+    """(weight, view) pairs whose weighted logits make the prediction.
+    flip: the image and its mirror, 1/2 each. flip_translate (Jordan 2024): those two at 1/4 each, and
+    the image shifted one pixel up-left and one pixel down-right (reflect-padded), each with its
+    mirror, at 1/8 each."""
+    if mode == "none":
+        return [(1.0, x)]
+    if mode == "flip":
+        return [(0.5, x), (0.5, x.flip(3))]
+    if mode == "flip_translate":
+        h, w = x.shape[-2:]
+        padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
+        shifted = [padded[..., :h, :w], padded[..., 2:, 2:]]
+        return [(0.25, x), (0.25, x.flip(3))] + [(0.125, v) for s in shifted for v in (s, s.flip(3))]
+    raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
+
+
 @torch.no_grad()
 def evaluate(model, images, labels, tta="none", dtype=torch.float32, batch_size=1000, memory_format=torch.contiguous_format):
-    """Mean loss and accuracy; with tta="flip" the logits are averaged over the image and its mirror."""
+    """Mean loss and accuracy of the test-time-augmented prediction (see tta_views)."""
     was_training = model.training
     model.eval()
     loss, correct = torch.zeros((), device=images.device), torch.zeros((), device=images.device)
@@ -488,9 +676,7 @@ def evaluate(model, images, labels, tta="none", dtype=torch.float32, batch_size=
         x = images[i:i + batch_size].contiguous(memory_format=memory_format)
         y = labels[i:i + batch_size]
         with autocast(images.device, dtype):
-            logits = model(x).float()
-            if tta == "flip":
-                logits = (logits + model(x.flip(3)).float()) / 2
+            logits = sum(w * model(v).float() for w, v in tta_views(x, tta))
         loss += F.cross_entropy(logits, y, reduction="sum")
         correct += (logits.argmax(1) == y).sum()
     model.train(was_training)
@@ -514,81 +700,141 @@ def compute_dtype(device, precision="auto"):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
-def warmup(hp, data, device, dtype, memory_format):
-    """Runs a few steps and an evaluation on a throwaway model so that cuDNN's autotuning and
-    kernel loading happen before the clock starts (the 'compilation warm-up' the timing protocol excludes)."""
-    model = build_model(hp, device, memory_format)
-    opt = make_optimizer(model, hp)
-    gen = torch.Generator(device).manual_seed(0)
-    for step, (x, y) in enumerate(epoch_batches(data, hp, gen, memory_format)):
-        with autocast(device, dtype):
-            F.cross_entropy(model(x), y, reduction="sum").backward()
+def memory_format_for(device):
+    return torch.channels_last if device.type == "cuda" else torch.contiguous_format
+
+
+def compiled_model(hp, device, mode):
+    """(net, forward): a network and its torch.compile'd forward, built once and re-initialised in
+    place by train() for every run, so compilation happens once per process (in warmup)."""
+    net = build_model(hp, device, memory_format_for(device))
+    return net, torch.compile(net, mode=None if mode == "default" else mode)
+
+
+def train_step(forward, opts, x, y, hp, dtype):
+    with autocast(x.device, dtype):
+        logits = forward(x)
+        loss = F.cross_entropy(logits.float(), y, label_smoothing=hp["label_smoothing"], reduction="sum")
+    loss.backward()
+    for opt in opts:
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return logits.detach(), loss.detach()
+
+
+def warmup(hp, data, device, dtype, net=None, forward=None):
+    """Runs a few steps and an evaluation (on a throwaway model, or on the given net, which train()
+    re-initialises anyway) so that cuDNN autotuning, kernel loading and torch.compile happen before
+    the clock starts: the 'compilation warm-up' the timing protocol excludes."""
+    memory_format = memory_format_for(device)
+    net = net if net is not None else build_model(hp, device, memory_format)
+    forward = forward or net
+    opts = make_optimizers(net, hp)
+    set_lr(opts, 0.0)
+    gen = torch.Generator(device).manual_seed(0)
+    flip_base = flip_bits(len(data["train_labels"]), gen)
+    for step, (x, y) in enumerate(epoch_batches(data, hp, gen, memory_format, 0, flip_base)):
+        train_step(forward, opts, x, y, hp, dtype)
         if step == 2:
             break
-    evaluate(model, data["test_images"], data["test_labels"], hp["tta"], dtype, memory_format=memory_format)
+    evaluate(forward, data["test_images"], data["test_labels"], hp["tta"], dtype, memory_format=memory_format)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=None):
+def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=None, net=None, forward=None):
     """Trains one fresh network on device-resident data; returns its per-epoch rows and summary.
 
     The clock (device-synchronised) runs over everything a run needs except the per-epoch
-    evaluation passes: model construction, whitening initialisation, augmentation, steps.
+    evaluation passes: model construction, whitening initialisation, augmentation, steps; the final
+    evaluation (with the recipe's test-time augmentation) is timed separately as final_eval_time,
+    and time = train_time + final_eval_time is what a user waits for a trained, evaluated model.
+    `net`/`forward` (from compiled_model) reuse one compiled network across runs.
     """
     torch.manual_seed(seed)
     gen = torch.Generator(device).manual_seed(seed)
-    channels_last = device.type == "cuda"
-    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    memory_format = memory_format_for(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     timer = Timer(sync)
 
-    model = build_model(hp, device, memory_format)
-    if hp["whiten"]:
-        size = data["test_images"].shape[-1]
-        pad = (data["train_images"].shape[-1] - size) // 2
-        model[0][0].fit(data["train_images"][:10000, :, pad:pad + size, pad:pad + size])
-    opt = make_optimizer(model, hp)
-    ema = EMA(model, hp["ema_momentum"], hp["ema_every"]) if hp["ema_momentum"] else None
+    fresh = build_model(hp, device, memory_format)
+    if net is None:
+        net, forward = fresh, fresh
+    else:
+        net.load_state_dict(fresh.state_dict())
+        forward = forward or net
+    fit_whitening(net, data["train_images"], data["test_images"].shape[-1])
+    opts = make_optimizers(net, hp)
+    ema = EMA(net, hp["ema_momentum"], hp["ema_every"]) if hp["ema_momentum"] else None
+    lookahead = Lookahead(net) if hp["lookahead_momentum"] else None
+    la_every = hp["lookahead_every"]
     schedule = PiecewiseLinear(hp["lr_knots"], hp["lr_values"])
-    bs, epochs = hp["batch_size"], hp["epochs"]
-    steps_per_epoch = len(data["train_labels"]) // bs
+    bs = hp["batch_size"]
+    n_train = len(data["train_labels"])
+    steps_per_epoch = n_train // bs
     if steps_per_epoch == 0:
-        raise ValueError(f"batch size {bs} is larger than the {len(data['train_labels'])} training images")
-    total_steps, step = epochs * steps_per_epoch, 0
+        raise ValueError(f"batch size {bs} is larger than the {n_train} training images")
+    total_steps = max(1, round(hp["epochs"] * steps_per_epoch))     # epochs may be fractional (9.9)
+    flip_base = flip_bits(n_train, gen) if hp["flip"] == "alternate" else None
 
-    rows, time_to_target = [], None
-    for epoch in range(1, epochs + 1):
+    rows, time_to_target, step = [], None, 0
+    for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device)
-        for x, y in epoch_batches(data, hp, gen, memory_format):
+        seen = 0
+        for x, y in epoch_batches(data, hp, gen, memory_format, epoch, flip_base):
             lr = schedule(step / total_steps)
-            set_lr(opt, lr, bs)
-            with autocast(device, dtype):
-                logits = model(x)
-                loss = F.cross_entropy(logits.float(), y, label_smoothing=hp["label_smoothing"], reduction="sum")
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if ema:
-                ema.update(model)
-            loss_sum += loss.detach()
-            correct += (logits.detach().argmax(1) == y).sum()
+            set_lr(opts, lr, epoch)
+            logits, loss = train_step(forward, opts, x, y, hp, dtype)
             step += 1
+            if ema:
+                ema.update(net)
+            if lookahead and step % la_every == 0:
+                decay = 1.0 if step == total_steps else hp["lookahead_momentum"] ** la_every * (step / total_steps) ** 3
+                lookahead.update(net, decay)
+            loss_sum += loss
+            correct += (logits.argmax(1) == y).sum()
+            seen += len(y)
+            if step == total_steps:
+                break
+        if lookahead and step == total_steps and step % la_every:
+            lookahead.update(net, 1.0)
         epoch_time = timer()
-        n = steps_per_epoch * bs
-        eval_model = ema.model if ema else model
+        eval_model = ema.model if ema else forward
         test_loss, test_acc = evaluate(eval_model, data["test_images"], data["test_labels"], hp["tta"], dtype,
                                        memory_format=memory_format)
+        final_eval_time = timer(include=False)
         if time_to_target is None and test_acc >= target:
             time_to_target = timer.total
-        row = {"epoch": epoch, "lr": lr, "train_loss": loss_sum.item() / n, "train_acc": correct.item() / n,
+        row = {"epoch": epoch + 1, "lr": lr, "train_loss": loss_sum.item() / seen, "train_acc": correct.item() / seen,
                "test_loss": test_loss, "test_acc": test_acc, "epoch_time": epoch_time, "total_time": timer.total}
         rows.append(row)
         if on_epoch:
             on_epoch(row)
         timer(include=False)
     return {"seed": seed, "rows": rows, "final_acc": rows[-1]["test_acc"], "train_time": timer.total,
-            "time_to_target": time_to_target, "model": eval_model}
+            "final_eval_time": final_eval_time, "time": timer.total + final_eval_time,
+            "time_to_target": time_to_target, "model": ema.model if ema else net}
+
+
+def count_flops(hp, data, batch=8):
+    """FLOPs of one run: every training step (forward and backward) and the final test-time-augmented
+    evaluation, counted by torch.utils.flop_counter (convolutions and matmuls) on a small batch and
+    scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
+    from torch.utils.flop_counter import FlopCounterMode
+    device = data["test_images"].device
+    model = build_model(hp, device)
+    x, y = data["test_images"][:batch].float(), data["test_labels"][:batch]
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x), y).backward()
+    per_train_image = counter.get_total_flops() / len(x)
+    model.eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        for _, view in tta_views(x, hp["tta"]):
+            model(view)
+    per_test_image = counter.get_total_flops() / len(x)
+    n_train, bs = len(data["train_labels"]), hp["batch_size"]
+    steps = max(1, round(hp["epochs"] * (n_train // bs)))
+    train, test = steps * bs * per_train_image, len(data["test_labels"]) * per_test_image
+    return {"train": train, "final_eval": test, "total": train + test,
+            "per_train_image": per_train_image, "per_test_image": per_test_image}

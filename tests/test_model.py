@@ -71,7 +71,7 @@ def test_whitening_filters_decorrelate_patches():
     torch.manual_seed(0)
     # correlated "images": smooth noise with unequal channel scales
     x = F.avg_pool2d(torch.randn(200, 3, 20, 20), 3, 1) * torch.tensor([1.0, 2.0, 0.5]).view(1, 3, 1, 1)
-    w = tb.Whitening(eps=1e-6)
+    w = tb.Whitening(3, eps=1e-6)
     w.fit(x)
     out = F.conv2d(x, w.weight)                              # valid positions only
     z = out.permute(0, 2, 3, 1).reshape(-1, 27)
@@ -85,13 +85,12 @@ def test_sum_loss_parametrisation_equals_mean_loss_sgd():
     hp = cf.recipe("myrtle24", width=0.125, batch_size=8)
     a = tb.build_model(hp, CPU)
     b = copy.deepcopy(a)
-    opt_a = tb.make_optimizer(a, hp)
+    opt_a = tb.make_optimizers(a, hp)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.3, momentum=0.9, nesterov=True, weight_decay=5e-4)
     x, y = torch.randn(8, 3, 32, 32), torch.arange(8)
     for _ in range(3):
-        tb.set_lr(opt_a, 0.3, 8)
-        F.cross_entropy(a(x), y, reduction="sum").backward()
-        opt_a.step(); opt_a.zero_grad()
+        tb.set_lr(opt_a, 0.3)
+        tb.train_step(a, opt_a, x, y, hp, torch.float32)
         F.cross_entropy(b(x), y).backward()
         opt_b.step(); opt_b.zero_grad()
     for pa, pb in zip(a.parameters(), b.parameters()):
@@ -100,9 +99,10 @@ def test_sum_loss_parametrisation_equals_mean_loss_sgd():
 
 def test_bias_lr_multiplier_groups():
     hp = cf.recipe("myrtle10")
-    opt = tb.make_optimizer(tb.build_model(hp, CPU), hp)
-    tb.set_lr(opt, 1.0, 512)
-    weights, biases = opt.param_groups
+    opts = tb.make_optimizers(tb.build_model(hp, CPU), hp)
+    tb.set_lr(opts, 1.0)
+    assert len(opts) == 1
+    weights, biases = opts[0].param_groups
     assert weights["lr"] == pytest.approx(1 / 512) and biases["lr"] == pytest.approx(64 / 512)
     assert weights["weight_decay"] == pytest.approx(5e-4 * 512) and biases["weight_decay"] == pytest.approx(5e-4 * 512 / 64)
     assert all(p.ndim == 1 for p in biases["params"]) and len(biases["params"]) == 8

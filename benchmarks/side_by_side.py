@@ -1,0 +1,169 @@
+"""Our fast recipes against the installed `airbench` package, alternating runs in one process on one GPU.
+
+    pip install airbench          # the peer; this script installs nothing
+    python benchmarks/side_by_side.py --runs 25                     # fast94 vs airbench94, ...
+    python benchmarks/side_by_side.py --recipes fast94 --runs 100 --compile max-autotune --out sbs.json
+
+Both sides get the same data (our cached CIFAR-10, written once in the layout airbench reads:
+`cifar10/train.pt` and `cifar10/test.pt` holding `images` uint8 NHWC, `labels`, `classes`) and the
+same clock: device-synchronised wall time of training (whitening initialisation included) plus
+the final test-time-augmented evaluation, after one untimed warm-up run of each, and excluding the
+one-time load to the device. Runs alternate (ours, peer, ours, peer, ...) so that clock and
+thermal drift fall on both alike.
+"""
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cifar10_fast as cf  # noqa: E402
+import torch_backend as tb  # noqa: E402
+from core import Table, one_sided_p, summarize, write_json  # noqa: E402
+
+# Our recipe → (airbench function suffix, the peer's TTA level, its target accuracy)
+PEERS = {"fast94": ("94", 2, 0.94), "fast95": ("95", 2, 0.95), "fast96": ("96", 2, 0.96)}
+
+
+def import_airbench():
+    try:
+        import airbench
+        return airbench
+    except ImportError:
+        return None
+
+
+def write_airbench_layout(arrays, folder):
+    """Writes our arrays as airbench's cache files; returns the folder holding `cifar10/`."""
+    d = Path(folder) / "cifar10"
+    d.mkdir(parents=True, exist_ok=True)
+    for split in ("train", "test"):
+        torch.save({"images": torch.from_numpy(arrays[f"{split}_images"]),
+                    "labels": torch.from_numpy(arrays[f"{split}_labels"]).long(),
+                    "classes": list(tb.CLASSES)}, d / f"{split}.pt")
+    return Path(folder)
+
+
+def time_peer(airbench, suffix, tta_level, loader, test_loader, sync):
+    """One peer run on our clock: its train function (whitening, training) plus its own TTA evaluation."""
+    train = getattr(airbench, f"train{suffix}")
+    sync()
+    t0 = time.perf_counter()
+    model = train(loader, verbose=False)
+    acc = airbench.evaluate(model, test_loader, tta_level=tta_level)
+    sync()
+    return {"final_acc": acc, "time": time.perf_counter() - t0}
+
+
+def stats_row(name, n, results, target, reference_time=None):
+    acc = summarize([r["final_acc"] for r in results])
+    t = summarize([r["time"] for r in results])
+    p = one_sided_p([r["final_acc"] for r in results], target)
+    return {"recipe": name, "n": n, "mean_acc": acc["mean"], "std_acc": acc["std"],
+            "p_above_target": "" if p is None else p, "mean_time": t["mean"],
+            "time_ratio": "" if reference_time is None else t["mean"] / reference_time}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipes", default="fast94,fast95,fast96", help="comma-separated recipes of ours")
+    p.add_argument("--runs", type=int, default=10, help="runs of each side per recipe")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", default="data", help="as for cifar10_fast.py")
+    p.add_argument("--device", default=None)
+    p.add_argument("--compile", default=None, choices=["default", "max-autotune", "reduce-overhead"])
+    p.add_argument("--peer", default="airbench", choices=["airbench", "none"],
+                   help="'none' runs ours alone (e.g. to try the script on a CPU)")
+    p.add_argument("--subset", type=int, default=None, help="first N training images (smoke tests only)")
+    p.add_argument("--epochs", type=float, default=None, help="override our recipes' epochs (smoke tests only)")
+    p.add_argument("--width", type=float, default=None, help="override our recipes' width (smoke tests only)")
+    p.add_argument("--batch-size", type=int, default=None, help="override our recipes' batch size (smoke tests only)")
+    p.add_argument("--out", default=None, help="write every run and the table as JSON")
+    args = p.parse_args(argv)
+
+    airbench = None
+    if args.peer == "airbench":
+        airbench = import_airbench()
+        if airbench is None:
+            print("error: the peer package is not installed: run `pip install airbench` "
+                  "(or pass --peer none to run our recipes alone)", file=sys.stderr)
+            return 1
+    device = tb.resolve_device(args.device)
+    if airbench is not None and device.type != "cuda":
+        print("error: airbench runs only on a CUDA GPU; use --peer none on this device", file=sys.stderr)
+        return 1
+    names = args.recipes.split(",")
+    unknown = [n for n in names if n not in cf.RECIPES]
+    if unknown:
+        print(f"error: unknown recipes {unknown}; choose from {', '.join(cf.RECIPES)}", file=sys.stderr)
+        return 2
+    dtype = tb.compute_dtype(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    try:
+        arrays = tb.load_cifar10(args.data_dir)
+    except tb.DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.subset:
+        arrays = {**arrays, "train_images": arrays["train_images"][:args.subset],
+                  "train_labels": arrays["train_labels"][:args.subset]}
+    overrides = {k: v for k, v in (("epochs", args.epochs), ("width", args.width), ("batch_size", args.batch_size))
+                 if v is not None}
+    env = cf.environment(device)
+    print(f"side by side on {env['device_name']}, torch {env['torch']}, {args.runs} runs per side", flush=True)
+
+    table = Table(["recipe", "n", "mean_acc", "std_acc", "p_above_target", "mean_time", "time_ratio"], width=15,
+                  formats={"p_above_target": ".3g", "mean_time": ".3f", "time_ratio": ".3f"})
+    everything = {"environment": env, "argv": sys.argv[1:] if argv is None else argv, "recipes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        home = os.getcwd()
+        if airbench is not None:
+            os.chdir(write_airbench_layout(arrays, tmp))      # airbench reads ./cifar10/{train,test}.pt
+        try:
+            for name in names:
+                hp = cf.recipe(name, **overrides)
+                suffix, tta_level, target = PEERS.get(name, (None, None, 0.94))
+                data = tb.to_device(arrays, device, dtype, hp["crop_pad"])
+                net = forward = None
+                if args.compile:
+                    net, forward = tb.compiled_model(hp, device, args.compile)
+                tb.warmup(hp, data, device, dtype, net, forward)
+                peer = None
+                if airbench is not None and suffix:
+                    lib = getattr(airbench, f"lib_airbench{suffix}")
+                    loader = airbench.CifarLoader("cifar10", train=True, batch_size=lib.hyp["opt"]["batch_size"],
+                                                  aug=lib.hyp["aug"], altflip=True)
+                    test_loader = airbench.CifarLoader("cifar10", train=False, batch_size=2000)
+                    peer = lambda: time_peer(airbench, suffix, tta_level, loader, test_loader, sync)
+                    peer()                                      # the peer's untimed warm-up run
+                ours, theirs = [], []
+                for i in range(args.runs):
+                    r = tb.train(hp, data, device, args.seed + i, dtype, target, None, net, forward)
+                    r.pop("model")
+                    ours.append(r)
+                    if peer:
+                        theirs.append(peer())
+                    print(f"  {name} run {i + 1}/{args.runs}: ours {r['final_acc']:.4f} in {r['time']:.3f} s"
+                          + (f"; airbench{suffix} {theirs[-1]['final_acc']:.4f} in {theirs[-1]['time']:.3f} s"
+                             if peer else ""), flush=True)
+                peer_time = summarize([r["time"] for r in theirs])["mean"] if theirs else None
+                table.append(stats_row(name, args.runs, ours, target, peer_time))
+                if theirs:
+                    table.append(stats_row(f"airbench{suffix}", args.runs, theirs, target, peer_time))
+                everything["recipes"][name] = {"hyperparameters": hp, "target": target, "ours": ours, "peer": theirs,
+                                               "flops": tb.count_flops(hp, data)}
+        finally:
+            os.chdir(home)
+    everything["table"] = table.rows
+    if args.out:
+        write_json(args.out, everything)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

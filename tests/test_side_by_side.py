@@ -1,0 +1,47 @@
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, synthetic_arrays
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import side_by_side  # noqa: E402
+
+
+def test_airbench_layout_is_what_airbench_reads(tmp_path):
+    arrays = synthetic_arrays(20, 10)
+    root = side_by_side.write_airbench_layout(arrays, tmp_path)
+    for split, n in (("train", 20), ("test", 10)):
+        d = torch.load(root / "cifar10" / f"{split}.pt")
+        assert d["images"].dtype == torch.uint8 and d["images"].shape == (n, 32, 32, 3)        # NHWC
+        assert torch.equal(d["images"], torch.from_numpy(arrays[f"{split}_images"]))
+        assert d["labels"].dtype == torch.int64 and d["labels"].tolist() == arrays[f"{split}_labels"].tolist()
+        assert d["classes"][:2] == ["airplane", "automobile"] and len(d["classes"]) == 10
+
+
+def test_missing_peer_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "airbench", None)            # makes `import airbench` fail
+    assert side_by_side.main(["--device", "cpu"]) == 1
+    assert "pip install airbench" in capsys.readouterr().err
+
+
+def test_ours_alone_on_the_cpu_prints_the_table_and_json(tmp_path, capsys):
+    npz = tmp_path / "synth.npz"
+    np.savez(npz, **synthetic_arrays(256, 64))
+    out = tmp_path / "sbs.json"
+    rc = side_by_side.main(["--peer", "none", "--device", "cpu", "--data-dir", str(npz), "--recipes", "fast94",
+                            "--runs", "2", "--epochs", "1", "--width", "0.0625", "--batch-size", "64", "--out", str(out)])
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(l for l in lines if l.split()[:2] == ["recipe", "n"])
+    assert header.split() == ["recipe", "n", "mean_acc", "std_acc", "p_above_target", "mean_time", "time_ratio"]
+    row = lines[lines.index(header) + 1].split()
+    assert row[:2] == ["fast94", "2"]
+    res = json.loads(out.read_text())
+    ours = res["recipes"]["fast94"]["ours"]
+    assert len(ours) == 2 and res["recipes"]["fast94"]["peer"] == []
+    assert float(row[2]) == pytest.approx(np.mean([r["final_acc"] for r in ours]), abs=1e-4)
+    assert res["recipes"]["fast94"]["flops"]["total"] > 0

@@ -1,0 +1,194 @@
+"""The defining property of every speed technique of the fast recipes (issue 3), on the CPU."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cifar10_fast as cf
+import torch_backend as tb
+from core import one_sided_p, t_sf
+
+CPU = torch.device("cpu")
+
+
+def correlated_images(n=300, size=16):
+    torch.manual_seed(0)
+    x = F.avg_pool2d(torch.randn(n, 3, size + 2, size + 2), 3, 1)      # neighbouring pixels correlate
+    return x * torch.tensor([1.0, 2.0, 0.5]).view(1, 3, 1, 1) + 0.3 * x[:, [1, 2, 0]]
+
+
+def test_2x2_whitening_with_both_signs_gives_identity_covariance():
+    x = correlated_images()
+    w = tb.Whitening(2, eps=1e-6, both_signs=True, bias=True)
+    w.fit(x)
+    assert w.weight.shape == (24, 3, 2, 2) and not w.weight.requires_grad and w.bias.requires_grad
+    out = F.conv2d(x, w.weight)
+    z = out.permute(0, 2, 3, 1).reshape(-1, 24)
+    torch.testing.assert_close(torch.cov(z[:, :12].T), torch.eye(12), atol=0.02, rtol=0)
+    torch.testing.assert_close(z[:, 12:], -z[:, :12])                   # the negated copies
+
+
+def test_fastnet_architecture_and_parameter_count():
+    hp = cf.recipe("fast94")
+    net = tb.build_model(hp, CPU)
+    # whitening 24·3·2·2 + 24 bias; convs 24·64·9 + 64·64·9 + 64·256·9 + 256·256·9 + 2·256·256·9;
+    # linear 256·10; batch norm 2·(2·64 + 4·256)
+    expected = 288 + 24 + 13824 + 36864 + 147456 + 589824 + 1179648 + 2560 + 2304
+    assert tb.count_parameters(net) == expected == 1_972_792
+    assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    bns = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert all(not m.weight.requires_grad and m.momentum == 0.4 and m.eps == 1e-12 for m in bns)
+    deep = tb.build_model(cf.recipe("fast96"), CPU)
+    assert sum(isinstance(m, torch.nn.Conv2d) for m in deep.modules()) == 1 + 3 * 3
+
+
+def test_dirac_init_passes_the_input_through():
+    hp = cf.recipe("fast94")
+    layer = tb.conv(16, 32, hp)
+    x = torch.randn(2, 16, 8, 8)
+    torch.testing.assert_close(layer(x)[:, :16], x)
+    assert layer(x)[:, 16:].abs().sum() > 0                              # the rest stays random
+
+
+def test_muon_orthogonalises_its_update():
+    torch.manual_seed(0)
+    for shape in [(64, 27), (256, 576), (576, 256)]:
+        s = torch.linalg.svdvals(tb.newton_schulz(torch.randn(*shape)).float())
+        assert 0.6 < s.min() and s.max() < 1.25, (shape, s.min(), s.max())
+    # one Muon step on a conv filter bank moves it by lr × (orthogonalised momentum)
+    w = torch.nn.Parameter(torch.randn(32, 16, 3, 3))
+    w.grad = torch.randn_like(w) * 1e-3                                   # scale must not matter
+    w0 = w.detach().clone()
+    tb.Muon([w], lr=0.1, momentum=0.0, nesterov=False).step()
+    s = torch.linalg.svdvals((w0 - w.detach()).reshape(32, -1) / 0.1)
+    assert 0.6 < s.min() and s.max() < 1.25
+
+
+def test_muon_takes_the_conv_filters_only():
+    hp = cf.recipe("fast94", optimizer="muon", muon_lr=0.2)
+    net = tb.build_model(hp, CPU)
+    sgd, muon = tb.make_optimizers(net, hp)
+    filters = muon.param_groups[0]["params"]
+    assert all(p.ndim == 4 for p in filters) and len(filters) == 6
+    assert all(p.ndim < 4 for g in sgd.param_groups for p in g["params"])
+    tb.set_lr([sgd, muon], max(hp["lr_values"]) / 2)
+    assert muon.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+def test_alternating_flip_flips_each_image_in_exactly_alternate_epochs():
+    n = 1000
+    g = torch.Generator().manual_seed(0)
+    base = tb.flip_bits(n, g)
+    flips = torch.stack([tb.draw_augmentation(n, 32, 0, "alternate", 0, g, epoch, base)["flip"] for epoch in range(6)])
+    assert torch.equal(flips[1:], ~flips[:-1])                             # every image changes every epoch
+    assert abs(flips[0].float().mean().item() - 0.5) < 0.06
+
+
+def test_flip_translate_views_are_what_they_claim():
+    x = torch.arange(2 * 3 * 6 * 6, dtype=torch.float32).view(2, 3, 6, 6)
+    views = tb.tta_views(x, "flip_translate")
+    assert [w for w, _ in views] == [0.25, 0.25, 0.125, 0.125, 0.125, 0.125]
+    assert sum(w for w, _ in views) == 1.0
+    ident, mirror, up_left, up_left_m, down_right, down_right_m = [v for _, v in views]
+    assert torch.equal(ident, x) and torch.equal(mirror, x.flip(3))
+    # shifted by one pixel: view[i, j] = x[i - 1, j - 1] inside, reflected at the border
+    torch.testing.assert_close(up_left[..., 1:, 1:], x[..., :-1, :-1])
+    torch.testing.assert_close(up_left[..., 0, 1:], x[..., 1, :-1])
+    torch.testing.assert_close(down_right[..., :-1, :-1], x[..., 1:, 1:])
+    assert torch.equal(up_left_m, up_left.flip(3)) and torch.equal(down_right_m, down_right.flip(3))
+    assert [w for w, _ in tb.tta_views(x, "flip")] == [0.5, 0.5]
+    with pytest.raises(ValueError, match="tta must be none, flip or flip_translate"):
+        tb.tta_views(x, "five_crop")
+
+
+def test_lookahead_matches_its_formula():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    la = tb.Lookahead(model)
+    slow = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(2.0)                                            # the fast weights move
+    fast = model.weight.detach().clone()
+    la.update(model, decay=0.7)
+    expected = slow + 0.3 * (fast - slow)
+    torch.testing.assert_close(la.slow[0], expected)
+    torch.testing.assert_close(model.weight.detach(), expected)           # fast weights restart from slow
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    la.update(model, decay=1.0)                                           # the end: hand over the slow weights
+    torch.testing.assert_close(model.weight.detach(), expected)
+
+
+def test_decoupled_weight_decay_does_not_depend_on_lr_or_bias_multiplier():
+    hp = cf.recipe("fast94", width=0.125)
+    net = tb.build_model(hp, CPU)
+    opts = tb.make_optimizers(net, hp)
+    peak = max(hp["lr_values"])
+    tb.set_lr(opts, peak * 0.5, epoch=0)
+    gain = 1 + 1 / (1 - hp["momentum"])
+    groups = {g["name"]: g for g in opts[0].param_groups}
+    for g in groups.values():                                             # decay per step: lr × weight_decay
+        assert g["lr"] * g["weight_decay"] == pytest.approx(0.5 * hp["weight_decay"] * hp["batch_size"] / (1024 * gain))
+    assert groups["bn_biases"]["lr"] == pytest.approx(64 * groups["weights"]["lr"])
+    assert groups["weights"]["lr"] == pytest.approx(peak * 0.5 / (1024 * gain))
+    tb.set_lr(opts, peak, epoch=3)                                        # whiten_bias_epochs = 3
+    assert groups["whiten_bias"]["lr"] == 0.0 and groups["weights"]["lr"] > 0
+
+
+def test_fractional_epochs_and_lookahead_in_a_short_run():
+    torch.manual_seed(0)
+    n, bs = 96, 16
+    x = torch.randn(n, 3, 36, 36)
+    data = {"train_images": x, "train_labels": torch.arange(n) % 10,
+            "test_images": x[:32, :, 2:-2, 2:-2], "test_labels": torch.arange(32) % 10}
+    hp = cf.recipe("fast94", width=1 / 16, batch_size=bs, epochs=1.5)
+    res = tb.train(hp, data, CPU, seed=0, target=2.0)
+    assert len(res["rows"]) == 2 and res["time_to_target"] is None
+    assert res["time"] == pytest.approx(res["train_time"] + res["final_eval_time"])
+    flops = tb.count_flops(hp, data)
+    assert flops["train"] == pytest.approx(round(1.5 * (n // bs)) * bs * flops["per_train_image"])
+    assert flops["per_test_image"] > 0 and flops["per_train_image"] > 2 * flops["per_test_image"] / 6
+
+
+def test_fastnet_flops_per_image_match_the_architecture():
+    """Forward conv/linear FLOPs of fast94's network, counted by hand: 2·MACs per output."""
+    hp = cf.recipe("fast94", tta="none")
+    data = {"train_images": torch.zeros(1024, 3, 36, 36), "train_labels": torch.zeros(1024, dtype=torch.long),
+            "test_images": torch.zeros(8, 3, 32, 32), "test_labels": torch.zeros(8, dtype=torch.long)}
+    macs = (31 * 31 * 24 * 12 + 31 * 31 * 64 * 24 * 9 + 15 * 15 * 64 * 64 * 9 + 15 * 15 * 256 * 64 * 9
+            + 7 * 7 * 256 * 256 * 9 + 7 * 7 * 256 * 256 * 9 + 3 * 3 * 256 * 256 * 9 + 256 * 10)
+    assert tb.count_flops(hp, data)["per_test_image"] == 2 * macs
+
+
+def test_compiled_and_eager_steps_give_the_same_loss():
+    hp = cf.recipe("fast94", width=1 / 16, batch_size=16)
+    torch.manual_seed(0)
+    net = tb.build_model(hp, CPU)
+    x, y = torch.randn(16, 3, 32, 32), torch.arange(16) % 10
+    tb.fit_whitening(net, x, 32)
+    twin = copy.deepcopy(net)
+    forward = torch.compile(twin)
+    eager, compiled = tb.make_optimizers(net, hp), tb.make_optimizers(twin, hp)
+    for opts in (eager, compiled):
+        tb.set_lr(opts, max(hp["lr_values"]))
+    for _ in range(3):
+        _, a = tb.train_step(net, eager, x, y, hp, torch.float32)
+        _, b = tb.train_step(forward, compiled, x, y, hp, torch.float32)
+        assert b.item() == pytest.approx(a.item(), rel=1e-4)
+    for p, q in zip(net.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
+
+
+def test_t_test_against_known_quantiles():
+    assert t_sf(2.015048, 5) == pytest.approx(0.05, abs=1e-6)             # t_{0.95, 5}
+    assert t_sf(2.228139, 10) == pytest.approx(0.025, abs=1e-6)           # t_{0.975, 10}
+    assert t_sf(-2.015048, 5) == pytest.approx(0.95, abs=1e-6)
+    assert t_sf(1.959964, 10**7) == pytest.approx(0.025, abs=1e-5)        # the normal limit
+    # five runs with mean 0.9412 and sample std 0.001: t = 0.0012 / (0.001 / sqrt 5) = 2.683
+    accs = [0.9402, 0.9407, 0.9412, 0.9417, 0.9422]
+    sd = math.sqrt(sum((a - 0.9412) ** 2 for a in accs) / 4)
+    assert one_sided_p(accs, 0.94) == pytest.approx(t_sf(0.0012 / (sd / math.sqrt(5)), 4))
+    assert one_sided_p(accs, 0.94) < 0.05 < one_sided_p(accs, 0.9411)
+    assert one_sided_p([0.94], 0.94) is None
