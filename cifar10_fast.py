@@ -152,6 +152,20 @@ def fmt_stats(name, s, scale=1.0, unit=""):
             f"min {s['min'] * scale:.4f}{unit}  max {s['max'] * scale:.4f}{unit}  (n={s['n']})")
 
 
+def load_arrays(data_dir, subset=None):
+    """CIFAR-10 as numpy arrays, optionally the first `subset` training images; None (after a
+    one-line error on stderr) when the data is bad."""
+    try:
+        arrays = tb.load_cifar10(data_dir)
+    except tb.DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    if subset:
+        arrays = {**arrays, "train_images": arrays["train_images"][:subset],
+                  "train_labels": arrays["train_labels"][:subset]}
+    return arrays
+
+
 COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
 
 
@@ -229,14 +243,9 @@ def main(argv=None):
               "shrink the work with --subset, --epochs and --width", file=sys.stderr)
     dtype = tb.compute_dtype(device, args.precision)
 
-    try:
-        arrays = tb.load_cifar10(args.data_dir)
-    except tb.DataError as e:
-        print(f"error: {e}", file=sys.stderr)
+    arrays = load_arrays(args.data_dir, args.subset)
+    if arrays is None:
         return 1
-    if args.subset:
-        arrays = {**arrays, "train_images": arrays["train_images"][:args.subset],
-                  "train_labels": arrays["train_labels"][:args.subset]}
     data = tb.to_device(arrays, device, dtype, hp["crop_pad"])
     print(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
           f"{len(arrays['train_labels'])} training and {len(arrays['test_labels'])} test images", flush=True)

@@ -103,14 +103,9 @@ def main(argv=None):
         return 2
     dtype = tb.compute_dtype(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    try:
-        arrays = tb.load_cifar10(args.data_dir)
-    except tb.DataError as e:
-        print(f"error: {e}", file=sys.stderr)
+    arrays = cf.load_arrays(args.data_dir, args.subset)
+    if arrays is None:
         return 1
-    if args.subset:
-        arrays = {**arrays, "train_images": arrays["train_images"][:args.subset],
-                  "train_labels": arrays["train_labels"][:args.subset]}
     overrides = {k: v for k, v in (("epochs", args.epochs), ("width", args.width), ("batch_size", args.batch_size))
                  if v is not None}
     env = cf.environment(device)
