@@ -279,8 +279,8 @@ def params(model):
 
 
 def test_learns_above_chance(store):
-    # Measured: 4 epochs reach top-1 0.969 on the 32 validation images (seed 0, CPU). Chance is
-    # 0.25 (4 classes in val); we require 0.6, well above chance and below what is reached.
+    # Measured (CPU, this configuration, seeds 0, 1, 2): final top-1 1.0, 0.75, 1.0 on the 32
+    # validation images. Chance is 0.25 (4 classes in val); we require 0.6.
     torch.manual_seed(0)
     data = inf.place(inf.open_store(store), torch.device("cpu"))
     r = inf.train(tiny_hp(epochs=4), data, 5, SIZE, torch.device("cpu"), seed=0, target=0.5)
@@ -289,9 +289,17 @@ def test_learns_above_chance(store):
 
 
 def test_resume_after_interrupted_epoch_is_exact(store, tmp_path, monkeypatch):
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: the same float reduction order in both runs
+    try:
+        check_resume(store, tmp_path, monkeypatch)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_resume(store, tmp_path, monkeypatch):
     data = inf.place(inf.open_store(store), torch.device("cpu"))
-    hp, cpu = tiny_hp(ema_momentum=0.9, jitter=0.2), torch.device("cpu")
+    hp, cpu = tiny_hp(ema_momentum=0.9, ema_every=5, jitter=0.2), torch.device("cpu")
     full = inf.train(hp, data, 5, SIZE, cpu, seed=1, checkpoint=tmp_path / "a.pt")
 
     real, seen = inf.train_batches, [0]
