@@ -714,13 +714,13 @@ RECIPES = {
 
 
 def recipe(name, **overrides):
-    if name not in RECIPES:
-        raise KeyError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    hp = {**BASE, **{k: v for k, v in RECIPES[name].items() if k != "doc"}, **overrides}
-    unknown = set(hp) - set(BASE)
-    if unknown:
-        raise KeyError(f"unknown hyperparameters {sorted(unknown)}")
-    return hp
+    """BASE with a recipe's changes and then the overrides; names outside BASE are errors."""
+    changes = {k: v for k, v in RECIPES.get(name, {}).items() if k != "doc"}
+    bad = sorted((set(changes) | set(overrides)) - set(BASE))
+    if name not in RECIPES or bad:
+        raise KeyError(f"unknown hyperparameters {bad}" if bad else
+                       f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    return {**BASE, **changes, **overrides}
 
 
 def parse_args(argv=None):
@@ -775,22 +775,19 @@ def main_prepare(args):
 
 def main_train(args, overrides, argv):
     if args.list_recipes:
-        for name, r in RECIPES.items():
-            print(f"{name:12s} {r['doc']}")
+        print("\n".join(f"{name:12s} {r['doc']}" for name, r in RECIPES.items()))
         return 0
+    usage = [message for bad, message in (
+        (not args.store, "--store is required (a folder written by `imagenet_fast.py prepare`)"),
+        (args.runs < 1, "--runs must be at least 1"),
+        (args.resume and not args.checkpoint, "--resume needs --checkpoint"),
+        (args.resume and args.runs > 1, "--resume works with a single run")) if bad]
     try:
         hp = recipe(args.recipe, **overrides)
     except KeyError as e:
-        print(f"error: {e.args[0]}", file=sys.stderr)
-        return 2
-    if not args.store:
-        print("error: --store is required (a folder written by `imagenet_fast.py prepare`)", file=sys.stderr)
-        return 2
-    if args.resume and not args.checkpoint:
-        print("error: --resume needs --checkpoint", file=sys.stderr)
-        return 2
-    if args.resume and args.runs > 1:
-        print("error: --resume works with a single run", file=sys.stderr)
+        usage.insert(0, e.args[0])
+    if usage:
+        print(f"error: {usage[0]}", file=sys.stderr)
         return 2
     device = tb.resolve_device(args.device)
     if device.type == "cpu":
@@ -835,16 +832,14 @@ def main_train(args, overrides, argv):
               + (f"time to {args.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {args.target:.2%}")
               + f"; training time {result['train_time']:.2f} s", flush=True)
 
-    summary = {"final_top1": summarize([r["final_top1"] for r in runs]),
-               "final_top5": summarize([r["final_top5"] for r in runs]),
-               "train_time": summarize([r["train_time"] for r in runs]),
-               "time_to_target": summarize([r["time_to_target"] for r in runs]),
-               "fraction_reaching_target": sum(r["time_to_target"] is not None for r in runs) / len(runs)}
+    keys = {"final_top1": ("final top-1", ""), "final_top5": ("final top-5", ""),
+            "time_to_target": (f"time to {args.target:.2%}", " s"), "train_time": ("training time", " s")}
+    summary = {k: summarize([r[k] for r in runs]) for k in keys}
+    summary["fraction_reaching_target"] = sum(r["time_to_target"] is not None for r in runs) / len(runs)
     if args.runs > 1:
         print(f"\nsummary over {args.runs} runs of {args.recipe}")
-        print(fmt_stats("final top-1", summary["final_top1"]))
-        print(fmt_stats(f"time to {args.target:.2%}", summary["time_to_target"], unit=" s"))
-        print(fmt_stats("training time", summary["train_time"], unit=" s"))
+        for k, (name, unit) in keys.items():
+            print(fmt_stats(name, summary[k], unit=unit))
         print(f"runs reaching {args.target:.2%}: {summary['fraction_reaching_target']:.0%}")
     if args.out:
         write_json(args.out, {
