@@ -326,6 +326,8 @@ def sync_batch_norm_stats(model, ctx):
     count n per channel, so the all_reduce mean of the per-rank mean and of E[x^2] = var * (n - 1) / n + mean^2
     are the global batch's; the global variance is E[x^2] - mean^2, stored unbiased (times N / (N - 1),
     N = n * world) as PyTorch does. One all_reduce carries every layer's statistics.
+    Exact for each layer's input as the ranks computed it; below the first BN those inputs were normalised
+    with each rank's own batch statistics during training (plain BN, not SyncBatchNorm), as the model trained.
     """
     bns = _batch_norms(model)
     if not ctx.distributed or not bns:
@@ -485,8 +487,10 @@ def simulate(gpus, step_time_s, model_bytes, link_gbps, latency_us, algorithm="r
     (the first term: communication hides behind backward except the last bucket's; the second: communication
     is the bottleneck and only the first bucket's wait for backward shows). Efficiency = step_time_s / step.
     Runs that fit in one node (gpus <= gpus_per_node) use intra_gbps / intra_latency_us (NVLink); larger runs
-    use link_gbps / latency_us, the bandwidth each GPU gets on the slowest link it crosses (a node's NIC
-    bandwidth divided by the GPUs sharing it). Ignored: the optimizer step, stragglers, congestion, I/O.
+    use link_gbps / latency_us, the bandwidth of the slowest link a ring or tree crosses: a node's network
+    bandwidth, since with ranks placed node by node each node boundary carries one stream (NCCL's rings and
+    trees, and the torus's columns, which split that stream between the node's GPUs). Ignored: the optimizer
+    step, stragglers, congestion, I/O, and the per-message overheads that real libraries add.
     """
     rows = []
     for p in gpus:
@@ -506,21 +510,21 @@ def simulate(gpus, step_time_s, model_bytes, link_gbps, latency_us, algorithm="r
 PUBLISHED = [
     dict(name="Goyal et al. 2017: 8 -> 256 P100 (Caffe2, 8 per server, 50 Gbit/s Ethernet)",
          published="~90% efficiency 8 -> 256 GPUs", metric="relative_efficiency", target=0.90, base_gpus=8,
-         gpus=256, step_time_s=0.232, model_bytes=25.6e6 * 4, link_gbps=50 / 8, latency_us=50.0,
+         gpus=256, step_time_s=0.232, model_bytes=25.6e6 * 4, link_gbps=50.0, latency_us=50.0,
          algorithm="tree", buckets=4, batch_per_gpu=32, gpus_per_node=8, intra_gbps=160.0, intra_latency_us=5.0,
          note="step 0.232 s = 32 images / (1.28M x 90 epochs / 29 h / 8 GPUs), derived from their 29 h on "
-              "8 P100s; fp32 gradients; 50 Gbit/s NIC shared by 8 GPUs; tree ~ their recursive halving/doubling"),
+              "8 P100s; fp32 gradients; one 50 Gbit/s Ethernet NIC per server; tree ~ their recursive halving/doubling"),
     dict(name="Mikami et al. 2018 (Sony): 1,024 V100 on ABCI, 2D-torus",
          published="84.75% scaling efficiency", metric="efficiency", target=0.8475, gpus=1024,
-         step_time_s=32 / 1000, model_bytes=25.6e6 * 2, link_gbps=200 / 4, latency_us=10.0, algorithm="torus",
+         step_time_s=32 / 1000, model_bytes=25.6e6 * 2, link_gbps=200.0, latency_us=10.0, algorithm="torus",
          buckets=4, batch_per_gpu=32, gpus_per_node=4, intra_gbps=400.0, intra_latency_us=5.0,
          note="assumed: 1,000 images/s per V100 in fp16 (batch 32 -> 32 ms); fp16 gradients; 2 x 100 Gbit/s "
               "EDR InfiniBand per 4-GPU node"),
     dict(name="Yamazaki et al. 2019 (Fujitsu): 2,048 V100 on ABCI",
          published="1.73M images/s", metric="images_per_s", target=1.73e6, gpus=2048,
-         step_time_s=40 / 1000, model_bytes=25.6e6 * 2, link_gbps=200 / 4, latency_us=10.0, algorithm="ring",
+         step_time_s=40 / 1000, model_bytes=25.6e6 * 2, link_gbps=200.0, latency_us=10.0, algorithm="tree",
          buckets=4, batch_per_gpu=40, gpus_per_node=4, intra_gbps=400.0, intra_latency_us=5.0,
-         note="assumed: 1,000 images/s per V100 in fp16 (batch 40 -> 40 ms); fp16 gradients; same network"),
+         note="assumed: 1,000 images/s per V100 in fp16 (batch 40 -> 40 ms); fp16 gradients; same network; tree all-reduce assumed (their exact algorithm not modelled)"),
 ]
 
 _SIM_ARGS = ("step_time_s", "model_bytes", "link_gbps", "latency_us", "algorithm", "buckets", "batch_per_gpu",
@@ -537,7 +541,7 @@ def published_metric(case, **override):
 
 
 def fitted_link_gbps(case, lo=0.01, hi=1e4):
-    """The per-GPU link bandwidth at which the model meets the published figure (bisection on a log scale):
+    """The link bandwidth at which the model meets the published figure (bisection on a log scale):
     how far our network assumption is from what the published number implies. None if out of range."""
     f = lambda bw: published_metric(case, link_gbps=bw) - case["target"]
     if f(lo) > 0 or f(hi) < 0:
@@ -550,7 +554,7 @@ def fitted_link_gbps(case, lo=0.01, hi=1e4):
 
 def published_table():
     """Markdown table: published figure, our model's output with the assumed setup, and the fitted bandwidth."""
-    lines = ["| run | published | model (assumed setup) | model / published | link Gbit/s per GPU: assumed, fitted |",
+    lines = ["| run | published | model (assumed setup) | model / published | link Gbit/s: assumed, fitted to the published figure |",
              "|---|---|---|---|---|"]
     for case in PUBLISHED:
         got = published_metric(case)
@@ -567,7 +571,7 @@ def main_simulate(argv=None):
     ap.add_argument("--gpus", default="1,8,64,512,2048", help="comma-separated GPU counts")
     ap.add_argument("--step-time", type=float, default=0.1, help="one GPU's step time in seconds (measured or given)")
     ap.add_argument("--model-mb", type=float, default=102.4, help="gradient MB all-reduced per step (ResNet-50: 102.4 fp32, 51.2 fp16)")
-    ap.add_argument("--link-gbps", type=float, default=25.0, help="Gbit/s per GPU on the slowest link")
+    ap.add_argument("--link-gbps", type=float, default=25.0, help="Gbit/s of the slowest link (a node's network bandwidth)")
     ap.add_argument("--latency-us", type=float, default=10.0, help="latency per communication step, microseconds")
     ap.add_argument("--algorithm", default="all", choices=["ring", "tree", "torus", "all"])
     ap.add_argument("--buckets", type=int, default=4)
