@@ -104,6 +104,7 @@ def worker_two(rank, port, out):
     D.save_checkpoint(ckpt, {"step": 7, "w": torch.arange(3.0)}, ctx)
     res["ckpt"] = D.load_checkpoint(ckpt)  # every rank reads it right after the barrier
     res["ctx"] = (ctx.rank, ctx.world_size, ctx.is_main, ctx.distributed)
+    res["mean"] = D.all_reduce_mean(float(rank)).item()
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -169,6 +170,7 @@ def test_checkpoint_written_by_rank0_read_by_all(two_ranks, tmp_path):
     for r, res in enumerate(two_ranks):
         assert res["ckpt"]["step"] == 7 and torch.equal(res["ckpt"]["w"], torch.arange(3.0))
         assert res["ctx"] == (r, 2, r == 0, True)
+        assert res["mean"] == 0.5
 
 
 def test_torus_hook_equals_plain_allreduce_on_a_2x2_grid(tmp_path):
@@ -209,6 +211,24 @@ def test_checkpoint_is_replaced_atomically(tmp_path):
     assert D.load_checkpoint(str(path)) == {"a": 2}
     assert os.listdir(path.parent) == ["last.pt"]  # no temporary left behind
     assert D.load_checkpoint(str(tmp_path / "missing.pt")) is None
+
+
+def test_checkpoint_crash_mid_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    path = str(tmp_path / "last.pt")
+    D.save_checkpoint(path, {"a": 1}, D.Context())
+    def crash(state, f):
+        open(f, "wb").write(b"half a checkpoint")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="disk full"):
+        D.save_checkpoint(path, {"a": 2}, D.Context())
+    monkeypatch.undo()
+    assert D.load_checkpoint(path) == {"a": 1} and os.listdir(tmp_path) == ["last.pt"]
+
+
+def test_print0_prints_once_without_a_group(capsys):
+    D.print0("hello", 3)
+    assert capsys.readouterr().out == "hello 3\n"
 
 
 def test_linear_scaling_and_gradual_warmup():
