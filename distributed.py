@@ -171,6 +171,14 @@ def gradual_warmup(step, warmup_steps, base_lr, peak_lr):
     return base_lr + (peak_lr - base_lr) * step / warmup_steps
 
 
+def _closure_loss(closure):
+    """The loss of an optimizer's closure (torch.optim's step(closure) protocol), with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class LARS(torch.optim.Optimizer):
     """Layer-wise Adaptive Rate Scaling, You et al. 2017 (Algorithm 1), with momentum and weight decay.
 
@@ -190,10 +198,7 @@ class LARS(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -256,10 +261,7 @@ class RMSpropToSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             # the step count lives in the group, so state_dict() carries it into checkpoints
             a = alpha_sgd(group["step"] / group["steps_per_epoch"], group["beta_center"], group["beta_period"])
@@ -341,7 +343,8 @@ def sync_batch_norm_stats(model, ctx):
     flat /= ctx.world_size
     means, sqs = flat.split(flat.numel() // 2)
     N = n * ctx.world_size
-    for bn, mean, square in zip(bns, means.split([bn.num_features for bn in bns]), sqs.split([bn.num_features for bn in bns])):
+    sizes = [bn.num_features for bn in bns]
+    for bn, mean, square in zip(bns, means.split(sizes), sqs.split(sizes)):
         bn.running_mean.copy_(mean)
         bn.running_var.copy_((square - mean ** 2) * N / (N - 1))
 
@@ -507,6 +510,8 @@ def simulate(gpus, step_time_s, model_bytes, link_gbps, latency_us, algorithm="r
 
 # The published figures (as quoted in issue 6) and the setup we assume for each. Step times are not measured
 # here (no GPU): they are derived from published throughput or assumed, and say so.
+# ABCI (both V100 runs): 4 V100 per node on NVLink, 2 x 100 Gbit/s EDR InfiniBand per node
+ABCI = dict(link_gbps=200.0, latency_us=10.0, gpus_per_node=4, intra_gbps=400.0, intra_latency_us=5.0, buckets=4)
 PUBLISHED = [
     dict(name="Goyal et al. 2017: 8 -> 256 P100 (Caffe2, 8 per server, 50 Gbit/s Ethernet)",
          published="~90% efficiency 8 -> 256 GPUs", metric="relative_efficiency", target=0.90, base_gpus=8,
@@ -516,15 +521,14 @@ PUBLISHED = [
               "8 P100s; fp32 gradients; one 50 Gbit/s Ethernet NIC per server; tree ~ their recursive halving/doubling"),
     dict(name="Mikami et al. 2018 (Sony): 1,024 V100 on ABCI, 2D-torus",
          published="84.75% scaling efficiency", metric="efficiency", target=0.8475, gpus=1024,
-         step_time_s=32 / 1000, model_bytes=25.6e6 * 2, link_gbps=200.0, latency_us=10.0, algorithm="torus",
-         buckets=4, batch_per_gpu=32, gpus_per_node=4, intra_gbps=400.0, intra_latency_us=5.0,
+         step_time_s=32 / 1000, model_bytes=25.6e6 * 2, algorithm="torus", batch_per_gpu=32, **ABCI,
          note="assumed: 1,000 images/s per V100 in fp16 (batch 32 -> 32 ms); fp16 gradients; 2 x 100 Gbit/s "
               "EDR InfiniBand per 4-GPU node"),
     dict(name="Yamazaki et al. 2019 (Fujitsu): 2,048 V100 on ABCI",
          published="1.73M images/s", metric="images_per_s", target=1.73e6, gpus=2048,
-         step_time_s=40 / 1000, model_bytes=25.6e6 * 2, link_gbps=200.0, latency_us=10.0, algorithm="tree",
-         buckets=4, batch_per_gpu=40, gpus_per_node=4, intra_gbps=400.0, intra_latency_us=5.0,
-         note="assumed: 1,000 images/s per V100 in fp16 (batch 40 -> 40 ms); fp16 gradients; same network; tree all-reduce assumed (their exact algorithm not modelled)"),
+         step_time_s=40 / 1000, model_bytes=25.6e6 * 2, algorithm="tree", batch_per_gpu=40, **ABCI,
+         note="assumed: 1,000 images/s per V100 in fp16 (batch 40 -> 40 ms); fp16 gradients; same network; "
+              "tree all-reduce assumed (their exact algorithm not modelled)"),
 ]
 
 _SIM_ARGS = ("step_time_s", "model_bytes", "link_gbps", "latency_us", "algorithm", "buckets", "batch_per_gpu",
@@ -570,7 +574,8 @@ def main_simulate(argv=None):
     ap = argparse.ArgumentParser(prog="simulate", description=simulate.__doc__.split("\n")[0])
     ap.add_argument("--gpus", default="1,8,64,512,2048", help="comma-separated GPU counts")
     ap.add_argument("--step-time", type=float, default=0.1, help="one GPU's step time in seconds (measured or given)")
-    ap.add_argument("--model-mb", type=float, default=102.4, help="gradient MB all-reduced per step (ResNet-50: 102.4 fp32, 51.2 fp16)")
+    ap.add_argument("--model-mb", type=float, default=102.4,
+                    help="gradient MB all-reduced per step (ResNet-50: 102.4 fp32, 51.2 fp16)")
     ap.add_argument("--link-gbps", type=float, default=25.0, help="Gbit/s of the slowest link (a node's network bandwidth)")
     ap.add_argument("--latency-us", type=float, default=10.0, help="latency per communication step, microseconds")
     ap.add_argument("--algorithm", default="all", choices=["ring", "tree", "torus", "all"])
