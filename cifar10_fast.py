@@ -88,17 +88,20 @@ def recipe(name, **overrides):
 
 
 def _parse(kind):
-    """A converter for a flag whose default has the type of `kind`."""
+    """A converter for a flag whose default has the type of `kind` (named after it, for argparse's errors)."""
     if isinstance(kind, bool):
-        return lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
-    if isinstance(kind, tuple):
+        convert = lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
+    elif isinstance(kind, tuple):
         item = int if all(isinstance(v, int) for v in kind) else float
-        return lambda s: tuple(item(eval_number(v)) for v in s.split(","))
-    if isinstance(kind, int):
-        return lambda s: int(eval_number(s)) if float(eval_number(s)).is_integer() else float(eval_number(s))
-    if isinstance(kind, float):
-        return lambda s: float(eval_number(s))
-    return type(kind)
+        convert = lambda s: tuple(item(eval_number(v)) for v in s.split(","))
+    elif isinstance(kind, int):      # an integer unless written as a fraction: --epochs 9.9
+        convert = lambda s: int(eval_number(s)) if float(eval_number(s)).is_integer() else float(eval_number(s))
+    elif isinstance(kind, float):
+        convert = lambda s: float(eval_number(s))
+    else:
+        return type(kind)
+    convert.__name__ = type(kind).__name__
+    return convert
 
 
 def eval_number(s):
