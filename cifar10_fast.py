@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+import distributed as D
 import torch_backend as tb
 from core import Table, one_sided_p, summarize, write_json
 
@@ -28,6 +29,12 @@ BASE = dict(
     param="myrtle", optimizer="sgd", lr_knots=(0, 5 / 24, 1), lr_values=(0.0, 0.4, 0.0),
     momentum=0.9, nesterov=True, weight_decay=5e-4, bias_lr_mult=1.0, label_smoothing=0.0,
     muon_lr=0.0, muon_momentum=0.6,
+    # large-batch options (distributed.py): LARS trust coefficient; RMSprop-to-SGD's RMSprop rate and the
+    # epochs where the hand-over is half done and its length; Goyal's linear scaling of lr_values by
+    # batch_size / lr_scale_base (0 = off); batch-norm statistics "running" or "last_batch" (averaged
+    # over ranks before each evaluation instead of moving averages)
+    lars_trust=0.001, rms_lr=1e-3, rms_beta_center=2.0, rms_beta_period=2.0, lr_scale_base=0,
+    bn_stats="running",
     # augmentation and test-time augmentation
     crop_pad=4, flip="random", cutout=8, tta="none",
     # network
@@ -84,6 +91,9 @@ def recipe(name, **overrides):
     unknown = set(hp) - set(BASE)
     if unknown:
         raise KeyError(f"unknown hyperparameters {sorted(unknown)}")
+    if hp["lr_scale_base"]:     # Goyal et al.: k times the batch, k times the learning rate
+        k = hp["batch_size"] / hp["lr_scale_base"]
+        hp["lr_values"] = tuple(v * k for v in hp["lr_values"])
     return hp
 
 
@@ -129,6 +139,9 @@ def parse_args(argv=None):
     p.add_argument("--compile", default=None, choices=["default", "max-autotune", "reduce-overhead"],
                    help="torch.compile the network with this mode (compiled once, in the untimed warm-up); "
                         "reduce-overhead also captures CUDA graphs")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="under torchrun: DDP gradient bucket size in MB")
+    p.add_argument("--comm-hook", default="none", choices=list(D.HOOKS),
+                   help="under torchrun: gradient communication (fp16/bf16 compression, 2D-torus allreduce)")
     hp = p.add_argument_group("hyperparameters (override the recipe)")
     for key, value in BASE.items():
         hp.add_argument("--" + key.replace("_", "-"), dest=key, type=_parse(value), default=None,
@@ -197,12 +210,11 @@ def print_summary(name, s, target):
         print(f"FLOPs per run {s['flops_per_run'] / 1e12:.3f} T; achieved {s['tflops_per_s']:.2f} TFLOP/s")
 
 
-def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=None, verbose=True):
+def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=None, verbose=True, ctx=None,
+             bucket_mb=25.0, hook="none"):
     """Trains `runs` fresh networks (seeds seed, seed+1, ...) after one untimed warm-up on a GPU.
-    Returns the per-run results (without models) and their summary."""
-    net = forward = None
-    if compile_mode:
-        net, forward = tb.compiled_model(hp, device, compile_mode)
+    Returns the per-run results (without models)."""
+    net, forward = tb.make_forward(hp, device, compile_mode, ctx, bucket_mb, hook)
     if device.type == "cuda" or compile_mode:
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True
@@ -213,7 +225,7 @@ def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=
             print(f"run {r + 1}/{runs} (seed {seed + r})", flush=True)
         table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
                       file=None if verbose else io.StringIO())
-        result = tb.train(hp, data, device, seed + r, dtype, target, table.append, net, forward)
+        result = tb.train(hp, data, device, seed + r, dtype, target, table.append, net, forward, ctx)
         result.pop("model")
         results.append(result)
         if verbose:
@@ -240,32 +252,49 @@ def main(argv=None):
         print("error: --runs must be at least 1", file=sys.stderr)
         return 2
 
-    device = tb.resolve_device(args.device)
-    if device.type == "cpu":
+    ctx = D.init_from_env(args.device)       # torchrun: this rank's place; plain python: one process
+    device, main_rank = torch.device(ctx.device), ctx.is_main
+    if device.type == "cpu" and main_rank:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration, "
               "shrink the work with --subset, --epochs and --width", file=sys.stderr)
     dtype = tb.compute_dtype(device, args.precision)
+    try:
+        rank_hp = {**hp, "batch_size": D.per_rank_batch(hp["batch_size"], ctx.world_size)}
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     arrays = load_arrays(args.data_dir, args.subset)
     if arrays is None:
         return 1
+    n_train = len(arrays["train_labels"])
+    if ctx.distributed:             # each rank keeps its own contiguous shard of the training set
+        part = D.shard(n_train, ctx.rank, ctx.world_size)
+        arrays = {**arrays, "train_images": arrays["train_images"][part.start:part.stop],
+                  "train_labels": arrays["train_labels"][part.start:part.stop]}
     data = tb.to_device(arrays, device, dtype, hp["crop_pad"])
-    print(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
-          f"{len(arrays['train_labels'])} training and {len(arrays['test_labels'])} test images", flush=True)
-    flops = tb.count_flops(hp, data)
-    runs = run_many(hp, data, device, dtype, args.runs, args.seed, args.target, args.compile)
+    D.print0(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
+             f"{n_train} training and {len(arrays['test_labels'])} test images"
+             + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step" if ctx.distributed else ""))
+    flops = tb.count_flops(hp, {**data, "train_labels": torch.empty(n_train)})
+    runs = run_many(rank_hp, data, device, dtype, args.runs, args.seed, args.target, args.compile, main_rank, ctx,
+                    args.bucket_mb, args.comm_hook)
     summary = summarize_runs(runs, args.target, flops)
-    if args.runs > 1:
+    if args.runs > 1 and main_rank:
         print_summary(args.recipe, summary, args.target)
-    if args.out:
+    if args.out and main_rank:
+        env = {**environment(device), "world_size": ctx.world_size, "bucket_mb": args.bucket_mb,
+               "comm_hook": args.comm_hook}
         write_json(args.out, {
             "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "subset": args.subset,
             "compile": args.compile, "argv": sys.argv[1:] if argv is None else list(argv),
-            "environment": environment(device), "flops": flops,
+            "environment": env, "flops": flops,
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "runs": runs, "summary": summary})
         print(f"wrote {args.out}")
+    if ctx.distributed:
+        D.barrier()
+        torch.distributed.destroy_process_group()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -263,6 +263,9 @@ class RMSpropToSGD(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = _closure_loss(closure)
         for group in self.param_groups:
+            if group["lr"] == 0:        # a schedule's first step (warm-up from 0): nothing moves, the clock goes on
+                group["step"] += 1
+                continue
             # the step count lives in the group, so state_dict() carries it into checkpoints
             a = alpha_sgd(group["step"] / group["steps_per_epoch"], group["beta_center"], group["beta_period"])
             rms_share = (1 - a) * group["lr_rmsprop"] / group["lr"]
@@ -336,15 +339,15 @@ def sync_batch_norm_stats(model, ctx):
         return
     if any(not hasattr(bn, "last_count") for bn in bns):
         raise RuntimeError("sync_batch_norm_stats needs use_last_batch_stats(model) before the training steps")
-    n = bns[0].last_count
-    sq = [bn.running_var * (n - 1) / n + bn.running_mean ** 2 for bn in bns]
+    # n (images × pixels per channel) differs between layers at different resolutions
+    sq = [bn.running_var * (bn.last_count - 1) / bn.last_count + bn.running_mean ** 2 for bn in bns]
     flat = torch.cat([torch.cat([bn.running_mean for bn in bns]), torch.cat(sq)])
     dist.all_reduce(flat)
     flat /= ctx.world_size
     means, sqs = flat.split(flat.numel() // 2)
-    N = n * ctx.world_size
     sizes = [bn.num_features for bn in bns]
     for bn, mean, square in zip(bns, means.split(sizes), sqs.split(sizes)):
+        N = bn.last_count * ctx.world_size
         bn.running_mean.copy_(mean)
         bn.running_var.copy_((square - mean ** 2) * N / (N - 1))
 

@@ -14,6 +14,7 @@ Every hyperparameter is in BASE; a recipe is a dict of changes; any of them is a
 import argparse
 import datetime
 import hashlib
+import io
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from torch import nn
 
 import torch_backend as tb
 from cifar10_fast import _parse, environment, fmt_stats
+import distributed as D
 from core import Table, Timer, summarize, write_atomic, write_json
 from torch_backend import DataError
 
@@ -529,12 +531,19 @@ def build_model(hp, num_classes):
     return add_blurpool(model) if hp["blurpool"] else model
 
 
-def make_optimizer(model, hp):
-    """SGD; weight decay only on conv and linear weights (none on batch-norm scales and biases)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim > 1], "weight_decay": hp["weight_decay"]},
-              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
-    return torch.optim.SGD(groups, lr=0.0, momentum=hp["momentum"], nesterov=hp["nesterov"])
+def make_optimizer(model, hp, steps_per_epoch=1):
+    """SGD (or the large-batch LARS / RMSprop-to-SGD of distributed.py); weight decay only on conv and
+    linear weights (none on batch-norm scales and biases)."""
+    groups = D.param_groups_no_decay_1d(model, hp["weight_decay"])
+    if hp["optimizer"] == "sgd":
+        return torch.optim.SGD(groups, lr=0.0, momentum=hp["momentum"], nesterov=hp["nesterov"])
+    if hp["optimizer"] == "lars":
+        return D.LARS(groups, lr=0.0, momentum=hp["momentum"], trust_coefficient=hp["lars_trust"])
+    if hp["optimizer"] == "rmsprop_sgd":
+        return D.RMSpropToSGD(groups, lr=0.0, lr_rmsprop=hp["rms_lr"], momentum=hp["momentum"],
+                              beta_center=hp["rms_beta_center"], beta_period=hp["rms_beta_period"],
+                              steps_per_epoch=steps_per_epoch)
+    raise ValueError(f"unknown optimizer {hp['optimizer']!r}; choose from sgd, lars, rmsprop_sgd")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,8 +582,16 @@ def batch_at(hp, res):
 
 
 def checkpoint_state(model, opt, ema, gen, epoch, rows, train_time, time_to_target, hp):
+    """Everything a resumed run needs; the random states of every rank (gathered to all), so that
+    each rank resumes its own augmentation stream exactly."""
+    rng = [gen.get_state(), torch.get_rng_state()]
+    if torch.distributed.is_initialized():
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, rng)
+    else:
+        every = [rng]
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "ema": ema.model.state_dict() if ema else None,
-            "ema_steps": ema.steps if ema else 0, "generator": gen.get_state(), "torch_rng": torch.get_rng_state(),
+            "ema_steps": ema.steps if ema else 0, "rng": every,
             "epoch": epoch, "rows": rows, "train_time": train_time, "time_to_target": time_to_target, "hp": hp}
 
 
@@ -598,20 +615,28 @@ def warmup(hp, data, num_classes, device, dtype, memory_format):
 
 
 def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, target=0.75, checkpoint=None,
-          resume=False, on_epoch=None):
+          resume=False, on_epoch=None, ctx=None, bucket_mb=25.0, hook="none", interrupt_after=None):
     """Trains one network; returns its per-epoch rows and summary (as torch_backend.train does).
 
     The clock (device-synchronised) covers model construction, batches, augmentation and steps;
     it leaves out per-epoch evaluation and checkpoint writing. With `checkpoint`, the state after
     every epoch is written there atomically; `resume` continues from it exactly (model, optimiser,
     EMA, epoch, RNG), so an interrupted run ends with the same parameters as an uninterrupted one.
+    Under torchrun (`ctx`): data holds this rank's shard, hp["batch_size"] is the per-rank batch (the
+    learning rate follows the global one), the model trains inside DistributedDataParallel, and rank 0
+    alone writes the checkpoint, which every rank restores (an elastic restart resumes from it).
     """
+    ctx = ctx or D.Context()
+    world = ctx.world_size
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)  # every random draw of the data pipeline, on the CPU
+    gen = torch.Generator().manual_seed(seed + 104729 * ctx.rank)  # the data pipeline's draws, on the CPU
     memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
     timer = Timer((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None)
     model = build_model(hp, num_classes).to(device, memory_format=memory_format)
-    opt = make_optimizer(model, hp)
+    opt = make_optimizer(model, hp, max(1, len(data["train_y"]) // hp["batch_size"]))
+    forward = D.register_comm_hook(D.wrap_ddp(model, ctx, bucket_mb), hook) if ctx.distributed else model
+    if hp["bn_stats"] == "last_batch":
+        D.use_last_batch_stats(model)
     ema = tb.EMA(model, hp["ema_momentum"], hp["ema_every"]) if hp["ema_momentum"] else None
     start, rows, time_to_target = 0, [], None
     if resume and checkpoint and Path(checkpoint).is_file():
@@ -624,8 +649,10 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
         if ema:
             ema.model.load_state_dict(state["ema"])
             ema.steps = state["ema_steps"]
-        gen.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
+        if len(state["rng"]) != world:
+            raise DataError(f"{checkpoint}: written by {len(state['rng'])} ranks, resumed by {world}; cannot resume")
+        gen.set_state(state["rng"][ctx.rank][0])
+        torch.set_rng_state(state["rng"][ctx.rank][1])
         start, rows, time_to_target = state["epoch"], state["rows"], state["time_to_target"]
         timer.total = state["train_time"]
         for row in rows:
@@ -644,11 +671,11 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
         for i, (xb, yb) in enumerate(train_batches(data["train_x"], data["train_y"], perm, bs, device)):
             c = {k: v[i * bs:(i + 1) * bs].to(device, non_blocking=True) for k, v in crops.items()}
             x = augment(xb, c, res, hp, gen, dtype, memory_format)
-            lr = lr_at(hp, epoch + i / steps) * bs / 256
+            lr = lr_at(hp, epoch + i / steps) * bs * world / 256       # per 256 images of the global batch
             for g in opt.param_groups:
                 g["lr"] = lr
             with tb.autocast(device, dtype):
-                logits = model(x)
+                logits = forward(x)
                 loss = F.cross_entropy(logits.float(), yb, label_smoothing=hp["label_smoothing"])
             loss.backward()
             opt.step()
@@ -658,6 +685,8 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
             loss_sum += loss.detach() * bs
             correct += (logits.detach().argmax(1) == yb).sum()
         epoch_time = timer()
+        if hp["bn_stats"] == "last_batch":
+            D.sync_batch_norm_stats(model, ctx)
         eval_model = ema.model if ema else model
         val_loss, top1, top5 = evaluate(eval_model, data, size, hp["val_res"], hp["tta"], device, dtype, memory_format)
         if time_to_target is None and top1 >= target:
@@ -668,7 +697,14 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
         rows.append(row)
         if checkpoint:
             state = checkpoint_state(model, opt, ema, gen, epoch + 1, rows, timer.total, time_to_target, hp)
-            write_atomic(checkpoint, lambda tmp: torch.save(state, tmp))
+            if ctx.is_main:
+                write_atomic(checkpoint, lambda tmp: torch.save(state, tmp))
+            D.barrier()             # nobody reads (or restarts from) a checkpoint still being written
+            if interrupt_after == epoch + 1:
+                if ctx.distributed:         # leave together, so no rank sees a peer vanish mid-collective
+                    D.barrier()
+                    torch.distributed.destroy_process_group()
+                raise SystemExit(INTERRUPTED)
         if on_epoch:
             on_epoch(row)
         timer(include=False)
@@ -680,6 +716,8 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
 # Recipes and the command line
 # ---------------------------------------------------------------------------------------------
 
+INTERRUPTED = 75      # EX_TEMPFAIL: stopped on purpose, resumable
+
 # Every hyperparameter once. lr is per 256 images: the step uses lr × batch / 256 (Goyal et al.).
 # Resolutions are in pixels of the network input; res_*_epoch are 0-based epochs.
 BASE = dict(
@@ -689,6 +727,8 @@ BASE = dict(
     min_res=160, max_res=192, res_start_epoch=11, res_end_epoch=13, res_step=32, batch_scale=False,
     crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True, jitter=0.0,
     val_res=256, tta="flip", ema_momentum=0.0, ema_every=1,
+    # large-batch options (distributed.py, as in cifar10_fast.py)
+    optimizer="sgd", lars_trust=0.001, rms_lr=1e-3, rms_beta_center=10.0, rms_beta_period=5.0, bn_stats="running",
 )
 
 # Epochs, resolution ramps, lr, weight decay, label smoothing and blurpool follow FFCV's published
@@ -749,6 +789,14 @@ def parse_args(argv=None):
     tp.add_argument("--checkpoint", default=None, help="checkpoint file, written atomically after every epoch")
     tp.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     tp.add_argument("--out", default=None, help="write config, environment, rows and summary as JSON")
+    tp.add_argument("--interrupt-after-epoch", type=int, default=None,
+                    help=f"exit with status {INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
+                         "would; a restart with --resume (or torchrun --max-restarts) continues from it")
+    tp.add_argument("--bucket-mb", type=float, default=25.0, help="under torchrun: DDP gradient bucket size in MB")
+    tp.add_argument("--comm-hook", default="none", choices=list(D.HOOKS),
+                    help="under torchrun: gradient communication (fp16/bf16 compression, 2D-torus allreduce)")
+    sub.add_parser("simulate", add_help=False,
+                   help="project step time and scaling efficiency over many GPUs (see `simulate --help`)")
     hp = tp.add_argument_group("hyperparameters (override the recipe)")
     for key, value in BASE.items():
         hp.add_argument("--" + key.replace("_", "-"), dest=key, type=_parse(value), default=None,
@@ -781,7 +829,8 @@ def main_train(args, overrides, argv):
         (not args.store, "--store is required (a folder written by `imagenet_fast.py prepare`)"),
         (args.runs < 1, "--runs must be at least 1"),
         (args.resume and not args.checkpoint, "--resume needs --checkpoint"),
-        (args.resume and args.runs > 1, "--resume works with a single run")) if bad]
+        (args.resume and args.runs > 1, "--resume works with a single run"),
+        (args.interrupt_after_epoch and not args.checkpoint, "--interrupt-after-epoch needs --checkpoint")) if bad]
     try:
         hp = recipe(args.recipe, **overrides)
     except KeyError as e:
@@ -789,10 +838,16 @@ def main_train(args, overrides, argv):
     if usage:
         print(f"error: {usage[0]}", file=sys.stderr)
         return 2
-    device = tb.resolve_device(args.device)
-    if device.type == "cpu":
+    ctx = D.init_from_env(args.device)       # torchrun: this rank's place; plain python: one process
+    device, say = torch.device(ctx.device), D.print0
+    if device.type == "cpu" and ctx.is_main:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration use "
               "a small store, --model resnet_tiny and few --epochs", file=sys.stderr)
+    try:
+        rank_hp = {**hp, "batch_size": D.per_rank_batch(hp["batch_size"], ctx.world_size)}
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     dtype = tb.compute_dtype(device, args.precision)
     try:
         if hp["model"] not in MODELS:
@@ -803,12 +858,17 @@ def main_train(args, overrides, argv):
         return 1
     size, classes = store.index["size"], store.index["classes"]
     data = place(store, device, args.data_on)
-    print(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
-          f"{len(data['train_y'])} train and {len(data['val_y'])} val images, {len(classes)} classes, "
-          f"store size {size} in {data['where']} memory", flush=True)
+    n_train = len(data["train_y"])
+    if ctx.distributed:             # each rank keeps its own contiguous shard of the training set
+        part = D.shard(n_train, ctx.rank, ctx.world_size)
+        data = {**data, "train_x": data["train_x"][part.start:part.stop], "train_y": data["train_y"][part.start:part.stop]}
+    say(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
+          f"{n_train} train and {len(data['val_y'])} val images, {len(classes)} classes, "
+          f"store size {size} in {data['where']} memory"
+        + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step" if ctx.distributed else ""))
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-        warmup(hp, data, len(classes), device, dtype, torch.channels_last)
+        warmup(rank_hp, data, len(classes), device, dtype, torch.channels_last)
 
     columns = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
                "total_time"]
@@ -816,42 +876,50 @@ def main_train(args, overrides, argv):
     for r in range(args.runs):
         seed = args.seed + r
         if args.runs > 1:
-            print(f"run {r + 1}/{args.runs} (seed {seed})", flush=True)
-        table = Table(columns, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"})
+            say(f"run {r + 1}/{args.runs} (seed {seed})")
+        table = Table(columns, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
+                      file=None if ctx.is_main else io.StringIO())
         ckpt = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
         try:
-            result = train(hp, data, len(classes), size, device, seed, dtype, args.target, ckpt, args.resume,
-                           table.append)
+            result = train(rank_hp, data, len(classes), size, device, seed, dtype, args.target, ckpt, args.resume,
+                           table.append, ctx, args.bucket_mb, args.comm_hook, args.interrupt_after_epoch)
         except DataError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
         result.pop("model")
         runs.append(result)
         ttt = result["time_to_target"]
-        print(f"final top-1 {result['final_top1']:.4f}, top-5 {result['final_top5']:.4f}; "
-              + (f"time to {args.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {args.target:.2%}")
-              + f"; training time {result['train_time']:.2f} s", flush=True)
+        say(f"final top-1 {result['final_top1']:.4f}, top-5 {result['final_top5']:.4f}; "
+            + (f"time to {args.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {args.target:.2%}")
+            + f"; training time {result['train_time']:.2f} s")
 
     keys = {"final_top1": ("final top-1", ""), "final_top5": ("final top-5", ""),
             "time_to_target": (f"time to {args.target:.2%}", " s"), "train_time": ("training time", " s")}
     summary = {k: summarize([r[k] for r in runs]) for k in keys}
     summary["fraction_reaching_target"] = sum(r["time_to_target"] is not None for r in runs) / len(runs)
-    if args.runs > 1:
+    if args.runs > 1 and ctx.is_main:
         print(f"\nsummary over {args.runs} runs of {args.recipe}")
         for k, (name, unit) in keys.items():
             print(fmt_stats(name, summary[k], unit=unit))
         print(f"runs reaching {args.target:.2%}: {summary['fraction_reaching_target']:.0%}")
-    if args.out:
+    if args.out and ctx.is_main:
         write_json(args.out, {
             "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "store": str(args.store),
             "store_size": size, "data_on": data["where"], "argv": sys.argv[1:] if argv is None else list(argv),
-            "environment": environment(device), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "environment": {**environment(device), "world_size": ctx.world_size, "bucket_mb": args.bucket_mb,
+                            "comm_hook": args.comm_hook}, "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "runs": runs, "summary": summary})
         print(f"wrote {args.out}")
+    if ctx.distributed:
+        D.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 
 def main(argv=None):
+    argv_list = sys.argv[1:] if argv is None else list(argv)
+    if argv_list[:1] == ["simulate"]:
+        return D.main_simulate(argv_list[1:])
     args, overrides = parse_args(argv)
     if args.command == "prepare":
         return main_prepare(args)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import distributed as D
 from core import PiecewiseLinear, Timer, write_atomic
 
 # ---------------------------------------------------------------------------------------------
@@ -555,7 +556,7 @@ class Muon(torch.optim.Optimizer):
                 p.add_(update.view_as(p), alpha=-group["lr"])
 
 
-def make_optimizers(model, hp):
+def make_optimizers(model, hp, steps_per_epoch=1, world=1):
     """The optimisers for one run; set_lr() then sets every group's step size from the schedule.
 
     Two parametrisations of lr and weight decay (wd), both on the batch-summed loss:
@@ -569,15 +570,22 @@ def make_optimizers(model, hp):
     With optimizer="muon", conv filter banks (4-D weights) use Muon at muon_lr × the schedule factor.
     The whitening layer's bias trains only for the first whiten_bias_epochs (its lr is then set to 0
     rather than requires_grad flipped, which would make a compiled model recompile mid-run).
+    optimizer="lars" or "rmsprop_sgd" use the large-batch optimisers of distributed.py on the same groups.
+
+    Under DDP (world ranks of batch_size images each) gradients are averaged over ranks, i.e. 1/world of
+    the summed loss's gradient over the global batch. In the myrtle units 1/batch_size = world/global
+    batch absorbs this; in the decoupled units the step is multiplied by world to undo it.
     """
     bs, m, wd, peak = hp["batch_size"], hp["momentum"], hp["weight_decay"], max(hp["lr_values"])
     if hp["param"] == "myrtle":
         unit, decay = 1 / bs, lambda scale: wd * bs / scale
     elif hp["param"] == "decoupled":
         gain = 1 + 1 / (1 - m)
-        unit, decay = 1 / (1024 * gain), lambda scale: wd * bs / (peak * scale)
+        unit, decay = world / (1024 * gain), lambda scale: wd * bs / (peak * scale)
     else:
         raise ValueError(f"param must be myrtle or decoupled, not {hp['param']!r}")
+    if hp["optimizer"] == "lars":
+        unit = 1.0      # LARS divides by the gradient's norm: its step is lr × trust × |w|, whatever the loss's scale
     bn_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, nn.BatchNorm2d)}
     whiten_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, Whitening) and mod.bias is not None}
     muon = hp["optimizer"] == "muon"
@@ -592,7 +600,15 @@ def make_optimizers(model, hp):
     sgd = [{"params": groups[k], "lr_unit": unit * scales[k], "weight_decay": decay(scales[k]), "name": k,
             "until_epoch": hp["whiten_bias_epochs"] if k == "whiten_bias" else None}
            for k in scales if groups[k]]
-    opts = [torch.optim.SGD(sgd, lr=0.0, momentum=m, nesterov=hp["nesterov"])]
+    if hp["optimizer"] in ("sgd", "muon"):
+        opts = [torch.optim.SGD(sgd, lr=0.0, momentum=m, nesterov=hp["nesterov"])]
+    elif hp["optimizer"] == "lars":
+        opts = [D.LARS(sgd, lr=0.0, momentum=m, trust_coefficient=hp["lars_trust"])]
+    elif hp["optimizer"] == "rmsprop_sgd":
+        opts = [D.RMSpropToSGD(sgd, lr=0.0, lr_rmsprop=hp["rms_lr"], momentum=m, beta_center=hp["rms_beta_center"],
+                               beta_period=hp["rms_beta_period"], steps_per_epoch=steps_per_epoch)]
+    else:
+        raise ValueError(f"optimizer must be sgd, muon, lars or rmsprop_sgd, not {hp['optimizer']!r}")
     if groups["filters"]:
         opts.append(Muon([{"params": groups["filters"], "lr_unit": hp["muon_lr"] / peak, "name": "filters",
                            "until_epoch": None}], lr=0.0, momentum=hp["muon_momentum"], nesterov=hp["nesterov"]))
@@ -704,11 +720,21 @@ def memory_format_for(device):
     return torch.channels_last if device.type == "cuda" else torch.contiguous_format
 
 
-def compiled_model(hp, device, mode):
-    """(net, forward): a network and its torch.compile'd forward, built once and re-initialised in
-    place by train() for every run, so compilation happens once per process (in warmup)."""
+def make_forward(hp, device, compile_mode=None, ctx=None, bucket_mb=25.0, hook="none"):
+    """(net, forward) built once per process and re-initialised in place by train() for every run:
+    under torchrun forward is net in DistributedDataParallel (with bucket_mb buckets and a gradient
+    communication hook), and with compile_mode it is torch.compile'd, so compilation happens once
+    (in warmup). (None, None) when neither applies: train() then builds a plain network per run."""
+    distributed = ctx is not None and ctx.distributed
+    if not (compile_mode or distributed):
+        return None, None
     net = build_model(hp, device, memory_format_for(device))
-    return net, torch.compile(net, mode=None if mode == "default" else mode)
+    forward = net
+    if distributed:
+        forward = D.register_comm_hook(D.wrap_ddp(net, ctx, bucket_mb), hook)
+    if compile_mode:
+        forward = torch.compile(forward, mode=None if compile_mode == "default" else compile_mode)
+    return net, forward
 
 
 def train_step(forward, opts, x, y, hp, dtype):
@@ -730,7 +756,7 @@ def warmup(hp, data, device, dtype, net=None, forward=None):
     net = net if net is not None else build_model(hp, device, memory_format)
     forward = forward or net
     opts = make_optimizers(net, hp)
-    set_lr(opts, 0.0)
+    set_lr(opts, 1e-9)          # a step that moves nothing measurable, but runs every kernel
     gen = torch.Generator(device).manual_seed(0)
     flip_base = flip_bits(len(data["train_labels"]), gen)
     for step, (x, y) in enumerate(epoch_batches(data, hp, gen, memory_format, 0, flip_base)):
@@ -742,17 +768,21 @@ def warmup(hp, data, device, dtype, net=None, forward=None):
         torch.cuda.synchronize(device)
 
 
-def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=None, net=None, forward=None):
+def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=None, net=None, forward=None,
+          ctx=None):
     """Trains one fresh network on device-resident data; returns its per-epoch rows and summary.
 
     The clock (device-synchronised) runs over everything a run needs except the per-epoch
     evaluation passes: model construction, whitening initialisation, augmentation, steps; the final
     evaluation (with the recipe's test-time augmentation) is timed separately as final_eval_time,
     and time = train_time + final_eval_time is what a user waits for a trained, evaluated model.
-    `net`/`forward` (from compiled_model) reuse one compiled network across runs.
+    `net`/`forward` (from make_forward) reuse one compiled and/or DDP-wrapped network across runs.
+    Under torchrun (`ctx`), data holds this rank's shard and hp["batch_size"] is the per-rank batch;
+    every rank builds the same initial network (same seed) and draws its own augmentations.
     """
+    world, rank = (ctx.world_size, ctx.rank) if ctx else (1, 0)
     torch.manual_seed(seed)
-    gen = torch.Generator(device).manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed + 104729 * rank)
     memory_format = memory_format_for(device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     timer = Timer(sync)
@@ -764,7 +794,8 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
         net.load_state_dict(fresh.state_dict())
         forward = forward or net
     fit_whitening(net, data["train_images"], data["test_images"].shape[-1])
-    opts = make_optimizers(net, hp)
+    if hp["bn_stats"] == "last_batch":
+        D.use_last_batch_stats(net)
     ema = EMA(net, hp["ema_momentum"], hp["ema_every"]) if hp["ema_momentum"] else None
     lookahead = Lookahead(net) if hp["lookahead_momentum"] else None
     la_every = hp["lookahead_every"]
@@ -775,6 +806,7 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
     if steps_per_epoch == 0:
         raise ValueError(f"batch size {bs} is larger than the {n_train} training images")
     total_steps = max(1, round(hp["epochs"] * steps_per_epoch))     # epochs may be fractional (9.9)
+    opts = make_optimizers(net, hp, steps_per_epoch, world)
     flip_base = flip_bits(n_train, gen) if hp["flip"] == "alternate" else None
 
     rows, time_to_target, step = [], None, 0
@@ -800,7 +832,9 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
         if lookahead and step == total_steps and step % la_every:
             lookahead.update(net, 1.0)
         epoch_time = timer()
-        eval_model = ema.model if ema else forward
+        if hp["bn_stats"] == "last_batch":
+            D.sync_batch_norm_stats(net, ctx or D.Context())
+        eval_model = ema.model if ema else (net if world > 1 else forward)
         test_loss, test_acc = evaluate(eval_model, data["test_images"], data["test_labels"], hp["tta"], dtype,
                                        memory_format=memory_format)
         final_eval_time = timer(include=False)

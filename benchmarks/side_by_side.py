@@ -123,9 +123,7 @@ def main(argv=None):
                 hp = cf.recipe(name, **overrides)
                 suffix, tta_level, target = PEERS.get(name, (None, None, 0.94))
                 data = tb.to_device(arrays, device, dtype, hp["crop_pad"])
-                net = forward = None
-                if args.compile:
-                    net, forward = tb.compiled_model(hp, device, args.compile)
+                net, forward = tb.make_forward(hp, device, args.compile)
                 tb.warmup(hp, data, device, dtype, net, forward)
                 peer = None
                 if airbench is not None and suffix:
