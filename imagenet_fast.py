@@ -581,6 +581,17 @@ def batch_at(hp, res):
     return max(8, int(hp["batch_size"] * (hp["max_res"] / res) ** 2) // 8 * 8)
 
 
+def batch_for(hp, epoch, world=1):
+    """This rank's batch in an epoch: from the batch-size schedule (Mikami et al. 2018: the global batch
+    grows during training; flattened (epoch, global batch) pairs) if there is one, else batch_at."""
+    pairs = hp["batch_schedule"]
+    if len(pairs) % 2:
+        raise ValueError(f"batch schedule {pairs} is not (epoch, batch) pairs")
+    if pairs:
+        return D.BatchSizeSchedule(zip(pairs[::2], pairs[1::2])).per_rank(epoch, world)
+    return batch_at(hp, res_at(hp, epoch))
+
+
 def checkpoint_state(model, opt, ema, gen, epoch, rows, train_time, time_to_target, hp):
     """Everything a resumed run needs; the random states of every rank (gathered to all), so that
     each rank resumes its own augmentation stream exactly."""
@@ -595,13 +606,13 @@ def checkpoint_state(model, opt, ema, gen, epoch, rows, train_time, time_to_targ
             "epoch": epoch, "rows": rows, "train_time": train_time, "time_to_target": time_to_target, "hp": hp}
 
 
-def warmup(hp, data, num_classes, device, dtype, memory_format):
+def warmup(hp, data, num_classes, device, dtype, memory_format, world=1):
     """Two steps at every (resolution, batch) pair of the schedule on a throwaway model, so that
     cuDNN's autotuning for each new shape happens before the clock starts."""
     model = build_model(hp, num_classes).to(device, memory_format=memory_format)
     opt = make_optimizer(model, hp)
     gen = torch.Generator().manual_seed(0)
-    for res, bs in sorted({(res_at(hp, e), batch_at(hp, res_at(hp, e))) for e in range(hp["epochs"])}):
+    for res, bs in sorted({(res_at(hp, e), batch_for(hp, e, world)) for e in range(hp["epochs"])}):
         bs = min(bs, len(data["train_y"]))
         perm = torch.arange(2 * bs) % len(data["train_y"])
         crops = draw_crops(2 * bs, hp["crop_scale"], hp["crop_ratio"], gen)
@@ -660,7 +671,7 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
     n = len(data["train_y"])
     for epoch in range(start, hp["epochs"]):
         res = res_at(hp, epoch)
-        bs = min(batch_at(hp, res), n)
+        bs = min(batch_for(hp, epoch, world), n)
         steps = n // bs
         perm = torch.randperm(n, generator=gen)
         crops = draw_crops(n, hp["crop_scale"], hp["crop_ratio"], gen)
@@ -728,7 +739,7 @@ BASE = dict(
     crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True, jitter=0.0,
     val_res=256, tta="flip", ema_momentum=0.0, ema_every=1,
     # large-batch options (distributed.py, as in cifar10_fast.py)
-    optimizer="sgd", lars_trust=0.001, rms_lr=1e-3, rms_beta_center=10.0, rms_beta_period=5.0, bn_stats="running",
+    batch_schedule=(), optimizer="sgd", lars_trust=0.001, rms_lr=1e-3, rms_beta_center=10.0, rms_beta_period=5.0, bn_stats="running",
 )
 
 # Epochs, resolution ramps, lr, weight decay, label smoothing and blurpool follow FFCV's published
@@ -845,6 +856,8 @@ def main_train(args, overrides, argv):
               "a small store, --model resnet_tiny and few --epochs", file=sys.stderr)
     try:
         rank_hp = {**hp, "batch_size": D.per_rank_batch(hp["batch_size"], ctx.world_size)}
+        for e in range(hp["epochs"]):
+            batch_for(rank_hp, e, ctx.world_size)      # a bad schedule fails here, not mid-run
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -868,7 +881,7 @@ def main_train(args, overrides, argv):
         + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step" if ctx.distributed else ""))
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-        warmup(rank_hp, data, len(classes), device, dtype, torch.channels_last)
+        warmup(rank_hp, data, len(classes), device, dtype, torch.channels_last, ctx.world_size)
 
     columns = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
                "total_time"]

@@ -407,3 +407,20 @@ def test_simulate_subcommand():
     rows = [l.split() for l in r.stdout.splitlines() if l.split()[:1] in (["1"], ["8"])]
     assert rows and all(row[-1].endswith("%") for row in rows)
     assert any(row[0] == "1" and row[-1] == "100.0%" for row in rows)
+
+
+def test_batch_size_schedule_grows_the_batch_and_the_rate(store, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc, stdout, err = run_main(capsys, "train", "--store", store, "--recipe", "tiny", "--device", "cpu",
+                               "--epochs", "3", "--width", "4", "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE,
+                               "--warmup-epochs", "0", "--schedule", "step", "--step-epochs", "100",
+                               "--batch-schedule", "0,16,2,32", "--out", out)
+    assert rc == 0, err
+    rows = json.loads(out.read_text())["runs"][0]["rows"]
+    assert [r["batch"] for r in rows] == [16, 16, 32]
+    assert rows[2]["lr"] == pytest.approx(2 * rows[1]["lr"])          # lr per 256 images: twice the batch, twice the rate
+    for bad, message in (("0,32,2,16", "must not shrink the batch"), ("0,16,2", "is not (epoch, batch) pairs"),
+                         ("1,16", "must start at epoch 0")):
+        rc, _, err = run_main(capsys, "train", "--store", store, "--recipe", "tiny", "--device", "cpu",
+                              "--batch-schedule", bad)
+        assert rc == 2 and message in err.strip().splitlines()[-1]
