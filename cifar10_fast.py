@@ -59,6 +59,72 @@ FAST = dict(
     whiten_eps=5e-4, lookahead_momentum=0.95, lookahead_every=5,
 )
 
+# The "How to train your ResNet" journey (Myrtle.ai, 2018-19), in order: each stage is the stage
+# before it plus `changes`. Numbers are Myrtle's, read from their experiments.ipynb (parts 1-4) and
+# bag_of_tricks.ipynb (part 8); published_v100_s is the training time they published for the step.
+# Two steps were loader/kernel fixes that our always-on-device loader has built in, so they change
+# nothing here ("same" below); the stage exists so that the table lines up with the published one.
+JOURNEY = [
+    dict(name="baseline_resnet18", published_v100_s=297,
+         doc="pre-activation ResNet-18, 35 epochs, batch 128, crop+flip, lr 0.1 peak at epoch 15",
+         changes=dict(model="resnet18", epochs=35, batch_size=128, lr_knots=(0, 15 / 35, 30 / 35, 1),
+                      lr_values=(0.0, 0.1, 0.005, 0.0), cutout=0, output_scale=1.0)),
+    dict(name="batch512", published_v100_s=256,
+         doc="batch 512, lr peak 0.44",
+         changes=dict(batch_size=512, lr_values=(0.0, 0.44, 0.005, 0.0))),
+    dict(name="faster_bn", published_v100_s=186,
+         doc="same as batch512: Myrtle's step kept batch norm out of a slow fp16 path; our batch norm always runs in float32",
+         changes=dict()),
+    dict(name="cutout30", published_v100_s=161,
+         doc="cutout 8x8, 30 epochs, lr peak 0.4 at epoch 8",
+         changes=dict(cutout=8, epochs=30, lr_knots=(0, 8 / 30, 1), lr_values=(0.0, 0.4, 0.0))),
+    dict(name="cutout30_bs768", published_v100_s=154,
+         doc="batch 768, lr peak 0.6",
+         changes=dict(batch_size=768, lr_values=(0.0, 0.6, 0.0))),
+    dict(name="resnet9_24", published_v100_s=79,
+         doc="Myrtle's ResNet-9, 24 epochs, batch 512, lr peak 0.4 at epoch 5, logits x 1/8 (= myrtle24)",
+         changes=dict(model="resnet9", epochs=24, batch_size=512, lr_knots=(0, 5 / 24, 1),
+                      lr_values=(0.0, 0.4, 0.0), output_scale=0.125)),
+    dict(name="gpu_aug", published_v100_s=70,
+         doc="same as resnet9_24: Myrtle's step moved preprocessing and augmentation to the GPU; ours always runs there",
+         changes=dict()),
+    dict(name="maxpool_pre", published_v100_s=64,
+         doc="max-pool before batch norm (4x fewer pixels to normalise), 25 epochs to win back the accuracy",
+         changes=dict(pool_first=True, epochs=25, lr_knots=(0, 0.2, 1))),
+    dict(name="label_smoothing", published_v100_s=59,
+         doc="label smoothing 0.2, 23 epochs",
+         changes=dict(label_smoothing=0.2, epochs=23)),
+    dict(name="celu", published_v100_s=52,
+         doc="CELU(0.075) instead of ReLU, 20 epochs",
+         changes=dict(act="celu", celu_alpha=0.075, epochs=20)),
+    dict(name="ghost_bn", published_v100_s=46,
+         doc="ghost batch norm (groups of 32), 18 epochs, lr peak 0.6",
+         changes=dict(ghost_batch=32, epochs=18, lr_values=(0.0, 0.6, 0.0))),
+    dict(name="frozen_bn_scale", published_v100_s=43,
+         doc="batch-norm scales frozen at 1, CELU(0.3), bias lr x64, logits x 1/16, 17 epochs",
+         changes=dict(freeze_bn_scale=True, celu_alpha=0.3, bias_lr_mult=64.0, output_scale=1 / 16, epochs=17)),
+    dict(name="whitening", published_v100_s=36,
+         doc="frozen 3x3 patch-whitening input layer, 14 epochs, lr peak 1.0, cutout 5x5",
+         changes=dict(whiten=True, epochs=14, lr_values=(0.0, 1.0, 0.0), cutout=5)),
+    dict(name="ema", published_v100_s=33.5,
+         doc="EMA of the weights (0.99 every 5 steps), lr floored at 0.1 for the last 2 epochs, 13 epochs",
+         changes=dict(ema_momentum=0.99, ema_every=5, epochs=13, lr_knots=(0, 0.2, 11 / 13), lr_values=(0.0, 1.0, 0.1))),
+    dict(name="tta10", published_v100_s=26,
+         doc="flip test-time augmentation, no cutout, 10 epochs (= myrtle10)",
+         changes=dict(tta="flip", cutout=0, epochs=10, lr_knots=(0, 0.2, 0.8))),
+]
+
+
+def journey_recipes(steps):
+    """RECIPES entries for the journey: each stage's overrides are its predecessors' changes plus its own."""
+    recipes, hp = {}, {}
+    for i, step in enumerate(steps, 1):
+        hp = {**hp, **step["changes"]}
+        recipes[step["name"]] = dict(hp, doc=f"journey {i}/{len(steps)}: {step['doc']} "
+                                               f"(published: {step['published_v100_s']} s on a V100)")
+    return recipes
+
+
 RECIPES = {
     # "How to train your ResNet" part 4 / DAWNBench 2018: ~94% in 79 s on a V100 (published).
     "myrtle24": dict(doc="Myrtle's DAWNBench ResNet-9: 24 epochs, batch 512, cutout 8x8 (published: 94% in 79 s on a V100)"),
@@ -70,6 +136,9 @@ RECIPES = {
         act="celu", pool_first=True, ghost_batch=32, freeze_bn_scale=True, bias_lr_mult=64.0,
         whiten=True, output_scale=1 / 16, ema_momentum=0.99, ema_every=5, tta="flip",
     ),
+    # ---- the "How to train your ResNet" journey, one recipe per published step (see JOURNEY) ----
+    **journey_recipes(JOURNEY),
+    # ---- end of the journey ----
     # Our speed recipes (issue 3). Starting points from the published airbench hyperparameters;
     # GPU accuracy and time not measured yet (README).
     "fast94": dict(FAST, doc="3-block net, 2x2 whitening, dirac init, lookahead, alternating flip, 6-view TTA: "
@@ -168,18 +237,20 @@ def fmt_stats(name, s, scale=1.0, unit=""):
             f"min {s['min'] * scale:.4f}{unit}  max {s['max'] * scale:.4f}{unit}  (n={s['n']})")
 
 
+def take_subset(arrays, n_train=None, n_test=None):
+    """The first n_train training and n_test test images (None keeps them all)."""
+    return {**arrays, "train_images": arrays["train_images"][:n_train], "train_labels": arrays["train_labels"][:n_train],
+            "test_images": arrays["test_images"][:n_test], "test_labels": arrays["test_labels"][:n_test]}
+
+
 def load_arrays(data_dir, subset=None):
     """CIFAR-10 as numpy arrays, optionally the first `subset` training images; None (after a
     one-line error on stderr) when the data is bad."""
     try:
-        arrays = tb.load_cifar10(data_dir)
+        return take_subset(tb.load_cifar10(data_dir), subset)
     except tb.DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    if subset:
-        arrays = {**arrays, "train_images": arrays["train_images"][:subset],
-                  "train_labels": arrays["train_labels"][:subset]}
-    return arrays
 
 
 COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
@@ -240,8 +311,9 @@ def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=
 def main(argv=None):
     args, overrides = parse_args(argv)
     if args.list_recipes:
+        width = max(map(len, RECIPES))
         for name, r in RECIPES.items():
-            print(f"{name:12s} {r['doc']}")
+            print(f"{name:{width}s} {r['doc']}")
         return 0
     try:
         hp = recipe(args.recipe, **overrides)

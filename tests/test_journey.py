@@ -1,0 +1,58 @@
+"""The journey stages: Myrtle's published steps as recipes that build on each other."""
+import pytest
+import torch
+
+import cifar10_fast as cf
+import torch_backend as tb
+from conftest import synthetic_arrays
+
+
+def test_every_stage_is_a_recipe_in_order_with_a_published_time():
+    names = [s["name"] for s in cf.JOURNEY]
+    assert len(set(names)) == len(names)
+    recipe_names = list(cf.RECIPES)
+    assert [n for n in recipe_names if n in names] == names          # same order as published
+    times = [s["published_v100_s"] for s in cf.JOURNEY]
+    assert times[0] == 297 and times[-1] == 26
+    assert all(b < a for a, b in zip(times, times[1:]))               # every published step was faster
+    for name in names:
+        cf.recipe(name)                                                # only known hyperparameters
+
+
+def test_the_journey_lands_on_the_existing_myrtle_recipes():
+    # the cumulative changes must reproduce the two recipes written out independently
+    assert cf.recipe("resnet9_24") == cf.recipe("myrtle24")
+    assert cf.recipe("tta10") == cf.recipe("myrtle10")
+
+
+def test_stages_carry_myrtles_numbers():
+    r = cf.recipe
+    assert (r("baseline_resnet18")["model"], r("baseline_resnet18")["epochs"], r("baseline_resnet18")["batch_size"]) == ("resnet18", 35, 128)
+    assert r("faster_bn") == r("batch512") and r("gpu_aug") == r("resnet9_24")   # fixes we have built in
+    assert (r("cutout30_bs768")["batch_size"], r("cutout30_bs768")["epochs"], r("cutout30_bs768")["cutout"]) == (768, 30, 8)
+    assert [r(n)["epochs"] for n in ("maxpool_pre", "label_smoothing", "celu", "ghost_bn", "frozen_bn_scale",
+                                     "whitening", "ema", "tta10")] == [25, 23, 20, 18, 17, 14, 13, 10]
+    assert r("celu")["celu_alpha"] == 0.075 and r("frozen_bn_scale")["celu_alpha"] == 0.3
+    assert r("ghost_bn")["ghost_batch"] == 32 and not r("celu")["ghost_batch"]
+    assert r("ema")["lr_knots"][-1] * 13 == pytest.approx(11)         # lr floored for the last 2 of 13 epochs
+
+
+def test_list_recipes_prints_one_line_per_stage(capsys):
+    assert cf.main(["--list-recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(cf.RECIPES)
+    by_name = {l.split()[0]: l for l in lines}
+    assert "journey 1/" in by_name["baseline_resnet18"] and "297 s" in by_name["baseline_resnet18"]
+
+
+def test_run_many_trains_every_run_and_summarize_runs_summarises():
+    arrays = synthetic_arrays(n_train=128, n_test=64)
+    device = torch.device("cpu")
+    hp = cf.recipe("ema", epochs=2, width=0.125, batch_size=64)
+    data = tb.to_device(arrays, device, torch.float32, hp["crop_pad"])
+    runs = cf.run_many(hp, data, device, torch.float32, runs=2, seed=3, target=0.0, verbose=False)
+    summary = cf.summarize_runs(runs, 0.0)
+    assert [r["seed"] for r in runs] == [3, 4] and all(len(r["rows"]) == 2 for r in runs)
+    assert "model" not in runs[0]
+    assert summary["final_acc"]["n"] == 2 and summary["fraction_reaching_target"] == 1.0
+    assert summary["train_time"]["mean"] == pytest.approx(sum(r["train_time"] for r in runs) / 2)
