@@ -73,3 +73,10 @@ def test_unknown_recipe_and_bad_flag(synth_npz):
     assert r.returncode == 2 and "unknown recipe 'nope'; choose from myrtle24" in r.stderr
     r = run_cli("--epochs", "two")
     assert r.returncode == 2 and "--epochs: invalid" in r.stderr
+
+
+def test_a_journey_stage_runs_from_the_command_line(synth_npz):
+    r = run_cli("--recipe", "whitening", "--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "1",
+                "--width", "0.125", "--batch-size", "64")
+    assert r.returncode == 0, r.stderr
+    assert "recipe whitening on" in r.stdout and "final test accuracy" in r.stdout
