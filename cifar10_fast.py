@@ -161,8 +161,7 @@ def recipe(name, **overrides):
     if unknown:
         raise KeyError(f"unknown hyperparameters {sorted(unknown)}")
     if hp["lr_scale_base"]:     # Goyal et al.: k times the batch, k times the learning rate
-        k = hp["batch_size"] / hp["lr_scale_base"]
-        hp["lr_values"] = tuple(v * k for v in hp["lr_values"])
+        hp["lr_values"] = tuple(D.linear_scaled_lr(v, hp["batch_size"], hp["lr_scale_base"]) for v in hp["lr_values"])
     return hp
 
 
@@ -208,16 +207,26 @@ def parse_args(argv=None):
     p.add_argument("--compile", default=None, choices=["default", "max-autotune", "reduce-overhead"],
                    help="torch.compile the network with this mode (compiled once, in the untimed warm-up); "
                         "reduce-overhead also captures CUDA graphs")
+    add_shared_flags(p, BASE)
+    args = p.parse_args(argv)
+    return args, overrides_from(args, BASE)
+
+
+def add_shared_flags(p, base):
+    """The flags both training scripts have: torchrun's communication settings, and one flag per
+    hyperparameter of `base` (--batch-size for batch_size), typed after its base value."""
     p.add_argument("--bucket-mb", type=float, default=25.0, help="under torchrun: DDP gradient bucket size in MB")
     p.add_argument("--comm-hook", default="none", choices=list(D.HOOKS),
                    help="under torchrun: gradient communication (fp16/bf16 compression, 2D-torus allreduce)")
     hp = p.add_argument_group("hyperparameters (override the recipe)")
-    for key, value in BASE.items():
+    for key, value in base.items():
         hp.add_argument("--" + key.replace("_", "-"), dest=key, type=_parse(value), default=None,
                         help=f"(base {value!r})")
-    args = p.parse_args(argv)
-    overrides = {k: getattr(args, k) for k in BASE if getattr(args, k) is not None}
-    return args, overrides
+
+
+def overrides_from(args, base):
+    """The hyperparameters given on the command line."""
+    return {k: getattr(args, k) for k in base if getattr(args, k, None) is not None}
 
 
 def environment(device):

@@ -81,15 +81,6 @@ def barrier():
         dist.barrier()
 
 
-def all_reduce_mean(x):
-    """The mean of a tensor (or number) over ranks: metrics such as loss and accuracy for rank 0 to report."""
-    t = torch.as_tensor(x, dtype=torch.float64 if not torch.is_tensor(x) else None).clone()
-    if dist.is_initialized():
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t
-
-
 def shard(n, rank, world):
     """The index range of rank's contiguous shard of n items (a device-resident dataset, or one global batch).
 
@@ -119,11 +110,6 @@ def wrap_ddp(model, ctx, bucket_mb=25.0, **kwargs):
     device_ids = [ctx.local_rank] if ctx.device.startswith("cuda") else None
     return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_mb,
                                    gradient_as_bucket_view=True, **kwargs)
-
-
-def unwrap(model):
-    """The module inside DDP (for state_dict, evaluation and checkpoints), or the model itself."""
-    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def save_checkpoint(path, state, ctx):
@@ -160,15 +146,6 @@ def load_checkpoint(path, map_location="cpu"):
 def linear_scaled_lr(base_lr, global_batch, base_batch=256):
     """Goyal et al. 2017, linear scaling rule: multiply the learning rate by k when the batch grows k times."""
     return base_lr * global_batch / base_batch
-
-
-def gradual_warmup(step, warmup_steps, base_lr, peak_lr):
-    """Goyal et al. 2017 sec. 2.2, gradual warm-up: from base_lr (the small-batch rate) rise by a constant
-    amount each step to peak_lr (the linearly scaled rate) after warmup_steps (they use 5 epochs), then hold.
-    Large batches diverge early on when started at the full scaled rate."""
-    if step >= warmup_steps:
-        return peak_lr
-    return base_lr + (peak_lr - base_lr) * step / warmup_steps
 
 
 def _closure_loss(closure):

@@ -31,7 +31,7 @@ from PIL import Image
 from torch import nn
 
 import torch_backend as tb
-from cifar10_fast import _parse, environment, fmt_stats
+from cifar10_fast import add_shared_flags, environment, fmt_stats, overrides_from
 import distributed as D
 from core import Table, Timer, summarize, write_atomic, write_json
 from torch_backend import DataError
@@ -552,7 +552,8 @@ def make_optimizer(model, hp, steps_per_epoch=1):
 
 def lr_at(hp, t):
     """Learning rate per 256 images at t epochs: linear warm-up from 0 to lr over warmup_epochs,
-    then linear to 0 at the end, cosine to 0, or ×0.1 at each of step_epochs."""
+    then linear to 0 at the end, cosine to 0, ×0.1 at each of step_epochs, or slow_start (half the
+    rate until epoch rms_beta_center, where RMSprop-to-SGD is half handed over, then the step decay)."""
     peak, warm, end = hp["lr"], hp["warmup_epochs"], hp["epochs"]
     if t < warm:
         return peak * t / warm
@@ -563,7 +564,9 @@ def lr_at(hp, t):
         return peak * 0.5 * (1 + math.cos(math.pi * f))
     if hp["schedule"] == "step":
         return peak * 0.1 ** sum(t >= s for s in hp["step_epochs"])
-    raise ValueError(f"unknown schedule {hp['schedule']!r}; choose from linear, cosine, step")
+    if hp["schedule"] == "slow_start":      # Akiba et al.: half the rate while RMSprop hands over to SGD
+        return D.slow_start_lr(t, peak, start_epochs=hp["rms_beta_center"], milestones=hp["step_epochs"])
+    raise ValueError(f"unknown schedule {hp['schedule']!r}; choose from linear, cosine, step, slow_start")
 
 
 def res_at(hp, epoch):
@@ -803,18 +806,11 @@ def parse_args(argv=None):
     tp.add_argument("--interrupt-after-epoch", type=int, default=None,
                     help=f"exit with status {INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
                          "would; a restart with --resume (or torchrun --max-restarts) continues from it")
-    tp.add_argument("--bucket-mb", type=float, default=25.0, help="under torchrun: DDP gradient bucket size in MB")
-    tp.add_argument("--comm-hook", default="none", choices=list(D.HOOKS),
-                    help="under torchrun: gradient communication (fp16/bf16 compression, 2D-torus allreduce)")
+    add_shared_flags(tp, BASE)
     sub.add_parser("simulate", add_help=False,
                    help="project step time and scaling efficiency over many GPUs (see `simulate --help`)")
-    hp = tp.add_argument_group("hyperparameters (override the recipe)")
-    for key, value in BASE.items():
-        hp.add_argument("--" + key.replace("_", "-"), dest=key, type=_parse(value), default=None,
-                        help=f"(base {value!r})")
     args = p.parse_args(argv)
-    overrides = {k: getattr(args, k) for k in BASE if getattr(args, k, None) is not None}
-    return args, overrides
+    return args, overrides_from(args, BASE)
 
 
 def main_prepare(args):

@@ -1,8 +1,8 @@
 """Everything that touches tensors: CIFAR-10 loading, the device-resident dataset, batched
 augmentation, models, optimiser, the training and evaluation loops.
 
-Hyperparameters arrive as one flat dict (a recipe from cifar10_fast.py); every key is read in
-exactly one place below, so `grep "hp\\[\"name\"\\]"` finds what a hyperparameter does.
+Hyperparameters arrive as one flat dict (a recipe from cifar10_fast.py, where every key is
+named once in BASE); `grep 'hp\\["name"\\]'` finds where a hyperparameter acts.
 """
 import copy
 import hashlib

@@ -424,3 +424,8 @@ def test_batch_size_schedule_grows_the_batch_and_the_rate(store, tmp_path, capsy
         rc, _, err = run_main(capsys, "train", "--store", store, "--recipe", "tiny", "--device", "cpu",
                               "--batch-schedule", bad)
         assert rc == 2 and message in err.strip().splitlines()[-1]
+
+
+def test_slow_start_schedule():
+    hp = inf.recipe("tiny", schedule="slow_start", lr=0.4, warmup_epochs=0.0, rms_beta_center=2.0, step_epochs=(5.0,))
+    assert [inf.lr_at(hp, t) for t in (0, 1.9, 2, 4.9, 5)] == pytest.approx([0.2, 0.2, 0.4, 0.4, 0.04])
