@@ -13,6 +13,7 @@ import datetime
 import io
 import platform
 import sys
+import time
 
 import torch
 
@@ -291,9 +292,10 @@ def print_summary(name, s, target):
 
 
 def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=None, verbose=True, ctx=None,
-             bucket_mb=25.0, hook="none"):
+             bucket_mb=25.0, hook="none", on_run=None):
     """Trains `runs` fresh networks (seeds seed, seed+1, ...) after one untimed warm-up on a GPU.
-    Returns the per-run results (without models)."""
+    Returns the per-run results (without models); on_run(results so far) is called after each run.
+    wall_s is a run's whole wall-clock time, per-epoch evaluations included (for planning, not a result)."""
     net, forward = tb.make_forward(hp, device, compile_mode, ctx, bucket_mb, hook)
     if device.type == "cuda" or compile_mode:
         if device.type == "cuda":
@@ -305,9 +307,13 @@ def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=
             print(f"run {r + 1}/{runs} (seed {seed + r})", flush=True)
         table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
                       file=None if verbose else io.StringIO())
+        start = time.perf_counter()
         result = tb.train(hp, data, device, seed + r, dtype, target, table.append, net, forward, ctx)
         result.pop("model")
+        result["wall_s"] = time.perf_counter() - start
         results.append(result)
+        if on_run:
+            on_run(results)
         if verbose:
             ttt = result["time_to_target"]
             print(f"final test accuracy {result['final_acc']:.4f}; "
@@ -358,19 +364,24 @@ def main(argv=None):
              f"{n_train} training and {len(arrays['test_labels'])} test images"
              + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step" if ctx.distributed else ""))
     flops = tb.count_flops(hp, {**data, "train_labels": torch.empty(n_train)})
+    env = {**environment(device), "world_size": ctx.world_size, "bucket_mb": args.bucket_mb, "comm_hook": args.comm_hook}
+
+    def save(runs, complete):
+        """--out after every run, so a run cut short (or a failure later) never loses the runs that finished."""
+        if args.out and main_rank:
+            write_json(args.out, {
+                "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "subset": args.subset,
+                "compile": args.compile, "argv": sys.argv[1:] if argv is None else list(argv),
+                "environment": env, "flops": flops, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                "complete": complete, "runs": runs, "summary": summarize_runs(runs, args.target, flops)})
+
     runs = run_many(rank_hp, data, device, dtype, args.runs, args.seed, args.target, args.compile, main_rank, ctx,
-                    args.bucket_mb, args.comm_hook)
+                    args.bucket_mb, args.comm_hook, on_run=lambda done: save(done, False))
     summary = summarize_runs(runs, args.target, flops)
     if args.runs > 1 and main_rank:
         print_summary(args.recipe, summary, args.target)
+    save(runs, True)
     if args.out and main_rank:
-        env = {**environment(device), "world_size": ctx.world_size, "bucket_mb": args.bucket_mb,
-               "comm_hook": args.comm_hook}
-        write_json(args.out, {
-            "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "subset": args.subset,
-            "compile": args.compile, "argv": sys.argv[1:] if argv is None else list(argv),
-            "environment": env, "flops": flops,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "runs": runs, "summary": summary})
         print(f"wrote {args.out}")
     if ctx.distributed:
         D.barrier()

@@ -159,3 +159,20 @@ def write_json(path, obj):
             json.dump(obj, f, indent=1)
             f.write("\n")
     write_atomic(path, write)
+
+
+def ratio_ci(a, b, level=0.95):
+    """mean(a) / mean(b) with a `level` confidence interval, from the standard error of the log of the
+    ratio (delta method: var ≈ s_a²/(n_a m_a²) + s_b²/(n_b m_b²)) and Welch's degrees of freedom.
+    None when either sample has fewer than 2 values or a mean is not positive."""
+    from scipy import stats
+    sa, sb = summarize(a), summarize(b)
+    if sa["n"] < 2 or sb["n"] < 2 or sa["mean"] <= 0 or sb["mean"] <= 0:
+        return None
+    va, vb = (s["std"] ** 2 / (s["n"] * s["mean"] ** 2) for s in (sa, sb))
+    ratio = sa["mean"] / sb["mean"]
+    if va + vb == 0:
+        return {"ratio": ratio, "low": ratio, "high": ratio, "level": level}
+    df = (va + vb) ** 2 / (va ** 2 / (sa["n"] - 1) + vb ** 2 / (sb["n"] - 1))
+    half = float(stats.t.ppf((1 + level) / 2, df)) * math.sqrt(va + vb)
+    return {"ratio": ratio, "low": ratio * math.exp(-half), "high": ratio * math.exp(half), "level": level}

@@ -2,14 +2,16 @@
 
     pip install airbench          # the peer; this script installs nothing
     python benchmarks/side_by_side.py --runs 25                     # fast94 vs airbench94, ...
-    python benchmarks/side_by_side.py --recipes fast94 --runs 100 --compile max-autotune --out sbs.json
+    python benchmarks/side_by_side.py --recipes fast94 --runs 100 --peer-runs 25 --compile max-autotune --out sbs.json
 
 Both sides get the same data (our cached CIFAR-10, written once in the layout airbench reads:
 `cifar10/train.pt` and `cifar10/test.pt` holding `images` uint8 NHWC, `labels`, `classes`) and the
 same clock: device-synchronised wall time of training (whitening initialisation included) plus
 the final test-time-augmented evaluation, after one untimed warm-up run of each, and excluding the
-one-time load to the device. Runs alternate (ours, peer, ours, peer, ...) so that clock and
-thermal drift fall on both alike.
+one-time load to the device. Runs alternate (ours, peer, ours, peer, ...; with fewer peer runs, each
+follows the run of ours it is due after) so that clock and thermal drift fall on both alike.
+The table gives n, mean accuracy ± std, the one-sided p-value of "mean > target", the mean time and
+our mean time over the peer's with its 95% confidence interval. `--out` is rewritten after every run.
 """
 import argparse
 import os
@@ -23,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cifar10_fast as cf  # noqa: E402
 import torch_backend as tb  # noqa: E402
-from core import Table, one_sided_p, summarize, write_json  # noqa: E402
+from core import Table, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
 
 # Our recipe → (airbench function suffix, the peer's TTA level, its target accuracy)
 PEERS = {"fast94": ("94", 2, 0.94), "fast95": ("95", 2, 0.95), "fast96": ("96", 2, 0.96)}
@@ -59,19 +61,33 @@ def time_peer(airbench, suffix, tta_level, loader, test_loader, sync):
     return {"final_acc": acc, "time": time.perf_counter() - t0}
 
 
-def stats_row(name, n, results, target, reference_time=None):
+def alternation(n_ours, n_peer):
+    """The order of the runs: ours and the peer's in turn, each peer run after the run of ours it is due
+    after when the counts differ (4 of ours per peer run for 100 and 25)."""
+    order = []
+    for i in range(n_ours):
+        order.append("ours")
+        order += ["peer"] * ((i + 1) * n_peer // n_ours - order.count("peer"))
+    return order + ["peer"] * (n_peer - order.count("peer"))
+
+
+def stats_row(name, results, target, reference=None):
     acc = summarize([r["final_acc"] for r in results])
     t = summarize([r["time"] for r in results])
     p = one_sided_p([r["final_acc"] for r in results], target)
-    return {"recipe": name, "n": n, "mean_acc": acc["mean"], "std_acc": acc["std"],
-            "p_above_target": "" if p is None else p, "mean_time": t["mean"],
-            "time_ratio": "" if reference_time is None else t["mean"] / reference_time}
+    ci = ratio_ci([r["time"] for r in results], [r["time"] for r in reference]) if reference else None
+    ratio = t["mean"] / summarize([r["time"] for r in reference])["mean"] if reference and results else None
+    blank = lambda v: "" if v is None else v
+    return {"recipe": name, "n": len(results), "mean_acc": blank(acc["mean"]), "std_acc": blank(acc["std"]),
+            "p_above_target": blank(p), "mean_time": blank(t["mean"]), "time_ratio": blank(ratio),
+            "ratio_lo95": blank(ci and ci["low"]), "ratio_hi95": blank(ci and ci["high"])}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="fast94,fast95,fast96", help="comma-separated recipes of ours")
-    p.add_argument("--runs", type=int, default=10, help="runs of each side per recipe")
+    p.add_argument("--runs", type=int, default=10, help="runs of ours per recipe")
+    p.add_argument("--peer-runs", type=int, default=None, help="runs of the peer per recipe (default: --runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default="data", help="as for cifar10_fast.py")
     p.add_argument("--device", default=None)
@@ -84,6 +100,11 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="override our recipes' batch size (smoke tests only)")
     p.add_argument("--out", default=None, help="write every run and the table as JSON")
     args = p.parse_args(argv)
+    peer_runs = args.runs if args.peer_runs is None else args.peer_runs
+    out = args.out and os.path.abspath(args.out)          # the peer runs in a temporary folder (chdir below)
+    if args.runs < 0 or peer_runs < 0 or args.runs + peer_runs == 0:
+        print("error: --runs and --peer-runs must not be negative, and not both 0", file=sys.stderr)
+        return 2
 
     airbench = None
     if args.peer == "airbench":
@@ -109,11 +130,15 @@ def main(argv=None):
     overrides = {k: v for k, v in (("epochs", args.epochs), ("width", args.width), ("batch_size", args.batch_size))
                  if v is not None}
     env = cf.environment(device)
-    print(f"side by side on {env['device_name']}, torch {env['torch']}, {args.runs} runs per side", flush=True)
+    print(f"side by side on {env['device_name']}, torch {env['torch']}, {args.runs} runs of ours"
+          + (f" and {peer_runs} of the peer" if airbench else "") + " per recipe", flush=True)
 
-    table = Table(["recipe", "n", "mean_acc", "std_acc", "p_above_target", "mean_time", "time_ratio"], width=15,
-                  formats={"p_above_target": ".3g", "mean_time": ".3f", "time_ratio": ".3f"})
-    everything = {"environment": env, "argv": sys.argv[1:] if argv is None else argv, "recipes": {}}
+    table = Table(["recipe", "n", "mean_acc", "std_acc", "p_above_target", "mean_time", "time_ratio", "ratio_lo95",
+                   "ratio_hi95"], width=15, formats={"p_above_target": ".3g", "mean_time": ".3f", "time_ratio": ".3f",
+                                                     "ratio_lo95": ".3f", "ratio_hi95": ".3f"})
+    everything = {"environment": env, "argv": sys.argv[1:] if argv is None else argv, "complete": False,
+                  "recipes": {}}
+    save = lambda: out and write_json(out, everything)
     with tempfile.TemporaryDirectory() as tmp:
         home = os.getcwd()
         if airbench is not None:
@@ -134,26 +159,31 @@ def main(argv=None):
                     peer = lambda: time_peer(airbench, suffix, tta_level, loader, test_loader, sync)
                     peer()                                      # the peer's untimed warm-up run
                 ours, theirs = [], []
-                for i in range(args.runs):
-                    r = tb.train(hp, data, device, args.seed + i, dtype, target, None, net, forward)
-                    r.pop("model")
-                    ours.append(r)
-                    if peer:
-                        theirs.append(peer())
-                    print(f"  {name} run {i + 1}/{args.runs}: ours {r['final_acc']:.4f} in {r['time']:.3f} s"
-                          + (f"; airbench{suffix} {theirs[-1]['final_acc']:.4f} in {theirs[-1]['time']:.3f} s"
-                             if peer else ""), flush=True)
-                peer_time = summarize([r["time"] for r in theirs])["mean"] if theirs else None
-                table.append(stats_row(name, args.runs, ours, target, peer_time))
-                if theirs:
-                    table.append(stats_row(f"airbench{suffix}", args.runs, theirs, target, peer_time))
-                everything["recipes"][name] = {"hyperparameters": hp, "target": target, "ours": ours, "peer": theirs,
+                everything["recipes"][name] = {"hyperparameters": hp, "target": target, "ours": ours,
+                                               "peer_name": peer and f"airbench{suffix}", "peer": theirs,
                                                "flops": tb.count_flops(hp, data)}
+                for side in alternation(args.runs, peer_runs if peer else 0):
+                    if side == "ours":
+                        start = time.perf_counter()
+                        r = tb.train(hp, data, device, args.seed + len(ours), dtype, target, None, net, forward)
+                        r.pop("model")
+                        r["wall_s"] = time.perf_counter() - start
+                        ours.append(r)
+                        print(f"  {name} run {len(ours)}/{args.runs}: ours {r['final_acc']:.4f} in {r['time']:.3f} s",
+                              flush=True)
+                    else:
+                        theirs.append(peer())
+                        print(f"  {name} peer run {len(theirs)}/{peer_runs}: airbench{suffix} "
+                              f"{theirs[-1]['final_acc']:.4f} in {theirs[-1]['time']:.3f} s", flush=True)
+                    save()
+                table.append(stats_row(name, ours, target, theirs))
+                if theirs:
+                    table.append(stats_row(f"airbench{suffix}", theirs, target, theirs))
         finally:
             os.chdir(home)
-    everything["table"] = table.rows
+    everything["table"], everything["complete"] = table.rows, True
     if args.out:
-        write_json(args.out, everything)
+        save()
         print(f"wrote {args.out}")
     return 0
 

@@ -80,3 +80,23 @@ def test_a_journey_stage_runs_from_the_command_line(synth_npz):
                 "--width", "0.125", "--batch-size", "64")
     assert r.returncode == 0, r.stderr
     assert "recipe whitening on" in r.stdout and "final test accuracy" in r.stdout
+
+
+def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(synth_npz, tmp_path, monkeypatch):
+    import cifar10_fast as cf
+    import torch_backend as tb
+    real, calls = tb.train, []
+
+    def fails_second_time(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(*a, **k)
+    monkeypatch.setattr(tb, "train", fails_second_time)
+    out = tmp_path / "r.json"
+    with pytest.raises(RuntimeError):
+        cf.main(["--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "1", "--width", "0.125",
+                 "--batch-size", "64", "--runs", "3", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0]
+    assert res["runs"][0]["wall_s"] >= res["runs"][0]["train_time"] and res["summary"]["final_acc"]["n"] == 1

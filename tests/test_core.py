@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from core import PiecewiseLinear, Table, Timer, summarize, write_atomic, write_json
+from core import PiecewiseLinear, Table, Timer, ratio_ci, summarize, write_atomic, write_json
 
 
 def test_piecewise_linear_exact_at_knots_and_between():
@@ -67,3 +67,17 @@ def test_write_json_is_atomic_on_failure(tmp_path):
         write_atomic(p, broken)
     assert json.loads(p.read_text()) == {"a": 1}       # old file untouched
     assert [f.name for f in tmp_path.iterdir()] == ["r.json"]   # no temporary left
+
+
+def test_ratio_ci_covers_the_true_ratio_95_percent_of_the_time():
+    import numpy as np
+    rng = np.random.default_rng(0)
+    hits = 0
+    for _ in range(1000):
+        a, b = rng.normal(3.0, 0.1, 25), rng.normal(4.0, 0.2, 10)      # true ratio 0.75
+        r = ratio_ci(a, b)
+        assert r["low"] < r["ratio"] < r["high"]
+        hits += r["low"] <= 0.75 <= r["high"]
+    assert 0.93 <= hits / 1000 <= 0.97
+    assert ratio_ci([1.0], [1.0, 2.0]) is None
+    assert ratio_ci([2.0, 2.0], [1.0, 1.0]) == {"ratio": 2.0, "low": 2.0, "high": 2.0, "level": 0.95}

@@ -37,7 +37,8 @@ def test_ours_alone_on_the_cpu_prints_the_table_and_json(tmp_path, capsys):
     assert rc == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(l for l in lines if l.split()[:2] == ["recipe", "n"])
-    assert header.split() == ["recipe", "n", "mean_acc", "std_acc", "p_above_target", "mean_time", "time_ratio"]
+    assert header.split() == ["recipe", "n", "mean_acc", "std_acc", "p_above_target", "mean_time", "time_ratio",
+                              "ratio_lo95", "ratio_hi95"]
     row = lines[lines.index(header) + 1].split()
     assert row[:2] == ["fast94", "2"]
     res = json.loads(out.read_text())
@@ -45,3 +46,11 @@ def test_ours_alone_on_the_cpu_prints_the_table_and_json(tmp_path, capsys):
     assert len(ours) == 2 and res["recipes"]["fast94"]["peer"] == []
     assert float(row[2]) == pytest.approx(np.mean([r["final_acc"] for r in ours]), abs=1e-4)
     assert res["recipes"]["fast94"]["flops"]["total"] > 0
+
+
+def test_alternation_spreads_the_peer_runs_evenly():
+    assert side_by_side.alternation(3, 3) == ["ours", "peer"] * 3
+    order = side_by_side.alternation(100, 25)
+    assert order.count("ours") == 100 and order.count("peer") == 25
+    assert order[:10] == ["ours"] * 4 + ["peer"] + ["ours"] * 4 + ["peer"]
+    assert side_by_side.alternation(0, 2) == ["peer", "peer"] and side_by_side.alternation(2, 0) == ["ours", "ours"]

@@ -1,0 +1,312 @@
+"""Writes every results table of README.md and docs/perf-notes.md from results/, so that no figure is
+typed by hand: each table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->` and is replaced
+whole; a piece with no result reads "not measured".
+
+    python benchmarks/report.py             # rewrite the tables
+    python benchmarks/report.py --check     # exit 1, naming the tables, if they differ from results/
+
+results/<device>/<piece>.json are written by benchmarks/suite.py (smoke results are never shown).
+"""
+import argparse
+import difflib
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+NM = "not measured"
+FAST = ("fast94", "fast95", "fast96")
+DOCS = ("README.md", "docs/perf-notes.md")
+
+
+def load_results(folder, smoke=False):
+    """{piece: [result, ...]} over every device folder, devices in name order; smoke results only if asked."""
+    out = {}
+    for path in sorted(Path(folder).glob("*/*.json")):
+        try:
+            r = json.loads(path.read_text())
+        except ValueError:
+            continue
+        if smoke or not r.get("smoke"):
+            out.setdefault(r.get("piece", path.stem), []).append(r)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Formatting
+
+def pct(s):
+    return NM if not s or s.get("mean") is None else f"{100 * s['mean']:.2f}% ± {100 * s['std']:.2f}"
+
+
+def secs(s, std=True):
+    if not s or s.get("mean") is None:
+        return "–"
+    return f"{s['mean']:.2f} s" + (f" ± {s['std']:.2f}" if std else "")
+
+
+def pval(p):
+    return "–" if p is None else f"{p:.2g}" if p >= 1e-4 else "< 1e-4"
+
+
+def device(r):
+    return r["fingerprint"]["device_name"]
+
+
+def n_of(side):
+    n, want = len(side["runs"]), side["n_wanted"]
+    return f"{n}" if n >= want else f"{n} (partial, of {want})"
+
+
+def code(cmd):
+    return f"`{cmd}`"
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def sides(results, piece, side):
+    """(result, side dict) for every device that measured this side of this piece."""
+    return [(r, r["sides"][side]) for r in results.get(piece, []) if r.get("sides", {}).get(side, {}).get("runs")]
+
+
+def counted(results, recipe):
+    """Counted FLOPs per run of a recipe, from any env.json (the count is the same on every device)."""
+    for r in results.get("env", []):
+        f = r.get("counted_flops", {}).get(recipe)
+        if f:
+            return f["total"]
+    return None
+
+
+def pflop(f, note=""):
+    return NM if not f else f"{f / 1e15:.3f} PFLOP{note}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables
+
+def t_flops(results):
+    env = next((r for r in results.get("env", []) if r.get("counted_flops")), None)
+    rows = []
+    for recipe, f in (env or {}).get("counted_flops", {}).items():
+        if recipe in FAST + ("myrtle24", "myrtle10") or recipe.startswith("fast"):
+            views = f.get("tta_views", 1)
+            rows.append([recipe, f"{f['parameters']:,}", f"{f['per_test_image'] / views / 1e9:.4f}",
+                         f"{f['per_train_image'] / 1e9:.4f}", f"{f['train'] / 1e15:.4f}",
+                         f"{f['final_eval'] / 1e12:.3f} ({views} view{'s' * (views > 1)})", f"{f['total'] / 1e15:.4f}"])
+    return table(["recipe", "parameters", "forward GFLOP/image", "train GFLOP/image", "training PFLOP",
+                  "final eval TFLOP", "total PFLOP/run"], rows or [["–", NM, NM, NM, NM, NM, NM]])
+
+
+def t_env(results):
+    rows = []
+    for r in results.get("env", []):
+        fp = r["fingerprint"]
+        gpu = fp.get("sm_count") is not None
+        rows.append([fp["device_name"], fp.get("sm_count", "–") if gpu else f"{fp.get('host_cores')} cores",
+                     f"{fp['memory_gib']} GiB" if gpu else "–", fp.get("driver") or "–", fp.get("cuda") or "–",
+                     fp["torch"], f"{fp.get('sm_clock_after_matmul_mhz') or '–'} / {fp.get('max_sm_clock_mhz') or '–'} MHz"
+                     if gpu else "–", f"{fp.get('power_limit_w') or '–'} W" if gpu else "–",
+                     f"{fp['matmul_tflops']:.1f} TFLOP/s ({fp['matmul_dtype']}, {fp['matmul_size']}³, mean of {fp['reps']})",
+                     f"{fp['copy_gbps']:.0f} GB/s", fp["date"][:10]])
+    return table(["device", "SMs", "memory", "driver", "CUDA", "torch", "SM clock after matmuls / max", "power limit",
+                  "measured matmul rate", "copy bandwidth (read + write)", "date"],
+                 rows or [["GPU"] + [NM] * 10])
+
+
+def t_plain(results, pieces, target=0.94, cpu=False):
+    rows = []
+    for piece, recipe in pieces:
+        found = sides(results, piece, recipe)
+        for r, s in found:
+            st = s["stats"]
+            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"]),
+                         pval(st["p_mean_above_target"]), secs(st["time"]), secs(st["time_to_target"], std=False),
+                         f"{100 * st['fraction_reaching_target']:.0f}%"])
+        if not found and not cpu:
+            rows.append([recipe, "GPU", "see Reproduce", "–", NM, NM, NM, NM, NM])
+    return table(["recipe", "device", "command", "n", "final test accuracy (mean ± std)",
+                  f"p (mean > {100 * target:.0f}%)", "time (mean ± std)", f"time to {100 * target:.0f}% (mean)",
+                  f"runs reaching {100 * target:.0f}%"], rows)
+
+
+def t_fast(results):
+    rows = []
+    for recipe in FAST:
+        found = sides(results, recipe, recipe)
+        for r, s in found:
+            st = s["stats"]
+            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"]),
+                         pval(st["p_mean_above_target"]), secs(st["time"]), pflop(st.get("flops_per_run")),
+                         f"{st['tflops_per_s']:.0f}" if st.get("tflops_per_s") else "–"])
+        if not found:
+            rows.append([recipe, "GPU", "see Reproduce", "–", NM, NM, NM, pflop(counted(results, recipe), " (counted)"),
+                         NM])
+    return table(["recipe", "device", "command", "n", "accuracy (mean ± std)", "p (mean > target)",
+                  "time (mean ± std)", "FLOPs per run", "achieved TFLOP/s"], rows)
+
+
+def t_side_by_side(results):
+    rows = []
+    for recipe in FAST:
+        peer = "airbench" + recipe[4:]
+        found = [r for r in results.get(recipe, []) if r["sides"][recipe]["runs"]]
+        for r in found:
+            a, b = r["sides"][recipe], r["sides"][peer]
+            ratio = r.get("time_ratio")
+            rows.append([f"{recipe} / {peer}", device(r), f"{n_of(a)} / {n_of(b)}",
+                         f"{pct(a['stats']['accuracy'])} (p {pval(a['stats']['p_mean_above_target'])})",
+                         f"{pct(b['stats']['accuracy'])} (p {pval(b['stats']['p_mean_above_target'])})"
+                         if b["runs"] else "not run (needs `pip install airbench` and a GPU)",
+                         f"{secs(a['stats']['time'], False)} / {secs(b['stats']['time'], False)}",
+                         f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]" if ratio else "–"])
+        if not found:
+            rows.append([f"{recipe} / {peer}", "GPU", "–", NM, NM, NM, NM])
+    return table(["ours / peer", "device", "n (ours / peer)", "our accuracy (p: mean > target)",
+                  "peer's accuracy (p: mean > target)", "mean time (ours / peer)", "time ratio [95% CI]"], rows)
+
+
+def t_journey(results):
+    import cifar10_fast as cf
+    found = [r for r in results.get("journey", []) if any(s["runs"] for s in r["sides"].values())]
+    rows = []
+    for i, stage in enumerate(cf.JOURNEY):
+        name = stage["name"]
+        ours = []
+        for r in found:
+            s = r["sides"].get(name)
+            if s and s["runs"]:
+                ours.append(f"{secs(s['stats']['time'], False)}, {pct(s['stats']['accuracy'])} "
+                            f"(n={len(s['runs'])}, {device(r)})")
+        rows.append([f"`{name}`", stage["doc"], f"{stage['published_v100_s']} s", "; ".join(ours) or NM])
+    return table(["stage", "changes from the stage before (Myrtle's numbers)", "published V100 time",
+                  "ours: mean time, accuracy (mean ± std)"], rows)
+
+
+def t_throughput(results):
+    rows = []
+    for r in results.get("imagenet_throughput", []):
+        for row in r.get("rows", []):
+            rows.append([device(r), row["res"], f"{row['ceiling']:.0f}", f"{row['store']:.0f}",
+                         f"{row['store/ceil']:.3f}", f"{row['folder']:.0f}", f"{row['folder/ceil']:.3f}"])
+    header = ["device", "res", "ceiling img/s", "store img/s", "store / ceiling", "ImageFolder img/s",
+              "ImageFolder / ceiling"]
+    if not rows:
+        rows = [["GPU", res] + [NM] * 5 for res in (128, 160, 192, 224)]
+    cmd = next((r["command"] for r in results.get("imagenet_throughput", [])), None)
+    return table(header, rows) + ([""] + [f"Command: {code(cmd)} (ResNet-50, bf16, channels_last)."] if cmd else [])
+
+
+def t_torchrun(results):
+    rows = []
+    for piece, what in (("torchrun_fast94", "fast94"), ("torchrun_imagenet_tiny", "ImageNet `tiny`")):
+        found = [r for r in results.get(piece, []) if r["sides"]["plain"]["runs"]]
+        for r in found:
+            a, b = r["sides"]["plain"], r["sides"]["torchrun"]
+            ratio = r.get("time_ratio")
+            rows.append([what, device(r), f"{n_of(a)} / {n_of(b)}", secs(a["stats"]["time"]), secs(b["stats"]["time"]),
+                         f"{1 / ratio['ratio']:.3f} [{1 / ratio['high']:.3f}, {1 / ratio['low']:.3f}]" if ratio else "–"])
+        if not found:
+            rows.append([what, "GPU", "–", NM, NM, NM])
+    return table(["run", "device", "n (plain / torchrun)", "plain `python` time", "`torchrun --nproc_per_node=1` time",
+                  "torchrun / plain [95% CI]"], rows)
+
+
+def t_floor(results):
+    rows = []
+    for recipe in FAST + ("myrtle24", "myrtle10"):
+        piece_sides = sides(results, recipe, recipe)
+        for r, s in piece_sides:
+            st, fp = s["stats"], r["fingerprint"]
+            floor = st.get("floor_s")
+            rows.append([recipe, device(r), pflop(st.get("flops_per_run")),
+                         f"{fp['matmul_tflops']:.0f} TFLOP/s", f"{floor:.3f} s" if floor else "–",
+                         secs(st["time"], False), f"{st['time']['mean'] / floor:.1f}×" if floor else "–"])
+        if not piece_sides:
+            rows.append([recipe, "GPU", pflop(counted(results, recipe), " (counted)"), NM, NM, NM, NM])
+    return table(["recipe", "device", "FLOPs per run", "measured matmul rate", "floor (FLOPs ÷ rate)",
+                  "measured mean time", "time ÷ floor"], rows)
+
+
+def outcome(results, ref):
+    """The outcome cell of a perf-notes row measured by piece:side (or '-')."""
+    if ref in ("", "-", "–"):
+        return "–"
+    piece, _, side = ref.strip("`").partition(":")
+    found = sides(results, piece, side or piece)
+    if not found:
+        return NM
+    return "; ".join(f"{device(r)}: {secs(s['stats']['time'])}, {pct(s['stats']['accuracy'])} (n={len(s['runs'])})"
+                     for r, s in found)
+
+
+TABLES = {"env": t_env, "flops": t_flops, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
+          "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
+          else [f"CPU demonstration: {NM}."],
+          "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput,
+          "torchrun": t_torchrun, "floor": t_floor}
+
+
+def fill_outcomes(block, results):
+    """The perf-notes changes table: every column as written except the last, outcome, which is computed
+    from the piece:side named in the 'measured by' column."""
+    lines = block.split("\n")
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    by, out = header.index("measured by"), header.index("outcome")
+    rows = []
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells[out] = outcome(results, cells[by])
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines[:2] + rows)
+
+
+MARK = re.compile(r"(<!-- report:(\w+) -->\n)(.*?)(<!-- /report:\2 -->)", re.S)
+
+
+def render(text, results):
+    """text with every marked table regenerated."""
+    def one(m):
+        name, body = m.group(2), m.group(3)
+        new = fill_outcomes(body.strip(), results) if name == "outcomes" else "\n".join(TABLES[name](results))
+        return m.group(1) + new + "\n" + m.group(4)
+    return MARK.sub(one, text)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="only compare; exit 1 if a document is out of date")
+    p.add_argument("--results", default=str(ROOT / "results"), help="results folder (default results/)")
+    p.add_argument("--root", default=str(ROOT), help="the folder holding README.md and docs/")
+    args = p.parse_args(argv)
+    results = load_results(args.results)
+    stale = []
+    for doc in DOCS:
+        path = Path(args.root) / doc
+        old = path.read_text()
+        unknown = sorted({m.group(2) for m in MARK.finditer(old)} - set(TABLES) - {"outcomes"})
+        if unknown:
+            print(f"error: {doc}: unknown report tables {unknown}", file=sys.stderr)
+            return 2
+        new = render(old, results)
+        if new != old:
+            stale.append(doc)
+            if args.check:
+                diff = difflib.unified_diff(old.splitlines(), new.splitlines(), doc, "from results/", lineterm="", n=0)
+                print("\n".join(list(diff)[:20]))
+            else:
+                path.write_text(new)
+    if args.check and stale:
+        print(f"out of date: {', '.join(stale)}; run python benchmarks/report.py", file=sys.stderr)
+        return 1
+    print(f"rewrote {', '.join(stale)}" if stale and not args.check else "up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

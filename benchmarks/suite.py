@@ -1,0 +1,650 @@
+"""Every figure the project claims, measured by one program: tiers of pieces, most important first, each
+finished piece written at once as JSON under results/<device>/ (the only source of README's tables).
+
+    python benchmarks/suite.py --data-dir cifar10.npz                          # tiers 0-4 on the GPU
+    python benchmarks/suite.py --data-dir cifar10.npz --tiers 0,1 --budget-s 540 --copy-to /tmp/out
+    python benchmarks/suite.py --smoke                                         # all of it, tiny, on the CPU
+    python benchmarks/suite.py --device cpu --tiers 0,cpu --data-dir cifar10.npz   # the CPU demonstration
+
+  tier 0    the machine: GPU, SMs, memory, driver, CUDA, torch, clocks, power limit (nvidia-smi), measured
+            bf16 matmul rate (8192^3, mean of 10 after warm-up), device-to-device copy bandwidth, and the
+            counted FLOPs of every recipe; every other result embeds this fingerprint
+  tier 1    fast94 (n=100, --compile max-autotune) alternating with airbench's train94 (n=25); our best
+            94% recipe if it is another one (n=100)
+  tier 2    fast95 beside airbench95 (25 / 10); myrtle24 (5); myrtle10 (10)
+  tier 3    fast96 beside airbench96 (10 / 5); the journey stages (3 each)
+  tier 4    ResNet-50 images/s at 128-224 px (model alone, our store, ImageFolder); the torchrun
+            --nproc_per_node=1 (NCCL) overhead for fast94 and an ImageNet tiny run
+  tier cpu  the CPU demonstration README quotes
+
+Each piece runs the project's own command lines (recorded in its result) in a fresh process, with --out
+rewritten after every run. An interrupted piece keeps the runs it finished: the suite merges them into
+its result while it runs, and the next call goes on from them (seeds continue). --budget-s never starts
+work whose estimate (earlier chunks on this device, else counted FLOPs over the measured matmul rate)
+would overrun it: a piece that does not fit whole runs a chunk of the runs that fit, and the suite stops
+a command that is still running at the deadline. One line per piece.
+"""
+import argparse
+import contextlib
+import datetime
+import importlib
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from core import one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
+
+TIERS = ("0", "1", "2", "3", "4", "cpu")
+# For planning only, until a piece has run once on the device: the fraction of the measured matmul rate
+# that these small convolutional networks reach (airbench94 on an A100: 0.36 PFLOP in 3.8 s, ~30%; we
+# assume half that), and the seconds a command needs before its first run (start, data, warm-up).
+ASSUMED_EFFICIENCY = 0.15
+SETUP_GUESS_S = {None: 40.0, "max-autotune": 300.0}
+SMOKE_CIFAR = ["--subset", "256", "--epochs", "1", "--width", "0.0625", "--batch-size", "64"]
+
+
+@dataclass
+class Piece:
+    """A unit of measurement: one result file. sides: name -> runs wanted; recipes: side -> our recipe
+    (for FLOPs and the command); kind picks how its commands are built and read."""
+    name: str
+    tier: str
+    title: str
+    kind: str                        # fingerprint | cifar | side_by_side | torchrun_cifar | torchrun_imagenet | throughput
+    sides: dict = field(default_factory=dict)
+    recipes: dict = field(default_factory=dict)
+    targets: dict = field(default_factory=dict)
+    compile: str = None
+    needs: tuple = ()                # "gpu" (at full size), "nccl", "peer" (some sides)
+    extra: list = field(default_factory=list)
+
+
+def journey_stages():
+    import cifar10_fast as cf
+    return [s["name"] for s in cf.JOURNEY]
+
+
+def pieces():
+    """The whole suite, in order. Targets are the accuracy each side is tested against (one-sided t-test)."""
+    fast = lambda name, recipe, n, peer, m, target, tier: Piece(
+        name, tier, f"{recipe} (n={n}) alternating with {peer} (n={m}), compiled max-autotune", "side_by_side",
+        {recipe: n, peer: m}, {recipe: recipe, peer: recipe}, {recipe: target, peer: target}, "max-autotune",
+        ("gpu", "peer"))
+    plain = lambda recipe, n, tier: Piece(recipe, tier, f"{recipe} (n={n})", "cifar", {recipe: n}, {recipe: recipe},
+                                          {recipe: 0.94}, needs=("gpu",))
+    stages = journey_stages()
+    return [
+        Piece("env", "0", "environment fingerprint and counted FLOPs", "fingerprint"),
+        fast("fast94", "fast94", 100, "airbench94", 25, 0.94, "1"),
+        fast("fast95", "fast95", 25, "airbench95", 10, 0.95, "2"),
+        plain("myrtle24", 5, "2"),
+        plain("myrtle10", 10, "2"),
+        fast("fast96", "fast96", 10, "airbench96", 5, 0.96, "3"),
+        Piece("journey", "3", "the journey stages (n=3 each)", "cifar", {s: 3 for s in stages},
+              {s: s for s in stages}, {s: 0.94 for s in stages}, needs=("gpu",)),
+        Piece("imagenet_throughput", "4", "ResNet-50 training images/s at 128-224 px", "throughput",
+              needs=("gpu",), extra=["--model", "resnet50", "--sizes", "128,160,192,224"]),
+        Piece("torchrun_fast94", "4", "fast94 under torchrun --nproc_per_node=1 (NCCL) against a plain run",
+              "torchrun_cifar", {"plain": 10, "torchrun": 10}, {"plain": "fast94", "torchrun": "fast94"},
+              {"plain": 0.94, "torchrun": 0.94}, needs=("gpu", "nccl")),
+        Piece("torchrun_imagenet_tiny", "4", "ImageNet tiny under torchrun --nproc_per_node=1 (NCCL) against a plain run",
+              "torchrun_imagenet", {"plain": 3, "torchrun": 3}, {}, {"plain": 0.0, "torchrun": 0.0}, needs=("gpu", "nccl")),
+        Piece("cpu_demo", "cpu", "narrow ResNet-9 on 10,000 real images, 2 epochs, on the CPU (n=4)", "cifar",
+              {"myrtle24": 4}, {"myrtle24": "myrtle24"}, {"myrtle24": 0.94},
+              extra=["--subset", "10000", "--epochs", "2", "--width", "0.25"]),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The machine
+
+def slugify(name):
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def nvidia_smi(*fields):
+    """{field: value} from nvidia-smi for GPU 0; {} where it is absent or fails."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return {}
+    return {f: v.strip() for f, v in zip(fields, out.split(","))}
+
+
+def cpu_name():
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device):
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {os.cpu_count()} cores {cpu_name()}"
+
+
+def measure_rates(device, size, copy_bytes, reps=10):
+    """Mean matmul TFLOP/s (bf16 on a GPU, float32 on a CPU, size^3, random inputs, after warm-up) and
+    copy GB/s (bytes read plus bytes written) over reps repetitions."""
+    import torch
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+    src = torch.randn(copy_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+
+    def timed(f):
+        for _ in range(3):
+            f()
+        sync()
+        start = time.perf_counter()
+        for _ in range(reps):
+            f()
+        sync()
+        return (time.perf_counter() - start) / reps
+    matmul_s = timed(lambda: a @ b)
+    copy_s = timed(lambda: dst.copy_(src))
+    return {"matmul_dtype": str(dtype)[6:], "matmul_size": size, "matmul_tflops": 2 * size ** 3 / matmul_s / 1e12,
+            "copy_bytes": 2 * src.numel() * 4, "copy_gbps": 2 * src.numel() * 4 / copy_s / 1e9, "reps": reps}
+
+
+def counted_flops(recipes):
+    """torch_backend.count_flops of each recipe at full size on CIFAR-10's shapes (device-independent)."""
+    import torch
+    import cifar10_fast as cf
+    import torch_backend as tb
+    shapes = {"train_images": torch.zeros(1, 3, 1, 1).expand(50000, 3, 1, 1), "train_labels": torch.zeros(50000),
+              "test_images": torch.zeros(1, 3, 32, 32).expand(10000, 3, 32, 32),
+              "test_labels": torch.zeros(10000, dtype=torch.long)}
+    views = lambda hp: len(tb.tta_views(shapes["test_images"][:1], hp["tta"]))
+    return {r: {**tb.count_flops(hp, shapes), "parameters": tb.count_parameters(tb.build_model(hp, "cpu")),
+                "tta_views": views(hp)} for r, hp in ((r, cf.recipe(r)) for r in recipes)}
+
+
+def fingerprint(device, smoke):
+    import torch
+    fp = {"device_name": device_name(device), "device": str(device), "torch": torch.__version__,
+          "python": platform.python_version(), "host_cpu": cpu_name(), "host_cores": os.cpu_count(),
+          "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        fp.update(sm_count=props.multi_processor_count, memory_gib=round(props.total_memory / 2 ** 30, 1),
+                  cuda=torch.version.cuda)
+        smi = nvidia_smi("driver_version", "clocks.sm", "clocks.max.sm", "power.limit", "clocks.mem")
+        fp.update(driver=smi.get("driver_version"), sm_clock_mhz=smi.get("clocks.sm"),
+                  max_sm_clock_mhz=smi.get("clocks.max.sm"), power_limit_w=smi.get("power.limit"),
+                  mem_clock_mhz=smi.get("clocks.mem"))
+        fp.update(measure_rates(device, 8192, 2 ** 30))
+        # the clock right after the matmuls (nvidia-smi reads the idle clock before them)
+        fp["sm_clock_after_matmul_mhz"] = nvidia_smi("clocks.sm").get("clocks.sm")
+    else:
+        fp["threads"] = torch.get_num_threads()
+        fp.update(measure_rates(device, 256 if smoke else 2048, 2 ** 22 if smoke else 2 ** 28))
+    fp["slug"] = slugify(fp["device_name"])
+    return fp
+
+
+# ---------------------------------------------------------------------------------------------------
+# Commands of a piece
+
+@dataclass
+class Chunk:
+    argv: list            # what runs: [launcher, script, args...], launcher "python" or "torchrun"
+    parse: object         # its --out JSON -> {side: [runs]}
+    flops: object = lambda out: {}     # its --out JSON -> {side: counted FLOPs per run}
+
+
+TOGETHER = ("side_by_side",)     # kinds whose sides run in one command (alternating); the others: one side a command
+
+
+def cifar_runs(out):
+    return out.get("runs", [])
+
+
+def imagenet_runs(out):
+    return [{**r, "final_acc": r["final_top1"], "time": r["train_time"]} for r in out.get("runs", [])]
+
+
+def chunk_for(piece, want, done, ctx, whole=False):
+    """The command that adds want[side] runs to each side given done[side] runs so far (seeds go on from
+    there). whole=True: the command that measures everything in one go, as a result records it."""
+    out = [] if whole else ["--out", ctx["out"]]
+    device = ["--device", ctx["device"]] if ctx["device"] else []
+    smoke = SMOKE_CIFAR if ctx["smoke"] else []
+    compile_ = ["--compile", piece.compile] if piece.compile and not ctx["smoke"] else []
+    side = next(iter(want))
+    seed = ["--seed", str(done.get(side, 0))] if done.get(side) else []
+    if piece.kind == "cifar":
+        argv = ["python", "cifar10_fast.py", "--recipe", piece.recipes[side], "--runs", str(want[side]), *seed,
+                "--data-dir", ctx["data"], *compile_, *(smoke or piece.extra), *device, *out]
+        return Chunk(argv, lambda o: {side: cifar_runs(o)}, lambda o: {side: o.get("flops", {}).get("total")})
+    if piece.kind == "side_by_side":
+        ours, peer = list(piece.sides)
+        seed = ["--seed", str(done[ours])] if done.get(ours) else []
+        argv = ["python", "benchmarks/side_by_side.py", "--recipes", piece.recipes[ours], "--runs",
+                str(want.get(ours, 0)), "--peer-runs", str(want.get(peer, 0)), *seed, "--data-dir", ctx["data"],
+                *compile_, *([] if want.get(peer) else ["--peer", "none"]), *smoke, *device, *out]
+        r = piece.recipes[ours]
+        mine = lambda o: o.get("recipes", {}).get(r, {})
+        return Chunk(argv, lambda o: {ours: mine(o).get("ours", []), peer: mine(o).get("peer", [])},
+                     lambda o: {ours: mine(o).get("flops", {}).get("total")})
+    launcher = ["python"] if side == "plain" else ["torchrun", "--standalone", "--nproc_per_node=1"]
+    if piece.kind == "torchrun_cifar":
+        argv = [*launcher, "cifar10_fast.py", "--recipe", piece.recipes[side], "--runs", str(want[side]), *seed,
+                "--data-dir", ctx["data"], *smoke, *device, *out]
+        return Chunk(argv, lambda o: {side: cifar_runs(o)}, lambda o: {side: o.get("flops", {}).get("total")})
+    if piece.kind == "torchrun_imagenet":
+        argv = [*launcher, "imagenet_fast.py", "train", "--store", ctx.get("store") or "STORE", "--recipe", "tiny",
+                "--runs", str(want[side]), *seed, *device, *out]
+        return Chunk(argv, lambda o: {side: imagenet_runs(o)})
+    raise ValueError(f"no commands for a {piece.kind} piece")
+
+
+def throughput_argv(piece, ctx, whole=False):
+    extra = (["--device", "cpu", "--images", "20", "--sizes", "32", "--steps", "1", "--warmup", "1",
+              "--model", "resnet_tiny", "--batch-size", "8", "--workers", "1"] if ctx["smoke"] else piece.extra)
+    return ["python", "benchmarks/imagenet_throughput.py", *extra, *([] if whole else ["--out", ctx["out"]])]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Running a command: a fresh process, or (--in-process, for the CPU smoke run) this one
+
+def die_with_parent():
+    """In the child, before exec: SIGKILL when the suite's process ends (Linux's PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def launch(argv, log, deadline, in_process, on_poll):
+    """Runs argv with output to log; returns its exit status, or None when stopped at the deadline.
+    on_poll() is called every few seconds while it runs (the suite merges partial results then)."""
+    if in_process and argv[0] == "python":
+        module = Path(argv[1]).stem
+        with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            try:
+                rc = importlib.import_module(module).main(argv[2:])
+            except SystemExit as e:
+                rc = e.code
+            except Exception as e:  # a crash of one piece must not end the suite
+                print(f"{type(e).__name__}: {e}", file=f)
+                rc = 1
+        return rc or 0
+    cmd = ([sys.executable, "-m", "torch.distributed.run"] if argv[0] == "torchrun" else [sys.executable]) + argv[1:]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as f:
+        # its own process group, so the deadline stops torchrun's workers too; and it dies with the suite, so
+        # no orphan keeps the GPU busy under the next measurement
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, process_group=0,
+                                preexec_fn=die_with_parent)
+        while True:
+            try:
+                return proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                on_poll()
+                if deadline is not None and time.time() > deadline:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                    try:
+                        proc.wait(timeout=20)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
+                    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Results
+
+def side_stats(runs, target, flops, rate_tflops):
+    accs, times = [r["final_acc"] for r in runs], [r["time"] for r in runs]
+    s = {"n": len(runs), "accuracy": summarize(accs), "p_mean_above_target": one_sided_p(accs, target),
+         "time": summarize(times), "time_to_target": summarize([r.get("time_to_target") for r in runs]),
+         "fraction_reaching_target": (sum(r.get("time_to_target") is not None for r in runs) / len(runs)) if runs else None}
+    if flops:
+        s["flops_per_run"] = flops
+        if runs:
+            s["tflops_per_s"] = flops / s["time"]["mean"] / 1e12
+        if rate_tflops:
+            s["floor_s"] = flops / (rate_tflops * 1e12)
+    return s
+
+
+def finish(result, fp):
+    """Statistics of every side and the ratios between them, from the runs."""
+    rate = fp.get("matmul_tflops")
+    for name, side in result.get("sides", {}).items():
+        side["stats"] = side_stats(side["runs"], side["target"], side.get("flops_per_run"), rate)
+    sides = list(result.get("sides", {}).values())
+    if result["kind"] in ("side_by_side", "torchrun_cifar", "torchrun_imagenet") and len(sides) == 2:
+        a, b = sides
+        ci = ratio_ci([r["time"] for r in a["runs"]], [r["time"] for r in b["runs"]])
+        result["time_ratio"] = ci and {"of": a["name"], "to": b["name"], **ci}
+    result["complete"] = all(s["n_wanted"] <= len(s["runs"]) for s in sides) and result.get("ran", True)
+    return result
+
+
+def load(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def new_result(piece, fp, ctx):
+    together = piece.kind in TOGETHER
+    command = lambda s: shlex.join(chunk_for(piece, piece.sides if together else {s: piece.sides[s]}, {}, ctx,
+                                             whole=True).argv)
+    sides = {s: {"name": s, "target": piece.targets.get(s, 0.0), "n_wanted": n, "runs": [], "command": command(s)}
+             for s, n in piece.sides.items()}
+    return {"piece": piece.name, "tier": piece.tier, "title": piece.title, "kind": piece.kind, "fingerprint": fp,
+            "sides": sides, "chunks": [], "complete": False, "smoke": ctx["smoke"]}
+
+
+def merge(result, base, got, flops):
+    """result's runs = the runs before this chunk (base) plus the chunk's (got), per side."""
+    for side, f in flops.items():
+        if f and side in result["sides"]:
+            result["sides"][side]["flops_per_run"] = f
+    for side, runs in got.items():
+        if side in result["sides"]:
+            result["sides"][side]["runs"] = base[side] + [r for r in runs if "seed" not in r or
+                                                          r["seed"] not in {b.get("seed") for b in base[side]}]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Planning
+
+def per_run_s(piece, side, result, fp, flops):
+    """Seconds one more run of a side should take: its mean wall time so far, else FLOPs over the rate."""
+    runs = result["sides"][side]["runs"]
+    walls = [r.get("wall_s", r["time"]) for r in runs]
+    if walls:
+        return sum(walls) / len(walls)
+    recipe = piece.recipes.get(side)
+    for other in result["sides"].values():          # the peer: as long as ours, until it has run
+        if other["runs"] and piece.recipes.get(other["name"]) == recipe:
+            return sum(r.get("wall_s", r["time"]) for r in other["runs"]) / len(other["runs"])
+    f = flops.get(recipe) if recipe else None
+    rate = fp.get("matmul_tflops")
+    if not f or not rate:
+        return 60.0
+    import cifar10_fast as cf
+    epochs = math.ceil(cf.recipe(recipe)["epochs"])      # every epoch ends with an evaluation pass
+    return (f["train"] + epochs * f["final_eval"]) / (rate * 1e12 * ASSUMED_EFFICIENCY)
+
+
+def setup_s(piece, result):
+    """Seconds before a command's first run: the slowest earlier chunk's, else a guess."""
+    seen = [c["setup_s"] for c in result["chunks"] if c.get("setup_s") is not None]
+    return max(seen) if seen else SETUP_GUESS_S.get(piece.compile, SETUP_GUESS_S[None])
+
+
+def plan(piece, result, fp, flops, left_s):
+    """(runs per side for the next command, its estimated seconds, estimated seconds of all the rest).
+    The runs are what fits in left_s seconds (None: no limit), the sides of one command in proportion;
+    {} when not even one run fits."""
+    left = {s: side["n_wanted"] - len(side["runs"]) for s, side in result["sides"].items()}
+    per = {s: per_run_s(piece, s, result, fp, flops) for s in left if left[s] > 0}
+    setup = setup_s(piece, result)
+    commands = 1 if piece.kind in TOGETHER else len(per)
+    rest = commands * setup + sum(left[s] * per[s] for s in per)
+    group = list(per) if piece.kind in TOGETHER else list(per)[:1]
+    want = {s: left[s] for s in group}
+    est = setup + sum(want[s] * per[s] for s in group)
+    if left_s is not None and est > left_s:
+        share = max(0.0, (left_s - setup) / (est - setup))
+        want = {s: math.floor(want[s] * share) for s in group}
+        want = want if sum(want.values()) else {}
+        est = setup + sum(want[s] * per[s] for s in want)
+    return want, est, rest
+
+
+# ---------------------------------------------------------------------------------------------------
+# The suite
+
+def synthetic_npz(path, n_train=512, n_test=256, seed=0):
+    """CIFAR-shaped random images whose class is written into the red channel (for --smoke without data)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for split, n in (("train", n_train), ("test", n_test)):
+        y = rng.integers(0, 10, n).astype(np.uint8)
+        x = (rng.integers(0, 256, (n, 32, 32, 3)) // 4).astype(np.uint8)
+        x[..., 0] += (y * 19)[:, None, None].astype(np.uint8)
+        arrays[f"{split}_images"], arrays[f"{split}_labels"] = x, y
+    np.savez(path, **arrays)
+    return path
+
+
+def synthetic_store(folder, smoke):
+    """A generated ImageFolder prepared into a store, for the ImageNet torchrun piece."""
+    import imagenet_fast as imagenet_store
+    src = imagenet_store.synthetic_imagefolder(Path(folder) / "src", 10, 16 if smoke else 128, 4 if smoke else 32,
+                                               (32, 48))
+    imagenet_store.prepare(src, Path(folder) / "store", 32, log=lambda s: None)
+    return str(Path(folder) / "store")
+
+
+def run_piece(piece, ctx, fp, flops, deadline, say, note=""):
+    """Runs (the rest of) a piece within the deadline, writing its result as runs finish. One line."""
+    path = ctx["results"] / f"{piece.name}.json"
+    old = load(path)
+    result = old if old and old.get("kind") == piece.kind and old.get("smoke") == ctx["smoke"] \
+        else new_result(piece, fp, ctx)
+    for s, side in new_result(piece, fp, ctx)["sides"].items():     # n may differ from the last call's
+        result["sides"].setdefault(s, side).update(n_wanted=side["n_wanted"], command=side["command"])
+    result["fingerprint"] = fp
+
+    def save():
+        write_json(path, finish(result, fp))
+        if ctx["copy_to"]:
+            write_json(ctx["copy_to"] / fp["slug"] / path.name, result)
+    if finish(result, fp)["complete"] and piece.kind != "throughput":
+        say(f"{piece.name}: already complete ({describe(result)})")
+        return
+    start, estimated = time.time(), 0.0
+    while True:
+        left_s = None if deadline is None else deadline - time.time()
+        if piece.kind == "throughput":
+            est = max([c["seconds"] for c in result["chunks"]] or [SETUP_GUESS_S[None] + 240.0])
+            want, rest = ({"rows": 1} if left_s is None or est <= left_s else {}), est
+        else:
+            want, est, rest = plan(piece, result, fp, flops, left_s)
+        if not want:
+            say(f"{piece.name}: {'not started' if not estimated else 'stopped'}: about {rest:.0f} s of work left, "
+                f"{left_s:.0f} s of the budget left" + (f"; kept {describe(result)}" if estimated else ""))
+            return
+        estimated += est
+        if piece.kind == "torchrun_imagenet" and not ctx.get("store"):
+            ctx["store"] = synthetic_store(ctx["tmp"], ctx["smoke"])
+        done = {s: len(side["runs"]) for s, side in result["sides"].items()}
+        chunk = (Chunk(throughput_argv(piece, ctx), lambda o: {}) if piece.kind == "throughput"
+                 else chunk_for(piece, want, done, ctx))
+        base = {s: list(side["runs"]) for s, side in result["sides"].items()}
+        out, log, t0 = Path(ctx["out"]), Path(ctx["tmp"]) / f"{piece.name}.log", time.time()
+        out.unlink(missing_ok=True)
+
+        def poll():
+            got = load(out)
+            if got:
+                merge(result, base, chunk.parse(got), chunk.flops(got))
+                save()
+        rc = launch(chunk.argv, log, deadline, ctx["in_process"], poll)
+        got = load(out) or {}
+        merge(result, base, chunk.parse(got), chunk.flops(got))
+        if piece.kind == "throughput":
+            result.update(rows=got.get("rows", []), command=shlex.join(throughput_argv(piece, ctx, whole=True)),
+                          ran=rc == 0)
+        new = [r for s in base for r in result["sides"][s]["runs"][len(base[s]):]]
+        result["chunks"].append({
+            "argv": shlex.join(chunk.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "seconds": time.time() - t0, "estimated_s": est, "returncode": rc, "runs_added": len(new),
+            "setup_s": time.time() - t0 - sum(r.get("wall_s", r["time"]) for r in new) if rc == 0 and new else None,
+            "device_name": fp["device_name"], "sm_clock_after_matmul_mhz": fp.get("sm_clock_after_matmul_mhz")})
+        save()
+        if rc != 0:
+            tail = log.read_text().splitlines()[-15:] if log.exists() else []
+            why = "stopped at the budget" if rc is None else f"failed (exit status {rc})"
+            say(f"{piece.name}: {why} after {time.time() - start:.0f} s; kept {describe(result)}"
+                + ("" if rc is None else "".join("\n    " + line for line in tail)))
+            return
+        if result["complete"] or piece.kind == "throughput":
+            break
+    say(f"{piece.name}: {'complete' if result['complete'] else 'partial'} in {time.time() - start:.0f} s"
+        + (f" (estimated {estimated:.0f} s)" if deadline else "") + f": {describe(result)}{note}")
+
+
+def describe(result):
+    sides = [s for s in result.get("sides", {}).values() if s["n_wanted"] or s["runs"]]
+    if len(sides) > 3:
+        accs = [s["stats"]["accuracy"]["mean"] for s in sides if s.get("stats", {}).get("n")]
+        return (f"{sum(len(s['runs']) for s in sides)}/{sum(s['n_wanted'] for s in sides)} runs of {len(sides)} recipes"
+                + (f", mean accuracy {min(accs):.4f} to {max(accs):.4f}" if accs else ""))
+    parts = []
+    for name, side in result.get("sides", {}).items():
+        st = side.get("stats") or {}
+        if not side["n_wanted"] and not side["runs"]:
+            continue
+        acc, t = st.get("accuracy", {}).get("mean"), st.get("time", {}).get("mean")
+        parts.append(f"{name} {len(side['runs'])}/{side['n_wanted']}"
+                     + (f" acc {acc:.4f} time {t:.2f} s" if acc is not None else ""))
+    if result.get("rows"):
+        parts.append(f"{len(result['rows'])} rows")
+    return "; ".join(parts) or "nothing"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data-dir", default=None,
+                   help="CIFAR-10 as for cifar10_fast.py (a .npz works offline); default: data/ (downloads), "
+                        "or synthetic images with --smoke")
+    p.add_argument("--tiers", default=None, help="comma-separated tiers to run, in order (default 0,1,2,3,4; "
+                                                 "0,cpu on a CPU)")
+    p.add_argument("--pieces", default=None, help="only these pieces (comma-separated names)")
+    p.add_argument("--budget-s", type=float, default=None, help="start no work whose estimate overruns this")
+    p.add_argument("--runs-scale", type=float, default=1.0, help="multiply every n (at least 2) for a quick pass")
+    p.add_argument("--results", default=None, help="results folder (default results/; with --smoke a temporary one)")
+    p.add_argument("--copy-to", default=None, help="also write each result into DIR/<device>/ (remote collection)")
+    p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
+    p.add_argument("--smoke", action="store_true",
+                   help="everything on the CPU with tiny settings and n=2, in this process, into a temporary folder")
+    p.add_argument("--in-process", action="store_true", help="run the commands inside this process (as --smoke does)")
+    p.add_argument("--list", action="store_true", help="print the pieces and exit")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    all_pieces = pieces()
+    if args.list:
+        for pc in all_pieces:
+            print(f"tier {pc.tier:>3}  {pc.name:24s} {pc.title}")
+        return 0
+    say = lambda line: print(line, flush=True)
+    import torch
+    device = torch.device(args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda"))
+    if args.smoke and device.type != "cpu":
+        print("error: --smoke runs on the CPU; leave out --device", file=sys.stderr)
+        return 2
+    if args.smoke:      # tiny networks gain nothing from a second thread, and a busy machine stalls its barrier
+        torch.set_num_threads(1)
+    tiers = (args.tiers or ("0,1,2,3,4,cpu" if args.smoke else "0,1,2,3,4" if device.type == "cuda" else "0,cpu")).split(",")
+    bad = [t for t in tiers if t not in TIERS]
+    names = args.pieces.split(",") if args.pieces else None
+    unknown = [n for n in names or [] if n not in {pc.name for pc in all_pieces}]
+    if bad or unknown or args.runs_scale <= 0 or (args.budget_s is not None and args.budget_s <= 0):
+        print(f"error: {'unknown tiers ' + str(bad) + ' (choose from ' + ','.join(TIERS) + ')' if bad else ''}"
+              f"{'unknown pieces ' + str(unknown) + ' (see --list)' if unknown else ''}"
+              f"{'--runs-scale and --budget-s must be positive' if not bad and not unknown else ''}", file=sys.stderr)
+        return 2
+    deadline = None if args.budget_s is None else time.time() + args.budget_s
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))     # a killed suite ends its command too
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = args.data_dir or (str(synthetic_npz(Path(tmp) / "synthetic.npz")) if args.smoke else "data")
+        data = os.path.abspath(data)            # the commands run in the repository's root
+        fp = fingerprint(device, args.smoke)
+        results = Path(args.results) if args.results else (Path(tmp) / "results" if args.smoke else ROOT / "results")
+        results = results / fp["slug"]
+        results.mkdir(parents=True, exist_ok=True)
+        copy_to = Path(args.copy_to) if args.copy_to else None
+        try:
+            import airbench  # noqa: F401
+            peer = device.type == "cuda"
+        except ImportError:
+            peer = False
+        ctx = {"smoke": args.smoke, "data": data, "device": "cpu" if device.type == "cpu" else None, "peer": peer,
+               "results": results, "copy_to": copy_to, "tmp": tmp, "out": str(Path(tmp) / "out.json"),
+               "in_process": args.in_process or args.smoke}
+        say(f"suite on {fp['device_name']} (torch {fp['torch']}): results in {results}"
+            + (f", budget {args.budget_s:.0f} s" if deadline else "") + ("; SMOKE (tiny settings)" if args.smoke else ""))
+        fp_path = results / "env.json"
+        flops = {}
+        for tier in tiers:
+            for piece in [pc for pc in all_pieces if pc.tier == tier and (names is None or pc.name in names)]:
+                if piece.kind == "fingerprint":
+                    flops = counted_flops(sorted({r for pc in all_pieces for r in pc.recipes.values()}))
+                    env = {"piece": "env", "tier": "0", "kind": "fingerprint", "title": piece.title, "fingerprint": fp,
+                           "counted_flops": flops, "complete": True, "smoke": args.smoke,
+                           "command": "python benchmarks/suite.py --tiers 0"}
+                    write_json(fp_path, env)
+                    if copy_to:
+                        write_json(copy_to / fp["slug"] / "env.json", env)
+                    say(f"env: {fp['device_name']}, {fp['matmul_dtype']} matmul {fp['matmul_tflops']:.1f} TFLOP/s, "
+                        f"copy {fp['copy_gbps']:.0f} GB/s; FLOPs of {len(flops)} recipes counted")
+                    continue
+                reason = skip_reason(piece, device, args.smoke, peer)
+                if reason:
+                    say(f"{piece.name}: skipped: {reason}")
+                    continue
+                scaled, note = scale(piece, 2 if args.smoke else None, args.runs_scale), ""
+                if not peer and "peer" in piece.needs:
+                    note = "; the peer's side skipped: " + ("airbench runs only on a CUDA GPU" if device.type != "cuda"
+                                                            else "run `pip install airbench`")
+                    scaled.sides = {s: (0 if s.startswith("airbench") else n) for s, n in scaled.sides.items()}
+                if not flops and deadline is not None:
+                    flops = (load(fp_path) or {}).get("counted_flops") or counted_flops(sorted(set(piece.recipes.values())))
+                run_piece(scaled, ctx, fp, flops, deadline, say, note)
+    return 0
+
+
+def skip_reason(piece, device, smoke, peer):
+    if "nccl" in piece.needs and device.type != "cuda":
+        return "needs a GPU (torchrun with NCCL)"
+    if "gpu" in piece.needs and device.type != "cuda" and not smoke:
+        return "needs a GPU at full size (use --smoke for a tiny CPU pass)"
+    if piece.tier == "cpu" and device.type != "cpu":
+        return "a CPU demonstration (run it with --device cpu)"
+    return None
+
+
+def scale(piece, fixed, factor):
+    """The piece with every n set to `fixed` (smoke) or multiplied by factor (at least 2)."""
+    n = lambda k: fixed if fixed else max(2, round(k * factor)) if factor != 1 else k
+    return Piece(**{**piece.__dict__, "sides": {s: n(k) for s, k in piece.sides.items()}})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

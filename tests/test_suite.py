@@ -1,0 +1,163 @@
+"""The measurement suite and the report: the whole suite end to end on the CPU (--smoke), its JSON layout,
+planning within a budget, resuming an interrupted piece, and README's tables against results/."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import report  # noqa: E402
+import suite  # noqa: E402
+
+
+def run_suite(*args, timeout=600):
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "suite.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("results")
+    start = time.time()
+    r = run_suite("--smoke", "--results", folder)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return folder, r.stdout, time.time() - start
+
+
+def test_smoke_runs_every_piece_in_under_two_minutes(smoke):
+    folder, out, seconds = smoke
+    assert seconds < 120
+    lines = out.strip().splitlines()
+    names = [pc.name for pc in suite.pieces()]
+    assert [line.split(":")[0] for line in lines[1:]] == names          # one line per piece, in tier order
+    by_name = dict(line.split(": ", 1) for line in lines[1:])
+    assert by_name["torchrun_fast94"] == "skipped: needs a GPU (torchrun with NCCL)"
+    assert by_name["fast94"].startswith("complete") and "the peer's side skipped: airbench runs only on a CUDA GPU" \
+        in by_name["fast94"]
+    (device,) = folder.iterdir()
+    assert sorted(p.stem for p in device.glob("*.json")) == sorted(set(names) - {"torchrun_fast94",
+                                                                                 "torchrun_imagenet_tiny"})
+
+
+def test_every_result_holds_command_runs_statistics_flops_and_the_fingerprint(smoke):
+    folder, _, _ = smoke
+    (device,) = folder.iterdir()
+    env = json.loads((device / "env.json").read_text())
+    fp = env["fingerprint"]
+    assert fp["matmul_tflops"] > 0 and fp["copy_gbps"] > 0 and fp["device_name"].startswith("CPU")
+    assert env["counted_flops"]["fast94"]["total"] == pytest.approx(0.3584e15, rel=1e-3)   # docs/perf-notes.md
+    r = json.loads((device / "fast94.json").read_text())
+    assert r["complete"] and r["fingerprint"] == fp and r["smoke"]
+    side = r["sides"]["fast94"]
+    assert side["command"].startswith("python benchmarks/side_by_side.py --recipes fast94 --runs 2")
+    assert [run["seed"] for run in side["runs"]] == [0, 1]
+    st = side["stats"]
+    accs = [run["final_acc"] for run in side["runs"]]
+    assert st["n"] == 2 and st["accuracy"]["mean"] == pytest.approx(sum(accs) / 2)
+    assert 0 <= st["p_mean_above_target"] <= 1
+    assert st["floor_s"] == pytest.approx(st["flops_per_run"] / (fp["matmul_tflops"] * 1e12))
+    assert st["tflops_per_s"] == pytest.approx(st["flops_per_run"] / st["time"]["mean"] / 1e12)
+    journey = json.loads((device / "journey.json").read_text())
+    assert len(journey["sides"]) == 15 and all(len(s["runs"]) == 2 for s in journey["sides"].values())
+    assert journey["sides"]["whitening"]["command"].startswith("python cifar10_fast.py --recipe whitening --runs 2")
+    rows = json.loads((device / "imagenet_throughput.json").read_text())["rows"]
+    assert rows[0]["res"] == 32 and rows[0]["ceiling"] > 0
+
+
+def test_the_report_shows_the_results_figures(smoke):
+    folder, _, _ = smoke
+    results = report.load_results(folder, smoke=True)
+    assert report.load_results(folder) == {}                        # smoke results never reach README
+    text = report.render((ROOT / "README.md").read_text(), results)
+    r = results["fast94"][0]
+    st = r["sides"]["fast94"]["stats"]
+    row = next(line for line in text.splitlines() if line.startswith("| fast94 | CPU"))
+    assert f"{100 * st['accuracy']['mean']:.2f}% ± {100 * st['accuracy']['std']:.2f}" in row
+    assert f"{st['time']['mean']:.2f} s" in row and "| 2 |" in row
+    stage = next(line for line in text.splitlines() if line.startswith("| `ghost_bn` |"))
+    assert "(n=2, CPU" in stage and "| 46 s |" in stage                # ours beside the published V100 time
+
+
+def test_readme_and_perf_notes_tables_are_what_the_committed_results_give():
+    assert report.main(["--check"]) == 0
+
+
+def test_without_results_every_table_says_not_measured(tmp_path):
+    text = report.render((ROOT / "README.md").read_text(), {})
+    for m in report.MARK.finditer(text):
+        assert "not measured" in m.group(3), m.group(2)
+
+
+def test_an_interrupted_piece_goes_on_from_its_finished_runs(tmp_path):
+    r = run_suite("--smoke", "--results", tmp_path, "--pieces", "myrtle24")
+    assert r.returncode == 0, r.stderr
+    (path,) = tmp_path.glob("*/myrtle24.json")
+    res = json.loads(path.read_text())
+    first = res["sides"]["myrtle24"]["runs"][0]
+    res["sides"]["myrtle24"]["runs"] = [first]           # as if the call had been killed after one run
+    res["complete"] = False
+    path.write_text(json.dumps(res))
+    r = run_suite("--smoke", "--results", tmp_path, "--pieces", "myrtle24")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(path.read_text())
+    assert res["complete"] and [run["seed"] for run in res["sides"]["myrtle24"]["runs"]] == [0, 1]
+    assert res["sides"]["myrtle24"]["runs"][0] == first
+    assert " --runs 1 --seed 1 " in res["chunks"][-1]["argv"] and res["chunks"][-1]["runs_added"] == 1
+    r = run_suite("--smoke", "--results", tmp_path, "--pieces", "myrtle24")
+    assert "myrtle24: already complete" in r.stdout
+
+
+def fake_result(walls, n_wanted, setup=None):
+    runs = [{"seed": i, "final_acc": 0.94, "time": w, "wall_s": w} for i, w in enumerate(walls)]
+    return {"sides": {"fast94": {"name": "fast94", "n_wanted": n_wanted, "runs": runs},
+                      "airbench94": {"name": "airbench94", "n_wanted": n_wanted // 4, "runs": []}},
+            "chunks": [{"setup_s": setup}] if setup else []}
+
+
+def test_a_budget_runs_only_what_fits():
+    piece = suite.pieces()[1]                                   # fast94 beside airbench94
+    result = fake_result([4.0] * 10, 100, setup=60)            # 90 + 25 runs of about 4 s left, 60 s to start
+    want, est, rest = suite.plan(piece, result, {}, {}, None)
+    assert want == {"fast94": 90, "airbench94": 25} and rest == pytest.approx(60 + 115 * 4.0)
+    want, est, rest = suite.plan(piece, result, {}, {}, 60 + 23 * 4.0)
+    assert want == {"fast94": 18, "airbench94": 5} and est <= 60 + 23 * 4.0     # in proportion, within the budget
+    want, _, _ = suite.plan(piece, result, {}, {}, 62.0)
+    assert want == {}                                           # not even one run fits: nothing starts
+    # no history: the estimate comes from the counted FLOPs over the measured matmul rate
+    empty = fake_result([], 100)
+    flops = {"fast94": {"train": 0.34e15, "final_eval": 0.014e15}}
+    per = suite.per_run_s(piece, "fast94", empty, {"matmul_tflops": 800.0}, flops)
+    assert per == pytest.approx((0.34e15 + 10 * 0.014e15) / (800e12 * suite.ASSUMED_EFFICIENCY))
+
+
+def test_the_deadline_stops_a_running_command(tmp_path):
+    start, polls = time.time(), []
+    rc = suite.launch(["python", "-c", "import time; time.sleep(120)"], tmp_path / "log", time.time() + 1, False,
+                      lambda: polls.append(1))
+    assert rc is None and time.time() - start < 40 and polls
+
+
+def test_bad_arguments_are_one_line():
+    r = run_suite("--tiers", "9")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: unknown tiers ['9']")
+    r = run_suite("--pieces", "nope", "--smoke")
+    assert r.returncode == 2 and "unknown pieces ['nope'] (see --list)" in r.stderr
+    r = run_suite("--list")
+    assert r.returncode == 0 and r.stdout.splitlines()[1].split()[:3] == ["tier", "1", "fast94"]
+
+
+def test_the_torchrun_pieces_run_the_same_command_with_and_without_torchrun():
+    ctx = {"out": "o.json", "device": None, "smoke": False, "data": "/d/c.npz", "store": "/s"}
+    piece = next(pc for pc in suite.pieces() if pc.name == "torchrun_fast94")
+    plain = suite.chunk_for(piece, {"plain": 10}, {}, ctx).argv
+    tr = suite.chunk_for(piece, {"torchrun": 4}, {"torchrun": 6}, ctx).argv
+    assert plain == ["python", "cifar10_fast.py", "--recipe", "fast94", "--runs", "10", "--data-dir", "/d/c.npz",
+                     "--out", "o.json"]
+    assert tr == ["torchrun", "--standalone", "--nproc_per_node=1", "cifar10_fast.py", "--recipe", "fast94", "--runs",
+                  "4", "--seed", "6", "--data-dir", "/d/c.npz", "--out", "o.json"]
+    piece = next(pc for pc in suite.pieces() if pc.name == "torchrun_imagenet_tiny")
+    assert suite.chunk_for(piece, {"torchrun": 3}, {}, ctx).argv[3:7] == ["imagenet_fast.py", "train", "--store", "/s"]
