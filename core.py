@@ -1,4 +1,5 @@
-"""Framework-free helpers: timers, schedules, result tables, run statistics, atomic files.
+"""Framework-free helpers: timers, schedules, result tables, the statistics and printed summary of several
+runs, the data error both scripts report, atomic files.
 
 Nothing here imports torch, so it can be read and tested on its own.
 """
@@ -136,6 +137,40 @@ def one_sided_p(values, target):
         return None
     t = (s["mean"] - target) / (s["std"] / math.sqrt(s["n"]))
     return t_sf(t, s["n"] - 1)
+
+
+def fmt_stats(name, s, scale=1.0, unit=""):
+    """One line of summarize()'s statistics: name: mean, std, min, max (n)."""
+    if not s["n"]:
+        return f"{name}: none"
+    return (f"{name}: mean {s['mean'] * scale:.4f}{unit}  std {s['std'] * scale:.4f}{unit}  "
+            f"min {s['min'] * scale:.4f}{unit}  max {s['max'] * scale:.4f}{unit}  (n={s['n']})")
+
+
+def summarize_runs(runs, target, keys, accuracy):
+    """The summary of several runs' results: summarize() of each of `keys`, the one-sided t-test of the mean of
+    `accuracy` against target, and the fraction of the runs that reached target (a time_to_target)."""
+    s = {k: summarize([r[k] for r in runs]) for k in keys}
+    s["p_mean_above_target"] = one_sided_p([r[accuracy] for r in runs], target)
+    s["fraction_reaching_target"] = sum(r["time_to_target"] is not None for r in runs) / len(runs)
+    return s
+
+
+def print_summary(name, s, target, labels):
+    """Prints a summarize_runs() summary: a line for each key of labels ({key: (name, unit)}, the accuracy
+    first: the t-test follows it), the fraction reaching target, and the FLOPs if the summary has them."""
+    lines = [fmt_stats(label, s[k], unit=unit) for k, (label, unit) in labels.items()]
+    if s["p_mean_above_target"] is not None:
+        lines.insert(1, f"one-sided t-test, mean accuracy > {target:.2%}: p = {s['p_mean_above_target']:.3g}")
+    print(f"\nsummary over {s[next(iter(labels))]['n']} runs of {name}")
+    print("\n".join(lines))
+    print(f"runs reaching {target:.2%}: {s['fraction_reaching_target']:.0%}")
+    if "flops_per_run" in s:
+        print(f"FLOPs per run {s['flops_per_run'] / 1e12:.3f} T; achieved {s['tflops_per_s']:.2f} TFLOP/s")
+
+
+class DataError(Exception):
+    """Bad or missing data: the message names the file and what is wrong."""
 
 
 def write_atomic(path, write):
