@@ -4,11 +4,12 @@ augmentation drawn in a handful of random calls and applied to all images at onc
 
 Bad data raises core.DataError with one line naming the file and what is wrong.
 """
-import hashlib
+import contextlib
+import io
+import os
 import pickle
 import sys
 import tarfile
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -31,47 +32,32 @@ MEAN = (125.307, 122.950, 113.865)
 STD = (62.993, 62.089, 66.705)
 
 
-def _progress(done, total, what):
-    out = sys.stderr
-    if total:
-        pct = 100 * done / total
-        bar = "#" * int(pct // 4)
-        out.write(f"\r{what}: [{bar:<25}] {pct:5.1f}% {done / 2**20:7.1f}/{total / 2**20:.1f} MiB")
-    else:
-        out.write(f"\r{what}: {done / 2**20:7.1f} MiB")
-    out.flush()
-
-
 def download(url, path, progress=True):
-    """Download url to path (via a temporary name, renamed only when complete)."""
+    """Downloads url to path with torchvision's downloader (its tqdm bar on stderr unless progress is off),
+    under a temporary name renamed only when complete, so no half file is ever left under the final name."""
+    from torchvision.datasets.utils import download_url     # here: importing torchvision takes a second or two
+    path = Path(path)
+    if progress:
+        print(f"downloading {path.name} from {url}", file=sys.stderr, flush=True)
+
     def write(tmp):
+        os.remove(tmp)              # download_url skips a file that is already there when given no md5
         try:
-            with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f:
-                total, done = int(r.headers.get("Content-Length") or 0), 0
-                while chunk := r.read(1 << 20):
-                    f.write(chunk)
-                    done += len(chunk)
-                    if progress:
-                        _progress(done, total, f"downloading {Path(path).name}")
-            if progress:
-                sys.stderr.write("\n")
-        except OSError as e:
-            raise DataError(f"{url}: download failed ({e}); put {Path(path).name} in {Path(path).parent} by hand") from e
+            with contextlib.redirect_stderr(sys.stderr if progress else io.StringIO()):   # its bar has no off switch
+                download_url(url, os.path.dirname(tmp), os.path.basename(tmp))
+        except (OSError, RuntimeError) as e:      # URLError, HTTPError, "File not found", too many redirects
+            raise DataError(f"{url}: download failed ({e}); put {path.name} in {path.parent} by hand") from e
     write_atomic(path, write)
 
 
 def verify_archive(path, spec):
     """Size and md5 checks; spec values of None skip that check."""
+    from torchvision.datasets.utils import calculate_md5
     size = path.stat().st_size
     if spec.get("size") and size < spec["size"]:
         raise DataError(f"{path}: truncated archive ({size} of {spec['size']} bytes); delete it and run again")
-    if spec.get("md5"):
-        md5 = hashlib.md5()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                md5.update(chunk)
-        if md5.hexdigest() != spec["md5"]:
-            raise DataError(f"{path}: checksum mismatch (md5 {md5.hexdigest()}, expected {spec['md5']}); delete it and run again")
+    if spec.get("md5") and (md5 := calculate_md5(path)) != spec["md5"]:
+        raise DataError(f"{path}: checksum mismatch (md5 {md5}, expected {spec['md5']}); delete it and run again")
 
 
 def _batches_to_arrays(read, where):
@@ -95,6 +81,8 @@ def _batches_to_arrays(read, where):
 
 
 def read_archive(path):
+    # Straight from the tar into arrays, cached as one .npz: torchvision's CIFAR10 class would first extract the
+    # pickles to disk and unpickle them again on every start.
     try:
         with tarfile.open(path, "r:gz") as tar:
             members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}

@@ -92,51 +92,15 @@ def summarize(values):
     return {"n": n, "mean": mean, "std": std, "min": min(xs), "max": max(xs)}
 
 
-def _betacf(a, b, x, iters=300, eps=1e-15):
-    """Continued fraction for the regularised incomplete beta function (modified Lentz method)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, iters + 1):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < eps:
-            break
-    return h
-
-
-def betainc(a, b, x):
-    """Regularised incomplete beta function I_x(a, b)."""
-    if x <= 0:
-        return 0.0
-    if x >= 1:
-        return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1) / (a + b + 2):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1 - x) / b
-
-
-def t_sf(t, df):
-    """P(T > t) for Student's t with df degrees of freedom."""
-    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
-    return tail if t > 0 else 1.0 - tail
-
-
 def one_sided_p(values, target):
     """One-sample, one-sided t-test of the mean against target: the probability of a sample mean at
-    least this high if the true mean were exactly target. Small p: the true mean exceeds target."""
+    least this high if the true mean were exactly target. Small p: the true mean exceeds target.
+    None for fewer than two values or none different from the others (no t statistic)."""
     s = summarize(values)
     if s["n"] < 2 or s["std"] == 0:
         return None
-    t = (s["mean"] - target) / (s["std"] / math.sqrt(s["n"]))
-    return t_sf(t, s["n"] - 1)
+    from scipy.stats import ttest_1samp     # here: scipy.stats takes a second to import, which only summaries need
+    return float(ttest_1samp([float(x) for x in values if x is not None], target, alternative="greater").pvalue)
 
 
 def fmt_stats(name, s, scale=1.0, unit=""):

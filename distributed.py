@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from core import write_atomic
@@ -181,22 +182,14 @@ def sync_batch_norm_stats(model, ctx):
 class TorusState:
     """The process subgroups of a rows x cols grid of ranks (rank r sits at row r // cols, column r % cols)."""
 
-    def __init__(self, grid):
+    def __init__(self, grid, device_type):
         rows, cols = grid
         world = dist.get_world_size()
         if rows * cols != world:
             raise ValueError(f"torus grid {rows}x{cols} does not match the world size {world}")
         self.rows, self.cols, self.world = rows, cols, world
-        rank = dist.get_rank()
-        # every rank must create every group, in the same order (new_group is collective)
-        for r in range(rows):
-            g = dist.new_group([r * cols + c for c in range(cols)])
-            if r == rank // cols:
-                self.row = g
-        for c in range(cols):
-            g = dist.new_group([r * cols + c for r in range(rows)])
-            if c == rank % cols:
-                self.col = g
+        mesh = init_device_mesh(device_type, (rows, cols))       # mesh dimension 0 runs down a column, 1 along a row
+        self.col, self.row = mesh.get_group(0), mesh.get_group(1)
 
 
 def torus_allreduce_hook(state, bucket):
@@ -238,5 +231,6 @@ def register_comm_hook(ddp_model, name, grid=None):
     elif name == "bf16":
         ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     elif name == "torus":
-        ddp_model.register_comm_hook(TorusState(grid or square_grid(dist.get_world_size())), torus_allreduce_hook)
+        state = TorusState(grid or square_grid(dist.get_world_size()), ddp_model.device_type)
+        ddp_model.register_comm_hook(state, torus_allreduce_hook)
     return ddp_model

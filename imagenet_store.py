@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from tqdm import tqdm
 
 from core import DataError, write_atomic, write_json
 
@@ -117,12 +118,6 @@ def prepare_shard(path, key, split, items, size, max_aspect, step):
     return len(labels), errors
 
 
-def progress(done, total, what, skipped):
-    bar = "#" * int(25 * done / max(total, 1))
-    sys.stderr.write(f"\r{what}: [{bar:<25}] {done}/{total} images, {skipped} skipped")
-    sys.stderr.flush()
-
-
 def save_npy(path, array):
     def write(tmp):
         with open(tmp, "wb") as f:
@@ -216,20 +211,20 @@ def prepare(src, dst, size, workers=None, shard_size=1000, max_aspect=2.0, max_s
             todo = todo[:max(0, max_shards - new_shards)]
         log(f"{split}: {len(items)} images in {len(jobs)} shards; {sum(finished)} already done, "
             f"{len(todo)} to decode with {workers} workers")
-        done, errors = sum(len(j[2]) for j, f in zip(jobs, finished) if f), []
-        progress(done, len(items), f"prepare {split}", 0)
-        with ProcessPoolExecutor(min(workers, max(1, len(todo)))) as pool:
+        done = sum(len(j[2]) for j, f in zip(jobs, finished) if f)
+        with tqdm(total=len(items), initial=done, desc=f"prepare {split}", unit="img", file=sys.stderr) as bar, \
+                ProcessPoolExecutor(min(workers, max(1, len(todo)))) as pool:
             futures = {pool.submit(prepare_shard, p, k, split, part, size, max_aspect, step): part
                        for p, k, part in todo}
+            unreadable = 0
             for fut in as_completed(futures):
                 _, errs = fut.result()
                 for f, reason in errs:
-                    sys.stderr.write(f"\rskipped {f}: {reason}\033[K\n")
-                errors += errs
-                done += len(futures[fut])
+                    tqdm.write(f"skipped {f}: {reason}", file=sys.stderr)     # above the bar, which stays whole
+                unreadable += len(errs)
                 new_shards += 1
-                progress(done, len(items), f"prepare {split}", len(errors))
-        sys.stderr.write("\n")
+                bar.set_postfix(skipped=unreadable, refresh=False)
+                bar.update(len(futures[fut]))
         if max_shards is not None and new_shards >= max_shards and any(not shard_is_done(p, k) for p, k, _ in jobs):
             log(f"stopped after {new_shards} new shards (--max-shards); run again to resume")
             return None

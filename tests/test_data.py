@@ -1,8 +1,10 @@
+import functools
 import hashlib
+import http.server
 import io
 import pickle
 import tarfile
-from pathlib import Path
+import threading
 
 import numpy as np
 import pytest
@@ -118,18 +120,34 @@ def test_npz_that_is_not_an_npz(tmp_path):
         cd.load_cifar10(p)
 
 
-def test_download_goes_through_a_temporary_name_then_verifies(tmp_path, capsys):
-    src = tmp_path / "src" / "cifar-10-python.tar.gz"
-    src.parent.mkdir()
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    """(folder, its URL): the folder served over HTTP on 127.0.0.1 while the test runs. Not a file:// URL:
+    torchvision's downloader reads the response's length, which urllib's file responses lack."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    handler = type("Quiet", (http.server.SimpleHTTPRequestHandler,), {"log_message": lambda *a: None})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("no_proxy", "127.0.0.1")         # never through a proxy the environment may name
+    yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_download_goes_through_a_temporary_name_then_verifies(tmp_path, served, capsys):
+    folder, url = served
+    src = folder / "cifar-10-python.tar.gz"
     expected = make_archive(src)
     dst = tmp_path / "data"
-    d = cd.load_cifar10(dst, archive=spec_of(src), url=src.as_uri())
+    d = cd.load_cifar10(dst, archive=spec_of(src), url=f"{url}/{src.name}")
     np.testing.assert_array_equal(d["test_labels"], expected["test_labels"])
     assert "downloading cifar-10-python.tar.gz" in capsys.readouterr().err
     assert sorted(p.name for p in dst.iterdir()) == ["cifar-10-python.tar.gz", cd.CACHE_NAME]
 
 
-def test_failed_download_leaves_nothing(tmp_path):
+def test_failed_download_leaves_nothing(tmp_path, served):
+    _, url = served
     with pytest.raises(cd.DataError, match="download failed"):
-        cd.load_cifar10(tmp_path / "data", url=(tmp_path / "nowhere.tar.gz").as_uri(), progress=False)
+        cd.load_cifar10(tmp_path / "data", url=f"{url}/nowhere.tar.gz", progress=False)
     assert list((tmp_path / "data").iterdir()) == []
