@@ -120,8 +120,8 @@ def alpha_sgd(epoch, beta_center, beta_period):
         alpha = 1/2 * exp(2 * (e - c) / p)    e < c
         alpha = 1/2 + (e - c) / p             c <= e < c + p/2
         alpha = 1                             otherwise
-    Both pieces meet at c with value 1/2 and slope 1/p, as ELU's do at 0. The paper text was not reachable
-    when this was written; this is our reading of its description (check against arXiv:1711.04325 sec. 3.1).
+    Both pieces meet at c with value 1/2 and slope 1/p, as ELU's do at 0. This is our reading of the paper's
+    description, not yet checked against its text (arXiv:1711.04325 sec. 3.1).
     """
     if epoch < beta_center:
         return 0.5 * math.exp(2 * (epoch - beta_center) / beta_period)
