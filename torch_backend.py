@@ -1,7 +1,8 @@
 """The CIFAR-10 networks and their training: ResNet-9, ResNet-18 and the three-block fastnet with their
 batch-norm and whitening options, weight averaging (EMA, lookahead), test-time augmentation, evaluation,
-FLOP counting and the training loop. The data and its augmentation are in cifar_data.py, the
-optimisers in optim.py.
+FLOP counting and the training loop; also the device helpers imagenet_fast.py shares (EMA, autocast,
+compute_dtype, resolve_device). The data and its augmentation are in cifar_data.py, the optimisers in
+optim.py.
 
 Hyperparameters arrive as one flat dict (a recipe from cifar10_fast.py, where every key is
 named once in BASE); `grep 'hp\\["name"\\]'` finds where a hyperparameter acts.
