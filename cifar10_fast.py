@@ -9,28 +9,29 @@ Each recipe is one plain dict of named hyperparameters; any of them can be overr
 of the same name (`--batch-size 768`, `--lr-knots 0,0.2,1`).
 """
 import argparse
-import datetime
 import io
-import platform
 import sys
 import time
 
 import torch
 
+import cifar_data as cd
 import distributed as D
 import torch_backend as tb
-from core import Table, one_sided_p, summarize, write_json
+from cli import add_shared_flags, environment, overrides_from, run_record
+from core import DataError, Table, print_summary, summarize_runs, write_json
+from optim import linear_scaled_lr
 
 # Every hyperparameter, with the value it has unless a recipe or flag says otherwise.
 # lr_knots are fractions of the whole run, so --epochs stretches the schedule with it; lr_values
-# and weight_decay are in the units of `param` (see torch_backend.make_optimizers).
+# and weight_decay are in the units of `param` (see optim.make_optimizers).
 BASE = dict(
     model="resnet9", width=1.0, epochs=24, batch_size=512,
     # optimiser and schedule
     param="myrtle", optimizer="sgd", lr_knots=(0, 5 / 24, 1), lr_values=(0.0, 0.4, 0.0),
     momentum=0.9, nesterov=True, weight_decay=5e-4, bias_lr_mult=1.0, label_smoothing=0.0,
     muon_lr=0.0, muon_momentum=0.6,
-    # large-batch options (distributed.py): LARS trust coefficient; RMSprop-to-SGD's RMSprop rate and the
+    # large-batch options (optim.py, distributed.py): LARS trust coefficient; RMSprop-to-SGD's RMSprop rate and the
     # epochs where the hand-over is half done and its length; Goyal's linear scaling of lr_values by
     # batch_size / lr_scale_base (0 = off); batch-norm statistics "running" or "last_batch" (averaged
     # over ranks before each evaluation instead of moving averages)
@@ -140,7 +141,7 @@ RECIPES = {
     # ---- the "How to train your ResNet" journey, one recipe per published step (see JOURNEY) ----
     **journey_recipes(JOURNEY),
     # ---- end of the journey ----
-    # Our speed recipes (issue 3). Starting points from the published airbench hyperparameters;
+    # Our speed recipes. Starting points from the published airbench hyperparameters;
     # GPU accuracy and time not measured yet (README).
     "fast94": dict(FAST, doc="3-block net, 2x2 whitening, dirac init, lookahead, alternating flip, 6-view TTA: "
                              "9.9 epochs at batch 1024 (target 94%)"),
@@ -162,46 +163,16 @@ def recipe(name, **overrides):
     if unknown:
         raise KeyError(f"unknown hyperparameters {sorted(unknown)}")
     if hp["lr_scale_base"]:     # Goyal et al.: k times the batch, k times the learning rate
-        hp["lr_values"] = tuple(D.linear_scaled_lr(v, hp["batch_size"], hp["lr_scale_base"]) for v in hp["lr_values"])
+        hp["lr_values"] = tuple(linear_scaled_lr(v, hp["batch_size"], hp["lr_scale_base"]) for v in hp["lr_values"])
     return hp
-
-
-def _parse(kind):
-    """A converter for a flag whose default has the type of `kind` (named after it, for argparse's errors)."""
-    if isinstance(kind, bool):
-        convert = lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
-    elif isinstance(kind, tuple):
-        item = int if all(isinstance(v, int) for v in kind) else float
-        convert = lambda s: tuple(item(eval_number(v)) for v in s.split(","))
-    elif isinstance(kind, int):      # an integer unless written as a fraction: --epochs 9.9
-        convert = lambda s: int(eval_number(s)) if float(eval_number(s)).is_integer() else float(eval_number(s))
-    elif isinstance(kind, float):
-        convert = lambda s: float(eval_number(s))
-    else:
-        return type(kind)
-    convert.__name__ = type(kind).__name__
-    return convert
-
-
-def eval_number(s):
-    """Accepts plain numbers and simple fractions such as 1/16."""
-    if "/" in s:
-        a, b = s.split("/")
-        return float(a) / float(b)
-    return float(s)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="myrtle24", help="recipe name (default myrtle24; see --list-recipes)")
     p.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
-    p.add_argument("--runs", type=int, default=1, help="train this many fresh networks (seeds seed..seed+runs-1)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default="data",
                    help="data folder (downloads and caches CIFAR-10 there), a cifar-10-batches-py/ folder, or a .npz")
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda if available)")
-    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                   help="autocast dtype (default: bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--subset", type=int, default=None, help="train on the first N training images")
     p.add_argument("--target", type=float, default=0.94, help="test accuracy whose first epoch stops the clock")
     p.add_argument("--out", default=None, help="write config, environment, per-epoch rows and summary as JSON")
@@ -213,82 +184,18 @@ def parse_args(argv=None):
     return args, overrides_from(args, BASE)
 
 
-def add_shared_flags(p, base):
-    """The flags both training scripts have: torchrun's communication settings, and one flag per
-    hyperparameter of `base` (--batch-size for batch_size), typed after its base value."""
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="under torchrun: DDP gradient bucket size in MB")
-    p.add_argument("--comm-hook", default="none", choices=list(D.HOOKS),
-                   help="under torchrun: gradient communication (fp16/bf16 compression, 2D-torus allreduce)")
-    hp = p.add_argument_group("hyperparameters (override the recipe)")
-    for key, value in base.items():
-        hp.add_argument("--" + key.replace("_", "-"), dest=key, type=_parse(value), default=None,
-                        help=f"(base {value!r})")
-
-
-def overrides_from(args, base):
-    """The hyperparameters given on the command line."""
-    return {k: getattr(args, k) for k in base if getattr(args, k, None) is not None}
-
-
-def environment(device):
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
-    else:
-        env["device_name"] = platform.processor() or platform.machine()
-        env["threads"] = torch.get_num_threads()
-    return env
-
-
-def fmt_stats(name, s, scale=1.0, unit=""):
-    if not s["n"]:
-        return f"{name}: none"
-    return (f"{name}: mean {s['mean'] * scale:.4f}{unit}  std {s['std'] * scale:.4f}{unit}  "
-            f"min {s['min'] * scale:.4f}{unit}  max {s['max'] * scale:.4f}{unit}  (n={s['n']})")
-
-
-def take_subset(arrays, n_train=None, n_test=None):
-    """The first n_train training and n_test test images (None keeps them all)."""
-    return {**arrays, "train_images": arrays["train_images"][:n_train], "train_labels": arrays["train_labels"][:n_train],
-            "test_images": arrays["test_images"][:n_test], "test_labels": arrays["test_labels"][:n_test]}
-
-
 def load_arrays(data_dir, subset=None):
     """CIFAR-10 as numpy arrays, optionally the first `subset` training images; None (after a
     one-line error on stderr) when the data is bad."""
     try:
-        return take_subset(tb.load_cifar10(data_dir), subset)
-    except tb.DataError as e:
+        return cd.take_subset(cd.load_cifar10(data_dir), subset)
+    except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return None
 
 
 COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
-
-
-def summarize_runs(runs, target, flops=None):
-    accs = [r["final_acc"] for r in runs]
-    s = {"final_acc": summarize(accs), "p_mean_above_target": one_sided_p(accs, target),
-         "time": summarize([r["time"] for r in runs]),
-         "train_time": summarize([r["train_time"] for r in runs]),
-         "time_to_target": summarize([r["time_to_target"] for r in runs]),
-         "fraction_reaching_target": sum(r["time_to_target"] is not None for r in runs) / len(runs)}
-    if flops:
-        s["flops_per_run"] = flops["total"]
-        s["tflops_per_s"] = flops["total"] / s["time"]["mean"] / 1e12
-    return s
-
-
-def print_summary(name, s, target):
-    print(f"\nsummary over {s['final_acc']['n']} runs of {name}")
-    print(fmt_stats("final test accuracy", s["final_acc"]))
-    if s["p_mean_above_target"] is not None:
-        print(f"one-sided t-test, mean accuracy > {target:.2%}: p = {s['p_mean_above_target']:.3g}")
-    print(fmt_stats("time (training + final evaluation)", s["time"], unit=" s"))
-    print(fmt_stats(f"time to {target:.2%}", s["time_to_target"], unit=" s"))
-    print(f"runs reaching {target:.2%}: {s['fraction_reaching_target']:.0%}")
-    if "flops_per_run" in s:
-        print(f"FLOPs per run {s['flops_per_run'] / 1e12:.3f} T; achieved {s['tflops_per_s']:.2f} TFLOP/s")
+SUMMARY = ("final_acc", "time", "train_time", "time_to_target")     # the results summarised over runs
 
 
 def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=None, verbose=True, ctx=None,
@@ -359,27 +266,30 @@ def main(argv=None):
         part = D.shard(n_train, ctx.rank, ctx.world_size)
         arrays = {**arrays, "train_images": arrays["train_images"][part.start:part.stop],
                   "train_labels": arrays["train_labels"][part.start:part.stop]}
-    data = tb.to_device(arrays, device, dtype, hp["crop_pad"])
+    data = cd.to_device(arrays, device, dtype, hp["crop_pad"])
     D.print0(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
              f"{n_train} training and {len(arrays['test_labels'])} test images"
              + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step" if ctx.distributed else ""))
     flops = tb.count_flops(hp, {**data, "train_labels": torch.empty(n_train)})
-    env = {**environment(device), "world_size": ctx.world_size, "bucket_mb": args.bucket_mb, "comm_hook": args.comm_hook}
+
+    def summary_of(runs):
+        s = summarize_runs(runs, args.target, SUMMARY, "final_acc")
+        return {**s, "flops_per_run": flops["total"], "tflops_per_s": flops["total"] / s["time"]["mean"] / 1e12}
 
     def save(runs, complete):
-        """--out after every run, so a run cut short (or a failure later) never loses the runs that finished."""
+        """--out after every run, so that a run cut short, or a failure later, never loses the finished runs."""
         if args.out and main_rank:
-            write_json(args.out, {
+            write_json(args.out, run_record({
                 "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "subset": args.subset,
-                "compile": args.compile, "argv": sys.argv[1:] if argv is None else list(argv),
-                "environment": env, "flops": flops, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                "complete": complete, "runs": runs, "summary": summarize_runs(runs, args.target, flops)})
+                "compile": args.compile, "flops": flops, "complete": complete, "runs": runs,
+                "summary": summary_of(runs)}, args, argv, device, ctx))
 
     runs = run_many(rank_hp, data, device, dtype, args.runs, args.seed, args.target, args.compile, main_rank, ctx,
                     args.bucket_mb, args.comm_hook, on_run=lambda done: save(done, False))
-    summary = summarize_runs(runs, args.target, flops)
     if args.runs > 1 and main_rank:
-        print_summary(args.recipe, summary, args.target)
+        print_summary(args.recipe, summary_of(runs), args.target, {
+            "final_acc": ("final test accuracy", ""), "time": ("time (training + final evaluation)", " s"),
+            "time_to_target": (f"time to {args.target:.2%}", " s")})
     save(runs, True)
     if args.out and main_rank:
         print(f"wrote {args.out}")

@@ -1,4 +1,5 @@
-"""Framework-free helpers: timers, schedules, result tables, run statistics, atomic files.
+"""Framework-free helpers: timers, schedules, result tables, the statistics and printed summary of several
+runs, the data error both scripts report, atomic files.
 
 Nothing here imports torch, so it can be read and tested on its own.
 """
@@ -91,51 +92,49 @@ def summarize(values):
     return {"n": n, "mean": mean, "std": std, "min": min(xs), "max": max(xs)}
 
 
-def _betacf(a, b, x, iters=300, eps=1e-15):
-    """Continued fraction for the regularised incomplete beta function (modified Lentz method)."""
-    tiny = 1e-300
-    c, d = 1.0, 1.0 - (a + b) * x / (a + 1)
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, iters + 1):
-        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1.0) < eps:
-            break
-    return h
-
-
-def betainc(a, b, x):
-    """Regularised incomplete beta function I_x(a, b)."""
-    if x <= 0:
-        return 0.0
-    if x >= 1:
-        return 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1) / (a + b + 2):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1 - x) / b
-
-
-def t_sf(t, df):
-    """P(T > t) for Student's t with df degrees of freedom."""
-    tail = 0.5 * betainc(df / 2, 0.5, df / (df + t * t))
-    return tail if t > 0 else 1.0 - tail
-
-
 def one_sided_p(values, target):
     """One-sample, one-sided t-test of the mean against target: the probability of a sample mean at
-    least this high if the true mean were exactly target. Small p: the true mean exceeds target."""
+    least this high if the true mean were exactly target. Small p: the true mean exceeds target.
+    None for fewer than two values or none different from the others (no t statistic)."""
     s = summarize(values)
     if s["n"] < 2 or s["std"] == 0:
         return None
-    t = (s["mean"] - target) / (s["std"] / math.sqrt(s["n"]))
-    return t_sf(t, s["n"] - 1)
+    from scipy.stats import ttest_1samp     # here: scipy.stats takes a second to import, which only summaries need
+    return float(ttest_1samp([float(x) for x in values if x is not None], target, alternative="greater").pvalue)
+
+
+def fmt_stats(name, s, scale=1.0, unit=""):
+    """One line of summarize()'s statistics: name: mean, std, min, max (n)."""
+    if not s["n"]:
+        return f"{name}: none"
+    return (f"{name}: mean {s['mean'] * scale:.4f}{unit}  std {s['std'] * scale:.4f}{unit}  "
+            f"min {s['min'] * scale:.4f}{unit}  max {s['max'] * scale:.4f}{unit}  (n={s['n']})")
+
+
+def summarize_runs(runs, target, keys, accuracy):
+    """The summary of several runs' results: summarize() of each of `keys`, the one-sided t-test of the mean of
+    `accuracy` against target, and the fraction of the runs that reached target (a time_to_target)."""
+    s = {k: summarize([r[k] for r in runs]) for k in keys}
+    s["p_mean_above_target"] = one_sided_p([r[accuracy] for r in runs], target)
+    s["fraction_reaching_target"] = sum(r["time_to_target"] is not None for r in runs) / len(runs)
+    return s
+
+
+def print_summary(name, s, target, labels):
+    """Prints a summarize_runs() summary: a line for each key of labels ({key: (name, unit)}, the accuracy
+    first: the t-test follows it), the fraction reaching target, and the FLOPs if the summary has them."""
+    lines = [fmt_stats(label, s[k], unit=unit) for k, (label, unit) in labels.items()]
+    if s["p_mean_above_target"] is not None:
+        lines.insert(1, f"one-sided t-test, mean accuracy > {target:.2%}: p = {s['p_mean_above_target']:.3g}")
+    print(f"\nsummary over {s[next(iter(labels))]['n']} runs of {name}")
+    print("\n".join(lines))
+    print(f"runs reaching {target:.2%}: {s['fraction_reaching_target']:.0%}")
+    if "flops_per_run" in s:
+        print(f"FLOPs per run {s['flops_per_run'] / 1e12:.3f} T; achieved {s['tflops_per_s']:.2f} TFLOP/s")
+
+
+class DataError(Exception):
+    """Bad or missing data: the message names the file and what is wrong."""
 
 
 def write_atomic(path, write):

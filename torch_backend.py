@@ -1,292 +1,24 @@
-"""Everything that touches tensors: CIFAR-10 loading, the device-resident dataset, batched
-augmentation, models, optimiser, the training and evaluation loops.
+"""The CIFAR-10 networks and their training: ResNet-9, ResNet-18 and the three-block fastnet with their
+batch-norm and whitening options, weight averaging (EMA, lookahead), test-time augmentation, evaluation,
+FLOP counting and the training loop; also the device helpers imagenet_fast.py shares (EMA, autocast,
+compute_dtype, resolve_device). The data and its augmentation are in cifar_data.py, the optimisers in
+optim.py.
 
 Hyperparameters arrive as one flat dict (a recipe from cifar10_fast.py, where every key is
 named once in BASE); `grep 'hp\\["name"\\]'` finds where a hyperparameter acts.
 """
 import copy
-import hashlib
-import io
 import math
-import os
-import pickle
-import sys
-import tarfile
-import urllib.request
 from contextlib import nullcontext
-from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import distributed as D
-from core import PiecewiseLinear, Timer, write_atomic
-
-# ---------------------------------------------------------------------------------------------
-# Data on disk
-# ---------------------------------------------------------------------------------------------
-
-CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-CIFAR10_ARCHIVE = {"name": "cifar-10-python.tar.gz", "md5": "c58f30108f718f92721af3b95e74349a", "size": 170498071}
-CACHE_NAME = "cifar10_uint8.npz"
-CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-KEYS = ("train_images", "train_labels", "test_images", "test_labels")
-# Per-channel statistics of the 50,000 training images (0..255 scale).
-MEAN = (125.307, 122.950, 113.865)
-STD = (62.993, 62.089, 66.705)
-
-
-class DataError(Exception):
-    """Bad or missing data: the message names the file and what is wrong."""
-
-
-def _progress(done, total, what):
-    out = sys.stderr
-    if total:
-        pct = 100 * done / total
-        bar = "#" * int(pct // 4)
-        out.write(f"\r{what}: [{bar:<25}] {pct:5.1f}% {done / 2**20:7.1f}/{total / 2**20:.1f} MiB")
-    else:
-        out.write(f"\r{what}: {done / 2**20:7.1f} MiB")
-    out.flush()
-
-
-def download(url, path, progress=True):
-    """Download url to path (via a temporary name, renamed only when complete)."""
-    def write(tmp):
-        try:
-            with urllib.request.urlopen(url, timeout=60) as r, open(tmp, "wb") as f:
-                total, done = int(r.headers.get("Content-Length") or 0), 0
-                while chunk := r.read(1 << 20):
-                    f.write(chunk)
-                    done += len(chunk)
-                    if progress:
-                        _progress(done, total, f"downloading {Path(path).name}")
-            if progress:
-                sys.stderr.write("\n")
-        except OSError as e:
-            raise DataError(f"{url}: download failed ({e}); put {Path(path).name} in {Path(path).parent} by hand") from e
-    write_atomic(path, write)
-
-
-def verify_archive(path, spec):
-    """Size and md5 checks; spec values of None skip that check."""
-    size = path.stat().st_size
-    if spec.get("size") and size < spec["size"]:
-        raise DataError(f"{path}: truncated archive ({size} of {spec['size']} bytes); delete it and run again")
-    if spec.get("md5"):
-        md5 = hashlib.md5()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                md5.update(chunk)
-        if md5.hexdigest() != spec["md5"]:
-            raise DataError(f"{path}: checksum mismatch (md5 {md5.hexdigest()}, expected {spec['md5']}); delete it and run again")
-
-
-def _batches_to_arrays(read, where):
-    """Builds the four arrays from the official pickles; read(name) returns a pickle's bytes."""
-    def load(name):
-        try:
-            d = pickle.loads(read(name), encoding="bytes")
-            x = np.asarray(d[b"data"], dtype=np.uint8)
-            y = np.asarray(d[b"labels"])
-        except DataError:
-            raise
-        except Exception as e:
-            raise DataError(f"{where}/{name}: not a CIFAR-10 batch ({type(e).__name__}: {e})") from e
-        if x.ndim != 2 or x.shape[1] != 3072 or len(x) != len(y):
-            raise DataError(f"{where}/{name}: wrong shapes (data {x.shape}, labels {y.shape}); expected (N, 3072) and (N,)")
-        return x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), y
-    train = [load(f"data_batch_{i}") for i in range(1, 6)]
-    test = load("test_batch")
-    return {"train_images": np.concatenate([x for x, _ in train]), "train_labels": np.concatenate([y for _, y in train]),
-            "test_images": test[0], "test_labels": test[1]}
-
-
-def read_archive(path):
-    try:
-        with tarfile.open(path, "r:gz") as tar:
-            members = {Path(m.name).name: m for m in tar.getmembers() if m.isfile()}
-
-            def read(name):
-                if name not in members:
-                    raise DataError(f"{path}: {name} missing from the archive")
-                return tar.extractfile(members[name]).read()
-            return _batches_to_arrays(read, path)
-    except (tarfile.TarError, EOFError, OSError) as e:
-        raise DataError(f"{path}: truncated or corrupt archive ({e})") from e
-
-
-def read_batches_dir(folder):
-    def read(name):
-        f = folder / name
-        if not f.is_file():
-            raise DataError(f"{f}: missing")
-        return f.read_bytes()
-    return _batches_to_arrays(read, folder)
-
-
-def read_npz(path):
-    try:
-        with np.load(path) as z:
-            missing = [k for k in KEYS if k not in z.files]
-            if missing:
-                raise DataError(f"{path}: missing arrays {missing}; expected {list(KEYS)}")
-            return {k: z[k] for k in KEYS}
-    except DataError:
-        raise
-    except Exception as e:
-        raise DataError(f"{path}: not a readable .npz ({type(e).__name__}: {e})") from e
-
-
-def check_arrays(d, source):
-    """Raises DataError unless d holds uint8 (N,32,32,3) images and matching labels in 0..9."""
-    for split in ("train", "test"):
-        x, y = d[f"{split}_images"], d[f"{split}_labels"]
-        if x.dtype != np.uint8:
-            raise DataError(f"{source}: {split}_images has dtype {x.dtype}, expected uint8")
-        if x.ndim != 4 or x.shape[1:] != (32, 32, 3) or len(x) == 0:
-            raise DataError(f"{source}: {split}_images has shape {x.shape}, expected (N, 32, 32, 3) with N > 0")
-        if y.ndim != 1 or len(y) != len(x):
-            raise DataError(f"{source}: {split}_labels has shape {y.shape}, expected ({len(x)},)")
-        if not np.issubdtype(y.dtype, np.integer):
-            raise DataError(f"{source}: {split}_labels has dtype {y.dtype}, expected integers")
-        if y.min() < 0 or y.max() >= len(CLASSES):
-            raise DataError(f"{source}: {split}_labels out of range ({y.min()}..{y.max()}), expected 0..{len(CLASSES) - 1}")
-    return {k: (d[k].astype(np.uint8) if k.endswith("labels") else d[k]) for k in KEYS}
-
-
-def write_cache(path, d):
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            np.savez(f, **d)  # uncompressed: the next start reads 184 MB straight from the page cache
-    write_atomic(path, write)
-
-
-def load_cifar10(path="data", download_ok=True, archive=CIFAR10_ARCHIVE, url=CIFAR10_URL, progress=True):
-    """CIFAR-10 as four numpy arrays (images uint8 NHWC, labels uint8).
-
-    `path` is a .npz file with train_images/train_labels/test_images/test_labels, an unpacked
-    `cifar-10-batches-py/` folder, or a data folder. In a data folder the cache file is used if
-    present; otherwise the official archive is read (downloaded first if absent), verified, and
-    the arrays are cached there as one uncompressed .npz.
-    """
-    p = Path(path)
-    if p.suffix == ".npz":
-        if not p.is_file():
-            raise DataError(f"{p}: no such file")
-        return check_arrays(read_npz(p), p)
-    if p.exists() and not p.is_dir():
-        raise DataError(f"{p}: expected a .npz file or a folder")
-    if (p / "data_batch_1").is_file():
-        return check_arrays(read_batches_dir(p), p)
-    cache = p / CACHE_NAME
-    if cache.is_file():
-        return check_arrays(read_npz(cache), cache)
-    if (p / "cifar-10-batches-py" / "data_batch_1").is_file():
-        d = check_arrays(read_batches_dir(p / "cifar-10-batches-py"), p / "cifar-10-batches-py")
-    else:
-        tgz = p / archive["name"]
-        if not tgz.is_file():
-            if not download_ok:
-                raise DataError(f"{tgz}: not found and downloading is off")
-            p.mkdir(parents=True, exist_ok=True)
-            download(url, tgz, progress)
-        verify_archive(tgz, archive)
-        d = check_arrays(read_archive(tgz), tgz)
-    write_cache(cache, d)
-    return d
-
-
-# ---------------------------------------------------------------------------------------------
-# The dataset on the device, and batched augmentation
-# ---------------------------------------------------------------------------------------------
-
-def to_device(d, device, dtype, pad):
-    """Uploads uint8 once; normalises (and reflect-pads the training images) once, on the device."""
-    def prep(x, p):
-        x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).float()
-        mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
-        std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
-        x = (x - mean) / std
-        return (F.pad(x, (p,) * 4, mode="reflect") if p else x).to(dtype)
-    return {"train_images": prep(d["train_images"], pad), "test_images": prep(d["test_images"], 0),
-            "train_labels": torch.from_numpy(d["train_labels"]).to(device).long(),
-            "test_labels": torch.from_numpy(d["test_labels"]).to(device).long()}
-
-
-def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=None):
-    """Every random number for one epoch of n images, in at most five calls whatever n is.
-
-    flip="random" flips each image with probability 1/2 every epoch; flip="alternate" (Jordan 2024)
-    flips image i in epoch e iff flip_base[i] xor (e odd), so every image is seen both ways in any two
-    consecutive epochs; flip_base is drawn once per run (see flip_bits).
-    """
-    device = generator.device
-    r = {"perm": torch.randperm(n, device=device, generator=generator)}
-    if pad:
-        r["dy"], r["dx"] = torch.randint(0, 2 * pad + 1, (2, n), device=device, generator=generator)
-    if flip == "random":
-        r["flip"] = flip_bits(n, generator)
-    elif flip == "alternate":
-        r["flip"] = flip_base ^ bool(epoch % 2)
-    elif flip != "none":
-        raise ValueError(f"flip must be none, random or alternate, not {flip!r}")
-    if cutout:
-        r["cy"], r["cx"] = torch.randint(0, size - cutout + 1, (2, n), device=device, generator=generator)
-    return r
-
-
-def flip_bits(n, generator):
-    return torch.rand(n, device=generator.device, generator=generator) < 0.5
-
-
-def batch_crop(x, dy, dx, size):
-    """Crops size×size windows at per-image offsets (dy, dx) from padded images x.
-
-    One masked select per possible offset and axis (2·(2·pad+1) whole-dataset ops), rather
-    than a gather index as large as the data or a Python loop over images.
-    """
-    rows = x[:, :, :size]
-    for off in range(1, x.shape[2] - size + 1):
-        rows = torch.where((dy == off).view(-1, 1, 1, 1), x[:, :, off:off + size], rows)
-    out = rows[..., :size]
-    for off in range(1, x.shape[3] - size + 1):
-        out = torch.where((dx == off).view(-1, 1, 1, 1), rows[..., off:off + size], out)
-    return out
-
-
-def cutout_mask(cy, cx, size, patch):
-    """True inside each image's patch×patch square, shape (N, 1, size, size)."""
-    i = torch.arange(size, device=cy.device)
-    ys = (i >= cy[:, None]) & (i < cy[:, None] + patch)
-    xs = (i >= cx[:, None]) & (i < cx[:, None] + patch)
-    return (ys[:, :, None] & xs[:, None, :])[:, None]
-
-
-def augment(images, r, size, cutout):
-    """Applies one epoch's draws r to all (padded) images at once; returns them unshuffled."""
-    x = batch_crop(images, r["dy"], r["dx"], size) if "dy" in r else images
-    if "flip" in r:
-        x = torch.where(r["flip"].view(-1, 1, 1, 1), x.flip(3), x)
-    if "cy" in r:
-        x = x.masked_fill(cutout_mask(r["cy"], r["cx"], size, cutout), 0)
-    return x
-
-
-def epoch_batches(data, hp, generator, memory_format, epoch=0, flip_base=None):
-    """Yields (images, labels) for one shuffled, augmented epoch; the last partial batch is dropped."""
-    size = data["test_images"].shape[-1]
-    x, y = data["train_images"], data["train_labels"]
-    r = draw_augmentation(len(x), size, hp["crop_pad"], hp["flip"], hp["cutout"], generator, epoch, flip_base)
-    x = augment(x, r, size, hp["cutout"])[r["perm"]].contiguous(memory_format=memory_format)
-    y = y[r["perm"]]
-    bs = hp["batch_size"]
-    for i in range(len(x) // bs):
-        yield x[i * bs:(i + 1) * bs], y[i * bs:(i + 1) * bs]
-
+from cifar_data import epoch_batches, flip_bits
+from core import PiecewiseLinear, Timer
+from optim import make_optimizers, set_lr
 
 # ---------------------------------------------------------------------------------------------
 # Models
@@ -377,7 +109,8 @@ class Whitening(nn.Conv2d):
     """A frozen k×k convolution whose filters whiten the input's k×k patches: one filter per
     eigenvector of the training-set patch covariance, scaled by 1/sqrt(eigenvalue + eps).
     both_signs adds each filter's negative too (so a following ReLU/GELU loses nothing);
-    the optional bias is trainable (see make_optimizer's whiten_bias_epochs)."""
+    the optional bias is trainable (optim.make_optimizers knows it as the bias of frozen filters
+    and trains it for whiten_bias_epochs)."""
 
     def __init__(self, k, eps, both_signs=False, bias=False, padding=0):
         super().__init__(3, 3 * k * k * (2 if both_signs else 1), k, padding=padding, bias=bias)
@@ -515,113 +248,8 @@ def fit_whitening(model, train_images, size, n=10000):
 
 
 # ---------------------------------------------------------------------------------------------
-# Optimisers, weight averaging, evaluation
+# Weight averaging, evaluation
 # ---------------------------------------------------------------------------------------------
-
-def newton_schulz(g, steps=5, eps=1e-7):
-    """Approximately the orthogonal factor U Vᵀ of g = U S Vᵀ (all singular values pushed towards 1),
-    by a quintic Newton–Schulz iteration in bf16. The coefficients (Jordan et al. 2024, Muon) trade
-    exactness for speed: five steps leave singular values roughly in [0.7, 1.2]."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.bfloat16()
-    tall = x.shape[0] > x.shape[1]
-    if tall:
-        x = x.T
-    x = x / (x.norm() + eps)                     # spectral norm ≤ Frobenius norm ≤ 1: inside the basin
-    for _ in range(steps):
-        s = x @ x.T
-        x = a * x + (b * s + c * s @ s) @ x
-    return (x.T if tall else x).to(g.dtype)
-
-
-class Muon(torch.optim.Optimizer):
-    """Muon (Jordan et al. 2024): SGD momentum whose update for each weight matrix (a conv filter
-    bank flattened to out × in·k·k) is orthogonalised by newton_schulz, so every direction of the
-    update moves at the same rate. Scaled by sqrt(max(1, rows/cols)) as in the original."""
-
-    def __init__(self, params, lr, momentum=0.9, nesterov=True, ns_steps=5):
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum", torch.zeros_like(p.grad))
-                buf.mul_(group["momentum"]).add_(p.grad)
-                g = p.grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
-                g = g.reshape(len(g), -1)
-                update = newton_schulz(g, group["ns_steps"]) * max(1.0, g.shape[0] / g.shape[1]) ** 0.5
-                p.add_(update.view_as(p), alpha=-group["lr"])
-
-
-def make_optimizers(model, hp, steps_per_epoch=1, world=1):
-    """The optimisers for one run; set_lr() then sets every group's step size from the schedule.
-
-    Two parametrisations of lr and weight decay (wd), both on the batch-summed loss:
-    - "myrtle" (Myrtle 2018): step size lr/batch_size and decay wd·batch_size, which together equal
-      plain SGD on the batch-mean loss with (lr, wd).
-    - "decoupled" (Jordan 2024): lr and wd are per 1024 examples and divided by the Nesterov gain
-      1 + 1/(1 - momentum), so the average step does not change with momentum; the decay per step is
-      wd·batch_size/(1024·gain) × the schedule's factor, whatever lr and bias_lr_mult are, so lr,
-      wd and momentum can be tuned one at a time.
-    Batch-norm biases get lr × bias_lr_mult: with frozen scales they are the only per-channel knobs.
-    With optimizer="muon", conv filter banks (4-D weights) use Muon at muon_lr × the schedule factor.
-    The whitening layer's bias trains only for the first whiten_bias_epochs (its lr is then set to 0
-    rather than requires_grad flipped, which would make a compiled model recompile mid-run).
-    optimizer="lars" or "rmsprop_sgd" use the large-batch optimisers of distributed.py on the same groups.
-
-    Under DDP (world ranks of batch_size images each) gradients are averaged over ranks, i.e. 1/world of
-    the summed loss's gradient over the global batch. In the myrtle units 1/batch_size = world/global
-    batch absorbs this; in the decoupled units the step is multiplied by world to undo it.
-    """
-    bs, m, wd, peak = hp["batch_size"], hp["momentum"], hp["weight_decay"], max(hp["lr_values"])
-    if hp["param"] == "myrtle":
-        unit, decay = 1 / bs, lambda scale: wd * bs / scale
-    elif hp["param"] == "decoupled":
-        gain = 1 + 1 / (1 - m)
-        unit, decay = world / (1024 * gain), lambda scale: wd * bs / (peak * scale)
-    else:
-        raise ValueError(f"param must be myrtle or decoupled, not {hp['param']!r}")
-    if hp["optimizer"] == "lars":
-        unit = 1.0      # LARS divides by the gradient's norm: its step is lr × trust × |w|, whatever the loss's scale
-    bn_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, nn.BatchNorm2d)}
-    whiten_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, Whitening) and mod.bias is not None}
-    muon = hp["optimizer"] == "muon"
-    groups = {"weights": [], "bn_biases": [], "whiten_bias": [], "filters": []}
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        key = ("bn_biases" if id(p) in bn_biases else "whiten_bias" if id(p) in whiten_biases
-               else "filters" if muon and p.ndim == 4 else "weights")
-        groups[key].append(p)
-    scales = {"weights": 1.0, "bn_biases": hp["bias_lr_mult"], "whiten_bias": 1.0}
-    sgd = [{"params": groups[k], "lr_unit": unit * scales[k], "weight_decay": decay(scales[k]), "name": k,
-            "until_epoch": hp["whiten_bias_epochs"] if k == "whiten_bias" else None}
-           for k in scales if groups[k]]
-    if hp["optimizer"] in ("sgd", "muon"):
-        opts = [torch.optim.SGD(sgd, lr=0.0, momentum=m, nesterov=hp["nesterov"])]
-    elif hp["optimizer"] == "lars":
-        opts = [D.LARS(sgd, lr=0.0, momentum=m, trust_coefficient=hp["lars_trust"])]
-    elif hp["optimizer"] == "rmsprop_sgd":
-        opts = [D.RMSpropToSGD(sgd, lr=0.0, lr_rmsprop=hp["rms_lr"], momentum=m, beta_center=hp["rms_beta_center"],
-                               beta_period=hp["rms_beta_period"], steps_per_epoch=steps_per_epoch)]
-    else:
-        raise ValueError(f"optimizer must be sgd, muon, lars or rmsprop_sgd, not {hp['optimizer']!r}")
-    if groups["filters"]:
-        opts.append(Muon([{"params": groups["filters"], "lr_unit": hp["muon_lr"] / peak, "name": "filters",
-                           "until_epoch": None}], lr=0.0, momentum=hp["muon_momentum"], nesterov=hp["nesterov"]))
-    return opts
-
-
-def set_lr(opts, lr, epoch=0):
-    """Sets each group's step size to lr (the schedule's value, in the recipe's units) × its unit."""
-    for opt in opts:
-        for g in opt.param_groups:
-            frozen = g["until_epoch"] is not None and epoch >= g["until_epoch"]
-            g["lr"] = 0.0 if frozen else lr * g["lr_unit"]
-
 
 def float_state(model):
     return [t for t in model.state_dict().values() if t.is_floating_point()]

@@ -1,7 +1,7 @@
 """Training throughput (images/s) of a ResNet through three input pipelines, in one run:
 
   ceiling      the model alone on one random batch already on the device
-  store        our prepared store + loader + batched on-device augmentation (imagenet_fast.py)
+  store        our prepared store + loader + batched on-device augmentation (imagenet_store.py, imagenet_fast.py)
   imagefolder  torchvision ImageFolder + DataLoader (RandomResizedCrop, flip in worker processes)
 
 on synthetic JPEGs it writes itself, at each resolution in --sizes.
@@ -22,7 +22,9 @@ from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import imagenet_fast as inf  # noqa: E402
+import imagenet_store as ims  # noqa: E402
 import torch_backend as tb  # noqa: E402
+from cli import environment  # noqa: E402
 from core import Table, write_json  # noqa: E402
 
 
@@ -81,9 +83,9 @@ def main(argv=None):
         per = max(1, args.images // classes)
         big = max(sizes)
         print(f"writing {per * classes} synthetic JPEGs of {big}..{int(big * 1.5)} px in {tmp}", file=sys.stderr)
-        src = inf.synthetic_imagefolder(Path(tmp) / "src", classes, per, 1, (big, int(big * 1.5)))
-        inf.prepare(src, Path(tmp) / "store", big, args.workers, log=lambda s: print(s, file=sys.stderr))
-        data = inf.place(inf.open_store(Path(tmp) / "store"), device, args.data_on)
+        src = ims.synthetic_imagefolder(Path(tmp) / "src", classes, per, 1, (big, int(big * 1.5)))
+        ims.prepare(src, Path(tmp) / "store", big, args.workers, log=lambda s: print(s, file=sys.stderr))
+        data = inf.place(ims.open_store(Path(tmp) / "store"), device, args.data_on)
         n = len(data["train_y"])
         gen = torch.Generator().manual_seed(0)
 
@@ -126,7 +128,7 @@ def main(argv=None):
     if args.out:
         write_json(args.out, {"argv": sys.argv[1:] if argv is None else list(argv), "model": args.model,
                               "device": str(device), "dtype": str(dtype), "batch_size": bs, "steps": args.steps,
-                              "environment": inf.environment(device), "rows": table.rows})
+                              "environment": environment(device), "rows": table.rows})
     return 0
 
 

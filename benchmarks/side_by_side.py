@@ -24,7 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cifar10_fast as cf  # noqa: E402
+import cifar_data as cd  # noqa: E402
 import torch_backend as tb  # noqa: E402
+from cli import environment  # noqa: E402
 from core import Table, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
 
 # Our recipe → (airbench function suffix, the peer's TTA level, its target accuracy)
@@ -46,7 +48,7 @@ def write_airbench_layout(arrays, folder):
     for split in ("train", "test"):
         torch.save({"images": torch.from_numpy(arrays[f"{split}_images"]),
                     "labels": torch.from_numpy(arrays[f"{split}_labels"]).long(),
-                    "classes": list(tb.CLASSES)}, d / f"{split}.pt")
+                    "classes": list(cd.CLASSES)}, d / f"{split}.pt")
     return Path(folder)
 
 
@@ -129,7 +131,7 @@ def main(argv=None):
         return 1
     overrides = {k: v for k, v in (("epochs", args.epochs), ("width", args.width), ("batch_size", args.batch_size))
                  if v is not None}
-    env = cf.environment(device)
+    env = environment(device)
     print(f"side by side on {env['device_name']}, torch {env['torch']}, {args.runs} runs of ours"
           + (f" and {peer_runs} of the peer" if airbench else "") + " per recipe", flush=True)
 
@@ -147,7 +149,7 @@ def main(argv=None):
             for name in names:
                 hp = cf.recipe(name, **overrides)
                 suffix, tta_level, target = PEERS.get(name, (None, None, 0.94))
-                data = tb.to_device(arrays, device, dtype, hp["crop_pad"])
+                data = cd.to_device(arrays, device, dtype, hp["crop_pad"])
                 net, forward = tb.make_forward(hp, device, args.compile)
                 tb.warmup(hp, data, device, dtype, net, forward)
                 peer = None

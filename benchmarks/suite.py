@@ -440,7 +440,7 @@ def synthetic_npz(path, n_train=512, n_test=256, seed=0):
 
 def synthetic_store(folder, smoke):
     """A generated ImageFolder prepared into a store, for the ImageNet torchrun piece."""
-    import imagenet_fast as imagenet_store
+    import imagenet_store
     src = imagenet_store.synthetic_imagefolder(Path(folder) / "src", 10, 16 if smoke else 128, 4 if smoke else 32,
                                                (32, 48))
     imagenet_store.prepare(src, Path(folder) / "store", 32, log=lambda s: None)

@@ -1,10 +1,13 @@
 import io
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 
-from core import PiecewiseLinear, Table, Timer, ratio_ci, summarize, write_atomic, write_json
+from conftest import ROOT
+from core import PiecewiseLinear, Table, Timer, one_sided_p, ratio_ci, summarize, write_atomic, write_json
 
 
 def test_piecewise_linear_exact_at_knots_and_between():
@@ -46,6 +49,24 @@ def test_summarize():
     assert summarize([2.0])["std"] == 0.0
 
 
+def with_t(t, n):
+    """n evenly spaced values whose one-sample t statistic against 0 is t."""
+    sd = math.sqrt(sum((i - (n - 1) / 2) ** 2 for i in range(n)) / (n - 1))
+    return [i - (n - 1) / 2 + t * sd / math.sqrt(n) for i in range(n)]
+
+
+def test_one_sided_t_test_against_known_quantiles():
+    assert one_sided_p(with_t(2.015048, 6), 0) == pytest.approx(0.05, abs=1e-6)      # t_{0.95, 5}
+    assert one_sided_p(with_t(2.228139, 11), 0) == pytest.approx(0.025, abs=1e-6)    # t_{0.975, 10}
+    assert one_sided_p(with_t(-2.015048, 6), 0) == pytest.approx(0.95, abs=1e-6)     # the other side
+    # five runs with mean 0.9412 and sample std 0.00079: t = 0.0012 / (0.00079 / sqrt 5) = 3.394, 4 d.o.f.
+    accs = [0.9402, 0.9407, 0.9412, 0.9417, 0.9422]
+    assert one_sided_p(accs, 0.94) == pytest.approx(0.01371, abs=1e-5)
+    assert one_sided_p(accs + [None], 0.94) == one_sided_p(accs, 0.94)               # missing runs are dropped
+    assert one_sided_p(accs, 0.94) < 0.05 < one_sided_p(accs, 0.9411)
+    assert one_sided_p([0.94], 0.94) is None and one_sided_p([0.94, 0.94], 0.9) is None
+
+
 def test_timer_excludes_what_it_is_told_to():
     calls = []
     t = Timer(lambda: calls.append(1))
@@ -81,3 +102,9 @@ def test_ratio_ci_covers_the_true_ratio_95_percent_of_the_time():
     assert 0.93 <= hits / 1000 <= 0.97
     assert ratio_ci([1.0], [1.0, 2.0]) is None
     assert ratio_ci([2.0, 2.0], [1.0, 1.0]) == {"ratio": 2.0, "low": 2.0, "high": 2.0, "level": 0.95}
+
+
+def test_the_framework_free_files_import_no_torch():
+    code = "import sys, core, scaling, imagenet_store; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == "False"

@@ -1,13 +1,15 @@
+import functools
 import hashlib
+import http.server
 import io
 import pickle
 import tarfile
-from pathlib import Path
+import threading
 
 import numpy as np
 import pytest
 
-import torch_backend as tb
+import cifar_data as cd
 from conftest import synthetic_arrays
 
 
@@ -45,14 +47,14 @@ def leftovers(folder):
 def test_archive_is_read_verified_and_cached(tmp_path):
     tgz = tmp_path / "cifar-10-python.tar.gz"
     expected = make_archive(tgz)
-    d = tb.load_cifar10(tmp_path, download_ok=False, archive=spec_of(tgz))
-    for k in tb.KEYS:
+    d = cd.load_cifar10(tmp_path, download_ok=False, archive=spec_of(tgz))
+    for k in cd.KEYS:
         np.testing.assert_array_equal(d[k], expected[k])
     assert d["train_images"].shape == (30, 32, 32, 3) and d["train_labels"].dtype == np.uint8
-    assert leftovers(tmp_path) == [tb.CACHE_NAME]
+    assert leftovers(tmp_path) == [cd.CACHE_NAME]
     tgz.unlink()                                   # the second start reads only the cache
-    d2 = tb.load_cifar10(tmp_path, download_ok=False)
-    for k in tb.KEYS:
+    d2 = cd.load_cifar10(tmp_path, download_ok=False)
+    for k in cd.KEYS:
         np.testing.assert_array_equal(d2[k], expected[k])
 
 
@@ -60,8 +62,8 @@ def test_checksum_mismatch_is_reported_and_leaves_no_cache(tmp_path):
     tgz = tmp_path / "cifar-10-python.tar.gz"
     make_archive(tgz)
     spec = {**spec_of(tgz), "md5": "0" * 32}
-    with pytest.raises(tb.DataError, match=r"cifar-10-python.tar.gz: checksum mismatch \(md5 [0-9a-f]{32}, expected 0{32}\)"):
-        tb.load_cifar10(tmp_path, download_ok=False, archive=spec)
+    with pytest.raises(cd.DataError, match=r"cifar-10-python.tar.gz: checksum mismatch \(md5 [0-9a-f]{32}, expected 0{32}\)"):
+        cd.load_cifar10(tmp_path, download_ok=False, archive=spec)
     assert leftovers(tmp_path) == []
 
 
@@ -70,11 +72,11 @@ def test_truncated_archive_is_reported_and_leaves_no_cache(tmp_path):
     make_archive(tgz)
     spec = spec_of(tgz)
     tgz.write_bytes(tgz.read_bytes()[: spec["size"] // 2])
-    with pytest.raises(tb.DataError, match=rf"truncated archive \({spec['size'] // 2} of {spec['size']} bytes\)"):
-        tb.load_cifar10(tmp_path, download_ok=False, archive=spec)
+    with pytest.raises(cd.DataError, match=rf"truncated archive \({spec['size'] // 2} of {spec['size']} bytes\)"):
+        cd.load_cifar10(tmp_path, download_ok=False, archive=spec)
     # with no size or checksum to compare against, the archive reader itself notices
-    with pytest.raises(tb.DataError, match="truncated or corrupt archive"):
-        tb.load_cifar10(tmp_path, download_ok=False, archive={"name": tgz.name, "md5": None, "size": None})
+    with pytest.raises(cd.DataError, match="truncated or corrupt archive"):
+        cd.load_cifar10(tmp_path, download_ok=False, archive={"name": tgz.name, "md5": None, "size": None})
     assert leftovers(tmp_path) == []
 
 
@@ -83,16 +85,16 @@ def test_unpacked_batches_folder(tmp_path):
     expected = make_archive(tgz)
     with tarfile.open(tgz) as tar:
         tar.extractall(tmp_path / "x", filter="data")
-    d = tb.load_cifar10(tmp_path / "x" / "cifar-10-batches-py", download_ok=False)
+    d = cd.load_cifar10(tmp_path / "x" / "cifar-10-batches-py", download_ok=False)
     np.testing.assert_array_equal(d["test_images"], expected["test_images"])
-    d = tb.load_cifar10(tmp_path / "x", download_ok=False)   # a data folder holding the unpacked folder
+    d = cd.load_cifar10(tmp_path / "x", download_ok=False)   # a data folder holding the unpacked folder
     np.testing.assert_array_equal(d["train_labels"], expected["train_labels"])
-    assert (tmp_path / "x" / tb.CACHE_NAME).is_file()
+    assert (tmp_path / "x" / cd.CACHE_NAME).is_file()
 
 
 def test_missing_archive_without_download(tmp_path):
-    with pytest.raises(tb.DataError, match="cifar-10-python.tar.gz: not found and downloading is off"):
-        tb.load_cifar10(tmp_path, download_ok=False)
+    with pytest.raises(cd.DataError, match="cifar-10-python.tar.gz: not found and downloading is off"):
+        cd.load_cifar10(tmp_path, download_ok=False)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -107,29 +109,45 @@ def test_bad_npz_is_named_and_explained(tmp_path, change, message):
     change(d)
     p = tmp_path / "bad.npz"
     np.savez(p, **d)
-    with pytest.raises(tb.DataError, match=rf"bad.npz: {message}"):
-        tb.load_cifar10(p)
+    with pytest.raises(cd.DataError, match=rf"bad.npz: {message}"):
+        cd.load_cifar10(p)
 
 
 def test_npz_that_is_not_an_npz(tmp_path):
     p = tmp_path / "junk.npz"
     p.write_bytes(b"not a zip")
-    with pytest.raises(tb.DataError, match="junk.npz: not a readable .npz"):
-        tb.load_cifar10(p)
+    with pytest.raises(cd.DataError, match="junk.npz: not a readable .npz"):
+        cd.load_cifar10(p)
 
 
-def test_download_goes_through_a_temporary_name_then_verifies(tmp_path, capsys):
-    src = tmp_path / "src" / "cifar-10-python.tar.gz"
-    src.parent.mkdir()
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    """(folder, its URL): the folder served over HTTP on 127.0.0.1 while the test runs. Not a file:// URL:
+    torchvision's downloader reads the response's length, which urllib's file responses lack."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    handler = type("Quiet", (http.server.SimpleHTTPRequestHandler,), {"log_message": lambda *a: None})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("no_proxy", "127.0.0.1")         # never through a proxy the environment may name
+    yield folder, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_download_goes_through_a_temporary_name_then_verifies(tmp_path, served, capsys):
+    folder, url = served
+    src = folder / "cifar-10-python.tar.gz"
     expected = make_archive(src)
     dst = tmp_path / "data"
-    d = tb.load_cifar10(dst, archive=spec_of(src), url=src.as_uri())
+    d = cd.load_cifar10(dst, archive=spec_of(src), url=f"{url}/{src.name}")
     np.testing.assert_array_equal(d["test_labels"], expected["test_labels"])
     assert "downloading cifar-10-python.tar.gz" in capsys.readouterr().err
-    assert sorted(p.name for p in dst.iterdir()) == ["cifar-10-python.tar.gz", tb.CACHE_NAME]
+    assert sorted(p.name for p in dst.iterdir()) == ["cifar-10-python.tar.gz", cd.CACHE_NAME]
 
 
-def test_failed_download_leaves_nothing(tmp_path):
-    with pytest.raises(tb.DataError, match="download failed"):
-        tb.load_cifar10(tmp_path / "data", url=(tmp_path / "nowhere.tar.gz").as_uri(), progress=False)
+def test_failed_download_leaves_nothing(tmp_path, served):
+    _, url = served
+    with pytest.raises(cd.DataError, match="download failed"):
+        cd.load_cifar10(tmp_path / "data", url=f"{url}/nowhere.tar.gz", progress=False)
     assert list((tmp_path / "data").iterdir()) == []

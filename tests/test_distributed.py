@@ -1,9 +1,6 @@
 """distributed.py on CPU: gloo process groups spawned on 127.0.0.1, compared with one process on the whole batch."""
-import math
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +9,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import distributed as D
+import optim
 
 GLOBAL_BATCH, STEPS = 16, 5
 OPTIMIZERS = ("sgd", "lars", "rmsprop_to_sgd")
@@ -47,9 +45,9 @@ def make_optimizer(name, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=5e-4)
     if name == "lars":
-        return D.LARS(params, lr=1.0, momentum=0.9, weight_decay=5e-4, trust_coefficient=0.02)
+        return optim.LARS(params, lr=1.0, momentum=0.9, weight_decay=5e-4, trust_coefficient=0.02)
     # beta_center 2, period 2, one step an epoch: the 5 steps go through all three pieces of alpha_sgd
-    return D.RMSpropToSGD(params, lr=0.1, lr_rmsprop=0.01, weight_decay=5e-4, beta_center=2, beta_period=2)
+    return optim.RMSpropToSGD(params, lr=0.1, lr_rmsprop=0.01, weight_decay=5e-4, beta_center=2, beta_period=2)
 
 
 def train(name, ctx):
@@ -229,130 +227,6 @@ def test_print0_prints_once_without_a_group(capsys):
     assert capsys.readouterr().out == "hello 3\n"
 
 
-def test_linear_scaling():
-    assert D.linear_scaled_lr(0.1, 8192) == pytest.approx(3.2)
-    assert D.linear_scaled_lr(0.4, 2048, base_batch=512) == pytest.approx(1.6)
-
-
-def test_lars_one_step_by_hand():
-    torch.manual_seed(3)
-    w, b = torch.randn(4, 3), torch.randn(4)
-    gw, gb = torch.randn(4, 3), torch.randn(4)
-    pw, pb = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
-    opt = D.LARS([pw, pb], lr=0.5, momentum=0.9, weight_decay=0.01, trust_coefficient=0.001)
-    for _ in range(2):  # the second step uses the momentum buffer
-        pw.grad, pb.grad = gw.clone(), gb.clone()
-        opt.step()
-    vw = vb = 0
-    for _ in range(2):
-        local = 0.001 * w.norm() / (gw.norm() + 0.01 * w.norm())
-        vw = 0.9 * vw + 0.5 * local * (gw + 0.01 * w)
-        vb = 0.9 * vb + 0.5 * gb  # 1-D: no trust ratio, no decay
-        w, b = w - vw, b - vb
-    torch.testing.assert_close(pw.detach(), w)
-    torch.testing.assert_close(pb.detach(), b)
-
-
-def test_alpha_sgd_at_its_knots():
-    c, p = 10, 5
-    assert D.alpha_sgd(c, c, p) == 0.5
-    assert D.alpha_sgd(c - p / 2, c, p) == pytest.approx(0.5 * math.exp(-1))
-    assert D.alpha_sgd(c + p / 4, c, p) == pytest.approx(0.75)
-    assert D.alpha_sgd(c + p / 2, c, p) == 1.0 == D.alpha_sgd(90, c, p)
-    assert D.alpha_sgd(0, c, p) == pytest.approx(0.5 * math.exp(-4))
-    # continuous with a continuous slope at the centre (the ELU shape)
-    h = 1e-6
-    assert D.alpha_sgd(c - h, c, p) == pytest.approx(0.5, abs=1e-6)
-    assert (D.alpha_sgd(c, c, p) - D.alpha_sgd(c - h, c, p)) / h == pytest.approx(1 / p, rel=1e-4)
-
-
-def test_rmsprop_to_sgd_is_rmsprop_then_sgd():
-    g = torch.tensor([0.5, -2.0])
-    # long after the warm-up: momentum SGD, w -= lr * g
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = D.RMSpropToSGD([p], lr=0.1, lr_rmsprop=0.01, beta_center=-10, beta_period=1)
-    p.grad = g.clone()
-    opt.step()
-    torch.testing.assert_close(p.detach(), -0.1 * g)
-    # far before beta_center: RMSprop, w -= lr_rmsprop * g / (sqrt((1 - mu2) g^2) + eps)
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = D.RMSpropToSGD([p], lr=0.1, lr_rmsprop=0.01, beta_center=1000, beta_period=1)
-    p.grad = g.clone()
-    opt.step()
-    torch.testing.assert_close(p.detach(), -0.01 * g / (0.01 ** 0.5 * g.abs() + 1e-8))
-    assert opt.state_dict()["param_groups"][0]["step"] == 1
-
-
-def test_slow_start_lr():
-    assert D.slow_start_lr(0, 3.2) == pytest.approx(1.6)
-    assert D.slow_start_lr(5, 3.2) == 3.2
-    assert D.slow_start_lr(30, 3.2) == pytest.approx(0.32)
-    assert D.slow_start_lr(85, 3.2) == pytest.approx(0.0032)
-
-
-def test_batch_size_schedule():
-    s = D.BatchSizeSchedule([(0, 16384), (30, 32768), (60, 65536)])
-    assert [s.batch(e) for e in (0, 29, 30, 59, 60, 89)] == [16384, 16384, 32768, 32768, 65536, 65536]
-    assert s.lr_scale(45) == 2.0 and s.lr_scale(0) == 1.0
-    assert s.per_rank(60, 1024) == 64
-    for knots, msg in [([], "must start at epoch 0"), ([(1, 8)], "must start at epoch 0"),
-                       ([(0, 0)], "batch sizes must be positive"),
-                       ([(0, 8), (5, 16), (5, 32)], "epochs must increase strictly"),
-                       ([(0, 16), (5, 8)], "must not shrink the batch")]:
-        with pytest.raises(ValueError, match=msg):
-            D.BatchSizeSchedule(knots)
-
-
-def test_unknown_hook_and_algorithm_are_exact_errors():
+def test_unknown_hook_is_an_exact_error():
     with pytest.raises(ValueError, match=r"^unknown communication hook 'fp8'; choose from none, fp16, bf16, torus$"):
         D.register_comm_hook(None, "fp8")
-    with pytest.raises(ValueError, match=r"^unknown allreduce algorithm 'star'; choose from ring, tree, torus$"):
-        D.allreduce_time(1e6, 8, "star", 10, 5)
-
-
-def test_square_grid():
-    assert D.square_grid(1024) == (32, 32)
-    assert D.square_grid(2048) == (32, 64)
-    assert D.square_grid(4) == (2, 2) and D.square_grid(7) == (1, 7)
-
-
-SIM = dict(step_time_s=0.1, model_bytes=100e6, link_gbps=100, latency_us=10, buckets=4, batch_per_gpu=32)
-
-
-def test_simulate_efficiency_falls_with_gpus():
-    rows = D.simulate([1, 8, 64, 512, 2048], algorithm="ring", **SIM)
-    assert rows[0]["efficiency"] == 1.0 and rows[0]["images_per_s"] == pytest.approx(320)
-    effs = [r["efficiency"] for r in rows]
-    assert all(a > b for a, b in zip(effs, effs[1:]))
-
-
-def test_simulate_torus_beats_ring_when_latency_bound():
-    kw = {**SIM, "model_bytes": 1e6, "latency_us": 20}
-    ring, torus = (D.simulate([2048], algorithm=a, **kw)[0]["step_s"] for a in ("ring", "torus"))
-    assert torus < ring
-    # and a small count with a large message: the same bandwidth term, little latency, nearly equal
-    ring, torus = (D.simulate([4], algorithm=a, **SIM)[0]["step_s"] for a in ("ring", "torus"))
-    assert torus == pytest.approx(ring, rel=1e-3)
-
-
-def test_simulate_exact_formula_small_case():
-    # 4 GPUs, ring, 1 bucket: c = 2*3*alpha + 2*3/4 * n * beta; step = F + B + c
-    alpha, beta, n = 10e-6, 8 / 100e9, 100e6
-    c = 6 * alpha + 1.5 * n * beta
-    row = D.simulate([4], algorithm="ring", **{**SIM, "buckets": 1})[0]
-    assert row["step_s"] == pytest.approx(0.1 + c)
-    # 4 buckets, communication-bound (c4 > B/4): step = F + B/4 + 4 c4
-    row = D.simulate([4], algorithm="ring", **{**SIM, "link_gbps": 1})[0]
-    c4 = 6 * alpha + 1.5 * n / 4 * 8 / 1e9
-    F_, B = 0.1 / 3, 0.2 / 3
-    assert row["step_s"] == pytest.approx(F_ + B / 4 + 4 * c4)
-    assert row["efficiency"] == pytest.approx(0.1 / row["step_s"])
-
-
-def test_simulate_command_prints_table_and_assumptions():
-    out = subprocess.run([sys.executable, "distributed.py", "simulate", "--gpus", "1,8,64", "--algorithm", "torus"],
-                         capture_output=True, text=True, check=True, cwd=os.path.dirname(D.__file__)).stdout
-    assert "assumptions:" in out and "A model, not a measurement" in out
-    lines = [l.split() for l in out.splitlines() if l.split() and l.split()[0].isdigit()]
-    assert [l[0] for l in lines] == ["1", "8", "64"] and lines[0][-1] == "100.0%"
-    assert D.main_simulate(["--published"]) == 0

@@ -13,6 +13,7 @@ from PIL import Image
 from torchvision import transforms
 
 import imagenet_fast as inf
+import imagenet_store as ims
 from conftest import ROOT
 
 SIZE = 24
@@ -48,7 +49,7 @@ def run_main(capsys, *args):
 
 def make_folder(root):
     """4 learnable classes, a truncated JPEG and a non-image .JPEG, and an empty class folder."""
-    src = inf.synthetic_imagefolder(root, CLASSES, train_per_class=24, val_per_class=8, sizes=(20, 40))
+    src = ims.synthetic_imagefolder(root, CLASSES, train_per_class=24, val_per_class=8, sizes=(20, 40))
     good = (src / "train/c001/00000.JPEG").read_bytes()
     (src / "train/c001/truncated.JPEG").write_bytes(good[:len(good) // 2])
     (src / "val/c002/text.JPEG").write_text("not an image")
@@ -64,7 +65,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def store(folder, tmp_path_factory):
     dst = tmp_path_factory.mktemp("store") / "store"
-    inf.prepare(folder, dst, SIZE, workers=2, shard_size=40, log=lambda s: None)
+    ims.prepare(folder, dst, SIZE, workers=2, shard_size=40, log=lambda s: None)
     return dst
 
 
@@ -83,7 +84,7 @@ def test_store_contents(folder, store):
     assert path.endswith("val/c002/text.JPEG") and "cannot identify image file" in reason
     assert not (store / "shards").exists()
 
-    s = inf.open_store(store)
+    s = ims.open_store(store)
     assert s.train_x.shape == (96, SIZE, SIZE, 3) and s.train_x.dtype == np.uint8
     assert np.bincount(s.train_y, minlength=5).tolist() == [24, 24, 24, 24, 0]
     # validation keeps the aspect ratio: shorter side SIZE, longer side within one rounding step
@@ -116,25 +117,25 @@ def test_prepare_again_is_a_no_op(folder, store, capsys):
 
 def test_prepare_resumes_finished_shards(folder, store, tmp_path):
     dst, logs = tmp_path / "s", []
-    assert inf.prepare(folder, dst, SIZE, workers=1, shard_size=40, max_shards=2, log=logs.append) is None
+    assert ims.prepare(folder, dst, SIZE, workers=1, shard_size=40, max_shards=2, log=logs.append) is None
     assert sorted(p.name for p in (dst / "shards").glob("*.npz")) == ["train-00000.npz", "train-00001.npz"]
     assert not (dst / "index.json").exists() and logs[-1].startswith("stopped after 2 new shards")
     (dst / "shards" / ".train-00002.npz.abc.tmp").write_bytes(b"half-written")  # a write cut short
     stamps = {p: p.stat().st_mtime_ns for p in (dst / "shards").glob("*.npz")}
     logs.clear()
-    inf.prepare(folder, dst, SIZE, workers=1, shard_size=40, max_shards=1, log=logs.append)
+    ims.prepare(folder, dst, SIZE, workers=1, shard_size=40, max_shards=1, log=logs.append)
     assert logs[0] == "train: 97 images in 3 shards; 2 already done, 1 to decode with 1 workers"
     assert all(p.stat().st_mtime_ns == t for p, t in stamps.items())  # not rewritten
     logs.clear()
-    inf.prepare(folder, dst, SIZE, workers=1, shard_size=40, log=logs.append)
+    ims.prepare(folder, dst, SIZE, workers=1, shard_size=40, log=logs.append)
     assert logs[0] == "train: 97 images in 3 shards; 3 already done, 0 to decode with 1 workers"
-    a, b = inf.open_store(dst), inf.open_store(store)  # same as the store made in one go
+    a, b = ims.open_store(dst), ims.open_store(store)  # same as the store made in one go
     for k in ("train_x", "train_y", "val_x", "val_y", "val_shapes"):
         assert np.array_equal(getattr(a, k), getattr(b, k)), k
     # a shard made with other settings is not reused
     logs.clear()
-    inf.prepare(folder, tmp_path / "t", SIZE, workers=1, shard_size=40, max_shards=1, log=logs.append)
-    inf.prepare(folder, tmp_path / "t", SIZE + 8, workers=1, shard_size=40, max_shards=1, log=logs.append)
+    ims.prepare(folder, tmp_path / "t", SIZE, workers=1, shard_size=40, max_shards=1, log=logs.append)
+    ims.prepare(folder, tmp_path / "t", SIZE + 8, workers=1, shard_size=40, max_shards=1, log=logs.append)
     assert logs[-2].startswith("train: 97 images in 3 shards; 0 already done")
 
 
@@ -151,10 +152,10 @@ def test_bad_input_is_one_line_and_nonzero(folder, store, tmp_path, capsys):
     (tmp_path / "empty/train/a").mkdir(parents=True)
     (tmp_path / "empty/val/a").mkdir(parents=True)
     cases.append((tmp_path / "empty", f"{tmp_path / 'empty/train'}: no images (extensions "))
-    inf.synthetic_imagefolder(tmp_path / "noval", 1, 1, 1)
+    ims.synthetic_imagefolder(tmp_path / "noval", 1, 1, 1)
     (tmp_path / "noval/val/c000/00000.JPEG").unlink()
     cases.append((tmp_path / "noval", f"{tmp_path / 'noval/val'}: no images (extensions "))
-    inf.synthetic_imagefolder(tmp_path / "extra", 1, 1, 1)
+    ims.synthetic_imagefolder(tmp_path / "extra", 1, 1, 1)
     (tmp_path / "extra/val/zzz").mkdir()
     cases.append((tmp_path / "extra", f"{tmp_path / 'extra/val'}: classes ['zzz'] are not in train/"))
     for src, message in cases:
@@ -295,14 +296,14 @@ def test_learns_above_chance(store):
     # 1.0 on the 32 validation images, about 0.8 s each. Chance is 0.25 (4 classes in val); we
     # require 0.6 with seed 0.
     torch.manual_seed(0)
-    data = inf.place(inf.open_store(store), torch.device("cpu"))
+    data = inf.place(ims.open_store(store), torch.device("cpu"))
     r = inf.train(tiny_hp(epochs=4), data, 5, SIZE, torch.device("cpu"), seed=0, target=0.5)
     assert r["final_top1"] >= 0.6 and r["final_top5"] == 1.0
     assert r["time_to_target"] is not None and r["rows"][-1]["train_loss"] < r["rows"][0]["train_loss"]
 
 
 def test_resume_after_interrupted_epoch_is_exact(store, tmp_path, monkeypatch):
-    data = inf.place(inf.open_store(store), torch.device("cpu"))
+    data = inf.place(ims.open_store(store), torch.device("cpu"))
     hp, cpu = tiny_hp(ema_momentum=0.9, ema_every=5, jitter=0.2), torch.device("cpu")
     full = inf.train(hp, data, 5, SIZE, cpu, seed=1, checkpoint=tmp_path / "a.pt")
 
@@ -361,7 +362,7 @@ def test_throughput_benchmark_runs_on_cpu(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_streamed_batches_equal_indexed_batches(store):
-    data = inf.place(inf.open_store(store), torch.device("cuda"), "host")
+    data = inf.place(ims.open_store(store), torch.device("cuda"), "host")
     perm = torch.randperm(len(data["train_y"]))
     for i, (x, y) in enumerate(inf.train_batches(data["train_x"], data["train_y"], perm, 16, torch.device("cuda"))):
         idx = perm[i * 16:(i + 1) * 16]

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 import cifar10_fast as cf
-import torch_backend as tb
+import cifar_data as cd
 from conftest import synthetic_arrays
+from core import summarize_runs
 
 
 def test_every_stage_is_a_recipe_in_order_with_a_published_time():
@@ -49,9 +50,9 @@ def test_run_many_trains_every_run_and_summarize_runs_summarises():
     arrays = synthetic_arrays(n_train=128, n_test=64)
     device = torch.device("cpu")
     hp = cf.recipe("ema", epochs=2, width=0.125, batch_size=64)
-    data = tb.to_device(arrays, device, torch.float32, hp["crop_pad"])
+    data = cd.to_device(arrays, device, torch.float32, hp["crop_pad"])
     runs = cf.run_many(hp, data, device, torch.float32, runs=2, seed=3, target=0.0, verbose=False)
-    summary = cf.summarize_runs(runs, 0.0)
+    summary = summarize_runs(runs, 0.0, cf.SUMMARY, "final_acc")
     assert [r["seed"] for r in runs] == [3, 4] and all(len(r["rows"]) == 2 for r in runs)
     assert "model" not in runs[0]
     assert summary["final_acc"]["n"] == 2 and summary["fraction_reaching_target"] == 1.0

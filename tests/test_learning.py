@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cifar10_fast as cf
+import cifar_data as cd
 import torch_backend as tb
 
 
@@ -11,12 +12,12 @@ def test_narrow_resnet9_learns_real_cifar10_in_two_epochs(cifar10_npz):
     # Measured on this project's 2-core CPU machine (torch 2.14.1, `python cifar10_fast.py --device cpu
     # --subset 10000 --epochs 2 --width 0.25 --seed S`): final test accuracy 0.444, 0.430, 0.400, 0.427
     # for seeds 0..3 (mean 0.425, std 0.018). Chance is 0.10; the bar sits well below every measured run.
-    arrays = tb.load_cifar10(cifar10_npz)
+    arrays = cd.load_cifar10(cifar10_npz)
     assert arrays["train_images"].shape == (50000, 32, 32, 3) and arrays["test_images"].shape == (10000, 32, 32, 3)
     arrays = {**arrays, "train_images": arrays["train_images"][:10000], "train_labels": arrays["train_labels"][:10000]}
     hp = cf.recipe("myrtle24", width=0.25, epochs=2)
     device = torch.device("cpu")
-    data = tb.to_device(arrays, device, torch.float32, hp["crop_pad"])
+    data = cd.to_device(arrays, device, torch.float32, hp["crop_pad"])
     result = tb.train(hp, data, device, seed=0)
     rows = result["rows"]
     assert len(rows) == 2

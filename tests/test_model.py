@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import cifar10_fast as cf
+import optim
 import torch_backend as tb
 
 CPU = torch.device("cpu")
@@ -85,11 +86,11 @@ def test_sum_loss_parametrisation_equals_mean_loss_sgd():
     hp = cf.recipe("myrtle24", width=0.125, batch_size=8)
     a = tb.build_model(hp, CPU)
     b = copy.deepcopy(a)
-    opt_a = tb.make_optimizers(a, hp)
+    opt_a = optim.make_optimizers(a, hp)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.3, momentum=0.9, nesterov=True, weight_decay=5e-4)
     x, y = torch.randn(8, 3, 32, 32), torch.arange(8)
     for _ in range(3):
-        tb.set_lr(opt_a, 0.3)
+        optim.set_lr(opt_a, 0.3)
         tb.train_step(a, opt_a, x, y, hp, torch.float32)
         F.cross_entropy(b(x), y).backward()
         opt_b.step(); opt_b.zero_grad()
@@ -99,8 +100,8 @@ def test_sum_loss_parametrisation_equals_mean_loss_sgd():
 
 def test_bias_lr_multiplier_groups():
     hp = cf.recipe("myrtle10")
-    opts = tb.make_optimizers(tb.build_model(hp, CPU), hp)
-    tb.set_lr(opts, 1.0)
+    opts = optim.make_optimizers(tb.build_model(hp, CPU), hp)
+    optim.set_lr(opts, 1.0)
     assert len(opts) == 1
     weights, biases = opts[0].param_groups
     assert weights["lr"] == pytest.approx(1 / 512) and biases["lr"] == pytest.approx(64 / 512)

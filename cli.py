@@ -1,0 +1,78 @@
+"""The command-line machinery both training scripts share: the flags they both have, one typed flag per
+hyperparameter of a recipe's BASE dict (--batch-size 768, --lr-knots 0,0.2,1, --output-scale 1/16), the
+hyperparameters a command line overrides, and the record of where and how a run ran, for its JSON file.
+"""
+import datetime
+import platform
+import sys
+
+import torch
+
+from distributed import HOOKS
+
+
+def _parse(kind):
+    """A converter for a flag whose default has the type of `kind` (named after it, for argparse's errors)."""
+    if isinstance(kind, bool):
+        convert = lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
+    elif isinstance(kind, tuple):
+        item = int if all(isinstance(v, int) for v in kind) else float
+        convert = lambda s: tuple(item(eval_number(v)) for v in s.split(","))
+    elif isinstance(kind, int):      # an integer unless written as a fraction: --epochs 9.9
+        convert = lambda s: int(eval_number(s)) if float(eval_number(s)).is_integer() else float(eval_number(s))
+    elif isinstance(kind, float):
+        convert = lambda s: float(eval_number(s))
+    else:
+        return type(kind)
+    convert.__name__ = type(kind).__name__
+    return convert
+
+
+def eval_number(s):
+    """Accepts plain numbers and simple fractions such as 1/16."""
+    if "/" in s:
+        a, b = s.split("/")
+        return float(a) / float(b)
+    return float(s)
+
+
+def add_shared_flags(p, base):
+    """The flags both training scripts have: runs, seed, device and precision, torchrun's communication
+    settings, and one flag per hyperparameter of `base` (--batch-size for batch_size), typed after its value."""
+    p.add_argument("--runs", type=int, default=1, help="train this many fresh networks (seeds seed..seed+runs-1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda if available)")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
+                   help="autocast dtype (default: bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="under torchrun: DDP gradient bucket size in MB")
+    p.add_argument("--comm-hook", default="none", choices=list(HOOKS),
+                   help="under torchrun: gradient communication (fp16/bf16 compression, 2D-torus allreduce)")
+    hp = p.add_argument_group("hyperparameters (override the recipe)")
+    for key, value in base.items():
+        hp.add_argument("--" + key.replace("_", "-"), dest=key, type=_parse(value), default=None,
+                        help=f"(base {value!r})")
+
+
+def overrides_from(args, base):
+    """The hyperparameters given on the command line."""
+    return {k: getattr(args, k) for k in base if getattr(args, k, None) is not None}
+
+
+def environment(device):
+    """The machine: torch and Python versions, the device and its name (and the CPU threads on a CPU)."""
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+    else:
+        env["device_name"] = platform.processor() or platform.machine()
+        env["threads"] = torch.get_num_threads()
+    return env
+
+
+def run_record(fields, args, argv, device, ctx):
+    """The JSON record of a command-line run: `fields` (recipe, hyperparameters, runs, summary, ...), the
+    command line, the environment with torchrun's world size and communication settings, and the date."""
+    return {**fields, "argv": sys.argv[1:] if argv is None else list(argv),
+            "environment": {**environment(device), "world_size": ctx.world_size, "bucket_mb": args.bucket_mb,
+                            "comm_hook": args.comm_hook},
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -1,0 +1,173 @@
+"""The alpha-beta model of how a data-parallel training step scales with the GPU count, and its comparison
+with the published many-GPU ImageNet runs. Pure Python arithmetic: no torch, nothing is run on a GPU.
+
+    python scaling.py --gpus 8,64,512,2048 --step-time 0.1 --model-mb 51.2 --link-gbps 50
+    python scaling.py --published                 # our model against the published figures
+
+The model and its assumptions are written out in docs/scaling.md.
+"""
+import argparse
+import math
+import sys
+
+
+def square_grid(world):
+    """rows x cols = world with rows <= cols as close as possible (32 x 32 for 1,024)."""
+    rows = max(r for r in range(1, math.isqrt(world) + 1) if world % r == 0)
+    return rows, world // rows
+
+
+def allreduce_time(nbytes, gpus, algorithm, link_gbps, latency_us):
+    """Seconds to all-reduce nbytes over gpus, alpha-beta model (alpha = latency per step, beta = s/byte).
+
+        ring:  2 (p - 1) alpha + 2 (p - 1) / p * n beta               (Patarasuk & Yuan 2009)
+        tree:  2 ceil(log2 p) alpha + 2 n beta                          (pipelined double binary tree, as NCCL)
+        torus: 2 (r + c - 2) alpha + 2 (p - 1) / p * n beta             (r x c = square_grid(p): reduce-scatter
+               in rows, (c-1) alpha + (c-1)/c n beta, twice with the all-gather; ring all-reduce of n / c in
+               columns, 2 (r-1) alpha + 2 (r-1)/r (n/c) beta; the bandwidth terms add up to the ring's)
+    """
+    if gpus == 1:
+        return 0.0
+    alpha, beta = latency_us * 1e-6, 8 / (link_gbps * 1e9)
+    if algorithm == "ring":
+        return 2 * (gpus - 1) * alpha + 2 * (gpus - 1) / gpus * nbytes * beta
+    if algorithm == "tree":
+        return 2 * math.ceil(math.log2(gpus)) * alpha + 2 * nbytes * beta
+    if algorithm == "torus":
+        r, c = square_grid(gpus)
+        return 2 * (r + c - 2) * alpha + 2 * (gpus - 1) / gpus * nbytes * beta
+    raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose from ring, tree, torus")
+
+
+def simulate(gpus, step_time_s, model_bytes, link_gbps, latency_us, algorithm="ring", buckets=4,
+             batch_per_gpu=32, backward_fraction=2 / 3, gpus_per_node=1, intra_gbps=None, intra_latency_us=None):
+    """Projected step time, images/s and scaling efficiency of data-parallel training on each GPU count.
+
+    Weak scaling: every GPU keeps batch_per_gpu, so compute stays step_time_s (one GPU's measured or given
+    step) and the gradient all-reduce is added. Backward is the last backward_fraction of compute; the
+    gradient is split into `buckets` equal buckets, bucket i (1..k) is ready at F + i B / k (F forward,
+    B backward) and the buckets are all-reduced one after the other, each taking c = allreduce_time(n / k).
+    The last bucket then finishes at
+        step = F + max(B + c, B / k + k c)
+    (the first term: communication hides behind backward except the last bucket's; the second: communication
+    is the bottleneck and only the first bucket's wait for backward shows). Efficiency = step_time_s / step.
+    Runs that fit in one node (gpus <= gpus_per_node) use intra_gbps / intra_latency_us (NVLink); larger runs
+    use link_gbps / latency_us, the bandwidth of the slowest link a ring or tree crosses: a node's network
+    bandwidth, since with ranks placed node by node each node boundary carries one stream (NCCL's rings and
+    trees, and the torus's columns, which split that stream between the node's GPUs). Ignored: the optimizer
+    step, stragglers, congestion, I/O, and the per-message overheads that real libraries add.
+    """
+    rows = []
+    for p in gpus:
+        inside = p <= gpus_per_node and intra_gbps
+        bw = intra_gbps if inside else link_gbps
+        lat = (intra_latency_us if intra_latency_us is not None else latency_us) if inside else latency_us
+        c = allreduce_time(model_bytes / buckets, p, algorithm, bw, lat)
+        backward = backward_fraction * step_time_s
+        step = step_time_s - backward + max(backward + c, backward / buckets + buckets * c)
+        rows.append(dict(gpus=p, algorithm=algorithm, step_s=step, comm_s=buckets * c,
+                         images_per_s=p * batch_per_gpu / step, efficiency=step_time_s / step))
+    return rows
+
+
+# The published figures and the setup we assume for each. Step times are not measured here: they are derived
+# from published throughput or assumed, and say so.
+# ABCI (both V100 runs): 4 V100 per node on NVLink, 2 x 100 Gbit/s EDR InfiniBand per node
+ABCI = dict(link_gbps=200.0, latency_us=10.0, gpus_per_node=4, intra_gbps=400.0, intra_latency_us=5.0, buckets=4)
+PUBLISHED = [
+    dict(name="Goyal et al. 2017: 8 -> 256 P100 (Caffe2, 8 per server, 50 Gbit/s Ethernet)",
+         published="~90% efficiency 8 -> 256 GPUs", metric="relative_efficiency", target=0.90, base_gpus=8,
+         gpus=256, step_time_s=0.232, model_bytes=25.6e6 * 4, link_gbps=50.0, latency_us=50.0,
+         algorithm="tree", buckets=4, batch_per_gpu=32, gpus_per_node=8, intra_gbps=160.0, intra_latency_us=5.0,
+         note="step 0.232 s = 32 images / (1.28M x 90 epochs / 29 h / 8 GPUs), derived from their 29 h on "
+              "8 P100s; fp32 gradients; one 50 Gbit/s Ethernet NIC per server; tree ~ their recursive halving/doubling"),
+    dict(name="Mikami et al. 2018 (Sony): 1,024 V100 on ABCI, 2D-torus",
+         published="84.75% scaling efficiency", metric="efficiency", target=0.8475, gpus=1024,
+         step_time_s=32 / 1000, model_bytes=25.6e6 * 2, algorithm="torus", batch_per_gpu=32, **ABCI,
+         note="assumed: 1,000 images/s per V100 in fp16 (batch 32 -> 32 ms); fp16 gradients; 2 x 100 Gbit/s "
+              "EDR InfiniBand per 4-GPU node"),
+    dict(name="Yamazaki et al. 2019 (Fujitsu): 2,048 V100 on ABCI",
+         published="1.73M images/s", metric="images_per_s", target=1.73e6, gpus=2048,
+         step_time_s=40 / 1000, model_bytes=25.6e6 * 2, algorithm="tree", batch_per_gpu=40, **ABCI,
+         note="assumed: 1,000 images/s per V100 in fp16 (batch 40 -> 40 ms); fp16 gradients; same network; "
+              "tree all-reduce assumed (their exact algorithm not modelled)"),
+]
+
+_SIM_ARGS = ("step_time_s", "model_bytes", "link_gbps", "latency_us", "algorithm", "buckets", "batch_per_gpu",
+             "gpus_per_node", "intra_gbps", "intra_latency_us")
+
+
+def published_metric(case, **override):
+    """Our model's value of the case's published metric (efficiency, relative efficiency or images/s)."""
+    kw = {**{k: case[k] for k in _SIM_ARGS}, **override}
+    row = simulate([case["gpus"]], **kw)[0]
+    if case["metric"] == "relative_efficiency":
+        return row["efficiency"] / simulate([case["base_gpus"]], **kw)[0]["efficiency"]
+    return row[case["metric"]]
+
+
+def fitted_link_gbps(case, lo=0.01, hi=1e4):
+    """The link bandwidth at which the model meets the published figure (bisection on a log scale):
+    how far our network assumption is from what the published number implies. None if out of range."""
+    f = lambda bw: published_metric(case, link_gbps=bw) - case["target"]
+    if f(lo) > 0 or f(hi) < 0:
+        return None
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def published_table():
+    """Markdown table: published figure, our model's output with the assumed setup, and the fitted bandwidth."""
+    lines = ["| run | published | model (assumed setup) | model / published | link Gbit/s: assumed, fitted to the published figure |",
+             "|---|---|---|---|---|"]
+    for case in PUBLISHED:
+        got = published_metric(case)
+        fit = fitted_link_gbps(case)
+        show = (lambda v: f"{v / 1e6:.2f}M images/s") if case["metric"] == "images_per_s" else (lambda v: f"{100 * v:.1f}%")
+        lines.append(f"| {case['name']} | {case['published']} | {show(got)} | {got / case['target']:.3f} | "
+                     f"{case['link_gbps']:g}, {'n/a' if fit is None else f'{fit:.2f}'} |")
+    return "\n".join(lines)
+
+
+def main_simulate(argv=None):
+    """The command line: print the projected scaling per GPU count, and its assumptions."""
+    ap = argparse.ArgumentParser(prog="scaling.py", description=simulate.__doc__.split("\n")[0])
+    ap.add_argument("--gpus", default="1,8,64,512,2048", help="comma-separated GPU counts")
+    ap.add_argument("--step-time", type=float, default=0.1, help="one GPU's step time in seconds (measured or given)")
+    ap.add_argument("--model-mb", type=float, default=102.4,
+                    help="gradient MB all-reduced per step (ResNet-50: 102.4 fp32, 51.2 fp16)")
+    ap.add_argument("--link-gbps", type=float, default=25.0, help="Gbit/s of the slowest link (a node's network bandwidth)")
+    ap.add_argument("--latency-us", type=float, default=10.0, help="latency per communication step, microseconds")
+    ap.add_argument("--algorithm", default="all", choices=["ring", "tree", "torus", "all"])
+    ap.add_argument("--buckets", type=int, default=4)
+    ap.add_argument("--batch-per-gpu", type=int, default=32)
+    ap.add_argument("--backward-fraction", type=float, default=2 / 3)
+    ap.add_argument("--gpus-per-node", type=int, default=1)
+    ap.add_argument("--intra-gbps", type=float, default=None, help="Gbit/s per GPU inside a node (NVLink)")
+    ap.add_argument("--published", action="store_true", help="compare the model with the published figures")
+    a = ap.parse_args(argv)
+    if a.published:
+        for case in PUBLISHED:
+            print(f"- {case['name']}: {case['note']}; latency {case['latency_us']} us, {case['algorithm']}, "
+                  f"{case['buckets']} buckets")
+        print(published_table())
+        return 0
+    gpus = [int(g) for g in a.gpus.split(",")]
+    print(f"assumptions: weak scaling, {a.batch_per_gpu} images per GPU, one-GPU step {a.step_time:g} s "
+          f"({100 * a.backward_fraction:.0f}% backward), {a.model_mb:g} MB of gradients in {a.buckets} buckets "
+          f"overlapped with backward, {a.link_gbps:g} Gbit/s and {a.latency_us:g} us per step between GPUs"
+          + (f", {a.intra_gbps:g} Gbit/s inside {a.gpus_per_node}-GPU nodes" if a.intra_gbps else "")
+          + "; no optimizer, I/O, straggler or congestion cost. A model, not a measurement.")
+    print(f"{'gpus':>6} {'algorithm':>9} {'step ms':>9} {'comm ms':>9} {'images/s':>12} {'efficiency':>10}")
+    for alg in (["ring", "tree", "torus"] if a.algorithm == "all" else [a.algorithm]):
+        for r in simulate(gpus, a.step_time, a.model_mb * 1e6, a.link_gbps, a.latency_us, alg, a.buckets,
+                          a.batch_per_gpu, a.backward_fraction, a.gpus_per_node, a.intra_gbps):
+            print(f"{r['gpus']:>6} {alg:>9} {1e3 * r['step_s']:>9.2f} {1e3 * r['comm_s']:>9.2f} "
+                  f"{r['images_per_s']:>12,.0f} {100 * r['efficiency']:>9.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_simulate())
