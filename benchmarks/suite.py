@@ -31,10 +31,7 @@ import importlib
 import json
 import math
 import os
-import platform
-import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -47,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from core import one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
+from machine import fingerprint  # noqa: E402
 
 TIERS = ("0", "1", "2", "3", "4", "cpu")
 # For planning only, until a piece has run once on the device: the fraction of the measured matmul rate
@@ -109,65 +107,6 @@ def pieces():
     ]
 
 
-# ---------------------------------------------------------------------------------------------------
-# The machine
-
-def slugify(name):
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def nvidia_smi(*fields):
-    """{field: value} from nvidia-smi for GPU 0; {} where it is absent or fails."""
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return {}
-    return {f: v.strip() for f, v in zip(fields, out.split(","))}
-
-
-def cpu_name():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def device_name(device):
-    import torch
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU {os.cpu_count()} cores {cpu_name()}"
-
-
-def measure_rates(device, size, copy_bytes, reps=10):
-    """Mean matmul TFLOP/s (bf16 on a GPU, float32 on a CPU, size^3, random inputs, after warm-up) and
-    copy GB/s (bytes read plus bytes written) over reps repetitions."""
-    import torch
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
-    src = torch.randn(copy_bytes // 4, device=device)
-    dst = torch.empty_like(src)
-
-    def timed(f):
-        for _ in range(3):
-            f()
-        sync()
-        start = time.perf_counter()
-        for _ in range(reps):
-            f()
-        sync()
-        return (time.perf_counter() - start) / reps
-    matmul_s = timed(lambda: a @ b)
-    copy_s = timed(lambda: dst.copy_(src))
-    return {"matmul_dtype": str(dtype)[6:], "matmul_size": size, "matmul_tflops": 2 * size ** 3 / matmul_s / 1e12,
-            "copy_bytes": 2 * src.numel() * 4, "copy_gbps": 2 * src.numel() * 4 / copy_s / 1e9, "reps": reps}
-
-
 def counted_flops(recipes):
     """torch_backend.count_flops of each recipe at full size on CIFAR-10's shapes (device-independent)."""
     import torch
@@ -179,29 +118,6 @@ def counted_flops(recipes):
     views = lambda hp: len(tb.tta_views(shapes["test_images"][:1], hp["tta"]))
     return {r: {**tb.count_flops(hp, shapes), "parameters": tb.count_parameters(tb.build_model(hp, "cpu")),
                 "tta_views": views(hp)} for r, hp in ((r, cf.recipe(r)) for r in recipes)}
-
-
-def fingerprint(device, smoke):
-    import torch
-    fp = {"device_name": device_name(device), "device": str(device), "torch": torch.__version__,
-          "python": platform.python_version(), "host_cpu": cpu_name(), "host_cores": os.cpu_count(),
-          "date": datetime.datetime.now().isoformat(timespec="seconds")}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        fp.update(sm_count=props.multi_processor_count, memory_gib=round(props.total_memory / 2 ** 30, 1),
-                  cuda=torch.version.cuda)
-        smi = nvidia_smi("driver_version", "clocks.sm", "clocks.max.sm", "power.limit", "clocks.mem")
-        fp.update(driver=smi.get("driver_version"), sm_clock_mhz=smi.get("clocks.sm"),
-                  max_sm_clock_mhz=smi.get("clocks.max.sm"), power_limit_w=smi.get("power.limit"),
-                  mem_clock_mhz=smi.get("clocks.mem"))
-        fp.update(measure_rates(device, 8192, 2 ** 30))
-        # the clock right after the matmuls (nvidia-smi reads the idle clock before them)
-        fp["sm_clock_after_matmul_mhz"] = nvidia_smi("clocks.sm").get("clocks.sm")
-    else:
-        fp["threads"] = torch.get_num_threads()
-        fp.update(measure_rates(device, 256 if smoke else 2048, 2 ** 22 if smoke else 2 ** 28))
-    fp["slug"] = slugify(fp["device_name"])
-    return fp
 
 
 # ---------------------------------------------------------------------------------------------------
