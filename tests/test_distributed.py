@@ -56,7 +56,9 @@ def train(name, ctx):
     ddp = D.wrap_ddp(model, ctx, bucket_mb=1e-4)  # tiny buckets: several allreduces per step
     opt = make_optimizer(name, ddp.parameters())
     rows = D.shard(GLOBAL_BATCH, ctx.rank, ctx.world_size)
-    for x, y in batches():
+    for step, (x, y) in enumerate(batches()):
+        for g in opt.param_groups:
+            g["epoch"] = step           # the training loop's clock (RMSprop-to-SGD's hand-over reads it)
         opt.zero_grad()
         F.cross_entropy(ddp(x[rows.start:rows.stop]), y[rows.start:rows.stop]).backward()
         opt.step()

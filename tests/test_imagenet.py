@@ -14,6 +14,7 @@ from torchvision import transforms
 
 import imagenet_fast as inf
 import imagenet_store as ims
+import optim
 from conftest import ROOT
 
 SIZE = 24
@@ -427,6 +428,25 @@ def test_batch_size_schedule_grows_the_batch_and_the_rate(store, tmp_path, capsy
         assert rc == 2 and message in err.strip().splitlines()[-1]
 
 
-def test_slow_start_schedule():
-    hp = inf.recipe("tiny", schedule="slow_start", lr=0.4, warmup_epochs=0.0, rms_beta_center=2.0, step_epochs=(5.0,))
-    assert [inf.lr_at(hp, t) for t in (0, 1.9, 2, 4.9, 5)] == pytest.approx([0.2, 0.2, 0.4, 0.4, 0.04])
+def test_slow_start_schedule_is_akiba_et_al_s_stretched_to_the_run():
+    # 0.5 η for 40 of 90 epochs, 0.075 η for 30, 0.01 η for 15, 0.001 η for 5; never above 0.5 η, even while
+    # a linear warm-up (here 2 epochs) leads into it; 45 epochs stretch it by half
+    hp = inf.recipe("tiny", schedule="slow_start", lr=0.4, epochs=90, warmup_epochs=2.0)
+    got = [inf.lr_at(hp, t) for t in (0, 1, 2, 39.9, 40, 69.9, 70, 85, 89.9)]
+    assert got == pytest.approx([0, 0.1, 0.2, 0.2, 0.03, 0.03, 0.004, 0.0004, 0.0004])
+    assert max(inf.lr_at(hp, t / 10) for t in range(900)) == pytest.approx(0.2)
+    hp = {**hp, "epochs": 45, "warmup_epochs": 0.0}
+    assert [inf.lr_at(hp, t) for t in (0, 19.9, 20, 35, 42.5)] == pytest.approx([0.2, 0.2, 0.03, 0.004, 0.0004])
+
+
+def test_rmsprop_hand_over_clock_is_the_loops_fractional_epoch(store, monkeypatch):
+    """The batch doubles after 2 epochs (6 steps an epoch, then 3): the hand-over's clock is the epoch plus the share
+    of its steps done, throughout."""
+    seen = []
+    real = optim.alpha_sgd
+    monkeypatch.setattr(optim, "alpha_sgd", lambda epoch, c, p: seen.append(epoch) or real(epoch, c, p))
+    data = inf.place(ims.open_store(store), torch.device("cpu"))
+    hp = tiny_hp(optimizer="rmsprop_sgd", warmup_epochs=0.0, batch_schedule=(0, 16, 2, 32), width=4)
+    inf.train(hp, data, 5, SIZE, torch.device("cpu"))
+    want = [e + i / 6 for e in (0, 1) for i in range(6)] + [2 + i / 3 for i in range(3)]
+    assert seen[::2] == pytest.approx(want)       # two parameter groups a step
