@@ -3,6 +3,7 @@ resumption, bad input), batched augmentation statistics, models, schedules, lear
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -394,6 +395,7 @@ def test_two_ranks_resume_after_an_interruption_exactly(store, tmp_path):
     assert torch.load(tmp_path / "b.pt", weights_only=False)["epoch"] == 1
     b = torchrun(*resumable)
     assert b.returncode == 0, b.stderr[-3000:]
+    assert b.stdout.count(f"resumed from epoch 1 of {tmp_path / 'b.pt'}") == 1
     ra, rb = (json.loads((tmp_path / f"{n}.json").read_text())["runs"][0]["rows"] for n in "ab")
     assert len(ra) == len(rb) == 3
     for x, y in zip(ra, rb):
@@ -450,3 +452,57 @@ def test_rmsprop_hand_over_clock_is_the_loops_fractional_epoch(store, monkeypatc
     inf.train(hp, data, 5, SIZE, torch.device("cpu"))
     want = [e + i / 6 for e in (0, 1) for i in range(6)] + [2 + i / 3 for i in range(3)]
     assert seen[::2] == pytest.approx(want)       # two parameter groups a step
+
+
+def resume_hp():
+    return tiny_hp(epochs=2, width=4)
+
+
+def test_resume_restores_random_states_whatever_the_checkpoint_loaded_them_as(store, tmp_path, monkeypatch):
+    """A checkpoint loaded onto a GPU holds CUDA tensors, which set_rng_state refuses: the random states are
+    restored from CPU bytes whatever form they arrive in (here int64, as another map_location could give)."""
+    data, cpu = inf.place(ims.open_store(store), torch.device("cpu")), torch.device("cpu")
+    full = inf.train(resume_hp(), data, 5, SIZE, cpu, seed=3)
+    with pytest.raises(SystemExit):
+        inf.train(resume_hp(), data, 5, SIZE, cpu, seed=3, checkpoint=tmp_path / "c.pt", interrupt_after=1)
+    real = torch.load
+
+    def elsewhere(*args, **kwargs):
+        state = real(*args, **kwargs)
+        state["rng"] = [[t.to(torch.int64) for t in rank] for rank in state["rng"]]
+        return state
+    monkeypatch.setattr(torch, "load", elsewhere)
+    resumed = inf.train(resume_hp(), data, 5, SIZE, cpu, seed=3, checkpoint=tmp_path / "c.pt", resume=True)
+    assert torch.equal(params(full["model"]), params(resumed["model"]))
+
+
+def test_unreadable_checkpoint_is_one_line(store, tmp_path, capsys):
+    args = ["train", "--store", store, "--recipe", "tiny", "--device", "cpu", "--epochs", "1", "--width", "4",
+            "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE, "--resume"]
+    rc, _, _ = run_main(capsys, *args, "--checkpoint", tmp_path / "good.pt")
+    assert rc == 0
+    whole = (tmp_path / "good.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "junk.pt").write_text("not a checkpoint")
+    for name in ("cut.pt", "junk.pt"):
+        rc, out, err = run_main(capsys, *args, "--checkpoint", tmp_path / name)
+        lines = err.strip().splitlines()
+        assert rc == 1 and len(lines) == 2 and lines[0].startswith("warning: no GPU"), err
+        assert re.fullmatch(rf"error: {re.escape(str(tmp_path / name))}: not a readable checkpoint \(.+\)", lines[1])
+    rc, out, _ = run_main(capsys, *args, "--checkpoint", tmp_path / "good.pt", "--epochs", "2")
+    assert rc == 1     # other hyperparameters: refused, as before
+    rc, out, _ = run_main(capsys, *args, "--checkpoint", tmp_path / "good.pt")
+    assert rc == 0 and f"resumed from epoch 1 of {tmp_path / 'good.pt'}" in out
+
+
+def test_a_rank_copies_only_its_share_of_the_store(store, monkeypatch):
+    """Under torchrun, place() copies the rank's rows of the memory-mapped store, never the whole store."""
+    copied = []
+    real = inf.copy_rows
+    monkeypatch.setattr(inf, "copy_rows", lambda src, rows, out: copied.append((src.shape, len(rows))) or
+                        real(src, rows, out))
+    s = ims.open_store(store)
+    ctx = inf.D.Context(rank=1, world_size=4, distributed=True, is_main=False)
+    data = inf.place(s, torch.device("cpu"), ctx=ctx)
+    assert copied[0] == (s.train_x.shape, 24) and len(data["train_x"]) == 24
+    assert data["train_x"].untyped_storage().nbytes() == 24 * SIZE * SIZE * 3
