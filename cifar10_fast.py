@@ -18,7 +18,7 @@ import torch
 import cifar_data as cd
 import distributed as D
 import torch_backend as tb
-from cli import add_shared_flags, environment, overrides_from, run_record
+from cli import add_shared_flags, environment, join_ranks, overrides_from, run_record
 from core import DataError, Table, print_summary, summarize_runs, write_json
 from optim import linear_scaled_lr
 
@@ -246,7 +246,11 @@ def main(argv=None):
         print("error: --runs must be at least 1", file=sys.stderr)
         return 2
 
-    ctx = D.init_from_env(args.device)       # torchrun: this rank's place; plain python: one process
+    try:
+        ctx, hook = join_ranks(args)       # torchrun: this rank's place; plain python: one process
+    except ValueError as e:
+        D.print0(f"error: {e}", file=sys.stderr)
+        return 2
     device, main_rank = torch.device(ctx.device), ctx.is_main
     if device.type == "cpu" and main_rank:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration, "
@@ -285,7 +289,7 @@ def main(argv=None):
                 "summary": summary_of(runs)}, args, argv, device, ctx))
 
     runs = run_many(rank_hp, data, device, dtype, args.runs, args.seed, args.target, args.compile, main_rank, ctx,
-                    args.bucket_mb, args.comm_hook, on_run=lambda done: save(done, False))
+                    args.bucket_mb, hook, on_run=lambda done: save(done, False))
     if args.runs > 1 and main_rank:
         print_summary(args.recipe, summary_of(runs), args.target, {
             "final_acc": ("final test accuracy", ""), "time": ("time (training + final evaluation)", " s"),

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from distributed import HOOKS
+from distributed import HOOKS, comm_hook, init_from_env
 
 
 def _parse(kind):
@@ -26,6 +26,29 @@ def _parse(kind):
         return type(kind)
     convert.__name__ = type(kind).__name__
     return convert
+
+
+def grid(s):
+    """ROWSxCOLS, e.g. 4x8."""
+    rows, _, cols = s.lower().partition("x")
+    if not (rows.isdigit() and cols.isdigit() and int(rows) > 0 and int(cols) > 0):
+        raise ValueError(s)
+    return int(rows), int(cols)
+
+
+def join_ranks(args):
+    """This process's distributed.Context and communication hook (distributed.CommHook) from the shared flags:
+    checks --dist-timeout, refuses srun without torchrun, joins torchrun's process group (if any) and checks
+    --torus-grid against its world. A bad value is a ValueError of one line."""
+    if args.dist_timeout is not None and args.dist_timeout <= 0:
+        raise ValueError("--dist-timeout must be positive (minutes)")
+    ctx = init_from_env(args.device, timeout_minutes=args.dist_timeout)
+    try:
+        return ctx, comm_hook(args.comm_hook, args.torus_grid, ctx)
+    except ValueError:
+        if ctx.distributed:
+            torch.distributed.destroy_process_group()
+        raise
 
 
 def eval_number(s):
@@ -46,7 +69,13 @@ def add_shared_flags(p, base):
                    help="autocast dtype (default: bf16 on a GPU, fp32 on a CPU)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="under torchrun: DDP gradient bucket size in MB")
     p.add_argument("--comm-hook", default="none", choices=list(HOOKS),
-                   help="under torchrun: gradient communication (fp16/bf16 compression, 2D-torus allreduce)")
+                   help="under torchrun: gradient communication (fp16/bf16 compression, 2D-torus allreduce in "
+                        "fp32, fp16 or bf16)")
+    p.add_argument("--torus-grid", type=grid, default=None, metavar="RxC",
+                   help="under torchrun: the 2D torus's rows x columns (default: a row per node, as many columns as "
+                        "the node's GPUs)")
+    p.add_argument("--dist-timeout", type=float, default=None, metavar="MINUTES",
+                   help="under torchrun: how long a collective may wait for the other ranks (default: torch's)")
     hp = p.add_argument_group("hyperparameters (override the recipe)")
     for key, value in base.items():
         hp.add_argument("--" + key.replace("_", "-"), dest=key, type=_parse(value), default=None,
@@ -74,5 +103,5 @@ def run_record(fields, args, argv, device, ctx):
     command line, the environment with torchrun's world size and communication settings, and the date."""
     return {**fields, "argv": sys.argv[1:] if argv is None else list(argv),
             "environment": {**environment(device), "world_size": ctx.world_size, "bucket_mb": args.bucket_mb,
-                            "comm_hook": args.comm_hook},
+                            "comm_hook": args.comm_hook, "torus_grid": args.torus_grid},
             "date": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -13,16 +13,20 @@ Papers:
       (Preferred Networks, arXiv:1711.04325)
   Mikami et al. 2018, "ImageNet/ResNet-50 Training in 224 Seconds" (Sony, 2D-torus all-reduce, arXiv:1811.05233)
 """
+import datetime
 import os
+import shlex
+import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from core import write_atomic
+from core import DataError, write_atomic
 from scaling import square_grid
 
 
@@ -38,34 +42,53 @@ class Context:
     device: str = "cpu"
     is_main: bool = True
     distributed: bool = False  # a process group exists (torchrun, even with one process)
+    local_world_size: int = 1  # processes on this node
 
 
-def init_from_env(device=None, backend=None):
+def init_from_env(device=None, backend=None, timeout_minutes=None):
     """The Context of this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK, joining the process group.
 
     Without those variables (plain `python script.py`) it is one process and no process group, so the same
-    script runs unchanged. nccl for CUDA devices, gloo otherwise; MASTER_ADDR / MASTER_PORT come from torchrun.
+    script runs unchanged; but several SLURM tasks without them are `srun python script.py`, N independent
+    full runs writing the same files, and stop here with the command to use. nccl for CUDA devices, gloo
+    otherwise; MASTER_ADDR / MASTER_PORT come from torchrun. "cuda" means this rank's GPU, cuda:LOCAL_RANK.
+    timeout_minutes bounds every collective (the default is torch's; raise it for slow starts, e.g. ranks that
+    first copy the store to a local disk).
     """
     if "RANK" not in os.environ:
+        tasks = int(os.environ.get("SLURM_NTASKS", "1"))
+        if tasks > 1:
+            raise ValueError(
+                f"srun started {tasks} tasks without torchrun, so each would train alone and write the same files; "
+                "start one torchrun per node instead: srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES "
+                "--nproc-per-node=GPUS_PER_NODE --rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d "
+                f"--rdzv-endpoint=$(hostname):29500 {shlex.join(sys.argv)}")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         return Context(device=device)
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     if device is None:
-        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{local}"
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # before the group, so NCCL binds this rank to its own GPU
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if device.startswith("cuda") else "gloo"), rank=rank, world_size=world)
-    return Context(rank, world, local, device, rank == 0, True)
+        timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
+        dist.init_process_group(backend or ("nccl" if device.startswith("cuda") else "gloo"), rank=rank,
+                                world_size=world, timeout=timeout)
+    return Context(rank, world, local, device, rank == 0, True, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def is_main():
-    """True on rank 0, or when there is no process group."""
-    return not dist.is_initialized() or dist.get_rank() == 0
+    """True on rank 0, or when there is no process group (before it is joined, torchrun's RANK says, or
+    SLURM's task number for tasks that srun started without torchrun)."""
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
 def print0(*args, **kwargs):
-    """print on rank 0 only, so N processes do not print N copies of every line."""
+    """print on rank 0 only, so N processes do not print N copies of every line (errors included)."""
     if is_main():
         print(*args, **kwargs, flush=True)
 
@@ -84,6 +107,27 @@ def shard(n, rank, world):
     """
     per = n // world
     return range(rank * per, (rank + 1) * per)
+
+
+def part(n, rank, world):
+    """The index range of rank's contiguous part of n items, all of them covered (sizes differ by at most
+    one): for evaluation, whose sums are added over ranks, so nothing need be dropped to even the parts."""
+    return range(rank * n // world, (rank + 1) * n // world)
+
+
+def stratified_share(labels, rank, world, seed=0):
+    """The sorted indices of rank's share of a training set whose items have these labels: a seeded random
+    partition into world disjoint shares of n // world items, stratified by class, so every rank holds every
+    class in proportion (±1 item), whatever order the set is stored in (our store is in class order).
+
+    The shares are fixed for a run, so that each can live in its rank's memory (on its GPU); every epoch
+    each rank draws a new order of its own share. The classes, one after another, each in a random order, are
+    dealt round-robin; the n % world items left over are dropped, so every rank runs the same number of steps.
+    """
+    labels = np.asarray(labels)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    order = order[np.argsort(labels[order], kind="stable")]
+    return np.sort(order[rank::world][:len(labels) // world])
 
 
 def per_rank_batch(global_batch, world):
@@ -107,6 +151,17 @@ def wrap_ddp(model, ctx, bucket_mb=25.0, **kwargs):
                                    gradient_as_bucket_view=True, **kwargs)
 
 
+def rehearse_backward(ddp_model, example):
+    """One forward and backward of `example` through a new DDP model, the gradients then dropped, so that
+    its buckets are laid out as in a model that has trained. After its first backward DDP regroups the
+    gradients into buckets in the order they arrived, and where an element sits in its bucket sets the order
+    in which the ranks' values of it are summed (a ring starts each segment at another rank): with more than
+    two ranks, a resumed run whose first step used the initial layout would drift from the uninterrupted run
+    by rounding. The forward moves batch-norm statistics: the caller loads its state afterwards."""
+    ddp_model(example).float().sum().backward()
+    ddp_model.zero_grad(set_to_none=True)
+
+
 def save_checkpoint(path, state, ctx):
     """Rank 0 writes state to path atomically; then every rank waits, so nobody reads a half-written file.
 
@@ -118,11 +173,31 @@ def save_checkpoint(path, state, ctx):
         barrier()
 
 
-def load_checkpoint(path, map_location="cpu"):
-    """The state saved by save_checkpoint, read by every rank; None if there is no checkpoint yet (a fresh run)."""
-    if not os.path.exists(path):
-        return None
-    return torch.load(path, map_location=map_location, weights_only=True)
+def load_checkpoint(path, ctx=None):
+    """The state saved by save_checkpoint, or None if there is none yet (a fresh run).
+
+    Rank 0 alone reads the file and sends it to every rank (broadcast_object_list), so nodes need no shared
+    disk and every rank agrees whether there is a checkpoint; the cost is one pickled copy of the state in
+    every rank's host memory (a few hundred MB for ResNet-50 with momentum and EMA; a model of many GB would
+    want torch.distributed.checkpoint instead). Tensors come back on the CPU whatever device they were saved
+    from: random states must, and load_state_dict moves the rest where it belongs. A file that cannot be
+    read is a DataError of one line, the same on every rank.
+    """
+    state = error = None
+    if ctx is None or ctx.is_main:
+        if os.path.exists(path):
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # whatever reading it raises, the file is no checkpoint
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                error = f"{path}: not a readable checkpoint ({type(e).__name__}: {first})"
+    if ctx is not None and ctx.distributed:
+        box = [state, error]
+        dist.broadcast_object_list(box, src=0)
+        state, error = box
+    if error:
+        raise DataError(error)
+    return state
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -148,7 +223,7 @@ def use_last_batch_stats(model):
     return model
 
 
-def sync_batch_norm_stats(model, ctx):
+def sync_batch_norm_stats(model, ctx, counted=None):
     """Before validation: every BN's running mean and variance become those of the whole global minibatch.
 
     Each rank's running stats hold its own last minibatch (use_last_batch_stats). All ranks have the same
@@ -157,12 +232,17 @@ def sync_batch_norm_stats(model, ctx):
     N = n * world) as PyTorch does. One all_reduce carries every layer's statistics.
     Exact for each layer's input as the ranks computed it; below the first BN those inputs were normalised
     with each rank's own batch statistics during training (plain BN, not SyncBatchNorm), as the model trained.
+    `counted` is the model whose training steps counted n, for a copy that never runs them: an EMA of the
+    model, whose statistics (each rank's average of its own last batches) are pooled over ranks the same way.
     """
     bns = _batch_norms(model)
     if not ctx.distributed or not bns:
         return
-    if any(not hasattr(bn, "last_count") for bn in bns):
+    counts = [getattr(bn, "last_count", None) for bn in _batch_norms(counted or model)]
+    if None in counts:
         raise RuntimeError("sync_batch_norm_stats needs use_last_batch_stats(model) before the training steps")
+    for bn, n in zip(bns, counts):
+        bn.last_count = n
     # n (images × pixels per channel) differs between layers at different resolutions
     sq = [bn.running_var * (bn.last_count - 1) / bn.last_count + bn.running_mean ** 2 for bn in bns]
     flat = torch.cat([torch.cat([bn.running_mean for bn in bns]), torch.cat(sq)])
@@ -179,17 +259,35 @@ def sync_batch_norm_stats(model, ctx):
 # ----------------------------------------------------------------------------------------------------------
 # Communication hooks
 
-class TorusState:
-    """The process subgroups of a rows x cols grid of ranks (rank r sits at row r // cols, column r % cols)."""
+def torus_grid(grid, world, local_world=None):
+    """(rows, cols) of the 2D torus over world ranks: grid as given (validated), or by default one row per
+    node (cols = local_world, the node's GPUs, torchrun's LOCAL_WORLD_SIZE), so that each row's
+    reduce-scatter and all-gather stay on the node's own links and only the columns' all-reduce crosses the
+    network; the most square grid when nodes differ in size."""
+    if grid is None:
+        local = local_world or world
+        return (world // local, local) if world % local == 0 else square_grid(world)
+    rows, cols = grid
+    if rows * cols != world:
+        raise ValueError(f"--torus-grid {rows}x{cols} is {rows * cols} ranks, but the world size is {world}")
+    return rows, cols
 
-    def __init__(self, grid, device_type):
+
+class TorusState:
+    """The process subgroups of a rows x cols grid of ranks (rank r sits at row r // cols, column r % cols: with
+    torchrun's numbering, node by node), the dtype gradients travel in (None: the bucket's own), and the
+    future of the last bucket started, after which the next one goes."""
+
+    def __init__(self, grid, device_type, dtype=None):
         rows, cols = grid
         world = dist.get_world_size()
         if rows * cols != world:
             raise ValueError(f"torus grid {rows}x{cols} does not match the world size {world}")
-        self.rows, self.cols, self.world = rows, cols, world
+        self.rows, self.cols, self.world, self.dtype = rows, cols, world, dtype
         mesh = init_device_mesh(device_type, (rows, cols))       # mesh dimension 0 runs down a column, 1 along a row
         self.col, self.row = mesh.get_group(0), mesh.get_group(1)
+        self.last = torch.futures.Future()
+        self.last.set_result(None)
 
 
 def torus_allreduce_hook(state, bucket):
@@ -199,38 +297,107 @@ def torus_allreduce_hook(state, bucket):
     2. all-reduce along the column: that chunk summed over all rows (messages are 1/cols the size)
     3. all-gather within the row: every rank gets the whole summed bucket
     Same bytes per rank as a ring, but 2 (rows + cols - 2) sequential steps instead of 2 (world - 1): the
-    latency term that dominates at thousands of GPUs. The bucket is padded to a multiple of cols.
+    latency term that dominates at thousands of GPUs. The bucket is padded to a multiple of cols, and travels
+    in state.dtype (fp16 or bf16 halve the bytes, as Sony's run did). The reduce-scatter is an all-to-all
+    (chunk j to the row's rank j) and a local sum of the chunks received: the same bytes, and unlike gloo's
+    reduce-scatter it gives a future to chain on.
+
+    Asynchronous: the hook starts the chain and returns its future at once, so backward goes on computing the
+    next buckets; each collective is started (async_op) from the callback of the one before, as PyTorch's
+    PowerSGD hook chains its collectives. Unlike PowerSGD's callbacks, none waits: a waiting callback would
+    hold one of gloo's few worker threads. And each bucket's chain starts after the previous bucket's has
+    finished, so every rank issues the collectives of each group in the same order (gloo completes them in
+    worker threads, in no fixed order; NCCL completes a future as soon as the kernel is queued, so there the
+    whole chain is queued at once and the GPU streams keep the order).
     """
     buf = bucket.buffer()
-    n = buf.numel()
-    chunk = -(-n // state.cols)
-    flat = torch.zeros(chunk * state.cols, dtype=buf.dtype, device=buf.device)
+    n, cuda, cols = buf.numel(), buf.is_cuda, state.cols
+    chunk = -(-n // cols)
+    flat = torch.zeros(chunk * cols, dtype=state.dtype or buf.dtype, device=buf.device)
     flat[:n] = buf / state.world
-    part = torch.empty(chunk, dtype=buf.dtype, device=buf.device)
-    dist.reduce_scatter_tensor(part, flat, group=state.row)
-    dist.all_reduce(part, group=state.col)
-    dist.all_gather_into_tensor(flat, part, group=state.row)
-    buf.copy_(flat[:n])
-    # the collectives above are synchronous (simple to read); on NCCL they only order the CUDA stream
-    fut = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
+    received, part = torch.empty_like(flat), flat.new_empty(chunk)
+    ready = None
+    if cuda:            # callbacks run on side streams: the first collective must wait for flat
+        ready = torch.cuda.Event()
+        ready.record()
+    done = torch.futures.Future(devices=[buf.device] if cuda else None)
+
+    def scatter():
+        if ready is not None:
+            torch.cuda.current_stream().wait_event(ready)
+        return dist.all_to_all_single(received, flat, group=state.row, async_op=True)
+
+    def used_here(*tensors):
+        # a callback's side stream: the allocator must not hand these on before its kernels have run
+        for t in tensors if cuda else ():
+            t.record_stream(torch.cuda.current_stream())
+
+    def down_the_column():
+        torch.sum(received.view(cols, chunk), 0, out=part)
+        used_here(received, part)
+        return dist.all_reduce(part, group=state.col, async_op=True)
+
+    def unpack():
+        buf.copy_(flat[:n])
+        used_here(flat)
+        done.set_result(buf)
+
+    along_the_row = lambda: dist.all_gather_into_tensor(flat, part, group=state.row, async_op=True)
+    _chain(state.last, [scatter, down_the_column, along_the_row], unpack, done)
+    state.last = done
+    return done
 
 
-HOOKS = ("none", "fp16", "bf16", "torus")
+def _chain(after, launches, finish, done):
+    """When the future `after` completes, start each launch() (an asynchronous collective) once the one before
+    has finished, then run finish(); an error anywhere becomes done's. Nothing here waits."""
+    def step(fut, i):
+        try:
+            fut.value()                     # raises the previous step's error
+            if i < len(launches):
+                launches[i]().get_future().add_done_callback(lambda f: step(f, i + 1))
+            else:
+                finish()
+        except Exception as e:
+            done.set_exception(e)
+    after.add_done_callback(lambda f: step(f, 0))
 
 
-def register_comm_hook(ddp_model, name, grid=None):
-    """Install a gradient communication hook on a DDP model: none (plain allreduce in fp32), fp16 / bf16
-    (torch's built-in compression: half the bytes on the wire, as in the ImageNet-in-minutes runs), or torus
-    (2D-torus all-reduce over a rows x cols grid, default the most square grid of the world size)."""
-    if name not in HOOKS:
-        raise ValueError(f"unknown communication hook {name!r}; choose from {', '.join(HOOKS)}")
-    if name == "fp16":
+HOOKS = ("none", "fp16", "bf16", "torus", "torus_fp16", "torus_bf16")
+TORUS_DTYPES = {"torus": None, "torus_fp16": torch.float16, "torus_bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class CommHook:
+    """A gradient communication hook by name (HOOKS) and, for the torus ones, its grid (None: one row a node)."""
+    name: str = "none"
+    grid: tuple = None
+
+
+def comm_hook(name, grid, ctx):
+    """The CommHook of the command line's --comm-hook and --torus-grid (rows, cols), checked against the world."""
+    if grid is not None and name not in TORUS_DTYPES:
+        raise ValueError("--torus-grid needs --comm-hook torus, torus_fp16 or torus_bf16")
+    if name in TORUS_DTYPES:
+        grid = torus_grid(grid, ctx.world_size, ctx.local_world_size)
+    return CommHook(name, grid)
+
+
+def register_comm_hook(ddp_model, hook, grid=None):
+    """Install a gradient communication hook (a name or a CommHook) on a DDP model: none (plain allreduce in
+    fp32), fp16 / bf16 (torch's built-in compression: half the bytes on the wire, as in the ImageNet-in-minutes
+    runs), or torus / torus_fp16 / torus_bf16 (2D-torus all-reduce over a rows x cols grid, default one row
+    per node, gradients in fp32 or compressed)."""
+    if isinstance(hook, CommHook):
+        hook, grid = hook.name, hook.grid
+    if hook not in HOOKS:
+        raise ValueError(f"unknown communication hook {hook!r}; choose from {', '.join(HOOKS)}")
+    if hook == "fp16":
         ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif name == "bf16":
+    elif hook == "bf16":
         ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    elif name == "torus":
-        state = TorusState(grid or square_grid(dist.get_world_size()), ddp_model.device_type)
-        ddp_model.register_comm_hook(state, torus_allreduce_hook)
+    elif hook in TORUS_DTYPES:
+        world = dist.get_world_size()
+        grid = grid or torus_grid(None, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        ddp_model.register_comm_hook(TorusState(grid, ddp_model.device_type, TORUS_DTYPES[hook]), torus_allreduce_hook)
     return ddp_model

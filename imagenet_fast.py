@@ -1,4 +1,4 @@
-"""The CIFAR-10 speed-run loop at ImageNet scale on one GPU.
+"""The CIFAR-10 speed-run loop at ImageNet scale, on one GPU or, under torchrun, on many.
 
     python imagenet_fast.py prepare --src /data/imagenet --dst /data/in128 --size 128
     python imagenet_fast.py train --store /data/in128 --recipe rn50_16ep --out rn50.json
@@ -28,7 +28,7 @@ from torch import nn
 import distributed as D
 import scaling
 import torch_backend as tb
-from cli import add_shared_flags, environment, overrides_from, run_record
+from cli import add_shared_flags, environment, join_ranks, overrides_from, run_record
 from core import DataError, Table, Timer, print_summary, summarize_runs, write_json
 from imagenet_store import open_store, prepare
 from optim import BatchSizeSchedule, optimizer, param_groups_no_decay_1d, slow_start_lr
@@ -40,21 +40,49 @@ STD = (58.395, 57.12, 57.375)
 # The store in memory and batches from it
 # ---------------------------------------------------------------------------------------------
 
-def place(store, device, where="auto"):
+def place(store, device, where="auto", ctx=None, seed=0):
     """Torch tensors of the store: on the device when asked or when they fit in 80% of its free
-    memory, else in host memory (pinned when the device is a GPU, so copies can be asynchronous)."""
-    arrays = {"train_x": store.train_x, "train_y": store.train_y, "val_x": store.val_x, "val_y": store.val_y}
-    nbytes = sum(a.nbytes for a in arrays.values())
+    memory, else in host memory (pinned when the device is a GPU, so copies can be asynchronous).
+
+    One process takes the whole store; on a CPU, the memory-mapped files themselves (nothing is read
+    until used). Under torchrun (ctx.distributed) a rank takes its share alone: the training images of
+    D.stratified_share (every class in proportion; the partition is seeded and fixed for the run) and its
+    contiguous part of the validation set, copied out of the memory-mapped files by copy_rows, so a
+    rank's memory (or GPU) holds 1/world of the store, never all of it.
+    """
+    ctx = ctx or D.Context()
+    offsets = np.concatenate([[0], np.cumsum(store.val_shapes.prod(1) * 3)])
+    val = D.part(len(store.val_y), ctx.rank, ctx.world_size)
+    train = (D.stratified_share(store.train_y, ctx.rank, ctx.world_size, seed) if ctx.distributed
+             else range(len(store.train_y)))
+    picks = {"train_x": (store.train_x, train), "train_y": (store.train_y, train),
+             "val_x": (store.val_x, range(offsets[val.start], offsets[val.stop])), "val_y": (store.val_y, val)}
+    nbytes = sum(len(rows) * a[:1].nbytes for a, rows in picks.values())
     if where == "auto":
         where = "device" if device.type == "cuda" and nbytes < 0.8 * torch.cuda.mem_get_info(device)[0] else "host"
-    t = {k: torch.from_numpy(a) for k, a in arrays.items()}
-    if where == "device":
-        t = {k: v.to(device) for k, v in t.items()}
-    elif device.type == "cuda":
-        t = {k: v.pin_memory() for k, v in t.items()}
-    t["val_shapes"] = store.val_shapes
+    t = {}
+    for k, (a, rows) in picks.items():
+        if device.type == "cpu" and not ctx.distributed:
+            t[k] = torch.from_numpy(a)           # the memory-mapped file as it is
+            continue
+        shape, dtype = (len(rows),) + a.shape[1:], torch.from_numpy(a[:0]).dtype
+        pin = where == "host" and device.type == "cuda"
+        t[k] = torch.empty(shape, dtype=dtype, device=device if where == "device" else "cpu", pin_memory=pin)
+        copy_rows(a, rows, t[k])
+    t["val_shapes"] = store.val_shapes[val.start:val.stop]
     t["where"] = where
     return t
+
+
+def copy_rows(src, rows, out, chunk_bytes=256 << 20):
+    """Copies src[rows] into the tensor out (host, pinned or device memory): src a memory-mapped array,
+    rows a range or an increasing index array. A chunk at a time, so only those rows' pages are read and
+    host memory holds no more than one chunk besides out."""
+    per = max(1, chunk_bytes // max(1, src[:1].nbytes))
+    for i in range(0, len(rows), per):
+        chunk = rows[i:i + per]
+        pick = slice(chunk.start, chunk.stop) if isinstance(chunk, range) else chunk
+        out[i:i + len(chunk)].copy_(torch.from_numpy(np.ascontiguousarray(src[pick])))
 
 
 def train_batches(x, y, perm, bs, device):
@@ -164,9 +192,11 @@ def val_batches(shapes, batch_size):
 
 
 @torch.no_grad()
-def evaluate(model, data, size, res, tta, device, dtype, memory_format, batch_size=256):
+def evaluate(model, data, size, res, tta, device, dtype, memory_format, batch_size=256, ctx=None):
     """Rectangular evaluation: each batch (one aspect ratio) is resized so its shorter side is
-    res, no centre crop. Returns mean loss, top-1 and top-5 accuracy."""
+    res, no centre crop. Returns mean loss, top-1 and top-5 accuracy. Under torchrun each rank
+    evaluates the part of the validation set it holds (place) and the sums are added over ranks,
+    so every rank returns the whole set's figures."""
     was_training = model.training
     model.eval()
     shapes = data["val_shapes"]
@@ -189,7 +219,10 @@ def evaluate(model, data, size, res, tta, device, dtype, memory_format, batch_si
         top1 += (top[:, 0] == y).sum().item()
         top5 += (top == y[:, None]).any(1).sum().item()
     model.train(was_training)
-    m = len(shapes)
+    totals = torch.tensor([loss, top1, top5, len(shapes)], dtype=torch.float64, device=device)
+    if ctx is not None and ctx.distributed:
+        torch.distributed.all_reduce(totals)
+    loss, top1, top5, m = totals.tolist()
     return loss / m, top1 / m, top5 / m
 
 
@@ -245,10 +278,10 @@ def build_model(hp, num_classes):
     return add_blurpool(model) if hp["blurpool"] else model
 
 
-def make_optimizer(model, hp, steps_per_epoch=1):
+def make_optimizer(model, hp):
     """SGD (or the large-batch LARS / RMSprop-to-SGD of optim.py); weight decay only on conv and
     linear weights (none on batch-norm scales and biases)."""
-    return optimizer(param_groups_no_decay_1d(model, hp["weight_decay"]), hp, steps_per_epoch)
+    return optimizer(param_groups_no_decay_1d(model, hp["weight_decay"]), hp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,12 +289,19 @@ def make_optimizer(model, hp, steps_per_epoch=1):
 # ---------------------------------------------------------------------------------------------
 
 def lr_at(hp, t):
-    """Learning rate per 256 images at t epochs: linear warm-up from 0 to lr over warmup_epochs,
-    then linear to 0 at the end, cosine to 0, ×0.1 at each of step_epochs, or slow_start (half the
-    rate until epoch rms_beta_center, where RMSprop-to-SGD is half handed over, then the step decay)."""
-    peak, warm, end = hp["lr"], hp["warmup_epochs"], hp["epochs"]
+    """Learning rate per 256 images at t epochs: linear warm-up from 0 over warmup_epochs to the
+    schedule's rate there, then the schedule: linear to 0 at the end, cosine to 0, ×0.1 at each of
+    step_epochs, or slow_start (Akiba et al.'s 90-epoch schedule stretched to the run: 0.5 × lr for
+    the first 40/90 while RMSprop-to-SGD hands over, then 0.075, 0.01 and 0.001 × lr)."""
+    warm = hp["warmup_epochs"]
     if t < warm:
-        return peak * t / warm
+        return decayed_lr(hp, warm) * t / warm
+    return decayed_lr(hp, t)
+
+
+def decayed_lr(hp, t):
+    """The schedule after the warm-up, at t epochs (lr_at)."""
+    peak, warm, end = hp["lr"], hp["warmup_epochs"], hp["epochs"]
     f = min(1.0, (t - warm) / max(end - warm, 1e-9))
     if hp["schedule"] == "linear":
         return peak * (1 - f)
@@ -269,8 +309,8 @@ def lr_at(hp, t):
         return peak * 0.5 * (1 + math.cos(math.pi * f))
     if hp["schedule"] == "step":
         return peak * 0.1 ** sum(t >= s for s in hp["step_epochs"])
-    if hp["schedule"] == "slow_start":      # Akiba et al.: half the rate while RMSprop hands over to SGD
-        return slow_start_lr(t, peak, start_epochs=hp["rms_beta_center"], milestones=hp["step_epochs"])
+    if hp["schedule"] == "slow_start":
+        return slow_start_lr(t, peak, end)
     raise ValueError(f"unknown schedule {hp['schedule']!r}; choose from linear, cosine, step, slow_start")
 
 
@@ -300,6 +340,10 @@ def batch_for(hp, epoch, world=1):
     return batch_at(hp, res_at(hp, epoch))
 
 
+CHECKPOINT_KEYS = {"model", "optimizer", "ema", "ema_steps", "rng", "epoch", "rows", "train_time", "time_to_target",
+                   "hp"}
+
+
 def checkpoint_state(model, opt, ema, gen, epoch, rows, train_time, time_to_target, hp):
     """Everything a resumed run needs; the random states of every rank (gathered to all), so that
     each rank resumes its own augmentation stream exactly."""
@@ -312,6 +356,18 @@ def checkpoint_state(model, opt, ema, gen, epoch, rows, train_time, time_to_targ
     return {"model": model.state_dict(), "optimizer": opt.state_dict(), "ema": ema.model.state_dict() if ema else None,
             "ema_steps": ema.steps if ema else 0, "rng": every,
             "epoch": epoch, "rows": rows, "train_time": train_time, "time_to_target": time_to_target, "hp": hp}
+
+
+def check_checkpoint(state, checkpoint, hp, world):
+    """A DataError of one line unless state is a checkpoint of this run: same hyperparameters, same ranks."""
+    missing = CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else CHECKPOINT_KEYS
+    if missing:
+        raise DataError(f"{checkpoint}: not a readable checkpoint (no {', '.join(sorted(missing))})")
+    if state["hp"] != hp:
+        diff = sorted(k for k in hp if state["hp"].get(k) != hp[k])
+        raise DataError(f"{checkpoint}: written with other hyperparameters ({', '.join(diff)}); cannot resume")
+    if len(state["rng"]) != world:
+        raise DataError(f"{checkpoint}: written by {len(state['rng'])} ranks, resumed by {world}; cannot resume")
 
 
 def warmup(hp, data, num_classes, device, dtype, memory_format, world=1):
@@ -352,28 +408,32 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
     memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
     timer = Timer((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None)
     model = build_model(hp, num_classes).to(device, memory_format=memory_format)
-    opt = make_optimizer(model, hp, max(1, len(data["train_y"]) // hp["batch_size"]))
+    opt = make_optimizer(model, hp)
     forward = D.register_comm_hook(D.wrap_ddp(model, ctx, bucket_mb), hook) if ctx.distributed else model
     if hp["bn_stats"] == "last_batch":
         D.use_last_batch_stats(model)
     ema = tb.EMA(model, hp["ema_momentum"], hp["ema_every"]) if hp["ema_momentum"] else None
     start, rows, time_to_target = 0, [], None
-    if resume and checkpoint and Path(checkpoint).is_file():
-        state = torch.load(checkpoint, map_location=device, weights_only=False)
-        if state["hp"] != hp:
-            diff = sorted(k for k in hp if state["hp"].get(k) != hp[k])
-            raise DataError(f"{checkpoint}: written with other hyperparameters ({', '.join(diff)}); cannot resume")
+    state = D.load_checkpoint(checkpoint, ctx) if resume and checkpoint else None   # rank 0 reads, all receive
+    if state is not None:
+        check_checkpoint(state, checkpoint, hp, world)
+        if ctx.distributed:     # DDP's buckets as the uninterrupted run has them, so its sums round the same
+            res = res_at(hp, state["epoch"])
+            with tb.autocast(device, dtype):
+                D.rehearse_backward(forward, torch.zeros(2, 3, res, res, device=device, dtype=dtype)
+                                    .contiguous(memory_format=memory_format))
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         if ema:
             ema.model.load_state_dict(state["ema"])
             ema.steps = state["ema_steps"]
-        if len(state["rng"]) != world:
-            raise DataError(f"{checkpoint}: written by {len(state['rng'])} ranks, resumed by {world}; cannot resume")
-        gen.set_state(state["rng"][ctx.rank][0])
-        torch.set_rng_state(state["rng"][ctx.rank][1])
+        # random states must be CPU bytes, whatever device or form the checkpoint was read into
+        gen_state, torch_state = (t.to("cpu", torch.uint8) for t in state["rng"][ctx.rank])
+        gen.set_state(gen_state)
+        torch.set_rng_state(torch_state)
         start, rows, time_to_target = state["epoch"], state["rows"], state["time_to_target"]
         timer.total = state["train_time"]
+        D.print0(f"resumed from epoch {start} of {checkpoint}")
         for row in rows:
             on_epoch and on_epoch(row)
     n = len(data["train_y"])
@@ -391,8 +451,8 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
             c = {k: v[i * bs:(i + 1) * bs].to(device, non_blocking=True) for k, v in crops.items()}
             x = augment(xb, c, res, hp, gen, dtype, memory_format)
             lr = lr_at(hp, epoch + i / steps) * bs * world / 256       # per 256 images of the global batch
-            for g in opt.param_groups:
-                g["lr"] = lr
+            for g in opt.param_groups:     # the clock: RMSprop-to-SGD's hand-over, right whatever the batch
+                g["lr"], g["epoch"] = lr, epoch + i / steps
             with tb.autocast(device, dtype):
                 logits = forward(x)
                 loss = F.cross_entropy(logits.float(), yb, label_smoothing=hp["label_smoothing"])
@@ -406,8 +466,11 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
         epoch_time = timer()
         if hp["bn_stats"] == "last_batch":
             D.sync_batch_norm_stats(model, ctx)
+            if ema:
+                D.sync_batch_norm_stats(ema.model, ctx, counted=model)
         eval_model = ema.model if ema else model
-        val_loss, top1, top5 = evaluate(eval_model, data, size, hp["val_res"], hp["tta"], device, dtype, memory_format)
+        val_loss, top1, top5 = evaluate(eval_model, data, size, hp["val_res"], hp["tta"], device, dtype, memory_format,
+                                        ctx=ctx)
         if time_to_target is None and top1 >= target:
             time_to_target = timer.total
         row = {"epoch": epoch + 1, "res": res, "batch": bs, "lr": lr, "train_loss": loss_sum.item() / (steps * bs),
@@ -544,7 +607,20 @@ def main_train(args, overrides, argv):
     if usage:
         print(f"error: {usage[0]}", file=sys.stderr)
         return 2
-    ctx = D.init_from_env(args.device)       # torchrun: this rank's place; plain python: one process
+    try:
+        ctx, hook = join_ranks(args)      # torchrun: this rank's place; plain python: one process
+    except ValueError as e:
+        D.print0(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run_train(args, hp, ctx, hook, argv)
+    finally:
+        if ctx.distributed and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_train(args, hp, ctx, hook, argv):
+    """main_train's work once this process has its place: data, runs, summary, JSON; the exit status."""
     device, say = torch.device(ctx.device), D.print0
     if device.type == "cpu" and ctx.is_main:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration use "
@@ -554,7 +630,7 @@ def main_train(args, overrides, argv):
         for e in range(hp["epochs"]):
             batch_for(rank_hp, e, ctx.world_size)      # a bad schedule fails here, not mid-run
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}", file=sys.stderr)
         return 2
     dtype = tb.compute_dtype(device, args.precision)
     try:
@@ -562,18 +638,15 @@ def main_train(args, overrides, argv):
             raise ValueError(f"unknown model {hp['model']!r}; choose from {', '.join(MODELS)}")
         store = open_store(args.store)
     except (DataError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)     # every rank: each may read a store of its own node's
         return 1
     size, classes = store.index["size"], store.index["classes"]
-    data = place(store, device, args.data_on)
-    n_train = len(data["train_y"])
-    if ctx.distributed:             # each rank keeps its own contiguous shard of the training set
-        part = D.shard(n_train, ctx.rank, ctx.world_size)
-        data = {**data, "train_x": data["train_x"][part.start:part.stop], "train_y": data["train_y"][part.start:part.stop]}
+    data = place(store, device, args.data_on, ctx, args.seed)     # under torchrun, this rank's share alone
     say(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
-          f"{n_train} train and {len(data['val_y'])} val images, {len(classes)} classes, "
-          f"store size {size} in {data['where']} memory"
-        + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step" if ctx.distributed else ""))
+        f"{len(store.train_y)} train and {len(store.val_y)} val images, {len(classes)} classes, "
+        f"store size {size} in {data['where']} memory"
+        + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step, each holding "
+           f"{len(data['train_y'])} train images" if ctx.distributed else ""))
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
         warmup(rank_hp, data, len(classes), device, dtype, torch.channels_last, ctx.world_size)
@@ -590,9 +663,9 @@ def main_train(args, overrides, argv):
         ckpt = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
         try:
             result = train(rank_hp, data, len(classes), size, device, seed, dtype, args.target, ckpt, args.resume,
-                           table.append, ctx, args.bucket_mb, args.comm_hook, args.interrupt_after_epoch)
+                           table.append, ctx, args.bucket_mb, hook, args.interrupt_after_epoch)
         except DataError as e:
-            print(f"error: {e}", file=sys.stderr)
+            say(f"error: {e}", file=sys.stderr)      # the checkpoint's errors: the same on every rank
             return 1
         result.pop("model")
         runs.append(result)
@@ -611,9 +684,7 @@ def main_train(args, overrides, argv):
             "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "store": str(args.store),
             "store_size": size, "data_on": data["where"], "runs": runs, "summary": summary}, args, argv, device, ctx))
         print(f"wrote {args.out}")
-    if ctx.distributed:
-        D.barrier()
-        torch.distributed.destroy_process_group()
+    D.barrier()       # leave together
     return 0
 
 

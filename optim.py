@@ -137,31 +137,32 @@ class RMSpropToSGD(torch.optim.Optimizer):
     generalises better, along alpha_sgd(epoch). With g the gradient (+ weight_decay * w), for each element:
         m = mu2 * m + (1 - mu2) * g^2                                   (RMSprop's mean square)
         a = alpha_sgd(epoch, beta_center, beta_period)
-        d = mu1 * d - (a + (1 - a) * (lr_rmsprop / lr) / (sqrt(m) + eps)) * g
-        w = w + lr * d
-    so the step is lr * a * g (SGD) plus lr_rmsprop * (1 - a) * g / (sqrt(m) + eps) (RMSprop), under one
-    momentum mu1. The RMSprop part has its own rate lr_rmsprop because RMSprop's steps are about lr in size
-    per element, whatever the gradient's scale, and the scaled SGD rate (e.g. 0.1 * 32K / 256 = 12.8)
-    would be far too large for it. epoch = steps taken / steps_per_epoch. Defaults mu1 = 0.9, mu2 = 0.99,
-    eps = 1e-8, beta_center = 10, beta_period = 5 are our choices, not numbers taken from the paper.
+        v = mu1 * v + (lr * a + lr_rmsprop * (1 - a) / (sqrt(m) + eps)) * g
+        w = w - v
+    which is the paper's  d = mu1 * d - (a_SGD + a_RMSprop / (sqrt(m) + eps)) * g,  w = w + lr * d  with
+    a_SGD = a and a_RMSprop = (1 - a) * lr_rmsprop / lr, written so that each step's rates go into the buffer
+    with it: when the schedule changes lr, what is already in v keeps the rates it was added with (rescaling
+    it by lr_new / lr_old would, during a warm-up from a small lr, multiply every past RMSprop step). The
+    RMSprop part has its own rate lr_rmsprop because RMSprop's steps are about lr in size per element,
+    whatever the gradient's scale, and the scaled SGD rate (e.g. 0.1 * 32K / 256 = 12.8) would be far too
+    large for it. `epoch` is the training loop's clock, set in each parameter group before every step as a
+    fractional epoch (set_lr does it), so the hand-over stays on time when the batch size, and with it the
+    number of steps per epoch, changes during training. Defaults mu1 = 0.9, mu2 = 0.99, eps = 1e-8,
+    beta_center = 10, beta_period = 5 are our choices, not numbers taken from the paper.
     """
 
     def __init__(self, params, lr, lr_rmsprop=1e-3, momentum=0.9, rms_decay=0.99, eps=1e-8, weight_decay=0.0,
-                 beta_center=10.0, beta_period=5.0, steps_per_epoch=1):
+                 beta_center=10.0, beta_period=5.0):
         super().__init__(params, dict(lr=lr, lr_rmsprop=lr_rmsprop, momentum=momentum, rms_decay=rms_decay, eps=eps,
                                       weight_decay=weight_decay, beta_center=beta_center, beta_period=beta_period,
-                                      steps_per_epoch=steps_per_epoch, step=0))
+                                      epoch=0.0))
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _closure_loss(closure)
         for group in self.param_groups:
-            if group["lr"] == 0:        # a schedule's first step (warm-up from 0): nothing moves, the clock goes on
-                group["step"] += 1
-                continue
-            # the step count lives in the group, so state_dict() carries it into checkpoints
-            a = alpha_sgd(group["step"] / group["steps_per_epoch"], group["beta_center"], group["beta_period"])
-            rms_share = (1 - a) * group["lr_rmsprop"] / group["lr"]
+            a = alpha_sgd(group["epoch"], group["beta_center"], group["beta_period"])
+            sgd, rms = group["lr"] * a, group["lr_rmsprop"] * (1 - a)
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -169,21 +170,20 @@ class RMSpropToSGD(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["square_avg"], state["momentum_buffer"] = torch.zeros_like(p), torch.zeros_like(p)
-                m, d = state["square_avg"], state["momentum_buffer"]
+                m, v = state["square_avg"], state["momentum_buffer"]
                 m.mul_(group["rms_decay"]).addcmul_(g, g, value=1 - group["rms_decay"])
-                d.mul_(group["momentum"]).sub_(g * (a + rms_share / (m.sqrt() + group["eps"])))
-                p.add_(d, alpha=group["lr"])
-            group["step"] += 1
+                v.mul_(group["momentum"]).add_(g * (sgd + rms / (m.sqrt() + group["eps"])))
+                p.sub_(v)
         return loss
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Choosing the optimisers, their parameter groups and learning-rate units
 
-def optimizer(groups, hp, steps_per_epoch=1):
+def optimizer(groups, hp):
     """hp["optimizer"] over the parameter groups, at lr 0 until the schedule sets it: momentum SGD ("sgd"),
     LARS ("lars", trust coefficient lars_trust) or RMSprop-to-SGD ("rmsprop_sgd": rms_lr, and rms_beta_center
-    and rms_beta_period in epochs of steps_per_epoch steps)."""
+    and rms_beta_period in epochs of the training loop's clock)."""
     name, m = hp["optimizer"], hp["momentum"]
     if name == "sgd":
         return torch.optim.SGD(groups, lr=0.0, momentum=m, nesterov=hp["nesterov"])
@@ -191,7 +191,7 @@ def optimizer(groups, hp, steps_per_epoch=1):
         return LARS(groups, lr=0.0, momentum=m, trust_coefficient=hp["lars_trust"])
     if name == "rmsprop_sgd":
         return RMSpropToSGD(groups, lr=0.0, lr_rmsprop=hp["rms_lr"], momentum=m, beta_center=hp["rms_beta_center"],
-                            beta_period=hp["rms_beta_period"], steps_per_epoch=steps_per_epoch)
+                            beta_period=hp["rms_beta_period"])
     raise ValueError(f"unknown optimizer {name!r}; choose from sgd, lars, rmsprop_sgd")
 
 
@@ -202,7 +202,7 @@ def param_groups_no_decay_1d(model, weight_decay):
             dict(params=[p for p in params if p.ndim <= 1], weight_decay=0.0)]
 
 
-def make_optimizers(model, hp, steps_per_epoch=1, world=1):
+def make_optimizers(model, hp, world=1):
     """The optimisers for one run; set_lr() then sets every group's step size from the schedule.
 
     Two parametrisations of lr and weight decay (wd), both on the batch-summed loss:
@@ -248,19 +248,20 @@ def make_optimizers(model, hp, steps_per_epoch=1, world=1):
     sgd = [{"params": groups[k], "lr_unit": unit * scales[k], "weight_decay": decay(scales[k]), "name": k,
             "until_epoch": hp["whiten_bias_epochs"] if k == "whiten_bias" else None}
            for k in scales if groups[k]]
-    opts = [optimizer(sgd, {**hp, "optimizer": "sgd"} if muon else hp, steps_per_epoch)]
+    opts = [optimizer(sgd, {**hp, "optimizer": "sgd"} if muon else hp)]
     if groups["filters"]:
         opts.append(Muon([{"params": groups["filters"], "lr_unit": hp["muon_lr"] / peak, "name": "filters",
                            "until_epoch": None}], lr=0.0, momentum=hp["muon_momentum"], nesterov=hp["nesterov"]))
     return opts
 
 
-def set_lr(opts, lr, epoch=0):
-    """Sets each group's step size to lr (the schedule's value, in the recipe's units) × its unit."""
+def set_lr(opts, lr, epoch=0.0):
+    """Sets each group's step size to lr (the schedule's value, in the recipe's units) × its unit, and its
+    clock to the (fractional) epoch of the coming step, which RMSprop-to-SGD's hand-over follows."""
     for opt in opts:
         for g in opt.param_groups:
             frozen = g["until_epoch"] is not None and epoch >= g["until_epoch"]
-            g["lr"] = 0.0 if frozen else lr * g["lr_unit"]
+            g["lr"], g["epoch"] = 0.0 if frozen else lr * g["lr_unit"], epoch
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -271,17 +272,16 @@ def linear_scaled_lr(base_lr, global_batch, base_batch=256):
     return base_lr * global_batch / base_batch
 
 
-def slow_start_lr(epoch, peak_lr, start_factor=0.5, start_epochs=5, milestones=(30, 60, 80), gamma=0.1):
-    """A slow-start learning-rate schedule (Akiba et al. 2017 sec. 3.2): a lower rate for the first epochs,
-    while the RMSprop warm-up hands over to SGD, then the usual step decay (Goyal et al.: /10 at 30, 60, 80).
+# Akiba et al. 2017's 90 epochs: (from epoch, fraction of the peak rate)
+SLOW_START = ((0, 0.5), (40, 0.075), (70, 0.01), (85, 0.001))
 
-        lr = peak_lr * start_factor                  epoch < start_epochs
-        lr = peak_lr * gamma ** (milestones passed)  otherwise
-    The knots (start_factor, start_epochs) are our defaults, not the paper's exact numbers.
-    """
-    if epoch < start_epochs:
-        return peak_lr * start_factor
-    return peak_lr * gamma ** sum(epoch >= m for m in milestones)
+
+def slow_start_lr(epoch, peak_lr, epochs=90):
+    """The slow-start schedule of Akiba et al. 2017 (sec. 3.2, their 90-epoch run), stretched to `epochs`:
+    0.5 × peak for the first 40/90 of training, while the RMSprop warm-up hands over to SGD, then 0.075 ×
+    peak to 70/90, 0.01 × to 85/90 and 0.001 × to the end."""
+    at = epoch * 90 / epochs
+    return peak_lr * [factor for start, factor in SLOW_START if start <= at][-1]
 
 
 class BatchSizeSchedule:

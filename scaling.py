@@ -146,6 +146,9 @@ def main_simulate(argv=None):
     ap.add_argument("--backward-fraction", type=float, default=2 / 3)
     ap.add_argument("--gpus-per-node", type=int, default=1)
     ap.add_argument("--intra-gbps", type=float, default=None, help="Gbit/s per GPU inside a node (NVLink)")
+    ap.add_argument("--epochs", type=float, default=None,
+                    help="also print the time to train this many epochs at the projected images/s")
+    ap.add_argument("--images-per-epoch", type=int, default=1_281_167, help="default: ImageNet-1k's training set")
     ap.add_argument("--published", action="store_true", help="compare the model with the published figures")
     a = ap.parse_args(argv)
     if a.published:
@@ -160,12 +163,15 @@ def main_simulate(argv=None):
           f"overlapped with backward, {a.link_gbps:g} Gbit/s and {a.latency_us:g} us per step between GPUs"
           + (f", {a.intra_gbps:g} Gbit/s inside {a.gpus_per_node}-GPU nodes" if a.intra_gbps else "")
           + "; no optimizer, I/O, straggler or congestion cost. A model, not a measurement.")
-    print(f"{'gpus':>6} {'algorithm':>9} {'step ms':>9} {'comm ms':>9} {'images/s':>12} {'efficiency':>10}")
+    epochs = f"{a.epochs:g} epochs" if a.epochs else ""
+    print(f"{'gpus':>6} {'algorithm':>9} {'step ms':>9} {'comm ms':>9} {'images/s':>12} {'efficiency':>10}"
+          + (f" {epochs:>12}" if epochs else ""))
     for alg in (["ring", "tree", "torus"] if a.algorithm == "all" else [a.algorithm]):
         for r in simulate(gpus, a.step_time, a.model_mb * 1e6, a.link_gbps, a.latency_us, alg, a.buckets,
                           a.batch_per_gpu, a.backward_fraction, a.gpus_per_node, a.intra_gbps):
             print(f"{r['gpus']:>6} {alg:>9} {1e3 * r['step_s']:>9.2f} {1e3 * r['comm_s']:>9.2f} "
-                  f"{r['images_per_s']:>12,.0f} {100 * r['efficiency']:>9.1f}%")
+                  f"{r['images_per_s']:>12,.0f} {100 * r['efficiency']:>9.1f}%"
+                  + (f" {a.epochs * a.images_per_epoch / r['images_per_s']:>10,.1f} s" if epochs else ""))
     return 0
 
 

@@ -434,7 +434,7 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
     if steps_per_epoch == 0:
         raise ValueError(f"batch size {bs} is larger than the {n_train} training images")
     total_steps = max(1, round(hp["epochs"] * steps_per_epoch))     # epochs may be fractional (9.9)
-    opts = make_optimizers(net, hp, steps_per_epoch, world)
+    opts = make_optimizers(net, hp, world)
     flip_base = flip_bits(n_train, gen) if hp["flip"] == "alternate" else None
 
     rows, time_to_target, step = [], None, 0
@@ -444,7 +444,7 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
         seen = 0
         for x, y in epoch_batches(data, hp, gen, memory_format, epoch, flip_base):
             lr = schedule(step / total_steps)
-            set_lr(opts, lr, epoch)
+            set_lr(opts, lr, step / steps_per_epoch)     # the fractional epoch: RMSprop-to-SGD's clock
             logits, loss = train_step(forward, opts, x, y, hp, dtype)
             step += 1
             if ema:

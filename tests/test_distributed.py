@@ -1,6 +1,8 @@
 """distributed.py on CPU: gloo process groups spawned on 127.0.0.1, compared with one process on the whole batch."""
 import os
+import re
 import socket
+import time
 
 import pytest
 import torch
@@ -24,7 +26,7 @@ def free_port():
 def join(rank, world, port):
     """Set torchrun's variables for this rank on loopback, and let init_from_env start gloo from them."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     return D.init_from_env(device="cpu")
 
@@ -56,7 +58,9 @@ def train(name, ctx):
     ddp = D.wrap_ddp(model, ctx, bucket_mb=1e-4)  # tiny buckets: several allreduces per step
     opt = make_optimizer(name, ddp.parameters())
     rows = D.shard(GLOBAL_BATCH, ctx.rank, ctx.world_size)
-    for x, y in batches():
+    for step, (x, y) in enumerate(batches()):
+        for g in opt.param_groups:
+            g["epoch"] = step           # the training loop's clock (RMSprop-to-SGD's hand-over reads it)
         opt.zero_grad()
         F.cross_entropy(ddp(x[rows.start:rows.stop]), y[rows.start:rows.stop]).backward()
         opt.step()
@@ -93,23 +97,64 @@ def hook_grads(ctx, hook, grid=None):
     return [p.grad.clone() for p in model.parameters()]
 
 
+def attempt(fn, *args):
+    """fn(*args), or the line its exception says: one failing check leaves the others in the worker running."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def worker_two(rank, port, out):
     ctx = join(rank, 2, port)
     res = {name: train(name, ctx) for name in OPTIMIZERS}
     res["bn"] = bn_stats(ctx)
     res.update({f"grad_{h}": hook_grads(ctx, h) for h in ("none", "fp16", "bf16")})
-    ckpt = os.path.join(out, "ckpt.pt")
+    # each rank its own folder, as nodes without a shared disk: rank 0 writes and reads, the others receive
+    node = os.path.join(out, f"node{rank}")
+    os.makedirs(node)
+    ckpt = os.path.join(node, "ckpt.pt")
     D.save_checkpoint(ckpt, {"step": 7, "w": torch.arange(3.0)}, ctx)
-    res["ckpt"] = D.load_checkpoint(ckpt)  # every rank reads it right after the barrier
+    res["ckpt"] = attempt(D.load_checkpoint, ckpt, ctx)
+    res["missing"] = attempt(D.load_checkpoint, os.path.join(node, "missing.pt"), ctx)
+    if ctx.is_main:
+        open(os.path.join(node, "bad.pt"), "wb").write(b"not a checkpoint")
+    res["bad"] = attempt(D.load_checkpoint, os.path.join(node, "bad.pt"), ctx)
     res["ctx"] = (ctx.rank, ctx.world_size, ctx.is_main, ctx.distributed)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
+class Bucket:
+    """What a DDP communication hook reads from its bucket: the flat gradient buffer."""
+
+    def __init__(self, buffer):
+        self._buffer = buffer
+
+    def buffer(self):
+        return self._buffer
+
+
+def hook_returns_at_once(ctx):
+    """Seconds the torus hook takes to return on rank 0 while rank 1 comes 1 s late, and the average it gives."""
+    state = D.TorusState((2, 3), "cpu")
+    dist.barrier()
+    if ctx.rank == 1:
+        time.sleep(1.0)
+    start = time.perf_counter()
+    fut = D.torus_allreduce_hook(state, Bucket(torch.full((10,), float(ctx.rank))))
+    returned = time.perf_counter() - start
+    return returned, fut.wait().clone()
+
+
 def worker_torus(rank, port, out):
-    ctx = join(rank, 4, port)
-    plain, torus = hook_grads(ctx, "none"), hook_grads(ctx, "torus", grid=(2, 2))
-    torch.save({"plain": plain, "torus": torus}, os.path.join(out, f"rank{rank}.pt"))
+    ctx = join(rank, 6, port)
+    res = {"plain": hook_grads(ctx, "none")}
+    for grid in ((2, 3), (3, 2)):
+        res[grid] = attempt(hook_grads, ctx, "torus", grid)
+    res["bf16"] = attempt(hook_grads, ctx, "torus_bf16", (2, 3))
+    res["async"] = hook_returns_at_once(ctx)
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -163,20 +208,44 @@ def test_fp32_ddp_gradient_is_the_whole_batch_gradient(two_ranks):
         torch.testing.assert_close(a, p.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_checkpoint_written_by_rank0_read_by_all(two_ranks, tmp_path):
-    for r, res in enumerate(two_ranks):
+def test_checkpoint_on_rank0s_disk_alone_reaches_every_rank(two_ranks):
+    for r, res in reversed(list(enumerate(two_ranks))):
+        assert isinstance(res["ckpt"], dict), f"rank {r} got {res['ckpt']!r}, not rank 0's checkpoint"
         assert res["ckpt"]["step"] == 7 and torch.equal(res["ckpt"]["w"], torch.arange(3.0))
+        assert res["missing"] is None                      # every rank agrees: a fresh run
         assert res["ctx"] == (r, 2, r == 0, True)
+        # an unreadable checkpoint is the same one-line error on every rank: the file rank 0 read
+        assert re.fullmatch(r"DataError: \S+/node0/bad\.pt: not a readable checkpoint \(.+\)", res["bad"]), res["bad"]
+        assert res["bad"] == two_ranks[0]["bad"]
 
 
-def test_torus_hook_equals_plain_allreduce_on_a_2x2_grid(tmp_path):
-    results = spawn(worker_torus, 4, tmp_path)
-    for res in results:
-        for a, b in zip(res["torus"], res["plain"]):
+@pytest.fixture(scope="module")
+def six_ranks(tmp_path_factory):
+    return spawn(worker_torus, 6, tmp_path_factory.mktemp("six"))
+
+
+@pytest.mark.parametrize("grid", [(2, 3), (3, 2)])
+def test_torus_hook_equals_plain_allreduce_on_six_ranks(six_ranks, grid):
+    for res in six_ranks:
+        assert not isinstance(res[grid], str), res[grid]
+        for a, b in zip(res[grid], res["plain"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    for res in results[1:]:  # every rank ends with the same average
-        for a, b in zip(res["torus"], results[0]["torus"]):
+    for res in six_ranks[1:]:  # every rank ends with the same average
+        for a, b in zip(res[grid], six_ranks[0][grid]):
             torch.testing.assert_close(a, b)
+
+
+def test_torus_hook_in_bf16_is_close_to_fp32(six_ranks):
+    for res in six_ranks:
+        assert not isinstance(res["bf16"], str), res["bf16"]
+        for a, b in zip(res["bf16"], res["plain"]):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2 * b.abs().max().item())
+
+
+def test_torus_hook_returns_before_its_collectives_finish(six_ranks):
+    returned, average = six_ranks[0]["async"]
+    assert returned < 0.5, f"the hook blocked for {returned:.2f} s waiting for a late rank"
+    torch.testing.assert_close(average, torch.full((10,), 2.5))     # mean of ranks 0..5
 
 
 # ---------------------------------------------------------------------------------------- single process
@@ -228,5 +297,60 @@ def test_print0_prints_once_without_a_group(capsys):
 
 
 def test_unknown_hook_is_an_exact_error():
-    with pytest.raises(ValueError, match=r"^unknown communication hook 'fp8'; choose from none, fp16, bf16, torus$"):
+    with pytest.raises(ValueError, match=r"^unknown communication hook 'fp8'; choose from none, fp16, bf16, torus, "
+                                         r"torus_fp16, torus_bf16$"):
         D.register_comm_hook(None, "fp8")
+
+
+def test_torus_grid_defaults_to_one_row_per_node():
+    assert D.torus_grid(None, 16, 8) == (2, 8)          # 2 nodes of 8 GPUs: a row is a node
+    assert D.torus_grid(None, 6, 3) == (2, 3) and D.torus_grid(None, 4, 4) == (1, 4)
+    assert D.torus_grid((3, 2), 6, 3) == (3, 2)
+    with pytest.raises(ValueError, match=r"^--torus-grid 2x3 is 6 ranks, but the world size is 4$"):
+        D.torus_grid((2, 3), 4, 4)
+
+
+# ---------------------------------------------------------------------------------------- launching
+
+@pytest.mark.parametrize("script", ["imagenet_fast", "cifar10_fast"])
+def test_srun_without_torchrun_stops_with_the_command_to_use(script, monkeypatch, capsys, tmp_path):
+    """srun starting N copies of the script itself would be N independent full runs writing the same files."""
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.delenv("RANK", raising=False)
+    args = ["--device", "cpu", "--epochs", "1"]
+    args = (["train", "--store", str(tmp_path), *args] if script == "imagenet_fast"
+            else ["--data-dir", str(tmp_path), *args])
+    rc = __import__(script).main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("error: srun started 16 tasks without torchrun")
+    assert "srun --ntasks-per-node=1 torchrun" in err[0]
+
+
+def test_device_cuda_under_torchrun_is_the_local_rank_and_the_timeout_reaches_the_group(monkeypatch):
+    calls = {}
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.update(device=d))
+    ctx = D.init_from_env("cuda")
+    assert ctx.device == "cuda:1" and calls["device"] == "cuda:1" and calls["backend"] == "nccl"
+    assert D.init_from_env("cuda:0").device == "cuda:0"            # a device named in full is kept
+    assert D.init_from_env("cpu", timeout_minutes=45).device == "cpu" and calls["backend"] == "gloo"
+    assert calls["timeout"].total_seconds() == 45 * 60
+
+
+@pytest.mark.parametrize("flags,message", [(["--dist-timeout", "0"], "--dist-timeout must be positive (minutes)"),
+                                           (["--torus-grid", "2x3", "--comm-hook", "torus"],
+                                            "--torus-grid 2x3 is 6 ranks, but the world size is 1"),
+                                           (["--torus-grid", "1x1"], "--torus-grid needs --comm-hook torus, "
+                                                                     "torus_fp16 or torus_bf16")])
+@pytest.mark.parametrize("script", ["imagenet_fast", "cifar10_fast"])
+def test_launch_flags_are_checked_in_one_line(script, flags, message, capsys, tmp_path):
+    args = ["--device", "cpu", *flags]
+    args = (["train", "--store", str(tmp_path), *args] if script == "imagenet_fast"
+            else ["--data-dir", str(tmp_path), *args])
+    rc = __import__(script).main(args)
+    assert rc == 2 and capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]

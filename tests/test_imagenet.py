@@ -3,6 +3,7 @@ resumption, bad input), batched augmentation statistics, models, schedules, lear
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from torchvision import transforms
 
 import imagenet_fast as inf
 import imagenet_store as ims
+import optim
 from conftest import ROOT
 
 SIZE = 24
@@ -393,6 +395,7 @@ def test_two_ranks_resume_after_an_interruption_exactly(store, tmp_path):
     assert torch.load(tmp_path / "b.pt", weights_only=False)["epoch"] == 1
     b = torchrun(*resumable)
     assert b.returncode == 0, b.stderr[-3000:]
+    assert b.stdout.count(f"resumed from epoch 1 of {tmp_path / 'b.pt'}") == 1
     ra, rb = (json.loads((tmp_path / f"{n}.json").read_text())["runs"][0]["rows"] for n in "ab")
     assert len(ra) == len(rb) == 3
     for x, y in zip(ra, rb):
@@ -427,6 +430,79 @@ def test_batch_size_schedule_grows_the_batch_and_the_rate(store, tmp_path, capsy
         assert rc == 2 and message in err.strip().splitlines()[-1]
 
 
-def test_slow_start_schedule():
-    hp = inf.recipe("tiny", schedule="slow_start", lr=0.4, warmup_epochs=0.0, rms_beta_center=2.0, step_epochs=(5.0,))
-    assert [inf.lr_at(hp, t) for t in (0, 1.9, 2, 4.9, 5)] == pytest.approx([0.2, 0.2, 0.4, 0.4, 0.04])
+def test_slow_start_schedule_is_akiba_et_al_s_stretched_to_the_run():
+    # 0.5 η for 40 of 90 epochs, 0.075 η for 30, 0.01 η for 15, 0.001 η for 5; never above 0.5 η, even while
+    # a linear warm-up (here 2 epochs) leads into it; 45 epochs stretch it by half
+    hp = inf.recipe("tiny", schedule="slow_start", lr=0.4, epochs=90, warmup_epochs=2.0)
+    got = [inf.lr_at(hp, t) for t in (0, 1, 2, 39.9, 40, 69.9, 70, 85, 89.9)]
+    assert got == pytest.approx([0, 0.1, 0.2, 0.2, 0.03, 0.03, 0.004, 0.0004, 0.0004])
+    assert max(inf.lr_at(hp, t / 10) for t in range(900)) == pytest.approx(0.2)
+    hp = {**hp, "epochs": 45, "warmup_epochs": 0.0}
+    assert [inf.lr_at(hp, t) for t in (0, 19.9, 20, 35, 42.5)] == pytest.approx([0.2, 0.2, 0.03, 0.004, 0.0004])
+
+
+def test_rmsprop_hand_over_clock_is_the_loops_fractional_epoch(store, monkeypatch):
+    """The batch doubles after 2 epochs (6 steps an epoch, then 3): the hand-over's clock is the epoch plus the share
+    of its steps done, throughout."""
+    seen = []
+    real = optim.alpha_sgd
+    monkeypatch.setattr(optim, "alpha_sgd", lambda epoch, c, p: seen.append(epoch) or real(epoch, c, p))
+    data = inf.place(ims.open_store(store), torch.device("cpu"))
+    hp = tiny_hp(optimizer="rmsprop_sgd", warmup_epochs=0.0, batch_schedule=(0, 16, 2, 32), width=4)
+    inf.train(hp, data, 5, SIZE, torch.device("cpu"))
+    want = [e + i / 6 for e in (0, 1) for i in range(6)] + [2 + i / 3 for i in range(3)]
+    assert seen[::2] == pytest.approx(want)       # two parameter groups a step
+
+
+def resume_hp():
+    return tiny_hp(epochs=2, width=4)
+
+
+def test_resume_restores_random_states_whatever_the_checkpoint_loaded_them_as(store, tmp_path, monkeypatch):
+    """A checkpoint loaded onto a GPU holds CUDA tensors, which set_rng_state refuses: the random states are
+    restored from CPU bytes whatever form they arrive in (here int64, as another map_location could give)."""
+    data, cpu = inf.place(ims.open_store(store), torch.device("cpu")), torch.device("cpu")
+    full = inf.train(resume_hp(), data, 5, SIZE, cpu, seed=3)
+    with pytest.raises(SystemExit):
+        inf.train(resume_hp(), data, 5, SIZE, cpu, seed=3, checkpoint=tmp_path / "c.pt", interrupt_after=1)
+    real = torch.load
+
+    def elsewhere(*args, **kwargs):
+        state = real(*args, **kwargs)
+        state["rng"] = [[t.to(torch.int64) for t in rank] for rank in state["rng"]]
+        return state
+    monkeypatch.setattr(torch, "load", elsewhere)
+    resumed = inf.train(resume_hp(), data, 5, SIZE, cpu, seed=3, checkpoint=tmp_path / "c.pt", resume=True)
+    assert torch.equal(params(full["model"]), params(resumed["model"]))
+
+
+def test_unreadable_checkpoint_is_one_line(store, tmp_path, capsys):
+    args = ["train", "--store", store, "--recipe", "tiny", "--device", "cpu", "--epochs", "1", "--width", "4",
+            "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE, "--resume"]
+    rc, _, _ = run_main(capsys, *args, "--checkpoint", tmp_path / "good.pt")
+    assert rc == 0
+    whole = (tmp_path / "good.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(whole[:len(whole) // 2])
+    (tmp_path / "junk.pt").write_text("not a checkpoint")
+    for name in ("cut.pt", "junk.pt"):
+        rc, out, err = run_main(capsys, *args, "--checkpoint", tmp_path / name)
+        lines = err.strip().splitlines()
+        assert rc == 1 and len(lines) == 2 and lines[0].startswith("warning: no GPU"), err
+        assert re.fullmatch(rf"error: {re.escape(str(tmp_path / name))}: not a readable checkpoint \(.+\)", lines[1])
+    rc, out, _ = run_main(capsys, *args, "--checkpoint", tmp_path / "good.pt", "--epochs", "2")
+    assert rc == 1     # other hyperparameters: refused, as before
+    rc, out, _ = run_main(capsys, *args, "--checkpoint", tmp_path / "good.pt")
+    assert rc == 0 and f"resumed from epoch 1 of {tmp_path / 'good.pt'}" in out
+
+
+def test_a_rank_copies_only_its_share_of_the_store(store, monkeypatch):
+    """Under torchrun, place() copies the rank's rows of the memory-mapped store, never the whole store."""
+    copied = []
+    real = inf.copy_rows
+    monkeypatch.setattr(inf, "copy_rows", lambda src, rows, out: copied.append((src.shape, len(rows))) or
+                        real(src, rows, out))
+    s = ims.open_store(store)
+    ctx = inf.D.Context(rank=1, world_size=4, distributed=True, is_main=False)
+    data = inf.place(s, torch.device("cpu"), ctx=ctx)
+    assert copied[0] == (s.train_x.shape, 24) and len(data["train_x"]) == 24
+    assert data["train_x"].untyped_storage().nbytes() == 24 * SIZE * SIZE * 3

@@ -58,14 +58,46 @@ def test_rmsprop_to_sgd_is_rmsprop_then_sgd():
     p.grad = g.clone()
     opt.step()
     torch.testing.assert_close(p.detach(), -0.01 * g / (0.01 ** 0.5 * g.abs() + 1e-8))
-    assert opt.state_dict()["param_groups"][0]["step"] == 1
+    assert opt.state_dict()["param_groups"][0]["epoch"] == 0.0     # the loop's clock, carried in checkpoints
 
 
-def test_slow_start_lr():
-    assert optim.slow_start_lr(0, 3.2) == pytest.approx(1.6)
-    assert optim.slow_start_lr(5, 3.2) == 3.2
-    assert optim.slow_start_lr(30, 3.2) == pytest.approx(0.32)
-    assert optim.slow_start_lr(85, 3.2) == pytest.approx(0.0032)
+def test_slow_start_lr_is_akiba_et_al_s_schedule_at_its_knots():
+    # 90 epochs: 0.5 η for 40, 0.075 η for 30, 0.01 η for 15, 0.001 η for 5
+    knots = {0: 0.5, 39.99: 0.5, 40: 0.075, 69.99: 0.075, 70: 0.01, 84.99: 0.01, 85: 0.001, 90: 0.001}
+    for epoch, factor in knots.items():
+        assert optim.slow_start_lr(epoch, 3.2) == pytest.approx(3.2 * factor), epoch
+    # other lengths stretch it: 45 epochs change at 20, 35 and 42.5
+    for epoch, factor in {0: 0.5, 19.9: 0.5, 20: 0.075, 35: 0.01, 42.4: 0.01, 42.5: 0.001}.items():
+        assert optim.slow_start_lr(epoch, 3.2, epochs=45) == pytest.approx(3.2 * factor), epoch
+
+
+def rmsprop_to_sgd_by_formula(grads, rates, epochs, lr_rms, mu1=0.9, mu2=0.99, eps=1e-8, c=2.0, period=2.0):
+    """The parameter after each step, evaluated directly (no momentum buffer): step k contributes
+        s_k = (η_k α_k + η_rms (1 - α_k) / (√m_k + ε)) g_k,   m_k = Σ_{i<=k} (1 - μ2) μ2^(k-i) g_i²,
+    with α_k = alpha_sgd(epoch_k), to every later step t as μ1^(t-k) s_k: the rates of its own step. That is
+    Δ ← μ1 Δ - (α_SGD + α_RMSprop / (√m + ε)) g, θ ← θ + η Δ with a schedule change leaving Δ's past alone."""
+    steps, out = [], []
+    for k, g in enumerate(grads):
+        m = sum((1 - mu2) * mu2 ** (k - i) * grads[i] ** 2 for i in range(k + 1))
+        a = optim.alpha_sgd(epochs[k], c, period)
+        steps.append((rates[k] * a + lr_rms * (1 - a) / (m.sqrt() + eps)) * g)
+        out.append(-sum(mu1 ** (t - k) * steps[k] for t in range(len(steps)) for k in range(t + 1)))
+    return out
+
+
+@pytest.mark.parametrize("case", ["constant rate", "warm-up"])
+def test_rmsprop_to_sgd_follows_its_formula_when_the_rate_changes(case):
+    torch.manual_seed(0)
+    grads = [torch.randn(3, dtype=torch.float64) for _ in range(8)]
+    rates = [0.4] * 8 if case == "constant rate" else [0.4 * (k + 1) / 8 for k in range(8)]
+    epochs = [float(k) for k in range(8)]        # the loop's clock, one step an epoch: through all of alpha_sgd
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt = optim.RMSpropToSGD([p], lr=rates[0], lr_rmsprop=0.01, beta_center=2.0, beta_period=2.0)
+    for k, (g, want) in enumerate(zip(grads, rmsprop_to_sgd_by_formula(grads, rates, epochs, 0.01))):
+        opt.param_groups[0].update(lr=rates[k], epoch=epochs[k])
+        p.grad = g.clone()
+        opt.step()
+        torch.testing.assert_close(p.detach(), want, rtol=1e-10, atol=1e-12, msg=f"step {k + 1}")
 
 
 def test_batch_size_schedule():

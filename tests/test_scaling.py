@@ -59,3 +59,13 @@ def test_simulate_command_prints_table_and_assumptions():
     lines = [l.split() for l in out.splitlines() if l.split() and l.split()[0].isdigit()]
     assert [l[0] for l in lines] == ["1", "8", "64"] and lines[0][-1] == "100.0%"
     assert scaling.main_simulate(["--published"]) == 0
+
+
+def test_simulate_command_prints_the_time_for_some_epochs(capsys):
+    assert scaling.main_simulate(["--gpus", "8", "--algorithm", "ring", "--epochs", "90", "--images-per-epoch",
+                                  "1000"]) == 0
+    header, row = capsys.readouterr().out.splitlines()[1:3]
+    assert header.split()[-2:] == ["90", "epochs"]
+    images_per_s = float(row.split()[4].replace(",", ""))
+    seconds = float(row.split()[-2].replace(",", ""))
+    assert seconds == pytest.approx(90 * 1000 / images_per_s, rel=5e-3)     # images/s as printed, rounded

@@ -1,0 +1,190 @@
+"""imagenet_fast.py on 2 and 4 gloo ranks (CPU processes on loopback), each rank a node of its own: it works in
+a folder of its own, so a checkpoint that rank 0 writes is on rank 0's disk alone, as on a cluster without a
+shared filesystem. Each rank records which images it trained on (known by their bytes), what it holds in
+memory, and what it evaluated."""
+import contextlib
+import datetime
+import io
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import imagenet_fast as inf
+import imagenet_store as ims
+
+SIZE, CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 16, 4, 24, 8
+# tiny and quick: 96 images, global batch 16, so every rank steps on 96 / world images an epoch, all of them
+HP = dict(width=4, batch_size=16, min_res=SIZE, max_res=SIZE, val_res=SIZE, warmup_epochs=0.5)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("in")
+    ims.synthetic_imagefolder(root / "src", CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, sizes=(16, 28))
+    ims.prepare(root / "src", root / "store", SIZE, workers=1, log=lambda s: None)
+    return root / "store"
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def cli_args(store, epochs, *extra):
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in HP.items()]
+    return ["train", "--store", str(store), "--recipe", "tiny", "--device", "cpu", "--epochs", str(epochs), *flags,
+            *map(str, extra)]
+
+
+def worker(rank, world, ports, store, out, phases):
+    """Runs each phase's command line as this rank, in node<rank>/, and saves what it saw to out/rank<rank>.pt."""
+    torch.set_num_threads(1)
+    node = os.path.join(out, f"node{rank}")
+    os.makedirs(node, exist_ok=True)
+    os.chdir(node)
+    train_x = ims.open_store(store).train_x
+    ids = {train_x[i].tobytes(): i for i in range(len(train_x))}
+    record = {"epochs": [], "placed": [], "evaluated": []}
+
+    real_batches, real_place, real_evaluate = inf.train_batches, inf.place, inf.evaluate
+
+    def batches(*args, **kwargs):            # one call an epoch: the ids of the images this rank steps on
+        epoch = []
+        record["epochs"].append(epoch)
+        for xb, yb in real_batches(*args, **kwargs):
+            epoch += [ids[row.numpy().tobytes()] for row in xb]
+            yield xb, yb
+
+    def place(*args, **kwargs):              # what this rank holds in its own memory
+        data = real_place(*args, **kwargs)
+        record["placed"].append({k: (data[k].untyped_storage().nbytes(), len(data[k]))
+                                 for k in ("train_x", "train_y", "val_x", "val_y")})
+        return data
+
+    def evaluate(model, *args, **kwargs):    # how many images this rank pushes through the model, and the result
+        count = [0]
+        handle = model.register_forward_pre_hook(lambda m, inputs: count.__setitem__(0, count[0] + len(inputs[0])))
+        result = real_evaluate(model, *args, **kwargs)
+        handle.remove()
+        bn = [t.clone() for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)
+              for t in (m.running_mean, m.running_var)]
+        record["evaluated"].append({"images": count[0], "result": result, "bn": bn,
+                                    "state": {k: v.clone() for k, v in model.state_dict().items()}})
+        return result
+
+    inf.train_batches, inf.place, inf.evaluate = batches, place, evaluate
+    record["phases"] = []
+    for port, args in zip(ports, phases):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        # a group with a short timeout, so that ranks that disagree fail in a minute instead of hanging
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                rc = inf.main(args)
+            except SystemExit as e:
+                rc = e.code
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        record["phases"].append({"rc": rc, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()})
+    torch.save(record, os.path.join(out, f"rank{rank}.pt"))
+
+
+def spawn(world, store, out, phases):
+    mp.spawn(worker, args=(world, free_ports(len(phases)), str(store), str(out), phases), nprocs=world, join=True)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def check_every_rank_sees_every_class(ranks, labels):
+    """Each epoch: the ranks' images together are the whole training set, each once; each rank's label
+    histogram is the whole set's; and each rank's order differs from one epoch to the next."""
+    whole = np.bincount(labels, minlength=CLASSES) / len(labels)
+    epochs = len(ranks[0]["epochs"])
+    for e in range(epochs):
+        seen = sorted(i for r in ranks for i in r["epochs"][e])
+        assert seen == list(range(len(labels))), f"epoch {e + 1}: the ranks did not see each image once"
+        for r, rec in enumerate(ranks):
+            hist = np.bincount(labels[rec["epochs"][e]], minlength=CLASSES) / len(rec["epochs"][e])
+            assert np.abs(hist - whole).max() <= 0.03, f"rank {r}, epoch {e + 1}: classes {hist} vs {whole}"
+    for r, rec in enumerate(ranks):
+        assert rec["epochs"][0] != rec["epochs"][1], f"rank {r}: the same order in two epochs"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(store, tmp_path_factory):
+    args = cli_args(store, 2, "--ema-momentum", "0.9", "--bn-stats", "last_batch")
+    return spawn(2, store, tmp_path_factory.mktemp("two"), [args])
+
+
+def test_two_ranks_see_every_class_in_a_new_order_each_epoch(two_ranks, store):
+    assert all(r["phases"][0]["rc"] == 0 for r in two_ranks), two_ranks[0]["phases"][0]["stderr"][-2000:]
+    check_every_rank_sees_every_class(two_ranks, np.asarray(ims.open_store(store).train_y))
+
+
+def test_a_rank_holds_only_its_share_of_the_store(two_ranks, store):
+    s = ims.open_store(store)
+    whole = {k: getattr(s, k).nbytes for k in ("train_x", "train_y", "val_x", "val_y")}
+    for r, rec in enumerate(two_ranks):
+        (placed,) = rec["placed"]
+        n = len(s.train_y) // 2
+        assert placed["train_x"] == (n * whole["train_x"] // len(s.train_y), n), f"rank {r}: {placed['train_x']}"
+        assert placed["train_y"] == (n * 8, n)
+    for k in ("val_x", "val_y"):         # the validation set is split between the ranks too, bytes and images
+        assert sum(rec["placed"][0][k][0] for rec in two_ranks) == whole[k]
+        assert sum(rec["placed"][0][k][1] for rec in two_ranks) == len(getattr(s, k))
+
+
+def test_each_rank_evaluates_its_part_and_the_counts_add_up(two_ranks, store):
+    val = len(ims.open_store(store).val_y)
+    last = [rec["evaluated"][-1] for rec in two_ranks]
+    assert sum(e["images"] for e in last) == val, [e["images"] for e in last]
+    # every rank reports the whole set's figures: those of one process evaluating the same (EMA) model
+    hp = inf.recipe("tiny", **HP)
+    model = inf.build_model(hp, CLASSES)
+    model.load_state_dict(last[0]["state"])
+    data = inf.place(ims.open_store(store), torch.device("cpu"))
+    single = inf.evaluate(model, data, SIZE, SIZE, hp["tta"], torch.device("cpu"), torch.float32,
+                          torch.contiguous_format)
+    for e in last:
+        loss, top1, top5 = e["result"]
+        assert (top1, top5) == single[1:] and loss == pytest.approx(single[0], rel=1e-5)
+
+
+def test_the_ema_model_evaluates_with_the_ranks_common_batch_norm_statistics(two_ranks):
+    # --bn-stats last_batch with EMA: the averaged model's statistics are synchronised too
+    for a, b in zip(*(rec["evaluated"][-1]["bn"] for rec in two_ranks)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_four_ranks_killed_and_resumed_without_a_shared_disk_end_exactly_as_uninterrupted(store, tmp_path):
+    """The uninterrupted run; the same run stopped after epoch 1 (exit 75, as a preempted job); its relaunch with
+    --resume. Only rank 0's folder holds the checkpoint: rank 0 reads it and the others receive it."""
+    phases = [cli_args(store, 3, "--checkpoint", "a.pt", "--out", "a.json"),
+              cli_args(store, 3, "--checkpoint", "b.pt", "--resume", "--interrupt-after-epoch", "1"),
+              cli_args(store, 3, "--checkpoint", "b.pt", "--resume", "--out", "b.json")]
+    ranks = spawn(4, store, tmp_path, phases)
+    assert [[p["rc"] for p in r["phases"]] for r in ranks] == [[0, inf.INTERRUPTED, 0]] * 4, \
+        [p["stderr"][-1500:] for r in ranks for p in r["phases"]]
+    assert not any((tmp_path / f"node{r}" / name).exists() for r in (1, 2, 3) for name in ("a.pt", "b.pt"))
+    resumed = ranks[0]["phases"][2]["stdout"]
+    assert resumed.count("resumed from epoch 1 of b.pt") == 1
+    a, b = (torch.load(tmp_path / "node0" / f"{n}.pt", weights_only=False) for n in "ab")
+    assert a["epoch"] == b["epoch"] == 3
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    ra, rb = (json.loads((tmp_path / "node0" / f"{n}.json").read_text())["runs"][0]["rows"] for n in "ab")
+    assert [(x["train_loss"], x["top1"]) for x in ra] == [(x["train_loss"], x["top1"]) for x in rb]
+    # the uninterrupted run's three epochs: every rank saw every class, in a new order each epoch
+    check_every_rank_sees_every_class([{"epochs": r["epochs"][:3]} for r in ranks],
+                                      np.asarray(ims.open_store(store).train_y))
