@@ -11,7 +11,7 @@ the format). `train` keeps the store on the GPU when it fits, else streams batch
 memory; augmentation (random-resized crop, flip, colour jitter) runs batched on the device.
 Every hyperparameter is in BASE; a recipe is a dict of changes; any of them is also a flag.
 This file holds the loader, augmentation, models, schedules, training loop, recipes and command line:
-about 630 lines, kept together because each piece serves the one training loop and reads best beside it.
+about 700 lines, kept together because each piece serves the one training loop and reads best beside it.
 """
 import argparse
 import io
