@@ -45,6 +45,9 @@ BASE = dict(
     block_widths=(64, 256, 256), block_depth=2,
     whiten=False, whiten_size=3, whiten_pad=1, whiten_signs=1, whiten_bias=False, whiten_bias_epochs=0,
     whiten_eps=1e-2,
+    # the whitening fit: the first whiten_images training images, the patch covariance centred or not and
+    # divided by n - whiten_ddof, its eigenvectors from "eigh" or "svd"
+    whiten_images=10000, whiten_centre=True, whiten_ddof=1, whiten_decomp="eigh",
     # weight averaging
     ema_momentum=0.0, ema_every=5, lookahead_momentum=0.0, lookahead_every=5,
 )
@@ -58,7 +61,7 @@ FAST = dict(
     crop_pad=2, flip="alternate", cutout=0, tta="flip_translate",
     freeze_bn_scale=True, bn_momentum=0.4, bn_eps=1e-12, dirac_init=True, output_scale=1 / 9,
     whiten=True, whiten_size=2, whiten_pad=0, whiten_signs=2, whiten_bias=True, whiten_bias_epochs=3,
-    whiten_eps=5e-4, lookahead_momentum=0.95, lookahead_every=5,
+    whiten_eps=5e-4, whiten_images=5000, whiten_centre=False, whiten_ddof=0, lookahead_momentum=0.95, lookahead_every=5,
 )
 
 # The "How to train your ResNet" journey (Myrtle.ai, 2018-19), in order: each stage is the stage
@@ -194,6 +197,19 @@ def load_arrays(data_dir, subset=None):
         return None
 
 
+def device_data(arrays, hp, ctx, device, dtype):
+    """This process's dataset on the device: under torchrun, its own contiguous shard of the training set, and
+    the images the whitening filters are fitted on taken before sharding, so that every rank fits the filters
+    one process would (they are frozen parameters, which DDP never synchronises)."""
+    if not ctx.distributed:
+        return cd.to_device(arrays, device, dtype, hp["crop_pad"])
+    part = D.shard(len(arrays["train_labels"]), ctx.rank, ctx.world_size)
+    whiten = arrays["train_images"][:hp["whiten_images"]]
+    arrays = {**arrays, "train_images": arrays["train_images"][part.start:part.stop],
+              "train_labels": arrays["train_labels"][part.start:part.stop]}
+    return {**cd.to_device(arrays, device, dtype, hp["crop_pad"]), "whiten_images": cd.normalise(whiten, device, dtype)}
+
+
 COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
 SUMMARY = ("final_acc", "time", "train_time", "time_to_target")     # the results summarised over runs
 
@@ -262,11 +278,7 @@ def main(argv=None):
     if arrays is None:
         return 1
     n_train = len(arrays["train_labels"])
-    if ctx.distributed:             # each rank keeps its own contiguous shard of the training set
-        part = D.shard(n_train, ctx.rank, ctx.world_size)
-        arrays = {**arrays, "train_images": arrays["train_images"][part.start:part.stop],
-                  "train_labels": arrays["train_labels"][part.start:part.stop]}
-    data = cd.to_device(arrays, device, dtype, hp["crop_pad"])
+    data = device_data(arrays, hp, ctx, device, dtype)
     D.print0(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
              f"{n_train} training and {len(arrays['test_labels'])} test images"
              + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step" if ctx.distributed else ""))

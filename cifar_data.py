@@ -187,14 +187,18 @@ def load_cifar10(path="data", download_ok=True, archive=CIFAR10_ARCHIVE, url=CIF
 # The dataset on the device, and batched augmentation
 # ---------------------------------------------------------------------------------------------
 
+def normalise(x, device, dtype, pad=0):
+    """uint8 NHWC images uploaded, normalised and reflect-padded by pad pixels on the device, NCHW in dtype."""
+    x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).float()
+    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+    x = (x - mean) / std
+    return (F.pad(x, (pad,) * 4, mode="reflect") if pad else x).to(dtype)
+
+
 def to_device(d, device, dtype, pad):
     """Uploads uint8 once; normalises (and reflect-pads the training images) once, on the device."""
-    def prep(x, p):
-        x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).float()
-        mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
-        std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
-        x = (x - mean) / std
-        return (F.pad(x, (p,) * 4, mode="reflect") if p else x).to(dtype)
+    prep = lambda x, p: normalise(x, device, dtype, p)
     return {"train_images": prep(d["train_images"], pad), "test_images": prep(d["test_images"], 0),
             "train_labels": torch.from_numpy(d["train_labels"]).to(device).long(),
             "test_labels": torch.from_numpy(d["test_labels"]).to(device).long()}

@@ -110,11 +110,17 @@ class Whitening(nn.Conv2d):
     eigenvector of the training-set patch covariance, scaled by 1/sqrt(eigenvalue + eps).
     both_signs adds each filter's negative too (so a following ReLU/GELU loses nothing);
     the optional bias is trainable (optim.make_optimizers knows it as the bias of frozen filters
-    and trains it for whiten_bias_epochs)."""
+    and trains it for whiten_bias_epochs).
+    The fit follows the reference it reproduces: the first `images` images, the covariance centred or
+    not and divided by n - ddof (Myrtle: 10,000 images, n - 1; airbench94: 5,000, uncentred, n), and the
+    eigenvectors from eigh or from an SVD of the covariance (the same vectors, up to sign: it is symmetric
+    positive semi-definite)."""
 
-    def __init__(self, k, eps, both_signs=False, bias=False, padding=0):
+    def __init__(self, k, eps, both_signs=False, bias=False, padding=0, images=10000, centre=True, ddof=1,
+                 decomp="eigh"):
         super().__init__(3, 3 * k * k * (2 if both_signs else 1), k, padding=padding, bias=bias)
         self.eps, self.both_signs = eps, both_signs
+        self.images, self.centre, self.ddof, self.decomp = images, centre, ddof, decomp
         self.weight.requires_grad_(False)
         if bias:
             nn.init.zeros_(self.bias)
@@ -122,12 +128,18 @@ class Whitening(nn.Conv2d):
     @torch.no_grad()
     def fit(self, images):
         k = self.kernel_size[0]
-        patches = images.float().unfold(2, k, 1).unfold(3, k, 1)           # N,3,H',W',k,k
+        patches = images[:self.images].float().unfold(2, k, 1).unfold(3, k, 1)          # N,3,H',W',k,k
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
-        patches = patches - patches.mean(0)
-        cov = patches.T @ patches / (len(patches) - 1)
-        eigvals, eigvecs = torch.linalg.eigh(cov.double())                  # ascending
-        eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
+        if self.centre:
+            patches = patches - patches.mean(0)
+        cov = (patches.T @ patches / (len(patches) - self.ddof)).double()
+        if self.decomp == "eigh":
+            eigvals, eigvecs = torch.linalg.eigh(cov)                                   # ascending
+            eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
+        elif self.decomp == "svd":
+            eigvecs, eigvals, _ = torch.linalg.svd(cov)                                 # descending
+        else:
+            raise ValueError(f"whiten_decomp must be eigh or svd, not {self.decomp!r}")
         filters = (eigvecs / torch.sqrt(eigvals + self.eps)).T.reshape(-1, 3, k, k)
         if self.both_signs:
             filters = torch.cat([filters, -filters])
@@ -139,7 +151,8 @@ def first_layer(hp, c_out):
     k = hp["whiten_size"]
     if not hp["whiten"]:
         return nn.Conv2d(3, c_out, k, padding=hp["whiten_pad"], bias=hp["whiten_bias"])
-    return Whitening(k, hp["whiten_eps"], hp["whiten_signs"] == 2, hp["whiten_bias"], hp["whiten_pad"])
+    return Whitening(k, hp["whiten_eps"], hp["whiten_signs"] == 2, hp["whiten_bias"], hp["whiten_pad"],
+                     hp["whiten_images"], hp["whiten_centre"], hp["whiten_ddof"], hp["whiten_decomp"])
 
 
 def widths(hp, base):
@@ -237,12 +250,12 @@ def count_parameters(model):
     return sum(p.numel() for p in model.parameters())
 
 
-def fit_whitening(model, train_images, size, n=10000):
-    """Fits every Whitening layer to (at most n) training images, cropped back to size×size."""
+def fit_whitening(model, train_images, size):
+    """Fits every Whitening layer to the first training images (as many as it takes), cropped back to size×size."""
     layers = [m for m in model.modules() if isinstance(m, Whitening)]
     if layers:
         pad = (train_images.shape[-1] - size) // 2
-        x = train_images[:n, :, pad:pad + size, pad:pad + size]
+        x = train_images[:max(m.images for m in layers), :, pad:pad + size, pad:pad + size]
         for m in layers:
             m.fit(x)
 
@@ -396,6 +409,16 @@ def warmup(hp, data, device, dtype, net=None, forward=None):
         torch.cuda.synchronize(device)
 
 
+def run_steps(hp, n_train):
+    """(steps per epoch, total steps): ceil(epochs × steps per epoch), as airbench counts them (9.9 epochs of 48
+    steps: 476); epochs may be fractional. The last partial batch of an epoch is dropped."""
+    steps_per_epoch = n_train // hp["batch_size"]
+    if steps_per_epoch == 0:
+        raise ValueError(f"batch size {hp['batch_size']} is larger than the {n_train} training images")
+    # less a hair, so that a product that should be whole (1.1 × 10 = 11.000000000000002) is not rounded up
+    return steps_per_epoch, max(1, math.ceil(hp["epochs"] * steps_per_epoch - 1e-9))
+
+
 def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=None, net=None, forward=None,
           ctx=None):
     """Trains one fresh network on device-resident data; returns its per-epoch rows and summary.
@@ -421,19 +444,16 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
     else:
         net.load_state_dict(fresh.state_dict())
         forward = forward or net
-    fit_whitening(net, data["train_images"], data["test_images"].shape[-1])
+    # under torchrun data["whiten_images"] holds the images one process would fit on (see cifar10_fast.device_data)
+    fit_whitening(net, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-1])
     if hp["bn_stats"] == "last_batch":
         D.use_last_batch_stats(net)
     ema = EMA(net, hp["ema_momentum"], hp["ema_every"]) if hp["ema_momentum"] else None
     lookahead = Lookahead(net) if hp["lookahead_momentum"] else None
     la_every = hp["lookahead_every"]
     schedule = PiecewiseLinear(hp["lr_knots"], hp["lr_values"])
-    bs = hp["batch_size"]
     n_train = len(data["train_labels"])
-    steps_per_epoch = n_train // bs
-    if steps_per_epoch == 0:
-        raise ValueError(f"batch size {bs} is larger than the {n_train} training images")
-    total_steps = max(1, round(hp["epochs"] * steps_per_epoch))     # epochs may be fractional (9.9)
+    steps_per_epoch, total_steps = run_steps(hp, n_train)
     opts = make_optimizers(net, hp, steps_per_epoch, world)
     flip_base = flip_bits(n_train, gen) if hp["flip"] == "alternate" else None
 
@@ -450,14 +470,13 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
             if ema:
                 ema.update(net)
             if lookahead and step % la_every == 0:
-                decay = 1.0 if step == total_steps else hp["lookahead_momentum"] ** la_every * (step / total_steps) ** 3
-                lookahead.update(net, decay)
+                lookahead.update(net, hp["lookahead_momentum"] ** la_every * (step / total_steps) ** 3)
             loss_sum += loss
             correct += (logits.argmax(1) == y).sum()
             seen += len(y)
             if step == total_steps:
                 break
-        if lookahead and step == total_steps and step % la_every:
+        if lookahead and step == total_steps:       # the hand-over, after the last scheduled update (airbench94)
             lookahead.update(net, 1.0)
         epoch_time = timer()
         if hp["bn_stats"] == "last_batch":
@@ -497,8 +516,8 @@ def count_flops(hp, data, batch=8):
         for _, view in tta_views(x, hp["tta"]):
             model(view)
     per_test_image = counter.get_total_flops() / len(x)
-    n_train, bs = len(data["train_labels"]), hp["batch_size"]
-    steps = max(1, round(hp["epochs"] * (n_train // bs)))
+    bs = hp["batch_size"]
+    steps = run_steps(hp, len(data["train_labels"]))[1]
     train, test = steps * bs * per_train_image, len(data["test_labels"]) * per_test_image
     return {"train": train, "final_eval": test, "total": train + test,
             "per_train_image": per_train_image, "per_test_image": per_test_image}

@@ -179,3 +179,67 @@ def test_compiled_and_eager_steps_give_the_same_loss():
         assert b.item() == pytest.approx(a.item(), rel=1e-4)
     for p, q in zip(net.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
+
+
+def tiny_data(n, size=16, pad=2, n_test=16):
+    torch.manual_seed(0)
+    x = torch.randn(n, 3, size + 2 * pad, size + 2 * pad)
+    return {"train_images": x, "train_labels": torch.arange(n) % 10,
+            "test_images": x[:n_test, :, pad:-pad, pad:-pad], "test_labels": torch.arange(n_test) % 10}
+
+
+def test_lookahead_runs_its_last_scheduled_update_before_the_hand_over(monkeypatch):
+    """airbench94: when the step count is a multiple of 5, the scheduled averaging still runs at the last step
+    (decay 0.95^5), and only then the hand-over with decay 1; replacing it would drop the last 5 steps."""
+    decays = []
+
+    class Recording(tb.Lookahead):
+        def update(self, model, decay):
+            decays.append(decay)
+            super().update(model, decay)
+    monkeypatch.setattr(tb, "Lookahead", Recording)
+    hp = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=2)      # 5 steps an epoch, 10 in all
+    tb.train(hp, tiny_data(80), CPU, target=2.0)
+    rho = 0.95 ** 5
+    assert decays == pytest.approx([rho * (5 / 10) ** 3, rho, 1.0])
+
+
+def test_total_steps_round_up_as_airbench(monkeypatch):
+    """airbench: ceil(epochs × steps per epoch) steps (9.9 × 48 = 475.2: 476 steps), in training and in the count."""
+    steps = []
+    step = tb.train_step
+    monkeypatch.setattr(tb, "train_step", lambda *a: steps.append(1) or step(*a))
+    hp = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=1.1)    # 4 steps an epoch: 4.4 -> 5
+    data = tiny_data(64)
+    res = tb.train(hp, data, CPU, target=2.0)
+    assert len(steps) == 5 and len(res["rows"]) == 2
+    flops = tb.count_flops(hp, data)
+    assert flops["train"] == pytest.approx(5 * 16 * flops["per_train_image"])
+
+
+def patch_covariance_inverse(images, k, centre, ddof, eps):
+    p = images.unfold(2, k, 1).unfold(3, k, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k).double()
+    if centre:
+        p = p - p.mean(0)
+    cov = p.T @ p / (len(p) - ddof)
+    return torch.linalg.inv(cov + eps * torch.eye(len(cov), dtype=torch.float64))
+
+
+def whitening_filters(hp, images):
+    net = tb.build_model(hp, CPU)
+    tb.fit_whitening(net, images, images.shape[-1])
+    w = next(m for m in net.modules() if isinstance(m, tb.Whitening)).weight
+    k = w.shape[-1]
+    return w[:3 * k * k].reshape(3 * k * k, -1).double()
+
+
+def test_whitening_fit_follows_each_reference():
+    """Each filter is an eigenvector over sqrt(eigenvalue + eps), so FᵀF = (C + eps·I)⁻¹ whatever the signs and
+    order eigh picks: the check that the covariance C is the reference's."""
+    x = correlated_images(n=6000, size=6) + torch.tensor([0.5, -0.3, 0.2]).view(1, 3, 1, 1)   # centring matters
+    f = whitening_filters(cf.recipe("fast94", width=1 / 16), x)
+    # airbench94: the first 5,000 images, uncentred, divided by n
+    torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x[:5000], 2, False, 0, 5e-4), rtol=2e-4, atol=1e-3)
+    f = whitening_filters(cf.recipe("myrtle10", width=1 / 16), x)
+    # today's myrtle10: up to 10,000 images, centred, divided by n - 1
+    torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x, 3, True, 1, 1e-2), rtol=2e-4, atol=1e-3)
