@@ -71,7 +71,8 @@ FAST = dict(
 # nothing here ("same" below); the stage exists so that the table lines up with the published one.
 JOURNEY = [
     dict(name="baseline_resnet18", published_v100_s=297,
-         doc="pre-activation ResNet-18, 35 epochs, batch 128, crop+flip, lr 0.1 peak at epoch 15",
+         doc="Myrtle's ResNet-18 (pre-activation, 64/128/256/256 channels, max+average pool), 35 epochs, batch 128, "
+             "crop+flip, lr 0.1 peak at epoch 15",
          changes=dict(model="resnet18", epochs=35, batch_size=128, lr_knots=(0, 15 / 35, 30 / 35, 1),
                       lr_values=(0.0, 0.1, 0.005, 0.0), cutout=0, output_scale=1.0)),
     dict(name="batch512", published_v100_s=256,

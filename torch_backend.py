@@ -30,7 +30,7 @@ class BatchNorm(nn.BatchNorm2d):
     freeze_scale: the scale stays at 1 (only the bias learns).
     ghost_batch: in training, statistics come from groups of this many images (interleaved:
     image i belongs to group i mod n/ghost_batch, which is as random as contiguous groups for
-    shuffled data and needs only a reshape); running statistics average over the groups.
+    shuffled data and needs only a view); running statistics average over the groups.
     """
 
     def __init__(self, c, freeze_scale=False, ghost_batch=0, momentum=0.1, eps=1e-5):
@@ -43,14 +43,18 @@ class BatchNorm(nn.BatchNorm2d):
         n, c, h, w = x.shape
         if not (self.training and g and n > g and n % g == 0):
             return super().forward(x)
-        s = n // g
-        mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
-        y = F.batch_norm(x.reshape(g, s * c, h, w), mean, var, self.weight.repeat(s), self.bias.repeat(s),
-                         True, self.momentum, self.eps)
+        # Splitting the batch dimension is a view in any memory format; F.batch_norm on a (g, s·c, h, w)
+        # reshape would copy a channels_last batch, and copy the result back.
+        xs = x.unflatten(0, (g, n // g))                                     # g, s, c, h, w
+        # in the activations' dtype (on a GPU var_mean accumulates bf16 in float32, then rounds: 2^-9 relative)
+        var, mean = torch.var_mean(xs, (0, 3, 4), correction=0, keepdim=True)
+        scale = self.weight.view(1, 1, c, 1, 1) * torch.rsqrt(var.float() + self.eps)
+        shift = self.bias.view(1, 1, c, 1, 1) - mean.float() * scale
         with torch.no_grad():
-            self.running_mean.copy_(mean.view(s, c).mean(0))
-            self.running_var.copy_(var.view(s, c).mean(0))
-        return y.reshape(n, c, h, w)
+            count = g * h * w
+            self.running_mean.lerp_(mean.float().mean((0, 1)).flatten(), self.momentum)
+            self.running_var.lerp_(var.float().mean((0, 1)).flatten() * count / (count - 1), self.momentum)
+        return torch.addcmul(shift.to(x.dtype), xs, scale.to(x.dtype)).flatten(0, 1)
 
 
 def batch_norm(c, hp):
@@ -208,7 +212,8 @@ def fastnet(hp, num_classes=10):
 
 
 class PreActBlock(nn.Module):
-    """Pre-activation basic block (He et al. 2016): bn-relu-conv-bn-relu-conv plus shortcut."""
+    """Myrtle's pre-activation block (experiments.ipynb): bn-relu, then conv-bn-relu-conv, plus a shortcut that
+    starts from the bn-relu output (the identity, or a strided 1×1 conv when the shape changes)."""
 
     def __init__(self, c_in, c_out, stride, hp):
         super().__init__()
@@ -220,20 +225,28 @@ class PreActBlock(nn.Module):
 
     def forward(self, x):
         out = self.act(self.bn1(x))
-        shortcut = x if self.shortcut is None else self.shortcut(out)
+        shortcut = out if self.shortcut is None else self.shortcut(out)
         out = self.conv1(out)
         return self.conv2(self.act(self.bn2(out))) + shortcut
 
 
+class ConcatPool(nn.Module):
+    """Global max- and average-pooling, concatenated (Myrtle's ResNet-18 classifier)."""
+
+    def forward(self, x):
+        return torch.cat([x.amax((2, 3)), x.mean((2, 3))], 1)
+
+
 def resnet18(hp, num_classes=10):
-    """Pre-activation ResNet-18 for 32×32 inputs: the baseline of Myrtle's series."""
-    c = widths(hp, (64, 128, 256, 512))
+    """Myrtle's ResNet-18, the baseline of their series (experiments.ipynb, DAWN_net): a 3×3 conv of 64 channels
+    (no batch norm), four stages of two PreActBlocks of 64/128/256/256 channels (strides 1, 2, 2, 2), then
+    concatenated max- and average-pooling into a 512-wide linear layer with bias. 5,205,834 parameters."""
+    c = widths(hp, (64, 128, 256, 256))
     layers, c_in = [nn.Conv2d(3, c[0], 3, 1, 1, bias=False)], c[0]
     for c_out, stride in zip(c, (1, 2, 2, 2)):
         layers += [PreActBlock(c_in, c_out, stride, hp), PreActBlock(c_out, c_out, 1, hp)]
         c_in = c_out
-    layers += [batch_norm(c_in, hp), activation(hp), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-               nn.Linear(c_in, num_classes), Mul(hp["output_scale"])]
+    layers += [ConcatPool(), nn.Linear(2 * c_in, num_classes), Mul(hp["output_scale"])]
     return nn.Sequential(*layers)
 
 
