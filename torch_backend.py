@@ -480,7 +480,7 @@ def warmup(hp, data, device, dtype, net=None, forward=None):
     the clock starts: the 'compilation warm-up' the timing protocol excludes."""
     memory_format = memory_format_for(device)
     net = net if net is not None else build_model(hp, device, memory_format)
-    forward = forward or net
+    forward = net if forward is None else forward
     opts = make_optimizers(net, hp)
     set_lr(opts, 1e-9)          # a step that moves nothing measurable, but runs every kernel
     gen = torch.Generator(device).manual_seed(0)
@@ -533,7 +533,7 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
         net, forward = fresh, fresh
     else:
         net.load_state_dict(fresh.state_dict())
-        forward = forward or net
+        forward = net if forward is None else forward
     # under torchrun data["whiten_images"] holds the images one process would fit on (see cifar10_fast.device_data)
     fit_whitening(net, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-1])
     if hp["bn_stats"] == "last_batch":

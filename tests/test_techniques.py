@@ -240,6 +240,9 @@ def test_whitening_fit_follows_each_reference():
     f = whitening_filters(cf.recipe("fast94", width=1 / 16), x)
     # airbench94: the first 5,000 images, uncentred, divided by n
     torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x[:5000], 2, False, 0, 5e-4), rtol=2e-4, atol=1e-3)
+    f = whitening_filters(cf.recipe("fast94_next", width=1 / 16), x)
+    # the 2-second record: the first 960 images, uncentred, divided by n, by an SVD of the covariance
+    torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x[:960], 2, False, 0, 5e-4), rtol=2e-4, atol=1e-3)
     f = whitening_filters(cf.recipe("myrtle10", width=1 / 16), x)
     # today's myrtle10: up to 10,000 images, centred, divided by n - 1
     torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x, 3, True, 1, 1e-2), rtol=2e-4, atol=1e-3)
@@ -256,6 +259,17 @@ def test_batched_newton_schulz_equals_it_matrix_by_matrix():
             assert b.shape == m.shape
             torch.testing.assert_close(b, optim.newton_schulz(m, 3, (3.4576, -4.7391, 2.0843), dtype=dtype),
                                        atol=tol, rtol=0)
+    # inside Muon: the same step for two filter banks, batched or one by one
+    w, g = [torch.randn(16, 8, 3, 3), torch.randn(32, 16, 3, 3)], [torch.randn(16, 8, 3, 3), torch.randn(32, 16, 3, 3)]
+    steps = []
+    for batched in (False, True):
+        params = [torch.nn.Parameter(t.clone()) for t in w]
+        for p, grad in zip(params, g):
+            p.grad = grad.clone()
+        optim.Muon(params, lr=0.1, ns_steps=3, batched=batched).step()
+        steps.append([p.detach() for p in params])
+    for a, b in zip(*steps):
+        torch.testing.assert_close(a, b, atol=0.1 * 0.05, rtol=0)
 
 
 def muon_step(p, grad, **kw):
@@ -425,3 +439,9 @@ def test_compiled_step_gives_the_eager_loss_and_gradients():
         assert (p.grad is None) == (q.grad is None)
         if p.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
+    # the warm-up and a run through a compiled WithLoss (dynamo without code generation, to keep this test short):
+    # the whitening bias detached after its step, selective TTA through the network
+    hp, data = {**hp, "epochs": 1, "whiten_bias_epochs": 0.5}, tiny_data(16, n_test=8)
+    step = torch.compile(tb.WithLoss(net, hp["label_smoothing"]), backend="eager")
+    tb.warmup(hp, data, CPU, torch.float32, net, step)
+    assert len(tb.train(hp, data, CPU, net=net, forward=step, target=2.0)["rows"]) == 1
