@@ -24,29 +24,44 @@ from optim import linear_scaled_lr
 
 # Every hyperparameter, with the value it has unless a recipe or flag says otherwise.
 # lr_knots are fractions of the whole run, so --epochs stretches the schedule with it; lr_values
-# and weight_decay are in the units of `param` (see optim.make_optimizers).
+# and weight_decay are in the units of `param` (see optim.make_optimizers). Every switch is off here.
 BASE = dict(
     model="resnet9", width=1.0, epochs=24, batch_size=512,
     # optimiser and schedule
     param="myrtle", optimizer="sgd", lr_knots=(0, 5 / 24, 1), lr_values=(0.0, 0.4, 0.0),
     momentum=0.9, nesterov=True, weight_decay=5e-4, bias_lr_mult=1.0, label_smoothing=0.0,
-    muon_lr=0.0, muon_momentum=0.6,
+    # Muon for the conv filters (optimizer="muon", optim.Muon): its peak lr and momentum, Newton–Schulz steps
+    # and coefficients, renormalisation of the filters every k steps with k growing from muon_renorm_every[0]
+    # to [1] over the run (0: never), decoupled weight decay (per image, like weight_decay in the sum units),
+    # the momentum buffer's dtype (fp32, fp16, bf16), all filter banks in one batched Newton–Schulz call
+    muon_lr=0.0, muon_momentum=0.6, muon_ns_steps=5, muon_ns_coeffs=(3.4445, -4.7750, 2.0315),
+    muon_renorm_every=(0, 0), muon_weight_decay=0.0, muon_momentum_dtype="fp32", muon_batched=False,
     # large-batch options (optim.py, distributed.py): LARS trust coefficient; RMSprop-to-SGD's RMSprop rate and the
     # epochs where the hand-over is half done and its length; Goyal's linear scaling of lr_values by
     # batch_size / lr_scale_base (0 = off); batch-norm statistics "running" or "last_batch" (averaged
     # over ranks before each evaluation instead of moving averages)
     lars_trust=0.001, rms_lr=1e-3, rms_beta_center=2.0, rms_beta_period=2.0, lr_scale_base=0,
     bn_stats="running",
-    # augmentation and test-time augmentation
-    crop_pad=4, flip="random", cutout=8, tta="none",
-    # network
+    # augmentation (brightness and contrast jitter: ± these, per image; the first low_res_epochs epochs at
+    # low_res pixels when low_res is set) and test-time augmentation (all views for the tta_fraction of test
+    # images the plain pass is least sure of: selective TTA)
+    crop_pad=4, flip="random", cutout=8, jitter_brightness=0.0, jitter_contrast=0.0, low_res=0, low_res_epochs=0,
+    tta="none", tta_fraction=1.0,
+    # network (whiten_act: the activation after the whitening layer, "" for act; the head's initial weights at
+    # unit std, and the logits ÷ the head's width as well as × output_scale)
     act="relu", celu_alpha=0.3, pool_first=False, ghost_batch=0, freeze_bn_scale=False,
-    bn_momentum=0.1, bn_eps=1e-5, dirac_init=False, output_scale=0.125,
+    bn_momentum=0.1, bn_eps=1e-5, dirac_init=False, output_scale=0.125, head_unit_std=False, output_by_width=False,
     block_widths=(64, 256, 256), block_depth=2,
-    whiten=False, whiten_size=3, whiten_pad=1, whiten_signs=1, whiten_bias=False, whiten_bias_epochs=0,
+    whiten=False, whiten_size=3, whiten_pad=1, whiten_signs=1, whiten_act="", whiten_bias=False,
+    whiten_bias_epochs=0, whiten_bias_lr_mult=1.0, whiten_bias_decay="none",
     whiten_eps=1e-2,
+    # the whitening fit: the first whiten_images training images, the patch covariance centred or not and
+    # divided by n - whiten_ddof, its eigenvectors from "eigh" or "svd"
+    whiten_images=10000, whiten_centre=True, whiten_ddof=1, whiten_decomp="eigh",
     # weight averaging
     ema_momentum=0.0, ema_every=5, lookahead_momentum=0.0, lookahead_every=5,
+    # with --compile: compile the forward and the loss as one function (and so their backward as one graph)
+    compile_step=False,
 )
 
 # Jordan (2024)'s three-block network and training, from the published airbench94 hyperparameters
@@ -58,8 +73,46 @@ FAST = dict(
     crop_pad=2, flip="alternate", cutout=0, tta="flip_translate",
     freeze_bn_scale=True, bn_momentum=0.4, bn_eps=1e-12, dirac_init=True, output_scale=1 / 9,
     whiten=True, whiten_size=2, whiten_pad=0, whiten_signs=2, whiten_bias=True, whiten_bias_epochs=3,
-    whiten_eps=5e-4, lookahead_momentum=0.95, lookahead_every=5,
+    whiten_eps=5e-4, whiten_images=5000, whiten_centre=False, whiten_ddof=0, lookahead_momentum=0.95, lookahead_every=5,
 )
+
+# airbench96 (legacy/airbench96.py; airbench/lib_airbench96.py the same but for its schedule: train96 drops its
+# lr_peak=0.1 and lr_end=0, so the package trains with airbench94's 23% warm-up and end at 0.07): widths
+# 128/384/512, a third conv per block with the residual added before the last activation, translate 4,
+# cutout 12, 37 epochs, lr 9.0 per 1024 warming up from 0.2x over the first 10% of the steps then linear to 0,
+# weight decay 0.012, batch-norm momentum 0.1 (PyTorch's default).
+FAST96 = dict(block_widths=(128, 384, 512), block_depth=3, epochs=37, crop_pad=4, cutout=12,
+              lr_knots=(0, 0.1, 1), lr_values=(0.2 * 9, 9.0, 0.0), weight_decay=0.012, bn_momentum=0.1)
+
+# airbench94 with Muon (airbench94_muon.py, published: 94.01% in 2.59 s on an A100): batch 2000, 8 epochs
+# (ceil(8 × 25) = 200 steps), no lookahead, every rate linear from its peak to 0 with no warm-up. Muon for the
+# conv filters (lr 0.24, momentum 0.6, 3 Newton–Schulz steps, the filters renormalised before every step);
+# SGD (Nesterov, momentum 0.85) on the summed loss for the head (lr 0.67) and the batch-norm and whitening
+# biases (0.053), weight decay 2e-6 × batch; the whitening bias's rate falls to 0 over its 3 epochs, after
+# which it is detached; the head's initial weights at unit std and the logits ÷ the width (256).
+MUON = dict(batch_size=2000, epochs=8, lookahead_momentum=0.0, param="sum", optimizer="muon",
+            lr_knots=(0, 1), lr_values=(0.67, 0.0), momentum=0.85, weight_decay=2e-6,
+            bias_lr_mult=0.053 / 0.67, whiten_bias_lr_mult=0.053 / 0.67, whiten_bias_decay="linear",
+            muon_lr=0.24, muon_momentum=0.6, muon_ns_steps=3, muon_renorm_every=(1, 1),
+            head_unit_std=True, output_scale=1.0, output_by_width=True)
+
+# The 2-second record (hiverge/cifar10-speedrun, cifar10_speedrun.py; published: 94.01% in 2.015 s on an A100)
+# on top of MUON: batch 1536, 7.59 epochs (243 steps), label smoothing 0.09, SGD momentum 0.825 with head lr
+# 0.5415 and bias lr 0.0573, weight decay 1.0418e-6 × batch for SGD and (decoupled) for Muon; Muon lr 0.205,
+# momentum 0.655, Newton–Schulz coefficients (3.4576, -4.7391, 2.0843), all filter banks in one call, fp16
+# momentum, renormalisation every 2 + int(15 × progress) steps; batch-norm momentum 0.5566 in its convention
+# (1 - 0.5566 in PyTorch's); SiLU in the blocks, GELU after the whitening, which is fitted by an SVD of the
+# first 960 images' patches; its bias trains for 0.19 epochs (7 steps); brightness ± 0.1399 and contrast
+# ± 0.1308; 6-view TTA for the quarter of test images the plain pass is least sure of; forward and loss
+# compiled as one step. Ours differs in: bf16 autocast with float32 weights (theirs: fp16 weights), TTA
+# views weighted as airbench94's (theirs: equal), and no rescaling of the Newton–Schulz input before its
+# normalisation (theirs divides it away again).
+NEXT = dict(batch_size=1536, epochs=7.59, label_smoothing=0.09, momentum=0.825, lr_values=(0.5415, 0.0),
+            bias_lr_mult=0.0573 / 0.5415, whiten_bias_lr_mult=0.0573 / 0.5415, whiten_bias_epochs=0.19,
+            weight_decay=1.0418e-6, muon_lr=0.205, muon_momentum=0.655, muon_ns_coeffs=(3.4576, -4.7391, 2.0843),
+            muon_batched=True, muon_momentum_dtype="fp16", muon_renorm_every=(2, 17), muon_weight_decay=1.0418e-6,
+            bn_momentum=1 - 0.5566, act="silu", whiten_act="gelu", whiten_images=960, whiten_decomp="svd",
+            jitter_brightness=0.1399, jitter_contrast=0.1308, tta_fraction=0.25, compile_step=True)
 
 # The "How to train your ResNet" journey (Myrtle.ai, 2018-19), in order: each stage is the stage
 # before it plus `changes`. Numbers are Myrtle's, read from their experiments.ipynb (parts 1-4) and
@@ -68,7 +121,8 @@ FAST = dict(
 # nothing here ("same" below); the stage exists so that the table lines up with the published one.
 JOURNEY = [
     dict(name="baseline_resnet18", published_v100_s=297,
-         doc="pre-activation ResNet-18, 35 epochs, batch 128, crop+flip, lr 0.1 peak at epoch 15",
+         doc="Myrtle's ResNet-18 (pre-activation, 64/128/256/256 channels, max+average pool), 35 epochs, batch 128, "
+             "crop+flip, lr 0.1 peak at epoch 15",
          changes=dict(model="resnet18", epochs=35, batch_size=128, lr_knots=(0, 15 / 35, 30 / 35, 1),
                       lr_values=(0.0, 0.1, 0.005, 0.0), cutout=0, output_scale=1.0)),
     dict(name="batch512", published_v100_s=256,
@@ -147,10 +201,13 @@ RECIPES = {
                              "9.9 epochs at batch 1024 (target 94%)"),
     "fast95": dict(FAST, doc="fast94 widened to 128/384/384 for 15 epochs (target 95%)",
                    block_widths=(128, 384, 384), epochs=15, lr_values=(0.2 * 10, 10.0, 0.07 * 10)),
-    "fast96": dict(FAST, doc="fast94 widened to 128/512/512 with 3 convs per block, 40 epochs, translate 4, "
-                             "cutout 12 (target 96%)",
-                   block_widths=(128, 512, 512), block_depth=3, epochs=40, crop_pad=4, cutout=12,
-                   lr_values=(0.2 * 9, 9.0, 0.07 * 9)),
+    "fast96": dict({**FAST, **FAST96}, doc="airbench96 (legacy/airbench96.py): 128/384/512, 3 convs per block with a "
+                                       "residual, translate 4, cutout 12, 37 epochs (target 96%)"),
+    "fast94_muon": dict({**FAST, **MUON}, doc="airbench94 with Muon (airbench94_muon.py): batch 2000, 8 epochs, Muon for "
+                                          "the filters, no lookahead (target 94%)"),
+    "fast94_next": dict({**FAST, **MUON, **NEXT}, doc="the 2-second record's configuration from switches: batched "
+                                                  "Newton-Schulz, SiLU, jitter, selective TTA, 7.59 epochs at batch "
+                                                  "1536 (target 94%)"),
 }
 
 
@@ -192,6 +249,19 @@ def load_arrays(data_dir, subset=None):
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return None
+
+
+def device_data(arrays, hp, ctx, device, dtype):
+    """This process's dataset on the device: under torchrun, its own contiguous shard of the training set, and
+    the images the whitening filters are fitted on taken before sharding, so that every rank fits the filters
+    one process would (they are frozen parameters, which DDP never synchronises)."""
+    if not ctx.distributed:
+        return cd.to_device(arrays, device, dtype, hp["crop_pad"])
+    part = D.shard(len(arrays["train_labels"]), ctx.rank, ctx.world_size)
+    whiten = arrays["train_images"][:hp["whiten_images"]]
+    arrays = {**arrays, "train_images": arrays["train_images"][part.start:part.stop],
+              "train_labels": arrays["train_labels"][part.start:part.stop]}
+    return {**cd.to_device(arrays, device, dtype, hp["crop_pad"]), "whiten_images": cd.normalise(whiten, device, dtype)}
 
 
 COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
@@ -266,11 +336,7 @@ def main(argv=None):
     if arrays is None:
         return 1
     n_train = len(arrays["train_labels"])
-    if ctx.distributed:             # each rank keeps its own contiguous shard of the training set
-        part = D.shard(n_train, ctx.rank, ctx.world_size)
-        arrays = {**arrays, "train_images": arrays["train_images"][part.start:part.stop],
-                  "train_labels": arrays["train_labels"][part.start:part.stop]}
-    data = cd.to_device(arrays, device, dtype, hp["crop_pad"])
+    data = device_data(arrays, hp, ctx, device, dtype)
     D.print0(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
              f"{n_train} training and {len(arrays['test_labels'])} test images"
              + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step" if ctx.distributed else ""))

@@ -187,25 +187,31 @@ def load_cifar10(path="data", download_ok=True, archive=CIFAR10_ARCHIVE, url=CIF
 # The dataset on the device, and batched augmentation
 # ---------------------------------------------------------------------------------------------
 
+def normalise(x, device, dtype, pad=0):
+    """uint8 NHWC images uploaded, normalised and reflect-padded by pad pixels on the device, NCHW in dtype."""
+    x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).float()
+    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+    x = (x - mean) / std
+    return (F.pad(x, (pad,) * 4, mode="reflect") if pad else x).to(dtype)
+
+
 def to_device(d, device, dtype, pad):
     """Uploads uint8 once; normalises (and reflect-pads the training images) once, on the device."""
-    def prep(x, p):
-        x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).float()
-        mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
-        std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
-        x = (x - mean) / std
-        return (F.pad(x, (p,) * 4, mode="reflect") if p else x).to(dtype)
+    prep = lambda x, p: normalise(x, device, dtype, p)
     return {"train_images": prep(d["train_images"], pad), "test_images": prep(d["test_images"], 0),
             "train_labels": torch.from_numpy(d["train_labels"]).to(device).long(),
             "test_labels": torch.from_numpy(d["test_labels"]).to(device).long()}
 
 
-def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=None):
-    """Every random number for one epoch of n images, in at most five calls whatever n is.
+def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=None, jitter=(0.0, 0.0)):
+    """Every random number for one epoch of n images, in at most six calls whatever n is.
 
     flip="random" flips each image with probability 1/2 every epoch; flip="alternate" (Jordan 2024)
     flips image i in epoch e iff flip_base[i] xor (e odd), so every image is seen both ways in any two
-    consecutive epochs; flip_base is drawn once per run (see flip_bits).
+    consecutive epochs; flip_base is drawn once per run (see flip_bits). jitter = (brightness, contrast)
+    (the 2-second record): each image's normalised pixels become (x + b)·c with b uniform in ±brightness
+    and c in 1 ± contrast.
     """
     device = generator.device
     r = {"perm": torch.randperm(n, device=device, generator=generator)}
@@ -219,6 +225,9 @@ def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=
         raise ValueError(f"flip must be none, random or alternate, not {flip!r}")
     if cutout:
         r["cy"], r["cx"] = torch.randint(0, size - cutout + 1, (2, n), device=device, generator=generator)
+    if any(jitter):
+        u = torch.rand(2, n, device=device, generator=generator) * 2 - 1
+        r["brightness"], r["contrast"] = u[0] * jitter[0], 1 + u[1] * jitter[1]
     return r
 
 
@@ -254,17 +263,30 @@ def augment(images, r, size, cutout):
     x = batch_crop(images, r["dy"], r["dx"], size) if "dy" in r else images
     if "flip" in r:
         x = torch.where(r["flip"].view(-1, 1, 1, 1), x.flip(3), x)
+    if "brightness" in r:
+        per_image = lambda v: v.view(-1, 1, 1, 1).to(x.dtype)
+        x = (x + per_image(r["brightness"])) * per_image(r["contrast"])
     if "cy" in r:
         x = x.masked_fill(cutout_mask(r["cy"], r["cx"], size, cutout), 0)
     return x
 
 
+def low_resolution(x, res):
+    """x resized to res × res (bilinear, antialiased: each output pixel averages the input it covers)."""
+    return F.interpolate(x.float(), size=(res, res), mode="bilinear", antialias=True, align_corners=False).to(x.dtype)
+
+
 def epoch_batches(data, hp, generator, memory_format, epoch=0, flip_base=None):
-    """Yields (images, labels) for one shuffled, augmented epoch; the last partial batch is dropped."""
+    """Yields (images, labels) for one shuffled, augmented epoch; the last partial batch is dropped. The first
+    low_res_epochs epochs are resized to low_res pixels (when low_res is set)."""
     size = data["test_images"].shape[-1]
     x, y = data["train_images"], data["train_labels"]
-    r = draw_augmentation(len(x), size, hp["crop_pad"], hp["flip"], hp["cutout"], generator, epoch, flip_base)
-    x = augment(x, r, size, hp["cutout"])[r["perm"]].contiguous(memory_format=memory_format)
+    r = draw_augmentation(len(x), size, hp["crop_pad"], hp["flip"], hp["cutout"], generator, epoch, flip_base,
+                          (hp["jitter_brightness"], hp["jitter_contrast"]))
+    x = augment(x, r, size, hp["cutout"])[r["perm"]]
+    if hp["low_res"] and epoch < hp["low_res_epochs"]:
+        x = low_resolution(x, hp["low_res"])
+    x = x.contiguous(memory_format=memory_format)
     y = y[r["perm"]]
     bs = hp["batch_size"]
     for i in range(len(x) // bs):

@@ -13,6 +13,7 @@ Papers:
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from distributed import per_rank_batch
@@ -21,43 +22,88 @@ from distributed import per_rank_batch
 # ----------------------------------------------------------------------------------------------------------
 # Muon: orthogonalised momentum for conv filters
 
-def newton_schulz(g, steps=5, eps=1e-7):
+MUON_COEFFS = (3.4445, -4.7750, 2.0315)      # Jordan et al. 2024; the 2-second record tuned (3.4576, -4.7391, 2.0843)
+
+
+def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, eps=1e-7, dtype=torch.bfloat16):
     """Approximately the orthogonal factor U Vᵀ of g = U S Vᵀ (all singular values pushed towards 1),
-    by a quintic Newton–Schulz iteration in bf16. The coefficients (Jordan et al. 2024, Muon) trade
-    exactness for speed: five steps leave singular values roughly in [0.7, 1.2]."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.bfloat16()
-    tall = x.shape[0] > x.shape[1]
+    by a quintic Newton–Schulz iteration in `dtype`. The coefficients (Jordan et al. 2024, Muon) trade
+    exactness for speed: five steps leave singular values roughly in [0.7, 1.2].
+    g may be a batch of matrices (..., m, n), each normalised by its own Frobenius norm. Zero rows and
+    columns stay zero through the iteration, so a zero-padded matrix gives the padded result of the matrix."""
+    a, b, c = coeffs
+    x = g.to(dtype)
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
-        x = x.T
-    x = x / (x.norm() + eps)                     # spectral norm ≤ Frobenius norm ≤ 1: inside the basin
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)    # spectral norm ≤ Frobenius norm ≤ 1: inside the basin
     for _ in range(steps):
-        s = x @ x.T
+        s = x @ x.mT
         x = a * x + (b * s + c * s @ s) @ x
-    return (x.T if tall else x).to(g.dtype)
+    return (x.mT if tall else x).to(g.dtype)
+
+
+def newton_schulz_padded(mats, steps=5, coeffs=MUON_COEFFS, dtype=torch.bfloat16):
+    """newton_schulz of every matrix in `mats` in one batched call: each is zero-padded to the largest row and
+    column counts (columns rounded up to a multiple of 16, for the tensor cores) and cut back out after. One
+    set of kernels for all the filter banks of a network instead of a set per bank (the 2-second record)."""
+    rows = max(m.shape[0] for m in mats)
+    cols = -(-max(m.shape[1] for m in mats) // 16) * 16
+    batch = torch.stack([F.pad(m.to(dtype), (0, cols - m.shape[1], 0, rows - m.shape[0])) for m in mats])
+    out = newton_schulz(batch, steps, coeffs, dtype=dtype)
+    return [o[:m.shape[0], :m.shape[1]].to(m.dtype) for o, m in zip(out, mats)]
 
 
 # Ours: torch.optim.Muon is absent from torch 2.4 (which we support), takes 2-D weights only and averages momentum
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al. 2024): SGD momentum whose update for each weight matrix (a conv filter
     bank flattened to out × in·k·k) is orthogonalised by newton_schulz, so every direction of the
-    update moves at the same rate. Scaled by sqrt(max(1, rows/cols)) as in the original."""
+    update moves at the same rate. Scaled by sqrt(max(1, rows/cols)) as in the original.
 
-    def __init__(self, params, lr, momentum=0.9, nesterov=True, ns_steps=5):
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps))
+    Options from airbench94_muon and the 2-second record, off by default:
+    - renorm_every (k0, k1): before the update, every k steps, each filter bank is scaled back to the norm
+      sqrt(out channels) (airbench94_muon: every step, k0 = k1 = 1); k grows linearly from k0 to k1 over
+      total_steps (the record: 2 to 17), since late updates are small and the norms drift slowly; 0: never.
+    - weight_decay: decoupled, w ← w·(1 − lr·weight_decay) after the update.
+    - momentum_dtype: the momentum buffer's dtype (fp16 or bf16 halves its memory traffic).
+    - batched: all filter banks orthogonalised in one newton_schulz_padded call.
+    """
+
+    def __init__(self, params, lr, momentum=0.9, nesterov=True, ns_steps=5, ns_coeffs=MUON_COEFFS,
+                 renorm_every=(0, 0), total_steps=1, weight_decay=0.0, momentum_dtype=None, batched=False):
+        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                                      ns_coeffs=tuple(ns_coeffs), renorm_every=tuple(renorm_every),
+                                      total_steps=total_steps, weight_decay=weight_decay,
+                                      momentum_dtype=momentum_dtype, batched=batched, step=0, last_renorm=0))
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum", torch.zeros_like(p.grad))
-                buf.mul_(group["momentum"]).add_(p.grad)
-                g = p.grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
-                g = g.reshape(len(g), -1)
-                update = newton_schulz(g, group["ns_steps"]) * max(1.0, g.shape[0] / g.shape[1]) ** 0.5
-                p.add_(update.view_as(p), alpha=-group["lr"])
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            # the step count lives in the group, so state_dict() carries it
+            group["step"] += 1
+            m = group["momentum"]
+            updates = []
+            for p in params:
+                buf = self.state[p].setdefault("momentum", torch.zeros_like(p.grad, dtype=group["momentum_dtype"]))
+                buf.mul_(m).add_(p.grad)
+                updates.append((p.grad.add(buf, alpha=m) if group["nesterov"] else buf).reshape(len(p), -1))
+            if group["batched"]:
+                updates = newton_schulz_padded(updates, group["ns_steps"], group["ns_coeffs"])
+            else:
+                updates = [newton_schulz(u, group["ns_steps"], group["ns_coeffs"]) for u in updates]
+            k0, k1 = group["renorm_every"]
+            every = k0 + int((k1 - k0) * group["step"] / group["total_steps"])
+            if k0 and group["step"] - group["last_renorm"] >= every:
+                group["last_renorm"] = group["step"]
+                for p in params:
+                    p.mul_(len(p) ** 0.5 / p.norm())
+            for p, u in zip(params, updates):
+                p.add_(u.view_as(p), alpha=-group["lr"] * max(1.0, u.shape[0] / u.shape[1]) ** 0.5)
+                if group["weight_decay"]:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -202,35 +248,45 @@ def param_groups_no_decay_1d(model, weight_decay):
             dict(params=[p for p in params if p.ndim <= 1], weight_decay=0.0)]
 
 
-def make_optimizers(model, hp, world=1):
+def epoch_steps(epochs, steps_per_epoch):
+    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476); epochs may be
+    fractional. Less a hair, so that a product that should be whole (1.1 × 10 = 11.000000000000002) stays so."""
+    return math.ceil(epochs * steps_per_epoch - 1e-9)
+
+
+MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def make_optimizers(model, hp, steps_per_epoch=1, world=1):
     """The optimisers for one run; set_lr() then sets every group's step size from the schedule.
 
-    Two parametrisations of lr and weight decay (wd), both on the batch-summed loss:
+    Three parametrisations of lr and weight decay (wd), all on the batch-summed loss:
     - "myrtle" (Myrtle 2018): step size lr/batch_size and decay wd·batch_size, which together equal
       plain SGD on the batch-mean loss with (lr, wd).
     - "decoupled" (Jordan 2024): lr and wd are per 1024 examples and divided by the Nesterov gain
       1 + 1/(1 - momentum), so the average step does not change with momentum; the decay per step is
       wd·batch_size/(1024·gain) × the schedule's factor, whatever lr and bias_lr_mult are, so lr,
       wd and momentum can be tuned one at a time.
+    - "sum" (airbench94_muon): lr is torch.optim.SGD's on the summed loss, as written; the decay per step is
+      wd·batch_size × the schedule's factor (their weight_decay = wd·batch_size / lr), whatever lr is.
     Batch-norm biases get lr × bias_lr_mult: with frozen scales they are the only per-channel knobs.
     With optimizer="muon", conv filter banks (4-D weights) use Muon at muon_lr × the schedule factor.
-    The bias of the whitening layer (a convolution whose filters are frozen) trains only for the first
-    whiten_bias_epochs (its lr is then set to 0 rather than requires_grad flipped, which would make a
-    compiled model recompile mid-run).
+    The bias of the whitening layer (a convolution whose filters are frozen) gets lr × whiten_bias_lr_mult
+    and trains only for the first whiten_bias_epochs (fractional epochs: the steps are rounded up); with
+    whiten_bias_decay="linear" its rate ignores the schedule and falls linearly from its peak to 0 over
+    those steps (airbench94_muon). After them its lr is 0 and train() detaches it.
     optimizer="lars" or "rmsprop_sgd" use the large-batch optimisers on the same groups.
 
     Under DDP (world ranks of batch_size images each) gradients are averaged over ranks, i.e. 1/world of
     the summed loss's gradient over the global batch. In the myrtle units 1/batch_size = world/global
-    batch absorbs this; in the decoupled units the step is multiplied by world to undo it.
+    batch absorbs this; in the decoupled and sum units the step is multiplied by world to undo it.
     """
     bs, m, wd, peak = hp["batch_size"], hp["momentum"], hp["weight_decay"], max(hp["lr_values"])
-    if hp["param"] == "myrtle":
-        unit, decay = 1 / bs, lambda scale: wd * bs / scale
-    elif hp["param"] == "decoupled":
-        gain = 1 + 1 / (1 - m)
-        unit, decay = world / (1024 * gain), lambda scale: wd * bs / (peak * scale)
-    else:
-        raise ValueError(f"param must be myrtle or decoupled, not {hp['param']!r}")
+    units = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - m))), "sum": world}
+    if hp["param"] not in units:
+        raise ValueError(f"param must be myrtle, decoupled or sum, not {hp['param']!r}")
+    unit = units[hp["param"]]
+    decay = (lambda scale: wd * bs / scale) if hp["param"] == "myrtle" else (lambda scale: wd * bs / (peak * scale))
     if hp["optimizer"] == "lars":
         unit = 1.0      # LARS divides by the gradient's norm: its step is lr × trust × |w|, whatever the loss's scale
     bn_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, nn.BatchNorm2d)}
@@ -244,24 +300,38 @@ def make_optimizers(model, hp, world=1):
         key = ("bn_biases" if id(p) in bn_biases else "whiten_bias" if id(p) in whiten_biases
                else "filters" if muon and p.ndim == 4 else "weights")
         groups[key].append(p)
-    scales = {"weights": 1.0, "bn_biases": hp["bias_lr_mult"], "whiten_bias": 1.0}
+    scales = {"weights": 1.0, "bn_biases": hp["bias_lr_mult"], "whiten_bias": hp["whiten_bias_lr_mult"]}
+    whiten = dict(until_step=epoch_steps(hp["whiten_bias_epochs"], steps_per_epoch),
+                  linear=hp["whiten_bias_decay"] == "linear")
     sgd = [{"params": groups[k], "lr_unit": unit * scales[k], "weight_decay": decay(scales[k]), "name": k,
-            "until_epoch": hp["whiten_bias_epochs"] if k == "whiten_bias" else None}
+            "peak": peak, **(whiten if k == "whiten_bias" else {"until_step": None})}
            for k in scales if groups[k]]
     opts = [optimizer(sgd, {**hp, "optimizer": "sgd"} if muon else hp)]
     if groups["filters"]:
         opts.append(Muon([{"params": groups["filters"], "lr_unit": hp["muon_lr"] / peak, "name": "filters",
-                           "until_epoch": None}], lr=0.0, momentum=hp["muon_momentum"], nesterov=hp["nesterov"]))
+                           "until_step": None}], lr=0.0, momentum=hp["muon_momentum"], nesterov=hp["nesterov"],
+                         ns_steps=hp["muon_ns_steps"], ns_coeffs=hp["muon_ns_coeffs"],
+                         renorm_every=hp["muon_renorm_every"],
+                         total_steps=max(1, epoch_steps(hp["epochs"], steps_per_epoch)),
+                         weight_decay=hp["muon_weight_decay"] * bs * world,
+                         momentum_dtype=MOMENTUM_DTYPES[hp["muon_momentum_dtype"]], batched=hp["muon_batched"]))
     return opts
 
 
-def set_lr(opts, lr, epoch=0.0):
-    """Sets each group's step size to lr (the schedule's value, in the recipe's units) × its unit, and its
-    clock to the (fractional) epoch of the coming step, which RMSprop-to-SGD's hand-over follows."""
+def set_lr(opts, lr, step=0, epoch=0.0):
+    """Sets each group's step size to lr (the schedule's value, in the recipe's units) × its unit; a group that
+    trains only until_step steps gets 0 from then on, and before, with `linear`, its peak falling linearly to 0.
+    Every group's clock becomes the (fractional) epoch of the coming step, which RMSprop-to-SGD's hand-over reads."""
     for opt in opts:
         for g in opt.param_groups:
-            frozen = g["until_epoch"] is not None and epoch >= g["until_epoch"]
-            g["lr"], g["epoch"] = 0.0 if frozen else lr * g["lr_unit"], epoch
+            until = g["until_step"]
+            if until is not None and step >= until:
+                g["lr"] = 0.0
+            elif until is not None and g.get("linear"):
+                g["lr"] = g["peak"] * g["lr_unit"] * (1 - step / until)
+            else:
+                g["lr"] = lr * g["lr_unit"]
+            g["epoch"] = epoch
 
 
 # ----------------------------------------------------------------------------------------------------------

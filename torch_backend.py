@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import distributed as D
-from cifar_data import epoch_batches, flip_bits
+from cifar_data import epoch_batches, flip_bits, low_resolution
 from core import PiecewiseLinear, Timer
-from optim import make_optimizers, set_lr
+from optim import epoch_steps, make_optimizers, set_lr
 
 # ---------------------------------------------------------------------------------------------
 # Models
@@ -30,7 +30,7 @@ class BatchNorm(nn.BatchNorm2d):
     freeze_scale: the scale stays at 1 (only the bias learns).
     ghost_batch: in training, statistics come from groups of this many images (interleaved:
     image i belongs to group i mod n/ghost_batch, which is as random as contiguous groups for
-    shuffled data and needs only a reshape); running statistics average over the groups.
+    shuffled data and needs only a view); running statistics average over the groups.
     """
 
     def __init__(self, c, freeze_scale=False, ghost_batch=0, momentum=0.1, eps=1e-5):
@@ -43,29 +43,35 @@ class BatchNorm(nn.BatchNorm2d):
         n, c, h, w = x.shape
         if not (self.training and g and n > g and n % g == 0):
             return super().forward(x)
-        s = n // g
-        mean, var = self.running_mean.repeat(s), self.running_var.repeat(s)
-        y = F.batch_norm(x.reshape(g, s * c, h, w), mean, var, self.weight.repeat(s), self.bias.repeat(s),
-                         True, self.momentum, self.eps)
+        # Splitting the batch dimension is a view in any memory format; F.batch_norm on a (g, s·c, h, w)
+        # reshape would copy a channels_last batch, and copy the result back.
+        xs = x.unflatten(0, (g, n // g))                                     # g, s, c, h, w
+        # in the activations' dtype (on a GPU var_mean accumulates bf16 in float32, then rounds: 2^-9 relative)
+        var, mean = torch.var_mean(xs, (0, 3, 4), correction=0, keepdim=True)
+        scale = self.weight.view(1, 1, c, 1, 1) * torch.rsqrt(var.float() + self.eps)
+        shift = self.bias.view(1, 1, c, 1, 1) - mean.float() * scale
         with torch.no_grad():
-            self.running_mean.copy_(mean.view(s, c).mean(0))
-            self.running_var.copy_(var.view(s, c).mean(0))
-        return y.reshape(n, c, h, w)
+            count = g * h * w
+            self.running_mean.lerp_(mean.float().mean((0, 1)).flatten(), self.momentum)
+            self.running_var.lerp_(var.float().mean((0, 1)).flatten() * count / (count - 1), self.momentum)
+        return torch.addcmul(shift.to(x.dtype), xs, scale.to(x.dtype)).flatten(0, 1)
 
 
 def batch_norm(c, hp):
     return BatchNorm(c, hp["freeze_bn_scale"], hp["ghost_batch"], hp["bn_momentum"], hp["bn_eps"])
 
 
-def activation(hp):
-    act = hp["act"]
+def activation(hp, act=None):
+    act = act or hp["act"]
     if act == "celu":
         return nn.CELU(hp["celu_alpha"])
     if act == "gelu":
         return nn.GELU()
+    if act == "silu":
+        return nn.SiLU()
     if act == "relu":
         return nn.ReLU(inplace=True)
-    raise ValueError(f"act must be relu, celu or gelu, not {act!r}")
+    raise ValueError(f"act must be relu, celu, gelu or silu, not {act!r}")
 
 
 def conv(c_in, c_out, hp, kernel=3):
@@ -88,12 +94,15 @@ def conv_bn(c_in, c_out, hp, pool=False, kernel=3):
 
 
 class Residual(nn.Module):
-    def __init__(self, *layers):
+    """x + body(x), then `act` if given (airbench96 adds the branch before its last activation)."""
+
+    def __init__(self, *layers, act=None):
         super().__init__()
         self.body = nn.Sequential(*layers)
+        self.act = act or nn.Identity()
 
     def forward(self, x):
-        return x + self.body(x)
+        return self.act(x + self.body(x))
 
 
 class Mul(nn.Module):
@@ -110,24 +119,41 @@ class Whitening(nn.Conv2d):
     eigenvector of the training-set patch covariance, scaled by 1/sqrt(eigenvalue + eps).
     both_signs adds each filter's negative too (so a following ReLU/GELU loses nothing);
     the optional bias is trainable (optim.make_optimizers knows it as the bias of frozen filters
-    and trains it for whiten_bias_epochs)."""
+    and trains it for whiten_bias_epochs; then train() detaches it).
+    The fit follows the reference it reproduces: the first `images` images, the covariance centred or
+    not and divided by n - ddof (Myrtle: 10,000 images, n - 1; airbench94: 5,000, uncentred, n), and the
+    eigenvectors from eigh or from an SVD of the covariance (the same vectors, up to sign: it is symmetric
+    positive semi-definite)."""
 
-    def __init__(self, k, eps, both_signs=False, bias=False, padding=0):
+    def __init__(self, k, eps, both_signs=False, bias=False, padding=0, images=10000, centre=True, ddof=1,
+                 decomp="eigh"):
         super().__init__(3, 3 * k * k * (2 if both_signs else 1), k, padding=padding, bias=bias)
         self.eps, self.both_signs = eps, both_signs
+        self.images, self.centre, self.ddof, self.decomp = images, centre, ddof, decomp
+        self.bias_grad = True           # train() detaches the bias once it has trained (airbench94_muon)
         self.weight.requires_grad_(False)
         if bias:
             nn.init.zeros_(self.bias)
 
+    def forward(self, x):
+        bias = self.bias if self.bias is None or self.bias_grad else self.bias.detach()
+        return self._conv_forward(x, self.weight, bias)
+
     @torch.no_grad()
     def fit(self, images):
         k = self.kernel_size[0]
-        patches = images.float().unfold(2, k, 1).unfold(3, k, 1)           # N,3,H',W',k,k
+        patches = images[:self.images].float().unfold(2, k, 1).unfold(3, k, 1)          # N,3,H',W',k,k
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
-        patches = patches - patches.mean(0)
-        cov = patches.T @ patches / (len(patches) - 1)
-        eigvals, eigvecs = torch.linalg.eigh(cov.double())                  # ascending
-        eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
+        if self.centre:
+            patches = patches - patches.mean(0)
+        cov = (patches.T @ patches / (len(patches) - self.ddof)).double()
+        if self.decomp == "eigh":
+            eigvals, eigvecs = torch.linalg.eigh(cov)                                   # ascending
+            eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
+        elif self.decomp == "svd":
+            eigvecs, eigvals, _ = torch.linalg.svd(cov)                                 # descending
+        else:
+            raise ValueError(f"whiten_decomp must be eigh or svd, not {self.decomp!r}")
         filters = (eigvecs / torch.sqrt(eigvals + self.eps)).T.reshape(-1, 3, k, k)
         if self.both_signs:
             filters = torch.cat([filters, -filters])
@@ -139,11 +165,22 @@ def first_layer(hp, c_out):
     k = hp["whiten_size"]
     if not hp["whiten"]:
         return nn.Conv2d(3, c_out, k, padding=hp["whiten_pad"], bias=hp["whiten_bias"])
-    return Whitening(k, hp["whiten_eps"], hp["whiten_signs"] == 2, hp["whiten_bias"], hp["whiten_pad"])
+    return Whitening(k, hp["whiten_eps"], hp["whiten_signs"] == 2, hp["whiten_bias"], hp["whiten_pad"],
+                     hp["whiten_images"], hp["whiten_centre"], hp["whiten_ddof"], hp["whiten_decomp"])
 
 
 def widths(hp, base):
     return [max(1, round(c * hp["width"])) for c in base]
+
+
+def classifier(c, hp, num_classes):
+    """The linear head and the logit scale output_scale (÷ c with output_by_width, as airbench94_muon divides by
+    the width); head_unit_std rescales its initial weights to unit standard deviation (airbench94_muon)."""
+    head = nn.Linear(c, num_classes, bias=False)
+    if hp["head_unit_std"]:
+        with torch.no_grad():
+            head.weight /= head.weight.std()
+    return [head, Mul(hp["output_scale"] / (c if hp["output_by_width"] else 1))]
 
 
 def resnet9(hp, num_classes=10):
@@ -164,38 +201,40 @@ def resnet9(hp, num_classes=10):
         conv_bn(c2, c3, hp, pool=True),
         Residual(conv_bn(c3, c3, hp), conv_bn(c3, c3, hp)),
         nn.AdaptiveMaxPool2d(1), nn.Flatten(),
-        nn.Linear(c3, num_classes, bias=False),
-        Mul(hp["output_scale"]),
+        *classifier(c3, hp, num_classes),
     )
 
 
 def conv_group(c_in, c_out, hp):
-    """Jordan's block: conv → 2×2 max-pool → BN → act → conv → BN → act; at block_depth 3 two more
-    conv-BN-act units follow as a residual branch (airbench96-style)."""
+    """Jordan's block: conv → 2×2 max-pool → BN → act → conv → BN → act. At block_depth 3 (airbench96) the
+    second conv-BN-act and a third conv-BN form a residual branch added before the last activation:
+    x ← act(x + BN(conv(act(BN(conv(x))))))."""
     first = [conv(c_in, c_out, hp), nn.MaxPool2d(2), batch_norm(c_out, hp), activation(hp)]
-    unit = lambda: [conv(c_out, c_out, hp), batch_norm(c_out, hp), activation(hp)]
+    unit = lambda: [conv(c_out, c_out, hp), batch_norm(c_out, hp)]
     if hp["block_depth"] == 2:
-        return nn.Sequential(*first, *unit())
+        return nn.Sequential(*first, *unit(), activation(hp))
     if hp["block_depth"] == 3:
-        return nn.Sequential(*first, Residual(*unit(), *unit()))
+        return nn.Sequential(*first, Residual(*unit(), activation(hp), *unit(), act=activation(hp)))
     raise ValueError(f"block_depth must be 2 or 3, not {hp['block_depth']}")
 
 
 def fastnet(hp, num_classes=10):
     """The three-block network of Jordan (2024), "94% on CIFAR-10 in 3.29 seconds": a frozen 2×2
-    patch-whitening layer (both signs, 24 channels, trainable bias) and GELU, three conv groups of
-    hp["block_widths"] channels (each halves the resolution), global max-pool, linear, logits × output_scale."""
+    patch-whitening layer (both signs, 24 channels, trainable bias) and its activation (whiten_act, else act),
+    three conv groups of hp["block_widths"] channels (each halves the resolution), global max-pool, linear,
+    logits × output_scale."""
     white = first_layer(hp, 2 * 3 * hp["whiten_size"] ** 2)
-    layers, c = [white, activation(hp)], white.out_channels
+    layers, c = [white, activation(hp, hp["whiten_act"])], white.out_channels
     for w in widths(hp, hp["block_widths"]):
         layers.append(conv_group(c, w, hp))
         c = w
-    layers += [nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(c, num_classes, bias=False), Mul(hp["output_scale"])]
+    layers += [nn.AdaptiveMaxPool2d(1), nn.Flatten(), *classifier(c, hp, num_classes)]
     return nn.Sequential(*layers)
 
 
 class PreActBlock(nn.Module):
-    """Pre-activation basic block (He et al. 2016): bn-relu-conv-bn-relu-conv plus shortcut."""
+    """Myrtle's pre-activation block (experiments.ipynb): bn-relu, then conv-bn-relu-conv, plus a shortcut that
+    starts from the bn-relu output (the identity, or a strided 1×1 conv when the shape changes)."""
 
     def __init__(self, c_in, c_out, stride, hp):
         super().__init__()
@@ -207,20 +246,28 @@ class PreActBlock(nn.Module):
 
     def forward(self, x):
         out = self.act(self.bn1(x))
-        shortcut = x if self.shortcut is None else self.shortcut(out)
+        shortcut = out if self.shortcut is None else self.shortcut(out)
         out = self.conv1(out)
         return self.conv2(self.act(self.bn2(out))) + shortcut
 
 
+class ConcatPool(nn.Module):
+    """Global max- and average-pooling, concatenated (Myrtle's ResNet-18 classifier)."""
+
+    def forward(self, x):
+        return torch.cat([x.amax((2, 3)), x.mean((2, 3))], 1)
+
+
 def resnet18(hp, num_classes=10):
-    """Pre-activation ResNet-18 for 32×32 inputs: the baseline of Myrtle's series."""
-    c = widths(hp, (64, 128, 256, 512))
+    """Myrtle's ResNet-18, the baseline of their series (experiments.ipynb, DAWN_net): a 3×3 conv of 64 channels
+    (no batch norm), four stages of two PreActBlocks of 64/128/256/256 channels (strides 1, 2, 2, 2), then
+    concatenated max- and average-pooling into a 512-wide linear layer with bias. 5,205,834 parameters."""
+    c = widths(hp, (64, 128, 256, 256))
     layers, c_in = [nn.Conv2d(3, c[0], 3, 1, 1, bias=False)], c[0]
     for c_out, stride in zip(c, (1, 2, 2, 2)):
         layers += [PreActBlock(c_in, c_out, stride, hp), PreActBlock(c_out, c_out, 1, hp)]
         c_in = c_out
-    layers += [batch_norm(c_in, hp), activation(hp), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-               nn.Linear(c_in, num_classes), Mul(hp["output_scale"])]
+    layers += [ConcatPool(), nn.Linear(2 * c_in, num_classes), Mul(hp["output_scale"])]
     return nn.Sequential(*layers)
 
 
@@ -237,12 +284,12 @@ def count_parameters(model):
     return sum(p.numel() for p in model.parameters())
 
 
-def fit_whitening(model, train_images, size, n=10000):
-    """Fits every Whitening layer to (at most n) training images, cropped back to size×size."""
+def fit_whitening(model, train_images, size):
+    """Fits every Whitening layer to the first training images (as many as it takes), cropped back to size×size."""
     layers = [m for m in model.modules() if isinstance(m, Whitening)]
     if layers:
         pad = (train_images.shape[-1] - size) // 2
-        x = train_images[:n, :, pad:pad + size, pad:pad + size]
+        x = train_images[:max(m.images for m in layers), :, pad:pad + size, pad:pad + size]
         for m in layers:
             m.fit(x)
 
@@ -310,21 +357,47 @@ def tta_views(x, mode):
     raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
 
 
+def tta_logits(model, x, tta, plain=None):
+    """The weighted logits of x's test-time-augmented views (tta_views); `plain`, model(x) when it is already
+    known, stands for the first view (the image itself)."""
+    (w0, v0), *views = tta_views(x, tta)
+    logits = w0 * (model(v0).float() if plain is None else plain)
+    for w, v in views:
+        logits = logits + w * model(v).float()
+    return logits
+
+
+def selective_tta_logits(model, images, tta, fraction, batch_size=1000, memory_format=torch.contiguous_format):
+    """Selective test-time augmentation (the 2-second record): one plain pass over every image, then the views
+    only for the `fraction` of images the plain pass is least sure of (the lowest top softmax probability);
+    the others keep their plain logits. The plain logits stand for the first view, so the views cost
+    1 + fraction × (views - 1) passes an image, and fraction 1 is full TTA."""
+    batch = lambda x: x.contiguous(memory_format=memory_format)
+    plain = torch.cat([model(batch(images[i:i + batch_size])).float() for i in range(0, len(images), batch_size)])
+    unsure = plain.softmax(1).amax(1).topk(round(fraction * len(images)), largest=False).indices
+    logits = plain.clone()
+    for i in range(0, len(unsure), batch_size):
+        idx = unsure[i:i + batch_size]
+        logits[idx] = tta_logits(model, batch(images[idx]), tta, plain[idx])
+    return logits
+
+
 @torch.no_grad()
-def evaluate(model, images, labels, tta="none", dtype=torch.float32, batch_size=1000, memory_format=torch.contiguous_format):
-    """Mean loss and accuracy of the test-time-augmented prediction (see tta_views)."""
+def evaluate(model, images, labels, tta="none", dtype=torch.float32, batch_size=1000,
+             memory_format=torch.contiguous_format, tta_fraction=1.0):
+    """Mean loss and accuracy of the test-time-augmented prediction (see tta_views; with tta_fraction < 1,
+    selective_tta_logits)."""
     was_training = model.training
     model.eval()
-    loss, correct = torch.zeros((), device=images.device), torch.zeros((), device=images.device)
-    for i in range(0, len(images), batch_size):
-        x = images[i:i + batch_size].contiguous(memory_format=memory_format)
-        y = labels[i:i + batch_size]
-        with autocast(images.device, dtype):
-            logits = sum(w * model(v).float() for w, v in tta_views(x, tta))
-        loss += F.cross_entropy(logits, y, reduction="sum")
-        correct += (logits.argmax(1) == y).sum()
+    with autocast(images.device, dtype):
+        if tta_fraction < 1 and tta != "none":
+            logits = selective_tta_logits(model, images, tta, tta_fraction, batch_size, memory_format)
+        else:
+            logits = torch.cat([tta_logits(model, images[i:i + batch_size].contiguous(memory_format=memory_format), tta)
+                                for i in range(0, len(images), batch_size)])
     model.train(was_training)
-    return loss.item() / len(images), correct.item() / len(images)
+    loss = F.cross_entropy(logits, labels, reduction="sum")
+    return loss.item() / len(images), (logits.argmax(1) == labels).sum().item() / len(images)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,7 +425,8 @@ def make_forward(hp, device, compile_mode=None, ctx=None, bucket_mb=25.0, hook="
     """(net, forward) built once per process and re-initialised in place by train() for every run:
     under torchrun forward is net in DistributedDataParallel (with bucket_mb buckets and a gradient
     communication hook), and with compile_mode it is torch.compile'd, so compilation happens once
-    (in warmup). (None, None) when neither applies: train() then builds a plain network per run."""
+    (in warmup); with hp["compile_step"] what is compiled is WithLoss(net), the forward and the loss as one
+    function. (None, None) when neither applies: train() then builds a plain network per run."""
     distributed = ctx is not None and ctx.distributed
     if not (compile_mode or distributed):
         return None, None
@@ -361,14 +435,38 @@ def make_forward(hp, device, compile_mode=None, ctx=None, bucket_mb=25.0, hook="
     if distributed:
         forward = D.register_comm_hook(D.wrap_ddp(net, ctx, bucket_mb), hook)
     if compile_mode:
+        if hp["compile_step"]:
+            forward = WithLoss(forward, hp["label_smoothing"])
         forward = torch.compile(forward, mode=None if compile_mode == "default" else compile_mode)
     return net, forward
 
 
+def summed_loss(logits, y, label_smoothing):
+    return F.cross_entropy(logits.float(), y, label_smoothing=label_smoothing, reduction="sum")
+
+
+class WithLoss(nn.Module):
+    """The network, and given labels also its summed loss. Compiled (compile_step), the forward and the loss are
+    one graph, and AOTAutograd compiles their backward as one graph with it: fewer kernels than the network
+    compiled alone with the loss and its backward left eager. Called without labels it is the network."""
+    takes_labels = True
+
+    def __init__(self, net, label_smoothing):
+        super().__init__()
+        self.net, self.label_smoothing = net, label_smoothing
+
+    def forward(self, x, y=None):
+        logits = self.net(x)
+        return logits if y is None else (logits, summed_loss(logits, y, self.label_smoothing))
+
+
 def train_step(forward, opts, x, y, hp, dtype):
     with autocast(x.device, dtype):
-        logits = forward(x)
-        loss = F.cross_entropy(logits.float(), y, label_smoothing=hp["label_smoothing"], reduction="sum")
+        if getattr(forward, "takes_labels", False):
+            logits, loss = forward(x, y)
+        else:
+            logits = forward(x)
+            loss = summed_loss(logits, y, hp["label_smoothing"])
     loss.backward()
     for opt in opts:
         opt.step()
@@ -382,18 +480,33 @@ def warmup(hp, data, device, dtype, net=None, forward=None):
     the clock starts: the 'compilation warm-up' the timing protocol excludes."""
     memory_format = memory_format_for(device)
     net = net if net is not None else build_model(hp, device, memory_format)
-    forward = forward or net
+    forward = net if forward is None else forward
     opts = make_optimizers(net, hp)
     set_lr(opts, 1e-9)          # a step that moves nothing measurable, but runs every kernel
     gen = torch.Generator(device).manual_seed(0)
     flip_base = flip_bits(len(data["train_labels"]), gen)
-    for step, (x, y) in enumerate(epoch_batches(data, hp, gen, memory_format, 0, flip_base)):
-        train_step(forward, opts, x, y, hp, dtype)
-        if step == 2:
-            break
-    evaluate(forward, data["test_images"], data["test_labels"], hp["tta"], dtype, memory_format=memory_format)
+    whitening = [] if torch.distributed.is_initialized() else whitening_biases(net)      # as train() does
+    for epoch in dict.fromkeys((0, hp["low_res_epochs"] if hp["low_res"] else 0)):     # every training resolution
+        for step, (x, y) in zip(range(3), epoch_batches(data, hp, gen, memory_format, epoch, flip_base)):
+            for m in whitening:
+                m.bias_grad = step < 2          # a compiled network's graphs with the bias trained and detached
+            train_step(forward, opts, x, y, hp, dtype)
+    evaluate(forward, data["test_images"], data["test_labels"], hp["tta"], dtype, memory_format=memory_format,
+             tta_fraction=hp["tta_fraction"])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def whitening_biases(net):
+    return [m for m in net.modules() if isinstance(m, Whitening) and m.bias is not None]
+
+
+def run_steps(hp, n_train):
+    """(steps per epoch, total steps) of a run; the last partial batch of an epoch is dropped."""
+    steps_per_epoch = n_train // hp["batch_size"]
+    if steps_per_epoch == 0:
+        raise ValueError(f"batch size {hp['batch_size']} is larger than the {n_train} training images")
+    return steps_per_epoch, max(1, epoch_steps(hp["epochs"], steps_per_epoch))
 
 
 def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=None, net=None, forward=None,
@@ -420,22 +533,23 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
         net, forward = fresh, fresh
     else:
         net.load_state_dict(fresh.state_dict())
-        forward = forward or net
-    fit_whitening(net, data["train_images"], data["test_images"].shape[-1])
+        forward = net if forward is None else forward
+    # under torchrun data["whiten_images"] holds the images one process would fit on (see cifar10_fast.device_data)
+    fit_whitening(net, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-1])
     if hp["bn_stats"] == "last_batch":
         D.use_last_batch_stats(net)
     ema = EMA(net, hp["ema_momentum"], hp["ema_every"]) if hp["ema_momentum"] else None
     lookahead = Lookahead(net) if hp["lookahead_momentum"] else None
     la_every = hp["lookahead_every"]
     schedule = PiecewiseLinear(hp["lr_knots"], hp["lr_values"])
-    bs = hp["batch_size"]
     n_train = len(data["train_labels"])
-    steps_per_epoch = n_train // bs
-    if steps_per_epoch == 0:
-        raise ValueError(f"batch size {bs} is larger than the {n_train} training images")
-    total_steps = max(1, round(hp["epochs"] * steps_per_epoch))     # epochs may be fractional (9.9)
-    opts = make_optimizers(net, hp, world)
+    steps_per_epoch, total_steps = run_steps(hp, n_train)
+    opts = make_optimizers(net, hp, steps_per_epoch, world)
     flip_base = flip_bits(n_train, gen) if hp["flip"] == "alternate" else None
+    # Once trained, the whitening bias is detached (no gradient to compute), as airbench94_muon does; not under
+    # DDP, which expects a gradient for every parameter it holds (there its lr is 0 from then on).
+    whitening = whitening_biases(net) if world == 1 else []
+    whiten_steps = epoch_steps(hp["whiten_bias_epochs"], steps_per_epoch)
 
     rows, time_to_target, step = [], None, 0
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
@@ -444,27 +558,28 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
         seen = 0
         for x, y in epoch_batches(data, hp, gen, memory_format, epoch, flip_base):
             lr = schedule(step / total_steps)
-            set_lr(opts, lr, step / steps_per_epoch)     # the fractional epoch: RMSprop-to-SGD's clock
+            set_lr(opts, lr, step, step / steps_per_epoch)     # the fractional epoch: RMSprop-to-SGD's clock
+            for m in whitening:
+                m.bias_grad = step < whiten_steps
             logits, loss = train_step(forward, opts, x, y, hp, dtype)
             step += 1
             if ema:
                 ema.update(net)
             if lookahead and step % la_every == 0:
-                decay = 1.0 if step == total_steps else hp["lookahead_momentum"] ** la_every * (step / total_steps) ** 3
-                lookahead.update(net, decay)
+                lookahead.update(net, hp["lookahead_momentum"] ** la_every * (step / total_steps) ** 3)
             loss_sum += loss
             correct += (logits.argmax(1) == y).sum()
             seen += len(y)
             if step == total_steps:
                 break
-        if lookahead and step == total_steps and step % la_every:
+        if lookahead and step == total_steps:       # the hand-over, after the last scheduled update (airbench94)
             lookahead.update(net, 1.0)
         epoch_time = timer()
         if hp["bn_stats"] == "last_batch":
             D.sync_batch_norm_stats(net, ctx or D.Context())
         eval_model = ema.model if ema else (net if world > 1 else forward)
         test_loss, test_acc = evaluate(eval_model, data["test_images"], data["test_labels"], hp["tta"], dtype,
-                                       memory_format=memory_format)
+                                       memory_format=memory_format, tta_fraction=hp["tta_fraction"])
         final_eval_time = timer(include=False)
         if time_to_target is None and test_acc >= target:
             time_to_target = timer.total
@@ -480,25 +595,34 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
 
 
 def count_flops(hp, data, batch=8):
-    """FLOPs of one run: every training step (forward and backward) and the final test-time-augmented
-    evaluation, counted by torch.utils.flop_counter (convolutions and matmuls) on a small batch and
-    scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
+    """FLOPs of one run: every training step (forward and backward, at low_res for the first low_res_epochs)
+    and the final test-time-augmented evaluation (selective: the plain pass and the other views of
+    tta_fraction of the images), counted by torch.utils.flop_counter (convolutions and matmuls) on a small
+    batch and scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
     from torch.utils.flop_counter import FlopCounterMode
     device = data["test_images"].device
     model = build_model(hp, device)
     # contiguous: on one CPU thread, torch 2.14.1 crashed in the backward of the pre-activation ResNet-18
     # given this slice's channels-last strides (the training step always gets a contiguous batch)
     x, y = data["test_images"][:batch].float().contiguous(), data["test_labels"][:batch]
-    with FlopCounterMode(display=False) as counter:
-        F.cross_entropy(model(x), y).backward()
-    per_train_image = counter.get_total_flops() / len(x)
+
+    def per_train_image(x):
+        with FlopCounterMode(display=False) as counter:
+            F.cross_entropy(model(x), y).backward()
+        return counter.get_total_flops() / len(x)
+    steps_per_epoch, steps = run_steps(hp, len(data["train_labels"]))
+    low = min(steps, hp["low_res_epochs"] * steps_per_epoch) if hp["low_res"] else 0
+    per_image = per_train_image(x)
+    per_low_image = per_train_image(low_resolution(x, hp["low_res"])) if low else 0.0
     model.eval()
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        for _, view in tta_views(x, hp["tta"]):
+        views = tta_views(x, hp["tta"])
+        for _, view in views if hp["tta_fraction"] >= 1 else views[:1]:
             model(view)
     per_test_image = counter.get_total_flops() / len(x)
-    n_train, bs = len(data["train_labels"]), hp["batch_size"]
-    steps = max(1, round(hp["epochs"] * (n_train // bs)))
-    train, test = steps * bs * per_train_image, len(data["test_labels"]) * per_test_image
+    if hp["tta_fraction"] < 1:
+        per_test_image *= 1 + hp["tta_fraction"] * (len(views) - 1)
+    train = ((steps - low) * per_image + low * per_low_image) * hp["batch_size"]
+    test = len(data["test_labels"]) * per_test_image
     return {"train": train, "final_eval": test, "total": train + test,
-            "per_train_image": per_train_image, "per_test_image": per_test_image}
+            "per_train_image": per_image, "per_test_image": per_test_image}

@@ -64,7 +64,8 @@ def small_data(n=64):
     return {"train_images": x, "train_labels": y, "test_images": x[:, :, 4:-4, 4:-4], "test_labels": y}
 
 
-HP = {"crop_pad": 4, "flip": "random", "cutout": 8, "batch_size": 16}
+HP = {"crop_pad": 4, "flip": "random", "cutout": 8, "batch_size": 16, "jitter_brightness": 0.0, "jitter_contrast": 0.0,
+      "low_res": 0, "low_res_epochs": 0}
 
 
 def test_labels_follow_their_images_and_epochs_differ():

@@ -3,6 +3,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import cifar10_fast as cf
 import optim
@@ -25,10 +26,28 @@ def test_myrtle10_network_shapes_and_frozen_parts():
     assert model(torch.randn(4, 3, 32, 32)).shape == (4, 10)
 
 
-def test_resnet18_shapes_and_size():
-    model = tb.build_model(cf.recipe("myrtle24", model="resnet18"), CPU)
-    assert 11.1e6 < tb.count_parameters(model) < 11.2e6
+def test_resnet18_is_myrtles():
+    """Myrtle's ResNet-18 (experiments.ipynb, DAWN_net): channels 64/128/256/256, pre-activation blocks whose
+    identity shortcut starts after bn-relu, concatenated max+average pooling into a 512-wide linear layer."""
+    model = tb.build_model(cf.recipe("baseline_resnet18"), CPU)
+    # prep conv 3·64·9 = 1,728; a block: bn1 2·c_in + conv1 9·c_in·c_out + bn2 2·c_out + conv2 9·c_out², and a 1×1
+    # projection c_in·c_out when the shape changes: 147,968 + 525,184 + 2,098,944 + 2,426,880 for the four
+    # stages; linear 512·10 + 10
+    assert tb.count_parameters(model) == 1_728 + 147_968 + 525_184 + 2_098_944 + 2_426_880 + 5_130 == 5_205_834
+    convs = [m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (3, 3)]
+    assert convs == [64] * 5 + [128] * 4 + [256] * 8
+    linear = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    assert linear.in_features == 512 and linear.bias is not None
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    # the shortcut is the bn-relu output: with the branch's last conv at zero, a block returns relu(bn1(x))
+    block = model[1].eval()
+    nn.init.zeros_(block.conv2.weight)
+    x = torch.randn(2, 64, 8, 8)
+    torch.testing.assert_close(block(x), block.act(block.bn1(x)))
+    x = torch.randn(2, 3, 32, 32)                 # max and average pooling, concatenated
+    features = nn.Sequential(*list(model.eval())[:9])(x)
+    pooled = torch.cat([features.amax((2, 3)), features.mean((2, 3))], 1)
+    torch.testing.assert_close(model(x), linear(pooled) * cf.recipe("baseline_resnet18")["output_scale"])
 
 
 def test_width_multiplier_shrinks_channels():
@@ -66,6 +85,35 @@ def test_ghost_batch_norm_uses_per_group_statistics():
     torch.testing.assert_close(bn.running_mean, 0.1 * means, atol=1e-6, rtol=1e-5)
     bn.eval()
     torch.testing.assert_close(bn(x), F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0, bn.eps))
+
+
+def test_ghost_batch_norm_makes_no_copy_of_a_channels_last_batch():
+    """On a GPU batches are channels_last; a reshape to (g, s·c, h, w) would copy them (and back)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    torch.manual_seed(0)
+    bn = tb.BatchNorm(4, ghost_batch=8)
+    twin = copy.deepcopy(bn)
+    x = (torch.randn(32, 4, 5, 5) * 3 + 1).requires_grad_()
+    last = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    copies = []
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(w in func.__name__ for w in ("clone", "copy", "contiguous")) and out.numel() == x.numel():
+                copies.append(func.__name__)
+            return out
+    with Copies():
+        y = bn(last)
+    assert copies == []
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    ref = twin(x)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(bn.running_var, twin.running_var)
+    w = torch.randn_like(ref)
+    (y * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(last.grad, x.grad)
 
 
 def test_whitening_filters_decorrelate_patches():

@@ -1,5 +1,7 @@
 import json
 import sys
+import time
+import types
 
 import numpy as np
 import pytest
@@ -37,8 +39,8 @@ def test_ours_alone_on_the_cpu_prints_the_table_and_json(tmp_path, capsys):
     assert rc == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(l for l in lines if l.split()[:2] == ["recipe", "n"])
-    assert header.split() == ["recipe", "n", "mean_acc", "std_acc", "p_above_target", "mean_time", "time_ratio",
-                              "ratio_lo95", "ratio_hi95"]
+    assert header.split() == ["recipe", "n", "mean_acc", "std_acc", "p_above_target", "mean_time", "std_time",
+                              "time_ratio", "ratio_lo95", "ratio_hi95"]
     row = lines[lines.index(header) + 1].split()
     assert row[:2] == ["fast94", "2"]
     res = json.loads(out.read_text())
@@ -54,3 +56,42 @@ def test_alternation_spreads_the_peer_runs_evenly():
     assert order.count("ours") == 100 and order.count("peer") == 25
     assert order[:10] == ["ours"] * 4 + ["peer"] + ["ours"] * 4 + ["peer"]
     assert side_by_side.alternation(0, 2) == ["peer", "peer"] and side_by_side.alternation(2, 0) == ["ours", "ours"]
+
+
+def fake_airbench(load_s, build_s):
+    """A stand-in for the airbench package, shaped like it: train94 (lib_airbench94) runs airbench.utils.train,
+    which builds the model (build_s) and loads the test set from disk (load_s) inside itself."""
+    calls = []
+
+    class CifarLoader:
+        def __init__(self, path, train=True, batch_size=500, aug=None, altflip=False):
+            time.sleep(0 if train else load_s)
+            self.train, self.batch_size, self.aug, self.altflip = train, batch_size, aug, altflip
+
+    def train(train_loader, verbose=True):
+        test_loader = utils.CifarLoader("cifar10", train=False, batch_size=2000)
+        time.sleep(build_s)
+        calls.append(("train", train_loader, test_loader, verbose))
+        return "model"
+
+    def evaluate(model, loader, tta_level=0):
+        calls.append(("evaluate", model, loader, tta_level))
+        return 0.9401
+    utils = types.SimpleNamespace(CifarLoader=CifarLoader, train=train)
+    lib = types.SimpleNamespace(hyp={"opt": {"batch_size": 1024}, "aug": {"flip": True, "translate": 2},
+                                     "net": {"tta_level": 2}})
+    return types.SimpleNamespace(utils=utils, CifarLoader=CifarLoader, train94=train, lib_airbench94=lib,
+                                 evaluate=evaluate), calls
+
+
+def test_the_peers_clock_holds_its_model_construction_but_not_its_test_set_load():
+    airbench, calls = fake_airbench(load_s=0.5, build_s=0.05)
+    loader, test_loader = side_by_side.peer_loaders(airbench, "94")
+    assert (loader.batch_size, loader.aug, loader.altflip, test_loader.train) == (1024, {"flip": True, "translate": 2},
+                                                                                  True, False)
+    r = side_by_side.time_peer(airbench, "94", loader, test_loader, lambda: None)
+    assert 0.05 <= r["time"] < 0.5 and r["final_acc"] == 0.9401
+    (_, trained_on, tested_on, verbose), evaluation = calls
+    assert trained_on is loader and tested_on is test_loader and not verbose
+    assert evaluation == ("evaluate", "model", test_loader, 2)               # its own default TTA level
+    assert airbench.utils.CifarLoader("cifar10", train=False).train is False   # put back after the run

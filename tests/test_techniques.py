@@ -126,14 +126,14 @@ def test_decoupled_weight_decay_does_not_depend_on_lr_or_bias_multiplier():
     net = tb.build_model(hp, CPU)
     opts = optim.make_optimizers(net, hp)
     peak = max(hp["lr_values"])
-    optim.set_lr(opts, peak * 0.5, epoch=0)
+    optim.set_lr(opts, peak * 0.5, step=0)
     gain = 1 + 1 / (1 - hp["momentum"])
     groups = {g["name"]: g for g in opts[0].param_groups}
     for g in groups.values():                                             # decay per step: lr × weight_decay
         assert g["lr"] * g["weight_decay"] == pytest.approx(0.5 * hp["weight_decay"] * hp["batch_size"] / (1024 * gain))
     assert groups["bn_biases"]["lr"] == pytest.approx(64 * groups["weights"]["lr"])
     assert groups["weights"]["lr"] == pytest.approx(peak * 0.5 / (1024 * gain))
-    optim.set_lr(opts, peak, epoch=3)                                        # whiten_bias_epochs = 3
+    optim.set_lr(opts, peak, step=3)               # whiten_bias_epochs = 3, of 1 step each (make_optimizers default)
     assert groups["whiten_bias"]["lr"] == 0.0 and groups["weights"]["lr"] > 0
 
 
@@ -179,3 +179,269 @@ def test_compiled_and_eager_steps_give_the_same_loss():
         assert b.item() == pytest.approx(a.item(), rel=1e-4)
     for p, q in zip(net.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
+
+
+def tiny_data(n, size=16, pad=2, n_test=16):
+    torch.manual_seed(0)
+    x = torch.randn(n, 3, size + 2 * pad, size + 2 * pad)
+    return {"train_images": x, "train_labels": torch.arange(n) % 10,
+            "test_images": x[:n_test, :, pad:-pad, pad:-pad], "test_labels": torch.arange(n_test) % 10}
+
+
+def test_lookahead_runs_its_last_scheduled_update_before_the_hand_over(monkeypatch):
+    """airbench94: when the step count is a multiple of 5, the scheduled averaging still runs at the last step
+    (decay 0.95^5), and only then the hand-over with decay 1; replacing it would drop the last 5 steps."""
+    decays = []
+
+    class Recording(tb.Lookahead):
+        def update(self, model, decay):
+            decays.append(decay)
+            super().update(model, decay)
+    monkeypatch.setattr(tb, "Lookahead", Recording)
+    hp = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=2)      # 5 steps an epoch, 10 in all
+    tb.train(hp, tiny_data(80), CPU, target=2.0)
+    rho = 0.95 ** 5
+    assert decays == pytest.approx([rho * (5 / 10) ** 3, rho, 1.0])
+
+
+def test_total_steps_round_up_as_airbench(monkeypatch):
+    """airbench: ceil(epochs × steps per epoch) steps (9.9 × 48 = 475.2: 476 steps), in training and in the count."""
+    steps = []
+    step = tb.train_step
+    monkeypatch.setattr(tb, "train_step", lambda *a: steps.append(1) or step(*a))
+    hp = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=1.1)    # 4 steps an epoch: 4.4 -> 5
+    data = tiny_data(64)
+    res = tb.train(hp, data, CPU, target=2.0)
+    assert len(steps) == 5 and len(res["rows"]) == 2
+    flops = tb.count_flops(hp, data)
+    assert flops["train"] == pytest.approx(5 * 16 * flops["per_train_image"])
+
+
+def patch_covariance_inverse(images, k, centre, ddof, eps):
+    p = images.unfold(2, k, 1).unfold(3, k, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k).double()
+    if centre:
+        p = p - p.mean(0)
+    cov = p.T @ p / (len(p) - ddof)
+    return torch.linalg.inv(cov + eps * torch.eye(len(cov), dtype=torch.float64))
+
+
+def whitening_filters(hp, images):
+    net = tb.build_model(hp, CPU)
+    tb.fit_whitening(net, images, images.shape[-1])
+    w = next(m for m in net.modules() if isinstance(m, tb.Whitening)).weight
+    k = w.shape[-1]
+    return w[:3 * k * k].reshape(3 * k * k, -1).double()
+
+
+def test_whitening_fit_follows_each_reference():
+    """Each filter is an eigenvector over sqrt(eigenvalue + eps), so FᵀF = (C + eps·I)⁻¹ whatever the signs and
+    order eigh picks: the check that the covariance C is the reference's."""
+    x = correlated_images(n=6000, size=6) + torch.tensor([0.5, -0.3, 0.2]).view(1, 3, 1, 1)   # centring matters
+    f = whitening_filters(cf.recipe("fast94", width=1 / 16), x)
+    # airbench94: the first 5,000 images, uncentred, divided by n
+    torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x[:5000], 2, False, 0, 5e-4), rtol=2e-4, atol=1e-3)
+    f = whitening_filters(cf.recipe("fast94_next", width=1 / 16), x)
+    # the 2-second record: the first 960 images, uncentred, divided by n, by an SVD of the covariance
+    torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x[:960], 2, False, 0, 5e-4), rtol=2e-4, atol=1e-3)
+    f = whitening_filters(cf.recipe("myrtle10", width=1 / 16), x)
+    # today's myrtle10: up to 10,000 images, centred, divided by n - 1
+    torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x, 3, True, 1, 1e-2), rtol=2e-4, atol=1e-3)
+
+
+# ---- the Muon record recipes' switches (fast94_muon, fast94_next) and fast96 ----
+
+def test_batched_newton_schulz_equals_it_matrix_by_matrix():
+    torch.manual_seed(0)
+    mats = [torch.randn(32, 108), torch.randn(64, 288), torch.randn(40, 24), torch.randn(96, 576)]
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
+        batched = optim.newton_schulz_padded(mats, 3, (3.4576, -4.7391, 2.0843), dtype=dtype)
+        for m, b in zip(mats, batched):
+            assert b.shape == m.shape
+            torch.testing.assert_close(b, optim.newton_schulz(m, 3, (3.4576, -4.7391, 2.0843), dtype=dtype),
+                                       atol=tol, rtol=0)
+    # inside Muon: the same step for two filter banks, batched or one by one
+    w, g = [torch.randn(16, 8, 3, 3), torch.randn(32, 16, 3, 3)], [torch.randn(16, 8, 3, 3), torch.randn(32, 16, 3, 3)]
+    steps = []
+    for batched in (False, True):
+        params = [torch.nn.Parameter(t.clone()) for t in w]
+        for p, grad in zip(params, g):
+            p.grad = grad.clone()
+        optim.Muon(params, lr=0.1, ns_steps=3, batched=batched).step()
+        steps.append([p.detach() for p in params])
+    for a, b in zip(*steps):
+        torch.testing.assert_close(a, b, atol=0.1 * 0.05, rtol=0)
+
+
+def muon_step(p, grad, **kw):
+    p.grad = grad.clone()
+    optim.Muon([p], **kw).step()
+
+
+def test_muon_renormalises_then_steps_and_decays():
+    """airbench94_muon: before each update every filter bank is scaled back to norm sqrt(out channels);
+    the record adds decoupled weight decay after the update: w ← (w·√out/|w| − lr·u)·(1 − lr·wd)."""
+    torch.manual_seed(0)
+    w0, g = 5 * torch.randn(32, 16, 3, 3), torch.randn(32, 16, 3, 3)
+    u = optim.newton_schulz(g.add(g, alpha=0.6).reshape(32, -1), 3).view_as(g)     # first step: Nesterov's g + m·g
+    p = torch.nn.Parameter(w0.clone())
+    muon_step(p, g, lr=0.1, momentum=0.6, ns_steps=3, renorm_every=(1, 1), weight_decay=0.05)
+    expected = (w0 * 32 ** 0.5 / w0.norm() - 0.1 * u) * (1 - 0.1 * 0.05)
+    torch.testing.assert_close(p.detach(), expected, atol=1e-5, rtol=1e-5)
+    p = torch.nn.Parameter(w0.clone())
+    muon_step(p, g, lr=0.1, momentum=0.6, ns_steps=3)                    # defaults: neither
+    torch.testing.assert_close(p.detach(), w0 - 0.1 * u, atol=1e-5, rtol=1e-5)
+
+
+def test_muon_renormalises_less_often_as_training_goes_on():
+    """The record: every k = 2 + int(15 × progress) steps (renorm_every=(2, 17)); airbench94_muon: every step."""
+    torch.manual_seed(0)
+    # (2, 17) over 30 steps: k = 2 + int(step / 2); steps 3 (k = 3), 9 (k = 6), 21 (k = 12), then k > 9
+    for every, expected in (((2, 17), [3, 9, 21]), ((1, 1), list(range(1, 31)))):
+        p = torch.nn.Parameter(torch.randn(8, 4, 3, 3))
+        opt = optim.Muon([p], lr=0.0, renorm_every=every, total_steps=30)
+        renormalised = []
+        for step in range(1, 31):
+            with torch.no_grad():
+                p.mul_(2.0)                                                   # the norm drifts
+            p.grad = torch.randn_like(p)
+            opt.step()
+            if abs(p.norm().item() - 8 ** 0.5) < 1e-4:
+                renormalised.append(step)
+        assert renormalised == expected, every
+
+
+def test_muon_low_precision_momentum():
+    torch.manual_seed(0)
+    w, grads = torch.randn(16, 8, 3, 3), [torch.randn(16, 8, 3, 3) for _ in range(3)]
+    out = {}
+    for dtype in (None, torch.float16):
+        p = torch.nn.Parameter(w.clone())
+        opt = optim.Muon([p], lr=0.1, momentum=0.6, momentum_dtype=dtype)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        out[dtype] = p.detach()
+        assert opt.state[p]["momentum"].dtype == (dtype or torch.float32)
+    torch.testing.assert_close(out[torch.float16], out[None], atol=5e-3, rtol=0)
+
+
+def test_sum_units_and_the_whitening_bias_falling_to_zero():
+    """airbench94_muon: SGD's lr as written on the summed loss (head 0.67, biases 0.053), decay per step
+    2e-6 × batch × the schedule's factor; the whitening bias's rate falls from 0.053 to 0 over 3 epochs, Muon's
+    follows the schedule from 0.24."""
+    hp = cf.recipe("fast94_muon", width=1 / 16)
+    opts = optim.make_optimizers(tb.build_model(hp, CPU), hp, steps_per_epoch=25)
+    sgd, muon = opts
+    groups = {g["name"]: g for g in sgd.param_groups}
+    for step, factor, whiten in ((0, 1.0, 1.0), (30, 0.85, 0.6), (75, 0.625, 0.0)):
+        optim.set_lr(opts, 0.67 * factor, step)
+        assert groups["weights"]["lr"] == pytest.approx(0.67 * factor)
+        assert groups["bn_biases"]["lr"] == pytest.approx(0.053 * factor)
+        assert groups["whiten_bias"]["lr"] == pytest.approx(0.053 * whiten)
+        assert muon.param_groups[0]["lr"] == pytest.approx(0.24 * factor)
+        for g in (groups["weights"], groups["bn_biases"]):
+            assert g["lr"] * g["weight_decay"] == pytest.approx(2e-6 * 2000 * factor)
+
+
+def test_the_whitening_bias_is_detached_after_its_steps(monkeypatch):
+    detached = []
+    step = tb.train_step
+    monkeypatch.setattr(tb, "train_step", lambda f, *a: detached.append(not tb.whitening_biases(f)[0].bias_grad)
+                        or step(f, *a))
+    hp = cf.recipe("fast94_muon", width=1 / 16, batch_size=16, epochs=2, whiten_bias_epochs=0.5)
+    res = tb.train(hp, tiny_data(80), CPU, target=2.0)                # 5 steps an epoch: 3 with the bias trained
+    assert detached == [False] * 3 + [True] * 7
+    assert tb.whitening_biases(res["model"])[0].bias.grad is None
+
+
+def test_muon_recipe_networks():
+    """fast94_muon: head weights at unit std, logits ÷ 256; fast94_next: SiLU in the blocks, GELU after the
+    whitening; fast96: airbench96's 128/384/512 with the residual added before the block's last activation."""
+    torch.manual_seed(0)
+    net = tb.build_model(cf.recipe("fast94_muon"), CPU)
+    head, scale = net[-2], net[-1]
+    assert head.weight.std().item() == pytest.approx(1.0) and scale.scale == 1 / 256
+    acts = [type(m) for m in tb.build_model(cf.recipe("fast94_next"), CPU).modules()
+            if isinstance(m, (torch.nn.GELU, torch.nn.SiLU))]
+    assert acts == [torch.nn.GELU] + [torch.nn.SiLU] * 6
+    net = tb.build_model(cf.recipe("fast96"), CPU)
+    # whitening 24·12 + 24; convs 9·(24·128 + 2·128² + 128·384 + 2·384² + 384·512 + 2·512²); batch norm
+    # 2·3·(128 + 384 + 512); linear 512·10
+    assert tb.count_parameters(net) == 312 + 9_907_200 + 6_144 + 5_120 == 9_918_776
+    residual = net[2][4]
+    assert isinstance(residual, tb.Residual) and isinstance(residual.body[-1], torch.nn.BatchNorm2d)
+    x = torch.randn(2, 128, 8, 8)
+    residual.eval()
+    torch.testing.assert_close(residual(x), F.gelu(x + residual.body(x)))
+    assert all(m.momentum == 0.1 for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d))
+
+
+def test_brightness_and_contrast_jitter():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(500, 3, 8, 8)
+    r = cd.draw_augmentation(500, 8, 0, "none", 0, g, jitter=(0.14, 0.13))
+    assert r["brightness"].abs().max() <= 0.14 and (r["contrast"] - 1).abs().max() <= 0.13
+    assert r["brightness"].std() > 0.07 and (r["contrast"] - 1).std() > 0.06          # uniform: std = range / √3
+    out = cd.augment(x, r, 8, 0)
+    torch.testing.assert_close(out, (x + r["brightness"].view(-1, 1, 1, 1)) * r["contrast"].view(-1, 1, 1, 1))
+    assert "brightness" not in cd.draw_augmentation(500, 8, 0, "none", 0, g)       # off: no draw, no change
+
+
+def test_low_resolution_epochs_and_their_flops():
+    hp = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=2, low_res=16, low_res_epochs=1)
+    data = tiny_data(32, size=24)
+    g = torch.Generator().manual_seed(0)
+    base = cd.flip_bits(32, g)
+    sizes = [x.shape[-1] for e in (0, 1) for x, _ in cd.epoch_batches(data, hp, g, torch.contiguous_format, e, base)]
+    assert sizes == [16, 16, 24, 24]
+    ratio = tb.count_flops(hp, data)["train"] / tb.count_flops({**hp, "low_res": 0}, data)["train"]
+    assert ratio == pytest.approx((1 + (16 / 24) ** 2) / 2, rel=0.1)       # half the steps at 4/9 of the pixels
+    tb.train(hp, data, CPU, target=2.0)
+
+
+def test_selective_tta():
+    """The record's selective TTA: fraction 1 is full TTA, 0 the plain pass; in between the views change only
+    the least confident images."""
+    torch.manual_seed(0)
+    model = tb.build_model(cf.recipe("fast94", width=1 / 16), CPU).eval()
+    x = torch.randn(40, 3, 16, 16)
+    with torch.no_grad():
+        plain = model(x)
+        full = tb.tta_logits(model, x, "flip_translate")
+        half = tb.selective_tta_logits(model, x, "flip_translate", 0.5, batch_size=16)
+        torch.testing.assert_close(tb.selective_tta_logits(model, x, "flip_translate", 1.0, batch_size=16), full)
+        torch.testing.assert_close(tb.selective_tta_logits(model, x, "flip_translate", 0.0, batch_size=16), plain)
+    confidence = plain.softmax(1).amax(1)
+    unsure = confidence.argsort()[:20]
+    sure = confidence.argsort()[20:]
+    torch.testing.assert_close(half[unsure], full[unsure])
+    assert torch.equal(half[sure], plain[sure])
+    y = torch.arange(40) % 10
+    accuracy = (half.argmax(1) == y).float().mean().item()
+    assert tb.evaluate(model, x, y, "flip_translate", tta_fraction=0.5)[1] == pytest.approx(accuracy)
+    flops = tb.count_flops(cf.recipe("fast94", tta_fraction=0.25), tiny_data(1024, 32))
+    assert flops["per_test_image"] == pytest.approx(flops["per_train_image"] / 3 * (1 + 0.25 * 5), rel=0.02)
+
+
+def test_compiled_step_gives_the_eager_loss_and_gradients():
+    """compile_step: forward and loss compiled as one function (its backward compiled with it by AOTAutograd)."""
+    hp = cf.recipe("fast94_next", width=1 / 16, batch_size=8)
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 10
+    net, step = tb.make_forward(hp, CPU, "default")
+    assert isinstance(step._orig_mod, tb.WithLoss)
+    tb.fit_whitening(net, x, 16)
+    twin = copy.deepcopy(net)
+    _, a = tb.train_step(step, [], x, y, hp, torch.float32)
+    _, b = tb.train_step(twin, [], x, y, hp, torch.float32)
+    assert a.item() == pytest.approx(b.item(), rel=1e-5)
+    for p, q in zip(net.parameters(), twin.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
+    # the warm-up and a run through a compiled WithLoss (dynamo without code generation, to keep this test short):
+    # the whitening bias detached after its step, selective TTA through the network
+    hp, data = {**hp, "epochs": 1, "whiten_bias_epochs": 0.5}, tiny_data(16, n_test=8)
+    step = torch.compile(tb.WithLoss(net, hp["label_smoothing"]), backend="eager")
+    tb.warmup(hp, data, CPU, torch.float32, net, step)
+    assert len(tb.train(hp, data, CPU, net=net, forward=step, target=2.0)["rows"]) == 1

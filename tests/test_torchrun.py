@@ -70,3 +70,46 @@ def test_linear_scaling_rule_scales_the_schedule():
     import cifar10_fast as cf
     hp = cf.recipe("myrtle24", batch_size=2048, lr_scale_base=512)
     assert hp["lr_values"] == (0.0, 1.6, 0.0)                                  # 4× the batch, 4× the rate
+
+
+def fitted_whitening(out, argv):
+    """Runs cifar10_fast.main(argv), saving the whitening filters this process fitted to `out`."""
+    import cifar10_fast as cf
+    import torch
+    import torch_backend as tb
+    torch.set_num_threads(1)
+    fit, fitted = tb.fit_whitening, []
+
+    def recording(model, *args, **kwargs):
+        fit(model, *args, **kwargs)
+        fitted.append(next(m for m in model.modules() if isinstance(m, tb.Whitening)).weight.detach().clone())
+    tb.fit_whitening = recording
+    try:
+        assert cf.main(argv) == 0
+    finally:
+        tb.fit_whitening = fit
+    torch.save(fitted[-1], out)
+
+
+def whitening_rank(rank, world, port, folder, argv):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    fitted_whitening(folder / f"rank{rank}.pt", argv)
+
+
+def test_every_rank_fits_the_whitening_of_the_whole_training_set(synth_npz, tmp_path):
+    """The whitening filters are frozen parameters, which DDP never synchronises: every rank must fit them on the
+    images one process would use (here all 256), not on its own shard."""
+    import socket
+    import torch
+    import torch.multiprocessing as mp
+    argv = ["--recipe", "fast94", "--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "1", "--width", "0.0625",
+            "--batch-size", "64"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(whitening_rank, args=(2, port, tmp_path, argv), nprocs=2)
+    fitted_whitening(tmp_path / "single.pt", argv)
+    single, rank0, rank1 = (torch.load(tmp_path / f"{n}.pt") for n in ("single", "rank0", "rank1"))
+    assert torch.equal(rank0, rank1)
+    torch.testing.assert_close(rank0, single)
