@@ -16,8 +16,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 NM = "not measured"
-FAST = ("fast94", "fast95", "fast96")
+
+
+def side_by_side_pieces():
+    """(our recipe, the peer beside it) of every side-by-side piece of the suite, in its order."""
+    from suite import pieces
+    return [tuple(pc.sides) for pc in pieces() if pc.kind == "side_by_side"]
 DOCS = ("README.md", "docs/perf-notes.md")
 
 
@@ -94,7 +100,7 @@ def t_flops(results):
     env = next((r for r in results.get("env", []) if r.get("counted_flops")), None)
     rows = []
     for recipe, f in (env or {}).get("counted_flops", {}).items():
-        if recipe in FAST + ("myrtle24", "myrtle10") or recipe.startswith("fast"):
+        if recipe.startswith(("fast", "myrtle")):
             views = f.get("tta_views", 1)
             rows.append([recipe, f"{f['parameters']:,}", f"{f['per_test_image'] / views / 1e9:.4f}",
                          f"{f['per_train_image'] / 1e9:.4f}", f"{f['train'] / 1e15:.4f}",
@@ -137,7 +143,7 @@ def t_plain(results, pieces, target=0.94, cpu=False):
 
 def t_fast(results):
     rows = []
-    for recipe in FAST:
+    for recipe, _ in side_by_side_pieces():
         found = sides(results, recipe, recipe)
         for r, s in found:
             st = s["stats"]
@@ -153,8 +159,7 @@ def t_fast(results):
 
 def t_side_by_side(results):
     rows = []
-    for recipe in FAST:
-        peer = "airbench" + recipe[4:]
+    for recipe, peer in side_by_side_pieces():
         found = [r for r in results.get(recipe, []) if r["sides"][recipe]["runs"]]
         for r in found:
             a, b = r["sides"][recipe], r["sides"][peer]
@@ -219,7 +224,7 @@ def t_torchrun(results):
 
 def t_floor(results):
     rows = []
-    for recipe in FAST + ("myrtle24", "myrtle10"):
+    for recipe in [r for r, _ in side_by_side_pieces()] + ["myrtle24", "myrtle10"]:
         piece_sides = sides(results, recipe, recipe)
         for r, s in piece_sides:
             st, fp = s["stats"], r["fingerprint"]
