@@ -12,14 +12,17 @@ import argparse
 import io
 import sys
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import cifar_data as cd
 import distributed as D
 import torch_backend as tb
-from cli import add_shared_flags, environment, join_ranks, overrides_from, run_record
-from core import DataError, Table, print_summary, summarize_runs, write_json
+from cli import (add_shared_flags, check_run, check_values, flag, flag_error, join_ranks, one_of, overrides_from,
+                 run_record, show_choices)
+from core import DataError, Parser, Table, UsageError, print_summary, summarize_runs, write_json
 from optim import linear_scaled_lr
 
 # Every hyperparameter, with the value it has unless a recipe or flag says otherwise.
@@ -62,6 +65,17 @@ BASE = dict(
     ema_momentum=0.0, ema_every=5, lookahead_momentum=0.0, lookahead_every=5,
     # with --compile: compile the forward and the loss as one function (and so their backward as one graph)
     compile_step=False,
+)
+
+# The values a hyperparameter that takes one of a few may take: the flags' choices (which --help lists) and what
+# validate() accepts.
+ACTIVATIONS = ("relu", "celu", "gelu", "silu")
+CHOICES = dict(
+    model=tuple(tb.MODELS), param=("myrtle", "decoupled", "sum"), optimizer=("sgd", "muon", "lars", "rmsprop_sgd"),
+    flip=("none", "random", "alternate"), tta=("none", "flip", "flip_translate"), act=ACTIVATIONS,
+    whiten_act=("",) + ACTIVATIONS, whiten_bias_decay=("none", "linear"), whiten_decomp=("eigh", "svd"),
+    muon_momentum_dtype=("fp32", "fp16", "bf16"), bn_stats=("running", "last_batch"), block_depth=(2, 3),
+    whiten_signs=(1, 2),
 )
 
 # Jordan (2024)'s three-block network and training, from the published airbench94 hyperparameters
@@ -224,19 +238,69 @@ def recipe(name, **overrides):
     return hp
 
 
+hyperparameters_of = recipe          # train()'s first argument, named recipe, hides the function inside it
+
+POSITIVE = ("epochs", "batch_size", "width", "ema_every", "lookahead_every", "whiten_size", "whiten_images", "bn_eps")
+NOT_NEGATIVE = ("weight_decay", "crop_pad", "cutout", "ghost_batch", "low_res", "low_res_epochs", "lr_scale_base",
+                "whiten_pad", "whiten_bias_epochs", "whiten_eps", "muon_lr", "muon_ns_steps", "muon_weight_decay",
+                "jitter_brightness", "jitter_contrast", "lars_trust", "rms_lr")
+FRACTIONS = ("momentum", "label_smoothing", "bn_momentum", "ema_momentum", "lookahead_momentum", "muon_momentum")
+
+
+def validate(hp, subset=None, n_train=None, image_size=None):
+    """Raises UsageError naming the flag, what is wrong and what is allowed, for the first bad hyperparameter or
+    --subset. With n_train (the training images there are, before subset) and image_size ((height, width)) it also
+    checks what depends on the data: called before anything is loaded, and again once the data's size is known,
+    before training. (The command line checks its other flags with cli.check_run.)"""
+    check_values(hp, CHOICES, POSITIVE, NOT_NEGATIVE, FRACTIONS, whole=("batch_size",))
+    if not 0 < hp["tta_fraction"] <= 1:
+        raise flag_error("tta_fraction", hp["tta_fraction"], "must be in (0, 1]")
+    if min(hp["block_widths"]) <= 0:
+        raise flag_error("block_widths", hp["block_widths"], "must all be positive")
+    knots, values = hp["lr_knots"], hp["lr_values"]
+    if len(knots) != len(values):
+        raise UsageError(f"{flag('lr_knots', knots)} and {flag('lr_values', values)}: must have the same length "
+                         f"(here {len(knots)} and {len(values)})")
+    if any(b < a for a, b in zip(knots, knots[1:])):
+        raise flag_error("lr_knots", knots, "must not decrease")
+    if subset is not None and subset < 1:
+        raise flag_error("subset", subset, "must be positive")
+    if n_train is not None:
+        if subset is not None and subset > n_train:
+            raise flag_error("subset", subset, f"larger than the {n_train} training images")
+        n = min(subset or n_train, n_train)
+        if hp["batch_size"] > n:
+            raise flag_error("batch_size", hp["batch_size"], f"larger than the {n} training images")
+    if image_size is not None:
+        h, w = image_size
+        if hp["crop_pad"] >= min(h, w):
+            raise flag_error("crop_pad", hp["crop_pad"], f"must be smaller than the {h}x{w} images")
+        if hp["cutout"] > min(h, w):
+            raise flag_error("cutout", hp["cutout"], f"larger than the {h}x{w} images")
+        if hp["low_res"] and h != w:
+            raise flag_error("low_res", hp["low_res"], f"needs square images, not {h}x{w}")
+        try:        # on the meta device: shapes only, no memory, no arithmetic
+            tb.build_model(hp, "meta")(torch.empty(2, 3, h, w, device="meta"))
+        except RuntimeError:
+            raise flag_error("model", hp["model"], f"{h}x{w} images are too small for this network") from None
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="myrtle24", help="recipe name (default myrtle24; see --list-recipes)")
     p.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
+    p.add_argument("--dataset", default="cifar10", type=one_of(tuple(cd.DATASETS), str), choices=tuple(cd.DATASETS),
+                   help="what a data folder holds, downloaded there if missing (default cifar10)")
     p.add_argument("--data-dir", default="data",
-                   help="data folder (downloads and caches CIFAR-10 there), a cifar-10-batches-py/ folder, or a .npz")
+                   help="data folder (downloads and caches the dataset there), an unpacked archive folder, or a .npz "
+                        "(train_images, train_labels, test_images, test_labels: any images (N, H, W, 3) uint8)")
     p.add_argument("--subset", type=int, default=None, help="train on the first N training images")
     p.add_argument("--target", type=float, default=0.94, help="test accuracy whose first epoch stops the clock")
     p.add_argument("--out", default=None, help="write config, environment, per-epoch rows and summary as JSON")
     p.add_argument("--compile", default=None, choices=["default", "max-autotune", "reduce-overhead"],
                    help="torch.compile the network with this mode (compiled once, in the untimed warm-up); "
                         "reduce-overhead also captures CUDA graphs")
-    add_shared_flags(p, BASE)
+    add_shared_flags(p, BASE, CHOICES)
     args = p.parse_args(argv)
     return args, overrides_from(args, BASE)
 
@@ -251,32 +315,36 @@ def load_arrays(data_dir, subset=None):
         return None
 
 
-def device_data(arrays, hp, ctx, device, dtype):
-    """This process's dataset on the device: under torchrun, its own contiguous shard of the training set, and
-    the images the whitening filters are fitted on taken before sharding, so that every rank fits the filters
-    one process would (they are frozen parameters, which DDP never synchronises)."""
+def device_data(arrays, hp, ctx, device, dtype, stats):
+    """This process's dataset on the device, normalised by stats (the whole training set's): under torchrun, its
+    own contiguous shard of the training set, and the images the whitening filters are fitted on taken before
+    sharding, so that every rank fits the filters one process would (they are frozen parameters, which DDP never
+    synchronises)."""
     if not ctx.distributed:
-        return cd.to_device(arrays, device, dtype, hp["crop_pad"])
+        return cd.to_device(arrays, device, dtype, hp["crop_pad"], stats)
     part = D.shard(len(arrays["train_labels"]), ctx.rank, ctx.world_size)
     whiten = arrays["train_images"][:hp["whiten_images"]]
-    arrays = {**arrays, "train_images": arrays["train_images"][part.start:part.stop],
-              "train_labels": arrays["train_labels"][part.start:part.stop]}
-    return {**cd.to_device(arrays, device, dtype, hp["crop_pad"]), "whiten_images": cd.normalise(whiten, device, dtype)}
+    shard = {**arrays, "train_images": arrays["train_images"][part.start:part.stop],
+             "train_labels": arrays["train_labels"][part.start:part.stop]}
+    return {**cd.to_device(shard, device, dtype, hp["crop_pad"], stats), "num_classes": cd.num_classes(arrays),
+            "whiten_images": cd.normalise(whiten, device, dtype, stats)}
 
 
 COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
 SUMMARY = ("final_acc", "time", "train_time", "time_to_target")     # the results summarised over runs
+PROGRESS_AFTER_S = 5.0          # an epoch expected to take longer shows its steps on stderr
 
 
 def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=None, verbose=True, ctx=None,
-             bucket_mb=25.0, hook="none", on_run=None):
-    """Trains `runs` fresh networks (seeds seed, seed+1, ...) after one untimed warm-up on a GPU.
-    Returns the per-run results (without models); on_run(results so far) is called after each run.
-    wall_s is a run's whole wall-clock time, per-epoch evaluations included (for planning, not a result)."""
-    net, forward = tb.make_forward(hp, device, compile_mode, ctx, bucket_mb, hook)
-    if device.type == "cuda" or compile_mode:
-        if device.type == "cuda":
-            torch.backends.cudnn.benchmark = True
+             bucket_mb=25.0, hook="none", on_run=None, first_epoch_s=None):
+    """Trains `runs` fresh networks (seeds seed, seed+1, ...) after one untimed warm-up on an accelerator.
+    Returns the per-run results (without models); on_run(results so far, the last run's model) is called after
+    each run. wall_s is a run's whole wall-clock time, per-epoch evaluations included (for planning, not a
+    result). verbose prints the table and each run's result, and shows the steps of an epoch expected to take
+    over PROGRESS_AFTER_S (the epoch before it, or first_epoch_s for the first) on stderr."""
+    net, forward = tb.make_forward(hp, device, compile_mode, ctx, bucket_mb, hook, data.get("num_classes", 10))
+    if device.type != "cpu" or compile_mode:
+        tb.autotune(device)
         tb.warmup(hp, data, device, dtype, net, forward)
     results = []
     for r in range(runs):
@@ -285,12 +353,13 @@ def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=
         table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
                       file=None if verbose else io.StringIO())
         start = time.perf_counter()
-        result = tb.train(hp, data, device, seed + r, dtype, target, table.append, net, forward, ctx)
-        result.pop("model")
+        result = tb.train(hp, data, device, seed + r, dtype, target, table.append, net, forward, ctx,
+                          PROGRESS_AFTER_S if verbose else None, first_epoch_s)
+        model = result.pop("model")
         result["wall_s"] = time.perf_counter() - start
         results.append(result)
         if on_run:
-            on_run(results)
+            on_run(results, model)
         if verbose:
             ttt = result["time_to_target"]
             print(f"final test accuracy {result['final_acc']:.4f}; "
@@ -300,6 +369,117 @@ def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=
     return results
 
 
+# ---------------------------------------------------------------------------------------------
+# The library: train() and evaluate(); the command line below is a thin layer over them
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    """What train() returns: the last run's trained network (the weights it was evaluated with: the EMA's or
+    lookahead's when the recipe averages weights), its per-epoch rows, the summary over all runs (mean, std, min
+    and max of accuracy and times, the t-test against the target, FLOPs), every run's result (seed, rows, final
+    accuracy, times) and the hyperparameters."""
+    model: torch.nn.Module
+    rows: list
+    summary: dict
+    runs: list
+    hyperparameters: dict
+    flops: dict
+
+
+def train(recipe="fast94", data=None, device=None, runs=1, seed=0, target=0.94, compile=None, verbose=False,
+          dataset="cifar10", subset=None, precision="auto", on_run=None, ctx=None, hook="none", bucket_mb=25.0,
+          **hyperparameters):
+    """Trains `runs` fresh networks of a recipe, with any hyperparameter of BASE overridden by a keyword
+    (epochs=10, batch_size=768), and returns a Result.
+
+    data: a .npz file (train_images and test_images (N, H, W, 3) uint8, integer train_labels and test_labels),
+    a data folder (where `dataset`, cifar10 or cifar100, is downloaded and cached), an unpacked archive folder,
+    or a dict of those four numpy arrays; None is the folder data/. The classes are the labels' (the largest
+    + 1); the images are normalised by the training images' per-channel mean and std. device: "cuda", "cpu",
+    "mps", ... (default cuda when there is a GPU). verbose prints the per-epoch table and each run's result on
+    stdout, and on stderr the expected time on a CPU and the steps of a long epoch. on_run(Result so far) is
+    called after every run. Under torchrun the command line passes its ctx, hook and bucket_mb.
+    Bad arguments raise core.UsageError, bad data core.DataError, each with a one-line message.
+    """
+    try:
+        hp = hyperparameters_of(recipe, **hyperparameters)
+    except KeyError as e:
+        raise UsageError(e.args[0]) from None
+    check_run(runs, target)
+    validate(hp, subset)
+    if dataset not in cd.DATASETS:
+        raise flag_error("dataset", dataset, f"must be one of {show_choices(tuple(cd.DATASETS))}")
+    device = torch.device(ctx.device) if ctx else tb.resolve_device(device)
+    ctx = ctx or D.Context(device=str(device))
+    dtype = tb.compute_dtype(device, precision)
+    say = print if verbose else lambda *a, **k: None
+    arrays = cd.check_arrays(data, "data") if isinstance(data, dict) else cd.load(data or "data", dataset)
+    stats = cd.channel_stats(arrays["train_images"])        # the whole training set's, whatever the subset
+    validate(hp, subset, len(arrays["train_labels"]), arrays["train_images"].shape[1:3])
+    arrays = cd.take_subset(arrays, subset)
+    classes, n_train = cd.num_classes(arrays), len(arrays["train_labels"])
+    empty = [c for c, n in enumerate(np.bincount(arrays["train_labels"], minlength=classes)) if n == 0]
+    if empty:
+        say(f"warning: {len(empty)} of the {classes} classes have no training image (labels "
+            f"{', '.join(map(str, empty[:10]))}{', ...' if len(empty) > 10 else ''})", file=sys.stderr)
+    try:
+        rank_hp = {**hp, "batch_size": D.per_rank_batch(hp["batch_size"], ctx.world_size)}
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    on_device = device_data(arrays, hp, ctx, device, dtype, stats)
+    say(f"recipe {recipe} on {tb.device_name(device)} ({device}, {str(dtype)[6:]}), {n_train} training and "
+        f"{len(arrays['test_labels'])} test images of {'x'.join(map(str, arrays['test_images'].shape[1:3]))} "
+        f"pixels, {classes} classes" + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step"
+                                        if ctx.distributed else ""), flush=True)
+    flops = tb.count_flops(hp, {**on_device, "train_labels": torch.empty(n_train)})
+    first_epoch_s = None
+    if verbose and device.type == "cpu":
+        run_s, first_epoch_s = tb.estimate_time(rank_hp, on_device, device, dtype, flops)
+        total, epochs = runs * run_s, hp["epochs"]
+        say(f"estimated time: about {f'{total / 60:.0f} min' if total >= 90 else f'{total:.0f} s'} for {runs} "
+            f"run{'s' * (runs > 1)} of {epochs:g} epoch{'s' * (epochs != 1)} on this CPU", file=sys.stderr, flush=True)
+
+    def result(runs_so_far, model):
+        s = summarize_runs(runs_so_far, target, SUMMARY, "final_acc")
+        s.update(flops_per_run=flops["total"], tflops_per_s=flops["total"] / s["time"]["mean"] / 1e12)
+        model.normalisation = stats             # for evaluate(): the statistics the network was trained on
+        return Result(model, runs_so_far[-1]["rows"], s, list(runs_so_far), hp, flops)
+
+    last = {}
+
+    def finished(runs_so_far, model):
+        last["result"] = result(runs_so_far, model)
+        if on_run:
+            on_run(last["result"])
+    run_many(rank_hp, on_device, device, dtype, runs, seed, target, compile, verbose, ctx, bucket_mb, hook,
+             finished, first_epoch_s)
+    return last["result"]
+
+
+def evaluate(model, images, labels, tta="none", stats=None, batch_size=1000):
+    """{"loss", "accuracy"} of a trained network (Result.model) on images with test-time augmentation `tta` (none,
+    flip or flip_translate). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by the statistics
+    train() keeps on the model, or stats = (mean, std)), or a tensor already normalised on the model's device."""
+    if tta not in CHOICES["tta"]:
+        raise flag_error("tta", tta, f"must be one of {show_choices(CHOICES['tta'])}")
+    device = next(model.parameters()).device
+    if isinstance(images, np.ndarray):
+        stats = stats or getattr(model, "normalisation", None)
+        if stats is None:
+            raise UsageError("evaluate: give stats=(mean, std), the training images' (a network train() returned "
+                             "keeps them)")
+        images = cd.normalise(images, device, torch.float32, stats)
+    labels = torch.as_tensor(labels, device=device).long()
+    loss, accuracy = tb.evaluate(model, images, labels, tta, tb.compute_dtype(device), batch_size,
+                                 tb.memory_format_for(device))
+    return {"loss": loss, "accuracy": accuracy}
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------
+
 def main(argv=None):
     args, overrides = parse_args(argv)
     if args.list_recipes:
@@ -307,66 +487,59 @@ def main(argv=None):
         for name, r in RECIPES.items():
             print(f"{name:{width}s} {r['doc']}")
         return 0
-    try:
+    try:            # every flag, before any data is loaded (what depends on the data: in train(), before training)
         hp = recipe(args.recipe, **overrides)
-    except KeyError as e:
-        print(f"error: {e.args[0]}", file=sys.stderr)
+        validate(hp, args.subset)
+        check_run(args.runs, args.target, args.device, args.out)
+    except (KeyError, UsageError) as e:
+        D.print0(f"error: {e.args[0]}", file=sys.stderr)
         return 2
-    if args.runs < 1:
-        print("error: --runs must be at least 1", file=sys.stderr)
-        return 2
-
+    if args.deterministic:
+        tb.set_deterministic()           # before CUDA starts (joining torchrun's group may start it)
     try:
         ctx, hook = join_ranks(args)       # torchrun: this rank's place; plain python: one process
     except ValueError as e:
         D.print0(f"error: {e}", file=sys.stderr)
         return 2
+    try:
+        return run(args, overrides, hp, ctx, hook, argv)
+    finally:
+        if ctx.distributed and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run(args, overrides, hp, ctx, hook, argv):
+    """main's work once this process has its place: train, print the summary, write --out; the exit status."""
     device, main_rank = torch.device(ctx.device), ctx.is_main
     if device.type == "cpu" and main_rank:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration, "
               "shrink the work with --subset, --epochs and --width", file=sys.stderr)
-    dtype = tb.compute_dtype(device, args.precision)
-    try:
-        rank_hp = {**hp, "batch_size": D.per_rank_batch(hp["batch_size"], ctx.world_size)}
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
 
-    arrays = load_arrays(args.data_dir, args.subset)
-    if arrays is None:
-        return 1
-    n_train = len(arrays["train_labels"])
-    data = device_data(arrays, hp, ctx, device, dtype)
-    D.print0(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
-             f"{n_train} training and {len(arrays['test_labels'])} test images"
-             + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step" if ctx.distributed else ""))
-    flops = tb.count_flops(hp, {**data, "train_labels": torch.empty(n_train)})
-
-    def summary_of(runs):
-        s = summarize_runs(runs, args.target, SUMMARY, "final_acc")
-        return {**s, "flops_per_run": flops["total"], "tflops_per_s": flops["total"] / s["time"]["mean"] / 1e12}
-
-    def save(runs, complete):
+    def save(result, complete):
         """--out after every run, so that a run cut short, or a failure later, never loses the finished runs."""
         if args.out and main_rank:
             write_json(args.out, run_record({
                 "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "subset": args.subset,
-                "compile": args.compile, "flops": flops, "complete": complete, "runs": runs,
-                "summary": summary_of(runs)}, args, argv, device, ctx))
+                "dataset": args.dataset, "compile": args.compile, "flops": result.flops, "complete": complete,
+                "runs": result.runs, "summary": result.summary}, args, argv, device, ctx))
 
-    runs = run_many(rank_hp, data, device, dtype, args.runs, args.seed, args.target, args.compile, main_rank, ctx,
-                    args.bucket_mb, hook, on_run=lambda done: save(done, False))
+    try:
+        result = train(args.recipe, args.data_dir, device, args.runs, args.seed, args.target, args.compile,
+                       main_rank, args.dataset, args.subset, args.precision, lambda r: save(r, False), ctx, hook,
+                       args.bucket_mb, **overrides)
+    except (UsageError, DataError) as e:
+        D.print0(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
     if args.runs > 1 and main_rank:
-        print_summary(args.recipe, summary_of(runs), args.target, {
+        print_summary(args.recipe, result.summary, args.target, {
             "final_acc": ("final test accuracy", ""), "time": ("time (training + final evaluation)", " s"),
             "time_to_target": (f"time to {args.target:.2%}", " s")})
-    save(runs, True)
+    save(result, True)
     if args.out and main_rank:
         print(f"wrote {args.out}")
-    if ctx.distributed:
-        D.barrier()
-        torch.distributed.destroy_process_group()
+    D.barrier()
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,6 +1,7 @@
-"""CIFAR-10 data: the official archive downloaded, verified and read into one cached uint8 .npz (or an
-unpacked folder, or a .npz of our own), the dataset uploaded once to the device, and each epoch's
-augmentation drawn in a handful of random calls and applied to all images at once.
+"""CIFAR-10 and CIFAR-100 data: the official archive downloaded, verified and read into one cached uint8 .npz
+(or an unpacked folder, or a .npz of any image classification data), the dataset uploaded once to the device and
+normalised by its own training images' statistics, and each epoch's augmentation drawn in a handful of random
+calls and applied to all images at once.
 
 Bad data raises core.DataError with one line naming the file and what is wrong.
 """
@@ -22,12 +23,24 @@ from core import DataError, write_atomic
 # Data on disk
 # ---------------------------------------------------------------------------------------------
 
-CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-CIFAR10_ARCHIVE = {"name": "cifar-10-python.tar.gz", "md5": "c58f30108f718f92721af3b95e74349a", "size": 170498071}
-CACHE_NAME = "cifar10_uint8.npz"
+# The official archives (https://www.cs.toronto.edu/~kriz/cifar.html): the pickles they hold for each split, and
+# the key of the labels in them; `cache` is our .npz of the four arrays in a data folder.
+DATASETS = {
+    "cifar10": dict(title="CIFAR-10", url="https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+                    archive={"name": "cifar-10-python.tar.gz", "md5": "c58f30108f718f92721af3b95e74349a",
+                             "size": 170498071},
+                    folder="cifar-10-batches-py", train=tuple(f"data_batch_{i}" for i in range(1, 6)),
+                    test=("test_batch",), labels=b"labels", cache="cifar10_uint8.npz"),
+    "cifar100": dict(title="CIFAR-100", url="https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+                     archive={"name": "cifar-100-python.tar.gz", "md5": "eb9058c3a382ffc7106e4002c42a8d85",
+                              "size": 169001437},
+                     folder="cifar-100-python", train=("train",), test=("test",), labels=b"fine_labels",
+                     cache="cifar100_uint8.npz"),
+}
+CIFAR10_URL, CIFAR10_ARCHIVE, CACHE_NAME = (DATASETS["cifar10"][k] for k in ("url", "archive", "cache"))
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 KEYS = ("train_images", "train_labels", "test_images", "test_labels")
-# Per-channel statistics of the 50,000 training images (0..255 scale).
+# Per-channel statistics of CIFAR-10's 50,000 training images (0..255 scale), as channel_stats computes them.
 MEAN = (125.307, 122.950, 113.865)
 STD = (62.993, 62.089, 66.705)
 
@@ -60,27 +73,27 @@ def verify_archive(path, spec):
         raise DataError(f"{path}: checksum mismatch (md5 {md5}, expected {spec['md5']}); delete it and run again")
 
 
-def _batches_to_arrays(read, where):
-    """Builds the four arrays from the official pickles; read(name) returns a pickle's bytes."""
+def _batches_to_arrays(read, where, spec):
+    """Builds the four arrays from the official pickles of dataset `spec`; read(name) returns a pickle's bytes."""
     def load(name):
         try:
             d = pickle.loads(read(name), encoding="bytes")
             x = np.asarray(d[b"data"], dtype=np.uint8)
-            y = np.asarray(d[b"labels"])
+            y = np.asarray(d[spec["labels"]])
         except DataError:
             raise
         except Exception as e:
-            raise DataError(f"{where}/{name}: not a CIFAR-10 batch ({type(e).__name__}: {e})") from e
+            raise DataError(f"{where}/{name}: not a {spec['title']} batch ({type(e).__name__}: {e})") from e
         if x.ndim != 2 or x.shape[1] != 3072 or len(x) != len(y):
             raise DataError(f"{where}/{name}: wrong shapes (data {x.shape}, labels {y.shape}); expected (N, 3072) and (N,)")
         return x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), y
-    train = [load(f"data_batch_{i}") for i in range(1, 6)]
-    test = load("test_batch")
-    return {"train_images": np.concatenate([x for x, _ in train]), "train_labels": np.concatenate([y for _, y in train]),
-            "test_images": test[0], "test_labels": test[1]}
+    train, test = [load(name) for name in spec["train"]], [load(name) for name in spec["test"]]
+    join = lambda batches, i: np.concatenate([batch[i] for batch in batches])
+    return {"train_images": join(train, 0), "train_labels": join(train, 1),
+            "test_images": join(test, 0), "test_labels": join(test, 1)}
 
 
-def read_archive(path):
+def read_archive(path, spec=DATASETS["cifar10"]):
     # Straight from the tar into arrays, cached as one .npz: torchvision's CIFAR10 class would first extract the
     # pickles to disk and unpickle them again on every start.
     try:
@@ -91,48 +104,74 @@ def read_archive(path):
                 if name not in members:
                     raise DataError(f"{path}: {name} missing from the archive")
                 return tar.extractfile(members[name]).read()
-            return _batches_to_arrays(read, path)
+            return _batches_to_arrays(read, path, spec)
     except (tarfile.TarError, EOFError, OSError) as e:
         raise DataError(f"{path}: truncated or corrupt archive ({e})") from e
 
 
-def read_batches_dir(folder):
+def read_batches_dir(folder, spec=DATASETS["cifar10"]):
     def read(name):
         f = folder / name
         if not f.is_file():
             raise DataError(f"{f}: missing")
         return f.read_bytes()
-    return _batches_to_arrays(read, folder)
+    return _batches_to_arrays(read, folder, spec)
 
 
 def read_npz(path):
     try:
         with np.load(path) as z:
-            missing = [k for k in KEYS if k not in z.files]
-            if missing:
-                raise DataError(f"{path}: missing arrays {missing}; expected {list(KEYS)}")
-            return {k: z[k] for k in KEYS}
-    except DataError:
-        raise
+            return {k: z[k] for k in KEYS if k in z.files}
     except Exception as e:
         raise DataError(f"{path}: not a readable .npz ({type(e).__name__}: {e})") from e
 
 
 def check_arrays(d, source):
-    """Raises DataError unless d holds uint8 (N,32,32,3) images and matching labels in 0..9."""
+    """Raises DataError unless d holds uint8 (N, H, W, 3) images, H and W at least 8 and the same in both splits,
+    and integer labels from 0 (as many classes as the largest label + 1). Labels come back as uint8 when they
+    fit, else int64."""
+    missing = [k for k in KEYS if k not in d]
+    if missing:
+        raise DataError(f"{source}: missing arrays {missing}; expected {list(KEYS)}")
     for split in ("train", "test"):
         x, y = d[f"{split}_images"], d[f"{split}_labels"]
         if x.dtype != np.uint8:
             raise DataError(f"{source}: {split}_images has dtype {x.dtype}, expected uint8")
-        if x.ndim != 4 or x.shape[1:] != (32, 32, 3) or len(x) == 0:
-            raise DataError(f"{source}: {split}_images has shape {x.shape}, expected (N, 32, 32, 3) with N > 0")
+        if x.ndim != 4 or x.shape[3] != 3 or min(x.shape[1:3]) < 8 or len(x) == 0:
+            raise DataError(f"{source}: {split}_images has shape {x.shape}, expected (N, H, W, 3) with N > 0 and "
+                            "H, W at least 8")
         if y.ndim != 1 or len(y) != len(x):
             raise DataError(f"{source}: {split}_labels has shape {y.shape}, expected ({len(x)},)")
         if not np.issubdtype(y.dtype, np.integer):
             raise DataError(f"{source}: {split}_labels has dtype {y.dtype}, expected integers")
-        if y.min() < 0 or y.max() >= len(CLASSES):
-            raise DataError(f"{source}: {split}_labels out of range ({y.min()}..{y.max()}), expected 0..{len(CLASSES) - 1}")
-    return {k: (d[k].astype(np.uint8) if k.endswith("labels") else d[k]) for k in KEYS}
+        if y.min() < 0:
+            raise DataError(f"{source}: {split}_labels out of range ({y.min()}..{y.max()}), expected integers from 0")
+    if d["train_images"].shape[1:] != d["test_images"].shape[1:]:
+        raise DataError(f"{source}: train_images are {'x'.join(map(str, d['train_images'].shape[1:3]))} pixels but "
+                        f"test_images {'x'.join(map(str, d['test_images'].shape[1:3]))}; expected the same size")
+    label_type = np.uint8 if num_classes(d) <= 256 else np.int64
+    return {k: (d[k].astype(label_type) if k.endswith("labels") else d[k]) for k in KEYS}
+
+
+def num_classes(arrays):
+    """The number of classes: the largest label of either split, plus one."""
+    return int(max(arrays["train_labels"].max(), arrays["test_labels"].max())) + 1
+
+
+def channel_stats(images, chunk=1 << 20):
+    """Per-channel mean and standard deviation (0..255 scale) of uint8 (N, H, W, C) images, from each channel's
+    histogram (a fraction of a second for CIFAR-10, and no float copy of the images), rounded to 0.001: the
+    precision of CIFAR-10's constants MEAN and STD, which its statistics then equal exactly, so that CIFAR-10
+    trains bit for bit as it did with them."""
+    pixels = images.reshape(-1, images.shape[-1])
+    counts = np.zeros((pixels.shape[1], 256))
+    for i in range(0, len(pixels), chunk):
+        for c in range(pixels.shape[1]):
+            counts[c] += np.bincount(pixels[i:i + chunk, c], minlength=256)
+    values, n = np.arange(256.0), counts.sum(1)
+    mean = counts @ values / n
+    std = np.sqrt(counts @ values ** 2 / n - mean ** 2)
+    return tuple(np.round(mean, 3).tolist()), tuple(np.round(std, 3).tolist())
 
 
 def take_subset(arrays, n_train=None, n_test=None):
@@ -148,14 +187,18 @@ def write_cache(path, d):
     write_atomic(path, write)
 
 
-def load_cifar10(path="data", download_ok=True, archive=CIFAR10_ARCHIVE, url=CIFAR10_URL, progress=True):
-    """CIFAR-10 as four numpy arrays (images uint8 NHWC, labels uint8).
+def load(path="data", dataset="cifar10", download_ok=True, archive=None, url=None, progress=True):
+    """A dataset as four numpy arrays (images uint8 NHWC, labels uint8 or int64).
 
-    `path` is a .npz file with train_images/train_labels/test_images/test_labels, an unpacked
-    `cifar-10-batches-py/` folder, or a data folder. In a data folder the cache file is used if
-    present; otherwise the official archive is read (downloaded first if absent), verified, and
-    the arrays are cached there as one uncompressed .npz.
+    `path` is a .npz file with train_images/train_labels/test_images/test_labels (any image classification data:
+    see check_arrays), an unpacked folder of the official pickles (`cifar-10-batches-py/`, `cifar-100-python/`),
+    or a data folder. In a data folder the dataset's cache file is used if present; otherwise its official
+    archive is read (downloaded first if absent), verified, and the arrays are cached there as one uncompressed
+    .npz. `dataset` (cifar10, cifar100) says which one a folder holds; `archive` and `url` replace its
+    archive's name, size and md5, and its address (for tests).
     """
+    spec = DATASETS[dataset]
+    archive, url = archive or spec["archive"], url or spec["url"]
     p = Path(path)
     if p.suffix == ".npz":
         if not p.is_file():
@@ -163,13 +206,13 @@ def load_cifar10(path="data", download_ok=True, archive=CIFAR10_ARCHIVE, url=CIF
         return check_arrays(read_npz(p), p)
     if p.exists() and not p.is_dir():
         raise DataError(f"{p}: expected a .npz file or a folder")
-    if (p / "data_batch_1").is_file():
-        return check_arrays(read_batches_dir(p), p)
-    cache = p / CACHE_NAME
+    if (p / spec["train"][0]).is_file():
+        return check_arrays(read_batches_dir(p, spec), p)
+    cache = p / spec["cache"]
     if cache.is_file():
         return check_arrays(read_npz(cache), cache)
-    if (p / "cifar-10-batches-py" / "data_batch_1").is_file():
-        d = check_arrays(read_batches_dir(p / "cifar-10-batches-py"), p / "cifar-10-batches-py")
+    if (p / spec["folder"] / spec["train"][0]).is_file():
+        d = check_arrays(read_batches_dir(p / spec["folder"], spec), p / spec["folder"])
     else:
         tgz = p / archive["name"]
         if not tgz.is_file():
@@ -178,34 +221,48 @@ def load_cifar10(path="data", download_ok=True, archive=CIFAR10_ARCHIVE, url=CIF
             p.mkdir(parents=True, exist_ok=True)
             download(url, tgz, progress)
         verify_archive(tgz, archive)
-        d = check_arrays(read_archive(tgz), tgz)
+        d = check_arrays(read_archive(tgz, spec), tgz)
     write_cache(cache, d)
     return d
+
+
+def load_cifar10(path="data", **kwargs):
+    """CIFAR-10 as four numpy arrays (load with dataset="cifar10")."""
+    return load(path, "cifar10", **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
 # The dataset on the device, and batched augmentation
 # ---------------------------------------------------------------------------------------------
 
-def normalise(x, device, dtype, pad=0):
-    """uint8 NHWC images uploaded, normalised and reflect-padded by pad pixels on the device, NCHW in dtype."""
+def normalise(x, device, dtype, stats, pad=0):
+    """uint8 NHWC images uploaded, normalised by stats (per-channel mean and std, see channel_stats) and
+    reflect-padded by pad pixels on the device, NCHW in dtype."""
     x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).float()
-    mean = torch.tensor(MEAN, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=device).view(1, 3, 1, 1)
+    mean, std = (torch.tensor(v, device=device, dtype=torch.float32).view(1, -1, 1, 1) for v in stats)
     x = (x - mean) / std
     return (F.pad(x, (pad,) * 4, mode="reflect") if pad else x).to(dtype)
 
 
-def to_device(d, device, dtype, pad):
-    """Uploads uint8 once; normalises (and reflect-pads the training images) once, on the device."""
-    prep = lambda x, p: normalise(x, device, dtype, p)
+def to_device(d, device, dtype, pad, stats=None):
+    """Uploads uint8 once; normalises (and reflect-pads the training images) once, on the device. stats, the
+    (mean, std) to normalise by, are the training images' own unless given (the whole training set's, when d
+    holds a part of it); num_classes comes from the labels."""
+    stats = stats or channel_stats(d["train_images"])
+    prep = lambda x, p: normalise(x, device, dtype, stats, p)
     return {"train_images": prep(d["train_images"], pad), "test_images": prep(d["test_images"], 0),
             "train_labels": torch.from_numpy(d["train_labels"]).to(device).long(),
-            "test_labels": torch.from_numpy(d["test_labels"]).to(device).long()}
+            "test_labels": torch.from_numpy(d["test_labels"]).to(device).long(), "num_classes": num_classes(d)}
+
+
+def pair(size):
+    """(height, width) of a size given as both, or as a square's side."""
+    return (size, size) if isinstance(size, int) else tuple(size)
 
 
 def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=None, jitter=(0.0, 0.0)):
-    """Every random number for one epoch of n images, in at most six calls whatever n is.
+    """Every random number for one epoch of n images of `size` (a side, or height and width), in at most seven
+    calls whatever n is.
 
     flip="random" flips each image with probability 1/2 every epoch; flip="alternate" (Jordan 2024)
     flips image i in epoch e iff flip_base[i] xor (e odd), so every image is seen both ways in any two
@@ -224,7 +281,12 @@ def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=
     elif flip != "none":
         raise ValueError(f"flip must be none, random or alternate, not {flip!r}")
     if cutout:
-        r["cy"], r["cx"] = torch.randint(0, size - cutout + 1, (2, n), device=device, generator=generator)
+        h, w = pair(size)
+        draw = lambda high, shape: torch.randint(0, high, shape, device=device, generator=generator)
+        if h == w:      # both corners in one call, as square images always drew them (a seed trains as it did)
+            r["cy"], r["cx"] = draw(h - cutout + 1, (2, n))
+        else:
+            r["cy"], r["cx"] = draw(h - cutout + 1, (n,)), draw(w - cutout + 1, (n,))
     if any(jitter):
         u = torch.rand(2, n, device=device, generator=generator) * 2 - 1
         r["brightness"], r["contrast"] = u[0] * jitter[0], 1 + u[1] * jitter[1]
@@ -236,26 +298,29 @@ def flip_bits(n, generator):
 
 
 def batch_crop(x, dy, dx, size):
-    """Crops size×size windows at per-image offsets (dy, dx) from padded images x.
+    """Crops windows of `size` (a side, or height and width) at per-image offsets (dy, dx) from padded images x.
 
     One masked select per possible offset and axis (2·(2·pad+1) whole-dataset ops), rather
     than a gather index as large as the data or a Python loop over images.
     """
-    rows = x[:, :, :size]
-    for off in range(1, x.shape[2] - size + 1):
-        rows = torch.where((dy == off).view(-1, 1, 1, 1), x[:, :, off:off + size], rows)
-    out = rows[..., :size]
-    for off in range(1, x.shape[3] - size + 1):
-        out = torch.where((dx == off).view(-1, 1, 1, 1), rows[..., off:off + size], out)
+    h, w = pair(size)
+    rows = x[:, :, :h]
+    for off in range(1, x.shape[2] - h + 1):
+        rows = torch.where((dy == off).view(-1, 1, 1, 1), x[:, :, off:off + h], rows)
+    out = rows[..., :w]
+    for off in range(1, x.shape[3] - w + 1):
+        out = torch.where((dx == off).view(-1, 1, 1, 1), rows[..., off:off + w], out)
     return out
 
 
 def cutout_mask(cy, cx, size, patch):
-    """True inside each image's patch×patch square, shape (N, 1, size, size)."""
-    i = torch.arange(size, device=cy.device)
-    ys = (i >= cy[:, None]) & (i < cy[:, None] + patch)
-    xs = (i >= cx[:, None]) & (i < cx[:, None] + patch)
-    return (ys[:, :, None] & xs[:, None, :])[:, None]
+    """True inside each image's patch×patch square, shape (N, 1, height, width) of `size`."""
+    h, w = pair(size)
+
+    def inside(corner, length):
+        i = torch.arange(length, device=cy.device)
+        return (i >= corner[:, None]) & (i < corner[:, None] + patch)
+    return (inside(cy, h)[:, :, None] & inside(cx, w)[:, None, :])[:, None]
 
 
 def augment(images, r, size, cutout):
@@ -279,7 +344,7 @@ def low_resolution(x, res):
 def epoch_batches(data, hp, generator, memory_format, epoch=0, flip_base=None):
     """Yields (images, labels) for one shuffled, augmented epoch; the last partial batch is dropped. The first
     low_res_epochs epochs are resized to low_res pixels (when low_res is set)."""
-    size = data["test_images"].shape[-1]
+    size = tuple(data["test_images"].shape[-2:])
     x, y = data["train_images"], data["train_labels"]
     r = draw_augmentation(len(x), size, hp["crop_pad"], hp["flip"], hp["cutout"], generator, epoch, flip_base,
                           (hp["jitter_brightness"], hp["jitter_contrast"]))

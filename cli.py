@@ -1,14 +1,71 @@
 """The command-line machinery both training scripts share: the flags they both have, one typed flag per
-hyperparameter of a recipe's BASE dict (--batch-size 768, --lr-knots 0,0.2,1, --output-scale 1/16), the
-hyperparameters a command line overrides, and the record of where and how a run ran, for its JSON file.
+hyperparameter of a recipe's BASE dict (--batch-size 768, --lr-knots 0,0.2,1, --output-scale 1/16; one that takes
+one of a few values accepts only those), the checks of values before any work, the hyperparameters a command line
+overrides, and the record of where and how a run ran, for its JSON file.
 """
+import argparse
 import datetime
 import platform
 import sys
 
 import torch
 
+import torch_backend as tb
+from core import UsageError, check_output
 from distributed import HOOKS, comm_hook, init_from_env
+
+
+def flag(key, value):
+    """A flag and its value as typed, `--lr-values 0,0.4,0` (key: the flag's or hyperparameter's name)."""
+    show = lambda v: f"{v:g}" if isinstance(v, float) else str(v)
+    return f"--{key.replace('_', '-')} {','.join(map(show, value)) if isinstance(value, tuple) else show(value)}"
+
+
+def flag_error(key, value, why):
+    """The UsageError of a flag's value: `--batch-size 0: must be positive`."""
+    return UsageError(f"{flag(key, value)}: {why}")
+
+
+def check_values(values, choices, positive=(), not_negative=(), fractions=(), whole=()):
+    """Raises flag_error for the first of `values` (a dict of hyperparameters) outside its range: not one of its
+    `choices`, not above 0 (`positive`), below 0 (`not_negative`), outside [0, 1] (`fractions`), not an integer
+    (`whole`)."""
+    for key, allowed in choices.items():
+        if values[key] not in allowed:
+            raise flag_error(key, values[key], f"must be one of {show_choices(allowed)}")
+    for keys, bad, why in ((positive, lambda v: not v > 0, "must be positive"),
+                           (not_negative, lambda v: v < 0, "must not be negative"),
+                           (fractions, lambda v: not 0 <= v <= 1, "must be between 0 and 1"),
+                           (whole, lambda v: not isinstance(v, int), "must be a whole number")):
+        for key in keys:
+            if bad(values[key]):
+                raise flag_error(key, values[key], why)
+
+
+def check_run(runs, target, device=None, out=None):
+    """Raises UsageError unless runs is at least 1 and target a fraction above 0, the device exists
+    (torch_backend.resolve_device) and a file can be written at out (core.check_output)."""
+    if runs < 1:
+        raise flag_error("runs", runs, "must be at least 1")
+    if not 0 < target <= 1:
+        raise flag_error("target", target, "must be in (0, 1]")
+    tb.resolve_device(device)
+    check_output(out, "--out")
+
+
+def one_of(choices, convert):
+    """A converter that accepts only `choices` (the values of `convert(s)`), naming them when it refuses."""
+    def check(s):
+        value = convert(s)
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"{s!r} is not one of {show_choices(choices)}")
+        return value
+    check.__name__ = convert.__name__
+    return check
+
+
+def show_choices(choices):
+    return ", ".join(str(c) or "''" for c in choices)
 
 
 def _parse(kind):
@@ -59,14 +116,18 @@ def eval_number(s):
     return float(s)
 
 
-def add_shared_flags(p, base):
-    """The flags both training scripts have: runs, seed, device and precision, torchrun's communication
-    settings, and one flag per hyperparameter of `base` (--batch-size for batch_size), typed after its value."""
+def add_shared_flags(p, base, choices):
+    """The flags both training scripts have: runs, seed, device and precision, determinism, torchrun's
+    communication settings, and one flag per hyperparameter of `base` (--batch-size for batch_size), typed after
+    its value; a hyperparameter in `choices` takes only its listed values, which --help shows."""
     p.add_argument("--runs", type=int, default=1, help="train this many fresh networks (seeds seed..seed+runs-1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda if available)")
+    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps, ... (default: cuda if available)")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                   help="autocast dtype (default: bf16 on a GPU, fp32 on a CPU)")
+                   help="autocast dtype (default: bf16 on a CUDA GPU, fp32 elsewhere)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic algorithms: the same seed gives the same parameters on the same machine "
+                        "(README.md, Reproducibility)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="under torchrun: DDP gradient bucket size in MB")
     p.add_argument("--comm-hook", default="none", choices=list(HOOKS),
                    help="under torchrun: gradient communication (fp16/bf16 compression, 2D-torus allreduce in "
@@ -78,8 +139,9 @@ def add_shared_flags(p, base):
                    help="under torchrun: how long a collective may wait for the other ranks (default: torch's)")
     hp = p.add_argument_group("hyperparameters (override the recipe)")
     for key, value in base.items():
-        hp.add_argument("--" + key.replace("_", "-"), dest=key, type=_parse(value), default=None,
-                        help=f"(base {value!r})")
+        allowed = choices.get(key)
+        hp.add_argument("--" + key.replace("_", "-"), dest=key, default=None, help=f"(base {value!r})",
+                        type=one_of(allowed, _parse(value)) if allowed else _parse(value), choices=allowed)
 
 
 def overrides_from(args, base):
@@ -89,11 +151,9 @@ def overrides_from(args, base):
 
 def environment(device):
     """The machine: torch and Python versions, the device and its name (and the CPU threads on a CPU)."""
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device)}
-    if device.type == "cuda":
-        env["device_name"] = torch.cuda.get_device_name(device)
-    else:
-        env["device_name"] = platform.processor() or platform.machine()
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+           "device_name": tb.device_name(device)}
+    if device.type == "cpu":
         env["threads"] = torch.get_num_threads()
     return env
 

@@ -1,8 +1,10 @@
-"""Framework-free helpers: timers, schedules, result tables, the statistics and printed summary of several
-runs, the data error both scripts report, atomic files.
+"""Framework-free helpers: timers, schedules, progress and result tables, the statistics and printed summary of
+several runs, the command-line parser with one-line errors, the data and usage errors the scripts report, atomic
+files and the check of an output path.
 
 Nothing here imports torch, so it can be read and tested on its own.
 """
+import argparse
 import json
 import math
 import os
@@ -58,6 +60,45 @@ class PiecewiseLinear:
                 f = (t - k[i - 1]) / (k[i] - k[i - 1])
                 return float(v[i - 1] + f * (v[i] - v[i - 1]))
         return float(v[-1])
+
+
+class Progress:
+    """The steps of one epoch on stderr: tqdm's bar on a terminal; elsewhere (a log file, a pipe) a line at most
+    every `every_s` seconds, in tqdm's format (steps, elapsed<left, rate). It counts steps on the host, so it
+    never waits for the device."""
+    every_s = 30.0
+
+    def __init__(self, total, desc, file=None):
+        from tqdm import tqdm
+        self.file = file or sys.stderr
+        self.total, self.desc, self.n = total, desc, 0
+        terminal = self.file.isatty()
+        self.bar = tqdm(total=total, desc=desc, file=self.file, leave=False, unit="step") if terminal else None
+        self.format = tqdm.format_meter
+        self.start = self.last = time.perf_counter()
+
+    def update(self):
+        if self.bar is not None:
+            self.bar.update()
+            return
+        self.n += 1
+        now = time.perf_counter()
+        if now - self.last >= self.every_s:
+            self.last = now
+            print(self.format(self.n, self.total, now - self.start, prefix=self.desc, ascii=True, unit="step"),
+                  file=self.file, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def epoch_progress(steps, epoch, expected_s, after_s):
+    """A Progress of an epoch's steps when the epoch is expected to take more than after_s seconds; None when it
+    is not, or when either is unknown (None)."""
+    if after_s is None or expected_s is None or expected_s <= after_s:
+        return None
+    return Progress(steps, f"epoch {epoch}")
 
 
 class Table:
@@ -133,12 +174,51 @@ def print_summary(name, s, target, labels):
         print(f"FLOPs per run {s['flops_per_run'] / 1e12:.3f} T; achieved {s['tflops_per_s']:.2f} TFLOP/s")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with an error as one line (`error: argument --tta: ...`) and exit status 2. Under torchrun rank 0
+    alone prints it (parsing comes before the process group exists, so it reads torchrun's RANK)."""
+
+    def error(self, message):
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        self.exit(2)
+
+
 class DataError(Exception):
     """Bad or missing data: the message names the file and what is wrong."""
 
 
+class UsageError(ValueError):
+    """A bad flag or argument: the message names it, says what is wrong and what is allowed (exit status 2)."""
+
+
+def check_output(path, flag):
+    """Raises UsageError unless a file can be written at path: not a folder, and its folder either exists and is
+    writable or can be created. Checked before training, so that a mistyped path costs nothing."""
+    if path is None:
+        return
+    p = os.path.abspath(os.fspath(path))
+    if os.path.isdir(p):
+        raise UsageError(f"{flag} {path}: is a folder; give a file name")
+    parent = os.path.dirname(p)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: cannot write in {parent}")
+
+
+def default_file_mode():
+    """The mode open() gives a new file: 0666 less the umask (os.umask can only be read by setting it)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_atomic(path, write):
-    """Call write(tmp_path), then rename onto path, so readers never see a half-written file."""
+    """Call write(tmp_path), then rename onto path, so readers never see a half-written file. The file gets the
+    permissions open() would give it (mkstemp's temporary file is private to its owner)."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
@@ -146,6 +226,7 @@ def write_atomic(path, write):
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, default_file_mode())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -17,6 +17,7 @@ import argparse
 import io
 import math
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +29,9 @@ from torch import nn
 import distributed as D
 import scaling
 import torch_backend as tb
-from cli import add_shared_flags, environment, join_ranks, overrides_from, run_record
-from core import DataError, Table, Timer, print_summary, summarize_runs, write_json
+from cli import add_shared_flags, check_run, check_values, flag_error, join_ranks, overrides_from, run_record
+from core import (DataError, Parser, Table, Timer, UsageError, check_output, epoch_progress, print_summary,
+                  summarize_runs, write_json)
 from imagenet_store import open_store, prepare
 from optim import BatchSizeSchedule, optimizer, param_groups_no_decay_1d, slow_start_lr
 
@@ -59,7 +61,8 @@ def place(store, device, where="auto", ctx=None, seed=0):
              "val_x": (store.val_x, range(offsets[val.start], offsets[val.stop])), "val_y": (store.val_y, val)}
     nbytes = sum(len(rows) * a[:1].nbytes for a, rows in picks.values())
     if where == "auto":
-        where = "device" if device.type == "cuda" and nbytes < 0.8 * torch.cuda.mem_get_info(device)[0] else "host"
+        free = tb.free_memory(device)
+        where = "device" if free is not None and nbytes < 0.8 * free else "host"
     t = {}
     for k, (a, rows) in picks.items():
         if device.type == "cpu" and not ctx.distributed:
@@ -372,7 +375,9 @@ def check_checkpoint(state, checkpoint, hp, world):
 
 def warmup(hp, data, num_classes, device, dtype, memory_format, world=1):
     """Two steps at every (resolution, batch) pair of the schedule on a throwaway model, so that
-    cuDNN's autotuning for each new shape happens before the clock starts."""
+    cuDNN's autotuning for each new shape happens before the clock starts. Returns the seconds per step it took
+    (autotuning included: an upper bound, for the first epoch's progress)."""
+    start, steps = time.perf_counter(), 0
     model = build_model(hp, num_classes).to(device, memory_format=memory_format)
     opt = make_optimizer(model, hp)
     gen = torch.Generator().manual_seed(0)
@@ -386,11 +391,14 @@ def warmup(hp, data, num_classes, device, dtype, memory_format, world=1):
                 F.cross_entropy(model(augment(xb, c, res, hp, gen, dtype, memory_format)).float(), yb).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize(device)
+            steps += 1
+    tb.synchronize(device)
+    return (time.perf_counter() - start) / max(1, steps)
 
 
 def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, target=0.75, checkpoint=None,
-          resume=False, on_epoch=None, ctx=None, bucket_mb=25.0, hook="none", interrupt_after=None):
+          resume=False, on_epoch=None, ctx=None, bucket_mb=25.0, hook="none", interrupt_after=None,
+          progress_after_s=None, step_s=None):
     """Trains one network; returns its per-epoch rows and summary (as torch_backend.train does).
 
     The clock (device-synchronised) covers model construction, batches, augmentation and steps;
@@ -400,13 +408,15 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
     Under torchrun (`ctx`): data holds this rank's shard, hp["batch_size"] is the per-rank batch (the
     learning rate follows the global one), the model trains inside DistributedDataParallel, and rank 0
     alone writes the checkpoint, which every rank restores (an elastic restart resumes from it).
+    With progress_after_s, an epoch expected to take longer (as long as the epoch before it, or its steps at
+    step_s seconds each for the first) shows its steps on stderr (core.Progress).
     """
     ctx = ctx or D.Context()
     world = ctx.world_size
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 104729 * ctx.rank)  # the data pipeline's draws, on the CPU
-    memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
-    timer = Timer((lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None)
+    memory_format = tb.memory_format_for(device)
+    timer = Timer(lambda: tb.synchronize(device))
     model = build_model(hp, num_classes).to(device, memory_format=memory_format)
     opt = make_optimizer(model, hp)
     forward = D.register_comm_hook(D.wrap_ddp(model, ctx, bucket_mb), hook) if ctx.distributed else model
@@ -447,6 +457,8 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
             crops.pop("flip")
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device)
+        previous_s = rows[-1]["epoch_time"] if rows else (step_s and step_s * steps)
+        bar = epoch_progress(steps, epoch + 1, previous_s, progress_after_s)
         for i, (xb, yb) in enumerate(train_batches(data["train_x"], data["train_y"], perm, bs, device)):
             c = {k: v[i * bs:(i + 1) * bs].to(device, non_blocking=True) for k, v in crops.items()}
             x = augment(xb, c, res, hp, gen, dtype, memory_format)
@@ -463,6 +475,10 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
                 ema.update(model)
             loss_sum += loss.detach() * bs
             correct += (logits.detach().argmax(1) == yb).sum()
+            if bar:
+                bar.update()
+        if bar:
+            bar.close()
         epoch_time = timer()
         if hp["bn_stats"] == "last_batch":
             D.sync_batch_norm_stats(model, ctx)
@@ -497,6 +513,7 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
 # ---------------------------------------------------------------------------------------------
 
 INTERRUPTED = 75      # EX_TEMPFAIL: stopped on purpose, resumable
+PROGRESS_AFTER_S = 5.0    # an epoch expected to take longer shows its steps on stderr
 
 # Every hyperparameter once. lr is per 256 images: the step uses lr × batch / 256 (Goyal et al.).
 # Resolutions are in pixels of the network input; res_*_epoch are 0-based epochs.
@@ -510,6 +527,15 @@ BASE = dict(
     # large-batch options (optim.py, distributed.py, as in cifar10_fast.py)
     batch_schedule=(), optimizer="sgd", lars_trust=0.001, rms_lr=1e-3, rms_beta_center=10.0, rms_beta_period=5.0, bn_stats="running",
 )
+
+# The values a hyperparameter that takes one of a few may take: the flags' choices (which --help lists) and what
+# validate() accepts.
+CHOICES = dict(model=MODELS, schedule=("linear", "cosine", "step", "slow_start"), tta=("none", "flip"),
+               optimizer=("sgd", "lars", "rmsprop_sgd"), bn_stats=("running", "last_batch"))
+POSITIVE = ("epochs", "batch_size", "width", "min_res", "max_res", "res_step", "val_res", "ema_every")
+NOT_NEGATIVE = ("lr", "warmup_epochs", "weight_decay", "jitter", "lars_trust", "rms_lr", "res_start_epoch",
+                "res_end_epoch")
+FRACTIONS = ("momentum", "label_smoothing", "ema_momentum")
 
 # Epochs, resolution ramps, lr, weight decay, label smoothing and blurpool follow FFCV's published
 # configs (libffcv/ffcv-imagenet rn50_configs/, rn18_configs/): rn50 lr 1.7 for 8 GPUs x 512
@@ -543,8 +569,29 @@ def recipe(name, **overrides):
     return {**BASE, **changes, **overrides}
 
 
+def validate(hp, args):
+    """Raises UsageError naming the flag, what is wrong and what is allowed, for the first bad value among the
+    hyperparameters and the train command's flags; before anything is loaded or started."""
+    check_values(hp, CHOICES, POSITIVE, NOT_NEGATIVE, FRACTIONS, whole=("epochs", "batch_size"))
+    low, high = hp["crop_scale"]
+    if not 0 < low <= high <= 1:
+        raise flag_error("crop_scale", hp["crop_scale"], "must be two fractions, 0 < low <= high <= 1")
+    low, high = hp["crop_ratio"]
+    if not 0 < low <= high:
+        raise flag_error("crop_ratio", hp["crop_ratio"], "must be two aspect ratios, 0 < low <= high")
+    for flag, bad, message in (
+            ("store", not args.store, "is required (a folder written by `imagenet_fast.py prepare`)"),
+            ("resume", args.resume and not args.checkpoint, "needs --checkpoint"),
+            ("resume", args.resume and args.runs > 1, "works with a single run"),
+            ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint")):
+        if bad:
+            raise UsageError(f"--{flag} {message}")
+    check_run(args.runs, args.target, args.device, args.out)
+    check_output(args.checkpoint, "--checkpoint")
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     pp = sub.add_parser("prepare", help="decode an ImageFolder tree into a store")
     pp.add_argument("--src", required=True, help="folder with train/<class>/* and val/<class>/*")
@@ -568,7 +615,7 @@ def parse_args(argv=None):
     tp.add_argument("--interrupt-after-epoch", type=int, default=None,
                     help=f"exit with status {INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
                          "would; a restart with --resume (or torchrun --max-restarts) continues from it")
-    add_shared_flags(tp, BASE)
+    add_shared_flags(tp, BASE, CHOICES)
     sub.add_parser("simulate", add_help=False,
                    help="project step time and scaling efficiency over many GPUs (as python scaling.py)")
     args = p.parse_args(argv)
@@ -594,19 +641,14 @@ def main_train(args, overrides, argv):
     if args.list_recipes:
         print("\n".join(f"{name:12s} {r['doc']}" for name, r in RECIPES.items()))
         return 0
-    usage = [message for bad, message in (
-        (not args.store, "--store is required (a folder written by `imagenet_fast.py prepare`)"),
-        (args.runs < 1, "--runs must be at least 1"),
-        (args.resume and not args.checkpoint, "--resume needs --checkpoint"),
-        (args.resume and args.runs > 1, "--resume works with a single run"),
-        (args.interrupt_after_epoch and not args.checkpoint, "--interrupt-after-epoch needs --checkpoint")) if bad]
     try:
         hp = recipe(args.recipe, **overrides)
-    except KeyError as e:
-        usage.insert(0, e.args[0])
-    if usage:
-        print(f"error: {usage[0]}", file=sys.stderr)
+        validate(hp, args)
+    except (KeyError, UsageError) as e:
+        D.print0(f"error: {e.args[0]}", file=sys.stderr)
         return 2
+    if args.deterministic:
+        tb.set_deterministic()           # before CUDA starts (joining torchrun's group may start it)
     try:
         ctx, hook = join_ranks(args)      # torchrun: this rank's place; plain python: one process
     except ValueError as e:
@@ -634,26 +676,36 @@ def run_train(args, hp, ctx, hook, argv):
         return 2
     dtype = tb.compute_dtype(device, args.precision)
     try:
-        if hp["model"] not in MODELS:
-            raise ValueError(f"unknown model {hp['model']!r}; choose from {', '.join(MODELS)}")
         store = open_store(args.store)
-    except (DataError, ValueError) as e:
+    except DataError as e:
         print(f"error: {e}", file=sys.stderr)     # every rank: each may read a store of its own node's
         return 1
     size, classes = store.index["size"], store.index["classes"]
     data = place(store, device, args.data_on, ctx, args.seed)     # under torchrun, this rank's share alone
-    say(f"recipe {args.recipe} on {environment(device)['device_name']} ({device}, {str(dtype)[6:]}), "
+    say(f"recipe {args.recipe} on {tb.device_name(device)} ({device}, {str(dtype)[6:]}), "
         f"{len(store.train_y)} train and {len(store.val_y)} val images, {len(classes)} classes, "
         f"store size {size} in {data['where']} memory"
         + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step, each holding "
            f"{len(data['train_y'])} train images" if ctx.distributed else ""))
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-        warmup(rank_hp, data, len(classes), device, dtype, torch.channels_last, ctx.world_size)
+    step_s = None
+    if device.type != "cpu":
+        tb.autotune(device)
+        step_s = warmup(rank_hp, data, len(classes), device, dtype, tb.memory_format_for(device), ctx.world_size)
 
     columns = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
                "total_time"]
+    labels = {"final_top1": ("final top-1", ""), "final_top5": ("final top-5", ""),
+              "time_to_target": (f"time to {args.target:.2%}", " s"), "train_time": ("training time", " s")}
     runs = []
+
+    def save(complete):
+        """--out after every run, so that a run cut short, or a failure later, never loses the finished runs."""
+        if args.out and ctx.is_main:
+            write_json(args.out, run_record({
+                "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "store": str(args.store),
+                "store_size": size, "data_on": data["where"], "complete": complete, "runs": runs,
+                "summary": summarize_runs(runs, args.target, labels, "final_top1")}, args, argv, device, ctx))
+
     for r in range(args.runs):
         seed = args.seed + r
         if args.runs > 1:
@@ -663,26 +715,23 @@ def run_train(args, hp, ctx, hook, argv):
         ckpt = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
         try:
             result = train(rank_hp, data, len(classes), size, device, seed, dtype, args.target, ckpt, args.resume,
-                           table.append, ctx, args.bucket_mb, hook, args.interrupt_after_epoch)
+                           table.append, ctx, args.bucket_mb, hook, args.interrupt_after_epoch,
+                           PROGRESS_AFTER_S if ctx.is_main else None, step_s)
         except DataError as e:
             say(f"error: {e}", file=sys.stderr)      # the checkpoint's errors: the same on every rank
             return 1
         result.pop("model")
         runs.append(result)
+        save(complete=False)
         ttt = result["time_to_target"]
         say(f"final top-1 {result['final_top1']:.4f}, top-5 {result['final_top5']:.4f}; "
             + (f"time to {args.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {args.target:.2%}")
             + f"; training time {result['train_time']:.2f} s")
 
-    labels = {"final_top1": ("final top-1", ""), "final_top5": ("final top-5", ""),
-              "time_to_target": (f"time to {args.target:.2%}", " s"), "train_time": ("training time", " s")}
-    summary = summarize_runs(runs, args.target, labels, "final_top1")
     if args.runs > 1 and ctx.is_main:
-        print_summary(args.recipe, summary, args.target, labels)
+        print_summary(args.recipe, summarize_runs(runs, args.target, labels, "final_top1"), args.target, labels)
+    save(complete=True)
     if args.out and ctx.is_main:
-        write_json(args.out, run_record({
-            "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "store": str(args.store),
-            "store_size": size, "data_on": data["where"], "runs": runs, "summary": summary}, args, argv, device, ctx))
         print(f"wrote {args.out}")
     D.barrier()       # leave together
     return 0

@@ -10,6 +10,8 @@ import argparse
 import math
 import sys
 
+from core import Parser
+
 
 def square_grid(world):
     """rows x cols = world with rows <= cols as close as possible (32 x 32 for 1,024)."""
@@ -131,24 +133,46 @@ def published_table():
     return "\n".join(lines)
 
 
+def gpu_counts(s):
+    """--gpus: positive whole numbers separated by commas."""
+    counts = [int(g) if g.strip().isdigit() else 0 for g in s.split(",")]
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected GPU counts of 1 or more separated by commas, e.g. 8,64")
+    return counts
+
+
+def positive(convert):
+    """A converter for a flag that must be above 0."""
+    def check(s):
+        value = convert(s)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{s!r}: must be positive")
+        return value
+    check.__name__ = convert.__name__       # argparse names it in "invalid float value"
+    return check
+
+
 def main_simulate(argv=None):
     """The command line: print the projected scaling per GPU count, and its assumptions."""
-    ap = argparse.ArgumentParser(prog="scaling.py", description=simulate.__doc__.split("\n")[0])
-    ap.add_argument("--gpus", default="1,8,64,512,2048", help="comma-separated GPU counts")
-    ap.add_argument("--step-time", type=float, default=0.1, help="one GPU's step time in seconds (measured or given)")
-    ap.add_argument("--model-mb", type=float, default=102.4,
+    ap = Parser(prog="scaling.py", description=simulate.__doc__.split("\n")[0])
+    ap.add_argument("--gpus", type=gpu_counts, default="1,8,64,512,2048", help="comma-separated GPU counts")
+    ap.add_argument("--step-time", type=positive(float), default=0.1,
+                    help="one GPU's step time in seconds (measured or given)")
+    ap.add_argument("--model-mb", type=positive(float), default=102.4,
                     help="gradient MB all-reduced per step (ResNet-50: 102.4 fp32, 51.2 fp16)")
-    ap.add_argument("--link-gbps", type=float, default=25.0, help="Gbit/s of the slowest link (a node's network bandwidth)")
+    ap.add_argument("--link-gbps", type=positive(float), default=25.0,
+                    help="Gbit/s of the slowest link (a node's network bandwidth)")
     ap.add_argument("--latency-us", type=float, default=10.0, help="latency per communication step, microseconds")
     ap.add_argument("--algorithm", default="all", choices=["ring", "tree", "torus", "all"])
-    ap.add_argument("--buckets", type=int, default=4)
-    ap.add_argument("--batch-per-gpu", type=int, default=32)
+    ap.add_argument("--buckets", type=positive(int), default=4)
+    ap.add_argument("--batch-per-gpu", type=positive(int), default=32)
     ap.add_argument("--backward-fraction", type=float, default=2 / 3)
-    ap.add_argument("--gpus-per-node", type=int, default=1)
-    ap.add_argument("--intra-gbps", type=float, default=None, help="Gbit/s per GPU inside a node (NVLink)")
-    ap.add_argument("--epochs", type=float, default=None,
+    ap.add_argument("--gpus-per-node", type=positive(int), default=1)
+    ap.add_argument("--intra-gbps", type=positive(float), default=None, help="Gbit/s per GPU inside a node (NVLink)")
+    ap.add_argument("--epochs", type=positive(float), default=None,
                     help="also print the time to train this many epochs at the projected images/s")
-    ap.add_argument("--images-per-epoch", type=int, default=1_281_167, help="default: ImageNet-1k's training set")
+    ap.add_argument("--images-per-epoch", type=positive(int), default=1_281_167,
+                    help="default: ImageNet-1k's training set")
     ap.add_argument("--published", action="store_true", help="compare the model with the published figures")
     a = ap.parse_args(argv)
     if a.published:
@@ -157,7 +181,6 @@ def main_simulate(argv=None):
                   f"{case['buckets']} buckets")
         print(published_table())
         return 0
-    gpus = [int(g) for g in a.gpus.split(",")]
     print(f"assumptions: weak scaling, {a.batch_per_gpu} images per GPU, one-GPU step {a.step_time:g} s "
           f"({100 * a.backward_fraction:.0f}% backward), {a.model_mb:g} MB of gradients in {a.buckets} buckets "
           f"overlapped with backward, {a.link_gbps:g} Gbit/s and {a.latency_us:g} us per step between GPUs"
@@ -167,7 +190,7 @@ def main_simulate(argv=None):
     print(f"{'gpus':>6} {'algorithm':>9} {'step ms':>9} {'comm ms':>9} {'images/s':>12} {'efficiency':>10}"
           + (f" {epochs:>12}" if epochs else ""))
     for alg in (["ring", "tree", "torus"] if a.algorithm == "all" else [a.algorithm]):
-        for r in simulate(gpus, a.step_time, a.model_mb * 1e6, a.link_gbps, a.latency_us, alg, a.buckets,
+        for r in simulate(a.gpus, a.step_time, a.model_mb * 1e6, a.link_gbps, a.latency_us, alg, a.buckets,
                           a.batch_per_gpu, a.backward_fraction, a.gpus_per_node, a.intra_gbps):
             print(f"{r['gpus']:>6} {alg:>9} {1e3 * r['step_s']:>9.2f} {1e3 * r['comm_s']:>9.2f} "
                   f"{r['images_per_s']:>12,.0f} {100 * r['efficiency']:>9.1f}%"

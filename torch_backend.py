@@ -9,6 +9,9 @@ named once in BASE); `grep 'hp\\["name"\\]'` finds where a hyperparameter acts.
 """
 import copy
 import math
+import os
+import platform
+import time
 from contextlib import nullcontext
 
 import torch
@@ -16,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import distributed as D
-from cifar_data import epoch_batches, flip_bits, low_resolution
-from core import PiecewiseLinear, Timer
+from cifar_data import epoch_batches, flip_bits, low_resolution, pair
+from core import PiecewiseLinear, Timer, UsageError, epoch_progress
 from optim import epoch_steps, make_optimizers, set_lr
 
 # ---------------------------------------------------------------------------------------------
@@ -114,6 +117,17 @@ class Mul(nn.Module):
         return x * self.scale
 
 
+class GlobalMaxPool(nn.Module):
+    """The maximum over each channel's map, whatever its size. Under --deterministic (torch's deterministic
+    algorithms) it is amax, whose backward has a deterministic CUDA version; otherwise adaptive max-pooling, the
+    same maximum, whose backward is one kernel (with atomic adds on a GPU) where amax's is several."""
+
+    def forward(self, x):
+        if torch.are_deterministic_algorithms_enabled():
+            return x.amax((2, 3), keepdim=True)
+        return F.adaptive_max_pool2d(x, 1)
+
+
 class Whitening(nn.Conv2d):
     """A frozen k×k convolution whose filters whiten the input's k×k patches: one filter per
     eigenvector of the training-set patch covariance, scaled by 1/sqrt(eigenvalue + eps).
@@ -200,7 +214,7 @@ def resnet9(hp, num_classes=10):
         conv_bn(c1, c2, hp, pool=True),
         conv_bn(c2, c3, hp, pool=True),
         Residual(conv_bn(c3, c3, hp), conv_bn(c3, c3, hp)),
-        nn.AdaptiveMaxPool2d(1), nn.Flatten(),
+        GlobalMaxPool(), nn.Flatten(),
         *classifier(c3, hp, num_classes),
     )
 
@@ -228,7 +242,7 @@ def fastnet(hp, num_classes=10):
     for w in widths(hp, hp["block_widths"]):
         layers.append(conv_group(c, w, hp))
         c = w
-    layers += [nn.AdaptiveMaxPool2d(1), nn.Flatten(), *classifier(c, hp, num_classes)]
+    layers += [GlobalMaxPool(), nn.Flatten(), *classifier(c, hp, num_classes)]
     return nn.Sequential(*layers)
 
 
@@ -274,10 +288,10 @@ def resnet18(hp, num_classes=10):
 MODELS = {"resnet9": resnet9, "resnet18": resnet18, "fastnet": fastnet}
 
 
-def build_model(hp, device, memory_format=torch.contiguous_format):
+def build_model(hp, device, memory_format=torch.contiguous_format, num_classes=10):
     if hp["model"] not in MODELS:
         raise ValueError(f"unknown model {hp['model']!r}; choose from {sorted(MODELS)}")
-    return MODELS[hp["model"]](hp).to(device, memory_format=memory_format)
+    return MODELS[hp["model"]](hp, num_classes).to(device, memory_format=memory_format)
 
 
 def count_parameters(model):
@@ -285,11 +299,13 @@ def count_parameters(model):
 
 
 def fit_whitening(model, train_images, size):
-    """Fits every Whitening layer to the first training images (as many as it takes), cropped back to size×size."""
+    """Fits every Whitening layer to the first training images (as many as it takes), cropped back to `size`
+    (a side, or height and width)."""
     layers = [m for m in model.modules() if isinstance(m, Whitening)]
     if layers:
-        pad = (train_images.shape[-1] - size) // 2
-        x = train_images[:max(m.images for m in layers), :, pad:pad + size, pad:pad + size]
+        h, w = pair(size)
+        pad = (train_images.shape[-1] - w) // 2
+        x = train_images[:max(m.images for m in layers), :, pad:pad + h, pad:pad + w]
         for m in layers:
             m.fit(x)
 
@@ -401,27 +417,103 @@ def evaluate(model, images, labels, tta="none", dtype=torch.float32, batch_size=
 
 
 # ---------------------------------------------------------------------------------------------
-# Training
+# Devices: every call that depends on the device type goes through these, so that a device other than CUDA
+# (mps, xpu, ...) takes the generic path and never reaches a torch.cuda function
 # ---------------------------------------------------------------------------------------------
 
+def accelerator(device):
+    """torch's module for the device's type (torch.cuda, torch.mps, torch.xpu, ...); None for the CPU."""
+    device = torch.device(device)
+    return None if device.type == "cpu" else getattr(torch, device.type, None)
+
+
+def device_count(device_type):
+    """How many devices of this type the machine has (the CPU counts as one)."""
+    if device_type == "cpu":
+        return 1
+    module = getattr(torch, device_type, None)
+    available = (getattr(module, "is_available", None)        # torch.mps has it only in recent torch versions
+                 or getattr(getattr(torch.backends, device_type, None), "is_available", None))
+    if available is None or not available():
+        return 0
+    return module.device_count() if hasattr(module, "device_count") else 1
+
+
 def resolve_device(name=None):
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The device --device names (by default cuda when there is a GPU, else cpu). A name that is not a device, or
+    a device this machine lacks, is a UsageError of one line."""
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name}: not a device; use cpu, cuda, cuda:N, mps, ...") from None
+    count = device_count(device.type)
+    if count == 0:
+        raise UsageError(f"--device {name}: this machine has no {device.type} device" +
+                         ("; use --device cpu" if device.type == "cuda" else ""))
+    if device.index is not None and device.index >= count:
+        raise UsageError(f"--device {name}: this machine has {count} {device.type} device{'s' * (count > 1)}, "
+                         f"{device.type}:0" + (f" to {device.type}:{count - 1}" if count > 1 else ""))
+    return device
+
+
+def device_name(device):
+    """The accelerator's name (torch.cuda.get_device_name and its like), or the CPU's."""
+    get = getattr(accelerator(device), "get_device_name", None)
+    return get(device) if get else platform.processor() or platform.machine()
+
+
+def synchronize(device):
+    """Waits for the work queued on the device (there is none to wait for on the CPU)."""
+    module = accelerator(device)
+    if hasattr(module, "synchronize"):
+        if device.type == "cuda":
+            module.synchronize(device)
+        else:
+            module.synchronize()        # the current device of its type (torch.mps.synchronize takes no device)
+
+
+def free_memory(device):
+    """Free bytes on the device, or None where torch cannot tell (the CPU, mps)."""
+    module = accelerator(device)
+    return module.mem_get_info(device)[0] if hasattr(module, "mem_get_info") else None
 
 
 def compute_dtype(device, precision="auto"):
-    """bf16 on a GPU (batch-norm statistics and optimiser state stay float32), float32 on a CPU."""
+    """bf16 on a CUDA GPU (batch-norm statistics and optimiser state stay float32), float32 on other devices."""
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" else "fp32"
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
 def memory_format_for(device):
+    """channels_last on a CUDA GPU (cuDNN's fastest layout for these convolutions), contiguous elsewhere."""
     return torch.channels_last if device.type == "cuda" else torch.contiguous_format
 
 
-def make_forward(hp, device, compile_mode=None, ctx=None, bucket_mb=25.0, hook="none"):
+def autotune(device):
+    """cuDNN times the convolution algorithms for each new shape and keeps the fastest (on a CUDA GPU, and not
+    with --deterministic, whose runs must all take the same algorithms)."""
+    if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+        torch.backends.cudnn.benchmark = True
+
+
+def set_deterministic():
+    """--deterministic: two runs with the same seed give the same parameters on the same machine. torch's
+    deterministic kernels, no cuDNN autotuning, and cuBLAS's fixed workspace (read when CUDA initialises, so call
+    this before). An operation with no deterministic version warns, naming itself, rather than stop the run."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+def make_forward(hp, device, compile_mode=None, ctx=None, bucket_mb=25.0, hook="none", num_classes=10):
     """(net, forward) built once per process and re-initialised in place by train() for every run:
     under torchrun forward is net in DistributedDataParallel (with bucket_mb buckets and a gradient
     communication hook), and with compile_mode it is torch.compile'd, so compilation happens once
@@ -430,7 +522,7 @@ def make_forward(hp, device, compile_mode=None, ctx=None, bucket_mb=25.0, hook="
     distributed = ctx is not None and ctx.distributed
     if not (compile_mode or distributed):
         return None, None
-    net = build_model(hp, device, memory_format_for(device))
+    net = build_model(hp, device, memory_format_for(device), num_classes)
     forward = net
     if distributed:
         forward = D.register_comm_hook(D.wrap_ddp(net, ctx, bucket_mb), hook)
@@ -474,17 +566,23 @@ def train_step(forward, opts, x, y, hp, dtype):
     return logits.detach(), loss.detach()
 
 
-def warmup(hp, data, device, dtype, net=None, forward=None):
-    """Runs a few steps and an evaluation (on a throwaway model, or on the given net, which train()
-    re-initialises anyway) so that cuDNN autotuning, kernel loading and torch.compile happen before
-    the clock starts: the 'compilation warm-up' the timing protocol excludes."""
-    memory_format = memory_format_for(device)
-    net = net if net is not None else build_model(hp, device, memory_format)
-    forward = net if forward is None else forward
+def untimed_steps(hp, data, device, net=None):
+    """What steps outside the clock need: a network (a throwaway one, or the given net, which train()
+    re-initialises anyway), its optimisers at a learning rate that moves nothing measurable but runs every
+    kernel, and a generator and flip bits of their own (the runs' random streams stay untouched)."""
+    net = net if net is not None else build_model(hp, device, memory_format_for(device), data.get("num_classes", 10))
     opts = make_optimizers(net, hp)
-    set_lr(opts, 1e-9)          # a step that moves nothing measurable, but runs every kernel
+    set_lr(opts, 1e-9)
     gen = torch.Generator(device).manual_seed(0)
-    flip_base = flip_bits(len(data["train_labels"]), gen)
+    return net, opts, gen, flip_bits(len(data["train_labels"]), gen)
+
+
+def warmup(hp, data, device, dtype, net=None, forward=None):
+    """Runs a few steps and an evaluation (see untimed_steps) so that cuDNN autotuning, kernel loading and
+    torch.compile happen before the clock starts: the 'compilation warm-up' the timing protocol excludes."""
+    memory_format = memory_format_for(device)
+    net, opts, gen, flip_base = untimed_steps(hp, data, device, net)
+    forward = net if forward is None else forward
     whitening = [] if torch.distributed.is_initialized() else whitening_biases(net)      # as train() does
     for epoch in dict.fromkeys((0, hp["low_res_epochs"] if hp["low_res"] else 0)):     # every training resolution
         for step, (x, y) in zip(range(3), epoch_batches(data, hp, gen, memory_format, epoch, flip_base)):
@@ -493,8 +591,31 @@ def warmup(hp, data, device, dtype, net=None, forward=None):
             train_step(forward, opts, x, y, hp, dtype)
     evaluate(forward, data["test_images"], data["test_labels"], hp["tta"], dtype, memory_format=memory_format,
              tta_fraction=hp["tta_fraction"])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
+
+
+def estimate_time(hp, data, device, dtype, flops, steps=2):
+    """(seconds per run, seconds per epoch) expected, before any run: one epoch's augmentation and `steps`
+    training steps timed (after one untimed step) on a throwaway network, and each epoch's evaluation priced
+    from the counted FLOPs (count_flops) at the training steps' rate. A rough guide, for slow devices."""
+    memory_format = memory_format_for(device)
+    net, opts, gen, flip_base = untimed_steps(hp, data, device)
+    start = time.perf_counter()
+    x, y = next(epoch_batches(data, hp, gen, memory_format, 0, flip_base))
+    synchronize(device)
+    augment_s = time.perf_counter() - start
+    train_step(net, opts, x, y, hp, dtype)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        train_step(net, opts, x, y, hp, dtype)
+    synchronize(device)
+    step_s = (time.perf_counter() - start) / steps
+    steps_per_epoch, total_steps = run_steps(hp, len(data["train_labels"]))
+    evaluate_s = step_s * flops["final_eval"] / (flops["per_train_image"] * hp["batch_size"])
+    epoch_s = augment_s + steps_per_epoch * step_s + evaluate_s
+    epochs = math.ceil(total_steps / steps_per_epoch)
+    return epochs * (augment_s + evaluate_s) + total_steps * step_s, epoch_s
 
 
 def whitening_biases(net):
@@ -510,7 +631,7 @@ def run_steps(hp, n_train):
 
 
 def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=None, net=None, forward=None,
-          ctx=None):
+          ctx=None, progress_after_s=None, first_epoch_s=None):
     """Trains one fresh network on device-resident data; returns its per-epoch rows and summary.
 
     The clock (device-synchronised) runs over everything a run needs except the per-epoch
@@ -520,22 +641,23 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
     `net`/`forward` (from make_forward) reuse one compiled and/or DDP-wrapped network across runs.
     Under torchrun (`ctx`), data holds this rank's shard and hp["batch_size"] is the per-rank batch;
     every rank builds the same initial network (same seed) and draws its own augmentations.
+    With progress_after_s, an epoch expected to take longer (as long as the epoch before it, or first_epoch_s for
+    the first) shows its steps on stderr (core.Progress).
     """
     world, rank = (ctx.world_size, ctx.rank) if ctx else (1, 0)
     torch.manual_seed(seed)
     gen = torch.Generator(device).manual_seed(seed + 104729 * rank)
     memory_format = memory_format_for(device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-    timer = Timer(sync)
+    timer = Timer(lambda: synchronize(device))
 
-    fresh = build_model(hp, device, memory_format)
+    fresh = build_model(hp, device, memory_format, data.get("num_classes", 10))
     if net is None:
         net, forward = fresh, fresh
     else:
         net.load_state_dict(fresh.state_dict())
         forward = net if forward is None else forward
     # under torchrun data["whiten_images"] holds the images one process would fit on (see cifar10_fast.device_data)
-    fit_whitening(net, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-1])
+    fit_whitening(net, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])
     if hp["bn_stats"] == "last_batch":
         D.use_last_batch_stats(net)
     ema = EMA(net, hp["ema_momentum"], hp["ema_every"]) if hp["ema_momentum"] else None
@@ -556,6 +678,8 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device)
         seen = 0
+        bar = epoch_progress(min(steps_per_epoch, total_steps - step), epoch + 1,
+                             rows[-1]["epoch_time"] if rows else first_epoch_s, progress_after_s)
         for x, y in epoch_batches(data, hp, gen, memory_format, epoch, flip_base):
             lr = schedule(step / total_steps)
             set_lr(opts, lr, step, step / steps_per_epoch)     # the fractional epoch: RMSprop-to-SGD's clock
@@ -570,8 +694,12 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
             loss_sum += loss
             correct += (logits.argmax(1) == y).sum()
             seen += len(y)
+            if bar:
+                bar.update()
             if step == total_steps:
                 break
+        if bar:
+            bar.close()
         if lookahead and step == total_steps:       # the hand-over, after the last scheduled update (airbench94)
             lookahead.update(net, 1.0)
         epoch_time = timer()
@@ -601,7 +729,7 @@ def count_flops(hp, data, batch=8):
     batch and scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
     from torch.utils.flop_counter import FlopCounterMode
     device = data["test_images"].device
-    model = build_model(hp, device)
+    model = build_model(hp, device, num_classes=data.get("num_classes", 10))
     # contiguous: on one CPU thread, torch 2.14.1 crashed in the backward of the pre-activation ResNet-18
     # given this slice's channels-last strides (the training step always gets a contiguous batch)
     x, y = data["test_images"][:batch].float().contiguous(), data["test_labels"][:batch]

@@ -38,15 +38,14 @@ def step(model, opt, x, y, device, dtype):
 
 def measure(batches, model, opt, device, dtype, warmup, steps, bs):
     """Images/s over `steps` training steps after `warmup` untimed ones; batches yields (x, y)."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for i, (x, y) in enumerate(batches):
         if i == warmup:
-            sync()
+            tb.synchronize(device)
             start = time.perf_counter()
         step(model, opt, x, y, device, dtype)
         if i == warmup + steps - 1:
             break
-    sync()
+    tb.synchronize(device)
     return steps * bs / (time.perf_counter() - start)
 
 
@@ -73,8 +72,8 @@ def main(argv=None):
     sizes = [int(s) for s in args.sizes.split(",")]
     device = tb.resolve_device(args.device)
     dtype = tb.compute_dtype(device, args.precision)
-    fmt = torch.channels_last if device.type == "cuda" else torch.contiguous_format
-    torch.backends.cudnn.benchmark = True
+    fmt = tb.memory_format_for(device)
+    tb.autotune(device)
     bs = min(args.batch_size, args.images)
     hp = inf.recipe("rn50_16ep", model=args.model, blurpool=False)
 

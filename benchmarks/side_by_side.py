@@ -157,7 +157,7 @@ def main(argv=None):
         print(f"error: unknown recipes {unknown}; choose from {', '.join(cf.RECIPES)}", file=sys.stderr)
         return 2
     dtype = tb.compute_dtype(device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = lambda: tb.synchronize(device)
     arrays = cf.load_arrays(args.data_dir, args.subset)
     if arrays is None:
         return 1

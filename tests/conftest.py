@@ -5,9 +5,32 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ROOT.parent / "shared" / "data" / "cifar10" / "parts"
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny networks gain nothing from a second thread, and one thread keeps their timing steady on a shared
+    machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def failing_on_call(function, n):
+    """function, except that its n-th call raises RuntimeError (a failure after the runs before it)."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError("out of memory")
+        return function(*args, **kwargs)
+    return wrapper
 
 
 @pytest.fixture(scope="session")
@@ -34,5 +57,19 @@ def synthetic_arrays(n_train=256, n_test=128, seed=0):
         x = rng.integers(0, 256, (n, 32, 32, 3)).astype(np.uint8) // 4
         x[np.arange(n), :, :, 0] += (y * 19)[:, None, None].astype(np.uint8)
         return x, y
+    (xtr, ytr), (xte, yte) = split(n_train), split(n_test)
+    return {"train_images": xtr, "train_labels": ytr, "test_images": xte, "test_labels": yte}
+
+
+def pattern_arrays(n_train, n_test, classes=10, size=(32, 32), seed=0):
+    """Synthetic images of any number of classes and any size: each class a random 4x4 pattern of colours scaled
+    up to the image size, plus noise (learnable whatever the crop, flip or cutout)."""
+    rng = np.random.default_rng(seed)
+    h, w = size
+    patterns = rng.integers(0, 256, (classes, 4, 4, 3)).repeat(-(-h // 4), 1).repeat(-(-w // 4), 2)[:, :h, :w]
+
+    def split(n):
+        y = rng.integers(0, classes, n)
+        return (patterns[y] * 0.6 + rng.integers(0, 100, (n, h, w, 3))).astype(np.uint8), y
     (xtr, ytr), (xte, yte) = split(n_train), split(n_test)
     return {"train_images": xtr, "train_labels": ytr, "test_images": xte, "test_labels": yte}

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, synthetic_arrays
+from conftest import ROOT, failing_on_call, synthetic_arrays
 
 
 def run_cli(*args):
@@ -85,14 +85,7 @@ def test_a_journey_stage_runs_from_the_command_line(synth_npz):
 def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(synth_npz, tmp_path, monkeypatch):
     import cifar10_fast as cf
     import torch_backend as tb
-    real, calls = tb.train, []
-
-    def fails_second_time(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("out of memory")
-        return real(*a, **k)
-    monkeypatch.setattr(tb, "train", fails_second_time)
+    monkeypatch.setattr(tb, "train", failing_on_call(tb.train, 2))
     out = tmp_path / "r.json"
     with pytest.raises(RuntimeError):
         cf.main(["--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "1", "--width", "0.125",

@@ -1,6 +1,8 @@
 import io
 import json
 import math
+import os
+import stat
 import subprocess
 import sys
 
@@ -88,6 +90,16 @@ def test_write_json_is_atomic_on_failure(tmp_path):
         write_atomic(p, broken)
     assert json.loads(p.read_text()) == {"a": 1}       # old file untouched
     assert [f.name for f in tmp_path.iterdir()] == ["r.json"]   # no temporary left
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_written_files_get_the_permissions_open_gives(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        write_json(tmp_path / "r.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == mode
 
 
 def test_ratio_ci_covers_the_true_ratio_95_percent_of_the_time():

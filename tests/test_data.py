@@ -13,27 +13,25 @@ import cifar_data as cd
 from conftest import synthetic_arrays
 
 
-def make_archive(path, n=6):
-    """A tiny cifar-10-python.tar.gz in the official layout: pickled dicts with b'data' (N, 3072) CHW rows."""
+def make_archive(path, n=6, dataset="cifar10"):
+    """A tiny cifar-10-python.tar.gz (or cifar-100-python.tar.gz) in the official layout: pickled dicts with
+    b'data' (N, 3072) CHW rows and the labels (CIFAR-100: fine and coarse)."""
+    spec, classes = cd.DATASETS[dataset], 10 if dataset == "cifar10" else 100
     rng = np.random.default_rng(1)
-    expected = {"train_images": [], "train_labels": []}
+    expected = {k: [] for k in cd.KEYS}
     with tarfile.open(path, "w:gz") as tar:
-        for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-            x = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
-            y = rng.integers(0, 10, n).tolist()
-            blob = pickle.dumps({b"data": x.transpose(0, 3, 1, 2).reshape(n, 3072), b"labels": y,
-                                 b"batch_label": name.encode()})
-            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
-            info.size = len(blob)
-            tar.addfile(info, io.BytesIO(blob))
-            if name == "test_batch":
-                expected["test_images"], expected["test_labels"] = x, np.array(y)
-            else:
-                expected["train_images"].append(x)
-                expected["train_labels"].append(np.array(y))
-    expected["train_images"] = np.concatenate(expected["train_images"])
-    expected["train_labels"] = np.concatenate(expected["train_labels"])
-    return expected
+        for split in ("train", "test"):
+            for name in spec[split]:
+                x = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+                y = rng.integers(0, classes, n).tolist()
+                blob = pickle.dumps({b"data": x.transpose(0, 3, 1, 2).reshape(n, 3072), spec["labels"]: y,
+                                     b"coarse_labels": [label // 5 for label in y], b"batch_label": name.encode()})
+                info = tarfile.TarInfo(f"{spec['folder']}/{name}")
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+                expected[f"{split}_images"].append(x)
+                expected[f"{split}_labels"].append(np.array(y))
+    return {k: np.concatenate(v) for k, v in expected.items()}
 
 
 def spec_of(path):
@@ -98,10 +96,16 @@ def test_missing_archive_without_download(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda d: d.update(train_images=d["train_images"][:, :, :31]), r"train_images has shape \(256, 32, 31, 3\), expected \(N, 32, 32, 3\)"),
+    (lambda d: d.update(train_images=d["train_images"][:, :, :31]),
+     "train_images are 32x31 pixels but test_images 32x32; expected the same size"),
+    (lambda d: d.update(train_images=d["train_images"][:, :7, :7]),
+     r"train_images has shape \(256, 7, 7, 3\), expected \(N, H, W, 3\) with N > 0 and H, W at least 8"),
+    (lambda d: d.update(test_images=d["test_images"][..., :1]),
+     r"test_images has shape \(128, 32, 32, 1\), expected \(N, H, W, 3\) with N > 0 and H, W at least 8"),
     (lambda d: d.update(test_images=d["test_images"].astype(np.float32)), "test_images has dtype float32, expected uint8"),
     (lambda d: d.update(train_labels=d["train_labels"][:-1]), r"train_labels has shape \(255,\), expected \(256,\)"),
-    (lambda d: d["test_labels"].__setitem__(3, 10), r"test_labels out of range \(0..10\), expected 0..9"),
+    (lambda d: d.update(test_labels=d["test_labels"].astype(np.int16) - 1),
+     r"test_labels out of range \(-1..8\), expected integers from 0"),
     (lambda d: d.pop("test_labels"), r"missing arrays \['test_labels'\]"),
 ])
 def test_bad_npz_is_named_and_explained(tmp_path, change, message):
@@ -151,3 +155,45 @@ def test_failed_download_leaves_nothing(tmp_path, served):
     with pytest.raises(cd.DataError, match="download failed"):
         cd.load_cifar10(tmp_path / "data", url=f"{url}/nowhere.tar.gz", progress=False)
     assert list((tmp_path / "data").iterdir()) == []
+
+
+def test_cifar100_archive_is_read_verified_and_cached(tmp_path):
+    tgz = tmp_path / "cifar-100-python.tar.gz"
+    expected = make_archive(tgz, n=200, dataset="cifar100")
+    with pytest.raises(cd.DataError, match=r"cifar-100-python.tar.gz: checksum mismatch \(md5 [0-9a-f]{32}, expected"):
+        cd.load(tmp_path, "cifar100", download_ok=False, archive={**spec_of(tgz), "md5": "0" * 32})
+    d = cd.load(tmp_path, "cifar100", download_ok=False, archive=spec_of(tgz))
+    for k in cd.KEYS:
+        np.testing.assert_array_equal(d[k], expected[k])
+    assert d["train_labels"].max() == 99 and cd.num_classes(d) == 100
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cifar-100-python.tar.gz", "cifar100_uint8.npz"]
+    tgz.unlink()                                   # the second start reads only the cache
+    np.testing.assert_array_equal(cd.load(tmp_path, "cifar100", download_ok=False)["test_images"],
+                                  expected["test_images"])
+    with pytest.raises(cd.DataError, match="cifar-10-python.tar.gz: not found and downloading is off"):
+        cd.load(tmp_path, "cifar10", download_ok=False)         # each data set has a cache of its own
+
+
+def test_cifar100_downloads_as_cifar10_does(tmp_path, served):
+    folder, url = served
+    src = folder / "cifar-100-python.tar.gz"
+    expected = make_archive(src, dataset="cifar100")
+    dst = tmp_path / "data"
+    d = cd.load(dst, "cifar100", archive=spec_of(src), url=f"{url}/{src.name}", progress=False)
+    np.testing.assert_array_equal(d["train_labels"], expected["train_labels"])
+    assert sorted(p.name for p in dst.iterdir()) == ["cifar-100-python.tar.gz", "cifar100_uint8.npz"]
+    with pytest.raises(cd.DataError, match="download failed"):
+        cd.load(tmp_path / "other", "cifar100", url=f"{url}/nowhere.tar.gz", progress=False)
+    assert list((tmp_path / "other").iterdir()) == []
+
+
+def test_the_command_line_trains_on_cifar100(tmp_path, capsys):
+    """--dataset cifar100 reads an unpacked cifar-100-python/ folder in --data-dir, offline."""
+    import cifar10_fast as cf
+    tgz = tmp_path / "cifar-100-python.tar.gz"
+    make_archive(tgz, n=500, dataset="cifar100")
+    with tarfile.open(tgz) as tar:
+        tar.extractall(tmp_path / "data", filter="data")
+    assert cf.main(["--dataset", "cifar100", "--data-dir", str(tmp_path / "data"), "--device", "cpu", "--recipe",
+                    "fast94", "--epochs", "1", "--width", "0.0625", "--batch-size", "100"]) == 0
+    assert "500 training and 500 test images of 32x32 pixels, 100 classes" in capsys.readouterr().out

@@ -16,7 +16,7 @@ from torchvision import transforms
 import imagenet_fast as inf
 import imagenet_store as ims
 import optim
-from conftest import ROOT
+from conftest import ROOT, failing_on_call
 
 SIZE = 24
 CLASSES = 4  # + one empty class folder, c004
@@ -177,7 +177,8 @@ def test_bad_input_is_one_line_and_nonzero(folder, store, tmp_path, capsys):
     rc, _, err = run_main(capsys, "train", "--store", store, "--recipe", "nope")
     assert rc == 2 and "unknown recipe 'nope'; choose from rn50_16ep" in err
     rc, _, err = run_main(capsys, "train", "--store", store, "--model", "vgg", "--device", "cpu")
-    assert rc == 1 and err.strip().splitlines()[-1].startswith("error: unknown model 'vgg'")
+    assert rc == 2 and err.strip() == ("error: argument --model: 'vgg' is not one of resnet_tiny, resnet18, resnet34, "
+                                       "resnet50, resnet101")
     rc, _, err = run_main(capsys, "train", "--store", store, "--resume")
     assert rc == 2 and err.strip() == "error: --resume needs --checkpoint"
     rc, _, err = run_main(capsys, "train", "--store", store, "--epochs", "two")
@@ -349,6 +350,17 @@ def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
     assert res["runs"][0]["final_top5"] >= res["runs"][0]["final_top1"]
     rc, stdout, _ = run_main(capsys, "train", "--list-recipes")
     assert [l.split()[0] for l in stdout.splitlines()][:4] == ["rn50_16ep", "rn50_24ep", "rn50_88ep", "rn18_16ep"]
+
+
+def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(store, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(inf, "train", failing_on_call(inf.train, 2))
+    out = tmp_path / "r.json"
+    with pytest.raises(RuntimeError):
+        run_main(capsys, "train", "--store", store, "--recipe", "tiny", "--device", "cpu", "--epochs", "1", "--width",
+                 "4", "--batch-size", "32", "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE, "--runs", "3",
+                 "--out", out)
+    res = json.loads(out.read_text())
+    assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0] and res["summary"]["final_top1"]["n"] == 1
 
 
 def test_throughput_benchmark_runs_on_cpu(tmp_path):

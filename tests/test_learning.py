@@ -26,14 +26,6 @@ def test_narrow_resnet9_learns_real_cifar10_in_two_epochs(cifar10_npz):
     assert rows[1]["test_loss"] < 2.0                       # ln(10) = 2.30 at chance
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # Measured on this project's 2-core CPU machine (torch 2.14.1, one thread) with exactly this test's configuration
 # (2 epochs at width 1/8 and batch 250 on the first 5,000 training images, tested on the first 1,000 test images
 # with the recipe's TTA) and seeds 0..3: final test accuracy fast94_muon 0.519, 0.489, 0.511, 0.553; fast94_next

@@ -1,0 +1,142 @@
+"""Every flag is checked before any work: a bad value stops the command with one line on stderr naming the flag,
+what is wrong and what is allowed, and exit status 2, never a traceback. In this process (cf.main, inf.main), so
+each case takes milliseconds."""
+import numpy as np
+import pytest
+import torch
+
+import cifar10_fast as cf
+import imagenet_fast as inf
+import scaling
+from conftest import synthetic_arrays
+
+
+@pytest.fixture(scope="module")
+def npz(tmp_path_factory):
+    p = tmp_path_factory.mktemp("synth") / "synth.npz"
+    np.savez(p, **synthetic_arrays(n_train=256, n_test=64))
+    return p
+
+
+def run(main, args, capsys):
+    """(exit status, stderr lines) of main(args); argparse's errors leave by SystemExit."""
+    try:
+        rc = main([str(a) for a in args])
+    except SystemExit as e:
+        rc = e.code
+    return rc, capsys.readouterr().err.strip().splitlines()
+
+
+KNOTS = "0,0.208333,1"      # myrtle24's lr_knots (0, 5/24, 1) as the message shows them
+# (flags, the last line on stderr). NO_DATA cases run with a --data-dir that does not exist: they must stop before
+# anything is loaded. DATA cases need the data's size: they load the 256 synthetic training images first.
+NO_DATA = [
+    (["--epochs", "0"], "error: --epochs 0: must be positive"),
+    (["--epochs", "-2"], "error: --epochs -2: must be positive"),
+    (["--epochs", "two"], "error: argument --epochs: invalid int value: 'two'"),
+    (["--batch-size", "0"], "error: --batch-size 0: must be positive"),
+    (["--batch-size", "9.5"], "error: --batch-size 9.5: must be a whole number"),
+    (["--width", "0"], "error: --width 0: must be positive"),
+    (["--subset", "0"], "error: --subset 0: must be positive"),
+    (["--lr-values", "0,0.4"], f"error: --lr-knots {KNOTS} and --lr-values 0,0.4: must have the same length (here 3 and 2)"),
+    (["--lr-knots", "0,1"], "error: --lr-knots 0,1 and --lr-values 0,0.4,0: must have the same length (here 2 and 3)"),
+    (["--tta", "all"], "error: argument --tta: 'all' is not one of none, flip, flip_translate"),
+    (["--optimizer", "adam"], "error: argument --optimizer: 'adam' is not one of sgd, muon, lars, rmsprop_sgd"),
+    (["--flip", "sometimes"], "error: argument --flip: 'sometimes' is not one of none, random, alternate"),
+    (["--act", "tanh"], "error: argument --act: 'tanh' is not one of relu, celu, gelu, silu"),
+    (["--device", "gpu"], "error: --device gpu: not a device; use cpu, cuda, cuda:N, mps, ..."),
+    (["--target", "0"], "error: --target 0: must be in (0, 1]"),
+    (["--target", "1.5"], "error: --target 1.5: must be in (0, 1]"),
+    (["--runs", "0"], "error: --runs 0: must be at least 1"),
+    (["--label-smoothing", "2"], "error: --label-smoothing 2: must be between 0 and 1"),
+    (["--dataset", "mnist"], "error: argument --dataset: 'mnist' is not one of cifar10, cifar100"),
+]
+DATA = [
+    (["--batch-size", "512"], "error: --batch-size 512: larger than the 256 training images"),
+    (["--subset", "100", "--batch-size", "128"], "error: --batch-size 128: larger than the 100 training images"),
+    (["--subset", "1000"], "error: --subset 1000: larger than the 256 training images"),
+    (["--cutout", "40", "--batch-size", "64"], "error: --cutout 40: larger than the 32x32 images"),
+]
+
+
+@pytest.mark.parametrize("flags, message", NO_DATA, ids=[" ".join(f) for f, _ in NO_DATA])
+def test_a_bad_flag_stops_before_the_data_is_loaded(flags, message, tmp_path, capsys):
+    rc, err = run(cf.main, ["--data-dir", tmp_path / "none", "--device", "cpu", *flags], capsys)
+    assert rc == 2 and err[-1] == message, err
+
+
+@pytest.mark.parametrize("flags, message", DATA, ids=[" ".join(f) for f, _ in DATA])
+def test_a_flag_too_large_for_the_data_stops_before_training(flags, message, npz, capsys, monkeypatch):
+    monkeypatch.setattr(cf.tb, "train", lambda *a, **k: pytest.fail("trained"))
+    rc, err = run(cf.main, ["--data-dir", npz, "--device", "cpu", "--recipe", "fast94", *flags], capsys)
+    assert rc == 2 and err[-1] == message, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
+def test_cuda_without_a_gpu(tmp_path, capsys):
+    rc, err = run(cf.main, ["--data-dir", tmp_path, "--device", "cuda"], capsys)
+    assert rc == 2 and err == ["error: --device cuda: this machine has no cuda device; use --device cpu"]
+
+
+def test_a_gpu_index_beyond_the_count(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    rc, err = run(cf.main, ["--data-dir", tmp_path, "--device", "cuda:2"], capsys)
+    assert rc == 2 and err == ["error: --device cuda:2: this machine has 2 cuda devices, cuda:0 to cuda:1"]
+
+
+def test_outputs_are_checked_before_training(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    for script, args in ((cf.main, ["--data-dir", tmp_path, "--device", "cpu"]),
+                         (inf.main, ["train", "--store", tmp_path, "--device", "cpu"])):
+        rc, err = run(script, [*args, "--out", tmp_path], capsys)
+        assert rc == 2 and err == [f"error: --out {tmp_path}: is a folder; give a file name"]
+        rc, err = run(script, [*args, "--out", tmp_path / "file" / "r.json"], capsys)
+        assert rc == 2 and err == [f"error: --out {tmp_path / 'file' / 'r.json'}: {tmp_path / 'file'} is a file, not a folder"]
+    rc, err = run(inf.main, ["train", "--store", tmp_path, "--device", "cpu", "--checkpoint", tmp_path], capsys)
+    assert rc == 2 and err == [f"error: --checkpoint {tmp_path}: is a folder; give a file name"]
+
+
+def test_an_output_in_folders_not_yet_there_is_fine(npz, tmp_path, capsys):
+    out = tmp_path / "new" / "folders" / "r.json"
+    rc, err = run(cf.main, ["--data-dir", npz, "--device", "cpu", "--recipe", "fast94", "--epochs", "1", "--width",
+                            "0.0625", "--batch-size", "128", "--out", out], capsys)
+    assert rc == 0 and out.is_file(), err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train", "--store", "S", "--batch-size", "0"], "error: --batch-size 0: must be positive"),
+    (["train", "--store", "S", "--epochs", "0"], "error: --epochs 0: must be positive"),
+    (["train", "--store", "S", "--epochs", "1.5"], "error: --epochs 1.5: must be a whole number"),
+    (["train", "--store", "S", "--crop-scale", "0.5,0.2"],
+     "error: --crop-scale 0.5,0.2: must be two fractions, 0 < low <= high <= 1"),
+    (["train", "--store", "S", "--schedule", "exp"],
+     "error: argument --schedule: 'exp' is not one of linear, cosine, step, slow_start"),
+    (["train", "--store", "S", "--device", "gpu"], "error: --device gpu: not a device; use cpu, cuda, cuda:N, mps, ..."),
+    (["simulate", "--gpus", "0"], "error: argument --gpus: '0': expected GPU counts of 1 or more separated by commas, "
+                                  "e.g. 8,64"),
+    (["simulate", "--gpus", "a,b"], "error: argument --gpus: 'a,b': expected GPU counts of 1 or more separated by "
+                                    "commas, e.g. 8,64"),
+    (["simulate", "--step-time", "0"], "error: argument --step-time: '0': must be positive"),
+])
+def test_imagenet_and_simulate_flags(args, message, capsys):
+    rc, err = run(inf.main, args, capsys)
+    assert rc == 2 and err == [message]
+    if args[0] == "simulate":
+        assert run(scaling.main_simulate, args[1:], capsys) == (2, [message])
+
+
+def test_help_lists_the_allowed_values(capsys):
+    with pytest.raises(SystemExit) as e:
+        cf.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    for choices in ("{none,flip,flip_translate}", "{sgd,muon,lars,rmsprop_sgd}", "{none,random,alternate}",
+                    "{relu,celu,gelu,silu}", "{cifar10,cifar100}"):
+        assert choices in out
+
+
+def test_under_torchrun_only_rank_0_prints_the_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    for flags in (["--tta", "all"], ["--epochs", "0"]):
+        assert run(cf.main, ["--data-dir", tmp_path, *flags], capsys) == (2, [])
