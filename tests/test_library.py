@@ -1,5 +1,7 @@
 """cifar10_fast as a library (train, evaluate), on data of one's own (any number of classes, any image size,
 normalised by its own statistics), reproducibility, in-epoch progress, and devices other than CUDA."""
+import contextlib
+import io
 import os
 import re
 import types
@@ -13,7 +15,7 @@ import cifar_data as cd
 import cli
 import core
 import torch_backend as tb
-from conftest import pattern_arrays, synthetic_arrays
+from conftest import ROOT, pattern_arrays, synthetic_arrays
 
 CPU = torch.device("cpu")
 TINY = dict(device="cpu", epochs=1, width=1 / 16, batch_size=64)
@@ -24,6 +26,19 @@ def npz(tmp_path_factory):
     p = tmp_path_factory.mktemp("synth") / "synth.npz"
     np.savez(p, **synthetic_arrays(n_train=256, n_test=64))
     return p
+
+
+def test_the_readme_example_runs(npz):
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"## Library use\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    assert len(code.strip().splitlines()) == 5
+    tiny = code.replace('"cifar10.npz"', repr(str(npz))).replace('device="cuda", epochs=10',
+                                                                 'device="cpu", epochs=1, width=1 / 16, batch_size=64')
+    assert tiny.count(str(npz)) == 2 and "width" in tiny
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(tiny, {})
+    assert re.fullmatch(r"\{'loss': [0-9.]+, 'accuracy': [0-9.]+\}\n", out.getvalue())
 
 
 def test_train_returns_the_model_rows_and_summary_and_evaluate_agrees(npz):
