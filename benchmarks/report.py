@@ -119,10 +119,11 @@ def t_env(results):
                      fp["torch"], f"{fp.get('sm_clock_after_matmul_mhz') or '–'} / {fp.get('max_sm_clock_mhz') or '–'} MHz"
                      if gpu else "–", f"{fp.get('power_limit_w') or '–'} W" if gpu else "–",
                      f"{fp['matmul_tflops']:.1f} TFLOP/s ({fp['matmul_dtype']}, {fp['matmul_size']}³, mean of {fp['reps']})",
-                     f"{fp['copy_gbps']:.0f} GB/s", fp["date"][:10]])
+                     f"{fp['copy_gbps']:.0f} GB/s", f"{fp['load_average_1min']:.1f}" if "load_average_1min" in fp else "–",
+                     fp["date"][:10]])
     return table(["device", "SMs", "memory", "driver", "CUDA", "torch", "SM clock after matmuls / max", "power limit",
-                  "measured matmul rate", "copy bandwidth (read + write)", "date"],
-                 rows or [["GPU"] + [NM] * 10])
+                  "measured matmul rate", "copy bandwidth (read + write)", "host load (1 min)", "date"],
+                 rows or [["GPU"] + [NM] * 11])
 
 
 def t_plain(results, pieces, target=0.94, cpu=False):
