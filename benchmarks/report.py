@@ -1,5 +1,5 @@
-"""Writes every results table of README.md and docs/perf-notes.md from results/, so that no figure is
-typed by hand: each table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->` and is replaced
+"""Writes every results table of README.md and docs/perf-notes.md from results/ (and the scaling model's table
+in docs/scaling.md from scaling.py), so that no figure is typed by hand: each table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->` and is replaced
 whole; a piece with no result reads "not measured".
 
     python benchmarks/report.py             # rewrite the tables
@@ -24,7 +24,7 @@ def side_by_side_pieces():
     """(our recipe, the peer beside it) of every side-by-side piece of the suite, in its order."""
     from suite import pieces
     return [tuple(pc.sides) for pc in pieces() if pc.kind == "side_by_side"]
-DOCS = ("README.md", "docs/perf-notes.md")
+DOCS = ("README.md", "docs/perf-notes.md", "docs/scaling.md")
 
 
 def load_results(folder, smoke=False):
@@ -251,7 +251,13 @@ def outcome(results, ref):
                      for r, s in found)
 
 
-TABLES = {"env": t_env, "flops": t_flops, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
+def t_scaling(results):
+    """The scaling model against the published many-GPU runs (model output, not a measurement)."""
+    import scaling
+    return scaling.published_table().split("\n")
+
+
+TABLES = {"env": t_env, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
           "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput,
