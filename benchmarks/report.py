@@ -1,6 +1,7 @@
-"""Writes every results table of README.md and docs/perf-notes.md from results/ (and the scaling model's table
-in docs/scaling.md from scaling.py), so that no figure is typed by hand: each table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->` and is replaced
-whole; a piece with no result reads "not measured".
+"""Writes every results table of README.md and docs/perf-notes.md from results/ (and the scaling model's
+table in docs/scaling.md from scaling.py), so that no figure is typed by hand: each table sits between
+`<!-- report:NAME -->` and `<!-- /report:NAME -->` and is replaced whole; a piece with no result reads
+"not measured".
 
     python benchmarks/report.py             # rewrite the tables
     python benchmarks/report.py --check     # exit 1, naming the tables, if they differ from results/
