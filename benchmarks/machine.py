@@ -72,6 +72,7 @@ def measure_rates(device, size, copy_bytes, reps=10):
 def fingerprint(device, smoke):
     import torch
     fp = {"device_name": device_name(device), "device": str(device), "torch": torch.__version__,
+          "load_average_1min": os.getloadavg()[0],          # other work on the host slows a CPU (and a GPU's feeder)
           "python": platform.python_version(), "host_cpu": cpu_name(), "host_cores": os.cpu_count(),
           "date": datetime.datetime.now().isoformat(timespec="seconds")}
     if device.type == "cuda":

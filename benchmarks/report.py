@@ -1,6 +1,7 @@
-"""Writes every results table of README.md and docs/perf-notes.md from results/, so that no figure is
-typed by hand: each table sits between `<!-- report:NAME -->` and `<!-- /report:NAME -->` and is replaced
-whole; a piece with no result reads "not measured".
+"""Writes every results table of README.md and docs/perf-notes.md from results/ (and the scaling model's
+table in docs/scaling.md from scaling.py), so that no figure is typed by hand: each table sits between
+`<!-- report:NAME -->` and `<!-- /report:NAME -->` and is replaced whole; a piece with no result reads
+"not measured".
 
     python benchmarks/report.py             # rewrite the tables
     python benchmarks/report.py --check     # exit 1, naming the tables, if they differ from results/
@@ -24,7 +25,7 @@ def side_by_side_pieces():
     """(our recipe, the peer beside it) of every side-by-side piece of the suite, in its order."""
     from suite import pieces
     return [tuple(pc.sides) for pc in pieces() if pc.kind == "side_by_side"]
-DOCS = ("README.md", "docs/perf-notes.md")
+DOCS = ("README.md", "docs/perf-notes.md", "docs/scaling.md")
 
 
 def load_results(folder, smoke=False):
@@ -119,10 +120,11 @@ def t_env(results):
                      fp["torch"], f"{fp.get('sm_clock_after_matmul_mhz') or '–'} / {fp.get('max_sm_clock_mhz') or '–'} MHz"
                      if gpu else "–", f"{fp.get('power_limit_w') or '–'} W" if gpu else "–",
                      f"{fp['matmul_tflops']:.1f} TFLOP/s ({fp['matmul_dtype']}, {fp['matmul_size']}³, mean of {fp['reps']})",
-                     f"{fp['copy_gbps']:.0f} GB/s", fp["date"][:10]])
+                     f"{fp['copy_gbps']:.0f} GB/s", f"{fp['load_average_1min']:.1f}" if "load_average_1min" in fp else "–",
+                     fp["date"][:10]])
     return table(["device", "SMs", "memory", "driver", "CUDA", "torch", "SM clock after matmuls / max", "power limit",
-                  "measured matmul rate", "copy bandwidth (read + write)", "date"],
-                 rows or [["GPU"] + [NM] * 10])
+                  "measured matmul rate", "copy bandwidth (read + write)", "host load (1 min)", "date"],
+                 rows or [["GPU"] + [NM] * 11])
 
 
 def t_plain(results, pieces, target=0.94, cpu=False):
@@ -250,7 +252,13 @@ def outcome(results, ref):
                      for r, s in found)
 
 
-TABLES = {"env": t_env, "flops": t_flops, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
+def t_scaling(results):
+    """The scaling model against the published many-GPU runs (model output, not a measurement)."""
+    import scaling
+    return scaling.published_table().split("\n")
+
+
+TABLES = {"env": t_env, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
           "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput,

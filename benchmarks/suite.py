@@ -421,7 +421,8 @@ def run_piece(piece, ctx, fp, flops, deadline, say, note=""):
             "argv": shlex.join(chunk.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "seconds": time.time() - t0, "estimated_s": est, "returncode": rc, "runs_added": len(new),
             "setup_s": time.time() - t0 - sum(r.get("wall_s", r["time"]) for r in new) if rc == 0 and new else None,
-            "device_name": fp["device_name"], "sm_clock_after_matmul_mhz": fp.get("sm_clock_after_matmul_mhz")})
+            "device_name": fp["device_name"], "sm_clock_after_matmul_mhz": fp.get("sm_clock_after_matmul_mhz"),
+            "load_average_1min": os.getloadavg()[0]})
         save()
         if rc != 0:
             tail = log.read_text().splitlines()[-15:] if log.exists() else []
@@ -503,7 +504,8 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data_dir or (str(synthetic_npz(Path(tmp) / "synthetic.npz")) if args.smoke else "data")
-        data = os.path.abspath(data)            # the commands run in the repository's root
+        data = os.path.abspath(data)            # the commands run in the repository's root: relative to it if inside
+        data = os.path.relpath(data, ROOT) if Path(data).is_relative_to(ROOT) else data
         fp = fingerprint(device, args.smoke)
         results = Path(args.results) if args.results else (Path(tmp) / "results" if args.smoke else ROOT / "results")
         results = results / fp["slug"]
