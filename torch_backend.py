@@ -744,6 +744,9 @@ def count_flops(hp, data, batch=8):
     per_low_image = per_train_image(low_resolution(x, hp["low_res"])) if low else 0.0
     model.eval()
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(x)
+    per_forward_image = counter.get_total_flops() / len(x)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
         views = tta_views(x, hp["tta"])
         for _, view in views if hp["tta_fraction"] >= 1 else views[:1]:
             model(view)
@@ -753,4 +756,4 @@ def count_flops(hp, data, batch=8):
     train = ((steps - low) * per_image + low * per_low_image) * hp["batch_size"]
     test = len(data["test_labels"]) * per_test_image
     return {"train": train, "final_eval": test, "total": train + test,
-            "per_train_image": per_image, "per_test_image": per_test_image}
+            "per_train_image": per_image, "per_test_image": per_test_image, "per_forward_image": per_forward_image}

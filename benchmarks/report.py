@@ -102,10 +102,14 @@ def t_flops(results):
     rows = []
     for recipe, f in (env or {}).get("counted_flops", {}).items():
         if recipe.startswith(("fast", "myrtle")):
-            views = f.get("tta_views", 1)
-            rows.append([recipe, f"{f['parameters']:,}", f"{f['per_test_image'] / views / 1e9:.4f}",
+            views, fraction = f.get("tta_views", 1), f.get("tta_fraction", 1.0)
+            # selective TTA: the plain pass on every test image, the other views on `fraction` of them
+            forward = f.get("per_forward_image", f["per_test_image"] / (1 + fraction * (views - 1)))
+            on = f" on {fraction:.0%} of the images" if views > 1 and fraction < 1 else ""
+            rows.append([recipe, f"{f['parameters']:,}", f"{forward / 1e9:.4f}",
                          f"{f['per_train_image'] / 1e9:.4f}", f"{f['train'] / 1e15:.4f}",
-                         f"{f['final_eval'] / 1e12:.3f} ({views} view{'s' * (views > 1)})", f"{f['total'] / 1e15:.4f}"])
+                         f"{f['final_eval'] / 1e12:.3f} ({views} view{'s' * (views > 1)}{on})",
+                         f"{f['total'] / 1e15:.4f}"])
     return table(["recipe", "parameters", "forward GFLOP/image", "train GFLOP/image", "training PFLOP",
                   "final eval TFLOP", "total PFLOP/run"], rows or [["–", NM, NM, NM, NM, NM, NM]])
 

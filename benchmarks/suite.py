@@ -120,7 +120,7 @@ def counted_flops(recipes):
               "test_labels": torch.zeros(10000, dtype=torch.long)}
     views = lambda hp: len(tb.tta_views(shapes["test_images"][:1], hp["tta"]))
     return {r: {**tb.count_flops(hp, shapes), "parameters": tb.count_parameters(tb.build_model(hp, "cpu")),
-                "tta_views": views(hp)} for r, hp in ((r, cf.recipe(r)) for r in recipes)}
+                "tta_views": views(hp), "tta_fraction": hp["tta_fraction"]} for r, hp in ((r, cf.recipe(r)) for r in recipes)}
 
 
 # ---------------------------------------------------------------------------------------------------

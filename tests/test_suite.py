@@ -161,3 +161,16 @@ def test_the_torchrun_pieces_run_the_same_command_with_and_without_torchrun():
                   "4", "--seed", "6", "--data-dir", "/d/c.npz", "--out", "o.json"]
     piece = next(pc for pc in suite.pieces() if pc.name == "torchrun_imagenet_tiny")
     assert suite.chunk_for(piece, {"torchrun": 3}, {}, ctx).argv[3:7] == ["imagenet_fast.py", "train", "--store", "/s"]
+
+
+def test_the_flops_table_counts_one_plain_forward_pass_whatever_the_test_time_augmentation():
+    # fast94_next evaluates all six views on only a quarter of the test images: its network and resolution are
+    # fast94's, so one plain forward pass costs the same, and its final evaluation a quarter of the extra views
+    flops = suite.counted_flops(["fast94", "fast94_next"])
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")
+            for line in report.t_flops({"env": [{"counted_flops": flops}]})[2:]}
+    assert rows["fast94_next"][2] == rows["fast94"][2] == "0.2363"
+    plain = flops["fast94"]["per_test_image"] / 6
+    assert flops["fast94_next"]["final_eval"] == pytest.approx(10000 * plain * (1 + 0.25 * 5))
+    assert rows["fast94_next"][5] == f"{10000 * plain * 2.25 / 1e12:.3f} (6 views on 25% of the images)"
+    assert rows["fast94"][5].endswith("(6 views)")
