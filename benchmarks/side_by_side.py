@@ -157,6 +157,7 @@ def main(argv=None):
         print(f"error: unknown recipes {unknown}; choose from {', '.join(cf.RECIPES)}", file=sys.stderr)
         return 2
     dtype = tb.compute_dtype(device)
+    tb.autotune(device)                 # as cifar10_fast.py does (importing airbench also does it, for both sides)
     sync = lambda: tb.synchronize(device)
     arrays = cf.load_arrays(args.data_dir, args.subset)
     if arrays is None:

@@ -95,3 +95,17 @@ def test_the_peers_clock_holds_its_model_construction_but_not_its_test_set_load(
     assert trained_on is loader and tested_on is test_loader and not verbose
     assert evaluation == ("evaluate", "model", test_loader, 2)               # its own default TTA level
     assert airbench.utils.CifarLoader("cifar10", train=False).train is False   # put back after the run
+
+
+def test_ours_gets_the_convolution_autotuning_the_command_line_gives_it(tmp_path, monkeypatch):
+    # airbench's modules turn cuDNN's autotuning on when imported: without the peer (--peer none), ours must
+    # still get it, as cifar10_fast.py gives it, or the two tools time different code
+    npz = tmp_path / "synth.npz"
+    np.savez(npz, **synthetic_arrays(128, 32))
+    calls = []
+    monkeypatch.setattr(side_by_side.tb, "autotune", lambda device: calls.append(("autotune", str(device))))
+    train = side_by_side.tb.train
+    monkeypatch.setattr(side_by_side.tb, "train", lambda *a, **k: calls.append(("train",)) or train(*a, **k))
+    assert side_by_side.main(["--peer", "none", "--device", "cpu", "--data-dir", str(npz), "--recipes", "fast94",
+                              "--runs", "1", "--epochs", "1", "--width", "0.0625", "--batch-size", "64"]) == 0
+    assert calls[:2] == [("autotune", "cpu"), ("train",)]
