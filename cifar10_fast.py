@@ -222,6 +222,9 @@ RECIPES = {
     "fast94_next": dict({**FAST, **MUON, **NEXT}, doc="the 2-second record's configuration from switches: batched "
                                                   "Newton-Schulz, SiLU, jitter, selective TTA, 7.59 epochs at batch "
                                                   "1536 (target 94%)"),
+    "fast94_next_lowres": dict({**FAST, **MUON, **NEXT}, low_res=24, low_res_epochs=2,
+                               doc="fast94_next with its first 2 epochs at 24 px: an idea of ours, measured "
+                                   "beside fast94_next before it joins it (target 94%)"),
 }
 
 

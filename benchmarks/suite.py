@@ -11,8 +11,8 @@ finished piece written at once as JSON under results/<device>/ (the only source 
             counted FLOPs of every recipe; every other result embeds this fingerprint
   tier 1    fast94 (n=100, --compile max-autotune) alternating with airbench's train94 (n=25); then our
             best 94% attempt, fast94_next, the same way
-  tier 2    fast94_muon beside airbench94 (100 / 25); fast95 beside airbench95 (25 / 10); myrtle24 (5);
-            myrtle10 (10)
+  tier 2    fast94_muon beside airbench94 (100 / 25); fast94_next_lowres, our idea, compiled as fast94_next
+            is (50); fast95 beside airbench95 (25 / 10); myrtle24 (5); myrtle10 (10)
   tier 3    fast96 beside airbench96 (10 / 5); the journey stages (3 each)
   tier 4    ResNet-50 images/s at 128-224 px (model alone, our store, ImageFolder); the torchrun
             --nproc_per_node=1 (NCCL) overhead for fast94 and an ImageNet tiny run
@@ -91,6 +91,9 @@ def pieces():
         fast("fast94", "fast94", 100, "airbench94", 25, 0.94, "1"),
         fast("fast94_next", "fast94_next", 100, "airbench94", 25, 0.94, "1"),     # our best 94% attempt
         fast("fast94_muon", "fast94_muon", 100, "airbench94", 25, 0.94, "2"),
+        Piece("fast94_next_lowres", "2", "fast94_next_lowres (n=50), compiled max-autotune, beside tier 1's "
+              "fast94_next", "cifar", {"fast94_next_lowres": 50}, {"fast94_next_lowres": "fast94_next_lowres"},
+              {"fast94_next_lowres": 0.94}, "max-autotune", ("gpu",)),
         fast("fast95", "fast95", 25, "airbench95", 10, 0.95, "2"),
         plain("myrtle24", 5, "2"),
         plain("myrtle10", 10, "2"),
