@@ -101,7 +101,7 @@ def t_flops(results):
     env = next((r for r in results.get("env", []) if r.get("counted_flops")), None)
     rows = []
     for recipe, f in (env or {}).get("counted_flops", {}).items():
-        if recipe.startswith(("fast", "myrtle")):
+        if recipe.startswith(("fast9", "myrtle")):      # the speed recipes, not the journey's stages (faster_bn)
             views, fraction = f.get("tta_views", 1), f.get("tta_fraction", 1.0)
             # selective TTA: the plain pass on every test image, the other views on `fraction` of them
             forward = f.get("per_forward_image", f["per_test_image"] / (1 + fraction * (views - 1)))

@@ -166,9 +166,10 @@ def test_the_torchrun_pieces_run_the_same_command_with_and_without_torchrun():
 def test_the_flops_table_counts_one_plain_forward_pass_whatever_the_test_time_augmentation():
     # fast94_next evaluates all six views on only a quarter of the test images: its network and resolution are
     # fast94's, so one plain forward pass costs the same, and its final evaluation a quarter of the extra views
-    flops = suite.counted_flops(["fast94", "fast94_next"])
+    flops = suite.counted_flops(["fast94", "fast94_next", "faster_bn"])
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ")
             for line in report.t_flops({"env": [{"counted_flops": flops}]})[2:]}
+    assert set(rows) == {"fast94", "fast94_next"}         # a journey stage (faster_bn) is not a speed recipe
     assert rows["fast94_next"][2] == rows["fast94"][2] == "0.2363"
     plain = flops["fast94"]["per_test_image"] / 6
     assert flops["fast94_next"]["final_eval"] == pytest.approx(10000 * plain * (1 + 0.25 * 5))
