@@ -20,7 +20,7 @@ import torch
 import cifar_data as cd
 import distributed as D
 import torch_backend as tb
-from cli import (add_shared_flags, check_run, check_values, flag, flag_error, join_ranks, one_of, overrides_from,
+from cli import (add_shared_flags, check_run, check_values, flag, flag_error, one_of, overrides_from, run_in_ranks,
                  run_record, show_choices)
 from core import DataError, Parser, Table, UsageError, print_summary, summarize_runs, write_json
 from optim import linear_scaled_lr
@@ -497,18 +497,7 @@ def main(argv=None):
     except (KeyError, UsageError) as e:
         D.print0(f"error: {e.args[0]}", file=sys.stderr)
         return 2
-    if args.deterministic:
-        tb.set_deterministic()           # before CUDA starts (joining torchrun's group may start it)
-    try:
-        ctx, hook = join_ranks(args)       # torchrun: this rank's place; plain python: one process
-    except ValueError as e:
-        D.print0(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return run(args, overrides, hp, ctx, hook, argv)
-    finally:
-        if ctx.distributed and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    return run_in_ranks(args, lambda ctx, hook: run(args, overrides, hp, ctx, hook, argv))
 
 
 def run(args, overrides, hp, ctx, hook, argv):

@@ -12,7 +12,7 @@ import torch
 
 import torch_backend as tb
 from core import UsageError, check_output
-from distributed import HOOKS, comm_hook, init_from_env
+from distributed import HOOKS, comm_hook, init_from_env, print0
 
 
 def flag(key, value):
@@ -106,6 +106,24 @@ def join_ranks(args):
         if ctx.distributed:
             torch.distributed.destroy_process_group()
         raise
+
+
+def run_in_ranks(args, work):
+    """Runs work(ctx, hook) in this process's place (torchrun: its rank; plain python: one process), after
+    --deterministic's settings, and leaves the process group however work ends; the exit status: work's, or 2
+    for a bad communication flag (one line, rank 0 alone)."""
+    if args.deterministic:
+        tb.set_deterministic()           # before CUDA starts (joining torchrun's group may start it)
+    try:
+        ctx, hook = join_ranks(args)
+    except ValueError as e:
+        print0(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return work(ctx, hook)
+    finally:
+        if ctx.distributed and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 def eval_number(s):
