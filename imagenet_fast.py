@@ -29,7 +29,7 @@ from torch import nn
 import distributed as D
 import scaling
 import torch_backend as tb
-from cli import add_shared_flags, check_run, check_values, flag_error, join_ranks, overrides_from, run_record
+from cli import add_shared_flags, check_run, check_values, flag_error, overrides_from, run_in_ranks, run_record
 from core import (DataError, Parser, Table, Timer, UsageError, check_output, epoch_progress, print_summary,
                   summarize_runs, write_json)
 from imagenet_store import open_store, prepare
@@ -204,7 +204,8 @@ def evaluate(model, data, size, res, tta, device, dtype, memory_format, batch_si
     model.eval()
     shapes = data["val_shapes"]
     offsets = np.concatenate([[0], np.cumsum(shapes.prod(1) * 3)])
-    loss = top1 = top5 = 0.0
+    # loss, top-1, top-5 summed on the device and read once (no wait per batch), and the images counted
+    totals = torch.tensor([0.0, 0.0, 0.0, len(shapes)], dtype=torch.float64, device=device)
     for i, n, h, w in val_batches(shapes, batch_size):
         x = data["val_x"][offsets[i]:offsets[i + n]].to(device, non_blocking=True).view(n, h, w, 3)
         y = data["val_y"][i:i + n].to(device)
@@ -217,12 +218,10 @@ def evaluate(model, data, size, res, tta, device, dtype, memory_format, batch_si
             logits = model(x).float()
             if tta == "flip":
                 logits = (logits + model(x.flip(3)).float()) / 2
-        loss += F.cross_entropy(logits, y, reduction="sum").item()
         top = logits.topk(min(5, logits.shape[1]), 1).indices
-        top1 += (top[:, 0] == y).sum().item()
-        top5 += (top == y[:, None]).any(1).sum().item()
+        totals[:3] += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(),
+                                   (top[:, 0] == y).sum().double(), (top == y[:, None]).any(1).sum().double()])
     model.train(was_training)
-    totals = torch.tensor([loss, top1, top5, len(shapes)], dtype=torch.float64, device=device)
     if ctx is not None and ctx.distributed:
         torch.distributed.all_reduce(totals)
     loss, top1, top5, m = totals.tolist()
@@ -647,18 +646,7 @@ def main_train(args, overrides, argv):
     except (KeyError, UsageError) as e:
         D.print0(f"error: {e.args[0]}", file=sys.stderr)
         return 2
-    if args.deterministic:
-        tb.set_deterministic()           # before CUDA starts (joining torchrun's group may start it)
-    try:
-        ctx, hook = join_ranks(args)      # torchrun: this rank's place; plain python: one process
-    except ValueError as e:
-        D.print0(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return run_train(args, hp, ctx, hook, argv)
-    finally:
-        if ctx.distributed and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    return run_in_ranks(args, lambda ctx, hook: run_train(args, hp, ctx, hook, argv))
 
 
 def run_train(args, hp, ctx, hook, argv):
