@@ -10,6 +10,7 @@ of the same name (`--batch-size 768`, `--lr-knots 0,0.2,1`).
 """
 import argparse
 import io
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ import torch
 import cifar_data as cd
 import distributed as D
 import torch_backend as tb
-from cli import (add_shared_flags, check_run, check_values, flag, flag_error, one_of, overrides_from, run_in_ranks,
-                 run_record, show_choices)
+from cli import (add_shared_flags, check_run, check_values, flag, flag_error, interrupted, one_of, overrides_from,
+                 run_in_ranks, run_record, show_choices)
 from core import DataError, Parser, Table, UsageError, print_summary, summarize_runs, write_json
 from optim import linear_scaled_lr
 
@@ -292,8 +293,9 @@ def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="myrtle24", help="recipe name (default myrtle24; see --list-recipes)")
     p.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
-    p.add_argument("--dataset", default="cifar10", type=one_of(tuple(cd.DATASETS), str), choices=tuple(cd.DATASETS),
-                   help="what a data folder holds, downloaded there if missing (default cifar10)")
+    p.add_argument("--dataset", default=None, type=one_of(tuple(cd.DATASETS), str), choices=tuple(cd.DATASETS),
+                   help="what a data folder holds, downloaded there if missing (default cifar10); for a .npz, that it "
+                        "is that dataset, checked as such (without it, a .npz is your own data)")
     p.add_argument("--data-dir", default="data",
                    help="data folder (downloads and caches the dataset there), an unpacked archive folder, or a .npz "
                         "(train_images, train_labels, test_images, test_labels: any images (N, H, W, 3) uint8)")
@@ -339,12 +341,13 @@ PROGRESS_AFTER_S = 5.0          # an epoch expected to take longer shows its ste
 
 
 def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=None, verbose=True, ctx=None,
-             bucket_mb=25.0, hook="none", on_run=None, first_epoch_s=None):
+             bucket_mb=25.0, hook="none", on_run=None, eval_every=1, on_epoch=None, on_first_steps=None):
     """Trains `runs` fresh networks (seeds seed, seed+1, ...) after one untimed warm-up on an accelerator.
     Returns the per-run results (without models); on_run(results so far, the last run's model) is called after
-    each run. wall_s is a run's whole wall-clock time, per-epoch evaluations included (for planning, not a
-    result). verbose prints the table and each run's result, and shows the steps of an epoch expected to take
-    over PROGRESS_AFTER_S (the epoch before it, or first_epoch_s for the first) on stderr."""
+    each run, on_epoch(row) after each epoch. wall_s is a run's whole wall-clock time, per-epoch evaluations
+    included (for planning, not a result). verbose prints the table and each run's result, and shows the steps of
+    an epoch that looks longer than PROGRESS_AFTER_S on stderr; on_first_steps(seconds per step) is called once,
+    early in the first run."""
     net, forward = tb.make_forward(hp, device, compile_mode, ctx, bucket_mb, hook, data.get("num_classes", 10))
     if device.type != "cpu" or compile_mode:
         tb.autotune(device)
@@ -355,9 +358,14 @@ def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=
             print(f"run {r + 1}/{runs} (seed {seed + r})", flush=True)
         table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
                       file=None if verbose else io.StringIO())
+
+        def epoch_done(row):
+            table.append(row)
+            if on_epoch:
+                on_epoch(row)
         start = time.perf_counter()
-        result = tb.train(hp, data, device, seed + r, dtype, target, table.append, net, forward, ctx,
-                          PROGRESS_AFTER_S if verbose else None, first_epoch_s)
+        result = tb.train(hp, data, device, seed + r, dtype, target, epoch_done, net, forward, ctx,
+                          PROGRESS_AFTER_S if verbose else None, eval_every, on_first_steps if r == 0 else None)
         model = result.pop("model")
         result["wall_s"] = time.perf_counter() - start
         results.append(result)
@@ -370,6 +378,17 @@ def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=
                   + f"; training {result['train_time']:.2f} s + final evaluation {result['final_eval_time']:.2f} s",
                   flush=True)
     return results
+
+
+def estimated_run_s(hp, step_s, flops, n_train, n_test, eval_every):
+    """Seconds a run is expected to take, from the measured seconds per training step: its steps, and its
+    evaluations priced from the counted FLOPs (count_flops) at the training steps' rate."""
+    steps_per_epoch, total_steps = tb.run_steps(hp, n_train)
+    epochs = math.ceil(total_steps / steps_per_epoch)
+    plain_evals = (epochs - 1) // eval_every if eval_every else 0
+    flops_per_s = flops["per_train_image"] * hp["batch_size"] / step_s
+    evaluations = flops["final_eval"] + plain_evals * n_test * flops["per_forward_image"]
+    return total_steps * step_s + evaluations / flops_per_s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,27 +410,30 @@ class Result:
 
 
 def train(recipe="fast94", data=None, device=None, runs=1, seed=0, target=0.94, compile=None, verbose=False,
-          dataset="cifar10", subset=None, precision="auto", on_run=None, ctx=None, hook="none", bucket_mb=25.0,
-          **hyperparameters):
+          dataset=None, subset=None, precision="auto", on_run=None, ctx=None, hook="none", bucket_mb=25.0,
+          eval_every=1, on_epoch=None, **hyperparameters):
     """Trains `runs` fresh networks of a recipe, with any hyperparameter of BASE overridden by a keyword
     (epochs=10, batch_size=768), and returns a Result.
 
     data: a .npz file (train_images and test_images (N, H, W, 3) uint8, integer train_labels and test_labels),
-    a data folder (where `dataset`, cifar10 or cifar100, is downloaded and cached), an unpacked archive folder,
-    or a dict of those four numpy arrays; None is the folder data/. The classes are the labels' (the largest
-    + 1); the images are normalised by the training images' per-channel mean and std. device: "cuda", "cpu",
-    "mps", ... (default cuda when there is a GPU). verbose prints the per-epoch table and each run's result on
-    stdout, and on stderr the expected time on a CPU and the steps of a long epoch. on_run(Result so far) is
-    called after every run. Under torchrun the command line passes its ctx, hook and bucket_mb.
+    a data folder (where `dataset`, cifar10 by default or cifar100, is downloaded and cached), an unpacked archive
+    folder, or a dict of those four numpy arrays; None is the folder data/. The classes are the labels' (the
+    largest + 1; a .npz given with `dataset` is checked as that dataset); the images are normalised by the training
+    images' per-channel mean and std. device: "cuda", "cpu", "mps", ... (default cuda when there is a GPU).
+    eval_every: evaluate every this many epochs (0: only the last); the last with the recipe's test-time
+    augmentation, the others on the plain images. verbose prints the per-epoch table and each run's result on
+    stdout, and on stderr an estimate of the time on a CPU and the steps of a long epoch. on_run(Result so far) is
+    called after every run, on_epoch(row) after every epoch. Under torchrun the command line passes its ctx, hook
+    and bucket_mb.
     Bad arguments raise core.UsageError, bad data core.DataError, each with a one-line message.
     """
     try:
         hp = hyperparameters_of(recipe, **hyperparameters)
     except KeyError as e:
         raise UsageError(e.args[0]) from None
-    check_run(runs, target)
+    check_run(runs, target, eval_every=eval_every)
     validate(hp, subset)
-    if dataset not in cd.DATASETS:
+    if dataset is not None and dataset not in cd.DATASETS:
         raise flag_error("dataset", dataset, f"must be one of {show_choices(tuple(cd.DATASETS))}")
     device = torch.device(ctx.device) if ctx else tb.resolve_device(device)
     ctx = ctx or D.Context(device=str(device))
@@ -436,12 +458,14 @@ def train(recipe="fast94", data=None, device=None, runs=1, seed=0, target=0.94, 
         f"pixels, {classes} classes" + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step"
                                         if ctx.distributed else ""), flush=True)
     flops = tb.count_flops(hp, {**on_device, "train_labels": torch.empty(n_train)})
-    first_epoch_s = None
-    if verbose and device.type == "cpu":
-        run_s, first_epoch_s = tb.estimate_time(rank_hp, on_device, device, dtype, flops)
-        total, epochs = runs * run_s, hp["epochs"]
+
+    def estimate(step_s):
+        total = runs * estimated_run_s(rank_hp, step_s, flops, len(on_device["train_labels"]),
+                                       len(arrays["test_labels"]), eval_every)
+        epochs = hp["epochs"]
         say(f"estimated time: about {f'{total / 60:.0f} min' if total >= 90 else f'{total:.0f} s'} for {runs} "
-            f"run{'s' * (runs > 1)} of {epochs:g} epoch{'s' * (epochs != 1)} on this CPU", file=sys.stderr, flush=True)
+            f"run{'s' * (runs > 1)} of {epochs:g} epoch{'s' * (epochs != 1)} on this CPU (from the first steps; an "
+            "estimate)", file=sys.stderr, flush=True)
 
     def result(runs_so_far, model):
         s = summarize_runs(runs_so_far, target, SUMMARY, "final_acc")
@@ -456,7 +480,7 @@ def train(recipe="fast94", data=None, device=None, runs=1, seed=0, target=0.94, 
         if on_run:
             on_run(last["result"])
     run_many(rank_hp, on_device, device, dtype, runs, seed, target, compile, verbose, ctx, bucket_mb, hook,
-             finished, first_epoch_s)
+             finished, eval_every, on_epoch, estimate if verbose and device.type == "cpu" else None)
     return last["result"]
 
 
@@ -493,7 +517,7 @@ def main(argv=None):
     try:            # every flag, before any data is loaded (what depends on the data: in train(), before training)
         hp = recipe(args.recipe, **overrides)
         validate(hp, args.subset)
-        check_run(args.runs, args.target, args.device, args.out)
+        check_run(args.runs, args.target, args.device, args.out, args.eval_every)
     except (KeyError, UsageError) as e:
         D.print0(f"error: {e.args[0]}", file=sys.stderr)
         return 2
@@ -515,13 +539,24 @@ def run(args, overrides, hp, ctx, hook, argv):
                 "dataset": args.dataset, "compile": args.compile, "flops": result.flops, "complete": complete,
                 "runs": result.runs, "summary": result.summary}, args, argv, device, ctx))
 
+    where = {"run": 1, "epoch": 1, "finished": 0}           # for the line Ctrl-C leaves
+
+    def epoch_done(row):
+        where["epoch"] = row["epoch"] + 1
+
+    def run_done(result):
+        where.update(run=len(result.runs) + 1, epoch=1, finished=len(result.runs))
+        save(result, False)
     try:
         result = train(args.recipe, args.data_dir, device, args.runs, args.seed, args.target, args.compile,
-                       main_rank, args.dataset, args.subset, args.precision, lambda r: save(r, False), ctx, hook,
-                       args.bucket_mb, **overrides)
+                       main_rank, args.dataset, args.subset, args.precision, run_done, ctx, hook,
+                       args.bucket_mb, args.eval_every, epoch_done, **overrides)
     except (UsageError, DataError) as e:
         D.print0(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
+    except KeyboardInterrupt:
+        D.print0(interrupted(where["epoch"], where["run"], where["finished"], args.out), file=sys.stderr)
+        return 130
     if args.runs > 1 and main_rank:
         print_summary(args.recipe, result.summary, args.target, {
             "final_acc": ("final test accuracy", ""), "time": ("time (training + final evaluation)", " s"),

@@ -30,12 +30,12 @@ DATASETS = {
                     archive={"name": "cifar-10-python.tar.gz", "md5": "c58f30108f718f92721af3b95e74349a",
                              "size": 170498071},
                     folder="cifar-10-batches-py", train=tuple(f"data_batch_{i}" for i in range(1, 6)),
-                    test=("test_batch",), labels=b"labels", cache="cifar10_uint8.npz"),
+                    test=("test_batch",), labels=b"labels", cache="cifar10_uint8.npz", classes=10),
     "cifar100": dict(title="CIFAR-100", url="https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
                      archive={"name": "cifar-100-python.tar.gz", "md5": "eb9058c3a382ffc7106e4002c42a8d85",
                               "size": 169001437},
                      folder="cifar-100-python", train=("train",), test=("test",), labels=b"fine_labels",
-                     cache="cifar100_uint8.npz"),
+                     cache="cifar100_uint8.npz", classes=100),
 }
 CIFAR10_URL, CIFAR10_ARCHIVE, CACHE_NAME = (DATASETS["cifar10"][k] for k in ("url", "archive", "cache"))
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -59,7 +59,9 @@ def download(url, path, progress=True):
             with contextlib.redirect_stderr(sys.stderr if progress else io.StringIO()):   # its bar has no off switch
                 download_url(url, os.path.dirname(tmp), os.path.basename(tmp))
         except (OSError, RuntimeError) as e:      # URLError, HTTPError, "File not found", too many redirects
-            raise DataError(f"{url}: download failed ({e}); put {path.name} in {path.parent} by hand") from e
+            raise DataError(f"{url}: download failed ({e}); put {path.name} in {path.parent}, or give the data as one "
+                            "file: --data-dir FILE.npz holding train_images (N, 32, 32, 3) uint8, train_labels (N,), "
+                            "test_images and test_labels") from e
     write_atomic(path, write)
 
 
@@ -126,13 +128,14 @@ def read_npz(path):
         raise DataError(f"{path}: not a readable .npz ({type(e).__name__}: {e})") from e
 
 
-def check_arrays(d, source):
+def check_arrays(d, source, preset=None):
     """Raises DataError unless d holds uint8 (N, H, W, 3) images, H and W at least 8 and the same in both splits,
-    and integer labels from 0 (as many classes as the largest label + 1). Labels come back as uint8 when they
-    fit, else int64."""
+    and integer labels from 0 (as many classes as the largest label + 1); with a preset (a key of DATASETS), its
+    32x32 images and labels below its number of classes. Labels come back as uint8 when they fit, else int64."""
     missing = [k for k in KEYS if k not in d]
     if missing:
         raise DataError(f"{source}: missing arrays {missing}; expected {list(KEYS)}")
+    spec = DATASETS[preset] if preset else None
     for split in ("train", "test"):
         x, y = d[f"{split}_images"], d[f"{split}_labels"]
         if x.dtype != np.uint8:
@@ -149,6 +152,15 @@ def check_arrays(d, source):
     if d["train_images"].shape[1:] != d["test_images"].shape[1:]:
         raise DataError(f"{source}: train_images are {'x'.join(map(str, d['train_images'].shape[1:3]))} pixels but "
                         f"test_images {'x'.join(map(str, d['test_images'].shape[1:3]))}; expected the same size")
+    for split in ("train", "test") if spec else ():
+        x, y = d[f"{split}_images"], d[f"{split}_labels"]
+        if y.max() >= spec["classes"]:
+            raise DataError(f"{source}: {split}_labels out of range ({y.min()}..{y.max()}); {spec['title']}'s labels "
+                            f"are 0..{spec['classes'] - 1} (leave out --dataset to train on your own data's "
+                            f"{y.max() + 1} classes)")
+        if x.shape[1:3] != (32, 32):
+            raise DataError(f"{source}: {split}_images are {x.shape[1]}x{x.shape[2]} pixels; {spec['title']}'s are "
+                            "32x32 (leave out --dataset to train on your own data)")
     label_type = np.uint8 if num_classes(d) <= 256 else np.int64
     return {k: (d[k].astype(label_type) if k.endswith("labels") else d[k]) for k in KEYS}
 
@@ -187,47 +199,70 @@ def write_cache(path, d):
     write_atomic(path, write)
 
 
-def load(path="data", dataset="cifar10", download_ok=True, archive=None, url=None, progress=True):
+def load(path="data", dataset=None, download_ok=True, archive=None, url=None, progress=True):
     """A dataset as four numpy arrays (images uint8 NHWC, labels uint8 or int64).
 
     `path` is a .npz file with train_images/train_labels/test_images/test_labels (any image classification data:
     see check_arrays), an unpacked folder of the official pickles (`cifar-10-batches-py/`, `cifar-100-python/`),
     or a data folder. In a data folder the dataset's cache file is used if present; otherwise its official
     archive is read (downloaded first if absent), verified, and the arrays are cached there as one uncompressed
-    .npz. `dataset` (cifar10, cifar100) says which one a folder holds; `archive` and `url` replace its
-    archive's name, size and md5, and its address (for tests).
+    .npz. `dataset` (cifar10, cifar100) says which one a folder holds (cifar10 when None) and, for a .npz, that it
+    is that dataset, checked as such (labels, image size); a .npz without it is data of one's own, whose labels
+    say how many classes there are. `archive` and `url` replace its archive's name, size and md5, and its
+    address (for tests).
     """
-    spec = DATASETS[dataset]
-    archive, url = archive or spec["archive"], url or spec["url"]
     p = Path(path)
     if p.suffix == ".npz":
         if not p.is_file():
             raise DataError(f"{p}: no such file")
-        return check_arrays(read_npz(p), p)
+        return check_arrays(read_npz(p), p, dataset)
+    dataset = dataset or "cifar10"
+    spec = DATASETS[dataset]
+    archive, url = archive or spec["archive"], url or spec["url"]
     if p.exists() and not p.is_dir():
         raise DataError(f"{p}: expected a .npz file or a folder")
     if (p / spec["train"][0]).is_file():
-        return check_arrays(read_batches_dir(p, spec), p)
+        return check_arrays(read_batches_dir(p, spec), p, dataset)
     cache = p / spec["cache"]
     if cache.is_file():
-        return check_arrays(read_npz(cache), cache)
+        return check_arrays(read_npz(cache), cache, dataset)
     if (p / spec["folder"] / spec["train"][0]).is_file():
-        d = check_arrays(read_batches_dir(p / spec["folder"], spec), p / spec["folder"])
+        d = check_arrays(read_batches_dir(p / spec["folder"], spec), p / spec["folder"], dataset)
     else:
         tgz = p / archive["name"]
         if not tgz.is_file():
             if not download_ok:
                 raise DataError(f"{tgz}: not found and downloading is off")
-            p.mkdir(parents=True, exist_ok=True)
-            download(url, tgz, progress)
+            with made_folder(p):
+                download(url, tgz, progress)
         verify_archive(tgz, archive)
-        d = check_arrays(read_archive(tgz, spec), tgz)
+        d = check_arrays(read_archive(tgz, spec), tgz, dataset)
     write_cache(cache, d)
     return d
 
 
+@contextlib.contextmanager
+def made_folder(folder):
+    """Creates folder (and its missing parents) for the work inside; if the work fails, removes what it created
+    that is still empty, so a failed download leaves no empty data/ behind."""
+    folder, top = Path(folder), Path(folder)
+    while not top.parent.exists():
+        top = top.parent
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield folder
+    except BaseException:
+        if created:
+            for d in (folder, *folder.parents):
+                if d == top.parent or any(d.iterdir()):
+                    break
+                d.rmdir()
+        raise
+
+
 def load_cifar10(path="data", **kwargs):
-    """CIFAR-10 as four numpy arrays (load with dataset="cifar10")."""
+    """CIFAR-10 as four numpy arrays (load with dataset="cifar10": a .npz is checked as CIFAR-10)."""
     return load(path, "cifar10", **kwargs)
 
 

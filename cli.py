@@ -42,11 +42,13 @@ def check_values(values, choices, positive=(), not_negative=(), fractions=(), wh
                 raise flag_error(key, values[key], why)
 
 
-def check_run(runs, target, device=None, out=None):
-    """Raises UsageError unless runs is at least 1 and target a fraction above 0, the device exists
-    (torch_backend.resolve_device) and a file can be written at out (core.check_output)."""
+def check_run(runs, target, device=None, out=None, eval_every=1):
+    """Raises UsageError unless runs is at least 1, target a fraction above 0 and eval_every not negative, the
+    device exists (torch_backend.resolve_device) and a file can be written at out (core.check_output)."""
     if runs < 1:
         raise flag_error("runs", runs, "must be at least 1")
+    if eval_every < 0:
+        raise flag_error("eval_every", eval_every, "must not be negative (0: evaluate only after the last epoch)")
     if not 0 < target <= 1:
         raise flag_error("target", target, "must be in (0, 1]")
     tb.resolve_device(device)
@@ -126,6 +128,16 @@ def run_in_ranks(args, work):
             torch.distributed.destroy_process_group()
 
 
+def interrupted(epoch, run, finished, out=None, checkpoint=None):
+    """The line Ctrl-C leaves: where the work stopped and what of it is kept."""
+    line = f"interrupted in epoch {epoch} of run {run}"
+    if checkpoint:
+        line += f"; the checkpoint of epoch {epoch - 1} is kept in {checkpoint}" if epoch > 1 else "; no checkpoint yet"
+    if out:
+        line += f"; {finished} finished run{'s' * (finished != 1)} kept in {out}"
+    return line
+
+
 def eval_number(s):
     """Accepts plain numbers and simple fractions such as 1/16."""
     if "/" in s:
@@ -143,6 +155,9 @@ def add_shared_flags(p, base, choices):
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps, ... (default: cuda if available)")
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
                    help="autocast dtype (default: bf16 on a CUDA GPU, fp32 elsewhere)")
+    p.add_argument("--eval-every", type=int, default=1, metavar="N",
+                   help="evaluate every N epochs on the plain test images (0: none), and after the last with the "
+                        "recipe's test-time augmentation (default 1)")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms: the same seed gives the same parameters on the same machine "
                         "(README.md, Reproducibility)")

@@ -63,42 +63,36 @@ class PiecewiseLinear:
 
 
 class Progress:
-    """The steps of one epoch on stderr: tqdm's bar on a terminal; elsewhere (a log file, a pipe) a line at most
-    every `every_s` seconds, in tqdm's format (steps, elapsed<left, rate). It counts steps on the host, so it
-    never waits for the device."""
+    """The steps of one epoch on stderr, once the epoch looks long: after each step the epoch's time is projected from
+    the steps so far, and from the first projection above after_s seconds on it is shown, as tqdm's bar on a
+    terminal or elsewhere (a log file, a pipe) a line at most every `every_s` seconds in tqdm's format (steps,
+    elapsed<left, rate). It counts steps on the host, so it never waits for the device."""
     every_s = 30.0
 
-    def __init__(self, total, desc, file=None):
-        from tqdm import tqdm
+    def __init__(self, total, desc, after_s=5.0, file=None):
         self.file = file or sys.stderr
-        self.total, self.desc, self.n = total, desc, 0
-        terminal = self.file.isatty()
-        self.bar = tqdm(total=total, desc=desc, file=self.file, leave=False, unit="step") if terminal else None
-        self.format = tqdm.format_meter
+        self.total, self.desc, self.after_s, self.n = total, desc, after_s, 0
+        self.bar = None
         self.start = self.last = time.perf_counter()
 
     def update(self):
-        if self.bar is not None:
-            self.bar.update()
-            return
         self.n += 1
         now = time.perf_counter()
-        if now - self.last >= self.every_s:
+        if self.bar is None and (now - self.start) / self.n * self.total <= self.after_s:
+            return
+        from tqdm import tqdm
+        if self.bar is None and self.file.isatty():
+            self.bar = tqdm(total=self.total, initial=self.n, desc=self.desc, file=self.file, leave=False, unit="step")
+        if self.bar is not None:
+            self.bar.update(self.n - self.bar.n)
+        elif now - self.last >= self.every_s or self.last == self.start:
             self.last = now
-            print(self.format(self.n, self.total, now - self.start, prefix=self.desc, ascii=True, unit="step"),
+            print(tqdm.format_meter(self.n, self.total, now - self.start, prefix=self.desc, ascii=True, unit="step"),
                   file=self.file, flush=True)
 
     def close(self):
         if self.bar is not None:
             self.bar.close()
-
-
-def epoch_progress(steps, epoch, expected_s, after_s):
-    """A Progress of an epoch's steps when the epoch is expected to take more than after_s seconds; None when it
-    is not, or when either is unknown (None)."""
-    if after_s is None or expected_s is None or expected_s <= after_s:
-        return None
-    return Progress(steps, f"epoch {epoch}")
 
 
 class Table:
@@ -111,7 +105,9 @@ class Table:
         self.rows = []
 
     def _fmt(self, key, value):
-        if isinstance(value, float):
+        if value is None:           # not measured in this row (an epoch not evaluated)
+            value = "-"
+        elif isinstance(value, float):
             value = format(value, self.formats.get(key, ".4f"))
         return str(value).rjust(self.width)
 
@@ -190,6 +186,25 @@ class DataError(Exception):
 
 class UsageError(ValueError):
     """A bad flag or argument: the message names it, says what is wrong and what is allowed (exit status 2)."""
+
+
+def die_with_parent():
+    """In a child process: end when the process that started it ends, even by SIGKILL, which leaves it no chance to
+    stop its children (Linux's PR_SET_PDEATHSIG; elsewhere a thread that watches the parent's pid)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)        # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        import threading
+
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:            # the parent ended before the line above took effect
+        os._exit(1)
 
 
 def check_output(path, flag):

@@ -17,7 +17,6 @@ import argparse
 import io
 import math
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +28,10 @@ from torch import nn
 import distributed as D
 import scaling
 import torch_backend as tb
-from cli import add_shared_flags, check_run, check_values, flag_error, overrides_from, run_in_ranks, run_record
-from core import (DataError, Parser, Table, Timer, UsageError, check_output, epoch_progress, print_summary,
-                  summarize_runs, write_json)
+from cli import (add_shared_flags, check_run, check_values, flag_error, interrupted, overrides_from, run_in_ranks,
+                 run_record)
+from core import (DataError, Parser, Progress, Table, Timer, UsageError, check_output, print_summary, summarize_runs,
+                  write_json)
 from imagenet_store import open_store, prepare
 from optim import BatchSizeSchedule, optimizer, param_groups_no_decay_1d, slow_start_lr
 
@@ -374,9 +374,7 @@ def check_checkpoint(state, checkpoint, hp, world):
 
 def warmup(hp, data, num_classes, device, dtype, memory_format, world=1):
     """Two steps at every (resolution, batch) pair of the schedule on a throwaway model, so that
-    cuDNN's autotuning for each new shape happens before the clock starts. Returns the seconds per step it took
-    (autotuning included: an upper bound, for the first epoch's progress)."""
-    start, steps = time.perf_counter(), 0
+    cuDNN's autotuning for each new shape happens before the clock starts."""
     model = build_model(hp, num_classes).to(device, memory_format=memory_format)
     opt = make_optimizer(model, hp)
     gen = torch.Generator().manual_seed(0)
@@ -390,14 +388,12 @@ def warmup(hp, data, num_classes, device, dtype, memory_format, world=1):
                 F.cross_entropy(model(augment(xb, c, res, hp, gen, dtype, memory_format)).float(), yb).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            steps += 1
     tb.synchronize(device)
-    return (time.perf_counter() - start) / max(1, steps)
 
 
 def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, target=0.75, checkpoint=None,
           resume=False, on_epoch=None, ctx=None, bucket_mb=25.0, hook="none", interrupt_after=None,
-          progress_after_s=None, step_s=None):
+          progress_after_s=None, eval_every=1):
     """Trains one network; returns its per-epoch rows and summary (as torch_backend.train does).
 
     The clock (device-synchronised) covers model construction, batches, augmentation and steps;
@@ -407,8 +403,9 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
     Under torchrun (`ctx`): data holds this rank's shard, hp["batch_size"] is the per-rank batch (the
     learning rate follows the global one), the model trains inside DistributedDataParallel, and rank 0
     alone writes the checkpoint, which every rank restores (an elastic restart resumes from it).
-    With progress_after_s, an epoch expected to take longer (as long as the epoch before it, or its steps at
-    step_s seconds each for the first) shows its steps on stderr (core.Progress).
+    Every eval_every-th epoch before the last is validated without test-time augmentation (0: none), the last with
+    the recipe's; the others' rows hold None. With progress_after_s, an epoch that looks longer shows its steps on
+    stderr (core.Progress).
     """
     ctx = ctx or D.Context()
     world = ctx.world_size
@@ -456,12 +453,11 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
             crops.pop("flip")
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device)
-        previous_s = rows[-1]["epoch_time"] if rows else (step_s and step_s * steps)
-        bar = epoch_progress(steps, epoch + 1, previous_s, progress_after_s)
+        bar = Progress(steps, f"epoch {epoch + 1}", progress_after_s) if progress_after_s is not None else None
         for i, (xb, yb) in enumerate(train_batches(data["train_x"], data["train_y"], perm, bs, device)):
             c = {k: v[i * bs:(i + 1) * bs].to(device, non_blocking=True) for k, v in crops.items()}
             x = augment(xb, c, res, hp, gen, dtype, memory_format)
-            lr = lr_at(hp, epoch + i / steps) * bs * world / 256       # per 256 images of the global batch
+            lr = lr_at(hp, epoch + i / steps) * bs * world / hp["lr_scale_base"]   # per lr_scale_base global images
             for g in opt.param_groups:     # the clock: RMSprop-to-SGD's hand-over, right whatever the batch
                 g["lr"], g["epoch"] = lr, epoch + i / steps
             with tb.autocast(device, dtype):
@@ -479,15 +475,18 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
         if bar:
             bar.close()
         epoch_time = timer()
-        if hp["bn_stats"] == "last_batch":
-            D.sync_batch_norm_stats(model, ctx)
-            if ema:
-                D.sync_batch_norm_stats(ema.model, ctx, counted=model)
-        eval_model = ema.model if ema else model
-        val_loss, top1, top5 = evaluate(eval_model, data, size, hp["val_res"], hp["tta"], device, dtype, memory_format,
-                                        ctx=ctx)
-        if time_to_target is None and top1 >= target:
-            time_to_target = timer.total
+        last = epoch == hp["epochs"] - 1
+        val_loss = top1 = top5 = None
+        if last or (eval_every and (epoch + 1) % eval_every == 0):
+            if hp["bn_stats"] == "last_batch":
+                D.sync_batch_norm_stats(model, ctx)
+                if ema:
+                    D.sync_batch_norm_stats(ema.model, ctx, counted=model)
+            eval_model = ema.model if ema else model
+            val_loss, top1, top5 = evaluate(eval_model, data, size, hp["val_res"], hp["tta"] if last else "none",
+                                            device, dtype, memory_format, ctx=ctx)
+            if time_to_target is None and top1 >= target:
+                time_to_target = timer.total
         row = {"epoch": epoch + 1, "res": res, "batch": bs, "lr": lr, "train_loss": loss_sum.item() / (steps * bs),
                "train_acc": correct.item() / (steps * bs), "val_loss": val_loss, "top1": top1, "top5": top5,
                "epoch_time": epoch_time, "total_time": timer.total}
@@ -514,11 +513,12 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
 INTERRUPTED = 75      # EX_TEMPFAIL: stopped on purpose, resumable
 PROGRESS_AFTER_S = 5.0    # an epoch expected to take longer shows its steps on stderr
 
-# Every hyperparameter once. lr is per 256 images: the step uses lr × batch / 256 (Goyal et al.).
+# Every hyperparameter once. lr is per lr_scale_base images: the step uses lr × batch / lr_scale_base (Goyal et al.'s
+# linear scaling rule, in their unit of 256 images).
 # Resolutions are in pixels of the network input; res_*_epoch are 0-based epochs.
 BASE = dict(
     model="resnet50", width=16, blurpool=True, zero_init=False,
-    epochs=16, batch_size=512, lr=0.10625, warmup_epochs=2.0, schedule="linear", step_epochs=(30.0, 60.0, 80.0),
+    epochs=16, batch_size=512, lr=0.10625, lr_scale_base=256, warmup_epochs=2.0, schedule="linear", step_epochs=(30.0, 60.0, 80.0),
     momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.1,
     min_res=160, max_res=192, res_start_epoch=11, res_end_epoch=13, res_step=32, batch_scale=False,
     crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True, jitter=0.0,
@@ -531,7 +531,7 @@ BASE = dict(
 # validate() accepts.
 CHOICES = dict(model=MODELS, schedule=("linear", "cosine", "step", "slow_start"), tta=("none", "flip"),
                optimizer=("sgd", "lars", "rmsprop_sgd"), bn_stats=("running", "last_batch"))
-POSITIVE = ("epochs", "batch_size", "width", "min_res", "max_res", "res_step", "val_res", "ema_every")
+POSITIVE = ("epochs", "batch_size", "width", "min_res", "max_res", "res_step", "val_res", "ema_every", "lr_scale_base")
 NOT_NEGATIVE = ("lr", "warmup_epochs", "weight_decay", "jitter", "lars_trust", "rms_lr", "res_start_epoch",
                 "res_end_epoch")
 FRACTIONS = ("momentum", "label_smoothing", "ema_momentum")
@@ -585,7 +585,7 @@ def validate(hp, args):
             ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint")):
         if bad:
             raise UsageError(f"--{flag} {message}")
-    check_run(args.runs, args.target, args.device, args.out)
+    check_run(args.runs, args.target, args.device, args.out, args.eval_every)
     check_output(args.checkpoint, "--checkpoint")
 
 
@@ -625,9 +625,9 @@ def main_prepare(args):
     try:
         index = prepare(args.src, Path(args.dst), args.size, args.workers, args.shard_size, args.max_aspect,
                         args.max_shards)
-    except DataError as e:
+    except (DataError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, UsageError) else 1
     if index is None:
         return 3
     print(f"wrote {args.dst}: {len(index['classes'])} classes, {index['train']['count']} train and "
@@ -675,10 +675,9 @@ def run_train(args, hp, ctx, hook, argv):
         f"store size {size} in {data['where']} memory"
         + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step, each holding "
            f"{len(data['train_y'])} train images" if ctx.distributed else ""))
-    step_s = None
     if device.type != "cpu":
         tb.autotune(device)
-        step_s = warmup(rank_hp, data, len(classes), device, dtype, tb.memory_format_for(device), ctx.world_size)
+        warmup(rank_hp, data, len(classes), device, dtype, tb.memory_format_for(device), ctx.world_size)
 
     columns = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
                "total_time"]
@@ -701,13 +700,21 @@ def run_train(args, hp, ctx, hook, argv):
         table = Table(columns, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
                       file=None if ctx.is_main else io.StringIO())
         ckpt = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
+        epochs_done = []
+
+        def epoch_done(row):
+            table.append(row)
+            epochs_done.append(row["epoch"])
         try:
             result = train(rank_hp, data, len(classes), size, device, seed, dtype, args.target, ckpt, args.resume,
-                           table.append, ctx, args.bucket_mb, hook, args.interrupt_after_epoch,
-                           PROGRESS_AFTER_S if ctx.is_main else None, step_s)
+                           epoch_done, ctx, args.bucket_mb, hook, args.interrupt_after_epoch,
+                           PROGRESS_AFTER_S if ctx.is_main else None, args.eval_every)
         except DataError as e:
             say(f"error: {e}", file=sys.stderr)      # the checkpoint's errors: the same on every rank
             return 1
+        except KeyboardInterrupt:
+            say(interrupted(max(epochs_done, default=0) + 1, r + 1, len(runs), args.out, ckpt), file=sys.stderr)
+            return 130
         result.pop("model")
         runs.append(result)
         save(complete=False)

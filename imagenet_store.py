@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from core import DataError, write_atomic, write_json
+from core import DataError, UsageError, die_with_parent, write_atomic, write_json
 
 STORE_VERSION = 1
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".webp"}
@@ -162,17 +162,29 @@ def assemble(dst, split, shard_paths, size):
     return labels[order]
 
 
+def check_prepare(size, workers=None, shard_size=1000, max_aspect=2.0, max_shards=None):
+    """Raises UsageError naming the first of prepare's settings out of its range (they are its flags)."""
+    for flag, value, ok, why in (("size", size, size >= 8, "must be at least 8"),
+                                 ("workers", workers, workers is None or workers >= 1, "must be positive"),
+                                 ("shard-size", shard_size, shard_size >= 1, "must be positive"),
+                                 ("max-aspect", max_aspect, max_aspect >= 1,
+                                  "must be at least 1 (the longer side over the shorter)"),
+                                 ("max-shards", max_shards, max_shards is None or max_shards >= 1, "must be positive")):
+        if not ok:
+            raise UsageError(f"--{flag} {value:g}: {why}")
+
+
 def prepare(src, dst, size, workers=None, shard_size=1000, max_aspect=2.0, max_shards=None, log=print):
     """Builds the store; returns its index dict, or None when stopped by max_shards.
 
     Work is cut into shards written atomically under dst/shards/; a shard whose inputs match a
-    finished one is skipped, so an interrupted run resumes where it stopped.
+    finished one is skipped, so an interrupted run resumes where it stopped. The decoding workers end with this
+    process, however it ends. Bad settings raise UsageError (check_prepare) before anything is written.
     """
+    check_prepare(size, workers, shard_size, max_aspect, max_shards)
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise DataError(f"{src}: no such folder")
-    if size < 8:
-        raise DataError(f"--size {size}: must be at least 8")
     step = max(1, size // 8)
     classes, train, empty_train = list_split(src, "train")
     _, val, empty_val = list_split(src, "val", classes)
@@ -213,7 +225,7 @@ def prepare(src, dst, size, workers=None, shard_size=1000, max_aspect=2.0, max_s
             f"{len(todo)} to decode with {workers} workers")
         done = sum(len(j[2]) for j, f in zip(jobs, finished) if f)
         with tqdm(total=len(items), initial=done, desc=f"prepare {split}", unit="img", file=sys.stderr) as bar, \
-                ProcessPoolExecutor(min(workers, max(1, len(todo)))) as pool:
+                ProcessPoolExecutor(min(workers, max(1, len(todo))), initializer=die_with_parent) as pool:
             futures = {pool.submit(prepare_shard, p, k, split, part, size, max_aspect, step): part
                        for p, k, part in todo}
             unreadable = 0

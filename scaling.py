@@ -141,15 +141,20 @@ def gpu_counts(s):
     return counts
 
 
-def positive(convert):
-    """A converter for a flag that must be above 0."""
+def within(convert, ok, why):
+    """A converter for a flag whose value must pass ok, refused with `why`."""
     def check(s):
         value = convert(s)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{s!r}: must be positive")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{s!r}: {why}")
         return value
     check.__name__ = convert.__name__       # argparse names it in "invalid float value"
     return check
+
+
+def positive(convert):
+    """A converter for a flag that must be above 0."""
+    return within(convert, lambda v: v > 0, "must be positive")
 
 
 def main_simulate(argv=None):
@@ -162,11 +167,12 @@ def main_simulate(argv=None):
                     help="gradient MB all-reduced per step (ResNet-50: 102.4 fp32, 51.2 fp16)")
     ap.add_argument("--link-gbps", type=positive(float), default=25.0,
                     help="Gbit/s of the slowest link (a node's network bandwidth)")
-    ap.add_argument("--latency-us", type=float, default=10.0, help="latency per communication step, microseconds")
+    ap.add_argument("--latency-us", type=within(float, lambda v: v >= 0, "must not be negative"), default=10.0, help="latency per communication step, microseconds")
     ap.add_argument("--algorithm", default="all", choices=["ring", "tree", "torus", "all"])
     ap.add_argument("--buckets", type=positive(int), default=4)
     ap.add_argument("--batch-per-gpu", type=positive(int), default=32)
-    ap.add_argument("--backward-fraction", type=float, default=2 / 3)
+    ap.add_argument("--backward-fraction", type=within(float, lambda v: 0 <= v <= 1, "must be between 0 and 1"),
+                    default=2 / 3, help="the share of a step that is backward, which communication can overlap")
     ap.add_argument("--gpus-per-node", type=positive(int), default=1)
     ap.add_argument("--intra-gbps", type=positive(float), default=None, help="Gbit/s per GPU inside a node (NVLink)")
     ap.add_argument("--epochs", type=positive(float), default=None,

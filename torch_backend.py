@@ -20,7 +20,7 @@ from torch import nn
 
 import distributed as D
 from cifar_data import epoch_batches, flip_bits, low_resolution, pair
-from core import PiecewiseLinear, Timer, UsageError, epoch_progress
+from core import PiecewiseLinear, Progress, Timer, UsageError
 from optim import epoch_steps, make_optimizers, set_lr
 
 # ---------------------------------------------------------------------------------------------
@@ -594,30 +594,6 @@ def warmup(hp, data, device, dtype, net=None, forward=None):
     synchronize(device)
 
 
-def estimate_time(hp, data, device, dtype, flops, steps=2):
-    """(seconds per run, seconds per epoch) expected, before any run: one epoch's augmentation and `steps`
-    training steps timed (after one untimed step) on a throwaway network, and each epoch's evaluation priced
-    from the counted FLOPs (count_flops) at the training steps' rate. A rough guide, for slow devices."""
-    memory_format = memory_format_for(device)
-    net, opts, gen, flip_base = untimed_steps(hp, data, device)
-    start = time.perf_counter()
-    x, y = next(epoch_batches(data, hp, gen, memory_format, 0, flip_base))
-    synchronize(device)
-    augment_s = time.perf_counter() - start
-    train_step(net, opts, x, y, hp, dtype)
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        train_step(net, opts, x, y, hp, dtype)
-    synchronize(device)
-    step_s = (time.perf_counter() - start) / steps
-    steps_per_epoch, total_steps = run_steps(hp, len(data["train_labels"]))
-    evaluate_s = step_s * flops["final_eval"] / (flops["per_train_image"] * hp["batch_size"])
-    epoch_s = augment_s + steps_per_epoch * step_s + evaluate_s
-    epochs = math.ceil(total_steps / steps_per_epoch)
-    return epochs * (augment_s + evaluate_s) + total_steps * step_s, epoch_s
-
-
 def whitening_biases(net):
     return [m for m in net.modules() if isinstance(m, Whitening) and m.bias is not None]
 
@@ -631,18 +607,21 @@ def run_steps(hp, n_train):
 
 
 def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=None, net=None, forward=None,
-          ctx=None, progress_after_s=None, first_epoch_s=None):
+          ctx=None, progress_after_s=None, eval_every=1, on_first_steps=None):
     """Trains one fresh network on device-resident data; returns its per-epoch rows and summary.
 
     The clock (device-synchronised) runs over everything a run needs except the per-epoch
     evaluation passes: model construction, whitening initialisation, augmentation, steps; the final
     evaluation (with the recipe's test-time augmentation) is timed separately as final_eval_time,
     and time = train_time + final_eval_time is what a user waits for a trained, evaluated model.
+    Every eval_every-th epoch before the last is evaluated on the plain images (0: none; as the references, the
+    recipe's test-time augmentation is for the final evaluation), so its row holds a test accuracy; the others'
+    hold None. The first epoch whose accuracy reaches the target stops time_to_target.
     `net`/`forward` (from make_forward) reuse one compiled and/or DDP-wrapped network across runs.
     Under torchrun (`ctx`), data holds this rank's shard and hp["batch_size"] is the per-rank batch;
     every rank builds the same initial network (same seed) and draws its own augmentations.
-    With progress_after_s, an epoch expected to take longer (as long as the epoch before it, or first_epoch_s for
-    the first) shows its steps on stderr (core.Progress).
+    With progress_after_s, an epoch that looks longer shows its steps on stderr (core.Progress);
+    on_first_steps(seconds per step), when given, is called once, after the run's third step.
     """
     world, rank = (ctx.world_size, ctx.rank) if ctx else (1, 0)
     torch.manual_seed(seed)
@@ -666,6 +645,7 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
     schedule = PiecewiseLinear(hp["lr_knots"], hp["lr_values"])
     n_train = len(data["train_labels"])
     steps_per_epoch, total_steps = run_steps(hp, n_train)
+    epochs = math.ceil(total_steps / steps_per_epoch)
     opts = make_optimizers(net, hp, steps_per_epoch, world)
     flip_base = flip_bits(n_train, gen) if hp["flip"] == "alternate" else None
     # Once trained, the whitening bias is detached (no gradient to compute), as airbench94_muon does; not under
@@ -674,12 +654,12 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
     whiten_steps = epoch_steps(hp["whiten_bias_epochs"], steps_per_epoch)
 
     rows, time_to_target, step = [], None, 0
-    for epoch in range(math.ceil(total_steps / steps_per_epoch)):
+    for epoch in range(epochs):
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device)
         seen = 0
-        bar = epoch_progress(min(steps_per_epoch, total_steps - step), epoch + 1,
-                             rows[-1]["epoch_time"] if rows else first_epoch_s, progress_after_s)
+        bar = (Progress(min(steps_per_epoch, total_steps - step), f"epoch {epoch + 1}", progress_after_s)
+               if progress_after_s is not None else None)
         for x, y in epoch_batches(data, hp, gen, memory_format, epoch, flip_base):
             lr = schedule(step / total_steps)
             set_lr(opts, lr, step, step / steps_per_epoch)     # the fractional epoch: RMSprop-to-SGD's clock
@@ -696,6 +676,12 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
             seen += len(y)
             if bar:
                 bar.update()
+            if on_first_steps and step in (1, 3):           # step 1 pays one-time costs: time steps 2 and 3
+                synchronize(device)
+                if step == 1:
+                    first_steps_start = time.perf_counter()
+                else:
+                    on_first_steps((time.perf_counter() - first_steps_start) / 2)
             if step == total_steps:
                 break
         if bar:
@@ -703,14 +689,18 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
         if lookahead and step == total_steps:       # the hand-over, after the last scheduled update (airbench94)
             lookahead.update(net, 1.0)
         epoch_time = timer()
-        if hp["bn_stats"] == "last_batch":
-            D.sync_batch_norm_stats(net, ctx or D.Context())
-        eval_model = ema.model if ema else (net if world > 1 else forward)
-        test_loss, test_acc = evaluate(eval_model, data["test_images"], data["test_labels"], hp["tta"], dtype,
-                                       memory_format=memory_format, tta_fraction=hp["tta_fraction"])
-        final_eval_time = timer(include=False)
-        if time_to_target is None and test_acc >= target:
-            time_to_target = timer.total
+        last = epoch == epochs - 1
+        test_loss = test_acc = None
+        if last or (eval_every and (epoch + 1) % eval_every == 0):
+            if hp["bn_stats"] == "last_batch":
+                D.sync_batch_norm_stats(net, ctx or D.Context())
+            eval_model = ema.model if ema else (net if world > 1 else forward)
+            test_loss, test_acc = evaluate(eval_model, data["test_images"], data["test_labels"],
+                                           hp["tta"] if last else "none", dtype, memory_format=memory_format,
+                                           tta_fraction=hp["tta_fraction"] if last else 1.0)
+            final_eval_time = timer(include=False)
+            if time_to_target is None and test_acc >= target:
+                time_to_target = timer.total
         row = {"epoch": epoch + 1, "lr": lr, "train_loss": loss_sum.item() / seen, "train_acc": correct.item() / seen,
                "test_loss": test_loss, "test_acc": test_acc, "epoch_time": epoch_time, "total_time": timer.total}
         rows.append(row)
@@ -722,7 +712,7 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
             "time_to_target": time_to_target, "model": ema.model if ema else net}
 
 
-def count_flops(hp, data, batch=8):
+def count_flops(hp, data, batch=2):
     """FLOPs of one run: every training step (forward and backward, at low_res for the first low_res_epochs)
     and the final test-time-augmented evaluation (selective: the plain pass and the other views of
     tta_fraction of the images), counted by torch.utils.flop_counter (convolutions and matmuls) on a small

@@ -45,7 +45,9 @@ def load_results(folder, smoke=False):
 # Formatting
 
 def pct(s):
-    return NM if not s or s.get("mean") is None else f"{100 * s['mean']:.2f}% ± {100 * s['std']:.2f}"
+    if not s or s.get("mean") is None:
+        return NM
+    return f"{100 * s['mean']:.2f}%" + (f" ± {100 * s['std']:.2f}" if s["n"] > 1 else "")     # no spread of one run
 
 
 def secs(s, std=True):

@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from core import one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
+from core import die_with_parent, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
 from machine import fingerprint  # noqa: E402
 
 TIERS = ("0", "1", "2", "3", "4", "cpu")
@@ -191,18 +191,19 @@ def throughput_argv(piece, ctx, whole=False):
 # ---------------------------------------------------------------------------------------------------
 # Running a command: a fresh process, or (--in-process, for the CPU smoke run) this one
 
-def die_with_parent():
-    """In the child, before exec: SIGKILL when the suite's process ends (Linux's PR_SET_PDEATHSIG)."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+class Stopped(BaseException):
+    """SIGTERM, from a scheduler or `timeout`: it ends the suite (after saving what finished), and is never taken
+    for the exit status of the piece that was running (a BaseException, which launch's handlers let through)."""
+
+
+def stop(*_):
+    raise Stopped
 
 
 def launch(argv, log, deadline, in_process, on_poll):
     """Runs argv with output to log; returns its exit status, or None when stopped at the deadline.
-    on_poll() is called every few seconds while it runs (the suite merges partial results then)."""
+    on_poll() is called every few seconds while it runs (the suite merges partial results then). Stopped (SIGTERM
+    to the suite) stops the command too, and goes on up."""
     if in_process and argv[0] == "python":
         module = Path(argv[1]).stem
         with open(log, "w") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
@@ -221,19 +222,28 @@ def launch(argv, log, deadline, in_process, on_poll):
         # no orphan keeps the GPU busy under the next measurement
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, process_group=0,
                                 preexec_fn=die_with_parent)
-        while True:
-            try:
-                return proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                on_poll()
-                if deadline is not None and time.time() > deadline:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    try:
-                        proc.wait(timeout=20)
-                    except subprocess.TimeoutExpired:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                        proc.wait()
-                    return None
+        try:
+            while True:
+                try:
+                    return proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    on_poll()
+                    if deadline is not None and time.time() > deadline:
+                        end(proc)
+                        return None
+        except BaseException:
+            end(proc)
+            raise
+
+
+def end(proc):
+    """Stops a command and all it started: SIGTERM to its process group, SIGKILL if it has not ended in 20 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -413,7 +423,11 @@ def run_piece(piece, ctx, fp, flops, deadline, say, note=""):
             if got:
                 merge(result, base, chunk.parse(got), chunk.flops(got))
                 save()
-        rc = launch(chunk.argv, log, deadline, ctx["in_process"], poll)
+        try:
+            rc = launch(chunk.argv, log, deadline, ctx["in_process"], poll)
+        except Stopped:
+            poll()                      # the runs that finished before the signal are kept
+            raise
         got = load(out) or {}
         merge(result, base, chunk.parse(got), chunk.flops(got))
         if piece.kind == "throughput":
@@ -473,7 +487,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--smoke", action="store_true",
                    help="everything on the CPU with tiny settings and n=2, in this process, into a temporary folder")
-    p.add_argument("--in-process", action="store_true", help="run the commands inside this process (as --smoke does)")
+    p.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the commands inside this process rather than each in a new one (default: with --smoke)")
     p.add_argument("--list", action="store_true", help="print the pieces and exit")
     return p.parse_args(argv)
 
@@ -503,7 +518,7 @@ def main(argv=None):
               f"{'--runs-scale and --budget-s must be positive' if not bad and not unknown else ''}", file=sys.stderr)
         return 2
     deadline = None if args.budget_s is None else time.time() + args.budget_s
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))     # a killed suite ends its command too
+    signal.signal(signal.SIGTERM, stop)             # a stopped suite ends its command too, keeping what finished
 
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data_dir or (str(synthetic_npz(Path(tmp) / "synthetic.npz")) if args.smoke else "data")
@@ -521,37 +536,55 @@ def main(argv=None):
             peer = False
         ctx = {"smoke": args.smoke, "data": data, "device": "cpu" if device.type == "cpu" else None, "peer": peer,
                "results": results, "copy_to": copy_to, "tmp": tmp, "out": str(Path(tmp) / "out.json"),
-               "in_process": args.in_process or args.smoke}
+               "in_process": args.smoke if args.in_process is None else args.in_process, "torch_device": device,
+               "fingerprint": fp, "deadline": deadline}
         say(f"suite on {fp['device_name']} (torch {fp['torch']}): results in {results}"
             + (f", budget {args.budget_s:.0f} s" if deadline else "") + ("; SMOKE (tiny settings)" if args.smoke else ""))
-        fp_path = results / "env.json"
-        flops = {}
-        for tier in tiers:
-            for piece in [pc for pc in all_pieces if pc.tier == tier and (names is None or pc.name in names)]:
-                if piece.kind == "fingerprint":
-                    flops = counted_flops(sorted({r for pc in all_pieces for r in pc.recipes.values()}))
-                    env = {"piece": "env", "tier": "0", "kind": "fingerprint", "title": piece.title, "fingerprint": fp,
-                           "counted_flops": flops, "complete": True, "smoke": args.smoke,
-                           "command": "python benchmarks/suite.py --tiers 0"}
-                    write_json(fp_path, env)
-                    if copy_to:
-                        write_json(copy_to / fp["slug"] / "env.json", env)
-                    say(f"env: {fp['device_name']}, {fp['matmul_dtype']} matmul {fp['matmul_tflops']:.1f} TFLOP/s, "
-                        f"copy {fp['copy_gbps']:.0f} GB/s; FLOPs of {len(flops)} recipes counted")
-                    continue
-                reason = skip_reason(piece, device, args.smoke, peer)
-                if reason:
-                    say(f"{piece.name}: skipped: {reason}")
-                    continue
-                scaled, note = scale(piece, 2 if args.smoke else None, args.runs_scale), ""
-                if not peer and "peer" in piece.needs:
-                    note = "; the peer's side skipped: " + ("airbench runs only on a CUDA GPU" if device.type != "cuda"
-                                                            else "run `pip install airbench`")
-                    scaled.sides = {s: (0 if s.startswith("airbench") else n) for s, n in scaled.sides.items()}
-                if not flops and deadline is not None:
-                    flops = (load(fp_path) or {}).get("counted_flops") or counted_flops(sorted(set(piece.recipes.values())))
-                run_piece(scaled, ctx, fp, flops, deadline, say, note)
+        try:
+            run_tiers(args, ctx, [pc for t in tiers for pc in all_pieces if pc.tier == t and pc.name in (names or [pc.name])],
+                      say)
+        except Stopped:
+            say(f"stopped by SIGTERM in {ctx.get('piece', 'the set-up')}; the finished runs are kept in {results}")
+            return 143
     return 0
+
+
+def run_tiers(args, ctx, chosen, say):
+    """Runs the chosen pieces in order (the fingerprint's piece counts every recipe's FLOPs)."""
+    fp, deadline, device, peer = ctx["fingerprint"], ctx["deadline"], ctx["torch_device"], ctx["peer"]
+    fp_path = ctx["results"] / "env.json"
+    flops = {}
+    for piece in chosen:
+        if piece.kind == "fingerprint":
+            flops = counted_flops(sorted({r for pc in pieces() for r in pc.recipes.values()}))
+            env = {"piece": "env", "tier": "0", "kind": "fingerprint", "title": piece.title, "fingerprint": fp,
+                   "counted_flops": flops, "complete": True, "smoke": args.smoke,
+                   "command": "python benchmarks/suite.py --tiers 0"}
+            write_json(fp_path, env)
+            if ctx["copy_to"]:
+                write_json(ctx["copy_to"] / fp["slug"] / "env.json", env)
+            say(f"env: {fp['device_name']}, {fp['matmul_dtype']} matmul {fp['matmul_tflops']:.1f} TFLOP/s, "
+                f"copy {fp['copy_gbps']:.0f} GB/s; FLOPs of {len(flops)} recipes counted")
+            continue
+        reason = skip_reason(piece, device, args.smoke, peer)
+        if reason:
+            say(f"{piece.name}: skipped: {reason}")
+            continue
+        scaled, note = scale(piece, smoke_runs(piece) if args.smoke else None, args.runs_scale), ""
+        if not peer and "peer" in piece.needs:
+            note = "; the peer's side skipped: " + ("airbench runs only on a CUDA GPU" if device.type != "cuda"
+                                                    else "run `pip install airbench`")
+            scaled.sides = {s: (0 if s.startswith("airbench") else n) for s, n in scaled.sides.items()}
+        if not flops and deadline is not None:
+            flops = (load(fp_path) or {}).get("counted_flops") or counted_flops(sorted(set(piece.recipes.values())))
+        ctx["piece"] = piece.name
+        run_piece(scaled, ctx, fp, flops, deadline, say, note)
+
+
+def smoke_runs(piece):
+    """Runs a side in the smoke pass: 2, for the statistics of n > 1; 1 for each of the many journey stages, which
+    take the code paths their first stages took."""
+    return 1 if len(piece.sides) > 3 else 2
 
 
 def skip_reason(piece, device, smoke, peer):

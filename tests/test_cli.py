@@ -1,5 +1,7 @@
 """The command line end to end, on small synthetic data, in a subprocess as a user runs it."""
 import json
+import re
+import signal
 import subprocess
 import sys
 
@@ -93,3 +95,31 @@ def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(synth_npz, t
     res = json.loads(out.read_text())
     assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0]
     assert res["runs"][0]["wall_s"] >= res["runs"][0]["train_time"] and res["summary"]["final_acc"]["n"] == 1
+
+
+def interrupted(args, after):
+    """Runs cifar10_fast.py with args, presses Ctrl-C (SIGINT) once `after` matches a line of its stdout; (exit status,
+    stdout, stderr)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cifar10_fast.py"), *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if re.match(after, line):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, "".join(lines) + out, err
+
+
+def test_ctrl_c_is_one_line_and_keeps_the_finished_runs(synth_npz, tmp_path):
+    out = tmp_path / "r.json"
+    rc, stdout, err = interrupted(["--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "40", "--width",
+                                   "0.0625", "--batch-size", "64", "--runs", "3", "--out", str(out)],
+                                  after=r"run 2/3")
+    assert rc == 130, err
+    assert "Traceback" not in err
+    assert re.fullmatch(rf"interrupted in epoch \d+ of run 2; 1 finished run kept in {re.escape(str(out))}",
+                        err.strip().splitlines()[-1]), err
+    res = json.loads(out.read_text())
+    assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0]

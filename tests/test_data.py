@@ -3,6 +3,7 @@ import hashlib
 import http.server
 import io
 import pickle
+import socket
 import tarfile
 import threading
 
@@ -154,7 +155,7 @@ def test_failed_download_leaves_nothing(tmp_path, served):
     _, url = served
     with pytest.raises(cd.DataError, match="download failed"):
         cd.load_cifar10(tmp_path / "data", url=f"{url}/nowhere.tar.gz", progress=False)
-    assert list((tmp_path / "data").iterdir()) == []
+    assert not (tmp_path / "data").exists()
 
 
 def test_cifar100_archive_is_read_verified_and_cached(tmp_path):
@@ -184,7 +185,7 @@ def test_cifar100_downloads_as_cifar10_does(tmp_path, served):
     assert sorted(p.name for p in dst.iterdir()) == ["cifar-100-python.tar.gz", "cifar100_uint8.npz"]
     with pytest.raises(cd.DataError, match="download failed"):
         cd.load(tmp_path / "other", "cifar100", url=f"{url}/nowhere.tar.gz", progress=False)
-    assert list((tmp_path / "other").iterdir()) == []
+    assert not (tmp_path / "other").exists()
 
 
 def test_the_command_line_trains_on_cifar100(tmp_path, capsys):
@@ -197,3 +198,33 @@ def test_the_command_line_trains_on_cifar100(tmp_path, capsys):
     assert cf.main(["--dataset", "cifar100", "--data-dir", str(tmp_path / "data"), "--device", "cpu", "--recipe",
                     "fast94", "--epochs", "1", "--width", "0.0625", "--batch-size", "100"]) == 0
     assert "500 training and 500 test images of 32x32 pixels, 100 classes" in capsys.readouterr().out
+
+
+def test_a_preset_refuses_labels_outside_its_classes_and_own_data_counts_them(tmp_path):
+    d = synthetic_arrays(64, 32)
+    d["test_labels"][5] = 10                               # an eleventh class in a file said to be CIFAR-10
+    np.savez(tmp_path / "eleven.npz", **d)
+    with pytest.raises(cd.DataError) as e:
+        cd.load(tmp_path / "eleven.npz", "cifar10")
+    assert str(e.value) == (f"{tmp_path / 'eleven.npz'}: test_labels out of range (0..10); CIFAR-10's labels are "
+                            "0..9 (leave out --dataset to train on your own data's 11 classes)")
+    assert cd.num_classes(cd.load(tmp_path / "eleven.npz")) == 11       # own data: the labels say how many classes
+    folder = tmp_path / "data"
+    folder.mkdir()
+    np.savez(folder / cd.CACHE_NAME, **d)                  # the cache of a data folder is CIFAR-10 whatever it holds
+    with pytest.raises(cd.DataError, match="test_labels out of range"):
+        cd.load(folder)
+
+
+def test_offline_without_a_data_file_says_how_to_go_on_and_leaves_no_folder(tmp_path):
+    with socket.socket() as s:                             # a port nobody listens on: the download is refused
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/cifar-10-python.tar.gz"
+    with pytest.raises(cd.DataError) as e:
+        cd.load_cifar10(tmp_path / "data", url=url, progress=False)
+    message = str(e.value)
+    assert message.startswith(f"{url}: download failed (") and "\n" not in message
+    assert message.endswith(f"; put cifar-10-python.tar.gz in {tmp_path / 'data'}, or give the data as one file: "
+                            "--data-dir FILE.npz holding train_images (N, 32, 32, 3) uint8, train_labels (N,), "
+                            "test_images and test_labels")
+    assert not (tmp_path / "data").exists()

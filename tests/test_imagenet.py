@@ -6,6 +6,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,8 +169,6 @@ def test_bad_input_is_one_line_and_nonzero(folder, store, tmp_path, capsys):
     rc, _, err = run_main(capsys, "prepare", "--src", folder, "--dst", store, "--size", "32")
     assert rc == 1 and err.strip() == (
         f"error: {store / 'index.json'}: holds another store (size {SIZE} from {folder.resolve()}); choose another --dst")
-    rc, _, err = run_main(capsys, "prepare", "--src", folder, "--dst", tmp_path / "y", "--size", "4")
-    assert rc == 1 and err.strip() == "error: --size 4: must be at least 8"
     rc, _, err = run_main(capsys, "train", "--store", tmp_path, "--device", "cpu")
     assert rc == 1 and err.strip().splitlines()[-1] == (
         f"error: {tmp_path}: not a prepared store (no index.json); run `imagenet_fast.py prepare` first")
@@ -361,6 +361,56 @@ def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(store, tmp_p
                  "--out", out)
     res = json.loads(out.read_text())
     assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0] and res["summary"]["final_top1"]["n"] == 1
+
+
+def children(pid):
+    """The pids of pid's child processes (from /proc)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return kids
+
+
+def alive(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+def test_prepare_killed_leaves_no_decoding_worker(tmp_path):
+    src = ims.synthetic_imagefolder(tmp_path / "src", 4, 40, 2, sizes=(300, 400))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "imagenet_fast.py"), "prepare", "--src", str(src), "--dst",
+                             str(tmp_path / "store"), "--workers", "2", "--shard-size", "2"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while proc.poll() is None and len(workers := children(proc.pid)) < 2:     # the pool has started
+        time.sleep(0.05)
+    assert proc.poll() is None, "prepare finished before its workers could be seen"
+    proc.kill()                                                   # SIGKILL: the parent gets no chance to clean up
+    proc.wait()
+    for _ in range(100):
+        if not any(alive(w) for w in workers):
+            break
+        time.sleep(0.1)
+    assert [w for w in workers if alive(w)] == []
+
+
+def test_imagenet_takes_the_learning_rates_batch_from_lr_scale_base(store, monkeypatch):
+    """--lr-scale-base B: lr is per B images of the global batch (256 by default, Goyal et al.'s unit)."""
+    assert inf.parse_args(["train", "--store", "S", "--lr-scale-base", "512"])[1] == {"lr_scale_base": 512}
+    assert inf.recipe("tiny")["lr_scale_base"] == 256
+    rates, real_step = {256: [], 512: []}, torch.optim.SGD.step
+    data = inf.place(ims.open_store(store), torch.device("cpu"))
+    for base, seen in rates.items():
+        monkeypatch.setattr(torch.optim.SGD, "step", lambda self, *a, **k: seen.append(self.param_groups[0]["lr"])
+                            or real_step(self, *a, **k))
+        inf.train(tiny_hp(epochs=1, lr_scale_base=base), data, 5, SIZE, torch.device("cpu"), seed=0)
+    assert rates[256] and rates[256] == pytest.approx([2 * r for r in rates[512]])
 
 
 def test_throughput_benchmark_runs_on_cpu(tmp_path):

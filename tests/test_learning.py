@@ -8,6 +8,7 @@ import cifar_data as cd
 import torch_backend as tb
 
 
+@pytest.mark.slow
 def test_narrow_resnet9_learns_real_cifar10_in_two_epochs(cifar10_npz):
     # Measured on this project's 2-core CPU machine (torch 2.14.1, `python cifar10_fast.py --device cpu
     # --subset 10000 --epochs 2 --width 0.25 --seed S`): final test accuracy 0.444, 0.430, 0.400, 0.427
@@ -30,7 +31,7 @@ def test_narrow_resnet9_learns_real_cifar10_in_two_epochs(cifar10_npz):
 # (2 epochs at width 1/8 and batch 250 on the first 5,000 training images, tested on the first 1,000 test images
 # with the recipe's TTA) and seeds 0..3: final test accuracy fast94_muon 0.519, 0.489, 0.511, 0.553; fast94_next
 # 0.491, 0.457, 0.535, 0.538. Chance is 0.10; the bar, 0.40, sits below every measured run. 12-20 s each.
-@pytest.mark.parametrize("name", ["fast94_muon", "fast94_next"])
+@pytest.mark.parametrize("name", [pytest.param("fast94_muon", marks=pytest.mark.slow), "fast94_next"])
 def test_the_muon_recipes_learn_real_cifar10_at_tiny_width(cifar10_npz, one_thread, name):
     arrays = cd.take_subset(cd.load_cifar10(cifar10_npz), 5000, 1000)
     hp = cf.recipe(name, width=1 / 8, epochs=2, batch_size=250)

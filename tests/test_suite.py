@@ -1,9 +1,12 @@
 """The measurement suite and the report: the whole suite end to end on the CPU (--smoke), its JSON layout,
 planning within a budget, resuming an interrupted piece, and README's tables against results/."""
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,15 +25,13 @@ def run_suite(*args, timeout=600):
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     folder = tmp_path_factory.mktemp("results")
-    start = time.time()
     r = run_suite("--smoke", "--results", folder)
     assert r.returncode == 0, r.stdout + r.stderr
-    return folder, r.stdout, time.time() - start
+    return folder, r.stdout
 
 
-def test_smoke_runs_every_piece_in_under_two_minutes(smoke):
-    folder, out, seconds = smoke
-    assert seconds < 120
+def test_smoke_runs_every_piece(smoke):
+    folder, out = smoke
     lines = out.strip().splitlines()
     names = [pc.name for pc in suite.pieces()]
     assert [line.split(":")[0] for line in lines[1:]] == names          # one line per piece, in tier order
@@ -44,7 +45,7 @@ def test_smoke_runs_every_piece_in_under_two_minutes(smoke):
 
 
 def test_every_result_holds_command_runs_statistics_flops_and_the_fingerprint(smoke):
-    folder, _, _ = smoke
+    folder, _ = smoke
     (device,) = folder.iterdir()
     env = json.loads((device / "env.json").read_text())
     fp = env["fingerprint"]
@@ -62,14 +63,14 @@ def test_every_result_holds_command_runs_statistics_flops_and_the_fingerprint(sm
     assert st["floor_s"] == pytest.approx(st["flops_per_run"] / (fp["matmul_tflops"] * 1e12))
     assert st["tflops_per_s"] == pytest.approx(st["flops_per_run"] / st["time"]["mean"] / 1e12)
     journey = json.loads((device / "journey.json").read_text())
-    assert len(journey["sides"]) == 15 and all(len(s["runs"]) == 2 for s in journey["sides"].values())
-    assert journey["sides"]["whitening"]["command"].startswith("python cifar10_fast.py --recipe whitening --runs 2")
+    assert len(journey["sides"]) == 15 and all(len(s["runs"]) == 1 for s in journey["sides"].values())
+    assert journey["sides"]["whitening"]["command"].startswith("python cifar10_fast.py --recipe whitening --runs 1")
     rows = json.loads((device / "imagenet_throughput.json").read_text())["rows"]
     assert rows[0]["res"] == 32 and rows[0]["ceiling"] > 0
 
 
 def test_the_report_shows_the_results_figures(smoke):
-    folder, _, _ = smoke
+    folder, _ = smoke
     results = report.load_results(folder, smoke=True)
     assert report.load_results(folder) == {}                        # smoke results never reach README
     text = report.render((ROOT / "README.md").read_text(), results)
@@ -79,7 +80,8 @@ def test_the_report_shows_the_results_figures(smoke):
     assert f"{100 * st['accuracy']['mean']:.2f}% ± {100 * st['accuracy']['std']:.2f}" in row
     assert f"{st['time']['mean']:.2f} s" in row and "| 2 |" in row
     stage = next(line for line in text.splitlines() if line.startswith("| `ghost_bn` |"))
-    assert "(n=2, CPU" in stage and "| 46 s |" in stage                # ours beside the published V100 time
+    assert "(n=1, CPU" in stage and "| 46 s |" in stage                # ours beside the published V100 time
+    assert "±" not in stage                                             # one run has no spread
 
 
 def test_readme_and_perf_notes_tables_are_what_the_committed_results_give():
@@ -135,10 +137,13 @@ def test_a_budget_runs_only_what_fits():
 
 
 def test_the_deadline_stops_a_running_command(tmp_path):
-    start, polls = time.time(), []
-    rc = suite.launch(["python", "-c", "import time; time.sleep(120)"], tmp_path / "log", time.time() + 1, False,
-                      lambda: polls.append(1))
-    assert rc is None and time.time() - start < 40 and polls
+    # the command would write its pid, then a file two minutes later: stopped at the deadline, it never writes it
+    polls, pid, late = [], tmp_path / "pid", tmp_path / "late"
+    script = f"import os, time; open({str(pid)!r}, 'w').write(str(os.getpid())); time.sleep(120); open({str(late)!r}, 'w')"
+    rc = suite.launch(["python", "-c", script], tmp_path / "log", time.time() + 3, False, lambda: polls.append(1))
+    assert rc is None and polls and not late.exists()
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid.read_text()), 0)                       # the command's process is gone
 
 
 def test_bad_arguments_are_one_line():
@@ -175,3 +180,56 @@ def test_the_flops_table_counts_one_plain_forward_pass_whatever_the_test_time_au
     assert flops["fast94_next"]["final_eval"] == pytest.approx(10000 * plain * (1 + 0.25 * 5))
     assert rows["fast94_next"][5] == f"{10000 * plain * 2.25 / 1e12:.3f} (6 views on 25% of the images)"
     assert rows["fast94"][5].endswith("(6 views)")
+
+
+def processes_with(*texts):
+    """The pids of running processes whose command line holds every one of texts."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().decode(errors="replace")
+            if all(text in line for text in texts):
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return pids
+
+
+def stopped_suite(tmp_path, *args, started):
+    """Starts the suite, sends it SIGTERM once started(its stdout so far) is true, and returns (exit status, stdout,
+    stderr)."""
+    log = tmp_path / "suite.out"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "suite.py"), *map(str, args)], cwd=ROOT,
+                                stdout=f, stderr=subprocess.PIPE, text=True)
+        while proc.poll() is None and not started(log.read_text()):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    return proc.returncode, log.read_text(), err
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads running processes from /proc")
+def test_sigterm_ends_the_suite_in_process_keeping_what_finished(tmp_path):
+    rc, out, err = stopped_suite(tmp_path, "--smoke", "--results", tmp_path / "r", started=lambda o: "\nfast94: " in o)
+    assert rc == 143, out + err
+    assert out.strip().splitlines()[-1].startswith("stopped by SIGTERM in fast94_next; the finished runs are kept in ")
+    assert "fast94_muon:" not in out and "journey:" not in out                  # no piece after the signal
+    (device,) = (tmp_path / "r").iterdir()
+    assert json.loads((device / "fast94.json").read_text())["complete"]
+    assert not (device / "fast94_muon.json").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads running processes from /proc")
+def test_sigterm_ends_the_suite_and_its_running_command(tmp_path):
+    npz = tmp_path / "mine.npz"
+    suite.synthetic_npz(npz)
+    rc, out, err = stopped_suite(tmp_path, "--smoke", "--no-in-process", "--results", tmp_path / "r", "--data-dir",
+                                 npz, "--pieces", "myrtle24,myrtle10", started=lambda o: processes_with("cifar10_fast.py", str(npz)))
+    assert rc == 143, out + err
+    assert "myrtle10:" not in out and "stopped by SIGTERM in myrtle24" in out
+    for _ in range(100):                        # the piece's command is stopped with the suite
+        if not processes_with("cifar10_fast.py", str(npz)):
+            break
+        time.sleep(0.1)
+    assert processes_with("cifar10_fast.py", str(npz)) == []

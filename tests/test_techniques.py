@@ -162,6 +162,7 @@ def test_fastnet_flops_per_image_match_the_architecture():
     assert tb.count_flops(hp, data)["per_test_image"] == 2 * macs
 
 
+@pytest.mark.slow
 def test_compiled_and_eager_steps_give_the_same_loss():
     hp = cf.recipe("fast94", width=1 / 16, batch_size=16)
     torch.manual_seed(0)

@@ -118,6 +118,8 @@ def test_an_output_in_folders_not_yet_there_is_fine(npz, tmp_path, capsys):
     (["simulate", "--gpus", "a,b"], "error: argument --gpus: 'a,b': expected GPU counts of 1 or more separated by "
                                     "commas, e.g. 8,64"),
     (["simulate", "--step-time", "0"], "error: argument --step-time: '0': must be positive"),
+    (["simulate", "--backward-fraction", "2"], "error: argument --backward-fraction: '2': must be between 0 and 1"),
+    (["simulate", "--latency-us", "-1"], "error: argument --latency-us: '-1': must not be negative"),
 ])
 def test_imagenet_and_simulate_flags(args, message, capsys):
     rc, err = run(inf.main, args, capsys)
@@ -140,3 +142,19 @@ def test_under_torchrun_only_rank_0_prints_the_error(tmp_path, capsys, monkeypat
     monkeypatch.setenv("RANK", "1")
     for flags in (["--tta", "all"], ["--epochs", "0"]):
         assert run(cf.main, ["--data-dir", tmp_path, *flags], capsys) == (2, [])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--shard-size", "0"], "error: --shard-size 0: must be positive"),
+    (["--workers", "0"], "error: --workers 0: must be positive"),
+    (["--max-shards", "0"], "error: --max-shards 0: must be positive"),
+    (["--max-aspect", "0"], "error: --max-aspect 0: must be at least 1 (the longer side over the shorter)"),
+    (["--max-aspect", "-1"], "error: --max-aspect -1: must be at least 1 (the longer side over the shorter)"),
+    (["--size", "4"], "error: --size 4: must be at least 8"),
+])
+def test_prepare_flags_are_checked_before_anything_is_written(flags, message, tmp_path, capsys):
+    import imagenet_store as ims
+    src = ims.synthetic_imagefolder(tmp_path / "src", 2, 2, 1)
+    rc, err = run(inf.main, ["prepare", "--src", src, "--dst", tmp_path / "store", *flags], capsys)
+    assert (rc, err) == (2, [message])
+    assert not (tmp_path / "store").exists()
