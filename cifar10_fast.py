@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 import cifar_data as cd
+import devices
 import distributed as D
 import torch_backend as tb
 from cli import (add_shared_flags, check_run, check_values, flag, flag_error, interrupted, one_of, overrides_from,
@@ -349,8 +350,8 @@ def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=
     an epoch that looks longer than PROGRESS_AFTER_S on stderr; on_first_steps(seconds per step) is called once,
     early in the first run."""
     net, forward = tb.make_forward(hp, device, compile_mode, ctx, bucket_mb, hook, data.get("num_classes", 10))
-    if device.type != "cpu" or compile_mode:
-        tb.autotune(device)
+    if not devices.is_cpu(device) or compile_mode:
+        devices.autotune(device)
         tb.warmup(hp, data, device, dtype, net, forward)
     results = []
     for r in range(runs):
@@ -363,11 +364,12 @@ def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=
             table.append(row)
             if on_epoch:
                 on_epoch(row)
-        start = time.perf_counter()
+        start, graphs = time.perf_counter(), tb.compiled_graphs()
         result = tb.train(hp, data, device, seed + r, dtype, target, epoch_done, net, forward, ctx,
                           PROGRESS_AFTER_S if verbose else None, eval_every, on_first_steps if r == 0 else None)
         model = result.pop("model")
         result["wall_s"] = time.perf_counter() - start
+        result["recompiles"] = tb.compiled_graphs() - graphs      # 0 unless torch.compile worked inside the run
         results.append(result)
         if on_run:
             on_run(results, model)
@@ -435,9 +437,9 @@ def train(recipe="fast94", data=None, device=None, runs=1, seed=0, target=0.94, 
     validate(hp, subset)
     if dataset is not None and dataset not in cd.DATASETS:
         raise flag_error("dataset", dataset, f"must be one of {show_choices(tuple(cd.DATASETS))}")
-    device = torch.device(ctx.device) if ctx else tb.resolve_device(device)
+    device = torch.device(ctx.device) if ctx else devices.resolve(device)
     ctx = ctx or D.Context(device=str(device))
-    dtype = tb.compute_dtype(device, precision)
+    dtype = devices.compute_dtype(device, precision)
     say = print if verbose else lambda *a, **k: None
     arrays = cd.check_arrays(data, "data") if isinstance(data, dict) else cd.load(data or "data", dataset)
     stats = cd.channel_stats(arrays["train_images"])        # the whole training set's, whatever the subset
@@ -453,7 +455,7 @@ def train(recipe="fast94", data=None, device=None, runs=1, seed=0, target=0.94, 
     except ValueError as e:
         raise UsageError(str(e)) from None
     on_device = device_data(arrays, hp, ctx, device, dtype, stats)
-    say(f"recipe {recipe} on {tb.device_name(device)} ({device}, {str(dtype)[6:]}), {n_train} training and "
+    say(f"recipe {recipe} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {n_train} training and "
         f"{len(arrays['test_labels'])} test images of {'x'.join(map(str, arrays['test_images'].shape[1:3]))} "
         f"pixels, {classes} classes" + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step"
                                         if ctx.distributed else ""), flush=True)
@@ -480,7 +482,7 @@ def train(recipe="fast94", data=None, device=None, runs=1, seed=0, target=0.94, 
         if on_run:
             on_run(last["result"])
     run_many(rank_hp, on_device, device, dtype, runs, seed, target, compile, verbose, ctx, bucket_mb, hook,
-             finished, eval_every, on_epoch, estimate if verbose and device.type == "cpu" else None)
+             finished, eval_every, on_epoch, estimate if verbose and devices.is_cpu(device) else None)
     return last["result"]
 
 
@@ -498,8 +500,8 @@ def evaluate(model, images, labels, tta="none", stats=None, batch_size=1000):
                              "keeps them)")
         images = cd.normalise(images, device, torch.float32, stats)
     labels = torch.as_tensor(labels, device=device).long()
-    loss, accuracy = tb.evaluate(model, images, labels, tta, tb.compute_dtype(device), batch_size,
-                                 tb.memory_format_for(device))
+    loss, accuracy = tb.evaluate(model, images, labels, tta, devices.compute_dtype(device), batch_size,
+                                 devices.memory_format(device))
     return {"loss": loss, "accuracy": accuracy}
 
 
@@ -527,7 +529,7 @@ def main(argv=None):
 def run(args, overrides, hp, ctx, hook, argv):
     """main's work once this process has its place: train, print the summary, write --out; the exit status."""
     device, main_rank = torch.device(ctx.device), ctx.is_main
-    if device.type == "cpu" and main_rank:
+    if devices.is_cpu(device) and main_rank:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration, "
               "shrink the work with --subset, --epochs and --width", file=sys.stderr)
 

@@ -295,7 +295,7 @@ def pair(size):
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
-def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=None, jitter=(0.0, 0.0)):
+def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=None, jitter=(0.0, 0.0), device=None):
     """Every random number for one epoch of n images of `size` (a side, or height and width), in at most seven
     calls whatever n is.
 
@@ -303,14 +303,14 @@ def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=
     flips image i in epoch e iff flip_base[i] xor (e odd), so every image is seen both ways in any two
     consecutive epochs; flip_base is drawn once per run (see flip_bits). jitter = (brightness, contrast)
     (the 2-second record): each image's normalised pixels become (x + b)·c with b uniform in ±brightness
-    and c in 1 ± contrast.
+    and c in 1 ± contrast. The draws live on `device`, the generator's by default (the images').
     """
-    device = generator.device
+    device = device or generator.device
     r = {"perm": torch.randperm(n, device=device, generator=generator)}
     if pad:
         r["dy"], r["dx"] = torch.randint(0, 2 * pad + 1, (2, n), device=device, generator=generator)
     if flip == "random":
-        r["flip"] = flip_bits(n, generator)
+        r["flip"] = flip_bits(n, generator, device)
     elif flip == "alternate":
         r["flip"] = flip_base ^ bool(epoch % 2)
     elif flip != "none":
@@ -328,8 +328,8 @@ def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=
     return r
 
 
-def flip_bits(n, generator):
-    return torch.rand(n, device=generator.device, generator=generator) < 0.5
+def flip_bits(n, generator, device=None):
+    return torch.rand(n, device=device or generator.device, generator=generator) < 0.5
 
 
 def batch_crop(x, dy, dx, size):
@@ -382,7 +382,7 @@ def epoch_batches(data, hp, generator, memory_format, epoch=0, flip_base=None):
     size = tuple(data["test_images"].shape[-2:])
     x, y = data["train_images"], data["train_labels"]
     r = draw_augmentation(len(x), size, hp["crop_pad"], hp["flip"], hp["cutout"], generator, epoch, flip_base,
-                          (hp["jitter_brightness"], hp["jitter_contrast"]))
+                          (hp["jitter_brightness"], hp["jitter_contrast"]), x.device)
     x = augment(x, r, size, hp["cutout"])[r["perm"]]
     if hp["low_res"] and epoch < hp["low_res_epochs"]:
         x = low_resolution(x, hp["low_res"])

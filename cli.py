@@ -10,9 +10,9 @@ import sys
 
 import torch
 
-import torch_backend as tb
+import devices
 from core import UsageError, check_output
-from distributed import HOOKS, comm_hook, init_from_env, print0
+from distributed import HOOKS, comm_hook, first_sentence, init_from_env, print0
 
 
 def flag(key, value):
@@ -51,7 +51,7 @@ def check_run(runs, target, device=None, out=None, eval_every=1):
         raise flag_error("eval_every", eval_every, "must not be negative (0: evaluate only after the last epoch)")
     if not 0 < target <= 1:
         raise flag_error("target", target, "must be in (0, 1]")
-    tb.resolve_device(device)
+    devices.resolve(device)
     check_output(out, "--out")
 
 
@@ -115,7 +115,7 @@ def run_in_ranks(args, work):
     --deterministic's settings, and leaves the process group however work ends; the exit status: work's, or 2
     for a bad communication flag (one line, rank 0 alone)."""
     if args.deterministic:
-        tb.set_deterministic()           # before CUDA starts (joining torchrun's group may start it)
+        devices.set_deterministic()           # before CUDA starts (joining torchrun's group may start it)
     try:
         ctx, hook = join_ranks(args)
     except ValueError as e:
@@ -123,9 +123,22 @@ def run_in_ranks(args, work):
         return 2
     try:
         return work(ctx, hook)
+    except RuntimeError as e:
+        if not (ctx.distributed and lost_peers(e)):
+            raise
+        print(f"error: rank {ctx.rank} lost its peers: {first_sentence(e)}", file=sys.stderr, flush=True)
+        return 1
     finally:
         if ctx.distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def lost_peers(error):
+    """Whether a collective failed because another rank is gone (it ended, or its machine did): what gloo and NCCL
+    raise then, rather than a fault of this rank's own."""
+    return isinstance(error, torch.distributed.DistError) or any(
+        mark in str(error) for mark in ("Connection reset by peer", "Connection closed by peer", "Connection refused",
+                                        "NCCL communicator was aborted", "Socket Timeout", "Broken pipe"))
 
 
 def interrupted(epoch, run, finished, out=None, checkpoint=None):
@@ -185,8 +198,8 @@ def overrides_from(args, base):
 def environment(device):
     """The machine: torch and Python versions, the device and its name (and the CPU threads on a CPU)."""
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
-           "device_name": tb.device_name(device)}
-    if device.type == "cpu":
+           "device_name": devices.name(device)}
+    if devices.is_cpu(device):
         env["threads"] = torch.get_num_threads()
     return env
 

@@ -16,7 +16,9 @@ Papers:
 import datetime
 import os
 import shlex
+import socket
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
+import devices
 from core import DataError, write_atomic
 from scaling import square_grid
 
@@ -63,20 +66,57 @@ def init_from_env(device=None, backend=None, timeout_minutes=None):
                 "start one torchrun per node instead: srun --ntasks-per-node=1 torchrun --nnodes=$SLURM_JOB_NUM_NODES "
                 "--nproc-per-node=GPUS_PER_NODE --rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d "
                 f"--rdzv-endpoint=$(hostname):29500 {shlex.join(sys.argv)}")
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        return Context(device=device)
+        return Context(device=str(devices.resolve(device)))
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        device = f"cuda:{local}"
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)  # before the group, so NCCL binds this rank to its own GPU
+    device = devices.for_rank(device, local)
+    devices.bind(device)
     if not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None
-        dist.init_process_group(backend or ("nccl" if device.startswith("cuda") else "gloo"), rank=rank,
-                                world_size=world, timeout=timeout)
-    return Context(rank, world, local, device, rank == 0, True, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        timeout = datetime.timedelta(minutes=timeout_minutes) if timeout_minutes else None     # None: torch's
+        store = (attempt_store(rank, timeout or dist.default_pg_timeout)
+                 if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None)
+        dist.init_process_group(backend or devices.backend(device), store=store, rank=rank, world_size=world,
+                                timeout=timeout)
+    return Context(rank, world, local, str(device), rank == 0, True, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def attempt_store(rank, timeout):
+    """The store of this attempt's process group, fresh for every attempt of a torchrun job.
+
+    torchrun's agent shares its rendezvous store with the workers it starts, and keeps it across restarts: workers
+    restarted by --max-restarts would read the killed attempt's addresses from it and fail to connect (PyTorch issue
+    135712). So rank 0 serves a new store of its own, on a free port, and leaves its address in the agent's store;
+    the other ranks read it there and connect. An address left by an earlier attempt points at a rank 0 that is gone
+    (torchrun stops every worker before it restarts any), so connecting to it fails and they read again.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    key = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/group_store"
+    if rank == 0:
+        here = address_towards(host, port)
+        store = dist.TCPStore(here, 0, is_master=True, timeout=timeout, wait_for_workers=False)
+        agent.set(key, f"{here} {store.port}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        if agent.check([key]):
+            there, there_port = agent.get(key).decode().split()
+            try:       # a short timeout: connecting to a store that is gone is retried until the timeout
+                store = dist.TCPStore(there, int(there_port), is_master=False, wait_for_workers=False,
+                                      timeout=datetime.timedelta(seconds=5))
+                store.set_timeout(timeout)
+                return store
+            except (RuntimeError, dist.DistError):       # an earlier attempt's rank 0, gone
+                pass
+        time.sleep(0.1)
+    raise RuntimeError(f"rank {rank}: rank 0 left no store of this attempt in torchrun's store at {host}:{port}")
+
+
+def address_towards(host, port):
+    """This machine's address on the route to host (what the other nodes reach it by)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.connect(addr)             # a datagram socket sends nothing: this only picks the route
+        return s.getsockname()[0]
 
 
 def is_main():
@@ -146,8 +186,7 @@ def wrap_ddp(model, ctx, bucket_mb=25.0, **kwargs):
     """
     if not ctx.distributed:
         return model
-    device_ids = [ctx.local_rank] if ctx.device.startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_mb,
+    return DistributedDataParallel(model, device_ids=devices.ddp_device_ids(ctx.device), bucket_cap_mb=bucket_mb,
                                    gradient_as_bucket_view=True, **kwargs)
 
 
@@ -189,8 +228,7 @@ def load_checkpoint(path, ctx=None):
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as e:  # whatever reading it raises, the file is no checkpoint
-                first = (str(e).strip().splitlines() or [""])[0][:200]
-                error = f"{path}: not a readable checkpoint ({type(e).__name__}: {first})"
+                error = f"{path}: not a readable checkpoint ({type(e).__name__}: {first_sentence(e)})"
     if ctx is not None and ctx.distributed:
         box = [state, error]
         dist.broadcast_object_list(box, src=0)
@@ -198,6 +236,13 @@ def load_checkpoint(path, ctx=None):
     if error:
         raise DataError(error)
     return state
+
+
+def first_sentence(error):
+    """The first sentence of an error's message, whole (torch's messages go on for several more)."""
+    text = " ".join(str(error).split())
+    end = text.find(". ")
+    return text if end < 0 else text[:end + 1]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -311,26 +356,22 @@ def torus_allreduce_hook(state, bucket):
     whole chain is queued at once and the GPU streams keep the order).
     """
     buf = bucket.buffer()
-    n, cuda, cols = buf.numel(), buf.is_cuda, state.cols
+    n, cols, device = buf.numel(), state.cols, buf.device
     chunk = -(-n // cols)
-    flat = torch.zeros(chunk * cols, dtype=state.dtype or buf.dtype, device=buf.device)
+    flat = torch.zeros(chunk * cols, dtype=state.dtype or buf.dtype, device=device)
     flat[:n] = buf / state.world
     received, part = torch.empty_like(flat), flat.new_empty(chunk)
-    ready = None
-    if cuda:            # callbacks run on side streams: the first collective must wait for flat
-        ready = torch.cuda.Event()
-        ready.record()
-    done = torch.futures.Future(devices=[buf.device] if cuda else None)
+    ready = devices.record(device=device)      # callbacks run on side streams: the first collective waits for flat
+    done = torch.futures.Future(devices=[device] if devices.overlaps(device) else None)
 
     def scatter():
-        if ready is not None:
-            torch.cuda.current_stream().wait_event(ready)
+        devices.wait(ready, device)
         return dist.all_to_all_single(received, flat, group=state.row, async_op=True)
 
     def used_here(*tensors):
         # a callback's side stream: the allocator must not hand these on before its kernels have run
-        for t in tensors if cuda else ():
-            t.record_stream(torch.cuda.current_stream())
+        for t in tensors:
+            devices.keep_alive(t, device)
 
     def down_the_column():
         torch.sum(received.view(cols, chunk), 0, out=part)

@@ -25,12 +25,13 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
+import devices
 import distributed as D
 import scaling
 import torch_backend as tb
 from cli import (add_shared_flags, check_run, check_values, flag_error, interrupted, overrides_from, run_in_ranks,
                  run_record)
-from core import (DataError, Parser, Progress, Table, Timer, UsageError, check_output, print_summary, summarize_runs,
+from core import (DataError, Parser, Progress, Table, UsageError, check_output, print_summary, summarize_runs,
                   write_json)
 from imagenet_store import open_store, prepare
 from optim import BatchSizeSchedule, optimizer, param_groups_no_decay_1d, slow_start_lr
@@ -59,18 +60,15 @@ def place(store, device, where="auto", ctx=None, seed=0):
              else range(len(store.train_y)))
     picks = {"train_x": (store.train_x, train), "train_y": (store.train_y, train),
              "val_x": (store.val_x, range(offsets[val.start], offsets[val.stop])), "val_y": (store.val_y, val)}
-    nbytes = sum(len(rows) * a[:1].nbytes for a, rows in picks.values())
-    if where == "auto":
-        free = tb.free_memory(device)
-        where = "device" if free is not None and nbytes < 0.8 * free else "host"
+    where = devices.store_place(sum(len(rows) * a[:1].nbytes for a, rows in picks.values()), device, where)
     t = {}
     for k, (a, rows) in picks.items():
-        if device.type == "cpu" and not ctx.distributed:
+        if devices.is_cpu(device) and not ctx.distributed:
             t[k] = torch.from_numpy(a)           # the memory-mapped file as it is
             continue
         shape, dtype = (len(rows),) + a.shape[1:], torch.from_numpy(a[:0]).dtype
-        pin = where == "host" and device.type == "cuda"
-        t[k] = torch.empty(shape, dtype=dtype, device=device if where == "device" else "cpu", pin_memory=pin)
+        t[k] = (torch.empty(shape, dtype=dtype, device=device) if where == "device"
+                else devices.host_buffer(shape, dtype, device))
         copy_rows(a, rows, t[k])
     t["val_shapes"] = store.val_shapes[val.start:val.stop]
     t["where"] = where
@@ -95,33 +93,34 @@ def train_batches(x, y, perm, bs, device):
     copied on a side stream while the current one computes.
     """
     steps = len(perm) // bs
-    if x.device == device or device.type != "cuda":
+    if devices.same(x.device, device) or not devices.overlaps(device):
         for i in range(steps):
             idx = perm[i * bs:(i + 1) * bs].to(x.device)
             yield x[idx].to(device), y[idx].to(device)
         return
-    side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
-    bufs = [torch.empty((bs,) + tuple(x.shape[1:]), dtype=x.dtype).pin_memory() for _ in range(2)]
+    side = devices.side_stream(device)
+    bufs = [(devices.host_buffer((bs,) + tuple(x.shape[1:]), x.dtype, device), devices.host_buffer(bs, y.dtype, device))
+            for _ in range(2)]
     copied = [None, None]
 
     def load(i):
         b = i % 2
         if copied[b] is not None:
-            copied[b].synchronize()  # the buffer's previous copy must have left it
+            devices.wait_host(copied[b])  # the buffer's previous copy must have left it
         idx = perm[i * bs:(i + 1) * bs]
-        torch.index_select(x, 0, idx, out=bufs[b])
-        with torch.cuda.stream(side):
-            xb, yb = bufs[b].to(device, non_blocking=True), y[idx].pin_memory().to(device, non_blocking=True)
-            copied[b] = torch.cuda.Event()
-            copied[b].record(side)
+        torch.index_select(x, 0, idx, out=bufs[b][0])
+        torch.index_select(y, 0, idx, out=bufs[b][1])
+        with devices.on_stream(side):
+            xb, yb = (t.to(device, non_blocking=True) for t in bufs[b])
+            copied[b] = devices.record(side)
         return xb, yb, copied[b]
 
     nxt = load(0) if steps else None
     for i in range(steps):
         xb, yb, ev = nxt
-        main.wait_event(ev)
-        xb.record_stream(main)
-        yb.record_stream(main)
+        devices.wait(ev, device)
+        devices.keep_alive(xb, device)
+        devices.keep_alive(yb, device)
         if i + 1 < steps:
             nxt = load(i + 1)
         yield xb, yb
@@ -181,6 +180,15 @@ def augment(xb, crops, res, hp, generator, dtype, memory_format):
     return normalize(x).to(dtype).contiguous(memory_format=memory_format)
 
 
+def augmented_batches(data, hp, perm, crops, res, bs, generator, device, dtype, memory_format):
+    """The training batches of one epoch, in the order of perm: gathered (train_batches), cropped at each image's
+    box of crops (draw_crops), resized to res and augmented on the device (augment); the last partial batch is
+    dropped. The throughput benchmark reads the same batches."""
+    for i, (xb, yb) in enumerate(train_batches(data["train_x"], data["train_y"], perm, bs, device)):
+        c = {k: v[i * bs:(i + 1) * bs].to(device, non_blocking=True) for k, v in crops.items()}
+        yield augment(xb, c, res, hp, generator, dtype, memory_format), yb
+
+
 def val_batches(shapes, batch_size):
     """(first image, count, h, w) of each validation batch: runs of one shape, cut at batch_size.
     Images are stored sorted by shape, so a batch is one contiguous slice: no per-image work."""
@@ -195,11 +203,10 @@ def val_batches(shapes, batch_size):
 
 
 @torch.no_grad()
-def evaluate(model, data, size, res, tta, device, dtype, memory_format, batch_size=256, ctx=None):
-    """Rectangular evaluation: each batch (one aspect ratio) is resized so its shorter side is
-    res, no centre crop. Returns mean loss, top-1 and top-5 accuracy. Under torchrun each rank
-    evaluates the part of the validation set it holds (place) and the sums are added over ranks,
-    so every rank returns the whole set's figures."""
+def validation_sums(model, data, size, res, tta, device, dtype, memory_format, batch_size=256):
+    """Rectangular evaluation of the validation images this process holds: each batch (one aspect ratio) is resized
+    so its shorter side is res, no centre crop. The summed loss, top-1 and top-5 counts and the number of images,
+    as one float64 tensor on the device: nothing waits for it."""
     was_training = model.training
     model.eval()
     shapes = data["val_shapes"]
@@ -214,7 +221,7 @@ def evaluate(model, data, size, res, tta, device, dtype, memory_format, batch_si
             x = F.interpolate(x, size=(round(h * res / size), round(w * res / size)), mode="bilinear",
                               antialias=res < size, align_corners=False)
         x = normalize(x).to(dtype).contiguous(memory_format=memory_format)
-        with tb.autocast(device, dtype):
+        with devices.autocast(device, dtype):
             logits = model(x).float()
             if tta == "flip":
                 logits = (logits + model(x.flip(3)).float()) / 2
@@ -222,6 +229,14 @@ def evaluate(model, data, size, res, tta, device, dtype, memory_format, batch_si
         totals[:3] += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(),
                                    (top[:, 0] == y).sum().double(), (top == y[:, None]).any(1).sum().double()])
     model.train(was_training)
+    return totals
+
+
+def evaluate(model, data, size, res, tta, device, dtype, memory_format, batch_size=256, ctx=None):
+    """Mean loss, top-1 and top-5 accuracy over the validation set (validation_sums, read once). Under torchrun each
+    rank evaluates the part of the validation set it holds (place) and the sums are added over ranks, so every rank
+    returns the whole set's figures."""
+    totals = validation_sums(model, data, size, res, tta, device, dtype, memory_format, batch_size)
     if ctx is not None and ctx.distributed:
         torch.distributed.all_reduce(totals)
     loss, top1, top5, m = totals.tolist()
@@ -365,11 +380,12 @@ def check_checkpoint(state, checkpoint, hp, world):
     missing = CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else CHECKPOINT_KEYS
     if missing:
         raise DataError(f"{checkpoint}: not a readable checkpoint (no {', '.join(sorted(missing))})")
+    if len(state["rng"]) != world:      # first: a different world changes the per-rank batch too
+        raise DataError(f"{checkpoint}: written by {len(state['rng'])} rank{'s' * (len(state['rng']) > 1)}, resumed "
+                        f"by {world}; cannot resume")
     if state["hp"] != hp:
         diff = sorted(k for k in hp if state["hp"].get(k) != hp[k])
         raise DataError(f"{checkpoint}: written with other hyperparameters ({', '.join(diff)}); cannot resume")
-    if len(state["rng"]) != world:
-        raise DataError(f"{checkpoint}: written by {len(state['rng'])} ranks, resumed by {world}; cannot resume")
 
 
 def warmup(hp, data, num_classes, device, dtype, memory_format, world=1):
@@ -382,13 +398,12 @@ def warmup(hp, data, num_classes, device, dtype, memory_format, world=1):
         bs = min(bs, len(data["train_y"]))
         perm = torch.arange(2 * bs) % len(data["train_y"])
         crops = draw_crops(2 * bs, hp["crop_scale"], hp["crop_ratio"], gen)
-        for i, (xb, yb) in enumerate(train_batches(data["train_x"], data["train_y"], perm, bs, device)):
-            c = {k: v[i * bs:(i + 1) * bs].to(device) for k, v in crops.items()}
-            with tb.autocast(device, dtype):
-                F.cross_entropy(model(augment(xb, c, res, hp, gen, dtype, memory_format)).float(), yb).backward()
+        for x, y in augmented_batches(data, hp, perm, crops, res, bs, gen, device, dtype, memory_format):
+            with devices.autocast(device, dtype):
+                F.cross_entropy(model(x).float(), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    tb.synchronize(device)
+    devices.synchronize(device)
 
 
 def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, target=0.75, checkpoint=None,
@@ -411,8 +426,8 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
     world = ctx.world_size
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 104729 * ctx.rank)  # the data pipeline's draws, on the CPU
-    memory_format = tb.memory_format_for(device)
-    timer = Timer(lambda: tb.synchronize(device))
+    memory_format = devices.memory_format(device)
+    timer = devices.timer(device)
     model = build_model(hp, num_classes).to(device, memory_format=memory_format)
     opt = make_optimizer(model, hp)
     forward = D.register_comm_hook(D.wrap_ddp(model, ctx, bucket_mb), hook) if ctx.distributed else model
@@ -425,7 +440,7 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
         check_checkpoint(state, checkpoint, hp, world)
         if ctx.distributed:     # DDP's buckets as the uninterrupted run has them, so its sums round the same
             res = res_at(hp, state["epoch"])
-            with tb.autocast(device, dtype):
+            with devices.autocast(device, dtype):
                 D.rehearse_backward(forward, torch.zeros(2, 3, res, res, device=device, dtype=dtype)
                                     .contiguous(memory_format=memory_format))
         model.load_state_dict(state["model"])
@@ -454,13 +469,12 @@ def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, targ
         loss_sum = torch.zeros((), device=device)
         correct = torch.zeros((), device=device)
         bar = Progress(steps, f"epoch {epoch + 1}", progress_after_s) if progress_after_s is not None else None
-        for i, (xb, yb) in enumerate(train_batches(data["train_x"], data["train_y"], perm, bs, device)):
-            c = {k: v[i * bs:(i + 1) * bs].to(device, non_blocking=True) for k, v in crops.items()}
-            x = augment(xb, c, res, hp, gen, dtype, memory_format)
+        for i, (x, yb) in enumerate(augmented_batches(data, hp, perm, crops, res, bs, gen, device, dtype,
+                                                      memory_format)):
             lr = lr_at(hp, epoch + i / steps) * bs * world / hp["lr_scale_base"]   # per lr_scale_base global images
             for g in opt.param_groups:     # the clock: RMSprop-to-SGD's hand-over, right whatever the batch
                 g["lr"], g["epoch"] = lr, epoch + i / steps
-            with tb.autocast(device, dtype):
+            with devices.autocast(device, dtype):
                 logits = forward(x)
                 loss = F.cross_entropy(logits.float(), yb, label_smoothing=hp["label_smoothing"])
             loss.backward()
@@ -652,7 +666,7 @@ def main_train(args, overrides, argv):
 def run_train(args, hp, ctx, hook, argv):
     """main_train's work once this process has its place: data, runs, summary, JSON; the exit status."""
     device, say = torch.device(ctx.device), D.print0
-    if device.type == "cpu" and ctx.is_main:
+    if devices.is_cpu(device) and ctx.is_main:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration use "
               "a small store, --model resnet_tiny and few --epochs", file=sys.stderr)
     try:
@@ -662,7 +676,7 @@ def run_train(args, hp, ctx, hook, argv):
     except ValueError as e:
         say(f"error: {e}", file=sys.stderr)
         return 2
-    dtype = tb.compute_dtype(device, args.precision)
+    dtype = devices.compute_dtype(device, args.precision)
     try:
         store = open_store(args.store)
     except DataError as e:
@@ -670,14 +684,14 @@ def run_train(args, hp, ctx, hook, argv):
         return 1
     size, classes = store.index["size"], store.index["classes"]
     data = place(store, device, args.data_on, ctx, args.seed)     # under torchrun, this rank's share alone
-    say(f"recipe {args.recipe} on {tb.device_name(device)} ({device}, {str(dtype)[6:]}), "
+    say(f"recipe {args.recipe} on {devices.name(device)} ({device}, {str(dtype)[6:]}), "
         f"{len(store.train_y)} train and {len(store.val_y)} val images, {len(classes)} classes, "
         f"store size {size} in {data['where']} memory"
         + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step, each holding "
            f"{len(data['train_y'])} train images" if ctx.distributed else ""))
-    if device.type != "cpu":
-        tb.autotune(device)
-        warmup(rank_hp, data, len(classes), device, dtype, tb.memory_format_for(device), ctx.world_size)
+    if not devices.is_cpu(device):
+        devices.autotune(device)
+        warmup(rank_hp, data, len(classes), device, dtype, devices.memory_format(device), ctx.world_size)
 
     columns = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
                "total_time"]

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from core import DataError, UsageError, die_with_parent, write_atomic, write_json
 
-STORE_VERSION = 1
+STORE_VERSION = 2        # 2: landscape validation images stored as such (1 stored them as portrait strips)
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".webp"}
 
 # ---------------------------------------------------------------------------------------------
@@ -54,12 +54,12 @@ def list_split(src, split, classes=None):
 
 
 def val_shape(w, h, size, max_aspect, step):
-    """Validation image shape: shorter side = size, longer side rounded to a multiple of `step`
+    """Validation image (width, height): shorter side = size, longer side rounded to a multiple of `step`
     (so few distinct shapes exist and a batch of one shape needs no resizing) and capped at
     max_aspect × size."""
     long_ = min(max(w, h) * size / min(w, h), max_aspect * size)
     long_ = max(size, int(round(long_ / step)) * step)
-    return (size, long_) if w >= h else (long_, size)  # (out_w, out_h)
+    return (long_, size) if w >= h else (size, long_)  # (out_w, out_h): a landscape photo stays wider than tall
 
 
 def load_image(path, size, train, max_aspect=2.0, step=16):

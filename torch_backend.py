@@ -1,26 +1,23 @@
 """The CIFAR-10 networks and their training: ResNet-9, ResNet-18 and the three-block fastnet with their
 batch-norm and whitening options, weight averaging (EMA, lookahead), test-time augmentation, evaluation,
-FLOP counting and the training loop; also the device helpers imagenet_fast.py shares (EMA, autocast,
-compute_dtype, resolve_device). The data and its augmentation are in cifar_data.py, the optimisers in
-optim.py.
+FLOP counting and the training loop. The data and its augmentation are in cifar_data.py, the optimisers in
+optim.py, every device decision in devices.py.
 
 Hyperparameters arrive as one flat dict (a recipe from cifar10_fast.py, where every key is
 named once in BASE); `grep 'hp\\["name"\\]'` finds where a hyperparameter acts.
 """
 import copy
 import math
-import os
-import platform
 import time
-from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import devices
 import distributed as D
 from cifar_data import epoch_batches, flip_bits, low_resolution, pair
-from core import PiecewiseLinear, Progress, Timer, UsageError
+from core import PiecewiseLinear, Progress
 from optim import epoch_steps, make_optimizers, set_lr
 
 # ---------------------------------------------------------------------------------------------
@@ -350,12 +347,6 @@ class Lookahead:
         torch._foreach_copy_(fast, self.slow)
 
 
-def autocast(device, dtype):
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(torch.device(device).type, dtype=dtype)
-
-
 def tta_views(x, mode):
     """(weight, view) pairs whose weighted logits make the prediction.
     flip: the image and its mirror, 1/2 each. flip_translate (Jordan 2024): those two at 1/4 each, and
@@ -399,114 +390,27 @@ def selective_tta_logits(model, images, tta, fraction, batch_size=1000, memory_f
 
 
 @torch.no_grad()
-def evaluate(model, images, labels, tta="none", dtype=torch.float32, batch_size=1000,
-             memory_format=torch.contiguous_format, tta_fraction=1.0):
-    """Mean loss and accuracy of the test-time-augmented prediction (see tta_views; with tta_fraction < 1,
-    selective_tta_logits)."""
+def evaluation_sums(model, images, labels, tta="none", dtype=torch.float32, batch_size=1000,
+                    memory_format=torch.contiguous_format, tta_fraction=1.0):
+    """The summed loss and the number of correct predictions of the test-time-augmented prediction (see tta_views;
+    with tta_fraction < 1, selective_tta_logits), as one tensor on the images' device: nothing waits for it."""
     was_training = model.training
     model.eval()
-    with autocast(images.device, dtype):
+    with devices.autocast(images.device, dtype):
         if tta_fraction < 1 and tta != "none":
             logits = selective_tta_logits(model, images, tta, tta_fraction, batch_size, memory_format)
         else:
             logits = torch.cat([tta_logits(model, images[i:i + batch_size].contiguous(memory_format=memory_format), tta)
                                 for i in range(0, len(images), batch_size)])
     model.train(was_training)
-    loss = F.cross_entropy(logits, labels, reduction="sum")
-    return loss.item() / len(images), (logits.argmax(1) == labels).sum().item() / len(images)
+    return torch.stack([F.cross_entropy(logits, labels, reduction="sum"), (logits.argmax(1) == labels).sum().float()])
 
 
-# ---------------------------------------------------------------------------------------------
-# Devices: every call that depends on the device type goes through these, so that a device other than CUDA
-# (mps, xpu, ...) takes the generic path and never reaches a torch.cuda function
-# ---------------------------------------------------------------------------------------------
-
-def accelerator(device):
-    """torch's module for the device's type (torch.cuda, torch.mps, torch.xpu, ...); None for the CPU."""
-    device = torch.device(device)
-    return None if device.type == "cpu" else getattr(torch, device.type, None)
-
-
-def device_count(device_type):
-    """How many devices of this type the machine has (the CPU counts as one)."""
-    if device_type == "cpu":
-        return 1
-    module = getattr(torch, device_type, None)
-    available = (getattr(module, "is_available", None)        # torch.mps has it only in recent torch versions
-                 or getattr(getattr(torch.backends, device_type, None), "is_available", None))
-    if available is None or not available():
-        return 0
-    return module.device_count() if hasattr(module, "device_count") else 1
-
-
-def resolve_device(name=None):
-    """The device --device names (by default cuda when there is a GPU, else cpu). A name that is not a device, or
-    a device this machine lacks, is a UsageError of one line."""
-    if not name:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"--device {name}: not a device; use cpu, cuda, cuda:N, mps, ...") from None
-    count = device_count(device.type)
-    if count == 0:
-        raise UsageError(f"--device {name}: this machine has no {device.type} device" +
-                         ("; use --device cpu" if device.type == "cuda" else ""))
-    if device.index is not None and device.index >= count:
-        raise UsageError(f"--device {name}: this machine has {count} {device.type} device{'s' * (count > 1)}, "
-                         f"{device.type}:0" + (f" to {device.type}:{count - 1}" if count > 1 else ""))
-    return device
-
-
-def device_name(device):
-    """The accelerator's name (torch.cuda.get_device_name and its like), or the CPU's."""
-    get = getattr(accelerator(device), "get_device_name", None)
-    return get(device) if get else platform.processor() or platform.machine()
-
-
-def synchronize(device):
-    """Waits for the work queued on the device (there is none to wait for on the CPU)."""
-    module = accelerator(device)
-    if hasattr(module, "synchronize"):
-        if device.type == "cuda":
-            module.synchronize(device)
-        else:
-            module.synchronize()        # the current device of its type (torch.mps.synchronize takes no device)
-
-
-def free_memory(device):
-    """Free bytes on the device, or None where torch cannot tell (the CPU, mps)."""
-    module = accelerator(device)
-    return module.mem_get_info(device)[0] if hasattr(module, "mem_get_info") else None
-
-
-def compute_dtype(device, precision="auto"):
-    """bf16 on a CUDA GPU (batch-norm statistics and optimiser state stay float32), float32 on other devices."""
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" else "fp32"
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
-
-
-def memory_format_for(device):
-    """channels_last on a CUDA GPU (cuDNN's fastest layout for these convolutions), contiguous elsewhere."""
-    return torch.channels_last if device.type == "cuda" else torch.contiguous_format
-
-
-def autotune(device):
-    """cuDNN times the convolution algorithms for each new shape and keeps the fastest (on a CUDA GPU, and not
-    with --deterministic, whose runs must all take the same algorithms)."""
-    if device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
-        torch.backends.cudnn.benchmark = True
-
-
-def set_deterministic():
-    """--deterministic: two runs with the same seed give the same parameters on the same machine. torch's
-    deterministic kernels, no cuDNN autotuning, and cuBLAS's fixed workspace (read when CUDA initialises, so call
-    this before). An operation with no deterministic version warns, naming itself, rather than stop the run."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
+def evaluate(model, images, labels, tta="none", dtype=torch.float32, batch_size=1000,
+             memory_format=torch.contiguous_format, tta_fraction=1.0):
+    """Mean loss and accuracy (evaluation_sums, read once)."""
+    loss, correct = evaluation_sums(model, images, labels, tta, dtype, batch_size, memory_format, tta_fraction).tolist()
+    return loss / len(images), correct / len(images)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,15 +426,23 @@ def make_forward(hp, device, compile_mode=None, ctx=None, bucket_mb=25.0, hook="
     distributed = ctx is not None and ctx.distributed
     if not (compile_mode or distributed):
         return None, None
-    net = build_model(hp, device, memory_format_for(device), num_classes)
+    net = build_model(hp, device, devices.memory_format(device), num_classes)
     forward = net
     if distributed:
         forward = D.register_comm_hook(D.wrap_ddp(net, ctx, bucket_mb), hook)
     if compile_mode:
         if hp["compile_step"]:
             forward = WithLoss(forward, hp["label_smoothing"])
-        forward = torch.compile(forward, mode=None if compile_mode == "default" else compile_mode)
+        # dynamic=False: each new shape (the low-resolution epochs, the last evaluation batch) compiles a graph of its
+        # own, once, in the warm-up; dynamic shapes would recompile them inside a timed run instead
+        forward = torch.compile(forward, mode=None if compile_mode == "default" else compile_mode, dynamic=False)
     return net, forward
+
+
+def compiled_graphs():
+    """How many graphs torch.compile has compiled in this process so far (torch._dynamo's count)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
 
 
 def summed_loss(logits, y, label_smoothing):
@@ -553,7 +465,7 @@ class WithLoss(nn.Module):
 
 
 def train_step(forward, opts, x, y, hp, dtype):
-    with autocast(x.device, dtype):
+    with devices.autocast(x.device, dtype):
         if getattr(forward, "takes_labels", False):
             logits, loss = forward(x, y)
         else:
@@ -570,28 +482,41 @@ def untimed_steps(hp, data, device, net=None):
     """What steps outside the clock need: a network (a throwaway one, or the given net, which train()
     re-initialises anyway), its optimisers at a learning rate that moves nothing measurable but runs every
     kernel, and a generator and flip bits of their own (the runs' random streams stay untouched)."""
-    net = net if net is not None else build_model(hp, device, memory_format_for(device), data.get("num_classes", 10))
+    net = net if net is not None else build_model(hp, device, devices.memory_format(device), data.get("num_classes", 10))
     opts = make_optimizers(net, hp)
     set_lr(opts, 1e-9)
-    gen = torch.Generator(device).manual_seed(0)
-    return net, opts, gen, flip_bits(len(data["train_labels"]), gen)
+    gen = devices.generator(device, 0)
+    return net, opts, gen, flip_bits(len(data["train_labels"]), gen, device)
 
 
 def warmup(hp, data, device, dtype, net=None, forward=None):
-    """Runs a few steps and an evaluation (see untimed_steps) so that cuDNN autotuning, kernel loading and
-    torch.compile happen before the clock starts: the 'compilation warm-up' the timing protocol excludes."""
-    memory_format = memory_format_for(device)
+    """Runs, before the clock starts, everything a timed run will meet, so that cuDNN autotuning, kernel loading and
+    torch.compile happen outside it (the 'compilation warm-up' the timing protocol excludes): a few steps at every
+    training resolution with the whitening bias trained and detached (see untimed_steps), and every kind of
+    evaluation (plain and with the recipe's test-time augmentation), in both states of the bias. Under torchrun the
+    bias is never detached (see train)."""
+    memory_format = devices.memory_format(device)
     net, opts, gen, flip_base = untimed_steps(hp, data, device, net)
     forward = net if forward is None else forward
-    whitening = [] if torch.distributed.is_initialized() else whitening_biases(net)      # as train() does
+    states = (True, False) if whitening_biases(net) and not torch.distributed.is_initialized() else (True,)
     for epoch in dict.fromkeys((0, hp["low_res_epochs"] if hp["low_res"] else 0)):     # every training resolution
-        for step, (x, y) in zip(range(3), epoch_batches(data, hp, gen, memory_format, epoch, flip_base)):
-            for m in whitening:
-                m.bias_grad = step < 2          # a compiled network's graphs with the bias trained and detached
+        for step, (x, y) in zip(range(2 * len(states)), epoch_batches(data, hp, gen, memory_format, epoch, flip_base)):
+            set_bias_grad(net, states[step // 2])
             train_step(forward, opts, x, y, hp, dtype)
-    evaluate(forward, data["test_images"], data["test_labels"], hp["tta"], dtype, memory_format=memory_format,
-             tta_fraction=hp["tta_fraction"])
-    synchronize(device)
+    evaluated = net if torch.distributed.is_initialized() else forward      # as train() evaluates
+    for state in states:
+        set_bias_grad(net, state)
+        for tta, fraction in dict.fromkeys((("none", 1.0), (hp["tta"], hp["tta_fraction"]))):
+            evaluation_sums(evaluated, data["test_images"], data["test_labels"], tta, dtype,
+                            memory_format=memory_format, tta_fraction=fraction)
+    set_bias_grad(net, True)
+    devices.synchronize(device)
+
+
+def set_bias_grad(net, trained):
+    """Whether the whitening layers' biases train (and so get a gradient) or are detached."""
+    for m in whitening_biases(net):
+        m.bias_grad = trained
 
 
 def whitening_biases(net):
@@ -624,10 +549,11 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
     on_first_steps(seconds per step), when given, is called once, after the run's third step.
     """
     world, rank = (ctx.world_size, ctx.rank) if ctx else (1, 0)
+    wrapped = ctx is not None and ctx.distributed       # in DistributedDataParallel: under torchrun, one rank too
     torch.manual_seed(seed)
-    gen = torch.Generator(device).manual_seed(seed + 104729 * rank)
-    memory_format = memory_format_for(device)
-    timer = Timer(lambda: synchronize(device))
+    gen = devices.generator(device, seed + 104729 * rank)
+    memory_format = devices.memory_format(device)
+    timer = devices.timer(device)
 
     fresh = build_model(hp, device, memory_format, data.get("num_classes", 10))
     if net is None:
@@ -647,10 +573,11 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
     steps_per_epoch, total_steps = run_steps(hp, n_train)
     epochs = math.ceil(total_steps / steps_per_epoch)
     opts = make_optimizers(net, hp, steps_per_epoch, world)
-    flip_base = flip_bits(n_train, gen) if hp["flip"] == "alternate" else None
+    flip_base = flip_bits(n_train, gen, device) if hp["flip"] == "alternate" else None
     # Once trained, the whitening bias is detached (no gradient to compute), as airbench94_muon does; not under
-    # DDP, which expects a gradient for every parameter it holds (there its lr is 0 from then on).
-    whitening = whitening_biases(net) if world == 1 else []
+    # DDP, which expects a gradient for every parameter it holds (there its lr is 0 from then on), with one rank too.
+    whitening = [] if wrapped else whitening_biases(net)
+    set_bias_grad(net, True)
     whiten_steps = epoch_steps(hp["whiten_bias_epochs"], steps_per_epoch)
 
     rows, time_to_target, step = [], None, 0
@@ -677,7 +604,7 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
             if bar:
                 bar.update()
             if on_first_steps and step in (1, 3):           # step 1 pays one-time costs: time steps 2 and 3
-                synchronize(device)
+                devices.synchronize(device)
                 if step == 1:
                     first_steps_start = time.perf_counter()
                 else:
@@ -694,7 +621,7 @@ def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=N
         if last or (eval_every and (epoch + 1) % eval_every == 0):
             if hp["bn_stats"] == "last_batch":
                 D.sync_batch_norm_stats(net, ctx or D.Context())
-            eval_model = ema.model if ema else (net if world > 1 else forward)
+            eval_model = ema.model if ema else (net if wrapped else forward)
             test_loss, test_acc = evaluate(eval_model, data["test_images"], data["test_labels"],
                                            hp["tta"] if last else "none", dtype, memory_format=memory_format,
                                            tta_fraction=hp["tta_fraction"] if last else 1.0)

@@ -23,13 +23,13 @@ from torchvision import transforms
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import imagenet_fast as inf  # noqa: E402
 import imagenet_store as ims  # noqa: E402
-import torch_backend as tb  # noqa: E402
+import devices  # noqa: E402
 from cli import environment  # noqa: E402
 from core import Table, write_json  # noqa: E402
 
 
 def step(model, opt, x, y, device, dtype):
-    with tb.autocast(device, dtype):
+    with devices.autocast(device, dtype):
         loss = F.cross_entropy(model(x).float(), y)
     loss.backward()
     opt.step()
@@ -40,12 +40,12 @@ def measure(batches, model, opt, device, dtype, warmup, steps, bs):
     """Images/s over `steps` training steps after `warmup` untimed ones; batches yields (x, y)."""
     for i, (x, y) in enumerate(batches):
         if i == warmup:
-            tb.synchronize(device)
+            devices.synchronize(device)
             start = time.perf_counter()
         step(model, opt, x, y, device, dtype)
         if i == warmup + steps - 1:
             break
-    tb.synchronize(device)
+    devices.synchronize(device)
     return steps * bs / (time.perf_counter() - start)
 
 
@@ -70,10 +70,10 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="write the table as JSON")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    device = tb.resolve_device(args.device)
-    dtype = tb.compute_dtype(device, args.precision)
-    fmt = tb.memory_format_for(device)
-    tb.autotune(device)
+    device = devices.resolve(args.device)
+    dtype = devices.compute_dtype(device, args.precision)
+    fmt = devices.memory_format(device)
+    devices.autotune(device)
     bs = min(args.batch_size, args.images)
     hp = inf.recipe("rn50_16ep", model=args.model, blurpool=False)
 
@@ -108,14 +108,12 @@ def main(argv=None):
             def store_epoch():
                 perm = torch.randperm(n, generator=gen)
                 crops = inf.draw_crops(n, hp["crop_scale"], hp["crop_ratio"], gen)
-                for i, (xb, yb) in enumerate(inf.train_batches(data["train_x"], data["train_y"], perm, bs, device)):
-                    c = {k: v[i * bs:(i + 1) * bs].to(device, non_blocking=True) for k, v in crops.items()}
-                    yield inf.augment(xb, c, res, hp, gen, dtype, fmt), yb
+                return inf.augmented_batches(data, hp, perm, crops, res, bs, gen, device, dtype, fmt)
             store = measure(forever(store_epoch), model, opt, device, dtype, args.warmup, args.steps, bs)
 
             folder.transform.transforms[0].size = (res, res)
             loader = torch.utils.data.DataLoader(folder, bs, shuffle=True, drop_last=True, num_workers=args.workers,
-                                                 pin_memory=device.type == "cuda", persistent_workers=False)
+                                                 pin_memory=devices.overlaps(device), persistent_workers=False)
 
             def folder_epoch():
                 for xb, yb in loader:

@@ -39,17 +39,17 @@ def cpu_name():
 
 def device_name(device):
     """The accelerator's name (torch_backend.device_name), or the CPU's model and cores: the results' folder."""
-    import torch_backend as tb
-    return tb.device_name(device) if device.type != "cpu" else f"CPU {os.cpu_count()} cores {cpu_name()}"
+    import devices
+    return f"CPU {os.cpu_count()} cores {cpu_name()}" if devices.is_cpu(device) else devices.name(device)
 
 
 def measure_rates(device, size, copy_bytes, reps=10):
     """Mean matmul TFLOP/s (bf16 on a GPU, float32 on a CPU, size^3, random inputs, after warm-up) and
     copy GB/s (bytes read plus bytes written) over reps repetitions."""
     import torch
-    import torch_backend as tb
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    sync = lambda: tb.synchronize(device)
+    import devices
+    dtype = devices.compute_dtype(device)          # bf16 on a GPU, float32 on a CPU
+    sync = lambda: devices.synchronize(device)
     a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
     src = torch.randn(copy_bytes // 4, device=device)
     dst = torch.empty_like(src)

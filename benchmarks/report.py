@@ -56,6 +56,12 @@ def secs(s, std=True):
     return f"{s['mean']:.2f} s" + (f" ± {s['std']:.2f}" if std else "")
 
 
+def timed(st, std=True):
+    """The time of a side's statistics, flagged when torch.compile compiled inside some of its timed runs."""
+    k = st.get("recompiled_runs")
+    return secs(st["time"], std) + (f" (compiled inside the clock in {k} run{'s' * (k > 1)})" if k else "")
+
+
 def pval(p):
     return "–" if p is None else f"{p:.2g}" if p >= 1e-4 else "< 1e-4"
 
@@ -140,7 +146,7 @@ def t_plain(results, pieces, target=0.94, cpu=False):
         for r, s in found:
             st = s["stats"]
             rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"]),
-                         pval(st["p_mean_above_target"]), secs(st["time"]), secs(st["time_to_target"], std=False),
+                         pval(st["p_mean_above_target"]), timed(st), secs(st["time_to_target"], std=False),
                          f"{100 * st['fraction_reaching_target']:.0f}%"])
         if not found and not cpu:
             rows.append([recipe, "GPU", "see Reproduce", "–", NM, NM, NM, NM, NM])
@@ -156,7 +162,7 @@ def t_fast(results):
         for r, s in found:
             st = s["stats"]
             rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"]),
-                         pval(st["p_mean_above_target"]), secs(st["time"]), pflop(st.get("flops_per_run")),
+                         pval(st["p_mean_above_target"]), timed(st), pflop(st.get("flops_per_run")),
                          f"{st['tflops_per_s']:.0f}" if st.get("tflops_per_s") else "–"])
         if not found:
             rows.append([recipe, "GPU", "see Reproduce", "–", NM, NM, NM, pflop(counted(results, recipe), " (counted)"),
@@ -176,7 +182,7 @@ def t_side_by_side(results):
                          f"{pct(a['stats']['accuracy'])} (p {pval(a['stats']['p_mean_above_target'])})",
                          f"{pct(b['stats']['accuracy'])} (p {pval(b['stats']['p_mean_above_target'])})"
                          if b["runs"] else "not run (needs `pip install airbench` and a GPU)",
-                         f"{secs(a['stats']['time'], False)} / {secs(b['stats']['time'], False)}",
+                         f"{timed(a['stats'], False)} / {timed(b['stats'], False)}",
                          f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]" if ratio else "–"])
         if not found:
             rows.append([f"{recipe} / {peer}", "GPU", "–", NM, NM, NM, NM])

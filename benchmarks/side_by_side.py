@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cifar10_fast as cf  # noqa: E402
 import cifar_data as cd  # noqa: E402
+import devices  # noqa: E402
 import torch_backend as tb  # noqa: E402
 from cli import environment  # noqa: E402
 from core import Table, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
@@ -147,7 +148,7 @@ def main(argv=None):
             print("error: the peer package is not installed: run `pip install airbench` "
                   "(or pass --peer none to run our recipes alone)", file=sys.stderr)
             return 1
-    device = tb.resolve_device(args.device)
+    device = devices.resolve(args.device)
     if airbench is not None and device.type != "cuda":
         print("error: airbench runs only on a CUDA GPU; use --peer none on this device", file=sys.stderr)
         return 1
@@ -156,9 +157,9 @@ def main(argv=None):
     if unknown:
         print(f"error: unknown recipes {unknown}; choose from {', '.join(cf.RECIPES)}", file=sys.stderr)
         return 2
-    dtype = tb.compute_dtype(device)
-    tb.autotune(device)                 # as cifar10_fast.py does (importing airbench also does it, for both sides)
-    sync = lambda: tb.synchronize(device)
+    dtype = devices.compute_dtype(device)
+    devices.autotune(device)                 # as cifar10_fast.py does (importing airbench also does it, for both sides)
+    sync = lambda: devices.synchronize(device)
     arrays = cf.load_arrays(args.data_dir, args.subset)
     if arrays is None:
         return 1
@@ -197,10 +198,11 @@ def main(argv=None):
                                                "flops": tb.count_flops(hp, data)}
                 for side in alternation(args.runs, peer_runs if peer else 0):
                     if side == "ours":
-                        start = time.perf_counter()
+                        start, graphs = time.perf_counter(), tb.compiled_graphs()
                         r = tb.train(hp, data, device, args.seed + len(ours), dtype, target, None, net, forward)
                         r.pop("model")
                         r["wall_s"] = time.perf_counter() - start
+                        r["recompiles"] = tb.compiled_graphs() - graphs
                         ours.append(r)
                         print(f"  {name} run {len(ours)}/{args.runs}: ours {r['final_acc']:.4f} in {r['time']:.3f} s",
                               flush=True)

@@ -253,7 +253,8 @@ def side_stats(runs, target, flops, rate_tflops):
     accs, times = [r["final_acc"] for r in runs], [r["time"] for r in runs]
     s = {"n": len(runs), "accuracy": summarize(accs), "p_mean_above_target": one_sided_p(accs, target),
          "time": summarize(times), "time_to_target": summarize([r.get("time_to_target") for r in runs]),
-         "fraction_reaching_target": (sum(r.get("time_to_target") is not None for r in runs) / len(runs)) if runs else None}
+         "fraction_reaching_target": (sum(r.get("time_to_target") is not None for r in runs) / len(runs)) if runs else None,
+         "recompiled_runs": sum(1 for r in runs if r.get("recompiles"))}      # torch.compile inside the clock
     if flops:
         s["flops_per_run"] = flops
         if runs:
@@ -466,7 +467,9 @@ def describe(result):
             continue
         acc, t = st.get("accuracy", {}).get("mean"), st.get("time", {}).get("mean")
         parts.append(f"{name} {len(side['runs'])}/{side['n_wanted']}"
-                     + (f" acc {acc:.4f} time {t:.2f} s" if acc is not None else ""))
+                     + (f" acc {acc:.4f} time {t:.2f} s" if acc is not None else "")
+                     + (f" (COMPILED INSIDE THE CLOCK in {st['recompiled_runs']} runs)" if st.get("recompiled_runs")
+                        else ""))
     if result.get("rows"):
         parts.append(f"{len(result['rows'])} rows")
     return "; ".join(parts) or "nothing"
@@ -502,9 +505,15 @@ def main(argv=None):
         return 0
     say = lambda line: print(line, flush=True)
     import torch
-    device = torch.device(args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda"))
-    if args.smoke and device.type != "cpu":
+    import devices
+    from core import UsageError
+    if args.smoke and args.device not in (None, "cpu"):
         print("error: --smoke runs on the CPU; leave out --device", file=sys.stderr)
+        return 2
+    try:
+        device = devices.resolve(args.device or ("cpu" if args.smoke else None))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if args.smoke:      # tiny networks gain nothing from a second thread, and a busy machine stalls its barrier
         torch.set_num_threads(1)

@@ -345,7 +345,7 @@ def test_device_cuda_under_torchrun_is_the_local_rank_and_the_timeout_reaches_th
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.update(device=d))
     ctx = D.init_from_env("cuda")
-    assert ctx.device == "cuda:1" and calls["device"] == "cuda:1" and calls["backend"] == "nccl"
+    assert ctx.device == "cuda:1" and str(calls["device"]) == "cuda:1" and calls["backend"] == "nccl"
     assert D.init_from_env("cuda:0").device == "cuda:0"            # a device named in full is kept
     assert D.init_from_env("cpu", timeout_minutes=45).device == "cpu" and calls["backend"] == "gloo"
     assert calls["timeout"].total_seconds() == 45 * 60

@@ -7,7 +7,12 @@ import datetime
 import io
 import json
 import os
+import re
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -17,6 +22,7 @@ import torch.multiprocessing as mp
 
 import imagenet_fast as inf
 import imagenet_store as ims
+from conftest import ROOT
 
 SIZE, CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 16, 4, 24, 8
 # tiny and quick: 96 images, global batch 16, so every rank steps on 96 / world images an epoch, all of them
@@ -188,3 +194,57 @@ def test_four_ranks_killed_and_resumed_without_a_shared_disk_end_exactly_as_unin
     # the uninterrupted run's three epochs: every rank saw every class, in a new order each epoch
     check_every_rank_sees_every_class([{"epochs": r["epochs"][:3]} for r in ranks],
                                       np.asarray(ims.open_store(store).train_y))
+
+
+def rank_of(pid):
+    """torchrun's RANK of one of this test's imagenet_fast.py workers, from its environment (None for any other
+    process, or one that is gone)."""
+    try:
+        if str(ROOT / "imagenet_fast.py") not in open(f"/proc/{pid}/cmdline").read():
+            return None
+        env = dict(v.split("=", 1) for v in open(f"/proc/{pid}/environ").read().split("\0") if "=" in v)
+        return int(env["RANK"]) if "RANK" in env else None
+    except (OSError, ValueError):
+        return None
+
+
+def torchrun(folder, store, *extra, restarts=0):
+    """imagenet_fast.py train on 2 gloo ranks under torchrun, in folder; the running process."""
+    folder.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           f"--max-restarts={restarts}", str(ROOT / "imagenet_fast.py"), *cli_args(store, 10, *extra)]
+    return subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="finds the workers in /proc")
+def test_torchrun_restarts_a_killed_worker_which_resumes_and_ends_as_if_uninterrupted(store, tmp_path, capsys):
+    """README's restart: torchrun --max-restarts, one worker killed with SIGKILL after the first checkpoint; the
+    new workers resume from it and end with exactly the uninterrupted run's parameters."""
+    plain = torchrun(tmp_path / "a", store, "--checkpoint", "ckpt.pt")
+    out, err = plain.communicate(timeout=300)
+    assert plain.returncode == 0, err[-3000:]
+    run = torchrun(tmp_path / "b", store, "--checkpoint", "ckpt.pt", "--resume", restarts=1)
+    ckpt = tmp_path / "b" / "ckpt.pt"
+    while run.poll() is None and not ckpt.exists():          # the first epoch's checkpoint
+        time.sleep(0.05)
+    victim = None
+    while run.poll() is None and victim is None:
+        victim = next((int(p) for p in os.listdir("/proc") if p.isdigit() and rank_of(int(p)) == 1), None)
+    assert victim is not None, "the run ended before a worker could be killed"
+    os.kill(victim, signal.SIGKILL)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    assert re.search(r"resumed from epoch [1-9] of ckpt.pt", out), out
+    assert "Traceback" not in err, err[-3000:]               # the surviving rank said what happened in one line
+    a, b = (torch.load(tmp_path / n / "ckpt.pt", weights_only=False) for n in "ab")
+    assert a["epoch"] == b["epoch"] == 10
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    # the checkpoint of 2 ranks, resumed by 1 process: refused, naming both
+    os.chdir(tmp_path / "b")
+    try:
+        rc = inf.main(cli_args(store, 10, "--checkpoint", "ckpt.pt", "--resume"))
+    finally:
+        os.chdir(ROOT)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1 and err[-1] == "error: ckpt.pt: written by 2 ranks, resumed by 1; cannot resume", err

@@ -188,32 +188,6 @@ def test_a_short_epoch_shows_no_progress(npz, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_another_device_type_never_reaches_torch_cuda(monkeypatch):
-    """Every device-dependent call goes through torch_backend's helpers: a device type with a module of its own
-    (here a fake torch.xpu) takes the generic path, and no torch.cuda function is called."""
-    calls = []
-    fake = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 2,
-                                 synchronize=lambda *a: calls.append(("synchronize", a)),
-                                 mem_get_info=lambda d: (123, 456), get_device_name=lambda d: "Fake XPU")
-    monkeypatch.setattr(torch, "xpu", fake, raising=False)
-    for name in ("synchronize", "mem_get_info", "get_device_name", "set_device", "current_stream", "Event", "Stream"):
-        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name, **k: pytest.fail(f"torch.cuda.{name} called"))
-    device = tb.resolve_device("xpu:1")
-    assert device == torch.device("xpu:1")
-    tb.synchronize(device)
-    core.Timer(lambda: tb.synchronize(device))()
-    assert calls == [("synchronize", ())] * 3
-    assert tb.free_memory(device) == 123 and tb.device_name(device) == "Fake XPU"
-    assert tb.memory_format_for(device) == torch.contiguous_format and tb.compute_dtype(device) == torch.float32
-    assert cli.environment(device)["device_name"] == "Fake XPU"
-    benchmark = torch.backends.cudnn.benchmark
-    tb.autotune(device)
-    assert torch.backends.cudnn.benchmark == benchmark
-    with pytest.raises(core.UsageError, match=r"^--device xpu:2: this machine has 2 xpu devices, xpu:0 to xpu:1$"):
-        tb.resolve_device("xpu:2")
-    assert tb.free_memory(CPU) is None and tb.accelerator(CPU) is None
-
-
 @pytest.mark.parametrize("every, evaluated", [(1, [(1, "none"), (2, "none"), (3, "flip_translate")]),
                                               (2, [(2, "none"), (3, "flip_translate")]),
                                               (0, [(3, "flip_translate")])])

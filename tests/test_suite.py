@@ -233,3 +233,14 @@ def test_sigterm_ends_the_suite_and_its_running_command(tmp_path):
             break
         time.sleep(0.1)
     assert processes_with("cifar10_fast.py", str(npz)) == []
+
+
+def test_a_run_that_compiled_inside_its_clock_is_flagged_in_the_line_and_the_tables():
+    runs = [{"seed": 0, "final_acc": 0.94, "time": 3.0, "recompiles": 2}, {"seed": 1, "final_acc": 0.95, "time": 2.0,
+                                                                          "recompiles": 0}]
+    st = suite.side_stats(runs, 0.94, None, None)
+    assert st["recompiled_runs"] == 1
+    result = {"kind": "cifar", "sides": {"fast94": {"name": "fast94", "n_wanted": 2, "runs": runs, "stats": st}}}
+    assert "COMPILED INSIDE THE CLOCK in 1 runs" in suite.describe(result)
+    assert report.timed(st) == "2.50 s ± 0.71 (compiled inside the clock in 1 run)"
+    assert report.timed(suite.side_stats(runs[1:], 0.94, None, None)) == "2.00 s ± 0.00"

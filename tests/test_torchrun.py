@@ -113,3 +113,12 @@ def test_every_rank_fits_the_whitening_of_the_whole_training_set(synth_npz, tmp_
     single, rank0, rank1 = (torch.load(tmp_path / f"{n}.pt") for n in ("single", "rank0", "rank1"))
     assert torch.equal(rank0, rank1)
     torch.testing.assert_close(rank0, single)
+
+
+def test_one_process_under_torchrun_trains_past_the_whitening_bias(synth_npz):
+    """One process under torchrun still trains inside DistributedDataParallel, which expects a gradient for every
+    parameter it holds: the whitening bias must stay attached after its epochs, as with several ranks."""
+    r = torchrun(1, "--recipe", "fast94", "--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "5", "--width",
+                 "0.0625", "--batch-size", "64")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "final test accuracy" in r.stdout

@@ -1,0 +1,237 @@
+"""Every decision that depends on the device, in one place: which device --device names (and, under torchrun, which
+GPU a rank takes), whether two devices are the same one, where a store and its buffers live, how to wait for the
+device, its compute dtype, memory layout and autocast, cuDNN's autotuning and determinism, random generators, the
+communication backend, and the side streams and events that overlap copies with compute.
+
+A device type other than CUDA (mps, xpu, ...) takes the generic path through torch.<type>, and never reaches a
+torch.cuda function. Streams and events exist on CUDA alone; elsewhere their helpers do nothing, and the tests stub
+them to follow the CUDA path on a CPU (tests/test_fake_gpu.py).
+"""
+import os
+import platform
+from contextlib import nullcontext
+
+import torch
+
+from core import Timer, UsageError
+
+# ---------------------------------------------------------------------------------------------
+# Which device
+
+
+def accelerator(device):
+    """torch's module for the device's type (torch.cuda, torch.mps, torch.xpu, ...); None for the CPU."""
+    device = torch.device(device)
+    return None if device.type == "cpu" else getattr(torch, device.type, None)
+
+
+def count(device_type):
+    """How many devices of this type the machine has (the CPU counts as one)."""
+    if device_type == "cpu":
+        return 1
+    module = getattr(torch, device_type, None)
+    available = (getattr(module, "is_available", None)        # torch.mps has it only in recent torch versions
+                 or getattr(getattr(torch.backends, device_type, None), "is_available", None))
+    if available is None or not available():
+        return 0
+    return module.device_count() if hasattr(module, "device_count") else 1
+
+
+def resolve(name=None):
+    """The device --device names (by default cuda when there is a GPU, else cpu). A name that is not a device, or
+    a device this machine lacks, is a UsageError of one line."""
+    if not name:
+        return torch.device("cuda" if count("cuda") else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device {name}: not a device; use cpu, cuda, cuda:N, mps, ...") from None
+    n = count(device.type)
+    if n == 0:
+        raise UsageError(f"--device {name}: this machine has no {device.type} device" +
+                         ("; use --device cpu" if device.type == "cuda" else ""))
+    if device.index is not None and device.index >= n:
+        raise UsageError(f"--device {name}: this machine has {n} {device.type} device{'s' * (n > 1)}, "
+                         f"{device.type}:0" + (f" to {device.type}:{n - 1}" if n > 1 else ""))
+    return device
+
+
+def for_rank(name, local_rank):
+    """The device of a torchrun rank: cuda (or no --device, on a machine with GPUs) means this rank's own GPU,
+    cuda:LOCAL_RANK; anything else is taken as given."""
+    name = name or ("cuda" if count("cuda") else "cpu")
+    return torch.device(f"cuda:{local_rank}") if name == "cuda" else torch.device(name)
+
+
+def bind(device):
+    """Makes device this process's current one of its type (before a process group, so NCCL binds the rank to its
+    own GPU)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def same(a, b):
+    """Whether a and b are the same device: cuda and cuda:N are when N is the current CUDA device, cpu and cpu:0
+    always (torch.device("cuda") == torch.device("cuda:0") is False)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    current = lambda d: d.index if d.index is not None else (current_index(d.type) if d.type != "cpu" else 0)
+    return current(a) == current(b)
+
+
+def current_index(device_type):
+    module = getattr(torch, device_type, None)
+    return module.current_device() if hasattr(module, "current_device") else 0
+
+
+def is_cpu(device):
+    return torch.device(device).type == "cpu"
+
+
+def name(device):
+    """The accelerator's name (torch.cuda.get_device_name and its like), or the CPU's."""
+    get = getattr(accelerator(device), "get_device_name", None)
+    return get(device) if get else platform.processor() or platform.machine()
+
+
+def backend(device):
+    """The torch.distributed backend for ranks on this device: nccl for CUDA GPUs, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def ddp_device_ids(device):
+    """DistributedDataParallel's device_ids: the rank's GPU on CUDA, None (the module's own) elsewhere."""
+    device = torch.device(device)
+    return [device.index if device.index is not None else current_index("cuda")] if device.type == "cuda" else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Waiting, memory, precision, layout
+
+
+def synchronize(device):
+    """Waits for the work queued on the device (there is none to wait for on the CPU)."""
+    module = accelerator(device)
+    if hasattr(module, "synchronize"):
+        if torch.device(device).type == "cuda":
+            module.synchronize(device)
+        else:
+            module.synchronize()        # the current device of its type (torch.mps.synchronize takes no device)
+
+
+def timer(device):
+    """A core.Timer that waits for the device before every reading."""
+    return Timer(lambda: synchronize(device))
+
+
+def free_memory(device):
+    """Free bytes on the device, or None where torch cannot tell (the CPU, mps)."""
+    module = accelerator(device)
+    return module.mem_get_info(device)[0] if hasattr(module, "mem_get_info") else None
+
+
+def store_place(nbytes, device, where="auto"):
+    """Where a dataset of nbytes lives: "device" when asked, or when it fits in 80% of the device's free memory;
+    else "host". On the CPU the two are the same memory: "host"."""
+    if is_cpu(device):
+        return "host"
+    if where == "auto":
+        free = free_memory(device)
+        return "device" if free is not None and nbytes < 0.8 * free else "host"
+    return where
+
+
+def host_buffer(shape, dtype, device):
+    """An empty host tensor for copies to device: pinned (page-locked) when device is a CUDA GPU, so the copy can be
+    asynchronous."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+
+
+def compute_dtype(device, precision="auto"):
+    """bf16 on a CUDA GPU (batch-norm statistics and optimiser state stay float32), float32 on other devices."""
+    if precision == "auto":
+        precision = "bf16" if torch.device(device).type == "cuda" else "fp32"
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def memory_format(device):
+    """channels_last on a CUDA GPU (cuDNN's fastest layout for these convolutions), contiguous elsewhere."""
+    return torch.channels_last if torch.device(device).type == "cuda" else torch.contiguous_format
+
+
+def autocast(device, dtype):
+    """Mixed precision in dtype on the device; nothing to do in float32."""
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def generator(device, seed):
+    """A random generator on the device, seeded."""
+    return torch.Generator(device).manual_seed(seed)
+
+
+def autotune(device):
+    """cuDNN times the convolution algorithms for each new shape and keeps the fastest (on a CUDA GPU, and not
+    with --deterministic, whose runs must all take the same algorithms)."""
+    if torch.device(device).type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+        torch.backends.cudnn.benchmark = True
+
+
+def set_deterministic():
+    """--deterministic: two runs with the same seed give the same parameters on the same machine. torch's
+    deterministic kernels, no cuDNN autotuning, and cuBLAS's fixed workspace (read when CUDA initialises, so call
+    this before). An operation with no deterministic version warns, naming itself, rather than stop the run."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Side streams and events: copies that overlap compute (CUDA); no-ops elsewhere
+
+
+def overlaps(device):
+    """Whether copies to this device can run on a side stream while it computes (CUDA)."""
+    return torch.device(device).type == "cuda"
+
+
+def side_stream(device):
+    """A stream of its own for copies to the device; None where there are no streams."""
+    return torch.cuda.Stream(device) if overlaps(device) else None
+
+
+def on_stream(stream):
+    """Work queued inside goes to stream (nothing changes for None)."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def record(stream=None, device=None):
+    """An event recorded on stream (or on device's current stream): the point that work queued so far reaches;
+    None where there are no streams."""
+    if stream is None and (device is None or not overlaps(device)):
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def wait(event, device):
+    """The device's current stream waits for event (where there is one) before its next work."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)
+
+
+def wait_host(event):
+    """The host waits until the device has reached event (where there is one)."""
+    if event is not None:
+        event.synchronize()
+
+
+def keep_alive(tensor, device):
+    """Tells the caching allocator that tensor, made on another stream, is used on device's current stream, so that
+    its memory is not handed on before that stream's work on it has run."""
+    if overlaps(device):
+        tensor.record_stream(torch.cuda.current_stream(device))

@@ -1,0 +1,49 @@
+"""torch.compile never compiles inside a timed run: the warm-up meets every shape and mode the runs meet, and each
+run's record counts the graphs compiled during it. Dynamo's guards, graph breaks and recompiles are the same
+whatever backend compiles the graphs, so the default tests compile with aot_eager (no code generation: seconds);
+the slow test compiles with inductor, as the recipes do."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import cifar10_fast as cf
+from conftest import synthetic_arrays
+
+COMPILED = ["fast94", "fast94_muon", "fast94_next", "fast94_next_lowres"]
+TINY = ["--device", "cpu", "--width", "0.0625", "--batch-size", "64", "--epochs", "3"]
+
+
+@pytest.fixture(scope="module")
+def npz(tmp_path_factory):
+    p = tmp_path_factory.mktemp("synth") / "synth.npz"
+    np.savez(p, **synthetic_arrays(n_train=256, n_test=96))
+    return p
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None, **kw: real(model, **{**kw, "backend": "aot_eager"}))
+
+
+def recompiles(npz, out, recipe, *flags):
+    torch._dynamo.reset()
+    assert cf.main(["--recipe", recipe, "--compile", "default", "--runs", "2", "--data-dir", str(npz), *TINY,
+                    *flags, "--out", str(out)]) == 0
+    return [run["recompiles"] for run in json.loads(out.read_text())["runs"]]
+
+
+@pytest.mark.parametrize("recipe", COMPILED)
+def test_no_graph_is_compiled_inside_a_timed_run(recipe, npz, tmp_path, aot_eager):
+    assert recompiles(npz, tmp_path / "r.json", recipe) == [0, 0]
+
+
+def test_the_compiled_step_compiles_nothing_inside_a_timed_run(npz, tmp_path, aot_eager):
+    assert recompiles(npz, tmp_path / "r.json", "fast94", "--compile-step", "true", "--eval-every", "2") == [0, 0]
+
+
+@pytest.mark.slow
+def test_with_inductor_the_low_resolution_recipe_compiles_nothing_inside_a_timed_run(npz, tmp_path):
+    assert recompiles(npz, tmp_path / "r.json", "fast94_next_lowres") == [0, 0]

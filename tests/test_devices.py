@@ -1,0 +1,129 @@
+"""devices.py, the one module that decides by device: over device strings (cpu, cuda, cuda:0, cuda:1, mps) on
+machines with no GPU, one or two (torch.cuda's answers replaced), and a device type of its own (a fake torch.xpu)
+that never reaches torch.cuda."""
+import types
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+import cli
+import core
+import devices
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """gpus(n, current=0): this process sees n CUDA devices, the current one `current`."""
+    def machine(n, current=0):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    return machine
+
+
+@pytest.mark.parametrize("n, name, expected", [
+    (0, None, "cpu"), (0, "cpu", "cpu"), (1, None, "cuda"), (1, "cuda", "cuda"), (1, "cuda:0", "cuda:0"),
+    (2, "cuda:1", "cuda:1"), (2, "cpu", "cpu")])
+def test_resolve_names_the_device(gpus, n, name, expected):
+    gpus(n)
+    assert devices.resolve(name) == torch.device(expected)
+
+
+@pytest.mark.parametrize("n, name, message", [
+    (0, "cuda", "--device cuda: this machine has no cuda device; use --device cpu"),
+    (0, "cuda:0", "--device cuda:0: this machine has no cuda device; use --device cpu"),
+    (1, "cuda:1", "--device cuda:1: this machine has 1 cuda device, cuda:0"),
+    (2, "cuda:2", "--device cuda:2: this machine has 2 cuda devices, cuda:0 to cuda:1"),
+    (1, "mps", "--device mps: this machine has no mps device"),
+    (1, "gpu", "--device gpu: not a device; use cpu, cuda, cuda:N, mps, ...")])
+def test_resolve_refuses_a_device_the_machine_lacks_in_one_line(gpus, n, name, message):
+    gpus(n)
+    with pytest.raises(core.UsageError) as e:
+        devices.resolve(name)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("name, local_rank, n, expected", [
+    ("cuda", 3, 4, "cuda:3"), (None, 3, 4, "cuda:3"), (None, 3, 0, "cpu"), ("cuda:0", 3, 4, "cuda:0"),
+    ("cpu", 1, 4, "cpu")])
+def test_a_torchrun_rank_takes_its_own_gpu(gpus, name, local_rank, n, expected):
+    gpus(n)
+    assert devices.for_rank(name, local_rank) == torch.device(expected)
+
+
+@pytest.mark.parametrize("a, b, current, same", [
+    ("cuda", "cuda:0", 0, True), ("cuda:0", "cuda", 0, True), ("cuda", "cuda:1", 0, False),
+    ("cuda", "cuda:1", 1, True), ("cuda:1", "cuda:1", 0, True), ("cuda:0", "cuda:1", 0, False),
+    ("cpu", "cpu", 0, True), ("cpu", "cuda", 0, False), ("cuda", "mps", 0, False)])
+def test_same_device_whatever_the_spelling(gpus, a, b, current, same):
+    gpus(2, current)
+    assert devices.same(a, b) is same and devices.same(torch.device(a), torch.device(b)) is same
+    assert (torch.device("cuda") == torch.device("cuda:0")) is False        # why devices.same exists
+
+
+@pytest.mark.parametrize("name, dtype, layout, backend, ids, overlaps", [
+    ("cuda", torch.bfloat16, torch.channels_last, "nccl", [1], True),
+    ("cuda:0", torch.bfloat16, torch.channels_last, "nccl", [0], True),
+    ("cuda:1", torch.bfloat16, torch.channels_last, "nccl", [1], True),
+    ("cpu", torch.float32, torch.contiguous_format, "gloo", None, False),
+    ("mps", torch.float32, torch.contiguous_format, "gloo", None, False)])
+def test_what_each_device_computes_in(gpus, name, dtype, layout, backend, ids, overlaps):
+    gpus(2, current=1)
+    assert devices.compute_dtype(name) == dtype and devices.memory_format(name) == layout
+    assert devices.compute_dtype(name, "fp16") == torch.float16 and devices.compute_dtype(name, "fp32") == torch.float32
+    assert devices.backend(name) == backend and devices.ddp_device_ids(name) == ids
+    assert devices.overlaps(name) is overlaps
+    assert isinstance(devices.autocast(name, torch.float32), nullcontext)
+
+
+def test_where_a_store_lives(gpus, monkeypatch):
+    gpus(1)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (1000, 2000))
+    assert devices.store_place(700, "cuda") == "device" and devices.store_place(900, "cuda") == "host"   # 80% rule
+    assert devices.store_place(10, "cuda", "host") == "host" and devices.store_place(900, "cuda", "device") == "device"
+    assert devices.store_place(10, "cpu") == "host" and devices.store_place(10, "cpu", "device") == "host"
+    pinned = []
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: pinned.append(pin_memory))
+    devices.host_buffer((2, 3), torch.uint8, "cuda:0"), devices.host_buffer((2, 3), torch.uint8, "cpu")
+    assert pinned == [True, False]                 # page-locked for asynchronous copies to a GPU alone
+
+
+def test_streams_and_events_are_cuda_alone(monkeypatch):
+    for name in ("current_stream", "Event", "Stream", "stream"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name, **k: pytest.fail(f"torch.cuda.{name} called"))
+    cpu = torch.device("cpu")
+    assert devices.side_stream(cpu) is None and devices.record(None, cpu) is None
+    with devices.on_stream(None):
+        devices.wait(None, cpu)
+        devices.wait_host(None)
+        devices.keep_alive(torch.zeros(1), cpu)
+
+
+def test_another_device_type_never_reaches_torch_cuda(monkeypatch):
+    """A device type with a module of its own (here a fake torch.xpu) takes the generic path: no torch.cuda
+    function is called."""
+    calls = []
+    fake = types.SimpleNamespace(is_available=lambda: True, device_count=lambda: 2,
+                                 synchronize=lambda *a: calls.append(("synchronize", a)),
+                                 mem_get_info=lambda d: (123, 456), get_device_name=lambda d: "Fake XPU")
+    monkeypatch.setattr(torch, "xpu", fake, raising=False)
+    for name in ("synchronize", "mem_get_info", "get_device_name", "set_device", "current_stream", "Event", "Stream"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, name=name, **k: pytest.fail(f"torch.cuda.{name} called"))
+    device = devices.resolve("xpu:1")
+    assert device == torch.device("xpu:1")
+    devices.synchronize(device)
+    devices.timer(device)()
+    assert calls == [("synchronize", ())] * 3
+    assert devices.free_memory(device) == 123 and devices.name(device) == "Fake XPU"
+    assert devices.memory_format(device) == torch.contiguous_format and devices.compute_dtype(device) == torch.float32
+    assert cli.environment(device)["device_name"] == "Fake XPU"
+    assert devices.side_stream(device) is None and devices.record(device=device) is None
+    devices.bind(device)
+    benchmark = torch.backends.cudnn.benchmark
+    devices.autotune(device)
+    assert torch.backends.cudnn.benchmark == benchmark
+    with pytest.raises(core.UsageError, match=r"^--device xpu:2: this machine has 2 xpu devices, xpu:0 to xpu:1$"):
+        devices.resolve("xpu:2")
+    assert devices.free_memory("cpu") is None and devices.accelerator("cpu") is None

@@ -1,0 +1,154 @@
+"""The GPU-only paths, run on a CPU-only machine: torch's FakeTensorMode lets tensors live on device `cuda` without
+a GPU, runs their forward operations (shapes, dtypes and devices, no values) and raises "Expected all tensors to be
+on the same device" where a GPU would. Under it run, with device cuda: the CIFAR-10 dataset's placement, its
+augmentation, the networks' forward in channels_last and the evaluation with test-time augmentation; the ImageNet
+store's placement on the device and in pinned host memory, both ways of gathering batches, augmentation, the
+forward and the validation; and the throughput benchmark's data path.
+
+What FakeTensorMode cannot follow stays on the CPU tests: backward (it needs a CUDA context), autocast (off there),
+reading a value (.item()), CUDA's streams, events and generators (stubbed here through devices.py, the one module
+that makes them), and building a module under the mode (the networks are built on the CPU, as they are before
+.to(device), and moved to the fake GPU by the code under test)."""
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+import cifar10_fast as cf
+import cifar_data as cd
+import devices
+import imagenet_fast as inf
+import imagenet_store as ims
+import torch_backend as tb
+from conftest import synthetic_arrays
+
+CUDA = torch.device("cuda")          # as --device cuda names it: no index, while tensors on it say cuda:0
+
+
+def on_gpu(*tensors):
+    return all(t.device.type == "cuda" for t in tensors)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CPU-only machine that looks like one with a GPU to the code under test."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)     # (saying cuda is available starts CUDA)
+    copies = []
+
+    class Stream:
+        pass
+    monkeypatch.setattr(devices, "side_stream", lambda device: Stream())
+    monkeypatch.setattr(devices, "on_stream", lambda stream: nullcontext())
+    monkeypatch.setattr(devices, "record", lambda stream=None, device=None: copies.append(stream))
+    monkeypatch.setattr(devices, "wait", lambda event, device: None)
+    monkeypatch.setattr(devices, "wait_host", lambda event: None)
+    monkeypatch.setattr(devices, "keep_alive", lambda tensor, device: None)
+    monkeypatch.setattr(devices, "generator", lambda device, seed: torch.Generator().manual_seed(seed))
+    for table, name in [(tb.MODELS, m) for m in tb.MODELS]:               # networks built on the CPU
+        real = table[name]
+        monkeypatch.setitem(table, name, lambda *a, real=real, **k: built_on_the_cpu(real, *a, **k))
+    real_build = inf.build_model
+    monkeypatch.setattr(inf, "build_model", lambda *a, **k: built_on_the_cpu(real_build, *a, **k))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        yield copies
+
+
+def built_on_the_cpu(build, *args, **kwargs):
+    with unset_fake_temporarily():
+        return build(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- CIFAR-10
+
+@pytest.fixture(scope="module")
+def arrays():
+    return synthetic_arrays(n_train=128, n_test=64)
+
+
+@pytest.mark.parametrize("recipe", ["myrtle24", "fast94", "fast94_next_lowres"])
+def test_cifar10_on_the_gpu_places_augments_trains_forward_and_evaluates_there(fake_gpu, arrays, recipe):
+    hp = cf.recipe(recipe, width=1 / 16, batch_size=32)
+    stats = cd.channel_stats(arrays["train_images"])
+    data = cd.to_device(arrays, CUDA, torch.float32, hp["crop_pad"], stats)
+    assert on_gpu(data["train_images"], data["test_images"], data["train_labels"], data["test_labels"])
+    gen = devices.generator(CUDA, 0)
+    layout = devices.memory_format(CUDA)
+    assert layout == torch.channels_last
+    net = tb.build_model(hp, CUDA, layout)
+    assert on_gpu(*net.parameters(), *net.buffers())
+    tb.fit_whitening(net, data["train_images"], data["test_images"].shape[-2:])
+    for epoch in range(2):                      # the low-resolution epoch and the full one
+        for x, y in cd.epoch_batches(data, hp, gen, layout, epoch, cd.flip_bits(128, gen, CUDA)):
+            assert on_gpu(x, y) and x.is_contiguous(memory_format=layout)
+            logits = net(x)
+            assert on_gpu(logits) and logits.shape == (32, 10)
+            break
+    for tta, fraction in (("none", 1.0), ("flip_translate", 1.0), ("flip_translate", 0.25)):
+        sums = tb.evaluation_sums(net, data["test_images"], data["test_labels"], tta, torch.float32, 50, layout,
+                                  fraction)
+        assert on_gpu(sums) and sums.shape == (2,)
+
+
+def test_a_cifar10_batch_on_the_cpu_is_a_device_mix_the_fake_gpu_catches(fake_gpu, arrays):
+    hp = cf.recipe("fast94", width=1 / 16)
+    net = tb.build_model(hp, CUDA, devices.memory_format(CUDA))
+    with pytest.raises(RuntimeError, match="same device"):
+        net(torch.zeros(2, 3, 32, 32))
+
+
+# ---------------------------------------------------------------------------------------------------- ImageNet
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("in")
+    ims.synthetic_imagefolder(root / "src", 4, 8, 4, sizes=(20, 32))
+    ims.prepare(root / "src", root / "store", 16, workers=1, log=lambda s: None)
+    return ims.open_store(root / "store")
+
+
+def imagenet_hp():
+    return inf.recipe("tiny", width=4, batch_size=8, min_res=16, max_res=16, val_res=24, tta="flip")
+
+
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_imagenet_on_the_gpu_gathers_augments_trains_forward_and_validates(fake_gpu, store, where):
+    """The store on the GPU (gathered there; on today's main this took the pinned-host path, because cuda:0 is not
+    cuda to torch.device's ==, and gathered from GPU memory into a host buffer), or in pinned host memory (gathered
+    into pinned buffers and copied on a side stream)."""
+    hp = imagenet_hp()
+    data = inf.place(store, CUDA, where)
+    assert data["where"] == where
+    assert on_gpu(data["train_x"], data["val_x"]) is (where == "device")
+    gen = torch.Generator().manual_seed(0)
+    layout = devices.memory_format(CUDA)
+    model = inf.build_model(hp, 4).to(CUDA, memory_format=layout)
+    n = len(data["train_y"])
+    perm = torch.randperm(n, generator=gen)
+    crops = inf.draw_crops(n, hp["crop_scale"], hp["crop_ratio"], gen)
+    batches = list(inf.augmented_batches(data, hp, perm, crops, 16, 8, gen, CUDA, torch.float32, layout))
+    assert len(batches) == n // 8
+    for x, y in batches:
+        assert on_gpu(x, y) and x.shape == (8, 3, 16, 16) and x.is_contiguous(memory_format=layout)
+        assert on_gpu(model(x))
+    assert len(fake_gpu) == (n // 8 if where == "host" else 0)        # a copy on the side stream per batch
+    sums = inf.validation_sums(model, data, 16, hp["val_res"], hp["tta"], CUDA, torch.float32, layout)
+    assert on_gpu(sums) and sums.shape == (4,)
+
+
+def test_the_throughput_benchmark_reads_the_training_batches(fake_gpu, store):
+    """benchmarks/imagenet_throughput.py times inf.augmented_batches, the batches training reads."""
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    source = (ROOT / "benchmarks" / "imagenet_throughput.py").read_text()
+    assert "inf.augmented_batches(" in source and "inf.train_batches(" not in source
+    data = inf.place(store, CUDA, "device")
+    gen = torch.Generator().manual_seed(0)
+    n = len(data["train_y"])
+    x, y = next(inf.augmented_batches(data, imagenet_hp(), torch.randperm(n, generator=gen),
+                                      inf.draw_crops(n, (0.08, 1), (3 / 4, 4 / 3), gen), 16, 8, gen, CUDA,
+                                      torch.bfloat16, torch.channels_last))
+    assert on_gpu(x, y) and x.dtype == torch.bfloat16
+    assert np.asarray(store.train_y).dtype == np.int64
