@@ -17,15 +17,19 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import cifar_data as cd
 import devices
 import distributed as D
+import loop
 import torch_backend as tb
 from cli import (add_shared_flags, check_run, check_values, flag, flag_error, interrupted, one_of, overrides_from,
                  run_in_ranks, run_record, show_choices)
-from core import DataError, Parser, Table, UsageError, print_summary, summarize_runs, write_json
-from optim import linear_scaled_lr
+from core import DataError, Frozen, Parser, Table, UsageError, print_summary, summarize_runs, write_json
+from loop import Run, train_step
+from optim import make_optimizers, set_lr
+from schedules import PiecewiseLinear, epoch_steps, linear_scaled_lr, per_rank_batch, run_steps
 
 # Every hyperparameter, with the value it has unless a recipe or flag says otherwise.
 # lr_knots are fractions of the whole run, so --epochs stretches the schedule with it; lr_values
@@ -230,20 +234,20 @@ RECIPES = {
 }
 
 
-def recipe(name, **overrides):
-    """The full hyperparameter dict of a recipe, with overrides applied."""
+def hyperparameters(name, **overrides):
+    """A recipe's hyperparameters with overrides applied (any key of BASE), checked once and frozen: the one value
+    that the run passes down. A bad name or value is a UsageError of one line."""
     if name not in RECIPES:
-        raise KeyError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    hp = {**BASE, **{k: v for k, v in RECIPES[name].items() if k != "doc"}, **overrides}
-    unknown = set(hp) - set(BASE)
+        raise UsageError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    unknown = sorted(set(overrides) - set(BASE))
     if unknown:
-        raise KeyError(f"unknown hyperparameters {sorted(unknown)}")
+        raise UsageError(f"unknown hyperparameters {unknown}")
+    hp = {**BASE, **{k: v for k, v in RECIPES[name].items() if k != "doc"}, **overrides}
+    check(hp)
     if hp["lr_scale_base"]:     # Goyal et al.: k times the batch, k times the learning rate
         hp["lr_values"] = tuple(linear_scaled_lr(v, hp["batch_size"], hp["lr_scale_base"]) for v in hp["lr_values"])
-    return hp
+    return Frozen(hp, recipe=name)
 
-
-hyperparameters_of = recipe          # train()'s first argument, named recipe, hides the function inside it
 
 POSITIVE = ("epochs", "batch_size", "width", "ema_every", "lookahead_every", "whiten_size", "whiten_images", "bn_eps")
 NOT_NEGATIVE = ("weight_decay", "crop_pad", "cutout", "ghost_batch", "low_res", "low_res_epochs", "lr_scale_base",
@@ -252,11 +256,8 @@ NOT_NEGATIVE = ("weight_decay", "crop_pad", "cutout", "ghost_batch", "low_res", 
 FRACTIONS = ("momentum", "label_smoothing", "bn_momentum", "ema_momentum", "lookahead_momentum", "muon_momentum")
 
 
-def validate(hp, subset=None, n_train=None, image_size=None):
-    """Raises UsageError naming the flag, what is wrong and what is allowed, for the first bad hyperparameter or
-    --subset. With n_train (the training images there are, before subset) and image_size ((height, width)) it also
-    checks what depends on the data: called before anything is loaded, and again once the data's size is known,
-    before training. (The command line checks its other flags with cli.check_run.)"""
+def check(hp):
+    """Raises UsageError naming the flag, what is wrong and what is allowed, for the first bad hyperparameter."""
     check_values(hp, CHOICES, POSITIVE, NOT_NEGATIVE, FRACTIONS, whole=("batch_size",))
     if not 0 < hp["tta_fraction"] <= 1:
         raise flag_error("tta_fraction", hp["tta_fraction"], "must be in (0, 1]")
@@ -268,27 +269,371 @@ def validate(hp, subset=None, n_train=None, image_size=None):
                          f"(here {len(knots)} and {len(values)})")
     if any(b < a for a, b in zip(knots, knots[1:])):
         raise flag_error("lr_knots", knots, "must not decrease")
+
+
+def check_subset(subset, n_train=None):
+    """Raises UsageError unless --subset is positive (and, given the training images there are, at most that)."""
     if subset is not None and subset < 1:
         raise flag_error("subset", subset, "must be positive")
-    if n_train is not None:
-        if subset is not None and subset > n_train:
-            raise flag_error("subset", subset, f"larger than the {n_train} training images")
-        n = min(subset or n_train, n_train)
-        if hp["batch_size"] > n:
-            raise flag_error("batch_size", hp["batch_size"], f"larger than the {n} training images")
-    if image_size is not None:
-        h, w = image_size
-        if hp["crop_pad"] >= min(h, w):
-            raise flag_error("crop_pad", hp["crop_pad"], f"must be smaller than the {h}x{w} images")
-        if hp["cutout"] > min(h, w):
-            raise flag_error("cutout", hp["cutout"], f"larger than the {h}x{w} images")
-        if hp["low_res"] and h != w:
-            raise flag_error("low_res", hp["low_res"], f"needs square images, not {h}x{w}")
-        try:        # on the meta device: shapes only, no memory, no arithmetic
-            tb.build_model(hp, "meta")(torch.empty(2, 3, h, w, device="meta"))
-        except RuntimeError:
-            raise flag_error("model", hp["model"], f"{h}x{w} images are too small for this network") from None
+    if subset is not None and n_train is not None and subset > n_train:
+        raise flag_error("subset", subset, f"larger than the {n_train} training images")
 
+
+def check_data(hp, n_train, image_size):
+    """Raises UsageError for a hyperparameter that the data's size rules out: the batch (n_train: the training
+    images a run trains on), the crop, cutout, low resolution and network against the (height, width) of the
+    images. Checked once the data is loaded, before training."""
+    if hp["batch_size"] > n_train:
+        raise flag_error("batch_size", hp["batch_size"], f"larger than the {n_train} training images")
+    h, w = image_size
+    if hp["crop_pad"] >= min(h, w):
+        raise flag_error("crop_pad", hp["crop_pad"], f"must be smaller than the {h}x{w} images")
+    if hp["cutout"] > min(h, w):
+        raise flag_error("cutout", hp["cutout"], f"larger than the {h}x{w} images")
+    if hp["low_res"] and h != w:
+        raise flag_error("low_res", hp["low_res"], f"needs square images, not {h}x{w}")
+    try:        # on the meta device: shapes only, no memory, no arithmetic
+        tb.build_model(hp, "meta")(torch.empty(2, 3, h, w, device="meta"))
+    except RuntimeError:
+        raise flag_error("model", hp["model"], f"{h}x{w} images are too small for this network") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# One run: the CIFAR-10 parts of the loop (loop.train)
+# ---------------------------------------------------------------------------------------------
+
+def network(hp, device, *, compile_mode=None, ctx=None, bucket_mb=25.0, hook="none", num_classes=10):
+    """(net, forward) built once per process and re-initialised in place by every run (start): under torchrun
+    forward is net in DistributedDataParallel (with bucket_mb buckets and a gradient communication hook), and with
+    compile_mode it is torch.compile'd, so compilation happens once, in the warm-up; with hp["compile_step"] what is
+    compiled is WithLoss(net), the forward and the loss as one function. (None, None) when neither applies: each
+    run then builds a plain network of its own."""
+    distributed = ctx is not None and ctx.distributed
+    if not (compile_mode or distributed):
+        return None, None
+    net = tb.build_model(hp, device, memory_format=devices.memory_format(device), num_classes=num_classes)
+    forward = net
+    if distributed:
+        forward = D.register_comm_hook(D.wrap_ddp(net, ctx, bucket_mb), hook)
+    if compile_mode:
+        if hp["compile_step"]:
+            forward = WithLoss(forward, hp["label_smoothing"])
+        # dynamic=False: each new shape (the low-resolution epochs, the last evaluation batch) compiles a graph of its
+        # own, once, in the warm-up; dynamic shapes would recompile them inside a timed run instead
+        forward = torch.compile(forward, mode=None if compile_mode == "default" else compile_mode, dynamic=False)
+    return net, forward
+
+
+class WithLoss(torch.nn.Module):
+    """The network, and given labels also its summed loss. Compiled (compile_step), the forward and the loss are
+    one graph, and AOTAutograd compiles their backward as one graph with it: fewer kernels than the network
+    compiled alone with the loss and its backward left eager. Called without labels it is the network."""
+    takes_labels = True
+
+    def __init__(self, net, label_smoothing):
+        super().__init__()
+        self.net, self.label_smoothing = net, label_smoothing
+
+    def forward(self, x, y=None):
+        logits = self.net(x)
+        if y is None:
+            return logits
+        return logits, F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing, reduction="sum")
+
+
+def compiled_graphs():
+    """How many graphs torch.compile has compiled in this process so far (torch._dynamo's count)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def start(hp, data, *, device, dtype, ctx, net=None, forward=None):
+    """The builder of a run that loop.train calls once torch's seed is set: start(seed) builds a fresh network (or
+    re-initialises `net`, from network(), in place), fits its whitening, its optimisers and what it draws once, and
+    returns the loop.Run that trains it on the device-resident `data` (device_data; under torchrun this rank's
+    shard), in this rank's share of the batch."""
+    world, wrapped = ctx.world_size, ctx.distributed     # in DistributedDataParallel under torchrun, one rank too
+    batch = hp["batch_size"] // world
+    memory_format = devices.memory_format(device)
+    n_train = len(data["train_labels"])
+    steps_per_epoch, total_steps = run_steps(n_train, batch, hp["epochs"])
+    schedule = PiecewiseLinear(hp["lr_knots"], hp["lr_values"])
+
+    def build(seed):
+        gen = devices.generator(device, seed)
+        fresh = tb.build_model(hp, device, memory_format=memory_format, num_classes=data.get("num_classes", 10))
+        model, step = fresh, fresh
+        if net is not None:
+            net.load_state_dict(fresh.state_dict())
+            model, step = net, (net if forward is None else forward)
+        # under torchrun data["whiten_images"] holds the images one process would fit on (device_data)
+        tb.fit_whitening(model, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])
+        tb.set_bias_grad(model, True)
+        opts = make_optimizers(model, hp, steps_per_epoch, world)
+        flip_base = cd.flip_bits(n_train, gen, device) if hp["flip"] == "alternate" else None
+        # Once trained, the whitening bias is detached (no gradient to compute), as airbench94_muon does; not under
+        # DDP, which expects a gradient for every parameter it holds (there its lr is 0 from then on).
+        whitening, whiten_steps = ([] if wrapped else tb.whitening_biases(model),
+                                   epoch_steps(hp["whiten_bias_epochs"], steps_per_epoch))
+
+        def before_step(step_no):
+            for m in whitening:
+                m.bias_grad = step_no < whiten_steps
+
+        def evaluate(model, final):
+            loss, acc = tb.evaluate(model, data["test_images"], data["test_labels"],
+                                    tta=hp["tta"] if final else "none", dtype=dtype, memory_format=memory_format,
+                                    tta_fraction=hp["tta_fraction"] if final else 1.0)
+            return {"test_loss": loss, "test_acc": acc}
+        return Run(model=model, forward=step, optimizers=opts, generator=gen,
+                   steps=[steps_per_epoch] * math.ceil(total_steps / steps_per_epoch), total_steps=total_steps,
+                   batches=lambda epoch: cd.epoch_batches(data, hp, gen, memory_format=memory_format, epoch=epoch,
+                                                          flip_base=flip_base, batch_size=batch),
+                   schedule=lambda epoch, i, step_no: (schedule(step_no / total_steps), step_no / steps_per_epoch),
+                   evaluate=evaluate, metrics=("test_loss", "test_acc"), accuracy="test_acc", wrapped=wrapped,
+                   before_step=before_step if whitening else None)
+    return build
+
+
+def warmup(hp, data, *, device, dtype, ctx, net=None, forward=None):
+    """Runs, before the clock starts, everything a timed run will meet, so that cuDNN autotuning, kernel loading and
+    torch.compile happen outside it (the 'compilation warm-up' the timing protocol excludes): a few steps at every
+    training resolution with the whitening bias trained and detached, and every kind of evaluation (plain and with
+    the recipe's test-time augmentation) in both states of the bias, on `net` (which every run re-initialises) or a
+    throwaway network, with a generator of its own (the runs' random streams stay untouched) at a learning rate that
+    moves nothing measurable but runs every kernel. Under torchrun the bias is never detached (start)."""
+    memory_format = devices.memory_format(device)
+    net = net if net is not None else tb.build_model(hp, device, memory_format=memory_format,
+                                                      num_classes=data.get("num_classes", 10))
+    forward = net if forward is None else forward
+    opts = make_optimizers(net, hp, 1, ctx.world_size)
+    set_lr(opts, 1e-9)
+    gen = devices.generator(device, 0)
+    flip_base = cd.flip_bits(len(data["train_labels"]), gen, device)
+    states = (True, False) if tb.whitening_biases(net) and not ctx.distributed else (True,)
+    for epoch in dict.fromkeys((0, hp["low_res_epochs"] if hp["low_res"] else 0)):     # every training resolution
+        batches = cd.epoch_batches(data, hp, gen, memory_format=memory_format, epoch=epoch, flip_base=flip_base,
+                                   batch_size=hp["batch_size"] // ctx.world_size)
+        for step, (x, y) in zip(range(2 * len(states)), batches):
+            tb.set_bias_grad(net, states[step // 2])
+            train_step(forward, opts, x, y, label_smoothing=hp["label_smoothing"], dtype=dtype)
+    evaluated = net if ctx.distributed else forward      # as loop.train evaluates
+    for state in states:
+        tb.set_bias_grad(net, state)
+        for tta, fraction in dict.fromkeys((("none", 1.0), (hp["tta"], hp["tta_fraction"]))):
+            tb.evaluation_sums(evaluated, data["test_images"], data["test_labels"], tta=tta, dtype=dtype,
+                               memory_format=memory_format, tta_fraction=fraction)
+    tb.set_bias_grad(net, True)
+    devices.synchronize(device)
+
+
+def device_data(arrays, hp, ctx, device, *, dtype, stats):
+    """This process's dataset on the device, normalised by stats (the whole training set's): under torchrun, its
+    own contiguous shard of the training set, and the images the whitening filters are fitted on taken before
+    sharding, so that every rank fits the filters one process would (they are frozen parameters, which DDP never
+    synchronises)."""
+    if not ctx.distributed:
+        return cd.to_device(arrays, device, dtype, hp["crop_pad"], stats)
+    part = D.shard(len(arrays["train_labels"]), ctx.rank, ctx.world_size)
+    whiten = arrays["train_images"][:hp["whiten_images"]]
+    shard = {**arrays, "train_images": arrays["train_images"][part.start:part.stop],
+             "train_labels": arrays["train_labels"][part.start:part.stop]}
+    return {**cd.to_device(shard, device, dtype, hp["crop_pad"], stats), "num_classes": cd.num_classes(arrays),
+            "whiten_images": cd.normalise(whiten, device, dtype, stats)}
+
+
+def estimated_run_s(hp, step_s, *, flops, batch, n_train, n_test, eval_every):
+    """Seconds a run is expected to take, from the measured seconds per training step: its steps, and its
+    evaluations priced from the counted FLOPs (tb.count_flops) at the training steps' rate."""
+    steps_per_epoch, total_steps = run_steps(n_train, batch, hp["epochs"])
+    epochs = math.ceil(total_steps / steps_per_epoch)
+    plain_evals = (epochs - 1) // eval_every if eval_every else 0
+    flops_per_s = flops["per_train_image"] * batch / step_s
+    evaluations = flops["final_eval"] + plain_evals * n_test * flops["per_forward_image"]
+    return total_steps * step_s + evaluations / flops_per_s
+
+
+# ---------------------------------------------------------------------------------------------
+# The library: train() and evaluate(); the command line below is a thin layer over them
+# ---------------------------------------------------------------------------------------------
+
+COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
+SUMMARY = ("final_acc", "time", "train_time", "time_to_target")     # the results summarised over runs
+PROGRESS_AFTER_S = 5.0          # an epoch that looks longer shows its steps on stderr
+
+
+@dataclass
+class Result:
+    """What train() returns: the last run's trained network (the weights it was evaluated with: the EMA's or
+    lookahead's when the recipe averages weights), its per-epoch rows, the summary over all runs (mean, std, min
+    and max of accuracy and times, the t-test against the target, FLOPs), every run's result (seed, rows, final
+    accuracy, times, graphs compiled inside the clock) and the hyperparameters."""
+    model: torch.nn.Module
+    rows: list
+    summary: dict
+    runs: list
+    hyperparameters: dict
+    flops: dict
+
+
+@dataclass
+class Prepared:
+    """A recipe ready to train: its data on the device (device_data), its FLOPs counted, and the network built, and
+    compiled and warmed up where that applies (network, warmup), once; run() trains one fresh network on it."""
+    hp: Frozen
+    data: dict
+    device: torch.device
+    dtype: torch.dtype
+    ctx: D.Context
+    net: object
+    forward: object
+    flops: dict
+    stats: tuple
+
+    def run(self, seed, *, target=0.94, eval_every=1, on_epoch=None, progress_after_s=None, on_first_steps=None):
+        """One run (loop.train) with its wall-clock seconds, per-epoch evaluations included (wall_s: for planning,
+        not a result), and the graphs torch.compile made inside it (recompiles: 0 unless the warm-up missed one)."""
+        started, graphs = time.perf_counter(), compiled_graphs()
+        result = loop.train(start(self.hp, self.data, device=self.device, dtype=self.dtype, ctx=self.ctx,
+                                  net=self.net, forward=self.forward), self.hp,
+                            device=self.device, seed=seed, dtype=self.dtype, ctx=self.ctx, target=target,
+                            eval_every=eval_every, on_epoch=on_epoch, progress_after_s=progress_after_s,
+                            on_first_steps=on_first_steps)
+        result["model"].normalisation = self.stats       # for evaluate(): the statistics the network trained on
+        return {**result, "wall_s": time.perf_counter() - started, "recompiles": compiled_graphs() - graphs}
+
+
+def prepare(hp, arrays, *, device, dtype, ctx=None, stats=None, compile=None, hook="none", bucket_mb=25.0):
+    """A Prepared recipe: arrays (four numpy arrays, checked) on the device, normalised by stats (the training images'
+    own unless given), under torchrun this rank's shard; on an accelerator, or with `compile`, the untimed warm-up
+    done."""
+    ctx = ctx or D.Context(device=str(device))
+    stats = stats or cd.channel_stats(arrays["train_images"])
+    data = device_data(arrays, hp, ctx, device, dtype=dtype, stats=stats)
+    flops = tb.count_flops(hp, {**data, "train_labels": torch.empty(len(arrays["train_labels"]))})
+    net, forward = network(hp, device, compile_mode=compile, ctx=ctx, bucket_mb=bucket_mb, hook=hook,
+                           num_classes=data.get("num_classes", 10))
+    if not devices.is_cpu(device) or compile:
+        devices.autotune(device)
+        warmup(hp, data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward)
+    return Prepared(hp, data, device, dtype, ctx, net, forward, flops, stats)
+
+
+def train(recipe, data=None, *, device=None, runs=1, seed=0, target=0.94, compile=None, verbose=False, dataset=None,
+          subset=None, precision="auto", eval_every=1, on_run=None, on_epoch=None, ctx=None, hook="none",
+          bucket_mb=25.0, **overrides):
+    """Trains `runs` fresh networks (seeds seed, seed+1, ...) of a recipe and returns a Result. recipe: a recipe's
+    name, with any hyperparameter of BASE overridden by a keyword (epochs=10, batch_size=768), or hyperparameters()
+    already built.
+
+    data: a .npz file (train_images and test_images (N, H, W, 3) uint8, integer train_labels and test_labels),
+    a data folder (where `dataset`, cifar10 by default or cifar100, is downloaded and cached), an unpacked archive
+    folder, or a dict of those four numpy arrays; None is the folder data/. The classes are the labels' (the
+    largest + 1; a .npz given with `dataset` is checked as that dataset); the images are normalised by the training
+    images' per-channel mean and std. device: "cuda", "cpu", "mps", ... (default cuda when there is a GPU). On an
+    accelerator, or with `compile`, an untimed warm-up comes first (prepare). eval_every: evaluate every this many
+    epochs (0: only the last); the last with the recipe's test-time augmentation, the others on the plain images.
+    verbose prints the per-epoch table and each run's result on stdout, and on stderr an estimate of the time on a
+    CPU and the steps of a long epoch. on_run(Result so far) is called after every run, on_epoch(row) after every
+    epoch. Under torchrun the command line passes its ctx, hook and bucket_mb.
+    Bad arguments raise core.UsageError, bad data core.DataError, each with a one-line message.
+    """
+    if isinstance(recipe, str):
+        hp = hyperparameters(recipe, **overrides)
+    elif isinstance(recipe, Frozen) and not overrides:
+        hp = recipe
+    else:
+        raise UsageError("train: give a recipe's name (and its overrides), or hyperparameters(name, **overrides)")
+    check_run(runs, target, eval_every=eval_every)
+    check_subset(subset)
+    if dataset is not None and dataset not in cd.DATASETS:
+        raise flag_error("dataset", dataset, f"must be one of {show_choices(tuple(cd.DATASETS))}")
+    device = torch.device(ctx.device) if ctx else devices.resolve(device)
+    ctx = ctx or D.Context(device=str(device))
+    dtype = devices.compute_dtype(device, precision)
+    say = print if verbose else lambda *a, **k: None
+    arrays = cd.check_arrays(data, "data") if isinstance(data, dict) else cd.load(data or "data", dataset)
+    stats = cd.channel_stats(arrays["train_images"])        # the whole training set's, whatever the subset
+    check_subset(subset, len(arrays["train_labels"]))
+    arrays = cd.take_subset(arrays, subset)
+    check_data(hp, len(arrays["train_labels"]), arrays["train_images"].shape[1:3])
+    classes, n_train, n_test = cd.num_classes(arrays), len(arrays["train_labels"]), len(arrays["test_labels"])
+    empty = [c for c, n in enumerate(np.bincount(arrays["train_labels"], minlength=classes)) if n == 0]
+    if empty:
+        say(f"warning: {len(empty)} of the {classes} classes have no training image (labels "
+            f"{', '.join(map(str, empty[:10]))}{', ...' if len(empty) > 10 else ''})", file=sys.stderr)
+    try:
+        batch = per_rank_batch(hp["batch_size"], ctx.world_size)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    say(f"recipe {hp.recipe} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {n_train} training and "
+        f"{n_test} test images of {'x'.join(map(str, arrays['test_images'].shape[1:3]))} "
+        f"pixels, {classes} classes" + (f", {ctx.world_size} ranks of {batch} images per step"
+                                        if ctx.distributed else ""), flush=True)
+    prepared = prepare(hp, arrays, device=device, dtype=dtype, ctx=ctx, stats=stats, compile=compile, hook=hook,
+                       bucket_mb=bucket_mb)
+
+    def estimate(step_s):
+        total = runs * estimated_run_s(hp, step_s, flops=prepared.flops, batch=batch,
+                                       n_train=len(prepared.data["train_labels"]), n_test=n_test, eval_every=eval_every)
+        epochs = hp["epochs"]
+        say(f"estimated time: about {f'{total / 60:.0f} min' if total >= 90 else f'{total:.0f} s'} for {runs} "
+            f"run{'s' * (runs > 1)} of {epochs:g} epoch{'s' * (epochs != 1)} on this CPU (from the first steps; an "
+            "estimate)", file=sys.stderr, flush=True)
+
+    results = []
+    for r in range(runs):
+        if verbose and runs > 1:
+            print(f"run {r + 1}/{runs} (seed {seed + r})", flush=True)
+        table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
+                      file=None if verbose else io.StringIO())
+
+        def epoch_done(row):
+            table.append(row)
+            if on_epoch:
+                on_epoch(row)
+        result = prepared.run(seed + r, target=target, eval_every=eval_every, on_epoch=epoch_done,
+                              progress_after_s=PROGRESS_AFTER_S if verbose else None,
+                              on_first_steps=estimate if verbose and devices.is_cpu(device) and r == 0 else None)
+        model = result.pop("model")
+        results.append(result)
+        summary = summarize_runs(results, target, SUMMARY, "final_acc")
+        summary.update(flops_per_run=prepared.flops["total"],
+                       tflops_per_s=prepared.flops["total"] / summary["time"]["mean"] / 1e12)
+        last = Result(model, result["rows"], summary, list(results), hp, prepared.flops)
+        if on_run:
+            on_run(last)
+        if verbose:
+            ttt = result["time_to_target"]
+            print(f"final test accuracy {result['final_acc']:.4f}; "
+                  + (f"time to {target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {target:.2%}")
+                  + f"; training {result['train_time']:.2f} s + final evaluation {result['final_eval_time']:.2f} s",
+                  flush=True)
+    return last
+
+
+def evaluate(model, images, labels, *, tta="none", stats=None, batch_size=1000):
+    """{"loss", "accuracy"} of a trained network (Result.model) on images with test-time augmentation `tta` (none,
+    flip or flip_translate). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by the statistics
+    train() keeps on the model, or stats = (mean, std)), or a tensor already normalised on the model's device."""
+    if tta not in CHOICES["tta"]:
+        raise flag_error("tta", tta, f"must be one of {show_choices(CHOICES['tta'])}")
+    device = next(model.parameters()).device
+    if isinstance(images, np.ndarray):
+        stats = stats or getattr(model, "normalisation", None)
+        if stats is None:
+            raise UsageError("evaluate: give stats=(mean, std), the training images' (a network train() returned "
+                             "keeps them)")
+        images = cd.normalise(images, device, torch.float32, stats)
+    labels = torch.as_tensor(labels, device=device).long()
+    loss, accuracy = tb.evaluate(model, images, labels, tta=tta, dtype=devices.compute_dtype(device),
+                                 batch_size=batch_size, memory_format=devices.memory_format(device))
+    return {"loss": loss, "accuracy": accuracy}
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line
+# ---------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -311,204 +656,6 @@ def parse_args(argv=None):
     return args, overrides_from(args, BASE)
 
 
-def load_arrays(data_dir, subset=None):
-    """CIFAR-10 as numpy arrays, optionally the first `subset` training images; None (after a
-    one-line error on stderr) when the data is bad."""
-    try:
-        return cd.take_subset(cd.load_cifar10(data_dir), subset)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return None
-
-
-def device_data(arrays, hp, ctx, device, dtype, stats):
-    """This process's dataset on the device, normalised by stats (the whole training set's): under torchrun, its
-    own contiguous shard of the training set, and the images the whitening filters are fitted on taken before
-    sharding, so that every rank fits the filters one process would (they are frozen parameters, which DDP never
-    synchronises)."""
-    if not ctx.distributed:
-        return cd.to_device(arrays, device, dtype, hp["crop_pad"], stats)
-    part = D.shard(len(arrays["train_labels"]), ctx.rank, ctx.world_size)
-    whiten = arrays["train_images"][:hp["whiten_images"]]
-    shard = {**arrays, "train_images": arrays["train_images"][part.start:part.stop],
-             "train_labels": arrays["train_labels"][part.start:part.stop]}
-    return {**cd.to_device(shard, device, dtype, hp["crop_pad"], stats), "num_classes": cd.num_classes(arrays),
-            "whiten_images": cd.normalise(whiten, device, dtype, stats)}
-
-
-COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
-SUMMARY = ("final_acc", "time", "train_time", "time_to_target")     # the results summarised over runs
-PROGRESS_AFTER_S = 5.0          # an epoch expected to take longer shows its steps on stderr
-
-
-def run_many(hp, data, device, dtype, runs=1, seed=0, target=0.94, compile_mode=None, verbose=True, ctx=None,
-             bucket_mb=25.0, hook="none", on_run=None, eval_every=1, on_epoch=None, on_first_steps=None):
-    """Trains `runs` fresh networks (seeds seed, seed+1, ...) after one untimed warm-up on an accelerator.
-    Returns the per-run results (without models); on_run(results so far, the last run's model) is called after
-    each run, on_epoch(row) after each epoch. wall_s is a run's whole wall-clock time, per-epoch evaluations
-    included (for planning, not a result). verbose prints the table and each run's result, and shows the steps of
-    an epoch that looks longer than PROGRESS_AFTER_S on stderr; on_first_steps(seconds per step) is called once,
-    early in the first run."""
-    net, forward = tb.make_forward(hp, device, compile_mode, ctx, bucket_mb, hook, data.get("num_classes", 10))
-    if not devices.is_cpu(device) or compile_mode:
-        devices.autotune(device)
-        tb.warmup(hp, data, device, dtype, net, forward)
-    results = []
-    for r in range(runs):
-        if verbose and runs > 1:
-            print(f"run {r + 1}/{runs} (seed {seed + r})", flush=True)
-        table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
-                      file=None if verbose else io.StringIO())
-
-        def epoch_done(row):
-            table.append(row)
-            if on_epoch:
-                on_epoch(row)
-        start, graphs = time.perf_counter(), tb.compiled_graphs()
-        result = tb.train(hp, data, device, seed + r, dtype, target, epoch_done, net, forward, ctx,
-                          PROGRESS_AFTER_S if verbose else None, eval_every, on_first_steps if r == 0 else None)
-        model = result.pop("model")
-        result["wall_s"] = time.perf_counter() - start
-        result["recompiles"] = tb.compiled_graphs() - graphs      # 0 unless torch.compile worked inside the run
-        results.append(result)
-        if on_run:
-            on_run(results, model)
-        if verbose:
-            ttt = result["time_to_target"]
-            print(f"final test accuracy {result['final_acc']:.4f}; "
-                  + (f"time to {target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {target:.2%}")
-                  + f"; training {result['train_time']:.2f} s + final evaluation {result['final_eval_time']:.2f} s",
-                  flush=True)
-    return results
-
-
-def estimated_run_s(hp, step_s, flops, n_train, n_test, eval_every):
-    """Seconds a run is expected to take, from the measured seconds per training step: its steps, and its
-    evaluations priced from the counted FLOPs (count_flops) at the training steps' rate."""
-    steps_per_epoch, total_steps = tb.run_steps(hp, n_train)
-    epochs = math.ceil(total_steps / steps_per_epoch)
-    plain_evals = (epochs - 1) // eval_every if eval_every else 0
-    flops_per_s = flops["per_train_image"] * hp["batch_size"] / step_s
-    evaluations = flops["final_eval"] + plain_evals * n_test * flops["per_forward_image"]
-    return total_steps * step_s + evaluations / flops_per_s
-
-
-# ---------------------------------------------------------------------------------------------
-# The library: train() and evaluate(); the command line below is a thin layer over them
-# ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Result:
-    """What train() returns: the last run's trained network (the weights it was evaluated with: the EMA's or
-    lookahead's when the recipe averages weights), its per-epoch rows, the summary over all runs (mean, std, min
-    and max of accuracy and times, the t-test against the target, FLOPs), every run's result (seed, rows, final
-    accuracy, times) and the hyperparameters."""
-    model: torch.nn.Module
-    rows: list
-    summary: dict
-    runs: list
-    hyperparameters: dict
-    flops: dict
-
-
-def train(recipe="fast94", data=None, device=None, runs=1, seed=0, target=0.94, compile=None, verbose=False,
-          dataset=None, subset=None, precision="auto", on_run=None, ctx=None, hook="none", bucket_mb=25.0,
-          eval_every=1, on_epoch=None, **hyperparameters):
-    """Trains `runs` fresh networks of a recipe, with any hyperparameter of BASE overridden by a keyword
-    (epochs=10, batch_size=768), and returns a Result.
-
-    data: a .npz file (train_images and test_images (N, H, W, 3) uint8, integer train_labels and test_labels),
-    a data folder (where `dataset`, cifar10 by default or cifar100, is downloaded and cached), an unpacked archive
-    folder, or a dict of those four numpy arrays; None is the folder data/. The classes are the labels' (the
-    largest + 1; a .npz given with `dataset` is checked as that dataset); the images are normalised by the training
-    images' per-channel mean and std. device: "cuda", "cpu", "mps", ... (default cuda when there is a GPU).
-    eval_every: evaluate every this many epochs (0: only the last); the last with the recipe's test-time
-    augmentation, the others on the plain images. verbose prints the per-epoch table and each run's result on
-    stdout, and on stderr an estimate of the time on a CPU and the steps of a long epoch. on_run(Result so far) is
-    called after every run, on_epoch(row) after every epoch. Under torchrun the command line passes its ctx, hook
-    and bucket_mb.
-    Bad arguments raise core.UsageError, bad data core.DataError, each with a one-line message.
-    """
-    try:
-        hp = hyperparameters_of(recipe, **hyperparameters)
-    except KeyError as e:
-        raise UsageError(e.args[0]) from None
-    check_run(runs, target, eval_every=eval_every)
-    validate(hp, subset)
-    if dataset is not None and dataset not in cd.DATASETS:
-        raise flag_error("dataset", dataset, f"must be one of {show_choices(tuple(cd.DATASETS))}")
-    device = torch.device(ctx.device) if ctx else devices.resolve(device)
-    ctx = ctx or D.Context(device=str(device))
-    dtype = devices.compute_dtype(device, precision)
-    say = print if verbose else lambda *a, **k: None
-    arrays = cd.check_arrays(data, "data") if isinstance(data, dict) else cd.load(data or "data", dataset)
-    stats = cd.channel_stats(arrays["train_images"])        # the whole training set's, whatever the subset
-    validate(hp, subset, len(arrays["train_labels"]), arrays["train_images"].shape[1:3])
-    arrays = cd.take_subset(arrays, subset)
-    classes, n_train = cd.num_classes(arrays), len(arrays["train_labels"])
-    empty = [c for c, n in enumerate(np.bincount(arrays["train_labels"], minlength=classes)) if n == 0]
-    if empty:
-        say(f"warning: {len(empty)} of the {classes} classes have no training image (labels "
-            f"{', '.join(map(str, empty[:10]))}{', ...' if len(empty) > 10 else ''})", file=sys.stderr)
-    try:
-        rank_hp = {**hp, "batch_size": D.per_rank_batch(hp["batch_size"], ctx.world_size)}
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    on_device = device_data(arrays, hp, ctx, device, dtype, stats)
-    say(f"recipe {recipe} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {n_train} training and "
-        f"{len(arrays['test_labels'])} test images of {'x'.join(map(str, arrays['test_images'].shape[1:3]))} "
-        f"pixels, {classes} classes" + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step"
-                                        if ctx.distributed else ""), flush=True)
-    flops = tb.count_flops(hp, {**on_device, "train_labels": torch.empty(n_train)})
-
-    def estimate(step_s):
-        total = runs * estimated_run_s(rank_hp, step_s, flops, len(on_device["train_labels"]),
-                                       len(arrays["test_labels"]), eval_every)
-        epochs = hp["epochs"]
-        say(f"estimated time: about {f'{total / 60:.0f} min' if total >= 90 else f'{total:.0f} s'} for {runs} "
-            f"run{'s' * (runs > 1)} of {epochs:g} epoch{'s' * (epochs != 1)} on this CPU (from the first steps; an "
-            "estimate)", file=sys.stderr, flush=True)
-
-    def result(runs_so_far, model):
-        s = summarize_runs(runs_so_far, target, SUMMARY, "final_acc")
-        s.update(flops_per_run=flops["total"], tflops_per_s=flops["total"] / s["time"]["mean"] / 1e12)
-        model.normalisation = stats             # for evaluate(): the statistics the network was trained on
-        return Result(model, runs_so_far[-1]["rows"], s, list(runs_so_far), hp, flops)
-
-    last = {}
-
-    def finished(runs_so_far, model):
-        last["result"] = result(runs_so_far, model)
-        if on_run:
-            on_run(last["result"])
-    run_many(rank_hp, on_device, device, dtype, runs, seed, target, compile, verbose, ctx, bucket_mb, hook,
-             finished, eval_every, on_epoch, estimate if verbose and devices.is_cpu(device) else None)
-    return last["result"]
-
-
-def evaluate(model, images, labels, tta="none", stats=None, batch_size=1000):
-    """{"loss", "accuracy"} of a trained network (Result.model) on images with test-time augmentation `tta` (none,
-    flip or flip_translate). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by the statistics
-    train() keeps on the model, or stats = (mean, std)), or a tensor already normalised on the model's device."""
-    if tta not in CHOICES["tta"]:
-        raise flag_error("tta", tta, f"must be one of {show_choices(CHOICES['tta'])}")
-    device = next(model.parameters()).device
-    if isinstance(images, np.ndarray):
-        stats = stats or getattr(model, "normalisation", None)
-        if stats is None:
-            raise UsageError("evaluate: give stats=(mean, std), the training images' (a network train() returned "
-                             "keeps them)")
-        images = cd.normalise(images, device, torch.float32, stats)
-    labels = torch.as_tensor(labels, device=device).long()
-    loss, accuracy = tb.evaluate(model, images, labels, tta, devices.compute_dtype(device), batch_size,
-                                 devices.memory_format(device))
-    return {"loss": loss, "accuracy": accuracy}
-
-
-# ---------------------------------------------------------------------------------------------
-# The command line
-# ---------------------------------------------------------------------------------------------
-
 def main(argv=None):
     args, overrides = parse_args(argv)
     if args.list_recipes:
@@ -517,21 +664,22 @@ def main(argv=None):
             print(f"{name:{width}s} {r['doc']}")
         return 0
     try:            # every flag, before any data is loaded (what depends on the data: in train(), before training)
-        hp = recipe(args.recipe, **overrides)
-        validate(hp, args.subset)
+        hp = hyperparameters(args.recipe, **overrides)
+        check_subset(args.subset)
         check_run(args.runs, args.target, args.device, args.out, args.eval_every)
-    except (KeyError, UsageError) as e:
-        D.print0(f"error: {e.args[0]}", file=sys.stderr)
+    except UsageError as e:
+        D.print0(f"error: {e}", file=sys.stderr)
         return 2
-    return run_in_ranks(args, lambda ctx, hook: run(args, overrides, hp, ctx, hook, argv))
+    return run_in_ranks(args, lambda ctx, hook: run(args, hp, ctx=ctx, hook=hook, argv=argv))
 
 
-def run(args, overrides, hp, ctx, hook, argv):
+def run(args, hp, *, ctx, hook, argv):
     """main's work once this process has its place: train, print the summary, write --out; the exit status."""
     device, main_rank = torch.device(ctx.device), ctx.is_main
     if devices.is_cpu(device) and main_rank:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration, "
               "shrink the work with --subset, --epochs and --width", file=sys.stderr)
+    where = {"run": 1, "epoch": 1, "finished": 0}           # for the line Ctrl-C leaves
 
     def save(result, complete):
         """--out after every run, so that a run cut short, or a failure later, never loses the finished runs."""
@@ -541,8 +689,6 @@ def run(args, overrides, hp, ctx, hook, argv):
                 "dataset": args.dataset, "compile": args.compile, "flops": result.flops, "complete": complete,
                 "runs": result.runs, "summary": result.summary}, args, argv, device, ctx))
 
-    where = {"run": 1, "epoch": 1, "finished": 0}           # for the line Ctrl-C leaves
-
     def epoch_done(row):
         where["epoch"] = row["epoch"] + 1
 
@@ -550,9 +696,10 @@ def run(args, overrides, hp, ctx, hook, argv):
         where.update(run=len(result.runs) + 1, epoch=1, finished=len(result.runs))
         save(result, False)
     try:
-        result = train(args.recipe, args.data_dir, device, args.runs, args.seed, args.target, args.compile,
-                       main_rank, args.dataset, args.subset, args.precision, run_done, ctx, hook,
-                       args.bucket_mb, args.eval_every, epoch_done, **overrides)
+        result = train(hp, args.data_dir, device=device, runs=args.runs, seed=args.seed, target=args.target,
+                       compile=args.compile, verbose=main_rank, dataset=args.dataset, subset=args.subset,
+                       precision=args.precision, eval_every=args.eval_every, on_run=run_done, on_epoch=epoch_done,
+                       ctx=ctx, hook=hook, bucket_mb=args.bucket_mb)
     except (UsageError, DataError) as e:
         D.print0(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1

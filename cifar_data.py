@@ -376,9 +376,10 @@ def low_resolution(x, res):
     return F.interpolate(x.float(), size=(res, res), mode="bilinear", antialias=True, align_corners=False).to(x.dtype)
 
 
-def epoch_batches(data, hp, generator, memory_format, epoch=0, flip_base=None):
-    """Yields (images, labels) for one shuffled, augmented epoch; the last partial batch is dropped. The first
-    low_res_epochs epochs are resized to low_res pixels (when low_res is set)."""
+def epoch_batches(data, hp, generator, *, memory_format, epoch=0, flip_base=None, batch_size=None):
+    """Yields (images, labels) for one shuffled, augmented epoch, in batches of batch_size (by default the recipe's);
+    the last partial batch is dropped. The first low_res_epochs epochs are resized to low_res pixels (when low_res
+    is set)."""
     size = tuple(data["test_images"].shape[-2:])
     x, y = data["train_images"], data["train_labels"]
     r = draw_augmentation(len(x), size, hp["crop_pad"], hp["flip"], hp["cutout"], generator, epoch, flip_base,
@@ -388,6 +389,6 @@ def epoch_batches(data, hp, generator, memory_format, epoch=0, flip_base=None):
         x = low_resolution(x, hp["low_res"])
     x = x.contiguous(memory_format=memory_format)
     y = y[r["perm"]]
-    bs = hp["batch_size"]
+    bs = batch_size or hp["batch_size"]
     for i in range(len(x) // bs):
         yield x[i * bs:(i + 1) * bs], y[i * bs:(i + 1) * bs]

@@ -1,6 +1,6 @@
-"""Framework-free helpers: timers, schedules, progress and result tables, the statistics and printed summary of
-several runs, the command-line parser with one-line errors, the data and usage errors the scripts report, atomic
-files and the check of an output path.
+"""Framework-free helpers: timers, progress and result tables, a frozen dict for hyperparameters, the torus's grid,
+the statistics and printed summary of several runs, the command-line parser with one-line errors, the data and
+usage errors the scripts report, atomic files, the check of an output path, and children that die with their parent.
 
 Nothing here imports torch, so it can be read and tested on its own.
 """
@@ -11,7 +11,6 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 
 
 class Timer:
@@ -37,29 +36,24 @@ class Timer:
         return dt
 
 
-@dataclass(frozen=True)
-class PiecewiseLinear:
-    """Linear interpolation between knots, constant beyond the ends: PiecewiseLinear([0, 5, 24], [0, .4, 0])."""
-    knots: tuple
-    values: tuple
+def square_grid(world):
+    """rows x cols = world with rows <= cols as close as possible (32 x 32 for 1,024): the 2D torus's grid."""
+    rows = max(r for r in range(1, math.isqrt(world) + 1) if world % r == 0)
+    return rows, world // rows
 
-    def __post_init__(self):
-        if len(self.knots) != len(self.values) or len(self.knots) < 1:
-            raise ValueError(f"PiecewiseLinear needs as many knots as values, got {self.knots} and {self.values}")
-        if any(b < a for a, b in zip(self.knots, self.knots[1:])):
-            raise ValueError(f"PiecewiseLinear knots must not decrease, got {self.knots}")
 
-    def __call__(self, t):
-        k, v = self.knots, self.values
-        if t <= k[0]:
-            return float(v[0])
-        for i in range(1, len(k)):
-            if t <= k[i]:
-                if k[i] == k[i - 1]:
-                    return float(v[i])
-                f = (t - k[i - 1]) / (k[i] - k[i - 1])
-                return float(v[i - 1] + f * (v[i] - v[i - 1]))
-        return float(v[-1])
+class Frozen(dict):
+    """A dict that cannot change: a recipe's hyperparameters, built and checked once and then passed down as one
+    value that nothing below can alter (a copy, {**hp, ...}, is an ordinary dict); .recipe names the recipe."""
+
+    def __init__(self, values, recipe=None):
+        super().__init__(values)
+        self.recipe = recipe
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("hyperparameters are built once, by the script's hyperparameters(); copy them to change one")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _refuse
 
 
 class Progress:

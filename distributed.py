@@ -29,8 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 import devices
-from core import DataError, write_atomic
-from scaling import square_grid
+from core import DataError, square_grid, write_atomic
 
 
 # ----------------------------------------------------------------------------------------------------------

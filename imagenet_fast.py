@@ -27,14 +27,16 @@ from torch import nn
 
 import devices
 import distributed as D
+import loop
 import scaling
-import torch_backend as tb
 from cli import (add_shared_flags, check_run, check_values, flag_error, interrupted, overrides_from, run_in_ranks,
                  run_record)
-from core import (DataError, Parser, Progress, Table, UsageError, check_output, print_summary, summarize_runs,
+from core import (DataError, Frozen, Parser, Table, UsageError, check_output, print_summary, summarize_runs,
                   write_json)
 from imagenet_store import open_store, prepare
-from optim import BatchSizeSchedule, optimizer, param_groups_no_decay_1d, slow_start_lr
+from loop import Run
+from optim import optimizer, param_groups_no_decay_1d
+from schedules import batch_for, lr_at, per_rank_batch, res_at
 
 MEAN = (123.675, 116.28, 103.53)  # the usual ImageNet statistics, 0..255 scale
 STD = (58.395, 57.12, 57.375)
@@ -302,96 +304,14 @@ def make_optimizer(model, hp):
 
 
 # ---------------------------------------------------------------------------------------------
-# Schedules and training
+# One run: the ImageNet parts of the loop (loop.train)
 # ---------------------------------------------------------------------------------------------
 
-def lr_at(hp, t):
-    """Learning rate per 256 images at t epochs: linear warm-up from 0 over warmup_epochs to the
-    schedule's rate there, then the schedule: linear to 0 at the end, cosine to 0, ×0.1 at each of
-    step_epochs, or slow_start (Akiba et al.'s 90-epoch schedule stretched to the run: 0.5 × lr for
-    the first 40/90 while RMSprop-to-SGD hands over, then 0.075, 0.01 and 0.001 × lr)."""
-    warm = hp["warmup_epochs"]
-    if t < warm:
-        return decayed_lr(hp, warm) * t / warm
-    return decayed_lr(hp, t)
-
-
-def decayed_lr(hp, t):
-    """The schedule after the warm-up, at t epochs (lr_at)."""
-    peak, warm, end = hp["lr"], hp["warmup_epochs"], hp["epochs"]
-    f = min(1.0, (t - warm) / max(end - warm, 1e-9))
-    if hp["schedule"] == "linear":
-        return peak * (1 - f)
-    if hp["schedule"] == "cosine":
-        return peak * 0.5 * (1 + math.cos(math.pi * f))
-    if hp["schedule"] == "step":
-        return peak * 0.1 ** sum(t >= s for s in hp["step_epochs"])
-    if hp["schedule"] == "slow_start":
-        return slow_start_lr(t, peak, end)
-    raise ValueError(f"unknown schedule {hp['schedule']!r}; choose from linear, cosine, step, slow_start")
-
-
-def res_at(hp, epoch):
-    """Training resolution of an epoch (0-based): min_res until res_start_epoch, linear to max_res
-    at res_end_epoch, rounded to a multiple of res_step (FFCV's progressive resizing)."""
-    r = np.interp(epoch, [hp["res_start_epoch"], hp["res_end_epoch"]], [hp["min_res"], hp["max_res"]])
-    return int(round(r / hp["res_step"])) * hp["res_step"]
-
-
-def batch_at(hp, res):
-    """Batch size at a resolution: batch_size at max_res, and with batch_scale, larger at lower
-    resolutions in proportion to the pixels saved (same activation memory), a multiple of 8."""
-    if not hp["batch_scale"]:
-        return hp["batch_size"]
-    return max(8, int(hp["batch_size"] * (hp["max_res"] / res) ** 2) // 8 * 8)
-
-
-def batch_for(hp, epoch, world=1):
-    """This rank's batch in an epoch: from the batch-size schedule (Mikami et al. 2018: the global batch
-    grows during training; flattened (epoch, global batch) pairs) if there is one, else batch_at."""
-    pairs = hp["batch_schedule"]
-    if len(pairs) % 2:
-        raise ValueError(f"batch schedule {pairs} is not (epoch, batch) pairs")
-    if pairs:
-        return BatchSizeSchedule(zip(pairs[::2], pairs[1::2])).per_rank(epoch, world)
-    return batch_at(hp, res_at(hp, epoch))
-
-
-CHECKPOINT_KEYS = {"model", "optimizer", "ema", "ema_steps", "rng", "epoch", "rows", "train_time", "time_to_target",
-                   "hp"}
-
-
-def checkpoint_state(model, opt, ema, gen, epoch, rows, train_time, time_to_target, hp):
-    """Everything a resumed run needs; the random states of every rank (gathered to all), so that
-    each rank resumes its own augmentation stream exactly."""
-    rng = [gen.get_state(), torch.get_rng_state()]
-    if torch.distributed.is_initialized():
-        every = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(every, rng)
-    else:
-        every = [rng]
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "ema": ema.model.state_dict() if ema else None,
-            "ema_steps": ema.steps if ema else 0, "rng": every,
-            "epoch": epoch, "rows": rows, "train_time": train_time, "time_to_target": time_to_target, "hp": hp}
-
-
-def check_checkpoint(state, checkpoint, hp, world):
-    """A DataError of one line unless state is a checkpoint of this run: same hyperparameters, same ranks."""
-    missing = CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else CHECKPOINT_KEYS
-    if missing:
-        raise DataError(f"{checkpoint}: not a readable checkpoint (no {', '.join(sorted(missing))})")
-    if len(state["rng"]) != world:      # first: a different world changes the per-rank batch too
-        raise DataError(f"{checkpoint}: written by {len(state['rng'])} rank{'s' * (len(state['rng']) > 1)}, resumed "
-                        f"by {world}; cannot resume")
-    if state["hp"] != hp:
-        diff = sorted(k for k in hp if state["hp"].get(k) != hp[k])
-        raise DataError(f"{checkpoint}: written with other hyperparameters ({', '.join(diff)}); cannot resume")
-
-
-def warmup(hp, data, num_classes, device, dtype, memory_format, world=1):
+def warmup(hp, data, *, classes, device, dtype, world=1):
     """Two steps at every (resolution, batch) pair of the schedule on a throwaway model, so that
     cuDNN's autotuning for each new shape happens before the clock starts."""
-    model = build_model(hp, num_classes).to(device, memory_format=memory_format)
+    memory_format = devices.memory_format(device)
+    model = build_model(hp, classes).to(device, memory_format=memory_format)
     opt = make_optimizer(model, hp)
     gen = torch.Generator().manual_seed(0)
     for res, bs in sorted({(res_at(hp, e), batch_for(hp, e, world)) for e in range(hp["epochs"])}):
@@ -406,137 +326,65 @@ def warmup(hp, data, num_classes, device, dtype, memory_format, world=1):
     devices.synchronize(device)
 
 
-def train(hp, data, num_classes, size, device, seed=0, dtype=torch.float32, target=0.75, checkpoint=None,
-          resume=False, on_epoch=None, ctx=None, bucket_mb=25.0, hook="none", interrupt_after=None,
-          progress_after_s=None, eval_every=1):
-    """Trains one network; returns its per-epoch rows and summary (as torch_backend.train does).
+def start(hp, data, *, classes, size, device, dtype, ctx, bucket_mb=25.0, hook="none"):
+    """The builder of a run that loop.train calls once torch's seed is set: start(seed) builds the network, its
+    optimiser and the generator of the data pipeline's draws (on the CPU), and returns the loop.Run that trains it on
+    `data` (place(); under torchrun this rank's share), each epoch at its resolution and this rank's batch, the
+    learning rate per lr_scale_base images of the global batch (Goyal et al.'s linear scaling)."""
+    world, memory_format, n = ctx.world_size, devices.memory_format(device), len(data["train_y"])
+    batches = [min(batch_for(hp, e, world), n) for e in range(hp["epochs"])]
+    steps = [n // bs for bs in batches]
 
-    The clock (device-synchronised) covers model construction, batches, augmentation and steps;
-    it leaves out per-epoch evaluation and checkpoint writing. With `checkpoint`, the state after
-    every epoch is written there atomically; `resume` continues from it exactly (model, optimiser,
-    EMA, epoch, RNG), so an interrupted run ends with the same parameters as an uninterrupted one.
-    Under torchrun (`ctx`): data holds this rank's shard, hp["batch_size"] is the per-rank batch (the
-    learning rate follows the global one), the model trains inside DistributedDataParallel, and rank 0
-    alone writes the checkpoint, which every rank restores (an elastic restart resumes from it).
-    Every eval_every-th epoch before the last is validated without test-time augmentation (0: none), the last with
-    the recipe's; the others' rows hold None. With progress_after_s, an epoch that looks longer shows its steps on
-    stderr (core.Progress).
-    """
-    ctx = ctx or D.Context()
-    world = ctx.world_size
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed + 104729 * ctx.rank)  # the data pipeline's draws, on the CPU
-    memory_format = devices.memory_format(device)
-    timer = devices.timer(device)
-    model = build_model(hp, num_classes).to(device, memory_format=memory_format)
-    opt = make_optimizer(model, hp)
-    forward = D.register_comm_hook(D.wrap_ddp(model, ctx, bucket_mb), hook) if ctx.distributed else model
-    if hp["bn_stats"] == "last_batch":
-        D.use_last_batch_stats(model)
-    ema = tb.EMA(model, hp["ema_momentum"], hp["ema_every"]) if hp["ema_momentum"] else None
-    start, rows, time_to_target = 0, [], None
-    state = D.load_checkpoint(checkpoint, ctx) if resume and checkpoint else None   # rank 0 reads, all receive
-    if state is not None:
-        check_checkpoint(state, checkpoint, hp, world)
-        if ctx.distributed:     # DDP's buckets as the uninterrupted run has them, so its sums round the same
-            res = res_at(hp, state["epoch"])
-            with devices.autocast(device, dtype):
-                D.rehearse_backward(forward, torch.zeros(2, 3, res, res, device=device, dtype=dtype)
-                                    .contiguous(memory_format=memory_format))
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        if ema:
-            ema.model.load_state_dict(state["ema"])
-            ema.steps = state["ema_steps"]
-        # random states must be CPU bytes, whatever device or form the checkpoint was read into
-        gen_state, torch_state = (t.to("cpu", torch.uint8) for t in state["rng"][ctx.rank])
-        gen.set_state(gen_state)
-        torch.set_rng_state(torch_state)
-        start, rows, time_to_target = state["epoch"], state["rows"], state["time_to_target"]
-        timer.total = state["train_time"]
-        D.print0(f"resumed from epoch {start} of {checkpoint}")
-        for row in rows:
-            on_epoch and on_epoch(row)
-    n = len(data["train_y"])
-    for epoch in range(start, hp["epochs"]):
-        res = res_at(hp, epoch)
-        bs = min(batch_for(hp, epoch, world), n)
-        steps = n // bs
-        perm = torch.randperm(n, generator=gen)
-        crops = draw_crops(n, hp["crop_scale"], hp["crop_ratio"], gen)
-        if not hp["flip"]:
-            crops.pop("flip")
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), device=device)
-        bar = Progress(steps, f"epoch {epoch + 1}", progress_after_s) if progress_after_s is not None else None
-        for i, (x, yb) in enumerate(augmented_batches(data, hp, perm, crops, res, bs, gen, device, dtype,
-                                                      memory_format)):
-            lr = lr_at(hp, epoch + i / steps) * bs * world / hp["lr_scale_base"]   # per lr_scale_base global images
-            for g in opt.param_groups:     # the clock: RMSprop-to-SGD's hand-over, right whatever the batch
-                g["lr"], g["epoch"] = lr, epoch + i / steps
-            with devices.autocast(device, dtype):
-                logits = forward(x)
-                loss = F.cross_entropy(logits.float(), yb, label_smoothing=hp["label_smoothing"])
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if ema:
-                ema.update(model)
-            loss_sum += loss.detach() * bs
-            correct += (logits.detach().argmax(1) == yb).sum()
-            if bar:
-                bar.update()
-        if bar:
-            bar.close()
-        epoch_time = timer()
-        last = epoch == hp["epochs"] - 1
-        val_loss = top1 = top5 = None
-        if last or (eval_every and (epoch + 1) % eval_every == 0):
-            if hp["bn_stats"] == "last_batch":
-                D.sync_batch_norm_stats(model, ctx)
-                if ema:
-                    D.sync_batch_norm_stats(ema.model, ctx, counted=model)
-            eval_model = ema.model if ema else model
-            val_loss, top1, top5 = evaluate(eval_model, data, size, hp["val_res"], hp["tta"] if last else "none",
-                                            device, dtype, memory_format, ctx=ctx)
-            if time_to_target is None and top1 >= target:
-                time_to_target = timer.total
-        row = {"epoch": epoch + 1, "res": res, "batch": bs, "lr": lr, "train_loss": loss_sum.item() / (steps * bs),
-               "train_acc": correct.item() / (steps * bs), "val_loss": val_loss, "top1": top1, "top5": top5,
-               "epoch_time": epoch_time, "total_time": timer.total}
-        rows.append(row)
-        if checkpoint:
-            state = checkpoint_state(model, opt, ema, gen, epoch + 1, rows, timer.total, time_to_target, hp)
-            D.save_checkpoint(checkpoint, state, ctx)   # rank 0 writes; nobody restarts from a half-written one
-            if interrupt_after == epoch + 1:
-                if ctx.distributed:         # leave together, so no rank sees a peer vanish mid-collective
-                    D.barrier()
-                    torch.distributed.destroy_process_group()
-                raise SystemExit(INTERRUPTED)
-        if on_epoch:
-            on_epoch(row)
-        timer(include=False)
-    return {"seed": seed, "rows": rows, "final_top1": rows[-1]["top1"], "final_top5": rows[-1]["top5"],
-            "train_time": timer.total, "time_to_target": time_to_target, "model": ema.model if ema else model}
+    def build(seed):
+        gen = torch.Generator().manual_seed(seed)
+        model = build_model(hp, classes).to(device, memory_format=memory_format)
+        opt = make_optimizer(model, hp)
+        forward = D.register_comm_hook(D.wrap_ddp(model, ctx, bucket_mb), hook) if ctx.distributed else model
+
+        def epoch_batches(epoch):
+            perm = torch.randperm(n, generator=gen)
+            crops = draw_crops(n, hp["crop_scale"], hp["crop_ratio"], gen)
+            if not hp["flip"]:
+                crops.pop("flip")
+            return augmented_batches(data, hp, perm, crops, res_at(hp, epoch), batches[epoch], gen, device, dtype,
+                                     memory_format)
+
+        def schedule(epoch, i, step):
+            clock = epoch + i / steps[epoch]
+            return lr_at(hp, clock) * batches[epoch] * world / hp["lr_scale_base"], clock
+
+        def validate(model, final):
+            loss, top1, top5 = evaluate(model, data, size, hp["val_res"], hp["tta"] if final else "none", device,
+                                        dtype, memory_format, ctx=ctx)
+            return {"val_loss": loss, "top1": top1, "top5": top5}
+
+        def example(epoch):
+            res = res_at(hp, epoch)
+            return torch.zeros(2, 3, res, res, device=device, dtype=dtype).contiguous(memory_format=memory_format)
+        return Run(model=model, forward=forward, optimizers=[opt], generator=gen, steps=steps, total_steps=sum(steps),
+                   batches=epoch_batches, schedule=schedule, evaluate=validate, metrics=("val_loss", "top1", "top5"),
+                   accuracy="top1", wrapped=ctx.distributed, mean_loss=True,
+                   columns=lambda epoch: {"res": res_at(hp, epoch), "batch": batches[epoch]}, example=example)
+    return build
 
 
 # ---------------------------------------------------------------------------------------------
 # Recipes and the command line
 # ---------------------------------------------------------------------------------------------
 
-INTERRUPTED = 75      # EX_TEMPFAIL: stopped on purpose, resumable
-PROGRESS_AFTER_S = 5.0    # an epoch expected to take longer shows its steps on stderr
+PROGRESS_AFTER_S = 5.0    # an epoch that looks longer shows its steps on stderr
 
 # Every hyperparameter once. lr is per lr_scale_base images: the step uses lr × batch / lr_scale_base (Goyal et al.'s
 # linear scaling rule, in their unit of 256 images).
 # Resolutions are in pixels of the network input; res_*_epoch are 0-based epochs.
 BASE = dict(
     model="resnet50", width=16, blurpool=True, zero_init=False,
-    epochs=16, batch_size=512, lr=0.10625, lr_scale_base=256, warmup_epochs=2.0, schedule="linear", step_epochs=(30.0, 60.0, 80.0),
+    epochs=16, batch_size=512, lr=0.10625, lr_scale_base=256, warmup_epochs=2.0, warmup_start=0.0, schedule="linear",
+    step_epochs=(30.0, 60.0, 80.0),
     momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.1,
     min_res=160, max_res=192, res_start_epoch=11, res_end_epoch=13, res_step=32, batch_scale=False,
     crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True, jitter=0.0,
-    val_res=256, tta="flip", ema_momentum=0.0, ema_every=1,
+    val_res=256, tta="flip", ema_momentum=0.0, ema_every=1, lookahead_momentum=0.0, lookahead_every=5,
     # large-batch options (optim.py, distributed.py, as in cifar10_fast.py)
     batch_schedule=(), optimizer="sgd", lars_trust=0.001, rms_lr=1e-3, rms_beta_center=10.0, rms_beta_period=5.0, bn_stats="running",
 )
@@ -545,10 +393,11 @@ BASE = dict(
 # validate() accepts.
 CHOICES = dict(model=MODELS, schedule=("linear", "cosine", "step", "slow_start"), tta=("none", "flip"),
                optimizer=("sgd", "lars", "rmsprop_sgd"), bn_stats=("running", "last_batch"))
-POSITIVE = ("epochs", "batch_size", "width", "min_res", "max_res", "res_step", "val_res", "ema_every", "lr_scale_base")
+POSITIVE = ("epochs", "batch_size", "width", "min_res", "max_res", "res_step", "val_res", "ema_every", "lr_scale_base",
+            "lookahead_every")
 NOT_NEGATIVE = ("lr", "warmup_epochs", "weight_decay", "jitter", "lars_trust", "rms_lr", "res_start_epoch",
                 "res_end_epoch")
-FRACTIONS = ("momentum", "label_smoothing", "ema_momentum")
+FRACTIONS = ("momentum", "label_smoothing", "ema_momentum", "lookahead_momentum", "warmup_start")
 
 # Epochs, resolution ramps, lr, weight decay, label smoothing and blurpool follow FFCV's published
 # configs (libffcv/ffcv-imagenet rn50_configs/, rn18_configs/): rn50 lr 1.7 for 8 GPUs x 512
@@ -572,19 +421,21 @@ RECIPES = {
 }
 
 
-def recipe(name, **overrides):
-    """BASE with a recipe's changes and then the overrides; names outside BASE are errors."""
-    changes = {k: v for k, v in RECIPES.get(name, {}).items() if k != "doc"}
-    bad = sorted((set(changes) | set(overrides)) - set(BASE))
-    if name not in RECIPES or bad:
-        raise KeyError(f"unknown hyperparameters {bad}" if bad else
-                       f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    return {**BASE, **changes, **overrides}
+def hyperparameters(name, **overrides):
+    """A recipe's hyperparameters with overrides applied (any key of BASE), checked once and frozen: the one value
+    that the run passes down. A bad name or value is a UsageError of one line."""
+    if name not in RECIPES:
+        raise UsageError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    unknown = sorted(set(overrides) - set(BASE))
+    if unknown:
+        raise UsageError(f"unknown hyperparameters {unknown}")
+    hp = {**BASE, **{k: v for k, v in RECIPES[name].items() if k != "doc"}, **overrides}
+    check(hp)
+    return Frozen(hp, recipe=name)
 
 
-def validate(hp, args):
-    """Raises UsageError naming the flag, what is wrong and what is allowed, for the first bad value among the
-    hyperparameters and the train command's flags; before anything is loaded or started."""
+def check(hp):
+    """Raises UsageError naming the flag, what is wrong and what is allowed, for the first bad hyperparameter."""
     check_values(hp, CHOICES, POSITIVE, NOT_NEGATIVE, FRACTIONS, whole=("epochs", "batch_size"))
     low, high = hp["crop_scale"]
     if not 0 < low <= high <= 1:
@@ -592,6 +443,16 @@ def validate(hp, args):
     low, high = hp["crop_ratio"]
     if not 0 < low <= high:
         raise flag_error("crop_ratio", hp["crop_ratio"], "must be two aspect ratios, 0 < low <= high")
+    try:
+        for e in range(hp["epochs"]):
+            batch_for(hp, e)        # a bad batch schedule fails here, not mid-run
+    except ValueError as e:
+        raise flag_error("batch_schedule", hp["batch_schedule"], str(e)) from None
+
+
+def check_train(args):
+    """Raises UsageError for the first bad flag of the train command that is not a hyperparameter; before anything
+    is loaded or started."""
     for flag, bad, message in (
             ("store", not args.store, "is required (a folder written by `imagenet_fast.py prepare`)"),
             ("resume", args.resume and not args.checkpoint, "needs --checkpoint"),
@@ -626,7 +487,7 @@ def parse_args(argv=None):
     tp.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     tp.add_argument("--out", default=None, help="write config, environment, rows and summary as JSON")
     tp.add_argument("--interrupt-after-epoch", type=int, default=None,
-                    help=f"exit with status {INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
+                    help=f"exit with status {loop.INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
                          "would; a restart with --resume (or torchrun --max-restarts) continues from it")
     add_shared_flags(tp, BASE, CHOICES)
     sub.add_parser("simulate", add_help=False,
@@ -655,24 +516,28 @@ def main_train(args, overrides, argv):
         print("\n".join(f"{name:12s} {r['doc']}" for name, r in RECIPES.items()))
         return 0
     try:
-        hp = recipe(args.recipe, **overrides)
-        validate(hp, args)
-    except (KeyError, UsageError) as e:
-        D.print0(f"error: {e.args[0]}", file=sys.stderr)
+        hp = hyperparameters(args.recipe, **overrides)
+        check_train(args)
+    except UsageError as e:
+        D.print0(f"error: {e}", file=sys.stderr)
         return 2
-    return run_in_ranks(args, lambda ctx, hook: run_train(args, hp, ctx, hook, argv))
+    return run_in_ranks(args, lambda ctx, hook: run(args, hp, ctx=ctx, hook=hook, argv=argv))
 
 
-def run_train(args, hp, ctx, hook, argv):
+COLUMNS = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
+           "total_time"]
+
+
+def run(args, hp, *, ctx, hook, argv):
     """main_train's work once this process has its place: data, runs, summary, JSON; the exit status."""
     device, say = torch.device(ctx.device), D.print0
     if devices.is_cpu(device) and ctx.is_main:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration use "
               "a small store, --model resnet_tiny and few --epochs", file=sys.stderr)
     try:
-        rank_hp = {**hp, "batch_size": D.per_rank_batch(hp["batch_size"], ctx.world_size)}
+        batch = per_rank_batch(hp["batch_size"], ctx.world_size)
         for e in range(hp["epochs"]):
-            batch_for(rank_hp, e, ctx.world_size)      # a bad schedule fails here, not mid-run
+            batch_for(hp, e, ctx.world_size)      # a schedule that does not divide over the ranks fails here
     except ValueError as e:
         say(f"error: {e}", file=sys.stderr)
         return 2
@@ -682,19 +547,16 @@ def run_train(args, hp, ctx, hook, argv):
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)     # every rank: each may read a store of its own node's
         return 1
-    size, classes = store.index["size"], store.index["classes"]
+    size, classes = store.index["size"], len(store.index["classes"])
     data = place(store, device, args.data_on, ctx, args.seed)     # under torchrun, this rank's share alone
     say(f"recipe {args.recipe} on {devices.name(device)} ({device}, {str(dtype)[6:]}), "
-        f"{len(store.train_y)} train and {len(store.val_y)} val images, {len(classes)} classes, "
+        f"{len(store.train_y)} train and {len(store.val_y)} val images, {classes} classes, "
         f"store size {size} in {data['where']} memory"
-        + (f", {ctx.world_size} ranks of {rank_hp['batch_size']} images per step, each holding "
+        + (f", {ctx.world_size} ranks of {batch} images per step, each holding "
            f"{len(data['train_y'])} train images" if ctx.distributed else ""))
     if not devices.is_cpu(device):
         devices.autotune(device)
-        warmup(rank_hp, data, len(classes), device, dtype, devices.memory_format(device), ctx.world_size)
-
-    columns = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
-               "total_time"]
+        warmup(hp, data, classes=classes, device=device, dtype=dtype, world=ctx.world_size)
     labels = {"final_top1": ("final top-1", ""), "final_top5": ("final top-5", ""),
               "time_to_target": (f"time to {args.target:.2%}", " s"), "train_time": ("training time", " s")}
     runs = []
@@ -711,7 +573,7 @@ def run_train(args, hp, ctx, hook, argv):
         seed = args.seed + r
         if args.runs > 1:
             say(f"run {r + 1}/{args.runs} (seed {seed})")
-        table = Table(columns, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
+        table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
                       file=None if ctx.is_main else io.StringIO())
         ckpt = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
         epochs_done = []
@@ -720,9 +582,12 @@ def run_train(args, hp, ctx, hook, argv):
             table.append(row)
             epochs_done.append(row["epoch"])
         try:
-            result = train(rank_hp, data, len(classes), size, device, seed, dtype, args.target, ckpt, args.resume,
-                           epoch_done, ctx, args.bucket_mb, hook, args.interrupt_after_epoch,
-                           PROGRESS_AFTER_S if ctx.is_main else None, args.eval_every)
+            result = loop.train(start(hp, data, classes=classes, size=size, device=device, dtype=dtype, ctx=ctx,
+                                      bucket_mb=args.bucket_mb, hook=hook), hp,
+                                device=device, seed=seed, dtype=dtype, ctx=ctx, target=args.target,
+                                eval_every=args.eval_every, on_epoch=epoch_done, checkpoint=ckpt, resume=args.resume,
+                                interrupt_after=args.interrupt_after_epoch,
+                                progress_after_s=PROGRESS_AFTER_S if ctx.is_main else None)
         except DataError as e:
             say(f"error: {e}", file=sys.stderr)      # the checkpoint's errors: the same on every rank
             return 1
@@ -730,6 +595,7 @@ def run_train(args, hp, ctx, hook, argv):
             say(interrupted(max(epochs_done, default=0) + 1, r + 1, len(runs), args.out, ckpt), file=sys.stderr)
             return 130
         result.pop("model")
+        result["final_top1"], result["final_top5"] = result.pop("final_acc"), result["rows"][-1]["top5"]
         runs.append(result)
         save(complete=False)
         ttt = result["time_to_target"]

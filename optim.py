@@ -1,14 +1,12 @@
 """The optimisers and the learning-rate logic they share: Muon for conv filters, the large-batch LARS and
-RMSprop-to-SGD, the choice among them from a recipe's hyperparameters, the parameter groups (weight decay
-or none; Myrtle's or the decoupled learning-rate units) and the learning-rate and batch-size schedules.
+RMSprop-to-SGD, the choice among them from a recipe's hyperparameters, and the parameter groups (weight decay
+or none; Myrtle's or the decoupled learning-rate units) whose rates set_lr sets from a schedule (schedules.py).
 
 Papers:
   Jordan et al. 2024, Muon (github.com/KellerJordan/Muon)
-  Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (arXiv:1706.02677)
   You, Gitman, Ginsburg 2017, "Large Batch Training of Convolutional Networks" (LARS, arXiv:1708.03888)
   Akiba, Suzuki, Fukuda 2017, "Extremely Large Minibatch SGD: Training ResNet-50 on ImageNet in 15 Minutes"
       (Preferred Networks, arXiv:1711.04325)
-  Mikami et al. 2018, "ImageNet/ResNet-50 Training in 224 Seconds" (Sony, batch-size control, arXiv:1811.05233)
 """
 import math
 
@@ -16,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distributed import per_rank_batch
+from schedules import epoch_steps
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -242,16 +240,11 @@ def optimizer(groups, hp):
 
 
 def param_groups_no_decay_1d(model, weight_decay):
-    """Two optimizer groups: weight decay for weight matrices and kernels, none for 1-D tensors (BN, biases)."""
+    """Two optimizer groups: weight decay for weight matrices and kernels, none for 1-D tensors (BN, biases); each
+    at the schedule's rate (set_lr)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [dict(params=[p for p in params if p.ndim > 1], weight_decay=weight_decay),
-            dict(params=[p for p in params if p.ndim <= 1], weight_decay=0.0)]
-
-
-def epoch_steps(epochs, steps_per_epoch):
-    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476); epochs may be
-    fractional. Less a hair, so that a product that should be whole (1.1 × 10 = 11.000000000000002) stays so."""
-    return math.ceil(epochs * steps_per_epoch - 1e-9)
+    return [dict(params=[p for p in params if p.ndim > 1], weight_decay=weight_decay, lr_unit=1.0, until_step=None),
+            dict(params=[p for p in params if p.ndim <= 1], weight_decay=0.0, lr_unit=1.0, until_step=None)]
 
 
 MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -277,11 +270,11 @@ def make_optimizers(model, hp, steps_per_epoch=1, world=1):
     those steps (airbench94_muon). After them its lr is 0 and train() detaches it.
     optimizer="lars" or "rmsprop_sgd" use the large-batch optimisers on the same groups.
 
-    Under DDP (world ranks of batch_size images each) gradients are averaged over ranks, i.e. 1/world of
-    the summed loss's gradient over the global batch. In the myrtle units 1/batch_size = world/global
+    Under DDP (world ranks of batch_size / world images each) gradients are averaged over ranks, i.e. 1/world of
+    the summed loss's gradient over the global batch. In the myrtle units 1/(rank batch) = world/global
     batch absorbs this; in the decoupled and sum units the step is multiplied by world to undo it.
     """
-    bs, m, wd, peak = hp["batch_size"], hp["momentum"], hp["weight_decay"], max(hp["lr_values"])
+    bs, m, wd, peak = hp["batch_size"] // world, hp["momentum"], hp["weight_decay"], max(hp["lr_values"])
     units = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - m))), "sum": world}
     if hp["param"] not in units:
         raise ValueError(f"param must be myrtle, decoupled or sum, not {hp['param']!r}")
@@ -332,53 +325,3 @@ def set_lr(opts, lr, step=0, epoch=0.0):
             else:
                 g["lr"] = lr * g["lr_unit"]
             g["epoch"] = epoch
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Learning-rate and batch-size schedules
-
-def linear_scaled_lr(base_lr, global_batch, base_batch=256):
-    """Goyal et al. 2017, linear scaling rule: multiply the learning rate by k when the batch grows k times."""
-    return base_lr * global_batch / base_batch
-
-
-# Akiba et al. 2017's 90 epochs: (from epoch, fraction of the peak rate)
-SLOW_START = ((0, 0.5), (40, 0.075), (70, 0.01), (85, 0.001))
-
-
-def slow_start_lr(epoch, peak_lr, epochs=90):
-    """The slow-start schedule of Akiba et al. 2017 (sec. 3.2, their 90-epoch run), stretched to `epochs`:
-    0.5 × peak for the first 40/90 of training, while the RMSprop warm-up hands over to SGD, then 0.075 ×
-    peak to 70/90, 0.01 × to 85/90 and 0.001 × to the end."""
-    at = epoch * 90 / epochs
-    return peak_lr * [factor for start, factor in SLOW_START if start <= at][-1]
-
-
-class BatchSizeSchedule:
-    """Batch-size control, Mikami et al. 2018 (Sony): the global batch grows during training, per epoch.
-
-    A small batch early keeps accuracy; a large batch later (when the loss landscape is flatter) gives fewer,
-    cheaper-to-synchronise steps. knots = [(0, 16384), (30, 32768), ...]: from each epoch on, that batch size.
-    The learning rate is scaled along with the batch (Goyal's linear rule): lr_scale = batch / first batch.
-    """
-
-    def __init__(self, knots):
-        knots = [(int(e), int(b)) for e, b in knots]
-        if not knots or knots[0][0] != 0:
-            raise ValueError("batch-size schedule must start at epoch 0")
-        if any(b <= 0 for _, b in knots):
-            raise ValueError("batch sizes must be positive")
-        if any(e1 <= e0 for (e0, _), (e1, _) in zip(knots, knots[1:])):
-            raise ValueError("batch-size schedule epochs must increase strictly")
-        if any(b1 < b0 for (_, b0), (_, b1) in zip(knots, knots[1:])):
-            raise ValueError("batch-size schedule must not shrink the batch")
-        self.knots = knots
-
-    def batch(self, epoch):
-        return [b for e, b in self.knots if e <= epoch][-1]
-
-    def lr_scale(self, epoch):
-        return self.batch(epoch) / self.knots[0][1]
-
-    def per_rank(self, epoch, world):
-        return per_rank_batch(self.batch(epoch), world)

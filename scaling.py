@@ -10,13 +10,7 @@ import argparse
 import math
 import sys
 
-from core import Parser
-
-
-def square_grid(world):
-    """rows x cols = world with rows <= cols as close as possible (32 x 32 for 1,024)."""
-    rows = max(r for r in range(1, math.isqrt(world) + 1) if world % r == 0)
-    return rows, world // rows
+from core import Parser, square_grid
 
 
 def allreduce_time(nbytes, gpus, algorithm, link_gbps, latency_us):

@@ -1,24 +1,18 @@
-"""The CIFAR-10 networks and their training: ResNet-9, ResNet-18 and the three-block fastnet with their
-batch-norm and whitening options, weight averaging (EMA, lookahead), test-time augmentation, evaluation,
-FLOP counting and the training loop. The data and its augmentation are in cifar_data.py, the optimisers in
-optim.py, every device decision in devices.py.
+"""The CIFAR-10 networks: ResNet-9, ResNet-18 and the three-block fastnet with their batch-norm and whitening
+options, test-time augmentation and evaluation, and the FLOPs of a run. The data and its augmentation are in
+cifar_data.py, the optimisers in optim.py, the loop in loop.py, every device decision in devices.py.
 
 Hyperparameters arrive as one flat dict (a recipe from cifar10_fast.py, where every key is
 named once in BASE); `grep 'hp\\["name"\\]'` finds where a hyperparameter acts.
 """
-import copy
-import math
-import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import devices
-import distributed as D
-from cifar_data import epoch_batches, flip_bits, low_resolution, pair
-from core import PiecewiseLinear, Progress
-from optim import epoch_steps, make_optimizers, set_lr
+from cifar_data import low_resolution, pair
+from schedules import run_steps
 
 # ---------------------------------------------------------------------------------------------
 # Models
@@ -285,7 +279,7 @@ def resnet18(hp, num_classes=10):
 MODELS = {"resnet9": resnet9, "resnet18": resnet18, "fastnet": fastnet}
 
 
-def build_model(hp, device, memory_format=torch.contiguous_format, num_classes=10):
+def build_model(hp, device, *, memory_format=torch.contiguous_format, num_classes=10):
     if hp["model"] not in MODELS:
         raise ValueError(f"unknown model {hp['model']!r}; choose from {sorted(MODELS)}")
     return MODELS[hp["model"]](hp, num_classes).to(device, memory_format=memory_format)
@@ -308,44 +302,8 @@ def fit_whitening(model, train_images, size):
 
 
 # ---------------------------------------------------------------------------------------------
-# Weight averaging, evaluation
+# Evaluation
 # ---------------------------------------------------------------------------------------------
-
-def float_state(model):
-    return [t for t in model.state_dict().values() if t.is_floating_point()]
-
-
-class EMA:
-    """Exponential moving average of a model's parameters and batch-norm statistics, updated
-    every `every` steps with decay momentum**every (so `momentum` is per step)."""
-
-    def __init__(self, model, momentum, every):
-        self.model = copy.deepcopy(model)
-        self.rho, self.every = momentum ** every, every
-        self.steps = 0
-
-    @torch.no_grad()
-    def update(self, model):
-        self.steps += 1
-        if self.steps % self.every == 0:
-            torch._foreach_lerp_(float_state(self.model), float_state(model), 1 - self.rho)
-
-
-class Lookahead:
-    """Lookahead (Zhang et al. 2019) used as weight averaging (Jordan 2024): every few steps the slow
-    weights move towards the fast ones, slow ← slow + (1 - decay)(fast - slow), and the fast weights
-    restart from the slow ones. The caller ramps decay up during training; decay=1 at the end hands
-    the slow weights to the model."""
-
-    def __init__(self, model):
-        self.slow = [t.detach().clone() for t in float_state(model)]
-
-    @torch.no_grad()
-    def update(self, model, decay):
-        fast = float_state(model)
-        torch._foreach_lerp_(self.slow, fast, 1 - decay)
-        torch._foreach_copy_(fast, self.slow)
-
 
 def tta_views(x, mode):
     """(weight, view) pairs whose weighted logits make the prediction.
@@ -374,7 +332,7 @@ def tta_logits(model, x, tta, plain=None):
     return logits
 
 
-def selective_tta_logits(model, images, tta, fraction, batch_size=1000, memory_format=torch.contiguous_format):
+def selective_tta_logits(model, images, tta, fraction, *, batch_size=1000, memory_format=torch.contiguous_format):
     """Selective test-time augmentation (the 2-second record): one plain pass over every image, then the views
     only for the `fraction` of images the plain pass is least sure of (the lowest top softmax probability);
     the others keep their plain logits. The plain logits stand for the first view, so the views cost
@@ -390,7 +348,7 @@ def selective_tta_logits(model, images, tta, fraction, batch_size=1000, memory_f
 
 
 @torch.no_grad()
-def evaluation_sums(model, images, labels, tta="none", dtype=torch.float32, batch_size=1000,
+def evaluation_sums(model, images, labels, *, tta="none", dtype=torch.float32, batch_size=1000,
                     memory_format=torch.contiguous_format, tta_fraction=1.0):
     """The summed loss and the number of correct predictions of the test-time-augmented prediction (see tta_views;
     with tta_fraction < 1, selective_tta_logits), as one tensor on the images' device: nothing waits for it."""
@@ -398,7 +356,8 @@ def evaluation_sums(model, images, labels, tta="none", dtype=torch.float32, batc
     model.eval()
     with devices.autocast(images.device, dtype):
         if tta_fraction < 1 and tta != "none":
-            logits = selective_tta_logits(model, images, tta, tta_fraction, batch_size, memory_format)
+            logits = selective_tta_logits(model, images, tta, tta_fraction, batch_size=batch_size,
+                                          memory_format=memory_format)
         else:
             logits = torch.cat([tta_logits(model, images[i:i + batch_size].contiguous(memory_format=memory_format), tta)
                                 for i in range(0, len(images), batch_size)])
@@ -406,111 +365,14 @@ def evaluation_sums(model, images, labels, tta="none", dtype=torch.float32, batc
     return torch.stack([F.cross_entropy(logits, labels, reduction="sum"), (logits.argmax(1) == labels).sum().float()])
 
 
-def evaluate(model, images, labels, tta="none", dtype=torch.float32, batch_size=1000,
-             memory_format=torch.contiguous_format, tta_fraction=1.0):
-    """Mean loss and accuracy (evaluation_sums, read once)."""
-    loss, correct = evaluation_sums(model, images, labels, tta, dtype, batch_size, memory_format, tta_fraction).tolist()
+def evaluate(model, images, labels, **options):
+    """Mean loss and accuracy (evaluation_sums, with its options, read once)."""
+    loss, correct = evaluation_sums(model, images, labels, **options).tolist()
     return loss / len(images), correct / len(images)
 
 
-# ---------------------------------------------------------------------------------------------
-# Training
-# ---------------------------------------------------------------------------------------------
-
-def make_forward(hp, device, compile_mode=None, ctx=None, bucket_mb=25.0, hook="none", num_classes=10):
-    """(net, forward) built once per process and re-initialised in place by train() for every run:
-    under torchrun forward is net in DistributedDataParallel (with bucket_mb buckets and a gradient
-    communication hook), and with compile_mode it is torch.compile'd, so compilation happens once
-    (in warmup); with hp["compile_step"] what is compiled is WithLoss(net), the forward and the loss as one
-    function. (None, None) when neither applies: train() then builds a plain network per run."""
-    distributed = ctx is not None and ctx.distributed
-    if not (compile_mode or distributed):
-        return None, None
-    net = build_model(hp, device, devices.memory_format(device), num_classes)
-    forward = net
-    if distributed:
-        forward = D.register_comm_hook(D.wrap_ddp(net, ctx, bucket_mb), hook)
-    if compile_mode:
-        if hp["compile_step"]:
-            forward = WithLoss(forward, hp["label_smoothing"])
-        # dynamic=False: each new shape (the low-resolution epochs, the last evaluation batch) compiles a graph of its
-        # own, once, in the warm-up; dynamic shapes would recompile them inside a timed run instead
-        forward = torch.compile(forward, mode=None if compile_mode == "default" else compile_mode, dynamic=False)
-    return net, forward
-
-
-def compiled_graphs():
-    """How many graphs torch.compile has compiled in this process so far (torch._dynamo's count)."""
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
-
-
-def summed_loss(logits, y, label_smoothing):
-    return F.cross_entropy(logits.float(), y, label_smoothing=label_smoothing, reduction="sum")
-
-
-class WithLoss(nn.Module):
-    """The network, and given labels also its summed loss. Compiled (compile_step), the forward and the loss are
-    one graph, and AOTAutograd compiles their backward as one graph with it: fewer kernels than the network
-    compiled alone with the loss and its backward left eager. Called without labels it is the network."""
-    takes_labels = True
-
-    def __init__(self, net, label_smoothing):
-        super().__init__()
-        self.net, self.label_smoothing = net, label_smoothing
-
-    def forward(self, x, y=None):
-        logits = self.net(x)
-        return logits if y is None else (logits, summed_loss(logits, y, self.label_smoothing))
-
-
-def train_step(forward, opts, x, y, hp, dtype):
-    with devices.autocast(x.device, dtype):
-        if getattr(forward, "takes_labels", False):
-            logits, loss = forward(x, y)
-        else:
-            logits = forward(x)
-            loss = summed_loss(logits, y, hp["label_smoothing"])
-    loss.backward()
-    for opt in opts:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return logits.detach(), loss.detach()
-
-
-def untimed_steps(hp, data, device, net=None):
-    """What steps outside the clock need: a network (a throwaway one, or the given net, which train()
-    re-initialises anyway), its optimisers at a learning rate that moves nothing measurable but runs every
-    kernel, and a generator and flip bits of their own (the runs' random streams stay untouched)."""
-    net = net if net is not None else build_model(hp, device, devices.memory_format(device), data.get("num_classes", 10))
-    opts = make_optimizers(net, hp)
-    set_lr(opts, 1e-9)
-    gen = devices.generator(device, 0)
-    return net, opts, gen, flip_bits(len(data["train_labels"]), gen, device)
-
-
-def warmup(hp, data, device, dtype, net=None, forward=None):
-    """Runs, before the clock starts, everything a timed run will meet, so that cuDNN autotuning, kernel loading and
-    torch.compile happen outside it (the 'compilation warm-up' the timing protocol excludes): a few steps at every
-    training resolution with the whitening bias trained and detached (see untimed_steps), and every kind of
-    evaluation (plain and with the recipe's test-time augmentation), in both states of the bias. Under torchrun the
-    bias is never detached (see train)."""
-    memory_format = devices.memory_format(device)
-    net, opts, gen, flip_base = untimed_steps(hp, data, device, net)
-    forward = net if forward is None else forward
-    states = (True, False) if whitening_biases(net) and not torch.distributed.is_initialized() else (True,)
-    for epoch in dict.fromkeys((0, hp["low_res_epochs"] if hp["low_res"] else 0)):     # every training resolution
-        for step, (x, y) in zip(range(2 * len(states)), epoch_batches(data, hp, gen, memory_format, epoch, flip_base)):
-            set_bias_grad(net, states[step // 2])
-            train_step(forward, opts, x, y, hp, dtype)
-    evaluated = net if torch.distributed.is_initialized() else forward      # as train() evaluates
-    for state in states:
-        set_bias_grad(net, state)
-        for tta, fraction in dict.fromkeys((("none", 1.0), (hp["tta"], hp["tta_fraction"]))):
-            evaluation_sums(evaluated, data["test_images"], data["test_labels"], tta, dtype,
-                            memory_format=memory_format, tta_fraction=fraction)
-    set_bias_grad(net, True)
-    devices.synchronize(device)
+def whitening_biases(net):
+    return [m for m in net.modules() if isinstance(m, Whitening) and m.bias is not None]
 
 
 def set_bias_grad(net, trained):
@@ -519,127 +381,11 @@ def set_bias_grad(net, trained):
         m.bias_grad = trained
 
 
-def whitening_biases(net):
-    return [m for m in net.modules() if isinstance(m, Whitening) and m.bias is not None]
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------------------------
 
-
-def run_steps(hp, n_train):
-    """(steps per epoch, total steps) of a run; the last partial batch of an epoch is dropped."""
-    steps_per_epoch = n_train // hp["batch_size"]
-    if steps_per_epoch == 0:
-        raise ValueError(f"batch size {hp['batch_size']} is larger than the {n_train} training images")
-    return steps_per_epoch, max(1, epoch_steps(hp["epochs"], steps_per_epoch))
-
-
-def train(hp, data, device, seed=0, dtype=torch.float32, target=0.94, on_epoch=None, net=None, forward=None,
-          ctx=None, progress_after_s=None, eval_every=1, on_first_steps=None):
-    """Trains one fresh network on device-resident data; returns its per-epoch rows and summary.
-
-    The clock (device-synchronised) runs over everything a run needs except the per-epoch
-    evaluation passes: model construction, whitening initialisation, augmentation, steps; the final
-    evaluation (with the recipe's test-time augmentation) is timed separately as final_eval_time,
-    and time = train_time + final_eval_time is what a user waits for a trained, evaluated model.
-    Every eval_every-th epoch before the last is evaluated on the plain images (0: none; as the references, the
-    recipe's test-time augmentation is for the final evaluation), so its row holds a test accuracy; the others'
-    hold None. The first epoch whose accuracy reaches the target stops time_to_target.
-    `net`/`forward` (from make_forward) reuse one compiled and/or DDP-wrapped network across runs.
-    Under torchrun (`ctx`), data holds this rank's shard and hp["batch_size"] is the per-rank batch;
-    every rank builds the same initial network (same seed) and draws its own augmentations.
-    With progress_after_s, an epoch that looks longer shows its steps on stderr (core.Progress);
-    on_first_steps(seconds per step), when given, is called once, after the run's third step.
-    """
-    world, rank = (ctx.world_size, ctx.rank) if ctx else (1, 0)
-    wrapped = ctx is not None and ctx.distributed       # in DistributedDataParallel: under torchrun, one rank too
-    torch.manual_seed(seed)
-    gen = devices.generator(device, seed + 104729 * rank)
-    memory_format = devices.memory_format(device)
-    timer = devices.timer(device)
-
-    fresh = build_model(hp, device, memory_format, data.get("num_classes", 10))
-    if net is None:
-        net, forward = fresh, fresh
-    else:
-        net.load_state_dict(fresh.state_dict())
-        forward = net if forward is None else forward
-    # under torchrun data["whiten_images"] holds the images one process would fit on (see cifar10_fast.device_data)
-    fit_whitening(net, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])
-    if hp["bn_stats"] == "last_batch":
-        D.use_last_batch_stats(net)
-    ema = EMA(net, hp["ema_momentum"], hp["ema_every"]) if hp["ema_momentum"] else None
-    lookahead = Lookahead(net) if hp["lookahead_momentum"] else None
-    la_every = hp["lookahead_every"]
-    schedule = PiecewiseLinear(hp["lr_knots"], hp["lr_values"])
-    n_train = len(data["train_labels"])
-    steps_per_epoch, total_steps = run_steps(hp, n_train)
-    epochs = math.ceil(total_steps / steps_per_epoch)
-    opts = make_optimizers(net, hp, steps_per_epoch, world)
-    flip_base = flip_bits(n_train, gen, device) if hp["flip"] == "alternate" else None
-    # Once trained, the whitening bias is detached (no gradient to compute), as airbench94_muon does; not under
-    # DDP, which expects a gradient for every parameter it holds (there its lr is 0 from then on), with one rank too.
-    whitening = [] if wrapped else whitening_biases(net)
-    set_bias_grad(net, True)
-    whiten_steps = epoch_steps(hp["whiten_bias_epochs"], steps_per_epoch)
-
-    rows, time_to_target, step = [], None, 0
-    for epoch in range(epochs):
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), device=device)
-        seen = 0
-        bar = (Progress(min(steps_per_epoch, total_steps - step), f"epoch {epoch + 1}", progress_after_s)
-               if progress_after_s is not None else None)
-        for x, y in epoch_batches(data, hp, gen, memory_format, epoch, flip_base):
-            lr = schedule(step / total_steps)
-            set_lr(opts, lr, step, step / steps_per_epoch)     # the fractional epoch: RMSprop-to-SGD's clock
-            for m in whitening:
-                m.bias_grad = step < whiten_steps
-            logits, loss = train_step(forward, opts, x, y, hp, dtype)
-            step += 1
-            if ema:
-                ema.update(net)
-            if lookahead and step % la_every == 0:
-                lookahead.update(net, hp["lookahead_momentum"] ** la_every * (step / total_steps) ** 3)
-            loss_sum += loss
-            correct += (logits.argmax(1) == y).sum()
-            seen += len(y)
-            if bar:
-                bar.update()
-            if on_first_steps and step in (1, 3):           # step 1 pays one-time costs: time steps 2 and 3
-                devices.synchronize(device)
-                if step == 1:
-                    first_steps_start = time.perf_counter()
-                else:
-                    on_first_steps((time.perf_counter() - first_steps_start) / 2)
-            if step == total_steps:
-                break
-        if bar:
-            bar.close()
-        if lookahead and step == total_steps:       # the hand-over, after the last scheduled update (airbench94)
-            lookahead.update(net, 1.0)
-        epoch_time = timer()
-        last = epoch == epochs - 1
-        test_loss = test_acc = None
-        if last or (eval_every and (epoch + 1) % eval_every == 0):
-            if hp["bn_stats"] == "last_batch":
-                D.sync_batch_norm_stats(net, ctx or D.Context())
-            eval_model = ema.model if ema else (net if wrapped else forward)
-            test_loss, test_acc = evaluate(eval_model, data["test_images"], data["test_labels"],
-                                           hp["tta"] if last else "none", dtype, memory_format=memory_format,
-                                           tta_fraction=hp["tta_fraction"] if last else 1.0)
-            final_eval_time = timer(include=False)
-            if time_to_target is None and test_acc >= target:
-                time_to_target = timer.total
-        row = {"epoch": epoch + 1, "lr": lr, "train_loss": loss_sum.item() / seen, "train_acc": correct.item() / seen,
-               "test_loss": test_loss, "test_acc": test_acc, "epoch_time": epoch_time, "total_time": timer.total}
-        rows.append(row)
-        if on_epoch:
-            on_epoch(row)
-        timer(include=False)
-    return {"seed": seed, "rows": rows, "final_acc": rows[-1]["test_acc"], "train_time": timer.total,
-            "final_eval_time": final_eval_time, "time": timer.total + final_eval_time,
-            "time_to_target": time_to_target, "model": ema.model if ema else net}
-
-
-def count_flops(hp, data, batch=2):
+def count_flops(hp, data, *, batch=2):
     """FLOPs of one run: every training step (forward and backward, at low_res for the first low_res_epochs)
     and the final test-time-augmented evaluation (selective: the plain pass and the other views of
     tta_fraction of the images), counted by torch.utils.flop_counter (convolutions and matmuls) on a small
@@ -655,7 +401,7 @@ def count_flops(hp, data, batch=2):
         with FlopCounterMode(display=False) as counter:
             F.cross_entropy(model(x), y).backward()
         return counter.get_total_flops() / len(x)
-    steps_per_epoch, steps = run_steps(hp, len(data["train_labels"]))
+    steps_per_epoch, steps = run_steps(len(data["train_labels"]), hp["batch_size"], hp["epochs"])
     low = min(steps, hp["low_res_epochs"] * steps_per_epoch) if hp["low_res"] else 0
     per_image = per_train_image(x)
     per_low_image = per_train_image(low_resolution(x, hp["low_res"])) if low else 0.0

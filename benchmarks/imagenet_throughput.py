@@ -75,7 +75,7 @@ def main(argv=None):
     fmt = devices.memory_format(device)
     devices.autotune(device)
     bs = min(args.batch_size, args.images)
-    hp = inf.recipe("rn50_16ep", model=args.model, blurpool=False)
+    hp = inf.hyperparameters("rn50_16ep", model=args.model, blurpool=False)
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         classes = 10

@@ -31,9 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cifar10_fast as cf  # noqa: E402
 import cifar_data as cd  # noqa: E402
 import devices  # noqa: E402
-import torch_backend as tb  # noqa: E402
 from cli import environment  # noqa: E402
-from core import Table, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
+from core import DataError, Table, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
 
 # Our recipe → (the airbench package's trainer for the same target: its function suffix, the target accuracy).
 # airbench94_muon.py and the 2-second record are scripts, not in the package: the Muon recipes run beside train94.
@@ -160,8 +159,10 @@ def main(argv=None):
     dtype = devices.compute_dtype(device)
     devices.autotune(device)                 # as cifar10_fast.py does (importing airbench also does it, for both sides)
     sync = lambda: devices.synchronize(device)
-    arrays = cf.load_arrays(args.data_dir, args.subset)
-    if arrays is None:
+    try:
+        arrays = cd.take_subset(cd.load_cifar10(args.data_dir), args.subset)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     overrides = {k: v for k, v in (("epochs", args.epochs), ("width", args.width), ("batch_size", args.batch_size))
                  if v is not None}
@@ -182,11 +183,9 @@ def main(argv=None):
             os.chdir(write_airbench_layout(arrays, tmp))      # airbench reads ./cifar10/{train,test}.pt
         try:
             for name in names:
-                hp = cf.recipe(name, **overrides)
+                hp = cf.hyperparameters(name, **overrides)
                 suffix, target = PEERS.get(name, (None, 0.94))
-                data = cd.to_device(arrays, device, dtype, hp["crop_pad"])
-                net, forward = tb.make_forward(hp, device, args.compile)
-                tb.warmup(hp, data, device, dtype, net, forward)
+                prepared = cf.prepare(hp, arrays, device=device, dtype=dtype, compile=args.compile)
                 peer = None
                 if airbench is not None and suffix:
                     loader, test_loader = peer_loaders(airbench, suffix)
@@ -195,14 +194,11 @@ def main(argv=None):
                 ours, theirs = [], []
                 everything["recipes"][name] = {"hyperparameters": hp, "target": target, "ours": ours,
                                                "peer_name": peer and f"airbench{suffix}", "peer": theirs,
-                                               "flops": tb.count_flops(hp, data)}
+                                               "flops": prepared.flops}
                 for side in alternation(args.runs, peer_runs if peer else 0):
                     if side == "ours":
-                        start, graphs = time.perf_counter(), tb.compiled_graphs()
-                        r = tb.train(hp, data, device, args.seed + len(ours), dtype, target, None, net, forward)
+                        r = prepared.run(args.seed + len(ours), target=target, eval_every=0)   # the end's alone
                         r.pop("model")
-                        r["wall_s"] = time.perf_counter() - start
-                        r["recompiles"] = tb.compiled_graphs() - graphs
                         ours.append(r)
                         print(f"  {name} run {len(ours)}/{args.runs}: ours {r['final_acc']:.4f} in {r['time']:.3f} s",
                               flush=True)

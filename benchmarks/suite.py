@@ -123,7 +123,7 @@ def counted_flops(recipes):
               "test_labels": torch.zeros(10000, dtype=torch.long)}
     views = lambda hp: len(tb.tta_views(shapes["test_images"][:1], hp["tta"]))
     return {r: {**tb.count_flops(hp, shapes), "parameters": tb.count_parameters(tb.build_model(hp, "cpu")),
-                "tta_views": views(hp), "tta_fraction": hp["tta_fraction"]} for r, hp in ((r, cf.recipe(r)) for r in recipes)}
+                "tta_views": views(hp), "tta_fraction": hp["tta_fraction"]} for r, hp in ((r, cf.hyperparameters(r)) for r in recipes)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -324,7 +324,7 @@ def per_run_s(piece, side, result, fp, flops):
     if not f or not rate:
         return 60.0
     import cifar10_fast as cf
-    epochs = math.ceil(cf.recipe(recipe)["epochs"])      # every epoch ends with an evaluation pass
+    epochs = math.ceil(cf.hyperparameters(recipe)["epochs"])      # every epoch ends with an evaluation pass
     return (f["train"] + epochs * f["final_eval"]) / (rate * 1e12 * ASSUMED_EFFICIENCY)
 
 

@@ -49,6 +49,18 @@ def cifar10_npz(tmp_path_factory):
     return out
 
 
+def train_once(hp, data, *, device="cpu", net=None, forward=None, **options):
+    """One CIFAR-10 run of hp on device-resident data (cifar_data.to_device), through the one loop (loop.train);
+    options as loop.train takes them (seed, target, eval_every, ...)."""
+    import cifar10_fast as cf
+    import distributed as D
+    import loop
+    device = torch.device(device)
+    build = cf.start(hp, data, device=device, dtype=torch.float32, ctx=D.Context(device=str(device)), net=net,
+                     forward=forward)
+    return loop.train(build, hp, device=device, **options)
+
+
 def synthetic_arrays(n_train=256, n_test=128, seed=0):
     """Random CIFAR-shaped data whose class is written into the image (learnable, tiny)."""
     rng = np.random.default_rng(seed)

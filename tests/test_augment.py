@@ -72,8 +72,8 @@ def test_labels_follow_their_images_and_epochs_differ():
     # tag each image with its label; the 4x4 centre of any crop lies inside the tagged area
     data["train_images"][:, :, 4:36, 4:36] = data["train_labels"].float().view(-1, 1, 1, 1) + 1
     g = torch.Generator().manual_seed(3)
-    e1 = list(cd.epoch_batches(data, HP, g, torch.contiguous_format))
-    e2 = list(cd.epoch_batches(data, HP, g, torch.contiguous_format))
+    e1 = list(cd.epoch_batches(data, HP, g, memory_format=torch.contiguous_format))
+    e2 = list(cd.epoch_batches(data, HP, g, memory_format=torch.contiguous_format))
     assert len(e1) == 4 and all(x.shape == (16, 3, 32, 32) for x, _ in e1)
     for x, y in e1 + e2:
         centre = x[:, 0, 14:18, 14:18].amax((1, 2))
@@ -94,6 +94,6 @@ def test_random_calls_per_epoch_do_not_grow_with_the_dataset(monkeypatch):
         calls.clear()
         g = torch.Generator().manual_seed(0)
         data = small_data(n)
-        list(cd.epoch_batches(data, HP, g, torch.contiguous_format))
+        list(cd.epoch_batches(data, HP, g, memory_format=torch.contiguous_format))
         counts.append(len(calls))
     assert counts[0] == counts[1] <= 5, counts

@@ -86,8 +86,8 @@ def test_a_journey_stage_runs_from_the_command_line(synth_npz):
 
 def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(synth_npz, tmp_path, monkeypatch):
     import cifar10_fast as cf
-    import torch_backend as tb
-    monkeypatch.setattr(tb, "train", failing_on_call(tb.train, 2))
+    import loop
+    monkeypatch.setattr(loop, "train", failing_on_call(loop.train, 2))
     out = tmp_path / "r.json"
     with pytest.raises(RuntimeError):
         cf.main(["--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "1", "--width", "0.125",

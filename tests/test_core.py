@@ -9,28 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from core import PiecewiseLinear, Table, Timer, one_sided_p, ratio_ci, summarize, write_atomic, write_json
-
-
-def test_piecewise_linear_exact_at_knots_and_between():
-    s = PiecewiseLinear((0, 5, 24), (0.0, 0.4, 0.0))
-    assert [s(t) for t in (0, 5, 24)] == [0.0, 0.4, 0.0]
-    assert s(2.5) == pytest.approx(0.2)
-    assert s(14.5) == pytest.approx(0.2)
-    assert s(-1) == 0.0 and s(30) == 0.0          # constant beyond the ends
-
-
-def test_piecewise_linear_flat_tail_like_myrtle10():
-    s = PiecewiseLinear((0, 0.2, 0.8), (0.0, 1.0, 0.1))
-    assert s(0.2) == 1.0 and s(0.8) == pytest.approx(0.1) and s(1.0) == pytest.approx(0.1)
-    assert s(0.5) == pytest.approx(0.55)
-
-
-def test_piecewise_linear_rejects_bad_knots():
-    with pytest.raises(ValueError, match="as many knots as values"):
-        PiecewiseLinear((0, 1), (0,))
-    with pytest.raises(ValueError, match="must not decrease"):
-        PiecewiseLinear((0, 2, 1), (0, 1, 0))
+from core import Frozen, Table, Timer, one_sided_p, ratio_ci, summarize, write_atomic, write_json
 
 
 def test_table_prints_header_once_and_each_row_as_it_arrives():
@@ -117,6 +96,16 @@ def test_ratio_ci_covers_the_true_ratio_95_percent_of_the_time():
 
 
 def test_the_framework_free_files_import_no_torch():
-    code = "import sys, core, scaling, imagenet_store; print('torch' in sys.modules)"
+    code = "import sys, core, scaling, schedules, imagenet_store; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.strip() == "False"
+
+
+def test_hyperparameters_once_built_cannot_change():
+    hp = Frozen({"epochs": 10, "batch_size": 512}, recipe="myrtle24")
+    for change in (lambda: hp.__setitem__("epochs", 2), lambda: hp.update(epochs=2), lambda: hp.pop("epochs"),
+                   lambda: hp.setdefault("width", 1), lambda: hp.clear(), lambda: hp.__delitem__("epochs")):
+        with pytest.raises(TypeError, match="hyperparameters are built once"):
+            change()
+    assert hp == {"epochs": 10, "batch_size": 512} and hp.recipe == "myrtle24"
+    assert json.loads(json.dumps(hp)) == hp and {**hp, "epochs": 2}["epochs"] == 2      # a copy is a plain dict

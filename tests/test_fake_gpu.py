@@ -69,31 +69,31 @@ def arrays():
 
 @pytest.mark.parametrize("recipe", ["myrtle24", "fast94", "fast94_next_lowres"])
 def test_cifar10_on_the_gpu_places_augments_trains_forward_and_evaluates_there(fake_gpu, arrays, recipe):
-    hp = cf.recipe(recipe, width=1 / 16, batch_size=32)
+    hp = cf.hyperparameters(recipe, width=1 / 16, batch_size=32)
     stats = cd.channel_stats(arrays["train_images"])
     data = cd.to_device(arrays, CUDA, torch.float32, hp["crop_pad"], stats)
     assert on_gpu(data["train_images"], data["test_images"], data["train_labels"], data["test_labels"])
     gen = devices.generator(CUDA, 0)
     layout = devices.memory_format(CUDA)
     assert layout == torch.channels_last
-    net = tb.build_model(hp, CUDA, layout)
+    net = tb.build_model(hp, CUDA, memory_format=layout)
     assert on_gpu(*net.parameters(), *net.buffers())
     tb.fit_whitening(net, data["train_images"], data["test_images"].shape[-2:])
     for epoch in range(2):                      # the low-resolution epoch and the full one
-        for x, y in cd.epoch_batches(data, hp, gen, layout, epoch, cd.flip_bits(128, gen, CUDA)):
+        for x, y in cd.epoch_batches(data, hp, gen, memory_format=layout, epoch=epoch, flip_base=cd.flip_bits(128, gen, CUDA)):
             assert on_gpu(x, y) and x.is_contiguous(memory_format=layout)
             logits = net(x)
             assert on_gpu(logits) and logits.shape == (32, 10)
             break
     for tta, fraction in (("none", 1.0), ("flip_translate", 1.0), ("flip_translate", 0.25)):
-        sums = tb.evaluation_sums(net, data["test_images"], data["test_labels"], tta, torch.float32, 50, layout,
-                                  fraction)
+        sums = tb.evaluation_sums(net, data["test_images"], data["test_labels"], tta=tta, batch_size=50,
+                                  memory_format=layout, tta_fraction=fraction)
         assert on_gpu(sums) and sums.shape == (2,)
 
 
 def test_a_cifar10_batch_on_the_cpu_is_a_device_mix_the_fake_gpu_catches(fake_gpu, arrays):
-    hp = cf.recipe("fast94", width=1 / 16)
-    net = tb.build_model(hp, CUDA, devices.memory_format(CUDA))
+    hp = cf.hyperparameters("fast94", width=1 / 16)
+    net = tb.build_model(hp, CUDA, memory_format=devices.memory_format(CUDA))
     with pytest.raises(RuntimeError, match="same device"):
         net(torch.zeros(2, 3, 32, 32))
 
@@ -109,7 +109,7 @@ def store(tmp_path_factory):
 
 
 def imagenet_hp():
-    return inf.recipe("tiny", width=4, batch_size=8, min_res=16, max_res=16, val_res=24, tta="flip")
+    return inf.hyperparameters("tiny", width=4, batch_size=8, min_res=16, max_res=16, val_res=24, tta="flip")
 
 
 @pytest.mark.parametrize("where", ["device", "host"])

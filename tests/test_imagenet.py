@@ -3,7 +3,6 @@ resumption, bad input), batched augmentation statistics, models, schedules, lear
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -15,8 +14,10 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
+import distributed as D
 import imagenet_fast as inf
 import imagenet_store as ims
+import loop
 import optim
 from conftest import ROOT, failing_on_call
 
@@ -264,7 +265,7 @@ def test_val_batches_are_one_shape_and_contiguous():
 # --- models, optimiser, schedules ------------------------------------------------------------
 
 def test_blurpool_models():
-    hp = inf.recipe("rn50_16ep")
+    hp = inf.hyperparameters("rn50_16ep")
     m = inf.build_model(hp, 10)
     blurs = [mod for mod in m.modules() if isinstance(mod, inf.BlurPool)]
     strided = [mod for mod in m.modules() if isinstance(mod, torch.nn.Conv2d) and max(mod.stride) > 1]
@@ -273,13 +274,13 @@ def test_blurpool_models():
     const = torch.full((1, 4, 5, 5), 3.0)
     assert torch.allclose(inf.BlurPool(4)(const), const)
     assert not any(isinstance(mod, inf.BlurPool) for mod in inf.build_model({**hp, "blurpool": False}, 10).modules())
-    tiny = inf.build_model(inf.recipe("tiny", width=4), 5)
+    tiny = inf.build_model(inf.hyperparameters("tiny", width=4), 5)
     assert tiny(torch.randn(2, 3, 24, 24)).shape == (2, 5)
 
 
 def test_no_weight_decay_on_batchnorm_and_bias():
-    model = inf.build_model(inf.recipe("rn18_16ep", blurpool=False), 10)
-    opt = inf.make_optimizer(model, inf.recipe("rn18_16ep"))
+    model = inf.build_model(inf.hyperparameters("rn18_16ep", blurpool=False), 10)
+    opt = inf.make_optimizer(model, inf.hyperparameters("rn18_16ep"))
     decayed, free = opt.param_groups
     assert decayed["weight_decay"] == 5e-5 and free["weight_decay"] == 0
     names = {id(p): n for n, p in model.named_parameters()}
@@ -288,24 +289,15 @@ def test_no_weight_decay_on_batchnorm_and_bias():
     assert "fc.bias" in {names[id(p)] for p in free["params"]} and "bn1.weight" in {names[id(p)] for p in free["params"]}
 
 
-def test_schedules_of_rn50_16ep():
-    hp = inf.recipe("rn50_16ep")
-    assert [inf.res_at(hp, e) for e in range(16)] == [160] * 12 + [192] * 4  # 176 at epoch 12 rounds to 192
-    assert inf.lr_at(hp, 0) == 0 and inf.lr_at(hp, 1) == pytest.approx(hp["lr"] / 2)
-    assert inf.lr_at(hp, 2) == pytest.approx(hp["lr"]) and inf.lr_at(hp, 16) == pytest.approx(0)
-    assert inf.lr_at(hp, 9) == pytest.approx(hp["lr"] / 2)
-    cos = {**hp, "schedule": "cosine"}
-    assert inf.lr_at(cos, 9) == pytest.approx(hp["lr"] / 2) and inf.lr_at(cos, 5.5) > inf.lr_at(hp, 5.5)
-    step = {**hp, "schedule": "step", "step_epochs": (8, 12)}
-    assert inf.lr_at(step, 7.9) == pytest.approx(hp["lr"]) and inf.lr_at(step, 12) == pytest.approx(hp["lr"] / 100)
-    scaled = {**hp, "batch_scale": True}
-    assert inf.batch_at(hp, 160) == 512 and inf.batch_at(scaled, 192) == 512 and inf.batch_at(scaled, 160) == 736
+def train(hp, data, **kw):
+    """One run of hp on data (a placed store of 5 classes at SIZE px), on the CPU."""
+    cpu = torch.device("cpu")
+    return loop.train(inf.start(hp, data, classes=5, size=SIZE, device=cpu, dtype=torch.float32, ctx=D.Context()), hp,
+                      device=cpu, **kw)
 
-
-# --- training --------------------------------------------------------------------------------
 
 def tiny_hp(**kw):
-    return inf.recipe("tiny", **{"width": 8, "epochs": 3, "batch_size": 16, "min_res": SIZE, "max_res": SIZE,
+    return inf.hyperparameters("tiny", **{"width": 8, "epochs": 3, "batch_size": 16, "min_res": SIZE, "max_res": SIZE,
                                  "val_res": SIZE, **kw})
 
 
@@ -319,15 +311,15 @@ def test_learns_above_chance(store):
     # require 0.6 with seed 0.
     torch.manual_seed(0)
     data = inf.place(ims.open_store(store), torch.device("cpu"))
-    r = inf.train(tiny_hp(epochs=4), data, 5, SIZE, torch.device("cpu"), seed=0, target=0.5)
-    assert r["final_top1"] >= 0.6 and r["final_top5"] == 1.0
+    r = train(tiny_hp(epochs=4), data, seed=0, target=0.5)
+    assert r["final_acc"] >= 0.6 and r["rows"][-1]["top5"] == 1.0
     assert r["time_to_target"] is not None and r["rows"][-1]["train_loss"] < r["rows"][0]["train_loss"]
 
 
 def test_resume_after_interrupted_epoch_is_exact(store, tmp_path, monkeypatch):
     data = inf.place(ims.open_store(store), torch.device("cpu"))
-    hp, cpu = tiny_hp(ema_momentum=0.9, ema_every=5, jitter=0.2), torch.device("cpu")
-    full = inf.train(hp, data, 5, SIZE, cpu, seed=1, checkpoint=tmp_path / "a.pt")
+    hp = tiny_hp(ema_momentum=0.9, ema_every=5, jitter=0.2)
+    full = train(hp, data, seed=1, checkpoint=tmp_path / "a.pt")
 
     real, seen = inf.train_batches, [0]
 
@@ -339,16 +331,16 @@ def test_resume_after_interrupted_epoch_is_exact(store, tmp_path, monkeypatch):
             yield batch
     monkeypatch.setattr(inf, "train_batches", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        inf.train(hp, data, 5, SIZE, cpu, seed=1, checkpoint=tmp_path / "b.pt")
+        train(hp, data, seed=1, checkpoint=tmp_path / "b.pt")
     monkeypatch.setattr(inf, "train_batches", real)
     assert torch.load(tmp_path / "b.pt", weights_only=False)["epoch"] == 2
-    resumed = inf.train(hp, data, 5, SIZE, cpu, seed=1, checkpoint=tmp_path / "b.pt", resume=True)
+    resumed = train(hp, data, seed=1, checkpoint=tmp_path / "b.pt", resume=True)
     assert torch.equal(params(full["model"]), params(resumed["model"]))  # the EMA model, exactly
     a, b = torch.load(tmp_path / "a.pt", weights_only=False), torch.load(tmp_path / "b.pt", weights_only=False)
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert [r["top1"] for r in full["rows"]] == [r["top1"] for r in resumed["rows"]]
     with pytest.raises(inf.DataError, match="written with other hyperparameters \\(lr\\); cannot resume"):
-        inf.train({**hp, "lr": 0.1}, data, 5, SIZE, cpu, seed=1, checkpoint=tmp_path / "b.pt", resume=True)
+        train({**hp, "lr": 0.1}, data, seed=1, checkpoint=tmp_path / "b.pt", resume=True)
 
 
 def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
@@ -372,7 +364,7 @@ def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
 
 
 def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(store, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(inf, "train", failing_on_call(inf.train, 2))
+    monkeypatch.setattr(loop, "train", failing_on_call(loop.train, 2))
     out = tmp_path / "r.json"
     with pytest.raises(RuntimeError):
         run_main(capsys, "train", "--store", store, "--recipe", "tiny", "--device", "cpu", "--epochs", "1", "--width",
@@ -422,13 +414,13 @@ def test_prepare_killed_leaves_no_decoding_worker(tmp_path):
 def test_imagenet_takes_the_learning_rates_batch_from_lr_scale_base(store, monkeypatch):
     """--lr-scale-base B: lr is per B images of the global batch (256 by default, Goyal et al.'s unit)."""
     assert inf.parse_args(["train", "--store", "S", "--lr-scale-base", "512"])[1] == {"lr_scale_base": 512}
-    assert inf.recipe("tiny")["lr_scale_base"] == 256
+    assert inf.hyperparameters("tiny")["lr_scale_base"] == 256
     rates, real_step = {256: [], 512: []}, torch.optim.SGD.step
     data = inf.place(ims.open_store(store), torch.device("cpu"))
     for base, seen in rates.items():
         monkeypatch.setattr(torch.optim.SGD, "step", lambda self, *a, **k: seen.append(self.param_groups[0]["lr"])
                             or real_step(self, *a, **k))
-        inf.train(tiny_hp(epochs=1, lr_scale_base=base), data, 5, SIZE, torch.device("cpu"), seed=0)
+        train(tiny_hp(epochs=1, lr_scale_base=base), data, seed=0)
     assert rates[256] and rates[256] == pytest.approx([2 * r for r in rates[512]])
 
 
@@ -511,17 +503,6 @@ def test_batch_size_schedule_grows_the_batch_and_the_rate(store, tmp_path, capsy
         assert rc == 2 and message in err.strip().splitlines()[-1]
 
 
-def test_slow_start_schedule_is_akiba_et_al_s_stretched_to_the_run():
-    # 0.5 η for 40 of 90 epochs, 0.075 η for 30, 0.01 η for 15, 0.001 η for 5; never above 0.5 η, even while
-    # a linear warm-up (here 2 epochs) leads into it; 45 epochs stretch it by half
-    hp = inf.recipe("tiny", schedule="slow_start", lr=0.4, epochs=90, warmup_epochs=2.0)
-    got = [inf.lr_at(hp, t) for t in (0, 1, 2, 39.9, 40, 69.9, 70, 85, 89.9)]
-    assert got == pytest.approx([0, 0.1, 0.2, 0.2, 0.03, 0.03, 0.004, 0.0004, 0.0004])
-    assert max(inf.lr_at(hp, t / 10) for t in range(900)) == pytest.approx(0.2)
-    hp = {**hp, "epochs": 45, "warmup_epochs": 0.0}
-    assert [inf.lr_at(hp, t) for t in (0, 19.9, 20, 35, 42.5)] == pytest.approx([0.2, 0.2, 0.03, 0.004, 0.0004])
-
-
 def test_rmsprop_hand_over_clock_is_the_loops_fractional_epoch(store, monkeypatch):
     """The batch doubles after 2 epochs (6 steps an epoch, then 3): the hand-over's clock is the epoch plus the share
     of its steps done, throughout."""
@@ -530,7 +511,7 @@ def test_rmsprop_hand_over_clock_is_the_loops_fractional_epoch(store, monkeypatc
     monkeypatch.setattr(optim, "alpha_sgd", lambda epoch, c, p: seen.append(epoch) or real(epoch, c, p))
     data = inf.place(ims.open_store(store), torch.device("cpu"))
     hp = tiny_hp(optimizer="rmsprop_sgd", warmup_epochs=0.0, batch_schedule=(0, 16, 2, 32), width=4)
-    inf.train(hp, data, 5, SIZE, torch.device("cpu"))
+    train(hp, data)
     want = [e + i / 6 for e in (0, 1) for i in range(6)] + [2 + i / 3 for i in range(3)]
     assert seen[::2] == pytest.approx(want)       # two parameter groups a step
 
@@ -542,10 +523,10 @@ def resume_hp():
 def test_resume_restores_random_states_whatever_the_checkpoint_loaded_them_as(store, tmp_path, monkeypatch):
     """A checkpoint loaded onto a GPU holds CUDA tensors, which set_rng_state refuses: the random states are
     restored from CPU bytes whatever form they arrive in (here int64, as another map_location could give)."""
-    data, cpu = inf.place(ims.open_store(store), torch.device("cpu")), torch.device("cpu")
-    full = inf.train(resume_hp(), data, 5, SIZE, cpu, seed=3)
+    data = inf.place(ims.open_store(store), torch.device("cpu"))
+    full = train(resume_hp(), data, seed=3)
     with pytest.raises(SystemExit):
-        inf.train(resume_hp(), data, 5, SIZE, cpu, seed=3, checkpoint=tmp_path / "c.pt", interrupt_after=1)
+        train(resume_hp(), data, seed=3, checkpoint=tmp_path / "c.pt", interrupt_after=1)
     real = torch.load
 
     def elsewhere(*args, **kwargs):
@@ -553,7 +534,7 @@ def test_resume_restores_random_states_whatever_the_checkpoint_loaded_them_as(st
         state["rng"] = [[t.to(torch.int64) for t in rank] for rank in state["rng"]]
         return state
     monkeypatch.setattr(torch, "load", elsewhere)
-    resumed = inf.train(resume_hp(), data, 5, SIZE, cpu, seed=3, checkpoint=tmp_path / "c.pt", resume=True)
+    resumed = train(resume_hp(), data, seed=3, checkpoint=tmp_path / "c.pt", resume=True)
     assert torch.equal(params(full["model"]), params(resumed["model"]))
 
 

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 import imagenet_fast as inf
 import imagenet_store as ims
+import loop
 from conftest import ROOT
 
 SIZE, CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 16, 4, 24, 8
@@ -157,7 +158,7 @@ def test_each_rank_evaluates_its_part_and_the_counts_add_up(two_ranks, store):
     last = [rec["evaluated"][-1] for rec in two_ranks]
     assert sum(e["images"] for e in last) == val, [e["images"] for e in last]
     # every rank reports the whole set's figures: those of one process evaluating the same (EMA) model
-    hp = inf.recipe("tiny", **HP)
+    hp = inf.hyperparameters("tiny", **HP)
     model = inf.build_model(hp, CLASSES)
     model.load_state_dict(last[0]["state"])
     data = inf.place(ims.open_store(store), torch.device("cpu"))
@@ -181,7 +182,7 @@ def test_four_ranks_killed_and_resumed_without_a_shared_disk_end_exactly_as_unin
               cli_args(store, 3, "--checkpoint", "b.pt", "--resume", "--interrupt-after-epoch", "1"),
               cli_args(store, 3, "--checkpoint", "b.pt", "--resume", "--out", "b.json")]
     ranks = spawn(4, store, tmp_path, phases)
-    assert [[p["rc"] for p in r["phases"]] for r in ranks] == [[0, inf.INTERRUPTED, 0]] * 4, \
+    assert [[p["rc"] for p in r["phases"]] for r in ranks] == [[0, loop.INTERRUPTED, 0]] * 4, \
         [p["stderr"][-1500:] for r in ranks for p in r["phases"]]
     assert not any((tmp_path / f"node{r}" / name).exists() for r in (1, 2, 3) for name in ("a.pt", "b.pt"))
     resumed = ranks[0]["phases"][2]["stdout"]

@@ -1,9 +1,7 @@
 """The journey stages: Myrtle's published steps as recipes that build on each other."""
 import pytest
-import torch
 
 import cifar10_fast as cf
-import cifar_data as cd
 from conftest import synthetic_arrays
 from core import summarize_runs
 
@@ -17,17 +15,17 @@ def test_every_stage_is_a_recipe_in_order_with_a_published_time():
     assert times[0] == 297 and times[-1] == 26
     assert all(b < a for a, b in zip(times, times[1:]))               # every published step was faster
     for name in names:
-        cf.recipe(name)                                                # only known hyperparameters
+        cf.hyperparameters(name)                                                # only known hyperparameters
 
 
 def test_the_journey_lands_on_the_existing_myrtle_recipes():
     # the cumulative changes must reproduce the two recipes written out independently
-    assert cf.recipe("resnet9_24") == cf.recipe("myrtle24")
-    assert cf.recipe("tta10") == cf.recipe("myrtle10")
+    assert cf.hyperparameters("resnet9_24") == cf.hyperparameters("myrtle24")
+    assert cf.hyperparameters("tta10") == cf.hyperparameters("myrtle10")
 
 
 def test_stages_carry_myrtles_numbers():
-    r = cf.recipe
+    r = cf.hyperparameters
     assert (r("baseline_resnet18")["model"], r("baseline_resnet18")["epochs"], r("baseline_resnet18")["batch_size"]) == ("resnet18", 35, 128)
     assert r("faster_bn") == r("batch512") and r("gpu_aug") == r("resnet9_24")   # fixes we have built in
     assert (r("cutout30_bs768")["batch_size"], r("cutout30_bs768")["epochs"], r("cutout30_bs768")["cutout"]) == (768, 30, 8)
@@ -46,14 +44,12 @@ def test_list_recipes_prints_one_line_per_stage(capsys):
     assert "journey 1/" in by_name["baseline_resnet18"] and "297 s" in by_name["baseline_resnet18"]
 
 
-def test_run_many_trains_every_run_and_summarize_runs_summarises():
-    arrays = synthetic_arrays(n_train=128, n_test=64)
-    device = torch.device("cpu")
-    hp = cf.recipe("ema", epochs=2, width=0.125, batch_size=64)
-    data = cd.to_device(arrays, device, torch.float32, hp["crop_pad"])
-    runs = cf.run_many(hp, data, device, torch.float32, runs=2, seed=3, target=0.0, verbose=False)
-    summary = summarize_runs(runs, 0.0, cf.SUMMARY, "final_acc")
+def test_train_trains_every_run_and_summarize_runs_summarises():
+    result = cf.train("ema", synthetic_arrays(n_train=128, n_test=64), device="cpu", runs=2, seed=3, target=0.01,
+                      epochs=2, width=0.125, batch_size=64)
+    runs = result.runs
+    summary = summarize_runs(runs, 0.01, cf.SUMMARY, "final_acc")
     assert [r["seed"] for r in runs] == [3, 4] and all(len(r["rows"]) == 2 for r in runs)
-    assert "model" not in runs[0]
+    assert "model" not in runs[0] and result.summary["final_acc"] == summary["final_acc"]
     assert summary["final_acc"]["n"] == 2 and summary["fraction_reaching_target"] == 1.0
     assert summary["train_time"]["mean"] == pytest.approx(sum(r["train_time"] for r in runs) / 2)

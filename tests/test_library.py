@@ -6,7 +6,6 @@ import re
 import shutil
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -14,10 +13,9 @@ import torch
 
 import cifar10_fast as cf
 import cifar_data as cd
-import cli
 import core
 import torch_backend as tb
-from conftest import ROOT, pattern_arrays, synthetic_arrays
+from conftest import ROOT, pattern_arrays, synthetic_arrays, train_once
 
 CPU = torch.device("cpu")
 TINY = dict(device="cpu", epochs=1, width=1 / 16, batch_size=64)
@@ -95,7 +93,7 @@ def test_64_pixel_images_learn_above_chance(one_thread):
 
 @pytest.mark.parametrize("model", ["resnet9", "resnet18", "fastnet"])
 def test_every_network_takes_any_number_of_classes_and_image_size(model):
-    hp = cf.recipe("fast94" if model == "fastnet" else "myrtle10" if model == "resnet9" else "baseline_resnet18",
+    hp = cf.hyperparameters("fast94" if model == "fastnet" else "myrtle10" if model == "resnet9" else "baseline_resnet18",
                    width=1 / 16)
     for classes, (h, w) in ((100, (32, 32)), (7, (64, 64)), (3, (24, 40))):
         net = tb.build_model(hp, CPU, num_classes=classes)
@@ -135,9 +133,9 @@ def test_cifar10s_statistics_are_the_old_constants_and_train_as_before(cifar10_n
     assert cd.channel_stats(arrays["train_images"]) == (cd.MEAN, cd.STD)
     arrays = cd.take_subset(arrays, None, 500)
     result = cf.train("myrtle10", data=arrays, subset=1000, device="cpu", epochs=1, width=1 / 8, batch_size=200)
-    hp = cf.recipe("myrtle10", width=1 / 8, epochs=1, batch_size=200)
+    hp = cf.hyperparameters("myrtle10", width=1 / 8, epochs=1, batch_size=200)
     arrays = cd.take_subset(arrays, 1000)
-    before = tb.train(hp, cd.to_device(arrays, CPU, torch.float32, hp["crop_pad"], (cd.MEAN, cd.STD)), CPU)
+    before = train_once(hp, cd.to_device(arrays, CPU, torch.float32, hp["crop_pad"], (cd.MEAN, cd.STD)))
     new, old = result.model.state_dict(), before["model"].state_dict()
     assert all(torch.equal(new[k], old[k]) for k in old) and result.rows[0]["test_acc"] == before["final_acc"]
 
@@ -183,8 +181,8 @@ def test_a_long_epoch_shows_its_progress_on_stderr(npz, capsys, monkeypatch):
 
 def test_a_short_epoch_shows_no_progress(npz, capsys):
     data = cd.to_device(np.load(npz), CPU, torch.float32, 2)
-    hp = cf.recipe("fast94", width=1 / 16, epochs=2, batch_size=64)
-    tb.train(hp, data, CPU, progress_after_s=cf.PROGRESS_AFTER_S)        # as on a GPU: no estimate, quick epochs
+    hp = cf.hyperparameters("fast94", width=1 / 16, epochs=2, batch_size=64)
+    train_once(hp, data, progress_after_s=cf.PROGRESS_AFTER_S)        # as on a GPU: no estimate, quick epochs
     assert capsys.readouterr().err == ""
 
 
@@ -194,8 +192,7 @@ def test_a_short_epoch_shows_no_progress(npz, capsys):
 def test_epochs_between_are_evaluated_plainly_or_not_at_all_and_the_last_with_the_recipes_tta(npz, monkeypatch,
                                                                                              every, evaluated):
     calls, real = [], tb.evaluate
-    monkeypatch.setattr(tb, "evaluate", lambda model, x, y, tta="none", *a, **k: calls.append(tta) or real(
-        model, x, y, tta, *a, **k))
+    monkeypatch.setattr(tb, "evaluate", lambda model, x, y, **k: calls.append(k["tta"]) or real(model, x, y, **k))
     result = cf.train("fast94", data=npz, eval_every=every, **{**TINY, "epochs": 3})
     assert calls == [tta for _, tta in evaluated]
     rows = result.rows

@@ -1,15 +1,10 @@
-"""The optimisers and schedules of optim.py, one step at a time against their formulas, on the CPU."""
+"""The optimisers of optim.py, one step at a time against their formulas, on the CPU."""
 import math
 
 import pytest
 import torch
 
 import optim
-
-
-def test_linear_scaling():
-    assert optim.linear_scaled_lr(0.1, 8192) == pytest.approx(3.2)
-    assert optim.linear_scaled_lr(0.4, 2048, base_batch=512) == pytest.approx(1.6)
 
 
 def test_lars_one_step_by_hand():
@@ -61,16 +56,6 @@ def test_rmsprop_to_sgd_is_rmsprop_then_sgd():
     assert opt.state_dict()["param_groups"][0]["epoch"] == 0.0     # the loop's clock, carried in checkpoints
 
 
-def test_slow_start_lr_is_akiba_et_al_s_schedule_at_its_knots():
-    # 90 epochs: 0.5 η for 40, 0.075 η for 30, 0.01 η for 15, 0.001 η for 5
-    knots = {0: 0.5, 39.99: 0.5, 40: 0.075, 69.99: 0.075, 70: 0.01, 84.99: 0.01, 85: 0.001, 90: 0.001}
-    for epoch, factor in knots.items():
-        assert optim.slow_start_lr(epoch, 3.2) == pytest.approx(3.2 * factor), epoch
-    # other lengths stretch it: 45 epochs change at 20, 35 and 42.5
-    for epoch, factor in {0: 0.5, 19.9: 0.5, 20: 0.075, 35: 0.01, 42.4: 0.01, 42.5: 0.001}.items():
-        assert optim.slow_start_lr(epoch, 3.2, epochs=45) == pytest.approx(3.2 * factor), epoch
-
-
 def rmsprop_to_sgd_by_formula(grads, rates, epochs, lr_rms, mu1=0.9, mu2=0.99, eps=1e-8, c=2.0, period=2.0):
     """The parameter after each step, evaluated directly (no momentum buffer): step k contributes
         s_k = (η_k α_k + η_rms (1 - α_k) / (√m_k + ε)) g_k,   m_k = Σ_{i<=k} (1 - μ2) μ2^(k-i) g_i²,
@@ -100,14 +85,3 @@ def test_rmsprop_to_sgd_follows_its_formula_when_the_rate_changes(case):
         torch.testing.assert_close(p.detach(), want, rtol=1e-10, atol=1e-12, msg=f"step {k + 1}")
 
 
-def test_batch_size_schedule():
-    s = optim.BatchSizeSchedule([(0, 16384), (30, 32768), (60, 65536)])
-    assert [s.batch(e) for e in (0, 29, 30, 59, 60, 89)] == [16384, 16384, 32768, 32768, 65536, 65536]
-    assert s.lr_scale(45) == 2.0 and s.lr_scale(0) == 1.0
-    assert s.per_rank(60, 1024) == 64
-    for knots, msg in [([], "must start at epoch 0"), ([(1, 8)], "must start at epoch 0"),
-                       ([(0, 0)], "batch sizes must be positive"),
-                       ([(0, 8), (5, 16), (5, 32)], "epochs must increase strictly"),
-                       ([(0, 16), (5, 8)], "must not shrink the batch")]:
-        with pytest.raises(ValueError, match=msg):
-            optim.BatchSizeSchedule(knots)

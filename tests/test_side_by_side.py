@@ -10,6 +10,7 @@ import torch
 from conftest import ROOT, synthetic_arrays
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import loop  # noqa: E402
 import side_by_side  # noqa: E402
 
 
@@ -103,9 +104,9 @@ def test_ours_gets_the_convolution_autotuning_the_command_line_gives_it(tmp_path
     npz = tmp_path / "synth.npz"
     np.savez(npz, **synthetic_arrays(128, 32))
     calls = []
-    monkeypatch.setattr(side_by_side.tb, "autotune", lambda device: calls.append(("autotune", str(device))))
-    train = side_by_side.tb.train
-    monkeypatch.setattr(side_by_side.tb, "train", lambda *a, **k: calls.append(("train",)) or train(*a, **k))
+    monkeypatch.setattr(side_by_side.devices, "autotune", lambda device: calls.append(("autotune", str(device))))
+    train = loop.train
+    monkeypatch.setattr(loop, "train", lambda *a, **k: calls.append(("train",)) or train(*a, **k))
     assert side_by_side.main(["--peer", "none", "--device", "cpu", "--data-dir", str(npz), "--recipes", "fast94",
                               "--runs", "1", "--epochs", "1", "--width", "0.0625", "--batch-size", "64"]) == 0
     assert calls[:2] == [("autotune", "cpu"), ("train",)]

@@ -7,8 +7,11 @@ import torch.nn.functional as F
 
 import cifar10_fast as cf
 import cifar_data as cd
+import distributed as D
+import loop
 import optim
 import torch_backend as tb
+from conftest import train_once
 
 CPU = torch.device("cpu")
 
@@ -31,7 +34,7 @@ def test_2x2_whitening_with_both_signs_gives_identity_covariance():
 
 
 def test_fastnet_architecture_and_parameter_count():
-    hp = cf.recipe("fast94")
+    hp = cf.hyperparameters("fast94")
     net = tb.build_model(hp, CPU)
     # whitening 24·3·2·2 + 24 bias; convs 24·64·9 + 64·64·9 + 64·256·9 + 256·256·9 + 2·256·256·9;
     # linear 256·10; batch norm 2·(2·64 + 4·256)
@@ -40,12 +43,12 @@ def test_fastnet_architecture_and_parameter_count():
     assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     bns = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert all(not m.weight.requires_grad and m.momentum == 0.4 and m.eps == 1e-12 for m in bns)
-    deep = tb.build_model(cf.recipe("fast96"), CPU)
+    deep = tb.build_model(cf.hyperparameters("fast96"), CPU)
     assert sum(isinstance(m, torch.nn.Conv2d) for m in deep.modules()) == 1 + 3 * 3
 
 
 def test_dirac_init_passes_the_input_through():
-    hp = cf.recipe("fast94")
+    hp = cf.hyperparameters("fast94")
     layer = tb.conv(16, 32, hp)
     x = torch.randn(2, 16, 8, 8)
     torch.testing.assert_close(layer(x)[:, :16], x)
@@ -67,7 +70,7 @@ def test_muon_orthogonalises_its_update():
 
 
 def test_muon_takes_the_conv_filters_only():
-    hp = cf.recipe("fast94", optimizer="muon", muon_lr=0.2)
+    hp = cf.hyperparameters("fast94", optimizer="muon", muon_lr=0.2)
     net = tb.build_model(hp, CPU)
     sgd, muon = optim.make_optimizers(net, hp)
     filters = muon.param_groups[0]["params"]
@@ -106,23 +109,27 @@ def test_flip_translate_views_are_what_they_claim():
 def test_lookahead_matches_its_formula():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    la = tb.Lookahead(model)
+    la = loop.Lookahead(model, momentum=0.95, every=5)
     slow = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.add_(2.0)                                            # the fast weights move
     fast = model.weight.detach().clone()
-    la.update(model, decay=0.7)
+    la.update(model, 4, 10)                                               # not a multiple of every: nothing
+    torch.testing.assert_close(la.slow[0], slow)
+    la.update(model, 5, 10, decay=0.7)
     expected = slow + 0.3 * (fast - slow)
     torch.testing.assert_close(la.slow[0], expected)
     torch.testing.assert_close(model.weight.detach(), expected)           # fast weights restart from slow
     with torch.no_grad():
         model.weight.add_(1.0)
-    la.update(model, decay=1.0)                                           # the end: hand over the slow weights
+    la.finish(model)                                                      # the end: hand over the slow weights
     torch.testing.assert_close(model.weight.detach(), expected)
+    la.update(model, 10, 10)                                              # scheduled: 0.95^5 × (10 / 10)^3
+    torch.testing.assert_close(la.slow[0], expected)
 
 
 def test_decoupled_weight_decay_does_not_depend_on_lr_or_bias_multiplier():
-    hp = cf.recipe("fast94", width=0.125)
+    hp = cf.hyperparameters("fast94", width=0.125)
     net = tb.build_model(hp, CPU)
     opts = optim.make_optimizers(net, hp)
     peak = max(hp["lr_values"])
@@ -143,8 +150,8 @@ def test_fractional_epochs_and_lookahead_in_a_short_run():
     x = torch.randn(n, 3, 36, 36)
     data = {"train_images": x, "train_labels": torch.arange(n) % 10,
             "test_images": x[:32, :, 2:-2, 2:-2], "test_labels": torch.arange(32) % 10}
-    hp = cf.recipe("fast94", width=1 / 16, batch_size=bs, epochs=1.5)
-    res = tb.train(hp, data, CPU, seed=0, target=2.0)
+    hp = cf.hyperparameters("fast94", width=1 / 16, batch_size=bs, epochs=1.5)
+    res = train_once(hp, data, seed=0, target=2.0)
     assert len(res["rows"]) == 2 and res["time_to_target"] is None
     assert res["time"] == pytest.approx(res["train_time"] + res["final_eval_time"])
     flops = tb.count_flops(hp, data)
@@ -154,7 +161,7 @@ def test_fractional_epochs_and_lookahead_in_a_short_run():
 
 def test_fastnet_flops_per_image_match_the_architecture():
     """Forward conv/linear FLOPs of fast94's network, counted by hand: 2·MACs per output."""
-    hp = cf.recipe("fast94", tta="none")
+    hp = cf.hyperparameters("fast94", tta="none")
     data = {"train_images": torch.zeros(1024, 3, 36, 36), "train_labels": torch.zeros(1024, dtype=torch.long),
             "test_images": torch.zeros(8, 3, 32, 32), "test_labels": torch.zeros(8, dtype=torch.long)}
     macs = (31 * 31 * 24 * 12 + 31 * 31 * 64 * 24 * 9 + 15 * 15 * 64 * 64 * 9 + 15 * 15 * 256 * 64 * 9
@@ -164,7 +171,7 @@ def test_fastnet_flops_per_image_match_the_architecture():
 
 @pytest.mark.slow
 def test_compiled_and_eager_steps_give_the_same_loss():
-    hp = cf.recipe("fast94", width=1 / 16, batch_size=16)
+    hp = cf.hyperparameters("fast94", width=1 / 16, batch_size=16)
     torch.manual_seed(0)
     net = tb.build_model(hp, CPU)
     x, y = torch.randn(16, 3, 32, 32), torch.arange(16) % 10
@@ -175,8 +182,8 @@ def test_compiled_and_eager_steps_give_the_same_loss():
     for opts in (eager, compiled):
         optim.set_lr(opts, max(hp["lr_values"]))
     for _ in range(3):
-        _, a = tb.train_step(net, eager, x, y, hp, torch.float32)
-        _, b = tb.train_step(forward, compiled, x, y, hp, torch.float32)
+        _, a = loop.train_step(net, eager, x, y, label_smoothing=hp["label_smoothing"], dtype=torch.float32)
+        _, b = loop.train_step(forward, compiled, x, y, label_smoothing=hp["label_smoothing"], dtype=torch.float32)
         assert b.item() == pytest.approx(a.item(), rel=1e-4)
     for p, q in zip(net.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
@@ -194,13 +201,14 @@ def test_lookahead_runs_its_last_scheduled_update_before_the_hand_over(monkeypat
     (decay 0.95^5), and only then the hand-over with decay 1; replacing it would drop the last 5 steps."""
     decays = []
 
-    class Recording(tb.Lookahead):
-        def update(self, model, decay):
-            decays.append(decay)
-            super().update(model, decay)
-    monkeypatch.setattr(tb, "Lookahead", Recording)
-    hp = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=2)      # 5 steps an epoch, 10 in all
-    tb.train(hp, tiny_data(80), CPU, target=2.0)
+    class Recording(loop.Lookahead):
+        def update(self, model, step, total_steps, decay=None):
+            if decay is not None or step % self.every == 0:
+                decays.append(decay if decay is not None else self.momentum ** self.every * (step / total_steps) ** 3)
+            super().update(model, step, total_steps, decay)
+    monkeypatch.setattr(loop, "Lookahead", Recording)
+    hp = cf.hyperparameters("fast94", width=1 / 16, batch_size=16, epochs=2)      # 5 steps an epoch, 10 in all
+    train_once(hp, tiny_data(80), target=2.0)
     rho = 0.95 ** 5
     assert decays == pytest.approx([rho * (5 / 10) ** 3, rho, 1.0])
 
@@ -208,11 +216,11 @@ def test_lookahead_runs_its_last_scheduled_update_before_the_hand_over(monkeypat
 def test_total_steps_round_up_as_airbench(monkeypatch):
     """airbench: ceil(epochs × steps per epoch) steps (9.9 × 48 = 475.2: 476 steps), in training and in the count."""
     steps = []
-    step = tb.train_step
-    monkeypatch.setattr(tb, "train_step", lambda *a: steps.append(1) or step(*a))
-    hp = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=1.1)    # 4 steps an epoch: 4.4 -> 5
+    step = loop.train_step
+    monkeypatch.setattr(loop, "train_step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    hp = cf.hyperparameters("fast94", width=1 / 16, batch_size=16, epochs=1.1)    # 4 steps an epoch: 4.4 -> 5
     data = tiny_data(64)
-    res = tb.train(hp, data, CPU, target=2.0)
+    res = train_once(hp, data, target=2.0)
     assert len(steps) == 5 and len(res["rows"]) == 2
     flops = tb.count_flops(hp, data)
     assert flops["train"] == pytest.approx(5 * 16 * flops["per_train_image"])
@@ -238,13 +246,13 @@ def test_whitening_fit_follows_each_reference():
     """Each filter is an eigenvector over sqrt(eigenvalue + eps), so FᵀF = (C + eps·I)⁻¹ whatever the signs and
     order eigh picks: the check that the covariance C is the reference's."""
     x = correlated_images(n=6000, size=6) + torch.tensor([0.5, -0.3, 0.2]).view(1, 3, 1, 1)   # centring matters
-    f = whitening_filters(cf.recipe("fast94", width=1 / 16), x)
+    f = whitening_filters(cf.hyperparameters("fast94", width=1 / 16), x)
     # airbench94: the first 5,000 images, uncentred, divided by n
     torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x[:5000], 2, False, 0, 5e-4), rtol=2e-4, atol=1e-3)
-    f = whitening_filters(cf.recipe("fast94_next", width=1 / 16), x)
+    f = whitening_filters(cf.hyperparameters("fast94_next", width=1 / 16), x)
     # the 2-second record: the first 960 images, uncentred, divided by n, by an SVD of the covariance
     torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x[:960], 2, False, 0, 5e-4), rtol=2e-4, atol=1e-3)
-    f = whitening_filters(cf.recipe("myrtle10", width=1 / 16), x)
+    f = whitening_filters(cf.hyperparameters("myrtle10", width=1 / 16), x)
     # today's myrtle10: up to 10,000 images, centred, divided by n - 1
     torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x, 3, True, 1, 1e-2), rtol=2e-4, atol=1e-3)
 
@@ -330,7 +338,7 @@ def test_sum_units_and_the_whitening_bias_falling_to_zero():
     """airbench94_muon: SGD's lr as written on the summed loss (head 0.67, biases 0.053), decay per step
     2e-6 × batch × the schedule's factor; the whitening bias's rate falls from 0.053 to 0 over 3 epochs, Muon's
     follows the schedule from 0.24."""
-    hp = cf.recipe("fast94_muon", width=1 / 16)
+    hp = cf.hyperparameters("fast94_muon", width=1 / 16)
     opts = optim.make_optimizers(tb.build_model(hp, CPU), hp, steps_per_epoch=25)
     sgd, muon = opts
     groups = {g["name"]: g for g in sgd.param_groups}
@@ -346,11 +354,11 @@ def test_sum_units_and_the_whitening_bias_falling_to_zero():
 
 def test_the_whitening_bias_is_detached_after_its_steps(monkeypatch):
     detached = []
-    step = tb.train_step
-    monkeypatch.setattr(tb, "train_step", lambda f, *a: detached.append(not tb.whitening_biases(f)[0].bias_grad)
-                        or step(f, *a))
-    hp = cf.recipe("fast94_muon", width=1 / 16, batch_size=16, epochs=2, whiten_bias_epochs=0.5)
-    res = tb.train(hp, tiny_data(80), CPU, target=2.0)                # 5 steps an epoch: 3 with the bias trained
+    step = loop.train_step
+    monkeypatch.setattr(loop, "train_step", lambda f, *a, **k: detached.append(not tb.whitening_biases(f)[0].bias_grad)
+                        or step(f, *a, **k))
+    hp = cf.hyperparameters("fast94_muon", width=1 / 16, batch_size=16, epochs=2, whiten_bias_epochs=0.5)
+    res = train_once(hp, tiny_data(80), target=2.0)                # 5 steps an epoch: 3 with the bias trained
     assert detached == [False] * 3 + [True] * 7
     assert tb.whitening_biases(res["model"])[0].bias.grad is None
 
@@ -359,13 +367,13 @@ def test_muon_recipe_networks():
     """fast94_muon: head weights at unit std, logits ÷ 256; fast94_next: SiLU in the blocks, GELU after the
     whitening; fast96: airbench96's 128/384/512 with the residual added before the block's last activation."""
     torch.manual_seed(0)
-    net = tb.build_model(cf.recipe("fast94_muon"), CPU)
+    net = tb.build_model(cf.hyperparameters("fast94_muon"), CPU)
     head, scale = net[-2], net[-1]
     assert head.weight.std().item() == pytest.approx(1.0) and scale.scale == 1 / 256
-    acts = [type(m) for m in tb.build_model(cf.recipe("fast94_next"), CPU).modules()
+    acts = [type(m) for m in tb.build_model(cf.hyperparameters("fast94_next"), CPU).modules()
             if isinstance(m, (torch.nn.GELU, torch.nn.SiLU))]
     assert acts == [torch.nn.GELU] + [torch.nn.SiLU] * 6
-    net = tb.build_model(cf.recipe("fast96"), CPU)
+    net = tb.build_model(cf.hyperparameters("fast96"), CPU)
     # whitening 24·12 + 24; convs 9·(24·128 + 2·128² + 128·384 + 2·384² + 384·512 + 2·512²); batch norm
     # 2·3·(128 + 384 + 512); linear 512·10
     assert tb.count_parameters(net) == 312 + 9_907_200 + 6_144 + 5_120 == 9_918_776
@@ -389,22 +397,22 @@ def test_brightness_and_contrast_jitter():
 
 
 def test_low_resolution_epochs_and_their_flops():
-    hp = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=2, low_res=16, low_res_epochs=1)
+    hp = cf.hyperparameters("fast94", width=1 / 16, batch_size=16, epochs=2, low_res=16, low_res_epochs=1)
     data = tiny_data(32, size=24)
     g = torch.Generator().manual_seed(0)
     base = cd.flip_bits(32, g)
-    sizes = [x.shape[-1] for e in (0, 1) for x, _ in cd.epoch_batches(data, hp, g, torch.contiguous_format, e, base)]
+    sizes = [x.shape[-1] for e in (0, 1) for x, _ in cd.epoch_batches(data, hp, g, memory_format=torch.contiguous_format, epoch=e, flip_base=base)]
     assert sizes == [16, 16, 24, 24]
     ratio = tb.count_flops(hp, data)["train"] / tb.count_flops({**hp, "low_res": 0}, data)["train"]
     assert ratio == pytest.approx((1 + (16 / 24) ** 2) / 2, rel=0.1)       # half the steps at 4/9 of the pixels
-    tb.train(hp, data, CPU, target=2.0)
+    train_once(hp, data, target=2.0)
 
 
 def test_selective_tta():
     """The record's selective TTA: fraction 1 is full TTA, 0 the plain pass; in between the views change only
     the least confident images."""
     torch.manual_seed(0)
-    model = tb.build_model(cf.recipe("fast94", width=1 / 16), CPU).eval()
+    model = tb.build_model(cf.hyperparameters("fast94", width=1 / 16), CPU).eval()
     x = torch.randn(40, 3, 16, 16)
     with torch.no_grad():
         plain = model(x)
@@ -419,22 +427,22 @@ def test_selective_tta():
     assert torch.equal(half[sure], plain[sure])
     y = torch.arange(40) % 10
     accuracy = (half.argmax(1) == y).float().mean().item()
-    assert tb.evaluate(model, x, y, "flip_translate", tta_fraction=0.5)[1] == pytest.approx(accuracy)
-    flops = tb.count_flops(cf.recipe("fast94", tta_fraction=0.25), tiny_data(1024, 32))
+    assert tb.evaluate(model, x, y, tta="flip_translate", tta_fraction=0.5)[1] == pytest.approx(accuracy)
+    flops = tb.count_flops(cf.hyperparameters("fast94", tta_fraction=0.25), tiny_data(1024, 32))
     assert flops["per_test_image"] == pytest.approx(flops["per_train_image"] / 3 * (1 + 0.25 * 5), rel=0.02)
 
 
 def test_compiled_step_gives_the_eager_loss_and_gradients():
     """compile_step: forward and loss compiled as one function (its backward compiled with it by AOTAutograd)."""
-    hp = cf.recipe("fast94_next", width=1 / 16, batch_size=8)
+    hp = cf.hyperparameters("fast94_next", width=1 / 16, batch_size=8)
     torch.manual_seed(0)
     x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 10
-    net, step = tb.make_forward(hp, CPU, "default")
-    assert isinstance(step._orig_mod, tb.WithLoss)
+    net, step = cf.network(hp, CPU, compile_mode="default")
+    assert isinstance(step._orig_mod, cf.WithLoss)
     tb.fit_whitening(net, x, 16)
     twin = copy.deepcopy(net)
-    _, a = tb.train_step(step, [], x, y, hp, torch.float32)
-    _, b = tb.train_step(twin, [], x, y, hp, torch.float32)
+    _, a = loop.train_step(step, [], x, y, label_smoothing=hp["label_smoothing"], dtype=torch.float32)
+    _, b = loop.train_step(twin, [], x, y, label_smoothing=hp["label_smoothing"], dtype=torch.float32)
     assert a.item() == pytest.approx(b.item(), rel=1e-5)
     for p, q in zip(net.parameters(), twin.parameters()):
         assert (p.grad is None) == (q.grad is None)
@@ -443,16 +451,16 @@ def test_compiled_step_gives_the_eager_loss_and_gradients():
     # the warm-up and a run through a compiled WithLoss (dynamo without code generation, to keep this test short):
     # the whitening bias detached after its step, selective TTA through the network
     hp, data = {**hp, "epochs": 1, "whiten_bias_epochs": 0.5}, tiny_data(16, n_test=8)
-    step = torch.compile(tb.WithLoss(net, hp["label_smoothing"]), backend="eager")
-    tb.warmup(hp, data, CPU, torch.float32, net, step)
-    assert len(tb.train(hp, data, CPU, net=net, forward=step, target=2.0)["rows"]) == 1
+    step = torch.compile(cf.WithLoss(net, hp["label_smoothing"]), backend="eager")
+    cf.warmup(hp, data, device=CPU, dtype=torch.float32, ctx=D.Context(), net=net, forward=step)
+    assert len(train_once(hp, data, net=net, forward=step, target=2.0)["rows"]) == 1
 
 
 def test_the_low_resolution_ablation_is_fast94_next_with_its_switch_and_the_predicted_flops():
     # docs/perf-notes.md predicts training FLOPs -12%: 2 of 7.59 epochs at (24/32)^2 of the pixels (counted:
     # 12.6%: the unpadded 2x2 whitening leaves 23 and 31 pixels a side, which the poolings round down to 11 of 15
     # and 5 of 7, each a little under 24/32)
-    ablation, base = cf.recipe("fast94_next_lowres"), cf.recipe("fast94_next")
+    ablation, base = cf.hyperparameters("fast94_next_lowres"), cf.hyperparameters("fast94_next")
     assert {k for k in base if ablation[k] != base[k]} == {"low_res", "low_res_epochs"}
     shapes = {"train_images": torch.zeros(1, 3, 1, 1).expand(50000, 3, 1, 1), "train_labels": torch.zeros(50000),
               "test_images": torch.zeros(8, 3, 32, 32), "test_labels": torch.zeros(8, dtype=torch.long)}

@@ -68,7 +68,7 @@ def test_large_batch_optimisers_learn_from_the_command_line(tmp_path, opt):
 
 def test_linear_scaling_rule_scales_the_schedule():
     import cifar10_fast as cf
-    hp = cf.recipe("myrtle24", batch_size=2048, lr_scale_base=512)
+    hp = cf.hyperparameters("myrtle24", batch_size=2048, lr_scale_base=512)
     assert hp["lr_values"] == (0.0, 1.6, 0.0)                                  # 4× the batch, 4× the rate
 
 

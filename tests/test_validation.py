@@ -67,7 +67,7 @@ def test_a_bad_flag_stops_before_the_data_is_loaded(flags, message, tmp_path, ca
 
 @pytest.mark.parametrize("flags, message", DATA, ids=[" ".join(f) for f, _ in DATA])
 def test_a_flag_too_large_for_the_data_stops_before_training(flags, message, npz, capsys, monkeypatch):
-    monkeypatch.setattr(cf.tb, "train", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr(cf.loop, "train", lambda *a, **k: pytest.fail("trained"))
     rc, err = run(cf.main, ["--data-dir", npz, "--device", "cpu", "--recipe", "fast94", *flags], capsys)
     assert rc == 2 and err[-1] == message, err
 

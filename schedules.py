@@ -1,0 +1,168 @@
+"""Every schedule of a run, in one place: the learning rate over the run (CIFAR-10's piecewise-linear knots,
+ImageNet's warm-up then linear, cosine, step or slow-start decay), the steps of fractional epochs, the training
+resolution and batch size of each epoch (progressive resizing, batch-size control) and its share per rank.
+
+Nothing here imports torch: each schedule is plain arithmetic on epochs and steps, tested on its own.
+
+Papers:
+  Goyal et al. 2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour" (arXiv:1706.02677)
+  Akiba, Suzuki, Fukuda 2017, "Extremely Large Minibatch SGD: Training ResNet-50 on ImageNet in 15 Minutes"
+      (arXiv:1711.04325)
+  Mikami et al. 2018, "ImageNet/ResNet-50 Training in 224 Seconds" (Sony, batch-size control, arXiv:1811.05233)
+"""
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PiecewiseLinear:
+    """Linear interpolation between knots, constant beyond the ends: PiecewiseLinear([0, 5, 24], [0, .4, 0])."""
+    knots: tuple
+    values: tuple
+
+    def __post_init__(self):
+        if len(self.knots) != len(self.values) or len(self.knots) < 1:
+            raise ValueError(f"PiecewiseLinear needs as many knots as values, got {self.knots} and {self.values}")
+        if any(b < a for a, b in zip(self.knots, self.knots[1:])):
+            raise ValueError(f"PiecewiseLinear knots must not decrease, got {self.knots}")
+
+    def __call__(self, t):
+        k, v = self.knots, self.values
+        if t <= k[0]:
+            return float(v[0])
+        for i in range(1, len(k)):
+            if t <= k[i]:
+                if k[i] == k[i - 1]:
+                    return float(v[i])
+                f = (t - k[i - 1]) / (k[i] - k[i - 1])
+                return float(v[i - 1] + f * (v[i] - v[i - 1]))
+        return float(v[-1])
+
+
+def epoch_steps(epochs, steps_per_epoch):
+    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476); epochs may be
+    fractional. Less a hair, so that a product that should be whole (1.1 × 10 = 11.000000000000002) stays so."""
+    return math.ceil(epochs * steps_per_epoch - 1e-9)
+
+
+def run_steps(n_train, batch, epochs):
+    """(steps per epoch, total steps) of a run of `epochs` (fractional: the last epoch is cut short) over n_train
+    images in batches of `batch`; the last partial batch of an epoch is dropped."""
+    steps_per_epoch = n_train // batch
+    if steps_per_epoch == 0:
+        raise ValueError(f"batch size {batch} is larger than the {n_train} training images")
+    return steps_per_epoch, max(1, epoch_steps(epochs, steps_per_epoch))
+
+
+def per_rank_batch(global_batch, world):
+    """The batch size of each rank; one global batch size defines the run whatever the number of processes."""
+    if global_batch % world:
+        raise ValueError(f"global batch size {global_batch} is not divisible by the world size {world}")
+    return global_batch // world
+
+
+def linear_scaled_lr(base_lr, global_batch, base_batch=256):
+    """Goyal et al. 2017, linear scaling rule: multiply the learning rate by k when the batch grows k times."""
+    return base_lr * global_batch / base_batch
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ImageNet: the rate per lr_scale_base images over (fractional) epochs
+
+# Akiba et al. 2017's 90 epochs: (from epoch, fraction of the peak rate)
+SLOW_START = ((0, 0.5), (40, 0.075), (70, 0.01), (85, 0.001))
+
+
+def slow_start_lr(epoch, peak_lr, epochs=90):
+    """The slow-start schedule of Akiba et al. 2017 (sec. 3.2, their 90-epoch run), stretched to `epochs`:
+    0.5 × peak for the first 40/90 of training, while the RMSprop warm-up hands over to SGD, then 0.075 ×
+    peak to 70/90, 0.01 × to 85/90 and 0.001 × to the end."""
+    at = epoch * 90 / epochs
+    return peak_lr * [factor for start, factor in SLOW_START if start <= at][-1]
+
+
+def lr_at(hp, t):
+    """Learning rate per lr_scale_base images at t epochs: a linear warm-up over warmup_epochs from warmup_start ×
+    the schedule's rate there (0: from zero; Goyal et al. start from the rate of one 256-image worker) up to it,
+    then the schedule: linear to 0 at the end, cosine to 0, ×0.1 at each of step_epochs, or slow_start (Akiba et
+    al.'s 90-epoch schedule stretched to the run: 0.5 × lr for the first 40/90 while RMSprop-to-SGD hands over,
+    then 0.075, 0.01 and 0.001 × lr)."""
+    warm = hp["warmup_epochs"]
+    if t < warm:
+        top, start = decayed_lr(hp, warm), hp["warmup_start"]
+        return top * start + top * (1 - start) * t / warm
+    return decayed_lr(hp, t)
+
+
+def decayed_lr(hp, t):
+    """The schedule after the warm-up, at t epochs (lr_at)."""
+    peak, warm, end = hp["lr"], hp["warmup_epochs"], hp["epochs"]
+    f = min(1.0, (t - warm) / max(end - warm, 1e-9))
+    if hp["schedule"] == "linear":
+        return peak * (1 - f)
+    if hp["schedule"] == "cosine":
+        return peak * 0.5 * (1 + math.cos(math.pi * f))
+    if hp["schedule"] == "step":
+        return peak * 0.1 ** sum(t >= s for s in hp["step_epochs"])
+    if hp["schedule"] == "slow_start":
+        return slow_start_lr(t, peak, end)
+    raise ValueError(f"unknown schedule {hp['schedule']!r}; choose from linear, cosine, step, slow_start")
+
+
+def res_at(hp, epoch):
+    """Training resolution of an epoch (0-based): min_res until res_start_epoch, linear to max_res
+    at res_end_epoch, rounded to a multiple of res_step (FFCV's progressive resizing)."""
+    a, b = hp["res_start_epoch"], hp["res_end_epoch"]
+    f = 1.0 if epoch >= b else 0.0 if epoch <= a else (epoch - a) / (b - a)
+    r = hp["min_res"] + f * (hp["max_res"] - hp["min_res"])
+    return int(round(r / hp["res_step"])) * hp["res_step"]
+
+
+def batch_at(batch, hp, res):
+    """Batch size at a resolution: `batch` at max_res, and with batch_scale, larger at lower resolutions in
+    proportion to the pixels saved (same activation memory), a multiple of 8."""
+    if not hp["batch_scale"]:
+        return batch
+    return max(8, int(batch * (hp["max_res"] / res) ** 2) // 8 * 8)
+
+
+class BatchSizeSchedule:
+    """Batch-size control, Mikami et al. 2018 (Sony): the global batch grows during training, per epoch.
+
+    A small batch early keeps accuracy; a large batch later (when the loss landscape is flatter) gives fewer,
+    cheaper-to-synchronise steps. knots = [(0, 16384), (30, 32768), ...]: from each epoch on, that batch size.
+    The learning rate is scaled along with the batch (Goyal's linear rule): lr_scale = batch / first batch.
+    """
+
+    def __init__(self, knots):
+        knots = [(int(e), int(b)) for e, b in knots]
+        if not knots or knots[0][0] != 0:
+            raise ValueError("batch-size schedule must start at epoch 0")
+        if any(b <= 0 for _, b in knots):
+            raise ValueError("batch sizes must be positive")
+        if any(e1 <= e0 for (e0, _), (e1, _) in zip(knots, knots[1:])):
+            raise ValueError("batch-size schedule epochs must increase strictly")
+        if any(b1 < b0 for (_, b0), (_, b1) in zip(knots, knots[1:])):
+            raise ValueError("batch-size schedule must not shrink the batch")
+        self.knots = knots
+
+    def batch(self, epoch):
+        return [b for e, b in self.knots if e <= epoch][-1]
+
+    def lr_scale(self, epoch):
+        return self.batch(epoch) / self.knots[0][1]
+
+    def per_rank(self, epoch, world):
+        return per_rank_batch(self.batch(epoch), world)
+
+
+def batch_for(hp, epoch, world=1):
+    """This rank's batch in an epoch: from the batch-size schedule (Mikami et al. 2018: the global batch grows during
+    training; flattened (epoch, global batch) pairs) if there is one, else batch_at of this rank's share of
+    batch_size."""
+    pairs = hp["batch_schedule"]
+    if len(pairs) % 2:
+        raise ValueError(f"batch schedule {pairs} is not (epoch, batch) pairs")
+    if pairs:
+        return BatchSizeSchedule(zip(pairs[::2], pairs[1::2])).per_rank(epoch, world)
+    return batch_at(per_rank_batch(hp["batch_size"], world), hp, res_at(hp, epoch))

@@ -1,0 +1,104 @@
+"""schedules.py: every schedule of a run (learning rate, steps, resolution, batch), plain arithmetic checked against
+the published schedules it reproduces."""
+import pytest
+
+import imagenet_fast as inf
+import schedules
+from schedules import PiecewiseLinear
+
+
+def test_piecewise_linear_exact_at_knots_and_between():
+    s = PiecewiseLinear((0, 5, 24), (0.0, 0.4, 0.0))
+    assert [s(t) for t in (0, 5, 24)] == [0.0, 0.4, 0.0]
+    assert s(2.5) == pytest.approx(0.2)
+    assert s(14.5) == pytest.approx(0.2)
+    assert s(-1) == 0.0 and s(30) == 0.0          # constant beyond the ends
+
+
+def test_piecewise_linear_flat_tail_like_myrtle10():
+    s = PiecewiseLinear((0, 0.2, 0.8), (0.0, 1.0, 0.1))
+    assert s(0.2) == 1.0 and s(0.8) == pytest.approx(0.1) and s(1.0) == pytest.approx(0.1)
+    assert s(0.5) == pytest.approx(0.55)
+
+
+def test_piecewise_linear_rejects_bad_knots():
+    with pytest.raises(ValueError, match="as many knots as values"):
+        PiecewiseLinear((0, 1), (0,))
+    with pytest.raises(ValueError, match="must not decrease"):
+        PiecewiseLinear((0, 2, 1), (0, 1, 0))
+
+
+def test_linear_scaling():
+    assert schedules.linear_scaled_lr(0.1, 8192) == pytest.approx(3.2)
+    assert schedules.linear_scaled_lr(0.4, 2048, base_batch=512) == pytest.approx(1.6)
+
+
+def test_slow_start_lr_is_akiba_et_al_s_schedule_at_its_knots():
+    # 90 epochs: 0.5 η for 40, 0.075 η for 30, 0.01 η for 15, 0.001 η for 5
+    knots = {0: 0.5, 39.99: 0.5, 40: 0.075, 69.99: 0.075, 70: 0.01, 84.99: 0.01, 85: 0.001, 90: 0.001}
+    for epoch, factor in knots.items():
+        assert schedules.slow_start_lr(epoch, 3.2) == pytest.approx(3.2 * factor), epoch
+    # other lengths stretch it: 45 epochs change at 20, 35 and 42.5
+    for epoch, factor in {0: 0.5, 19.9: 0.5, 20: 0.075, 35: 0.01, 42.4: 0.01, 42.5: 0.001}.items():
+        assert schedules.slow_start_lr(epoch, 3.2, epochs=45) == pytest.approx(3.2 * factor), epoch
+
+
+def test_batch_size_schedule():
+    s = schedules.BatchSizeSchedule([(0, 16384), (30, 32768), (60, 65536)])
+    assert [s.batch(e) for e in (0, 29, 30, 59, 60, 89)] == [16384, 16384, 32768, 32768, 65536, 65536]
+    assert s.lr_scale(45) == 2.0 and s.lr_scale(0) == 1.0
+    assert s.per_rank(60, 1024) == 64
+    for knots, msg in [([], "must start at epoch 0"), ([(1, 8)], "must start at epoch 0"),
+                       ([(0, 0)], "batch sizes must be positive"),
+                       ([(0, 8), (5, 16), (5, 32)], "epochs must increase strictly"),
+                       ([(0, 16), (5, 8)], "must not shrink the batch")]:
+        with pytest.raises(ValueError, match=msg):
+            schedules.BatchSizeSchedule(knots)
+
+
+def test_schedules_of_rn50_16ep():
+    hp = inf.hyperparameters("rn50_16ep")
+    assert [schedules.res_at(hp, e) for e in range(16)] == [160] * 12 + [192] * 4  # 176 at epoch 12 rounds to 192
+    assert schedules.lr_at(hp, 0) == 0 and schedules.lr_at(hp, 1) == pytest.approx(hp["lr"] / 2)
+    assert schedules.lr_at(hp, 2) == pytest.approx(hp["lr"]) and schedules.lr_at(hp, 16) == pytest.approx(0)
+    assert schedules.lr_at(hp, 9) == pytest.approx(hp["lr"] / 2)
+    cos = {**hp, "schedule": "cosine"}
+    assert schedules.lr_at(cos, 9) == pytest.approx(hp["lr"] / 2)
+    assert schedules.lr_at(cos, 5.5) > schedules.lr_at(hp, 5.5)
+    step = {**hp, "schedule": "step", "step_epochs": (8, 12)}
+    assert schedules.lr_at(step, 7.9) == pytest.approx(hp["lr"])
+    assert schedules.lr_at(step, 12) == pytest.approx(hp["lr"] / 100)
+    scaled = {**hp, "batch_scale": True}
+    assert schedules.batch_at(512, hp, 160) == 512 and schedules.batch_at(512, scaled, 192) == 512
+    assert schedules.batch_at(512, scaled, 160) == 736
+    assert schedules.batch_for(scaled, 0, world=2) == schedules.batch_at(256, scaled, 160)     # each rank's share
+
+
+def test_slow_start_schedule_is_akiba_et_al_s_stretched_to_the_run():
+    # 0.5 η for 40 of 90 epochs, 0.075 η for 30, 0.01 η for 15, 0.001 η for 5; never above 0.5 η, even while
+    # a linear warm-up (here 2 epochs) leads into it; 45 epochs stretch it by half
+    hp = inf.hyperparameters("tiny", schedule="slow_start", lr=0.4, epochs=90, warmup_epochs=2.0)
+    got = [schedules.lr_at(hp, t) for t in (0, 1, 2, 39.9, 40, 69.9, 70, 85, 89.9)]
+    assert got == pytest.approx([0, 0.1, 0.2, 0.2, 0.03, 0.03, 0.004, 0.0004, 0.0004])
+    assert max(schedules.lr_at(hp, t / 10) for t in range(900)) == pytest.approx(0.2)
+    hp = {**hp, "epochs": 45, "warmup_epochs": 0.0}
+    assert [schedules.lr_at(hp, t) for t in (0, 19.9, 20, 35, 42.5)] == pytest.approx([0.2, 0.2, 0.03, 0.004, 0.0004])
+
+
+def test_a_warm_up_may_start_from_a_rate_of_its_own():
+    """Goyal et al.'s gradual warm-up starts from the rate of one 256-image worker, not from zero, and rises by the
+    same amount every step to the scaled rate after 5 epochs."""
+    hp = inf.hyperparameters("rn50_16ep", lr=0.1, batch_size=8192, warmup_epochs=5.0, warmup_start=1 / 32,
+                             schedule="step", step_epochs=(30, 60, 80), epochs=90)
+    rates = [schedules.lr_at(hp, t) * 8192 / 256 for t in (0, 2.5, 5, 29.9, 30, 60, 80)]
+    assert rates == pytest.approx([0.1, 1.65, 3.2, 3.2, 0.32, 0.032, 0.0032])
+
+
+def test_fractional_epochs_count_their_steps_as_airbench():
+    assert schedules.epoch_steps(9.9, 48) == 476 and schedules.epoch_steps(1.1, 10) == 11
+    assert schedules.run_steps(50000, 1024, 9.9) == (48, 476)
+    with pytest.raises(ValueError, match="batch size 64 is larger than the 32 training images"):
+        schedules.run_steps(32, 64, 1)
+    assert schedules.per_rank_batch(1024, 4) == 256
+    with pytest.raises(ValueError, match="global batch size 63 is not divisible by the world size 2"):
+        schedules.per_rank_batch(63, 2)
