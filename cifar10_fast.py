@@ -25,7 +25,7 @@ import distributed as D
 import loop
 import torch_backend as tb
 from cli import (add_shared_flags, check_run, check_values, flag, flag_error, interrupted, one_of, overrides_from,
-                 run_in_ranks, run_record, show_choices)
+                 recipe_values, run_in_ranks, run_record, show_choices)
 from core import DataError, Frozen, Parser, Table, UsageError, print_summary, summarize_runs, write_json
 from loop import Run, train_step
 from optim import make_optimizers, set_lr
@@ -48,9 +48,10 @@ BASE = dict(
     # large-batch options (optim.py, distributed.py): LARS trust coefficient; RMSprop-to-SGD's RMSprop rate and the
     # epochs where the hand-over is half done and its length; Goyal's linear scaling of lr_values by
     # batch_size / lr_scale_base (0 = off); batch-norm statistics "running" or "last_batch" (averaged
-    # over ranks before each evaluation instead of moving averages)
+    # over ranks before each evaluation instead of moving averages); under torchrun, the gradients' communication
+    # (distributed.HOOKS: plain, compressed to fp16 or bf16, or a 2D torus)
     lars_trust=0.001, rms_lr=1e-3, rms_beta_center=2.0, rms_beta_period=2.0, lr_scale_base=0,
-    bn_stats="running",
+    bn_stats="running", comm_hook="none",
     # augmentation (brightness and contrast jitter: ± these, per image; the first low_res_epochs epochs at
     # low_res pixels when low_res is set) and test-time augmentation (all views for the tta_fraction of test
     # images the plain pass is least sure of: selective TTA)
@@ -78,6 +79,7 @@ BASE = dict(
 ACTIVATIONS = ("relu", "celu", "gelu", "silu")
 CHOICES = dict(
     model=tuple(tb.MODELS), param=("myrtle", "decoupled", "sum"), optimizer=("sgd", "muon", "lars", "rmsprop_sgd"),
+    comm_hook=D.HOOKS,
     flip=("none", "random", "alternate"), tta=("none", "flip", "flip_translate"), act=ACTIVATIONS,
     whiten_act=("",) + ACTIVATIONS, whiten_bias_decay=("none", "linear"), whiten_decomp=("eigh", "svd"),
     muon_momentum_dtype=("fp32", "fp16", "bf16"), bn_stats=("running", "last_batch"), block_depth=(2, 3),
@@ -237,12 +239,7 @@ RECIPES = {
 def hyperparameters(name, **overrides):
     """A recipe's hyperparameters with overrides applied (any key of BASE), checked once and frozen: the one value
     that the run passes down. A bad name or value is a UsageError of one line."""
-    if name not in RECIPES:
-        raise UsageError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    unknown = sorted(set(overrides) - set(BASE))
-    if unknown:
-        raise UsageError(f"unknown hyperparameters {unknown}")
-    hp = {**BASE, **{k: v for k, v in RECIPES[name].items() if k != "doc"}, **overrides}
+    hp = recipe_values(name, overrides, base=BASE, recipes=RECIPES)
     check(hp)
     if hp["lr_scale_base"]:     # Goyal et al.: k times the batch, k times the learning rate
         hp["lr_values"] = tuple(linear_scaled_lr(v, hp["batch_size"], hp["lr_scale_base"]) for v in hp["lr_values"])
@@ -258,7 +255,7 @@ FRACTIONS = ("momentum", "label_smoothing", "bn_momentum", "ema_momentum", "look
 
 def check(hp):
     """Raises UsageError naming the flag, what is wrong and what is allowed, for the first bad hyperparameter."""
-    check_values(hp, CHOICES, POSITIVE, NOT_NEGATIVE, FRACTIONS, whole=("batch_size",))
+    check_values(hp, CHOICES, positive=POSITIVE, not_negative=NOT_NEGATIVE, fractions=FRACTIONS, whole=("batch_size",))
     if not 0 < hp["tta_fraction"] <= 1:
         raise flag_error("tta_fraction", hp["tta_fraction"], "must be in (0, 1]")
     if min(hp["block_widths"]) <= 0:
@@ -433,13 +430,13 @@ def device_data(arrays, hp, ctx, device, *, dtype, stats):
     sharding, so that every rank fits the filters one process would (they are frozen parameters, which DDP never
     synchronises)."""
     if not ctx.distributed:
-        return cd.to_device(arrays, device, dtype, hp["crop_pad"], stats)
+        return cd.to_device(arrays, device, dtype=dtype, pad=hp["crop_pad"], stats=stats)
     part = D.shard(len(arrays["train_labels"]), ctx.rank, ctx.world_size)
     whiten = arrays["train_images"][:hp["whiten_images"]]
     shard = {**arrays, "train_images": arrays["train_images"][part.start:part.stop],
              "train_labels": arrays["train_labels"][part.start:part.stop]}
-    return {**cd.to_device(shard, device, dtype, hp["crop_pad"], stats), "num_classes": cd.num_classes(arrays),
-            "whiten_images": cd.normalise(whiten, device, dtype, stats)}
+    return {**cd.to_device(shard, device, dtype=dtype, pad=hp["crop_pad"], stats=stats),
+            "num_classes": cd.num_classes(arrays), "whiten_images": cd.normalise(whiten, device, dtype=dtype, stats=stats)}
 
 
 def estimated_run_s(hp, step_s, *, flops, batch, n_train, n_test, eval_every):
@@ -462,7 +459,7 @@ SUMMARY = ("final_acc", "time", "train_time", "time_to_target")     # the result
 PROGRESS_AFTER_S = 5.0          # an epoch that looks longer shows its steps on stderr
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Result:
     """What train() returns: the last run's trained network (the weights it was evaluated with: the EMA's or
     lookahead's when the recipe averages weights), its per-epoch rows, the summary over all runs (mean, std, min
@@ -476,7 +473,7 @@ class Result:
     flops: dict
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Prepared:
     """A recipe ready to train: its data on the device (device_data), its FLOPs counted, and the network built, and
     compiled and warmed up where that applies (network, warmup), once; run() trains one fresh network on it."""
@@ -516,7 +513,8 @@ def prepare(hp, arrays, *, device, dtype, ctx=None, stats=None, compile=None, ho
     if not devices.is_cpu(device) or compile:
         devices.autotune(device)
         warmup(hp, data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward)
-    return Prepared(hp, data, device, dtype, ctx, net, forward, flops, stats)
+    return Prepared(hp=hp, data=data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward, flops=flops,
+                    stats=stats)
 
 
 def train(recipe, data=None, *, device=None, runs=1, seed=0, target=0.94, compile=None, verbose=False, dataset=None,
@@ -600,7 +598,8 @@ def train(recipe, data=None, *, device=None, runs=1, seed=0, target=0.94, compil
         summary = summarize_runs(results, target, SUMMARY, "final_acc")
         summary.update(flops_per_run=prepared.flops["total"],
                        tflops_per_s=prepared.flops["total"] / summary["time"]["mean"] / 1e12)
-        last = Result(model, result["rows"], summary, list(results), hp, prepared.flops)
+        last = Result(model=model, rows=result["rows"], summary=summary, runs=list(results), hyperparameters=hp,
+                      flops=prepared.flops)
         if on_run:
             on_run(last)
         if verbose:
@@ -624,7 +623,7 @@ def evaluate(model, images, labels, *, tta="none", stats=None, batch_size=1000):
         if stats is None:
             raise UsageError("evaluate: give stats=(mean, std), the training images' (a network train() returned "
                              "keeps them)")
-        images = cd.normalise(images, device, torch.float32, stats)
+        images = cd.normalise(images, device, dtype=torch.float32, stats=stats)
     labels = torch.as_tensor(labels, device=device).long()
     loss, accuracy = tb.evaluate(model, images, labels, tta=tta, dtype=devices.compute_dtype(device),
                                  batch_size=batch_size, memory_format=devices.memory_format(device))
@@ -666,11 +665,11 @@ def main(argv=None):
     try:            # every flag, before any data is loaded (what depends on the data: in train(), before training)
         hp = hyperparameters(args.recipe, **overrides)
         check_subset(args.subset)
-        check_run(args.runs, args.target, args.device, args.out, args.eval_every)
+        check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
     except UsageError as e:
         D.print0(f"error: {e}", file=sys.stderr)
         return 2
-    return run_in_ranks(args, lambda ctx, hook: run(args, hp, ctx=ctx, hook=hook, argv=argv))
+    return run_in_ranks(args, hp, lambda ctx, hook: run(args, hp, ctx=ctx, hook=hook, argv=argv))
 
 
 def run(args, hp, *, ctx, hook, argv):
@@ -687,7 +686,7 @@ def run(args, hp, *, ctx, hook, argv):
             write_json(args.out, run_record({
                 "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "subset": args.subset,
                 "dataset": args.dataset, "compile": args.compile, "flops": result.flops, "complete": complete,
-                "runs": result.runs, "summary": result.summary}, args, argv, device, ctx))
+                "runs": result.runs, "summary": result.summary}, args, argv=argv, device=device, ctx=ctx))
 
     def epoch_done(row):
         where["epoch"] = row["epoch"] + 1
@@ -704,7 +703,7 @@ def run(args, hp, *, ctx, hook, argv):
         D.print0(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:
-        D.print0(interrupted(where["epoch"], where["run"], where["finished"], args.out), file=sys.stderr)
+        D.print0(interrupted(where["epoch"], where["run"], where["finished"], out=args.out), file=sys.stderr)
         return 130
     if args.runs > 1 and main_rank:
         print_summary(args.recipe, result.summary, args.target, {

@@ -199,7 +199,7 @@ def write_cache(path, d):
     write_atomic(path, write)
 
 
-def load(path="data", dataset=None, download_ok=True, archive=None, url=None, progress=True):
+def load(path="data", dataset=None, *, download_ok=True, archive=None, url=None, progress=True):
     """A dataset as four numpy arrays (images uint8 NHWC, labels uint8 or int64).
 
     `path` is a .npz file with train_images/train_labels/test_images/test_labels (any image classification data:
@@ -270,7 +270,7 @@ def load_cifar10(path="data", **kwargs):
 # The dataset on the device, and batched augmentation
 # ---------------------------------------------------------------------------------------------
 
-def normalise(x, device, dtype, stats, pad=0):
+def normalise(x, device, *, dtype, stats, pad=0):
     """uint8 NHWC images uploaded, normalised by stats (per-channel mean and std, see channel_stats) and
     reflect-padded by pad pixels on the device, NCHW in dtype."""
     x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).float()
@@ -279,12 +279,12 @@ def normalise(x, device, dtype, stats, pad=0):
     return (F.pad(x, (pad,) * 4, mode="reflect") if pad else x).to(dtype)
 
 
-def to_device(d, device, dtype, pad, stats=None):
+def to_device(d, device, *, dtype, pad, stats=None):
     """Uploads uint8 once; normalises (and reflect-pads the training images) once, on the device. stats, the
     (mean, std) to normalise by, are the training images' own unless given (the whole training set's, when d
     holds a part of it); num_classes comes from the labels."""
     stats = stats or channel_stats(d["train_images"])
-    prep = lambda x, p: normalise(x, device, dtype, stats, p)
+    prep = lambda x, p: normalise(x, device, dtype=dtype, stats=stats, pad=p)
     return {"train_images": prep(d["train_images"], pad), "test_images": prep(d["test_images"], 0),
             "train_labels": torch.from_numpy(d["train_labels"]).to(device).long(),
             "test_labels": torch.from_numpy(d["test_labels"]).to(device).long(), "num_classes": num_classes(d)}
@@ -295,7 +295,8 @@ def pair(size):
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
-def draw_augmentation(n, size, pad, flip, cutout, generator, epoch=0, flip_base=None, jitter=(0.0, 0.0), device=None):
+def draw_augmentation(n, size, *, pad, flip, cutout, generator, epoch=0, flip_base=None, jitter=(0.0, 0.0),
+                      device=None):
     """Every random number for one epoch of n images of `size` (a side, or height and width), in at most seven
     calls whatever n is.
 
@@ -382,8 +383,9 @@ def epoch_batches(data, hp, generator, *, memory_format, epoch=0, flip_base=None
     is set)."""
     size = tuple(data["test_images"].shape[-2:])
     x, y = data["train_images"], data["train_labels"]
-    r = draw_augmentation(len(x), size, hp["crop_pad"], hp["flip"], hp["cutout"], generator, epoch, flip_base,
-                          (hp["jitter_brightness"], hp["jitter_contrast"]), x.device)
+    r = draw_augmentation(len(x), size, pad=hp["crop_pad"], flip=hp["flip"], cutout=hp["cutout"], generator=generator,
+                          epoch=epoch, flip_base=flip_base, jitter=(hp["jitter_brightness"], hp["jitter_contrast"]),
+                          device=x.device)
     x = augment(x, r, size, hp["cutout"])[r["perm"]]
     if hp["low_res"] and epoch < hp["low_res_epochs"]:
         x = low_resolution(x, hp["low_res"])

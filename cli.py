@@ -12,7 +12,7 @@ import torch
 
 import devices
 from core import UsageError, check_output
-from distributed import HOOKS, comm_hook, first_sentence, init_from_env, print0
+from distributed import comm_hook, first_sentence, init_from_env, print0
 
 
 def flag(key, value):
@@ -26,7 +26,7 @@ def flag_error(key, value, why):
     return UsageError(f"{flag(key, value)}: {why}")
 
 
-def check_values(values, choices, positive=(), not_negative=(), fractions=(), whole=()):
+def check_values(values, choices, *, positive=(), not_negative=(), fractions=(), whole=()):
     """Raises flag_error for the first of `values` (a dict of hyperparameters) outside its range: not one of its
     `choices`, not above 0 (`positive`), below 0 (`not_negative`), outside [0, 1] (`fractions`), not an integer
     (`whole`)."""
@@ -42,7 +42,18 @@ def check_values(values, choices, positive=(), not_negative=(), fractions=(), wh
                 raise flag_error(key, values[key], why)
 
 
-def check_run(runs, target, device=None, out=None, eval_every=1):
+def recipe_values(name, overrides, *, base, recipes):
+    """base, then recipe `name`'s changes, then the overrides: a new dict of every hyperparameter. An unknown recipe
+    or hyperparameter is a UsageError of one line."""
+    if name not in recipes:
+        raise UsageError(f"unknown recipe {name!r}; choose from {', '.join(recipes)}")
+    unknown = sorted(set(overrides) - set(base))
+    if unknown:
+        raise UsageError(f"unknown hyperparameters {unknown}")
+    return {**base, **{k: v for k, v in recipes[name].items() if k != "doc"}, **overrides}
+
+
+def check_run(runs, target, *, device=None, out=None, eval_every=1):
     """Raises UsageError unless runs is at least 1, target a fraction above 0 and eval_every not negative, the
     device exists (torch_backend.resolve_device) and a file can be written at out (core.check_output)."""
     if runs < 1:
@@ -95,29 +106,30 @@ def grid(s):
     return int(rows), int(cols)
 
 
-def join_ranks(args):
-    """This process's distributed.Context and communication hook (distributed.CommHook) from the shared flags:
-    checks --dist-timeout, refuses srun without torchrun, joins torchrun's process group (if any) and checks
-    --torus-grid against its world. A bad value is a ValueError of one line."""
+def join_ranks(args, hook):
+    """This process's distributed.Context and communication hook (distributed.CommHook) from the shared flags and
+    the recipe's hook (a name of distributed.HOOKS): checks --dist-timeout, refuses srun without torchrun, joins
+    torchrun's process group (if any) and checks --torus-grid against its world. A bad value is a ValueError of
+    one line."""
     if args.dist_timeout is not None and args.dist_timeout <= 0:
         raise ValueError("--dist-timeout must be positive (minutes)")
     ctx = init_from_env(args.device, timeout_minutes=args.dist_timeout)
     try:
-        return ctx, comm_hook(args.comm_hook, args.torus_grid, ctx)
+        return ctx, comm_hook(hook, args.torus_grid, ctx)
     except ValueError:
         if ctx.distributed:
             torch.distributed.destroy_process_group()
         raise
 
 
-def run_in_ranks(args, work):
+def run_in_ranks(args, hp, work):
     """Runs work(ctx, hook) in this process's place (torchrun: its rank; plain python: one process), after
-    --deterministic's settings, and leaves the process group however work ends; the exit status: work's, or 2
-    for a bad communication flag (one line, rank 0 alone)."""
+    --deterministic's settings, with the recipe's communication hook hp["comm_hook"], and leaves the process group
+    however work ends; the exit status: work's, or 2 for a bad communication flag (one line, rank 0 alone)."""
     if args.deterministic:
         devices.set_deterministic()           # before CUDA starts (joining torchrun's group may start it)
     try:
-        ctx, hook = join_ranks(args)
+        ctx, hook = join_ranks(args, hp["comm_hook"])
     except ValueError as e:
         print0(f"error: {e}", file=sys.stderr)
         return 2
@@ -141,7 +153,7 @@ def lost_peers(error):
                                         "NCCL communicator was aborted", "Socket Timeout", "Broken pipe"))
 
 
-def interrupted(epoch, run, finished, out=None, checkpoint=None):
+def interrupted(epoch, run, finished, *, out=None, checkpoint=None):
     """The line Ctrl-C leaves: where the work stopped and what of it is kept."""
     line = f"interrupted in epoch {epoch} of run {run}"
     if checkpoint:
@@ -175,12 +187,9 @@ def add_shared_flags(p, base, choices):
                    help="deterministic algorithms: the same seed gives the same parameters on the same machine "
                         "(README.md, Reproducibility)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="under torchrun: DDP gradient bucket size in MB")
-    p.add_argument("--comm-hook", default="none", choices=list(HOOKS),
-                   help="under torchrun: gradient communication (fp16/bf16 compression, 2D-torus allreduce in "
-                        "fp32, fp16 or bf16)")
     p.add_argument("--torus-grid", type=grid, default=None, metavar="RxC",
-                   help="under torchrun: the 2D torus's rows x columns (default: a row per node, as many columns as "
-                        "the node's GPUs)")
+                   help="under torchrun, with --comm-hook torus*: the 2D torus's rows x columns (default: a row per "
+                        "node, as many columns as the node's GPUs)")
     p.add_argument("--dist-timeout", type=float, default=None, metavar="MINUTES",
                    help="under torchrun: how long a collective may wait for the other ranks (default: torch's)")
     hp = p.add_argument_group("hyperparameters (override the recipe)")
@@ -204,10 +213,10 @@ def environment(device):
     return env
 
 
-def run_record(fields, args, argv, device, ctx):
+def run_record(fields, args, *, argv, device, ctx):
     """The JSON record of a command-line run: `fields` (recipe, hyperparameters, runs, summary, ...), the
     command line, the environment with torchrun's world size and communication settings, and the date."""
     return {**fields, "argv": sys.argv[1:] if argv is None else list(argv),
             "environment": {**environment(device), "world_size": ctx.world_size, "bucket_mb": args.bucket_mb,
-                            "comm_hook": args.comm_hook, "torus_grid": args.torus_grid},
+                            "torus_grid": args.torus_grid},
             "date": datetime.datetime.now().isoformat(timespec="seconds")}

@@ -35,7 +35,7 @@ from core import DataError, square_grid, write_atomic
 # ----------------------------------------------------------------------------------------------------------
 # Process group
 
-@dataclass
+@dataclass(kw_only=True)
 class Context:
     """Where this process stands: its rank among world_size processes, its GPU (local_rank) and device."""
     rank: int = 0
@@ -75,7 +75,8 @@ def init_from_env(device=None, backend=None, timeout_minutes=None):
                  if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None)
         dist.init_process_group(backend or devices.backend(device), store=store, rank=rank, world_size=world,
                                 timeout=timeout)
-    return Context(rank, world, local, str(device), rank == 0, True, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return Context(rank=rank, world_size=world, local_rank=local, device=str(device), is_main=rank == 0,
+                   distributed=True, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def attempt_store(rank, timeout):

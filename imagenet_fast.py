@@ -29,8 +29,8 @@ import devices
 import distributed as D
 import loop
 import scaling
-from cli import (add_shared_flags, check_run, check_values, flag_error, interrupted, overrides_from, run_in_ranks,
-                 run_record)
+from cli import (add_shared_flags, check_run, check_values, flag_error, interrupted, overrides_from, recipe_values,
+                 run_in_ranks, run_record)
 from core import (DataError, Frozen, Parser, Table, UsageError, check_output, print_summary, summarize_runs,
                   write_json)
 from imagenet_store import open_store, prepare
@@ -386,18 +386,26 @@ BASE = dict(
     crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True, jitter=0.0,
     val_res=256, tta="flip", ema_momentum=0.0, ema_every=1, lookahead_momentum=0.0, lookahead_every=5,
     # large-batch options (optim.py, distributed.py, as in cifar10_fast.py)
-    batch_schedule=(), optimizer="sgd", lars_trust=0.001, rms_lr=1e-3, rms_beta_center=10.0, rms_beta_period=5.0, bn_stats="running",
+    batch_schedule=(), optimizer="sgd", lars_trust=0.001, rms_lr=1e-3, rms_beta_center=10.0, rms_beta_period=5.0,
+    bn_stats="running", comm_hook="none",
 )
 
 # The values a hyperparameter that takes one of a few may take: the flags' choices (which --help lists) and what
 # validate() accepts.
 CHOICES = dict(model=MODELS, schedule=("linear", "cosine", "step", "slow_start"), tta=("none", "flip"),
-               optimizer=("sgd", "lars", "rmsprop_sgd"), bn_stats=("running", "last_batch"))
+               optimizer=("sgd", "lars", "rmsprop_sgd"), bn_stats=("running", "last_batch"), comm_hook=D.HOOKS)
 POSITIVE = ("epochs", "batch_size", "width", "min_res", "max_res", "res_step", "val_res", "ema_every", "lr_scale_base",
             "lookahead_every")
 NOT_NEGATIVE = ("lr", "warmup_epochs", "weight_decay", "jitter", "lars_trust", "rms_lr", "res_start_epoch",
                 "res_end_epoch")
 FRACTIONS = ("momentum", "label_smoothing", "ema_momentum", "lookahead_momentum", "warmup_start")
+
+# What the three cluster recipes share: torchvision's ResNet-50 (no BlurPool) for 90 epochs, at 224 px throughout,
+# momentum SGD 0.9 with weight decay 1e-4 off batch norm and biases, no label smoothing unless said, validated at
+# 224 px without test-time augmentation; lr per 256 images (Goyal's linear scaling).
+CLUSTER = dict(model="resnet50", blurpool=False, epochs=90, min_res=224, max_res=224, res_start_epoch=0,
+               res_end_epoch=0, res_step=32, momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.0,
+               val_res=224, tta="none")
 
 # Epochs, resolution ramps, lr, weight decay, label smoothing and blurpool follow FFCV's published
 # configs (libffcv/ffcv-imagenet rn50_configs/, rn18_configs/): rn50 lr 1.7 for 8 GPUs x 512
@@ -414,6 +422,22 @@ RECIPES = {
     "rn18_88ep": dict(doc="ResNet-18, 88 epochs, res 160->192 (published by FFCV: 72.4% top-1 in 187.3 min on 1 A100)",
                       model="resnet18", batch_size=1024, lr=0.125, weight_decay=5e-5, epochs=88,
                       res_start_epoch=65, res_end_epoch=76),
+    # The cluster papers, ResNet-50 for 90 epochs at 224 px, at the settings they publish (docs/cluster-presets.md
+    # gives each setting's source, and marks what their texts, as we could read them, leave open and we assumed)
+    "goyal_8k": dict(doc="Goyal et al. 2017: batch 8,192, lr 0.1 per 256 (3.2) after a 5-epoch warm-up from 0.1, "
+                         "x0.1 at epochs 30/60/80, zero-init residual BN (published: 76.3% top-1 in 1 hour on 256 P100s)",
+                     **CLUSTER, batch_size=8192, lr=0.1, warmup_epochs=5.0, warmup_start=256 / 8192, schedule="step",
+                     step_epochs=(30.0, 60.0, 80.0), zero_init=True),
+    "akiba_32k": dict(doc="Akiba et al. 2017: batch 32,768, RMSprop warm-up handing over to SGD, slow-start lr, "
+                          "batch norm from the last batch averaged over ranks, fp16 gradients "
+                          "(published: 74.9% top-1 in 15 min on 1,024 P100s)",
+                      **CLUSTER, batch_size=32768, lr=0.1, warmup_epochs=0.0, schedule="slow_start",
+                      optimizer="rmsprop_sgd", rms_beta_center=10.0, rms_beta_period=5.0, bn_stats="last_batch",
+                      comm_hook="fp16"),
+    "mikami_68k": dict(doc="Mikami et al. 2018 (Sony): batch-size control 34,816 -> 69,632 after 5 epochs, label "
+                           "smoothing, 2D-torus all-reduce in fp16 (published: 75.03% top-1 in 224 s on 2,176 V100s)",
+                       **{**CLUSTER, "label_smoothing": 0.1}, batch_size=69632, batch_schedule=(0, 34816, 5, 69632),
+                       lr=0.1, warmup_epochs=5.0, schedule="linear", comm_hook="torus_fp16"),
     "tiny": dict(doc="resnet_tiny width 16 for tests and CPU demonstrations on small stores (res 32, 8 epochs)",
                  model="resnet_tiny", blurpool=False, epochs=8, batch_size=32, lr=0.2, warmup_epochs=1.0,
                  weight_decay=5e-5, min_res=32, max_res=32, res_start_epoch=0, res_end_epoch=0, res_step=8,
@@ -424,25 +448,24 @@ RECIPES = {
 def hyperparameters(name, **overrides):
     """A recipe's hyperparameters with overrides applied (any key of BASE), checked once and frozen: the one value
     that the run passes down. A bad name or value is a UsageError of one line."""
-    if name not in RECIPES:
-        raise UsageError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    unknown = sorted(set(overrides) - set(BASE))
-    if unknown:
-        raise UsageError(f"unknown hyperparameters {unknown}")
-    hp = {**BASE, **{k: v for k, v in RECIPES[name].items() if k != "doc"}, **overrides}
+    hp = recipe_values(name, overrides, base=BASE, recipes=RECIPES)
     check(hp)
     return Frozen(hp, recipe=name)
 
 
 def check(hp):
     """Raises UsageError naming the flag, what is wrong and what is allowed, for the first bad hyperparameter."""
-    check_values(hp, CHOICES, POSITIVE, NOT_NEGATIVE, FRACTIONS, whole=("epochs", "batch_size"))
+    check_values(hp, CHOICES, positive=POSITIVE, not_negative=NOT_NEGATIVE, fractions=FRACTIONS,
+                 whole=("epochs", "batch_size"))
     low, high = hp["crop_scale"]
     if not 0 < low <= high <= 1:
         raise flag_error("crop_scale", hp["crop_scale"], "must be two fractions, 0 < low <= high <= 1")
     low, high = hp["crop_ratio"]
     if not 0 < low <= high:
         raise flag_error("crop_ratio", hp["crop_ratio"], "must be two aspect ratios, 0 < low <= high")
+    if round(hp["min_res"] / hp["res_step"]) == 0:
+        raise flag_error("res_step", hp["res_step"], f"rounds --min-res {hp['min_res']} to 0 pixels; use at most "
+                                                      f"{hp['min_res']}")
     try:
         for e in range(hp["epochs"]):
             batch_for(hp, e)        # a bad batch schedule fails here, not mid-run
@@ -460,7 +483,7 @@ def check_train(args):
             ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint")):
         if bad:
             raise UsageError(f"--{flag} {message}")
-    check_run(args.runs, args.target, args.device, args.out, args.eval_every)
+    check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
     check_output(args.checkpoint, "--checkpoint")
 
 
@@ -521,7 +544,7 @@ def main_train(args, overrides, argv):
     except UsageError as e:
         D.print0(f"error: {e}", file=sys.stderr)
         return 2
-    return run_in_ranks(args, lambda ctx, hook: run(args, hp, ctx=ctx, hook=hook, argv=argv))
+    return run_in_ranks(args, hp, lambda ctx, hook: run(args, hp, ctx=ctx, hook=hook, argv=argv))
 
 
 COLUMNS = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
@@ -567,7 +590,8 @@ def run(args, hp, *, ctx, hook, argv):
             write_json(args.out, run_record({
                 "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "store": str(args.store),
                 "store_size": size, "data_on": data["where"], "complete": complete, "runs": runs,
-                "summary": summarize_runs(runs, args.target, labels, "final_top1")}, args, argv, device, ctx))
+                "summary": summarize_runs(runs, args.target, labels, "final_top1")}, args, argv=argv, device=device,
+                ctx=ctx))
 
     for r in range(args.runs):
         seed = args.seed + r
@@ -592,7 +616,8 @@ def run(args, hp, *, ctx, hook, argv):
             say(f"error: {e}", file=sys.stderr)      # the checkpoint's errors: the same on every rank
             return 1
         except KeyboardInterrupt:
-            say(interrupted(max(epochs_done, default=0) + 1, r + 1, len(runs), args.out, ckpt), file=sys.stderr)
+            say(interrupted(max(epochs_done, default=0) + 1, r + 1, len(runs), out=args.out, checkpoint=ckpt),
+                file=sys.stderr)
             return 130
         result.pop("model")
         result["final_top1"], result["final_top5"] = result.pop("final_acc"), result["rows"][-1]["top5"]

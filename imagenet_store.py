@@ -281,7 +281,7 @@ def synthetic_imagefolder(root, classes=10, train_per_class=20, val_per_class=5,
 # The prepared store, memory-mapped
 # ---------------------------------------------------------------------------------------------
 
-@dataclass
+@dataclass(kw_only=True)
 class Store:
     index: dict
     train_x: object  # (N, S, S, 3) uint8
@@ -302,8 +302,8 @@ def open_store(path):
     try:
         # mmap "c" (copy-on-write) gives writable arrays, so torch.from_numpy shares them without a copy
         load = lambda name: np.load(path / name, mmap_mode="c")
-        s = Store(index, load("train.npy"), load("train_labels.npy"), load("val.npy"), load("val_labels.npy"),
-                  load("val_shapes.npy"))
+        s = Store(index=index, train_x=load("train.npy"), train_y=load("train_labels.npy"), val_x=load("val.npy"),
+                  val_y=load("val_labels.npy"), val_shapes=load("val_shapes.npy"))
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: unreadable store file ({e})") from e
     if s.train_x.shape[0] != index["train"]["count"] or s.val_y.shape[0] != index["val"]["count"]:

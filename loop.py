@@ -23,7 +23,7 @@ from optim import set_lr
 INTERRUPTED = 75      # EX_TEMPFAIL: stopped on purpose after a checkpoint, resumable
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """What a script builds for one run (the network from torch's seed, already set; random draws from `generator`).
     batches(epoch) yields that epoch's (x, y) on the device; schedule(epoch, i, step) gives the rate of the coming
@@ -144,7 +144,7 @@ CHECKPOINT_KEYS = {"model", "optimizers", "averaging", "rng", "epoch", "rows", "
                    "world"}
 
 
-def checkpoint_state(run, average, epoch, rows, timer, time_to_target, hp, world):
+def checkpoint_state(run, average, epoch, *, rows, timer, time_to_target, hp, world):
     """Everything a resumed run needs, with the random states of every rank (gathered to all), so that each rank
     resumes its own augmentation stream exactly."""
     rng = [run.generator.get_state(), torch.get_rng_state()]
@@ -270,7 +270,8 @@ def train(start, hp, *, device, seed=0, dtype=torch.float32, ctx=None, target=1.
                "epoch_time": epoch_time, "total_time": timer.total}
         rows.append(row)
         if checkpoint:
-            state = checkpoint_state(run, average, epoch + 1, rows, timer, time_to_target, hp, ctx.world_size)
+            state = checkpoint_state(run, average, epoch + 1, rows=rows, timer=timer, time_to_target=time_to_target,
+                                     hp=hp, world=ctx.world_size)
             D.save_checkpoint(checkpoint, state, ctx)   # rank 0 writes; nobody restarts from a half-written one
             if interrupt_after == epoch + 1:
                 if ctx.distributed:         # leave together, so no rank sees a peer vanish mid-collective

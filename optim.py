@@ -23,7 +23,7 @@ from schedules import epoch_steps
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)      # Jordan et al. 2024; the 2-second record tuned (3.4576, -4.7391, 2.0843)
 
 
-def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, eps=1e-7, dtype=torch.bfloat16):
+def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, eps=1e-7, dtype=torch.bfloat16):
     """Approximately the orthogonal factor U Vᵀ of g = U S Vᵀ (all singular values pushed towards 1),
     by a quintic Newton–Schulz iteration in `dtype`. The coefficients (Jordan et al. 2024, Muon) trade
     exactness for speed: five steps leave singular values roughly in [0.7, 1.2].
@@ -67,7 +67,7 @@ class Muon(torch.optim.Optimizer):
     - batched: all filter banks orthogonalised in one newton_schulz_padded call.
     """
 
-    def __init__(self, params, lr, momentum=0.9, nesterov=True, ns_steps=5, ns_coeffs=MUON_COEFFS,
+    def __init__(self, params, lr, *, momentum=0.9, nesterov=True, ns_steps=5, ns_coeffs=MUON_COEFFS,
                  renorm_every=(0, 0), total_steps=1, weight_decay=0.0, momentum_dtype=None, batched=False):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                       ns_coeffs=tuple(ns_coeffs), renorm_every=tuple(renorm_every),
@@ -129,7 +129,7 @@ class LARS(torch.optim.Optimizer):
     neither adaptation nor decay (v = m * v + lr * g), as is usual since their norms mean nothing as a scale.
     """
 
-    def __init__(self, params, lr, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=0.0):
+    def __init__(self, params, lr, *, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=0.0):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                       trust_coefficient=trust_coefficient, eps=eps))
 
@@ -195,7 +195,7 @@ class RMSpropToSGD(torch.optim.Optimizer):
     beta_center = 10, beta_period = 5 are our choices, not numbers taken from the paper.
     """
 
-    def __init__(self, params, lr, lr_rmsprop=1e-3, momentum=0.9, rms_decay=0.99, eps=1e-8, weight_decay=0.0,
+    def __init__(self, params, lr, *, lr_rmsprop=1e-3, momentum=0.9, rms_decay=0.99, eps=1e-8, weight_decay=0.0,
                  beta_center=10.0, beta_period=5.0):
         super().__init__(params, dict(lr=lr, lr_rmsprop=lr_rmsprop, momentum=momentum, rms_decay=rms_decay, eps=eps,
                                       weight_decay=weight_decay, beta_center=beta_center, beta_period=beta_period,

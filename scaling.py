@@ -13,7 +13,7 @@ import sys
 from core import Parser, square_grid
 
 
-def allreduce_time(nbytes, gpus, algorithm, link_gbps, latency_us):
+def allreduce_time(nbytes, gpus, algorithm, *, link_gbps, latency_us):
     """Seconds to all-reduce nbytes over gpus, alpha-beta model (alpha = latency per step, beta = s/byte).
 
         ring:  2 (p - 1) alpha + 2 (p - 1) / p * n beta               (Patarasuk & Yuan 2009)
@@ -35,7 +35,7 @@ def allreduce_time(nbytes, gpus, algorithm, link_gbps, latency_us):
     raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose from ring, tree, torus")
 
 
-def simulate(gpus, step_time_s, model_bytes, link_gbps, latency_us, algorithm="ring", buckets=4,
+def simulate(gpus, *, step_time_s, model_bytes, link_gbps, latency_us, algorithm="ring", buckets=4,
              batch_per_gpu=32, backward_fraction=2 / 3, gpus_per_node=1, intra_gbps=None, intra_latency_us=None):
     """Projected step time, images/s and scaling efficiency of data-parallel training on each GPU count.
 
@@ -58,7 +58,7 @@ def simulate(gpus, step_time_s, model_bytes, link_gbps, latency_us, algorithm="r
         inside = p <= gpus_per_node and intra_gbps
         bw = intra_gbps if inside else link_gbps
         lat = (intra_latency_us if intra_latency_us is not None else latency_us) if inside else latency_us
-        c = allreduce_time(model_bytes / buckets, p, algorithm, bw, lat)
+        c = allreduce_time(model_bytes / buckets, p, algorithm, link_gbps=bw, latency_us=lat)
         backward = backward_fraction * step_time_s
         step = step_time_s - backward + max(backward + c, backward / buckets + buckets * c)
         rows.append(dict(gpus=p, algorithm=algorithm, step_s=step, comm_s=buckets * c,
@@ -190,8 +190,10 @@ def main_simulate(argv=None):
     print(f"{'gpus':>6} {'algorithm':>9} {'step ms':>9} {'comm ms':>9} {'images/s':>12} {'efficiency':>10}"
           + (f" {epochs:>12}" if epochs else ""))
     for alg in (["ring", "tree", "torus"] if a.algorithm == "all" else [a.algorithm]):
-        for r in simulate(a.gpus, a.step_time, a.model_mb * 1e6, a.link_gbps, a.latency_us, alg, a.buckets,
-                          a.batch_per_gpu, a.backward_fraction, a.gpus_per_node, a.intra_gbps):
+        for r in simulate(a.gpus, step_time_s=a.step_time, model_bytes=a.model_mb * 1e6, link_gbps=a.link_gbps,
+                          latency_us=a.latency_us, algorithm=alg, buckets=a.buckets, batch_per_gpu=a.batch_per_gpu,
+                          backward_fraction=a.backward_fraction, gpus_per_node=a.gpus_per_node,
+                          intra_gbps=a.intra_gbps):
             print(f"{r['gpus']:>6} {alg:>9} {1e3 * r['step_s']:>9.2f} {1e3 * r['comm_s']:>9.2f} "
                   f"{r['images_per_s']:>12,.0f} {100 * r['efficiency']:>9.1f}%"
                   + (f" {a.epochs * a.images_per_epoch / r['images_per_s']:>10,.1f} s" if epochs else ""))

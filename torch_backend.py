@@ -27,7 +27,7 @@ class BatchNorm(nn.BatchNorm2d):
     shuffled data and needs only a view); running statistics average over the groups.
     """
 
-    def __init__(self, c, freeze_scale=False, ghost_batch=0, momentum=0.1, eps=1e-5):
+    def __init__(self, c, *, freeze_scale=False, ghost_batch=0, momentum=0.1, eps=1e-5):
         super().__init__(c, eps=eps, momentum=momentum)
         self.ghost_batch = ghost_batch
         self.weight.requires_grad_(not freeze_scale)
@@ -52,7 +52,8 @@ class BatchNorm(nn.BatchNorm2d):
 
 
 def batch_norm(c, hp):
-    return BatchNorm(c, hp["freeze_bn_scale"], hp["ghost_batch"], hp["bn_momentum"], hp["bn_eps"])
+    return BatchNorm(c, freeze_scale=hp["freeze_bn_scale"], ghost_batch=hp["ghost_batch"], momentum=hp["bn_momentum"],
+                     eps=hp["bn_eps"])
 
 
 def activation(hp, act=None):
@@ -78,7 +79,7 @@ def conv(c_in, c_out, hp, kernel=3):
     return layer
 
 
-def conv_bn(c_in, c_out, hp, pool=False, kernel=3):
+def conv_bn(c_in, c_out, hp, *, pool=False, kernel=3):
     """conv → batch norm → activation, with an optional 2×2 max-pool after it, or moved to
     straight after the conv (`pool_first`), which does the same maths on 4× fewer pixels."""
     layers = [conv(c_in, c_out, hp, kernel), batch_norm(c_out, hp), activation(hp)]
@@ -130,7 +131,7 @@ class Whitening(nn.Conv2d):
     eigenvectors from eigh or from an SVD of the covariance (the same vectors, up to sign: it is symmetric
     positive semi-definite)."""
 
-    def __init__(self, k, eps, both_signs=False, bias=False, padding=0, images=10000, centre=True, ddof=1,
+    def __init__(self, k, eps, *, both_signs=False, bias=False, padding=0, images=10000, centre=True, ddof=1,
                  decomp="eigh"):
         super().__init__(3, 3 * k * k * (2 if both_signs else 1), k, padding=padding, bias=bias)
         self.eps, self.both_signs = eps, both_signs
@@ -170,8 +171,9 @@ def first_layer(hp, c_out):
     k = hp["whiten_size"]
     if not hp["whiten"]:
         return nn.Conv2d(3, c_out, k, padding=hp["whiten_pad"], bias=hp["whiten_bias"])
-    return Whitening(k, hp["whiten_eps"], hp["whiten_signs"] == 2, hp["whiten_bias"], hp["whiten_pad"],
-                     hp["whiten_images"], hp["whiten_centre"], hp["whiten_ddof"], hp["whiten_decomp"])
+    return Whitening(k, hp["whiten_eps"], both_signs=hp["whiten_signs"] == 2, bias=hp["whiten_bias"],
+                     padding=hp["whiten_pad"], images=hp["whiten_images"], centre=hp["whiten_centre"],
+                     ddof=hp["whiten_ddof"], decomp=hp["whiten_decomp"])
 
 
 def widths(hp, base):

@@ -1,5 +1,5 @@
-"""Writes every results table of README.md and docs/perf-notes.md from results/ (and the scaling model's
-table in docs/scaling.md from scaling.py), so that no figure is typed by hand: each table sits between
+"""Writes every results table of README.md and docs/*.md from results/ (and the scaling model's table in
+docs/scaling.md from scaling.py), so that no figure is typed by hand: each table sits between
 `<!-- report:NAME -->` and `<!-- /report:NAME -->` and is replaced whole; a piece with no result reads
 "not measured".
 
@@ -25,7 +25,7 @@ def side_by_side_pieces():
     """(our recipe, the peer beside it) of every side-by-side piece of the suite, in its order."""
     from suite import pieces
     return [tuple(pc.sides) for pc in pieces() if pc.kind == "side_by_side"]
-DOCS = ("README.md", "docs/perf-notes.md", "docs/scaling.md")
+DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
 
 
 def load_results(folder, smoke=False):

@@ -80,7 +80,7 @@ def loaded_test_set(airbench, test_loader):
         airbench.utils.CifarLoader = load
 
 
-def time_peer(airbench, suffix, loader, test_loader, sync):
+def time_peer(airbench, suffix, *, loader, test_loader, sync):
     """One peer run on our clock: its train function with its defaults (model construction, whitening,
     training) plus the evaluation at its own default TTA level."""
     train = getattr(airbench, f"train{suffix}")
@@ -189,7 +189,7 @@ def main(argv=None):
                 peer = None
                 if airbench is not None and suffix:
                     loader, test_loader = peer_loaders(airbench, suffix)
-                    peer = lambda: time_peer(airbench, suffix, loader, test_loader, sync)
+                    peer = lambda: time_peer(airbench, suffix, loader=loader, test_loader=test_loader, sync=sync)
                     peer()                                      # the peer's untimed warm-up run
                 ours, theirs = [], []
                 everything["recipes"][name] = {"hyperparameters": hp, "target": target, "ours": ours,

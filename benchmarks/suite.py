@@ -147,7 +147,7 @@ def imagenet_runs(out):
     return [{**r, "final_acc": r["final_top1"], "time": r["train_time"]} for r in out.get("runs", [])]
 
 
-def chunk_for(piece, want, done, ctx, whole=False):
+def chunk_for(piece, want, done, ctx, *, whole=False):
     """The command that adds want[side] runs to each side given done[side] runs so far (seeds go on from
     there). whole=True: the command that measures everything in one go, as a result records it."""
     out = [] if whole else ["--out", ctx["out"]]
@@ -200,7 +200,7 @@ def stop(*_):
     raise Stopped
 
 
-def launch(argv, log, deadline, in_process, on_poll):
+def launch(argv, log, *, deadline, in_process, on_poll):
     """Runs argv with output to log; returns its exit status, or None when stopped at the deadline.
     on_poll() is called every few seconds while it runs (the suite merges partial results then). Stopped (SIGTERM
     to the suite) stops the command too, and goes on up."""
@@ -309,7 +309,7 @@ def merge(result, base, got, flops):
 # ---------------------------------------------------------------------------------------------------
 # Planning
 
-def per_run_s(piece, side, result, fp, flops):
+def per_run_s(piece, side, result, *, fp, flops):
     """Seconds one more run of a side should take: its mean wall time so far, else FLOPs over the rate."""
     runs = result["sides"][side]["runs"]
     walls = [r.get("wall_s", r["time"]) for r in runs]
@@ -334,12 +334,12 @@ def setup_s(piece, result):
     return max(seen) if seen else SETUP_GUESS_S.get(piece.compile, SETUP_GUESS_S[None])
 
 
-def plan(piece, result, fp, flops, left_s):
+def plan(piece, result, *, fp, flops, left_s):
     """(runs per side for the next command, its estimated seconds, estimated seconds of all the rest).
     The runs are what fits in left_s seconds (None: no limit), the sides of one command in proportion;
     {} when not even one run fits."""
     left = {s: side["n_wanted"] - len(side["runs"]) for s, side in result["sides"].items()}
-    per = {s: per_run_s(piece, s, result, fp, flops) for s in left if left[s] > 0}
+    per = {s: per_run_s(piece, s, result, fp=fp, flops=flops) for s in left if left[s] > 0}
     setup = setup_s(piece, result)
     commands = 1 if piece.kind in TOGETHER else len(per)
     rest = commands * setup + sum(left[s] * per[s] for s in per)
@@ -380,7 +380,7 @@ def synthetic_store(folder, smoke):
     return str(Path(folder) / "store")
 
 
-def run_piece(piece, ctx, fp, flops, deadline, say, note=""):
+def run_piece(piece, ctx, *, fp, flops, deadline, say, note=""):
     """Runs (the rest of) a piece within the deadline, writing its result as runs finish. One line."""
     path = ctx["results"] / f"{piece.name}.json"
     old = load(path)
@@ -404,7 +404,7 @@ def run_piece(piece, ctx, fp, flops, deadline, say, note=""):
             est = max([c["seconds"] for c in result["chunks"]] or [SETUP_GUESS_S[None] + 240.0])
             want, rest = ({"rows": 1} if left_s is None or est <= left_s else {}), est
         else:
-            want, est, rest = plan(piece, result, fp, flops, left_s)
+            want, est, rest = plan(piece, result, fp=fp, flops=flops, left_s=left_s)
         if not want:
             say(f"{piece.name}: {'not started' if not estimated else 'stopped'}: about {rest:.0f} s of work left, "
                 f"{left_s:.0f} s of the budget left" + (f"; kept {describe(result)}" if estimated else ""))
@@ -425,7 +425,7 @@ def run_piece(piece, ctx, fp, flops, deadline, say, note=""):
                 merge(result, base, chunk.parse(got), chunk.flops(got))
                 save()
         try:
-            rc = launch(chunk.argv, log, deadline, ctx["in_process"], poll)
+            rc = launch(chunk.argv, log, deadline=deadline, in_process=ctx["in_process"], on_poll=poll)
         except Stopped:
             poll()                      # the runs that finished before the signal are kept
             raise
@@ -587,7 +587,7 @@ def run_tiers(args, ctx, chosen, say):
         if not flops and deadline is not None:
             flops = (load(fp_path) or {}).get("counted_flops") or counted_flops(sorted(set(piece.recipes.values())))
         ctx["piece"] = piece.name
-        run_piece(scaled, ctx, fp, flops, deadline, say, note)
+        run_piece(scaled, ctx, fp=fp, flops=flops, deadline=deadline, say=say, note=note)
 
 
 def smoke_runs(piece):

@@ -15,7 +15,7 @@ def padded_index_images(n, size=32, pad=4):
 def test_crop_offsets_cover_the_range_uniformly_and_crop_exactly():
     n, pad, size = 20000, 4, 32
     g = torch.Generator().manual_seed(0)
-    r = cd.draw_augmentation(n, size, pad, flip="none", cutout=0, generator=g)
+    r = cd.draw_augmentation(n, size, pad=pad, flip="none", cutout=0, generator=g)
     x = cd.augment(padded_index_images(n, size, pad), r, size, cutout=0)
     dy, dx = (x[:, 0, 0, 0] // 100).long(), (x[:, 0, 0, 0] % 100).long()
     assert torch.equal(dy, r["dy"]) and torch.equal(dx, r["dx"])
@@ -33,7 +33,7 @@ def test_crop_offsets_cover_the_range_uniformly_and_crop_exactly():
 def test_about_half_flipped_and_flips_mirror():
     n = 10000
     g = torch.Generator().manual_seed(1)
-    r = cd.draw_augmentation(n, 32, 0, flip="random", cutout=0, generator=g)
+    r = cd.draw_augmentation(n, 32, pad=0, flip="random", cutout=0, generator=g)
     x = torch.arange(32.0).view(1, 1, 1, 32).expand(n, 3, 32, 32)
     out = cd.augment(x, r, 32, cutout=0)
     flipped = out[:, 0, 0, 0] == 31
@@ -46,7 +46,7 @@ def test_about_half_flipped_and_flips_mirror():
 def test_cutout_patches_have_the_stated_size_and_stay_inside(patch):
     n = 5000
     g = torch.Generator().manual_seed(2)
-    r = cd.draw_augmentation(n, 32, 0, flip="none", cutout=patch, generator=g)
+    r = cd.draw_augmentation(n, 32, pad=0, flip="none", cutout=patch, generator=g)
     out = cd.augment(torch.ones(n, 3, 32, 32), r, 32, cutout=patch)
     zero = out[:, 0] == 0
     assert torch.equal(zero.sum((1, 2)), torch.full((n,), patch * patch))

@@ -71,7 +71,7 @@ def arrays():
 def test_cifar10_on_the_gpu_places_augments_trains_forward_and_evaluates_there(fake_gpu, arrays, recipe):
     hp = cf.hyperparameters(recipe, width=1 / 16, batch_size=32)
     stats = cd.channel_stats(arrays["train_images"])
-    data = cd.to_device(arrays, CUDA, torch.float32, hp["crop_pad"], stats)
+    data = cd.to_device(arrays, CUDA, dtype=torch.float32, pad=hp["crop_pad"], stats=stats)
     assert on_gpu(data["train_images"], data["test_images"], data["train_labels"], data["test_labels"])
     gen = devices.generator(CUDA, 0)
     layout = devices.memory_format(CUDA)

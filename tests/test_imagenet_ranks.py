@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import distributed as D
 import imagenet_fast as inf
 import imagenet_store as ims
 import loop
+import schedules
 from conftest import ROOT
 
 SIZE, CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 16, 4, 24, 8
@@ -91,8 +93,15 @@ def worker(rank, world, ports, store, out, phases):
         return result
 
     inf.train_batches, inf.place, inf.evaluate = batches, place, evaluate
+    real_torus, record["torus"] = D.torus_allreduce_hook, []
+
+    def torus(state, bucket):               # how many buckets each phase sent over the 2D torus
+        record["torus"][-1] += 1
+        return real_torus(state, bucket)
+    D.torus_allreduce_hook = torus
     record["phases"] = []
     for port, args in zip(ports, phases):
+        record["torus"].append(0)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
         # a group with a short timeout, so that ranks that disagree fail in a minute instead of hanging
@@ -249,3 +258,79 @@ def test_torchrun_restarts_a_killed_worker_which_resumes_and_ends_as_if_uninterr
         os.chdir(ROOT)
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1 and err[-1] == "error: ckpt.pt: written by 2 ranks, resumed by 1; cannot resume", err
+
+
+# --- the cluster papers' recipes, at tiny size on 2 gloo ranks ------------------------------------------------------
+
+PRESETS = {"goyal_8k": ["--batch-size", "32", "--warmup-epochs", "2", "--step-epochs", "3"],
+           "akiba_32k": ["--batch-size", "32", "--rms-beta-center", "1", "--rms-beta-period", "2"],
+           "mikami_68k": ["--batch-size", "32", "--batch-schedule", "0,16,2,32", "--warmup-epochs", "1"]}
+
+
+def preset_args(store, name):
+    """The recipe as it is, shrunk to this store: the tiny network, 4 epochs at 16 px, and its own schedule's numbers
+    scaled to the run (PRESETS)."""
+    return ["train", "--store", str(store), "--recipe", name, "--device", "cpu", "--model", "resnet_tiny", "--width",
+            "4", "--epochs", "4", "--min-res", str(SIZE), "--max-res", str(SIZE), "--res-step", "8", "--val-res", str(SIZE),
+            "--out",
+            f"{name}.json", *PRESETS[name]]
+
+
+@pytest.fixture(scope="module")
+def presets(store, tmp_path_factory):
+    out = tmp_path_factory.mktemp("presets")
+    ranks = spawn(2, store, out, [preset_args(store, name) for name in PRESETS])
+    return ranks, {name: json.loads((out / "node0" / f"{name}.json").read_text()) for name in PRESETS}
+
+
+def test_the_cluster_recipes_train_on_two_ranks(presets):
+    ranks, results = presets
+    assert [[p["rc"] for p in r["phases"]] for r in ranks] == [[0, 0, 0]] * 2, \
+        [p["stderr"][-1500:] for r in ranks for p in r["phases"]]
+    for name, res in results.items():
+        hp = res["hyperparameters"]
+        assert hp["model"] == "resnet_tiny" and res["environment"]["world_size"] == 2, name
+        rows = res["runs"][0]["rows"]
+        assert len(rows) == 4 and rows[-1]["train_loss"] < rows[0]["train_loss"], name
+
+
+def last_step_rates(res):
+    """Each epoch's last rate, as the loop computes it: lr per 256 images of the global batch at that step."""
+    hp, rows = res["hyperparameters"], res["runs"][0]["rows"]
+    hp = {**hp, "step_epochs": tuple(hp["step_epochs"]), "batch_schedule": tuple(hp["batch_schedule"])}
+    return [schedules.lr_at(hp, e + (s - 1) / s) * r["batch"] * 2 / 256
+            for e, r in enumerate(rows) for s in [48 // r["batch"]]], [r["lr"] for r in rows]
+
+
+def test_goyal_warms_up_from_the_small_batch_rate_and_steps_down(presets):
+    _, results = presets
+    res = results["goyal_8k"]
+    assert res["hyperparameters"]["warmup_start"] == 1 / 32 and res["hyperparameters"]["zero_init"]
+    want, got = last_step_rates(res)
+    assert got == pytest.approx(want)
+    assert got[3] == pytest.approx(0.1 * 0.1 * 32 / 256)            # after the step at epoch 3: a tenth of the peak
+    assert schedules.lr_at(res["hyperparameters"], 0) == pytest.approx(0.1 / 32)       # the first step: 1/32 of 0.1
+
+
+def test_akiba_hands_rmsprop_over_to_sgd_on_a_slow_start_with_the_last_batchs_statistics(presets):
+    ranks, results = presets
+    res = results["akiba_32k"]
+    hp = res["hyperparameters"]
+    assert (hp["optimizer"], hp["schedule"], hp["bn_stats"], hp["comm_hook"]) == ("rmsprop_sgd", "slow_start",
+                                                                                  "last_batch", "fp16")
+    want, got = last_step_rates(res)
+    assert got == pytest.approx(want) and got[0] == pytest.approx(0.5 * 0.1 * 32 / 256)
+    first, second = (rec["evaluated"][4]["bn"] for rec in ranks)       # the second phase's last evaluation
+    for a, b in zip(first, second):                                    # every rank: the global batch's statistics
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_mikami_grows_the_batch_and_the_rate_and_reduces_over_a_torus(presets):
+    ranks, results = presets
+    res = results["mikami_68k"]
+    rows = res["runs"][0]["rows"]
+    assert [r["batch"] for r in rows] == [8, 8, 16, 16]                # each rank's share of 16, then of 32
+    want, got = last_step_rates(res)
+    assert got == pytest.approx(want)
+    assert all(rec["torus"][2] > 0 for rec in ranks)                   # the third phase's buckets went over the torus
+    assert res["hyperparameters"]["label_smoothing"] == 0.1

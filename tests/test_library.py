@@ -32,7 +32,7 @@ def test_the_readme_example_runs_as_written_after_pip_install(cifar10_npz, tmp_p
     """README's library example, word for word, on the real CIFAR-10 and on whatever device this machine has (its
     CPU in CI), in a folder of its own, importing the modules that `pip install .` installed."""
     readme = (ROOT / "README.md").read_text()
-    code = re.search(r"## Library use\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
     source, site, work = tmp_path / "source", tmp_path / "site", tmp_path / "work"
     modules = sorted(p.stem for p in ROOT.glob("*.py"))
     source.mkdir()
@@ -135,7 +135,8 @@ def test_cifar10s_statistics_are_the_old_constants_and_train_as_before(cifar10_n
     result = cf.train("myrtle10", data=arrays, subset=1000, device="cpu", epochs=1, width=1 / 8, batch_size=200)
     hp = cf.hyperparameters("myrtle10", width=1 / 8, epochs=1, batch_size=200)
     arrays = cd.take_subset(arrays, 1000)
-    before = train_once(hp, cd.to_device(arrays, CPU, torch.float32, hp["crop_pad"], (cd.MEAN, cd.STD)))
+    data = cd.to_device(arrays, CPU, dtype=torch.float32, pad=hp["crop_pad"], stats=(cd.MEAN, cd.STD))
+    before = train_once(hp, data)
     new, old = result.model.state_dict(), before["model"].state_dict()
     assert all(torch.equal(new[k], old[k]) for k in old) and result.rows[0]["test_acc"] == before["final_acc"]
 
@@ -180,7 +181,7 @@ def test_a_long_epoch_shows_its_progress_on_stderr(npz, capsys, monkeypatch):
 
 
 def test_a_short_epoch_shows_no_progress(npz, capsys):
-    data = cd.to_device(np.load(npz), CPU, torch.float32, 2)
+    data = cd.to_device(np.load(npz), CPU, dtype=torch.float32, pad=2)
     hp = cf.hyperparameters("fast94", width=1 / 16, epochs=2, batch_size=64)
     train_once(hp, data, progress_after_s=cf.PROGRESS_AFTER_S)        # as on a GPU: no estimate, quick epochs
     assert capsys.readouterr().err == ""

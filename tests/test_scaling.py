@@ -11,7 +11,7 @@ import scaling
 
 def test_unknown_algorithm_is_an_exact_error():
     with pytest.raises(ValueError, match=r"^unknown allreduce algorithm 'star'; choose from ring, tree, torus$"):
-        scaling.allreduce_time(1e6, 8, "star", 10, 5)
+        scaling.allreduce_time(1e6, 8, "star", link_gbps=10, latency_us=5)
 
 
 def test_square_grid():

@@ -102,3 +102,23 @@ def test_fractional_epochs_count_their_steps_as_airbench():
     assert schedules.per_rank_batch(1024, 4) == 256
     with pytest.raises(ValueError, match="global batch size 63 is not divisible by the world size 2"):
         schedules.per_rank_batch(63, 2)
+
+
+def test_the_cluster_recipes_hold_the_papers_settings():
+    """ResNet-50, 90 epochs at 224 px; Goyal et al.'s 8k batch at 3.2 after 5 epochs rising from 0.1; Akiba et al.'s
+    32k batch on a slow start from half of 12.8 with RMSprop handing over to SGD and last-batch statistics; Mikami et
+    al.'s batch growing from 34,816 to 69,632 after 5 epochs over a 2D torus in fp16."""
+    rate = lambda hp, t: schedules.lr_at(hp, t) * schedules.batch_for(hp, int(t)) / 256
+    for name in ("goyal_8k", "akiba_32k", "mikami_68k"):
+        hp = inf.hyperparameters(name)
+        assert (hp["model"], hp["epochs"], hp["min_res"], hp["max_res"]) == ("resnet50", 90, 224, 224), name
+        assert not hp["blurpool"] and hp["momentum"] == 0.9 and hp["weight_decay"] == 1e-4, name
+    goyal = inf.hyperparameters("goyal_8k")
+    assert goyal["batch_size"] == 8192 and goyal["zero_init"] and goyal["label_smoothing"] == 0
+    assert [rate(goyal, t) for t in (0, 5, 29.9, 30, 60, 80)] == pytest.approx([0.1, 3.2, 3.2, 0.32, 0.032, 0.0032])
+    akiba = inf.hyperparameters("akiba_32k")
+    assert (akiba["batch_size"], akiba["optimizer"], akiba["bn_stats"]) == (32768, "rmsprop_sgd", "last_batch")
+    assert [rate(akiba, t) for t in (0, 39.9, 40, 70, 85)] == pytest.approx([6.4, 6.4, 0.96, 0.128, 0.0128])
+    mikami = inf.hyperparameters("mikami_68k")
+    assert [schedules.batch_for(mikami, e) for e in (0, 4, 5, 89)] == [34816, 34816, 69632, 69632]
+    assert mikami["comm_hook"] == "torus_fp16" and mikami["label_smoothing"] == 0.1

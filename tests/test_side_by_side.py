@@ -90,7 +90,7 @@ def test_the_peers_clock_holds_its_model_construction_but_not_its_test_set_load(
     loader, test_loader = side_by_side.peer_loaders(airbench, "94")
     assert (loader.batch_size, loader.aug, loader.altflip, test_loader.train) == (1024, {"flip": True, "translate": 2},
                                                                                   True, False)
-    r = side_by_side.time_peer(airbench, "94", loader, test_loader, lambda: None)
+    r = side_by_side.time_peer(airbench, "94", loader=loader, test_loader=test_loader, sync=lambda: None)
     assert 0.05 <= r["time"] < 0.5 and r["final_acc"] == 0.9401
     (_, trained_on, tested_on, verbose), evaluation = calls
     assert trained_on is loader and tested_on is test_loader and not verbose

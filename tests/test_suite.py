@@ -79,7 +79,8 @@ def test_the_report_shows_the_results_figures(smoke):
     row = next(line for line in text.splitlines() if line.startswith("| fast94 | CPU"))
     assert f"{100 * st['accuracy']['mean']:.2f}% ± {100 * st['accuracy']['std']:.2f}" in row
     assert f"{st['time']['mean']:.2f} s" in row and "| 2 |" in row
-    stage = next(line for line in text.splitlines() if line.startswith("| `ghost_bn` |"))
+    journey = report.render((ROOT / "docs" / "cifar10.md").read_text(), results)
+    stage = next(line for line in journey.splitlines() if line.startswith("| `ghost_bn` |"))
     assert "(n=1, CPU" in stage and "| 46 s |" in stage                # ours beside the published V100 time
     assert "±" not in stage                                             # one run has no spread
 
@@ -89,9 +90,11 @@ def test_readme_and_perf_notes_tables_are_what_the_committed_results_give():
 
 
 def test_without_results_every_table_says_not_measured(tmp_path):
-    text = report.render((ROOT / "README.md").read_text(), {})
-    for m in report.MARK.finditer(text):
-        assert "not measured" in m.group(3), m.group(2)
+    for doc in report.DOCS:
+        text = report.render((ROOT / doc).read_text(), {})
+        for m in report.MARK.finditer(text):
+            if m.group(2) not in ("outcomes", "scaling", "flops"):      # the model's and the counts' tables
+                assert "not measured" in m.group(3), (doc, m.group(2))
 
 
 def test_an_interrupted_piece_goes_on_from_its_finished_runs(tmp_path):
@@ -123,16 +126,16 @@ def fake_result(walls, n_wanted, setup=None):
 def test_a_budget_runs_only_what_fits():
     piece = suite.pieces()[1]                                   # fast94 beside airbench94
     result = fake_result([4.0] * 10, 100, setup=60)            # 90 + 25 runs of about 4 s left, 60 s to start
-    want, est, rest = suite.plan(piece, result, {}, {}, None)
+    want, est, rest = suite.plan(piece, result, fp={}, flops={}, left_s=None)
     assert want == {"fast94": 90, "airbench94": 25} and rest == pytest.approx(60 + 115 * 4.0)
-    want, est, rest = suite.plan(piece, result, {}, {}, 60 + 23 * 4.0)
+    want, est, rest = suite.plan(piece, result, fp={}, flops={}, left_s=60 + 23 * 4.0)
     assert want == {"fast94": 18, "airbench94": 5} and est <= 60 + 23 * 4.0     # in proportion, within the budget
-    want, _, _ = suite.plan(piece, result, {}, {}, 62.0)
+    want, _, _ = suite.plan(piece, result, fp={}, flops={}, left_s=62.0)
     assert want == {}                                           # not even one run fits: nothing starts
     # no history: the estimate comes from the counted FLOPs over the measured matmul rate
     empty = fake_result([], 100)
     flops = {"fast94": {"train": 0.34e15, "final_eval": 0.014e15}}
-    per = suite.per_run_s(piece, "fast94", empty, {"matmul_tflops": 800.0}, flops)
+    per = suite.per_run_s(piece, "fast94", empty, fp={"matmul_tflops": 800.0}, flops=flops)
     assert per == pytest.approx((0.34e15 + 10 * 0.014e15) / (800e12 * suite.ASSUMED_EFFICIENCY))
 
 
@@ -140,7 +143,8 @@ def test_the_deadline_stops_a_running_command(tmp_path):
     # the command would write its pid, then a file two minutes later: stopped at the deadline, it never writes it
     polls, pid, late = [], tmp_path / "pid", tmp_path / "late"
     script = f"import os, time; open({str(pid)!r}, 'w').write(str(os.getpid())); time.sleep(120); open({str(late)!r}, 'w')"
-    rc = suite.launch(["python", "-c", script], tmp_path / "log", time.time() + 3, False, lambda: polls.append(1))
+    rc = suite.launch(["python", "-c", script], tmp_path / "log", deadline=time.time() + 3, in_process=False,
+                      on_poll=lambda: polls.append(1))
     assert rc is None and polls and not late.exists()
     with pytest.raises(ProcessLookupError):
         os.kill(int(pid.read_text()), 0)                       # the command's process is gone

@@ -84,7 +84,8 @@ def test_alternating_flip_flips_each_image_in_exactly_alternate_epochs():
     n = 1000
     g = torch.Generator().manual_seed(0)
     base = cd.flip_bits(n, g)
-    flips = torch.stack([cd.draw_augmentation(n, 32, 0, "alternate", 0, g, epoch, base)["flip"] for epoch in range(6)])
+    flips = torch.stack([cd.draw_augmentation(n, 32, pad=0, flip="alternate", cutout=0, generator=g, epoch=epoch,
+                                              flip_base=base)["flip"] for epoch in range(6)])
     assert torch.equal(flips[1:], ~flips[:-1])                             # every image changes every epoch
     assert abs(flips[0].float().mean().item() - 0.5) < 0.06
 
@@ -388,12 +389,12 @@ def test_muon_recipe_networks():
 def test_brightness_and_contrast_jitter():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(500, 3, 8, 8)
-    r = cd.draw_augmentation(500, 8, 0, "none", 0, g, jitter=(0.14, 0.13))
+    r = cd.draw_augmentation(500, 8, pad=0, flip="none", cutout=0, generator=g, jitter=(0.14, 0.13))
     assert r["brightness"].abs().max() <= 0.14 and (r["contrast"] - 1).abs().max() <= 0.13
     assert r["brightness"].std() > 0.07 and (r["contrast"] - 1).std() > 0.06          # uniform: std = range / √3
     out = cd.augment(x, r, 8, 0)
     torch.testing.assert_close(out, (x + r["brightness"].view(-1, 1, 1, 1)) * r["contrast"].view(-1, 1, 1, 1))
-    assert "brightness" not in cd.draw_augmentation(500, 8, 0, "none", 0, g)       # off: no draw, no change
+    assert "brightness" not in cd.draw_augmentation(500, 8, pad=0, flip="none", cutout=0, generator=g)   # off: no draw
 
 
 def test_low_resolution_epochs_and_their_flops():

@@ -37,7 +37,7 @@ def test_two_ranks_train_with_one_voice(synth_npz, tmp_path):
     assert sum(l.startswith("final test accuracy") for l in lines) == 1
     assert "2 ranks of 32 images per step" in r.stdout
     res = json.loads(out.read_text())
-    assert res["environment"]["world_size"] == 2 and res["environment"]["comm_hook"] == "bf16"
+    assert res["environment"]["world_size"] == 2 and res["hyperparameters"]["comm_hook"] == "bf16"
     assert res["hyperparameters"]["batch_size"] == 64                         # the global batch is recorded
     rows = res["runs"][0]["rows"]
     assert len(rows) == 2 and rows[1]["train_loss"] < rows[0]["train_loss"]

@@ -110,6 +110,7 @@ def test_an_output_in_folders_not_yet_there_is_fine(npz, tmp_path, capsys):
     (["train", "--store", "S", "--epochs", "1.5"], "error: --epochs 1.5: must be a whole number"),
     (["train", "--store", "S", "--crop-scale", "0.5,0.2"],
      "error: --crop-scale 0.5,0.2: must be two fractions, 0 < low <= high <= 1"),
+    (["train", "--store", "S", "--min-res", "16"], "error: --res-step 32: rounds --min-res 16 to 0 pixels; use at most 16"),
     (["train", "--store", "S", "--schedule", "exp"],
      "error: argument --schedule: 'exp' is not one of linear, cosine, step, slow_start"),
     (["train", "--store", "S", "--device", "gpu"], "error: --device gpu: not a device; use cpu, cuda, cuda:N, mps, ..."),
