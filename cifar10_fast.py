@@ -63,7 +63,7 @@ BASE = dict(
     bn_momentum=0.1, bn_eps=1e-5, dirac_init=False, output_scale=0.125, head_unit_std=False, output_by_width=False,
     block_widths=(64, 256, 256), block_depth=2,
     whiten=False, whiten_size=3, whiten_pad=1, whiten_signs=1, whiten_act="", whiten_bias=False,
-    whiten_bias_epochs=0, whiten_bias_lr_mult=1.0, whiten_bias_decay="none",
+    whiten_bias_init="zero", whiten_bias_epochs=0, whiten_bias_lr_mult=1.0, whiten_bias_decay="none",
     whiten_eps=1e-2,
     # the whitening fit: the first whiten_images training images, the patch covariance centred or not and
     # divided by n - whiten_ddof, its eigenvectors from "eigh" or "svd"
@@ -83,6 +83,7 @@ CHOICES = dict(
     flip=("none", "random", "alternate"), tta=("none", "flip", "flip_translate"), act=ACTIVATIONS,
     whiten_act=("",) + ACTIVATIONS, whiten_bias_decay=("none", "linear"), whiten_decomp=("eigh", "svd"),
     muon_momentum_dtype=("fp32", "fp16", "bf16"), bn_stats=("running", "last_batch"), block_depth=(2, 3),
+    whiten_bias_init=("zero", "default"),
     whiten_signs=(1, 2),
 )
 
@@ -110,11 +111,14 @@ FAST96 = dict(block_widths=(128, 384, 512), block_depth=3, epochs=37, crop_pad=4
 # (ceil(8 × 25) = 200 steps), no lookahead, every rate linear from its peak to 0 with no warm-up. Muon for the
 # conv filters (lr 0.24, momentum 0.6, 3 Newton–Schulz steps, the filters renormalised before every step);
 # SGD (Nesterov, momentum 0.85) on the summed loss for the head (lr 0.67) and the batch-norm and whitening
-# biases (0.053), weight decay 2e-6 × batch; the whitening bias's rate falls to 0 over its 3 epochs, after
-# which it is detached; the head's initial weights at unit std and the logits ÷ the width (256).
+# biases (0.053), weight decay 2e-6 × batch; the whitening bias starts at the convolution's default initialisation
+# (uniform in ±1/√12: their CifarNet.reset re-initialises it with nn.Conv2d's own reset_parameters), its rate falls
+# to 0 over its 3 epochs, after which it is detached; the head's initial weights at unit std and the logits ÷ the
+# width (256).
 MUON = dict(batch_size=2000, epochs=8, lookahead_momentum=0.0, param="sum", optimizer="muon",
             lr_knots=(0, 1), lr_values=(0.67, 0.0), momentum=0.85, weight_decay=2e-6,
             bias_lr_mult=0.053 / 0.67, whiten_bias_lr_mult=0.053 / 0.67, whiten_bias_decay="linear",
+            whiten_bias_init="default",
             muon_lr=0.24, muon_momentum=0.6, muon_ns_steps=3, muon_renorm_every=(1, 1),
             head_unit_std=True, output_scale=1.0, output_by_width=True)
 

@@ -125,20 +125,22 @@ class Whitening(nn.Conv2d):
     eigenvector of the training-set patch covariance, scaled by 1/sqrt(eigenvalue + eps).
     both_signs adds each filter's negative too (so a following ReLU/GELU loses nothing);
     the optional bias is trainable (optim.make_optimizers knows it as the bias of frozen filters
-    and trains it for whiten_bias_epochs; then train() detaches it).
+    and trains it for whiten_bias_epochs; then the run detaches it) and starts at zero (legacy airbench94) or,
+    with bias_init="default", where the convolution's own initialisation puts it: uniform in ±1/√fan_in, ±1/√12
+    for 2×2 filters of 3 channels (airbench94_muon and the 2-second record leave it so).
     The fit follows the reference it reproduces: the first `images` images, the covariance centred or
     not and divided by n - ddof (Myrtle: 10,000 images, n - 1; airbench94: 5,000, uncentred, n), and the
     eigenvectors from eigh or from an SVD of the covariance (the same vectors, up to sign: it is symmetric
     positive semi-definite)."""
 
-    def __init__(self, k, eps, *, both_signs=False, bias=False, padding=0, images=10000, centre=True, ddof=1,
-                 decomp="eigh"):
+    def __init__(self, k, eps, *, both_signs=False, bias=False, bias_init="zero", padding=0, images=10000,
+                 centre=True, ddof=1, decomp="eigh"):
         super().__init__(3, 3 * k * k * (2 if both_signs else 1), k, padding=padding, bias=bias)
         self.eps, self.both_signs = eps, both_signs
         self.images, self.centre, self.ddof, self.decomp = images, centre, ddof, decomp
-        self.bias_grad = True           # train() detaches the bias once it has trained (airbench94_muon)
+        self.bias_grad = True           # the run detaches the bias once it has trained (airbench94_muon)
         self.weight.requires_grad_(False)
-        if bias:
+        if bias and bias_init == "zero":
             nn.init.zeros_(self.bias)
 
     def forward(self, x):
@@ -172,7 +174,7 @@ def first_layer(hp, c_out):
     if not hp["whiten"]:
         return nn.Conv2d(3, c_out, k, padding=hp["whiten_pad"], bias=hp["whiten_bias"])
     return Whitening(k, hp["whiten_eps"], both_signs=hp["whiten_signs"] == 2, bias=hp["whiten_bias"],
-                     padding=hp["whiten_pad"], images=hp["whiten_images"], centre=hp["whiten_centre"],
+                     bias_init=hp["whiten_bias_init"], padding=hp["whiten_pad"], images=hp["whiten_images"], centre=hp["whiten_centre"],
                      ddof=hp["whiten_ddof"], decomp=hp["whiten_decomp"])
 
 

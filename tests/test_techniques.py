@@ -467,3 +467,17 @@ def test_the_low_resolution_ablation_is_fast94_next_with_its_switch_and_the_pred
               "test_images": torch.zeros(8, 3, 32, 32), "test_labels": torch.zeros(8, dtype=torch.long)}
     low, full = (tb.count_flops(hp, shapes)["train"] for hp in (ablation, base))
     assert 1 - low / full == pytest.approx(2 / 7.59 * (1 - (24 / 32) ** 2), abs=0.015)
+
+
+def test_the_whitening_bias_starts_as_each_reference_leaves_it():
+    """legacy airbench94 zeroes it; airbench94_muon and the 2-second record keep nn.Conv2d's default, uniform in
+    ±1/√fan_in = ±1/√12 for 2×2 filters over 3 channels."""
+    from scipy.stats import kstest
+    bias = lambda recipe: tb.whitening_biases(tb.build_model(cf.hyperparameters(recipe, width=1 / 16), CPU))[0].bias
+    assert torch.equal(bias("fast94"), torch.zeros(24))
+    bound = 1 / 12 ** 0.5
+    for recipe in ("fast94_muon", "fast94_next"):
+        torch.manual_seed(0)
+        draws = torch.cat([bias(recipe).detach() for _ in range(100)]).numpy()
+        assert abs(draws).max() <= bound
+        assert kstest(draws, "uniform", args=(-bound, 2 * bound)).pvalue > 0.001, recipe
