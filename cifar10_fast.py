@@ -56,7 +56,7 @@ BASE = dict(
     # low_res pixels when low_res is set) and test-time augmentation (all views for the tta_fraction of test
     # images the plain pass is least sure of: selective TTA)
     crop_pad=4, flip="random", cutout=8, jitter_brightness=0.0, jitter_contrast=0.0, low_res=0, low_res_epochs=0,
-    tta="none", tta_fraction=1.0,
+    tta="none", tta_fraction=1.0, tta_weights="airbench",
     # network (whiten_act: the activation after the whitening layer, "" for act; the head's initial weights at
     # unit std, and the logits ÷ the head's width as well as × output_scale)
     act="relu", celu_alpha=0.3, pool_first=False, ghost_batch=0, freeze_bn_scale=False,
@@ -83,7 +83,7 @@ CHOICES = dict(
     flip=("none", "random", "alternate"), tta=("none", "flip", "flip_translate"), act=ACTIVATIONS,
     whiten_act=("",) + ACTIVATIONS, whiten_bias_decay=("none", "linear"), whiten_decomp=("eigh", "svd"),
     muon_momentum_dtype=("fp32", "fp16", "bf16"), bn_stats=("running", "last_batch"), block_depth=(2, 3),
-    whiten_bias_init=("zero", "default"),
+    whiten_bias_init=("zero", "default"), tta_weights=("airbench", "equal"),
     whiten_signs=(1, 2),
 )
 
@@ -130,15 +130,16 @@ MUON = dict(batch_size=2000, epochs=8, lookahead_momentum=0.0, param="sum", opti
 # (1 - 0.5566 in PyTorch's); SiLU in the blocks, GELU after the whitening, which is fitted by an SVD of the
 # first 960 images' patches; its bias trains for 0.19 epochs (7 steps); brightness ± 0.1399 and contrast
 # ± 0.1308; 6-view TTA for the quarter of test images the plain pass is least sure of; forward and loss
-# compiled as one step. Ours differs in: bf16 autocast with float32 weights (theirs: fp16 weights), TTA
-# views weighted as airbench94's (theirs: equal), and no rescaling of the Newton–Schulz input before its
-# normalisation (theirs divides it away again).
+# compiled as one step; the 6 TTA views weighted equally (their mean). Ours differs in: bf16 autocast with float32
+# weights (theirs: fp16 weights), and no rescaling of the Newton–Schulz input before its normalisation (theirs
+# divides it away again).
 NEXT = dict(batch_size=1536, epochs=7.59, label_smoothing=0.09, momentum=0.825, lr_values=(0.5415, 0.0),
             bias_lr_mult=0.0573 / 0.5415, whiten_bias_lr_mult=0.0573 / 0.5415, whiten_bias_epochs=0.19,
             weight_decay=1.0418e-6, muon_lr=0.205, muon_momentum=0.655, muon_ns_coeffs=(3.4576, -4.7391, 2.0843),
             muon_batched=True, muon_momentum_dtype="fp16", muon_renorm_every=(2, 17), muon_weight_decay=1.0418e-6,
             bn_momentum=1 - 0.5566, act="silu", whiten_act="gelu", whiten_images=960, whiten_decomp="svd",
-            jitter_brightness=0.1399, jitter_contrast=0.1308, tta_fraction=0.25, compile_step=True)
+            jitter_brightness=0.1399, jitter_contrast=0.1308, tta_fraction=0.25, tta_weights="equal",
+            compile_step=True)
 
 # The "How to train your ResNet" journey (Myrtle.ai, 2018-19), in order: each stage is the stage
 # before it plus `changes`. Numbers are Myrtle's, read from their experiments.ipynb (parts 1-4) and
@@ -384,7 +385,7 @@ def start(hp, data, *, device, dtype, ctx, net=None, forward=None):
         def evaluate(model, final):
             loss, acc = tb.evaluate(model, data["test_images"], data["test_labels"],
                                     tta=hp["tta"] if final else "none", dtype=dtype, memory_format=memory_format,
-                                    tta_fraction=hp["tta_fraction"] if final else 1.0)
+                                    tta_fraction=hp["tta_fraction"] if final else 1.0, tta_weights=hp["tta_weights"])
             return {"test_loss": loss, "test_acc": acc}
         return Run(model=model, forward=step, optimizers=opts, generator=gen,
                    steps=[steps_per_epoch] * math.ceil(total_steps / steps_per_epoch), total_steps=total_steps,
@@ -423,7 +424,7 @@ def warmup(hp, data, *, device, dtype, ctx, net=None, forward=None):
         tb.set_bias_grad(net, state)
         for tta, fraction in dict.fromkeys((("none", 1.0), (hp["tta"], hp["tta_fraction"]))):
             tb.evaluation_sums(evaluated, data["test_images"], data["test_labels"], tta=tta, dtype=dtype,
-                               memory_format=memory_format, tta_fraction=fraction)
+                               memory_format=memory_format, tta_fraction=fraction, tta_weights=hp["tta_weights"])
     tb.set_bias_grad(net, True)
     devices.synchronize(device)
 
@@ -615,9 +616,9 @@ def train(recipe, data=None, *, device=None, runs=1, seed=0, target=0.94, compil
     return last
 
 
-def evaluate(model, images, labels, *, tta="none", stats=None, batch_size=1000):
+def evaluate(model, images, labels, *, tta="none", tta_weights="airbench", stats=None, batch_size=1000):
     """{"loss", "accuracy"} of a trained network (Result.model) on images with test-time augmentation `tta` (none,
-    flip or flip_translate). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by the statistics
+    flip or flip_translate; its views weighted as airbench's or "equal"ly). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by the statistics
     train() keeps on the model, or stats = (mean, std)), or a tensor already normalised on the model's device."""
     if tta not in CHOICES["tta"]:
         raise flag_error("tta", tta, f"must be one of {show_choices(CHOICES['tta'])}")
@@ -629,8 +630,8 @@ def evaluate(model, images, labels, *, tta="none", stats=None, batch_size=1000):
                              "keeps them)")
         images = cd.normalise(images, device, dtype=torch.float32, stats=stats)
     labels = torch.as_tensor(labels, device=device).long()
-    loss, accuracy = tb.evaluate(model, images, labels, tta=tta, dtype=devices.compute_dtype(device),
-                                 batch_size=batch_size, memory_format=devices.memory_format(device))
+    loss, accuracy = tb.evaluate(model, images, labels, tta=tta, tta_weights=tta_weights, batch_size=batch_size,
+                                 dtype=devices.compute_dtype(device), memory_format=devices.memory_format(device))
     return {"loss": loss, "accuracy": accuracy}
 
 

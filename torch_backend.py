@@ -309,34 +309,37 @@ def fit_whitening(model, train_images, size):
 # Evaluation
 # ---------------------------------------------------------------------------------------------
 
-def tta_views(x, mode):
+def tta_views(x, mode, weights="airbench"):
     """(weight, view) pairs whose weighted logits make the prediction.
     flip: the image and its mirror, 1/2 each. flip_translate (Jordan 2024): those two at 1/4 each, and
     the image shifted one pixel up-left and one pixel down-right (reflect-padded), each with its
-    mirror, at 1/8 each."""
+    mirror, at 1/8 each; with weights="equal" every view counts the same (the 2-second record's mean)."""
     if mode == "none":
-        return [(1.0, x)]
-    if mode == "flip":
-        return [(0.5, x), (0.5, x.flip(3))]
-    if mode == "flip_translate":
+        views = [(1.0, x)]
+    elif mode == "flip":
+        views = [(0.5, x), (0.5, x.flip(3))]
+    elif mode == "flip_translate":
         h, w = x.shape[-2:]
         padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
         shifted = [padded[..., :h, :w], padded[..., 2:, 2:]]
-        return [(0.25, x), (0.25, x.flip(3))] + [(0.125, v) for s in shifted for v in (s, s.flip(3))]
-    raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
+        views = [(0.25, x), (0.25, x.flip(3))] + [(0.125, v) for s in shifted for v in (s, s.flip(3))]
+    else:
+        raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
+    return [(1 / len(views), v) for _, v in views] if weights == "equal" else views
 
 
-def tta_logits(model, x, tta, plain=None):
+def tta_logits(model, x, tta, plain=None, *, weights="airbench"):
     """The weighted logits of x's test-time-augmented views (tta_views); `plain`, model(x) when it is already
     known, stands for the first view (the image itself)."""
-    (w0, v0), *views = tta_views(x, tta)
+    (w0, v0), *views = tta_views(x, tta, weights)
     logits = w0 * (model(v0).float() if plain is None else plain)
     for w, v in views:
         logits = logits + w * model(v).float()
     return logits
 
 
-def selective_tta_logits(model, images, tta, fraction, *, batch_size=1000, memory_format=torch.contiguous_format):
+def selective_tta_logits(model, images, tta, fraction, *, batch_size=1000, memory_format=torch.contiguous_format,
+                         weights="airbench"):
     """Selective test-time augmentation (the 2-second record): one plain pass over every image, then the views
     only for the `fraction` of images the plain pass is least sure of (the lowest top softmax probability);
     the others keep their plain logits. The plain logits stand for the first view, so the views cost
@@ -347,13 +350,13 @@ def selective_tta_logits(model, images, tta, fraction, *, batch_size=1000, memor
     logits = plain.clone()
     for i in range(0, len(unsure), batch_size):
         idx = unsure[i:i + batch_size]
-        logits[idx] = tta_logits(model, batch(images[idx]), tta, plain[idx])
+        logits[idx] = tta_logits(model, batch(images[idx]), tta, plain[idx], weights=weights)
     return logits
 
 
 @torch.no_grad()
 def evaluation_sums(model, images, labels, *, tta="none", dtype=torch.float32, batch_size=1000,
-                    memory_format=torch.contiguous_format, tta_fraction=1.0):
+                    memory_format=torch.contiguous_format, tta_fraction=1.0, tta_weights="airbench"):
     """The summed loss and the number of correct predictions of the test-time-augmented prediction (see tta_views;
     with tta_fraction < 1, selective_tta_logits), as one tensor on the images' device: nothing waits for it."""
     was_training = model.training
@@ -361,10 +364,10 @@ def evaluation_sums(model, images, labels, *, tta="none", dtype=torch.float32, b
     with devices.autocast(images.device, dtype):
         if tta_fraction < 1 and tta != "none":
             logits = selective_tta_logits(model, images, tta, tta_fraction, batch_size=batch_size,
-                                          memory_format=memory_format)
+                                          memory_format=memory_format, weights=tta_weights)
         else:
-            logits = torch.cat([tta_logits(model, images[i:i + batch_size].contiguous(memory_format=memory_format), tta)
-                                for i in range(0, len(images), batch_size)])
+            logits = torch.cat([tta_logits(model, images[i:i + batch_size].contiguous(memory_format=memory_format), tta,
+                                           weights=tta_weights) for i in range(0, len(images), batch_size)])
     model.train(was_training)
     return torch.stack([F.cross_entropy(logits, labels, reduction="sum"), (logits.argmax(1) == labels).sum().float()])
 

@@ -270,7 +270,23 @@ def t_scaling(results):
     return scaling.published_table().split("\n")
 
 
-TABLES = {"env": t_env, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
+def t_cpu_accuracy(results):
+    """The record recipes' accuracy at full size on the CPU (the suite's cpu_accuracy piece): n so far, mean ± std,
+    the one-sided p of "mean > 94%", and the mean time of a run on the CPU (not a speed figure)."""
+    rows = []
+    for recipe in ("fast94_next", "fast94_next_lowres", "fast94"):
+        found = sides(results, "cpu_accuracy", recipe)
+        for r, s in found:
+            st = s["stats"]
+            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"]),
+                         pval(st["p_mean_above_target"]), secs(st["time"], std=False)])
+        if not found:
+            rows.append([recipe, "CPU", "see docs/measuring.md", "–", NM, NM, NM])
+    return table(["recipe", "device", "command", "n", "final test accuracy (mean ± std)", "p (mean > 94%)",
+                  "time of a run on this CPU (mean)"], rows)
+
+
+TABLES = {"env": t_env, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
           "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput,

@@ -70,6 +70,7 @@ class Piece:
     compile: str = None
     needs: tuple = ()                # "gpu" (at full size), "nccl", "peer" (some sides)
     extra: list = field(default_factory=list)
+    one_run_at_a_time: bool = False  # each command one run, of the side with the fewest: sides accumulate evenly
 
 
 def journey_stages():
@@ -110,6 +111,14 @@ def pieces():
         Piece("cpu_demo", "cpu", "narrow ResNet-9 on 10,000 real images, 2 epochs, on the CPU (n=4)", "cifar",
               {"myrtle24": 4}, {"myrtle24": "myrtle24"}, {"myrtle24": 0.94},
               extra=["--subset", "10000", "--epochs", "2", "--width", "0.25"]),
+        # Accuracy does not depend on the device (float32 on a CPU is at least as precise as a GPU's bf16), so the
+        # record recipes' accuracy is measured on the CPU too, slowly: full size, the final evaluation alone, one run
+        # at a time and each kept as it finishes, so that runs accumulate across calls and a cut-off run loses itself
+        Piece("cpu_accuracy", "cpu", "the record recipes at full size on the CPU, final evaluation only (accuracy; "
+              "one run at a time)", "cifar", {"fast94_next": 25, "fast94_next_lowres": 25, "fast94": 10},
+              {r: r for r in ("fast94_next", "fast94_next_lowres", "fast94")},
+              {r: 0.94 for r in ("fast94_next", "fast94_next_lowres", "fast94")},
+              extra=["--eval-every", "0"], one_run_at_a_time=True),
     ]
 
 
@@ -341,10 +350,15 @@ def plan(piece, result, *, fp, flops, left_s):
     left = {s: side["n_wanted"] - len(side["runs"]) for s, side in result["sides"].items()}
     per = {s: per_run_s(piece, s, result, fp=fp, flops=flops) for s in left if left[s] > 0}
     setup = setup_s(piece, result)
-    commands = 1 if piece.kind in TOGETHER else len(per)
+    commands = 1 if piece.kind in TOGETHER else sum(left.values()) if piece.one_run_at_a_time else len(per)
     rest = commands * setup + sum(left[s] * per[s] for s in per)
-    group = list(per) if piece.kind in TOGETHER else list(per)[:1]
-    want = {s: left[s] for s in group}
+    if piece.one_run_at_a_time:            # one run of the side with the fewest so far (the first, on a tie)
+        fewest = min(per, key=lambda s: len(result["sides"][s]["runs"]))
+        want = {fewest: 1}
+        group = [fewest]
+    else:
+        group = list(per) if piece.kind in TOGETHER else list(per)[:1]
+        want = {s: left[s] for s in group}
     est = setup + sum(want[s] * per[s] for s in group)
     if left_s is not None and est > left_s:
         share = max(0.0, (left_s - setup) / (est - setup))

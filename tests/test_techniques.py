@@ -481,3 +481,16 @@ def test_the_whitening_bias_starts_as_each_reference_leaves_it():
         draws = torch.cat([bias(recipe).detach() for _ in range(100)]).numpy()
         assert abs(draws).max() <= bound
         assert kstest(draws, "uniform", args=(-bound, 2 * bound)).pvalue > 0.001, recipe
+
+
+def test_the_records_test_time_augmentation_weighs_its_six_views_equally():
+    x = torch.randn(2, 3, 32, 32)
+    assert [w for w, _ in tb.tta_views(x, "flip_translate", "equal")] == [1 / 6] * 6
+    assert [w for w, _ in tb.tta_views(x, "flip_translate")] == [0.25, 0.25] + [0.125] * 4
+    assert cf.hyperparameters("fast94_next")["tta_weights"] == "equal"
+    assert cf.hyperparameters("fast94_muon")["tta_weights"] == "airbench"      # airbench94_muon's tta_level=2
+    model = tb.build_model(cf.hyperparameters("fast94", width=1 / 16), CPU).eval()
+    with torch.no_grad():
+        views = [model(v) for _, v in tb.tta_views(x, "flip_translate")]
+        torch.testing.assert_close(tb.tta_logits(model, x, "flip_translate", weights="equal"),
+                                   torch.stack(views).mean(0))
