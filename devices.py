@@ -11,6 +11,7 @@ import os
 import platform
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 from core import Timer, UsageError
@@ -148,6 +149,12 @@ def host_buffer(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
 
 
+def host_array(shape, dtype, device):
+    """A host_buffer and its numpy view: threads fill the view (numpy releases the GIL), the tensor is copied."""
+    t = host_buffer(shape, dtype, device)
+    return t, t.numpy()
+
+
 def compute_dtype(device, precision="auto"):
     """bf16 on a CUDA GPU (batch-norm statistics and optimiser state stay float32), float32 on other devices."""
     if precision == "auto":
@@ -235,3 +242,27 @@ def keep_alive(tensor, device):
     its memory is not handed on before that stream's work on it has run."""
     if overlaps(device):
         tensor.record_stream(torch.cuda.current_stream(device))
+
+
+DECODERS = ("auto", "cpu", "gpu")
+
+
+def jpeg_decoder(device, choice="auto"):
+    """Where JPEG records are decoded: "gpu" (nvJPEG, batched, through torchvision) on a CUDA device, else "cpu"
+    (PIL on a thread pool). "gpu" on another device is a ValueError, said in one line."""
+    if choice not in DECODERS:
+        raise ValueError(f"--decoder {choice}: choose from {', '.join(DECODERS)}")
+    cuda = torch.device(device).type == "cuda"
+    if choice == "gpu" and not cuda:
+        raise ValueError(f"--decoder gpu needs a CUDA device (nvJPEG); this run is on {device}")
+    return ("gpu" if cuda else "cpu") if choice == "auto" else choice
+
+
+def decode_jpeg(records, device):
+    """nvJPEG through torchvision: a list of encoded JPEGs (uint8 numpy arrays) -> a list of CHW uint8 RGB images on
+    device, decoded in one batched call (torchvision's own GPU decoder: no extra install; docs/perf-notes.md)."""
+    import warnings
+    from torchvision.io import ImageReadMode, decode_jpeg as decode
+    with warnings.catch_warnings():     # deprecated in torchvision 0.29 for TorchCodec's, which needs torch >= 2.11
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return decode([torch.from_numpy(np.asarray(r)) for r in records], mode=ImageReadMode.RGB, device=device)

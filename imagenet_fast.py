@@ -1,25 +1,22 @@
 """The CIFAR-10 speed-run loop at ImageNet scale, on one GPU or, under torchrun, on many.
 
-    python imagenet_fast.py prepare --src /data/imagenet --dst /data/in128 --size 128
-    python imagenet_fast.py train --store /data/in128 --recipe rn50_16ep --out rn50.json
+    python imagenet_fast.py prepare --src /data/imagenet --dst /data/in500            # JPEG, longer side <= 500
+    python imagenet_fast.py train --store /data/in500 --recipe rn50_16ep --out rn50.json
+    python imagenet_fast.py prepare --src /data/imagenet --dst /data/in128 --format raw --size 128
     python imagenet_fast.py train --list-recipes
-    python imagenet_fast.py train --store S --device cpu --model resnet_tiny --width 8 --epochs 2   # CPU demo
+    python imagenet_fast.py train --store S --device cpu --recipe tiny --epochs 2       # CPU demo
 
-`prepare` decodes an ImageFolder tree (train/<class>/*.JPEG, val/<class>/*.JPEG) once, in worker
-processes, into a uint8 store that `train` memory-maps (imagenet_store.py; README.md, "ImageNet", gives
-the format). `train` keeps the store on the GPU when it fits, else streams batches from pinned host
-memory; augmentation (random-resized crop, flip, colour jitter) runs batched on the device.
-Every hyperparameter is in BASE; a recipe is a dict of changes; any of them is also a flag.
-This file holds the loader, augmentation, models, schedules, training loop, recipes and command line:
-about 700 lines, kept together because each piece serves the one training loop and reads best beside it.
+`prepare` writes an ImageFolder tree (train/<class>/*, val/<class>/*) once, in worker processes, into a store that
+`train` memory-maps (imagenet_store.py; docs/imagenet.md gives the format). `train` draws random-resized crops of
+the whole image, decodes them on the GPU or the CPU's threads, and augments them on the device (imagenet_data.py).
+Every hyperparameter is in BASE; a recipe is a dict of changes; any of them is also a flag. This file holds the
+models, the ImageNet parts of the training loop (loop.py), the recipes and the command line.
 """
 import argparse
 import io
-import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision
@@ -29,221 +26,15 @@ import devices
 import distributed as D
 import loop
 import scaling
-from cli import (add_shared_flags, check_run, check_values, flag_error, interrupted, overrides_from, recipe_values,
-                 run_in_ranks, run_record)
+from cli import (add_shared_flags, check_run, check_values, flag_error, interrupted, one_of, overrides_from,
+                 recipe_values, run_in_ranks, run_record)
 from core import (DataError, Frozen, Parser, Table, UsageError, check_output, print_summary, summarize_runs,
                   write_json)
-from imagenet_store import open_store, prepare
+from imagenet_data import draw_epoch, evaluate, place, train_batches
+from imagenet_store import FORMATS, Settings, open_store, prepare
 from loop import Run
 from optim import optimizer, param_groups_no_decay_1d
 from schedules import batch_for, lr_at, per_rank_batch, res_at
-
-MEAN = (123.675, 116.28, 103.53)  # the usual ImageNet statistics, 0..255 scale
-STD = (58.395, 57.12, 57.375)
-
-# ---------------------------------------------------------------------------------------------
-# The store in memory and batches from it
-# ---------------------------------------------------------------------------------------------
-
-def place(store, device, where="auto", ctx=None, seed=0):
-    """Torch tensors of the store: on the device when asked or when they fit in 80% of its free
-    memory, else in host memory (pinned when the device is a GPU, so copies can be asynchronous).
-
-    One process takes the whole store; on a CPU, the memory-mapped files themselves (nothing is read
-    until used). Under torchrun (ctx.distributed) a rank takes its share alone: the training images of
-    D.stratified_share (every class in proportion; the partition is seeded and fixed for the run) and its
-    contiguous part of the validation set, copied out of the memory-mapped files by copy_rows, so a
-    rank's memory (or GPU) holds 1/world of the store, never all of it.
-    """
-    ctx = ctx or D.Context()
-    offsets = np.concatenate([[0], np.cumsum(store.val_shapes.prod(1) * 3)])
-    val = D.part(len(store.val_y), ctx.rank, ctx.world_size)
-    train = (D.stratified_share(store.train_y, ctx.rank, ctx.world_size, seed) if ctx.distributed
-             else range(len(store.train_y)))
-    picks = {"train_x": (store.train_x, train), "train_y": (store.train_y, train),
-             "val_x": (store.val_x, range(offsets[val.start], offsets[val.stop])), "val_y": (store.val_y, val)}
-    where = devices.store_place(sum(len(rows) * a[:1].nbytes for a, rows in picks.values()), device, where)
-    t = {}
-    for k, (a, rows) in picks.items():
-        if devices.is_cpu(device) and not ctx.distributed:
-            t[k] = torch.from_numpy(a)           # the memory-mapped file as it is
-            continue
-        shape, dtype = (len(rows),) + a.shape[1:], torch.from_numpy(a[:0]).dtype
-        t[k] = (torch.empty(shape, dtype=dtype, device=device) if where == "device"
-                else devices.host_buffer(shape, dtype, device))
-        copy_rows(a, rows, t[k])
-    t["val_shapes"] = store.val_shapes[val.start:val.stop]
-    t["where"] = where
-    return t
-
-
-def copy_rows(src, rows, out, chunk_bytes=256 << 20):
-    """Copies src[rows] into the tensor out (host, pinned or device memory): src a memory-mapped array,
-    rows a range or an increasing index array. A chunk at a time, so only those rows' pages are read and
-    host memory holds no more than one chunk besides out."""
-    per = max(1, chunk_bytes // max(1, src[:1].nbytes))
-    for i in range(0, len(rows), per):
-        chunk = rows[i:i + per]
-        pick = slice(chunk.start, chunk.stop) if isinstance(chunk, range) else chunk
-        out[i:i + len(chunk)].copy_(torch.from_numpy(np.ascontiguousarray(src[pick])))
-
-
-def train_batches(x, y, perm, bs, device):
-    """(uint8 NHWC images, labels) on the device for each full batch of perm.
-
-    From host memory on a GPU: the next batch is gathered into one of two pinned buffers and
-    copied on a side stream while the current one computes.
-    """
-    steps = len(perm) // bs
-    if devices.same(x.device, device) or not devices.overlaps(device):
-        for i in range(steps):
-            idx = perm[i * bs:(i + 1) * bs].to(x.device)
-            yield x[idx].to(device), y[idx].to(device)
-        return
-    side = devices.side_stream(device)
-    bufs = [(devices.host_buffer((bs,) + tuple(x.shape[1:]), x.dtype, device), devices.host_buffer(bs, y.dtype, device))
-            for _ in range(2)]
-    copied = [None, None]
-
-    def load(i):
-        b = i % 2
-        if copied[b] is not None:
-            devices.wait_host(copied[b])  # the buffer's previous copy must have left it
-        idx = perm[i * bs:(i + 1) * bs]
-        torch.index_select(x, 0, idx, out=bufs[b][0])
-        torch.index_select(y, 0, idx, out=bufs[b][1])
-        with devices.on_stream(side):
-            xb, yb = (t.to(device, non_blocking=True) for t in bufs[b])
-            copied[b] = devices.record(side)
-        return xb, yb, copied[b]
-
-    nxt = load(0) if steps else None
-    for i in range(steps):
-        xb, yb, ev = nxt
-        devices.wait(ev, device)
-        devices.keep_alive(xb, device)
-        devices.keep_alive(yb, device)
-        if i + 1 < steps:
-            nxt = load(i + 1)
-        yield xb, yb
-
-
-def draw_crops(n, scale, ratio, generator, tries=10):
-    """Random-resized-crop boxes for n square images as fractions of the side: width, height,
-    centre x, centre y, and a flip bit. Like torchvision's RandomResizedCrop: area fraction
-    uniform in `scale`, log aspect uniform in log `ratio`, the first of `tries` draws that fits,
-    else the whole image; all n images in a few tensor calls."""
-    area = torch.empty(n, tries).uniform_(scale[0], scale[1], generator=generator)
-    logr = torch.empty(n, tries).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=generator)
-    w, h = (area * logr.exp()).sqrt(), (area / logr.exp()).sqrt()
-    fits = (w <= 1) & (h <= 1)
-    first = fits.to(torch.uint8).argmax(1, keepdim=True)
-    w, h = w.gather(1, first)[:, 0], h.gather(1, first)[:, 0]
-    w, h = torch.where(fits.any(1), w, 1.0), torch.where(fits.any(1), h, 1.0)
-    u = torch.rand(n, 3, generator=generator)
-    return {"w": w, "h": h, "cx": w / 2 + (1 - w) * u[:, 0], "cy": h / 2 + (1 - h) * u[:, 1], "flip": u[:, 2] < 0.5}
-
-
-def crop_resize(x, c, res):
-    """Samples each image's box (draw_crops) at res×res with one affine grid_sample for the batch;
-    x is float NCHW. A flip is the box mirrored (negative x scale)."""
-    n = x.shape[0]
-    sign = 1 - 2 * c["flip"].to(x.dtype) if "flip" in c else torch.ones(n, device=x.device, dtype=x.dtype)
-    theta = torch.zeros(n, 2, 3, device=x.device, dtype=x.dtype)
-    theta[:, 0, 0], theta[:, 0, 2] = c["w"] * sign, 2 * c["cx"] - 1
-    theta[:, 1, 1], theta[:, 1, 2] = c["h"], 2 * c["cy"] - 1
-    grid = F.affine_grid(theta, (n, x.shape[1], res, res), align_corners=False)
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
-
-
-def jitter(x, strength, generator):
-    """Brightness, contrast and saturation, each × a factor uniform in 1 ± strength, per image
-    (x float NCHW on 0..255)."""
-    f = 1 + strength * (2 * torch.rand(3, x.shape[0], 1, 1, 1, generator=generator) - 1)
-    f = f.to(x.device)
-    x = x * f[0]
-    mean = x.mean((1, 2, 3), keepdim=True)
-    x = (x - mean) * f[1] + mean
-    gray = (x * torch.tensor([0.299, 0.587, 0.114], device=x.device).view(1, 3, 1, 1)).sum(1, keepdim=True)
-    return ((x - gray) * f[2] + gray).clamp(0, 255)
-
-
-def normalize(x):
-    mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
-    return (x - mean) / std
-
-
-def augment(xb, crops, res, hp, generator, dtype, memory_format):
-    """uint8 NHWC batch -> augmented, normalised compute-dtype NCHW batch at res×res."""
-    x = crop_resize(xb.permute(0, 3, 1, 2).float(), crops, res)
-    if hp["jitter"]:
-        x = jitter(x, hp["jitter"], generator)
-    return normalize(x).to(dtype).contiguous(memory_format=memory_format)
-
-
-def augmented_batches(data, hp, perm, crops, res, bs, generator, device, dtype, memory_format):
-    """The training batches of one epoch, in the order of perm: gathered (train_batches), cropped at each image's
-    box of crops (draw_crops), resized to res and augmented on the device (augment); the last partial batch is
-    dropped. The throughput benchmark reads the same batches."""
-    for i, (xb, yb) in enumerate(train_batches(data["train_x"], data["train_y"], perm, bs, device)):
-        c = {k: v[i * bs:(i + 1) * bs].to(device, non_blocking=True) for k, v in crops.items()}
-        yield augment(xb, c, res, hp, generator, dtype, memory_format), yb
-
-
-def val_batches(shapes, batch_size):
-    """(first image, count, h, w) of each validation batch: runs of one shape, cut at batch_size.
-    Images are stored sorted by shape, so a batch is one contiguous slice: no per-image work."""
-    out, i = [], 0
-    while i < len(shapes):
-        j = i
-        while j < len(shapes) and j - i < batch_size and (shapes[j] == shapes[i]).all():
-            j += 1
-        out.append((i, j - i, int(shapes[i][0]), int(shapes[i][1])))
-        i = j
-    return out
-
-
-@torch.no_grad()
-def validation_sums(model, data, size, res, tta, device, dtype, memory_format, batch_size=256):
-    """Rectangular evaluation of the validation images this process holds: each batch (one aspect ratio) is resized
-    so its shorter side is res, no centre crop. The summed loss, top-1 and top-5 counts and the number of images,
-    as one float64 tensor on the device: nothing waits for it."""
-    was_training = model.training
-    model.eval()
-    shapes = data["val_shapes"]
-    offsets = np.concatenate([[0], np.cumsum(shapes.prod(1) * 3)])
-    # loss, top-1, top-5 summed on the device and read once (no wait per batch), and the images counted
-    totals = torch.tensor([0.0, 0.0, 0.0, len(shapes)], dtype=torch.float64, device=device)
-    for i, n, h, w in val_batches(shapes, batch_size):
-        x = data["val_x"][offsets[i]:offsets[i + n]].to(device, non_blocking=True).view(n, h, w, 3)
-        y = data["val_y"][i:i + n].to(device)
-        x = x.permute(0, 3, 1, 2).float()
-        if res != size:
-            x = F.interpolate(x, size=(round(h * res / size), round(w * res / size)), mode="bilinear",
-                              antialias=res < size, align_corners=False)
-        x = normalize(x).to(dtype).contiguous(memory_format=memory_format)
-        with devices.autocast(device, dtype):
-            logits = model(x).float()
-            if tta == "flip":
-                logits = (logits + model(x.flip(3)).float()) / 2
-        top = logits.topk(min(5, logits.shape[1]), 1).indices
-        totals[:3] += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(),
-                                   (top[:, 0] == y).sum().double(), (top == y[:, None]).any(1).sum().double()])
-    model.train(was_training)
-    return totals
-
-
-def evaluate(model, data, size, res, tta, device, dtype, memory_format, batch_size=256, ctx=None):
-    """Mean loss, top-1 and top-5 accuracy over the validation set (validation_sums, read once). Under torchrun each
-    rank evaluates the part of the validation set it holds (place) and the sums are added over ranks, so every rank
-    returns the whole set's figures."""
-    totals = validation_sums(model, data, size, res, tta, device, dtype, memory_format, batch_size)
-    if ctx is not None and ctx.distributed:
-        torch.distributed.all_reduce(totals)
-    loss, top1, top5, m = totals.tolist()
-    return loss / m, top1 / m, top5 / m
-
 
 # ---------------------------------------------------------------------------------------------
 # Models
@@ -314,11 +105,13 @@ def warmup(hp, data, *, classes, device, dtype, world=1):
     model = build_model(hp, classes).to(device, memory_format=memory_format)
     opt = make_optimizer(model, hp)
     gen = torch.Generator().manual_seed(0)
+    n = len(data.train_rows)
     for res, bs in sorted({(res_at(hp, e), batch_for(hp, e, world)) for e in range(hp["epochs"])}):
-        bs = min(bs, len(data["train_y"]))
-        perm = torch.arange(2 * bs) % len(data["train_y"])
-        crops = draw_crops(2 * bs, hp["crop_scale"], hp["crop_ratio"], gen)
-        for x, y in augmented_batches(data, hp, perm, crops, res, bs, gen, device, dtype, memory_format):
+        bs = min(bs, n)
+        draws = draw_epoch(data, hp, gen)
+        draws.perm = torch.arange(2 * bs) % n
+        for x, y in train_batches(data, hp, draws, res=res, batch_size=bs, generator=gen, device=device, dtype=dtype,
+                                  memory_format=memory_format):
             with devices.autocast(device, dtype):
                 F.cross_entropy(model(x).float(), y).backward()
             opt.step()
@@ -326,12 +119,12 @@ def warmup(hp, data, *, classes, device, dtype, world=1):
     devices.synchronize(device)
 
 
-def start(hp, data, *, classes, size, device, dtype, ctx, bucket_mb=25.0, hook="none"):
+def start(hp, data, *, classes, device, dtype, ctx, bucket_mb=25.0, hook="none"):
     """The builder of a run that loop.train calls once torch's seed is set: start(seed) builds the network, its
     optimiser and the generator of the data pipeline's draws (on the CPU), and returns the loop.Run that trains it on
     `data` (place(); under torchrun this rank's share), each epoch at its resolution and this rank's batch, the
     learning rate per lr_scale_base images of the global batch (Goyal et al.'s linear scaling)."""
-    world, memory_format, n = ctx.world_size, devices.memory_format(device), len(data["train_y"])
+    world, memory_format, n = ctx.world_size, devices.memory_format(device), len(data.train_rows)
     batches = [min(batch_for(hp, e, world), n) for e in range(hp["epochs"])]
     steps = [n // bs for bs in batches]
 
@@ -342,20 +135,16 @@ def start(hp, data, *, classes, size, device, dtype, ctx, bucket_mb=25.0, hook="
         forward = D.register_comm_hook(D.wrap_ddp(model, ctx, bucket_mb), hook) if ctx.distributed else model
 
         def epoch_batches(epoch):
-            perm = torch.randperm(n, generator=gen)
-            crops = draw_crops(n, hp["crop_scale"], hp["crop_ratio"], gen)
-            if not hp["flip"]:
-                crops.pop("flip")
-            return augmented_batches(data, hp, perm, crops, res_at(hp, epoch), batches[epoch], gen, device, dtype,
-                                     memory_format)
+            return train_batches(data, hp, draw_epoch(data, hp, gen), res=res_at(hp, epoch), batch_size=batches[epoch],
+                                 generator=gen, device=device, dtype=dtype, memory_format=memory_format)
 
         def schedule(epoch, i, step):
             clock = epoch + i / steps[epoch]
             return lr_at(hp, clock) * batches[epoch] * world / hp["lr_scale_base"], clock
 
         def validate(model, final):
-            loss, top1, top5 = evaluate(model, data, size, hp["val_res"], hp["tta"] if final else "none", device,
-                                        dtype, memory_format, ctx=ctx)
+            loss, top1, top5 = evaluate(model, data, hp, tta=hp["tta"] if final else "none", device=device,
+                                        dtype=dtype, memory_format=memory_format, ctx=ctx)
             return {"val_loss": loss, "top1": top1, "top5": top5}
 
         def example(epoch):
@@ -384,7 +173,7 @@ BASE = dict(
     momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.1,
     min_res=160, max_res=192, res_start_epoch=11, res_end_epoch=13, res_step=32, batch_scale=False,
     crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True, jitter=0.0,
-    val_res=256, tta="flip", ema_momentum=0.0, ema_every=1, lookahead_momentum=0.0, lookahead_every=5,
+    val_res=256, val_crop=0.875, tta="flip", ema_momentum=0.0, ema_every=1, lookahead_momentum=0.0, lookahead_every=5,
     # large-batch options (optim.py, distributed.py, as in cifar10_fast.py)
     batch_schedule=(), optimizer="sgd", lars_trust=0.001, rms_lr=1e-3, rms_beta_center=10.0, rms_beta_period=5.0,
     bn_stats="running", comm_hook="none",
@@ -398,14 +187,14 @@ POSITIVE = ("epochs", "batch_size", "width", "min_res", "max_res", "res_step", "
             "lookahead_every")
 NOT_NEGATIVE = ("lr", "warmup_epochs", "weight_decay", "jitter", "lars_trust", "rms_lr", "res_start_epoch",
                 "res_end_epoch")
-FRACTIONS = ("momentum", "label_smoothing", "ema_momentum", "lookahead_momentum", "warmup_start")
+FRACTIONS = ("momentum", "label_smoothing", "ema_momentum", "lookahead_momentum", "warmup_start", "val_crop")
 
 # What the three cluster recipes share: torchvision's ResNet-50 (no BlurPool) for 90 epochs, at 224 px throughout,
 # momentum SGD 0.9 with weight decay 1e-4 off batch norm and biases, no label smoothing unless said, validated at
 # 224 px without test-time augmentation; lr per 256 images (Goyal's linear scaling).
 CLUSTER = dict(model="resnet50", blurpool=False, epochs=90, min_res=224, max_res=224, res_start_epoch=0,
                res_end_epoch=0, res_step=32, momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.0,
-               val_res=224, tta="none")
+               val_res=224, val_crop=0.875, tta="none")
 
 # Epochs, resolution ramps, lr, weight decay, label smoothing and blurpool follow FFCV's published
 # configs (libffcv/ffcv-imagenet rn50_configs/, rn18_configs/): rn50 lr 1.7 for 8 GPUs x 512
@@ -422,8 +211,8 @@ RECIPES = {
     "rn18_88ep": dict(doc="ResNet-18, 88 epochs, res 160->192 (published by FFCV: 72.4% top-1 in 187.3 min on 1 A100)",
                       model="resnet18", batch_size=1024, lr=0.125, weight_decay=5e-5, epochs=88,
                       res_start_epoch=65, res_end_epoch=76),
-    # The cluster papers, ResNet-50 for 90 epochs at 224 px, at the settings they publish (docs/cluster-presets.md
-    # gives each setting's source, and marks what their texts, as we could read them, leave open and we assumed)
+    # The cluster papers, ResNet-50 for 90 epochs at 224 px, at the settings they publish (docs/imagenet.md, "The
+    # cluster papers' recipes", gives each setting's source, and what their texts leave open and we assumed)
     "goyal_8k": dict(doc="Goyal et al. 2017: batch 8,192, lr 0.1 per 256 (3.2) after a 5-epoch warm-up from 0.1, "
                          "x0.1 at epochs 30/60/80, zero-init residual BN (published: 76.3% top-1 in 1 hour on 256 P100s)",
                      **CLUSTER, batch_size=8192, lr=0.1, warmup_epochs=5.0, warmup_start=256 / 8192, schedule="step",
@@ -441,7 +230,7 @@ RECIPES = {
     "tiny": dict(doc="resnet_tiny width 16 for tests and CPU demonstrations on small stores (res 32, 8 epochs)",
                  model="resnet_tiny", blurpool=False, epochs=8, batch_size=32, lr=0.2, warmup_epochs=1.0,
                  weight_decay=5e-5, min_res=32, max_res=32, res_start_epoch=0, res_end_epoch=0, res_step=8,
-                 crop_scale=(0.35, 1.0), val_res=32, tta="none"),
+                 crop_scale=(0.35, 1.0), val_res=32, val_crop=0.0, tta="none"),
 }
 
 
@@ -480,7 +269,8 @@ def check_train(args):
             ("store", not args.store, "is required (a folder written by `imagenet_fast.py prepare`)"),
             ("resume", args.resume and not args.checkpoint, "needs --checkpoint"),
             ("resume", args.resume and args.runs > 1, "works with a single run"),
-            ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint")):
+            ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint"),
+            ("loader-threads", args.loader_threads is not None and args.loader_threads < 1, "must be positive")):
         if bad:
             raise UsageError(f"--{flag} {message}")
     check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
@@ -493,8 +283,13 @@ def parse_args(argv=None):
     pp = sub.add_parser("prepare", help="decode an ImageFolder tree into a store")
     pp.add_argument("--src", required=True, help="folder with train/<class>/* and val/<class>/*")
     pp.add_argument("--dst", required=True, help="store folder to write (resumes if partly written)")
-    pp.add_argument("--size", type=int, default=128, help="shorter side of stored images (default 128)")
-    pp.add_argument("--workers", type=int, default=None, help="decoding processes (default: CPU count)")
+    pp.add_argument("--format", default="jpeg", type=one_of(FORMATS, str),
+                    help="jpeg: whole images, longer side <= --max-side, for full-quality training (default); "
+                         "raw: uint8 pixels at --size, for low-resolution work")
+    pp.add_argument("--max-side", type=int, default=500, help="jpeg: longest side kept (default 500, as FFCV)")
+    pp.add_argument("--quality", type=int, default=90, help="jpeg: quality of re-encoded images (default 90)")
+    pp.add_argument("--size", type=int, default=128, help="raw: shorter side of stored images (default 128)")
+    pp.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPU count)")
     pp.add_argument("--shard-size", type=int, default=1000, help="images per shard, the unit of resumption")
     pp.add_argument("--max-aspect", type=float, default=2.0, help="longest val aspect kept (default 2)")
     pp.add_argument("--max-shards", type=int, default=None, help="stop after decoding this many new shards")
@@ -505,6 +300,10 @@ def parse_args(argv=None):
     tp.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
     tp.add_argument("--data-on", default="auto", choices=["auto", "device", "host"],
                     help="where the store lives (auto: on the device if it fits)")
+    tp.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS, str),
+                    help="where a JPEG store is decoded (auto: nvJPEG on a CUDA GPU, else the CPU's threads)")
+    tp.add_argument("--loader-threads", type=int, default=None,
+                    help="CPU decoding threads per process (default: CPU count / processes on the node)")
     tp.add_argument("--target", type=float, default=0.75, help="top-1 whose first epoch stops the clock")
     tp.add_argument("--checkpoint", default=None, help="checkpoint file, written atomically after every epoch")
     tp.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
@@ -521,15 +320,19 @@ def parse_args(argv=None):
 
 def main_prepare(args):
     try:
-        index = prepare(args.src, Path(args.dst), args.size, args.workers, args.shard_size, args.max_aspect,
-                        args.max_shards)
+        settings = Settings(format=args.format, size=args.size, max_side=args.max_side, quality=args.quality,
+                            max_aspect=args.max_aspect)
+        index = prepare(args.src, Path(args.dst), settings, workers=args.workers, shard_size=args.shard_size,
+                        max_shards=args.max_shards)
     except (DataError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
     if index is None:
         return 3
+    shape = (f"longer side <= {args.max_side}" if args.format == "jpeg" else f"size {args.size}")
+    gb = (index["train"]["bytes"] + index["val"]["bytes"]) / 1e9
     print(f"wrote {args.dst}: {len(index['classes'])} classes, {index['train']['count']} train and "
-          f"{index['val']['count']} val images at size {index['size']}; "
+          f"{index['val']['count']} val images, {args.format} at {shape}, {gb:.3f} GB; "
           f"{index['train']['skipped'] + index['val']['skipped']} unreadable files skipped")
     return 0
 
@@ -566,17 +369,24 @@ def run(args, hp, *, ctx, hook, argv):
         return 2
     dtype = devices.compute_dtype(device, args.precision)
     try:
+        decoder = devices.jpeg_decoder(device, args.decoder)
+    except ValueError as e:
+        say(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         store = open_store(args.store)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)     # every rank: each may read a store of its own node's
         return 1
-    size, classes = store.index["size"], len(store.index["classes"])
-    data = place(store, device, args.data_on, ctx, args.seed)     # under torchrun, this rank's share alone
+    classes = len(store.index["classes"])
+    data = place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
+                 threads=args.loader_threads)     # under torchrun, this rank's share alone
+    held = (("jpeg store, decoded on the GPU (nvJPEG)" if decoder == "gpu" else
+             f"jpeg store, decoded by {data.threads} CPU threads") if store.format == "jpeg" else f"raw store of size {store.size} in {data.where} memory")
     say(f"recipe {args.recipe} on {devices.name(device)} ({device}, {str(dtype)[6:]}), "
-        f"{len(store.train_y)} train and {len(store.val_y)} val images, {classes} classes, "
-        f"store size {size} in {data['where']} memory"
+        f"{len(store.train)} train and {len(store.val)} val images, {classes} classes, {held}"
         + (f", {ctx.world_size} ranks of {batch} images per step, each holding "
-           f"{len(data['train_y'])} train images" if ctx.distributed else ""))
+           f"{len(data.train_rows)} train images" if ctx.distributed else ""))
     if not devices.is_cpu(device):
         devices.autotune(device)
         warmup(hp, data, classes=classes, device=device, dtype=dtype, world=ctx.world_size)
@@ -589,7 +399,7 @@ def run(args, hp, *, ctx, hook, argv):
         if args.out and ctx.is_main:
             write_json(args.out, run_record({
                 "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "store": str(args.store),
-                "store_size": size, "data_on": data["where"], "complete": complete, "runs": runs,
+                "store_format": store.format, "data_on": data.where, "decoder": decoder, "complete": complete, "runs": runs,
                 "summary": summarize_runs(runs, args.target, labels, "final_top1")}, args, argv=argv, device=device,
                 ctx=ctx))
 
@@ -606,7 +416,7 @@ def run(args, hp, *, ctx, hook, argv):
             table.append(row)
             epochs_done.append(row["epoch"])
         try:
-            result = loop.train(start(hp, data, classes=classes, size=size, device=device, dtype=dtype, ctx=ctx,
+            result = loop.train(start(hp, data, classes=classes, device=device, dtype=dtype, ctx=ctx,
                                       bucket_mb=args.bucket_mb, hook=hook), hp,
                                 device=device, seed=seed, dtype=dtype, ctx=ctx, target=args.target,
                                 eval_every=args.eval_every, on_epoch=epoch_done, checkpoint=ckpt, resume=args.resume,

@@ -1,29 +1,76 @@
-"""The ImageNet store: an ImageFolder tree of JPEGs (train/<class>/*, val/<class>/*) decoded once, in worker
-processes and in resumable shards, into uint8 arrays that training memory-maps; opening such a store; and a
-generator of small ImageFolder trees for tests and benchmarks. No torch: the store is plain numpy files
-(README.md, "ImageNet", gives the format).
+"""The ImageNet store: an ImageFolder tree (train/<class>/*, val/<class>/*) written once, by worker processes,
+into one indexed file per split that training memory-maps; opening such a store; and a generator of small
+ImageFolder trees for tests and benchmarks. No torch: the store is plain bytes and numpy (docs/imagenet.md,
+"The store", gives the format).
+
+Two formats, one layout:
+  jpeg  every image whole, its longer side at most max_side (500, as FFCV recommends), as a baseline RGB JPEG
+        (re-encoded at `quality`, or the source file's own bytes when it already is one and fits): full-quality
+        training, random-resized crops of the whole photo, decoded on the GPU or the CPU's threads.
+  raw   uint8 pixels. Training images: the whole image stretched to size x size (so a crop of any part of the photo
+        is a box of the square; its true shape is kept in the index); validation images: shorter side `size`,
+        rectangular. For low-resolution work (quick ablations, a 128 px phase), where decoding would cost more
+        than the step.
+
+A split's file: its records back to back, then its index (a .npy array of ROW: offset, nbytes, height, width,
+label), then a 16-byte footer (MAGIC, the index's offset as a little-endian uint64).
 """
 import hashlib
+import io
 import json
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from core import DataError, UsageError, die_with_parent, write_atomic, write_json
+from core import DataError, UsageError, die_with_parent, write_json
 
-STORE_VERSION = 2        # 2: landscape validation images stored as such (1 stored them as portrait strips)
+STORE_VERSION = 3      # 3: one indexed file per split, jpeg or raw, whole images (2 kept a centre square per image)
+FORMATS = ("jpeg", "raw")
 EXTENSIONS = {".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".webp"}
+ROW = np.dtype([("offset", "<i8"), ("nbytes", "<i8"), ("height", "<i4"), ("width", "<i4"), ("label", "<i4")])
+MAGIC = b"IMSTORE3"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """How prepare stores each image (the flags of prepare that shape the store)."""
+    format: str = "jpeg"
+    size: int = 128          # raw: the shorter side (training records are size x size)
+    max_side: int = 500      # jpeg: the longer side at most
+    quality: int = 90        # jpeg: the encoder's quality, for images re-encoded
+    max_aspect: float = 2.0  # raw validation: the longest aspect kept
+
+    @property
+    def step(self):
+        return max(1, self.size // 8)
+
+
+def check_prepare(settings, *, workers=None, shard_size=1000, max_shards=None):
+    """Raises UsageError naming the first of prepare's settings out of its range (they are its flags)."""
+    s = settings
+    for flag, value, ok, why in (
+            ("format", s.format, s.format in FORMATS, f"must be one of {', '.join(FORMATS)}"),
+            ("size", s.size, s.size >= 8, "must be at least 8"),
+            ("max-side", s.max_side, s.max_side >= 8, "must be at least 8"),
+            ("quality", s.quality, 1 <= s.quality <= 100, "must be 1..100"),
+            ("workers", workers, workers is None or workers >= 1, "must be positive"),
+            ("shard-size", shard_size, shard_size >= 1, "must be positive"),
+            ("max-aspect", s.max_aspect, s.max_aspect >= 1, "must be at least 1 (the longer side over the shorter)"),
+            ("max-shards", max_shards, max_shards is None or max_shards >= 1, "must be positive")):
+        if not ok:
+            raise UsageError(f"--{flag} {value:g}: {why}" if isinstance(value, float) else f"--{flag} {value}: {why}")
+
 
 # ---------------------------------------------------------------------------------------------
-# prepare: ImageFolder tree -> store
+# One image
 # ---------------------------------------------------------------------------------------------
-
 
 def list_split(src, split, classes=None):
     """(classes, [(path, label)], empty class names) of src/split/<class>/<image>.
@@ -54,138 +101,164 @@ def list_split(src, split, classes=None):
 
 
 def val_shape(w, h, size, max_aspect, step):
-    """Validation image (width, height): shorter side = size, longer side rounded to a multiple of `step`
-    (so few distinct shapes exist and a batch of one shape needs no resizing) and capped at
-    max_aspect × size."""
+    """A rectangular view's (width, height): shorter side = size, longer side rounded to a multiple of `step` (so few
+    distinct shapes exist and a batch of one shape needs no padding) and capped at max_aspect x size."""
     long_ = min(max(w, h) * size / min(w, h), max_aspect * size)
     long_ = max(size, int(round(long_ / step)) * step)
     return (long_, size) if w >= h else (size, long_)  # (out_w, out_h): a landscape photo stays wider than tall
 
 
-def load_image(path, size, train, max_aspect=2.0, step=16):
-    """Decodes one image to uint8 HWC.
+def centre_box(w, h, ow, oh):
+    """The largest centred box of the output's aspect ratio: what is cut so the output is reached by scaling alone."""
+    s = max(ow / w, oh / h)
+    cw, ch = ow / s, oh / s
+    return (max(0.0, (w - cw) / 2), max(0.0, (h - ch) / 2), min(w, (w + cw) / 2), min(h, (h + ch) / 2))
 
-    Train: the centre square of the shorter side, resized to size×size (keeps the whole image for
-    a square photo, cuts 1/8 off each end of a 4:3 one; random-resized crops are taken from it).
-    Val: the aspect ratio is kept (see val_shape); a sliver is cut off the longer side so that
-    the rounded shape is reached by cropping, not stretching.
-    """
+
+def encode_image(path, split, settings):
+    """One image as the store keeps it: (record bytes, height, width); decoding failures raise."""
+    s = settings
     with Image.open(path) as im:
-        im.draft("RGB", (size, size))  # JPEG: let libjpeg decode at a reduced scale (>= size)
-        im = im.convert("RGB")          # the full decode: truncated or corrupt files raise here
         w, h = im.size
-        ow, oh = (size, size) if train else val_shape(w, h, size, max_aspect, step)
-        s = max(ow / w, oh / h)  # scale that covers the output, then crop the centre
-        cw, ch = ow / s, oh / s
-        box = (max(0.0, (w - cw) / 2), max(0.0, (h - ch) / 2), min(w, (w + cw) / 2), min(h, (h + ch) / 2))
-        return np.asarray(im.resize((ow, oh), Image.BILINEAR, box=box), dtype=np.uint8)
+        if s.format == "jpeg":
+            scale = min(1.0, s.max_side / max(w, h))
+            ow, oh = max(1, round(w * scale)), max(1, round(h * scale))
+            keep = im.format == "JPEG" and im.mode == "RGB" and not im.info.get("progressive") and scale == 1
+            im.draft("RGB", (ow, oh))       # libjpeg's DCT scaling to the nearest size >= the output
+            im = im.convert("RGB")          # the full decode: truncated or corrupt files raise here
+            if keep:                        # already a baseline RGB JPEG that fits: its own bytes, no second loss
+                return Path(path).read_bytes(), h, w
+            if im.size != (ow, oh):
+                im = im.resize((ow, oh), Image.BILINEAR)
+            out = io.BytesIO()
+            im.save(out, "JPEG", quality=s.quality)
+            return out.getvalue(), oh, ow
+        if split == "train":              # raw training: the whole image, stretched to a square; its shape in the index
+            scale = s.size / min(w, h)
+            ow, oh, box = s.size, s.size, None
+            shape = (max(s.size, round(h * scale)), max(s.size, round(w * scale)))
+        else:                             # raw validation: rectangular, shorter side `size`
+            ow, oh = val_shape(w, h, s.size, s.max_aspect, s.step)
+            box, shape = centre_box(w, h, ow, oh), (oh, ow)
+        scale = max(ow / w, oh / h)
+        im.draft("RGB", (ow, oh) if box is None else (int(np.ceil(w * scale)), int(np.ceil(h * scale))))
+        im = im.convert("RGB")
+        if box is not None:                                   # in the drafted image's pixels
+            sx, sy = im.size[0] / w, im.size[1] / h
+            box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+        pixels = np.asarray(im.resize((ow, oh), Image.BILINEAR, box=box), dtype=np.uint8)
+        return pixels.tobytes(), *shape
 
 
-def shard_key(items, size, max_aspect, step, split):
-    """Fingerprint of a shard's inputs: a finished shard is reused only if it matches."""
-    h = hashlib.sha1(json.dumps([STORE_VERSION, split, size, max_aspect, step, items]).encode())
-    return h.hexdigest()
-
-
-def shard_is_done(path, key):
-    try:
-        with np.load(path) as z:
-            return str(z["key"]) == key
-    except Exception:
-        return False
-
-
-def prepare_shard(path, key, split, items, size, max_aspect, step):
-    """Decodes one shard of images and writes it atomically; returns (images kept, errors)."""
-    pixels, shapes, labels, errors = [], [], [], []
-    for f, label in items:
+def encode_shard(items, split, settings):
+    """Encodes one shard's images: ([(bytes, height, width, label)], [(path, reason)] of those that failed)."""
+    records, errors = [], []
+    for path, label in items:
         try:
-            a = load_image(f, size, split == "train", max_aspect, step)
+            records.append((*encode_image(path, split, settings), label))
         except Exception as e:  # any decoding failure: report, skip, count
-            errors.append((f, f"{type(e).__name__}: {e}".strip()))
-            continue
-        pixels.append(a.reshape(-1))
-        shapes.append(a.shape[:2])
-        labels.append(label)
-
-    def write(tmp):
-        with open(tmp, "wb") as fh:
-            np.savez(fh, key=np.array(key), labels=np.array(labels, dtype=np.int64),
-                     shapes=np.array(shapes, dtype=np.int32).reshape(-1, 2),
-                     pixels=np.concatenate(pixels) if pixels else np.zeros(0, np.uint8),
-                     errors=np.array(json.dumps(errors)))
-    write_atomic(path, write)
-    return len(labels), errors
+            errors.append((path, f"{type(e).__name__}: {e}".strip()))
+    return records, errors
 
 
-def save_npy(path, array):
-    def write(tmp):
-        with open(tmp, "wb") as f:
-            np.save(f, array)
-    write_atomic(path, write)
+# ---------------------------------------------------------------------------------------------
+# prepare: ImageFolder tree -> store
+# ---------------------------------------------------------------------------------------------
+
+def in_order(pool, fn, jobs, ahead):
+    """fn(*job) for each job on the pool's workers, yielded in the jobs' order, at most `ahead` in flight (so the
+    results waiting to be written stay few whatever order they finish in)."""
+    jobs, pending = iter(jobs), deque()
+    for job in jobs:
+        pending.append(pool.submit(fn, *job))
+        if len(pending) >= ahead:
+            break
+    while pending:
+        result = pending.popleft().result()
+        job = next(jobs, None)
+        if job is not None:
+            pending.append(pool.submit(fn, *job))
+        yield result
 
 
-def assemble(dst, split, shard_paths, size):
-    """Concatenates finished shards into one memory-mappable file per split (train: (N,S,S,3);
-    val: flat bytes sorted by shape, with (N,2) shapes), plus labels."""
-    labels, shapes = [], []
-    for p in shard_paths:
-        with np.load(p) as z:
-            labels.append(z["labels"])
-            shapes.append(z["shapes"])
-    labels, shapes = np.concatenate(labels), np.concatenate(shapes)
-    order = np.arange(len(labels)) if split == "train" else np.lexsort((shapes[:, 1], shapes[:, 0]))
-    nbytes = shapes.prod(1) * 3
-    src_off = np.concatenate([[0], np.cumsum(nbytes)])  # offset of image i in the shard stream
-    shape = (len(labels), size, size, 3) if split == "train" else (int(nbytes.sum()),)
-
-    def write(tmp):
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=shape)
-        flat = out.reshape(-1)
-        dst_off = np.concatenate([[0], np.cumsum(nbytes[order])])
-        where = np.empty(len(labels), np.int64)
-        where[order] = dst_off[:-1]  # destination of stream image i
-        i = 0
-        for p in shard_paths:
-            with np.load(p) as z:
-                px, k = z["pixels"], len(z["labels"])
-            base = src_off[i]
-            for j in range(i, i + k):  # a copy per image, once, at preparation time
-                flat[where[j]:where[j] + nbytes[j]] = px[src_off[j] - base:src_off[j + 1] - base]
-            i += k
-        out.flush()
-        del out, flat
-    write_atomic(dst / f"{split}.npy", write)
-    save_npy(dst / f"{split}_labels.npy", labels[order])
-    if split == "val":
-        save_npy(dst / "val_shapes.npy", shapes[order])
-    return labels[order]
+def split_key(split, items, settings):
+    """Fingerprint of a split's inputs: a partial or finished split is reused only if it matches."""
+    return hashlib.sha1(json.dumps([STORE_VERSION, split, asdict(settings), items]).encode()).hexdigest()
 
 
-def check_prepare(size, workers=None, shard_size=1000, max_aspect=2.0, max_shards=None):
-    """Raises UsageError naming the first of prepare's settings out of its range (they are its flags)."""
-    for flag, value, ok, why in (("size", size, size >= 8, "must be at least 8"),
-                                 ("workers", workers, workers is None or workers >= 1, "must be positive"),
-                                 ("shard-size", shard_size, shard_size >= 1, "must be positive"),
-                                 ("max-aspect", max_aspect, max_aspect >= 1,
-                                  "must be at least 1 (the longer side over the shorter)"),
-                                 ("max-shards", max_shards, max_shards is None or max_shards >= 1, "must be positive")):
-        if not ok:
-            raise UsageError(f"--{flag} {value:g}: {why}")
+def write_split(dst, split, items, settings, *, workers, shard_size, max_shards, log):
+    """Writes dst/<split>.store; returns ((rows, errors) or None when stopped by max_shards, shards written now).
+
+    Shards of shard_size images are encoded in parallel and appended in order to <split>.store.partial, their index
+    rows to <split>.rows.partial; after each, <split>.journal.json records how far the two files are good, so that a
+    run stopped anywhere resumes after the last whole shard (the files are cut back to it). At the end the index
+    and footer are appended and the file renamed: one copy of the data, written once.
+    """
+    data_p, rows_p, journal_p = (dst / f"{split}.{suffix}" for suffix in ("store.partial", "rows.partial",
+                                                                          "journal.json"))
+    key = split_key(split, items, settings)
+    journal = {"key": key, "shards": 0, "bytes": 0, "rows": 0, "errors": []}
+    if journal_p.is_file():
+        old = json.loads(journal_p.read_text())
+        if old.get("key") == key:
+            journal = old
+    for p, length in ((data_p, journal["bytes"]), (rows_p, journal["rows"] * ROW.itemsize)):
+        with open(p, "ab") as f:
+            f.truncate(length)
+    shards = [items[i:i + shard_size] for i in range(0, len(items), shard_size)]
+    todo = list(range(journal["shards"], len(shards)))
+    if max_shards is not None:
+        todo = todo[:max_shards]
+    log(f"{split}: {len(items)} images in {len(shards)} shards; {journal['shards']} already written, "
+        f"{len(todo)} to encode with {workers} workers")
+    done = sum(len(s) for s in shards[:journal["shards"]])
+    with open(data_p, "r+b") as data, open(rows_p, "r+b") as rows, \
+            tqdm(total=len(items), initial=done, desc=f"prepare {split}", unit="img", file=sys.stderr) as bar, \
+            ProcessPoolExecutor(min(workers, max(1, len(todo))), initializer=die_with_parent) as pool:
+        data.seek(journal["bytes"])
+        rows.seek(journal["rows"] * ROW.itemsize)
+        for k, (records, errors) in zip(todo, in_order(pool, encode_shard, [(shards[k], split, settings)
+                                                                            for k in todo], 2 * workers)):
+            index = np.zeros(len(records), ROW)
+            for r, (buf, h, w, label) in enumerate(records):
+                index[r] = (journal["bytes"], len(buf), h, w, label)
+                data.write(buf)
+                journal["bytes"] += len(buf)
+            rows.write(index.tobytes())
+            for f in (data, rows):
+                f.flush()
+                os.fsync(f.fileno())
+            for path, reason in errors:
+                tqdm.write(f"skipped {path}: {reason}", file=sys.stderr)    # above the bar, which stays whole
+            journal.update(shards=k + 1, rows=journal["rows"] + len(records), errors=journal["errors"] + errors)
+            write_json(journal_p, journal)
+            bar.set_postfix(skipped=len(journal["errors"]), MB=f"{journal['bytes'] / 1e6:.0f}", refresh=False)
+            bar.update(len(shards[k]))
+    if journal["shards"] < len(shards):
+        return None, len(todo)
+    index = np.fromfile(rows_p, ROW)
+    with open(data_p, "r+b") as data:
+        data.seek(journal["bytes"])
+        np.save(data, index)
+        data.write(MAGIC + np.uint64(journal["bytes"]).tobytes())
+        data.flush()
+        os.fsync(data.fileno())
+    os.replace(data_p, dst / f"{split}.store")
+    rows_p.unlink()
+    journal_p.unlink()
+    return (index, [tuple(e) for e in journal["errors"]]), len(todo)
 
 
-def prepare(src, dst, size, workers=None, shard_size=1000, max_aspect=2.0, max_shards=None, log=print):
+def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max_shards=None, log=print):
     """Builds the store; returns its index dict, or None when stopped by max_shards.
 
-    Work is cut into shards written atomically under dst/shards/; a shard whose inputs match a
-    finished one is skipped, so an interrupted run resumes where it stopped. The decoding workers end with this
-    process, however it ends. Bad settings raise UsageError (check_prepare) before anything is written.
+    Bad settings raise UsageError (check_prepare) before anything is written; an interrupted run resumes where it
+    stopped (write_split); the encoding workers end with this process, however it ends.
     """
-    check_prepare(size, workers, shard_size, max_aspect, max_shards)
+    check_prepare(settings, workers=workers, shard_size=shard_size, max_shards=max_shards)
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise DataError(f"{src}: no such folder")
-    step = max(1, size // 8)
     classes, train, empty_train = list_split(src, "train")
     _, val, empty_val = list_split(src, "val", classes)
     if not train:
@@ -195,67 +268,44 @@ def prepare(src, dst, size, workers=None, shard_size=1000, max_aspect=2.0, max_s
     index_path = dst / "index.json"
     if index_path.is_file():
         old = json.loads(index_path.read_text())
-        if old.get("size") == size and old.get("source") == str(src.resolve()):
+        if old.get("settings") == asdict(settings) and old.get("source") == str(src.resolve()):
             log(f"{dst}: already prepared ({old['train']['count']} train, {old['val']['count']} val images)")
             return old
-        raise DataError(f"{index_path}: holds another store (size {old.get('size')} from {old.get('source')}); "
-                        f"choose another --dst")
+        theirs, ours = old.get("settings") or {}, asdict(settings)
+        differ = [f"--{k.replace('_', '-')} {theirs.get(k)}" for k in ours if theirs.get(k) != ours[k]]
+        raise DataError(f"{index_path}: holds another store ({', '.join(differ) or 'the same settings'} from "
+                        f"{old.get('source')}); choose another --dst")
     for split, empty in (("train", empty_train), ("val", empty_val)):
         for c in empty:
             print(f"warning: {src / split / c}: no images; class {classes.index(c)} ({c}) is kept with 0 "
                   f"{split} images", file=sys.stderr)
-
-    shard_dir = dst / "shards"
-    shard_dir.mkdir(parents=True, exist_ok=True)
+    dst.mkdir(parents=True, exist_ok=True)
     workers = workers or os.cpu_count() or 1
-    index = {"format": "imagenet_fast store", "version": STORE_VERSION, "size": size, "source": str(src.resolve()),
-             "classes": classes, "max_aspect": max_aspect, "step": step}
-    new_shards = 0
-    for split, items in (("train", train), ("val", val)):
-        jobs = []
-        for i in range(0, len(items), shard_size):
-            part = items[i:i + shard_size]
-            path = shard_dir / f"{split}-{i // shard_size:05d}.npz"
-            jobs.append((path, shard_key(part, size, max_aspect, step, split), part))
-        finished = [shard_is_done(p, k) for p, k, _ in jobs]
-        todo = [j for j, f in zip(jobs, finished) if not f]
-        if max_shards is not None:
-            todo = todo[:max(0, max_shards - new_shards)]
-        log(f"{split}: {len(items)} images in {len(jobs)} shards; {sum(finished)} already done, "
-            f"{len(todo)} to decode with {workers} workers")
-        done = sum(len(j[2]) for j, f in zip(jobs, finished) if f)
-        with tqdm(total=len(items), initial=done, desc=f"prepare {split}", unit="img", file=sys.stderr) as bar, \
-                ProcessPoolExecutor(min(workers, max(1, len(todo))), initializer=die_with_parent) as pool:
-            futures = {pool.submit(prepare_shard, p, k, split, part, size, max_aspect, step): part
-                       for p, k, part in todo}
-            unreadable = 0
-            for fut in as_completed(futures):
-                _, errs = fut.result()
-                for f, reason in errs:
-                    tqdm.write(f"skipped {f}: {reason}", file=sys.stderr)     # above the bar, which stays whole
-                unreadable += len(errs)
-                new_shards += 1
-                bar.set_postfix(skipped=unreadable, refresh=False)
-                bar.update(len(futures[fut]))
-        if max_shards is not None and new_shards >= max_shards and any(not shard_is_done(p, k) for p, k, _ in jobs):
-            log(f"stopped after {new_shards} new shards (--max-shards); run again to resume")
-            return None
-        skipped = []
-        for p, _, _ in jobs:  # the errors of every shard, reused ones included
-            with np.load(p) as z:
-                skipped += [tuple(e) for e in json.loads(str(z["errors"]))]
-        labels = assemble(dst, split, [j[0] for j in jobs], size)
-        counts = np.bincount(labels, minlength=len(classes)).tolist()
-        index[split] = {"count": int(len(labels)), "per_class": counts, "skipped": len(skipped),
-                        "skipped_files": [list(e) for e in skipped],
-                        "empty_classes": empty_train if split == "train" else empty_val}
-        log(f"{split}: {len(labels)} images stored, {len(skipped)} unreadable and skipped, "
-            f"{len(index[split]['empty_classes'])} empty classes")
+    index = {"format": "imagenet_fast store", "version": STORE_VERSION, "settings": asdict(settings),
+             "source": str(src.resolve()), "classes": classes}
+    left = max_shards
+    for split, items, empty in (("train", train, empty_train), ("val", val, empty_val)):
+        done_p, key = dst / f"{split}.done.json", split_key(split, items, settings)
+        done = json.loads(done_p.read_text()) if done_p.is_file() else {}
+        if done.get("key") == key and (dst / f"{split}.store").is_file():     # finished by a run that stopped later
+            rows, skipped = read_rows(dst / f"{split}.store"), [tuple(e) for e in done["skipped"]]
+        else:
+            written, shards = write_split(dst, split, items, settings, workers=workers, shard_size=shard_size,
+                                          max_shards=left, log=log)
+            if written is None:
+                log(f"stopped after --max-shards {max_shards} new shards; run again to resume")
+                return None
+            rows, skipped = written
+            write_json(done_p, {"key": key, "skipped": skipped})
+            left = None if left is None else left - shards
+        index[split] = {"count": int(len(rows)), "per_class": np.bincount(rows["label"], minlength=len(classes)).tolist(),
+                        "bytes": int(rows["nbytes"].sum()), "skipped": len(skipped),
+                        "skipped_files": [list(e) for e in skipped], "empty_classes": empty}
+        log(f"{split}: {len(rows)} images stored ({index[split]['bytes'] / 1e9:.3f} GB of {settings.format}), "
+            f"{len(skipped)} unreadable and skipped, {len(empty)} empty classes")
     write_json(index_path, index)  # written last: its presence means the store is complete
-    for p in shard_dir.glob("*.npz"):
-        p.unlink()
-    if not any(shard_dir.iterdir()):
-        shard_dir.rmdir()
+    for split in ("train", "val"):
+        (dst / f"{split}.done.json").unlink()
     return index
 
 
@@ -281,14 +331,58 @@ def synthetic_imagefolder(root, classes=10, train_per_class=20, val_per_class=5,
 # The prepared store, memory-mapped
 # ---------------------------------------------------------------------------------------------
 
+def read_rows(path):
+    return read_split(path)[0]
+
+
+def read_split(path):
+    """The index rows at the end of a split's file, and where its records end."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        end = f.tell()
+        if end < 16:
+            raise DataError(f"{path}: too short to be a store file")
+        f.seek(end - 16)
+        footer = f.read(16)
+        if footer[:8] != MAGIC:
+            raise DataError(f"{path}: not a store file of version {STORE_VERSION} (no footer); prepare it again")
+        records_end = int(np.frombuffer(footer[8:], "<u8")[0])
+        f.seek(records_end)
+        rows = np.lib.format.read_array(f)
+    if rows.dtype != ROW or (len(rows) and rows["offset"][-1] + rows["nbytes"][-1] != records_end):
+        raise DataError(f"{path}: its index does not match its records; prepare it again")
+    return rows, records_end
+
+
+@dataclass(kw_only=True)
+class Split:
+    """One split of the store: its index rows and its records' bytes, memory-mapped (read only when used)."""
+    rows: np.ndarray      # ROW per image: offset, nbytes, height, width, label
+    data: np.ndarray      # uint8, the records back to back
+
+    @property
+    def labels(self):
+        return self.rows["label"].astype(np.int64)
+
+    def record(self, i):
+        return self.data[self.rows["offset"][i]:self.rows["offset"][i] + self.rows["nbytes"][i]]
+
+    def __len__(self):
+        return len(self.rows)
+
+
 @dataclass(kw_only=True)
 class Store:
     index: dict
-    train_x: object  # (N, S, S, 3) uint8
-    train_y: object  # (N,) int64
-    val_x: object    # flat uint8, images sorted by shape
-    val_y: object
-    val_shapes: object  # (M, 2) int32 (h, w)
+    format: str           # "jpeg" or "raw"
+    size: int             # raw: the stored size (training records are size x size)
+    train: Split
+    val: Split
+
+    def train_pixels(self):
+        """raw: the training records as one (N, size, size, 3) uint8 array (a view of the memory-mapped file)."""
+        n, s = len(self.train), self.size
+        return self.train.data[:n * s * s * 3].reshape(n, s, s, 3)
 
 
 def open_store(path):
@@ -298,14 +392,21 @@ def open_store(path):
         raise DataError(f"{path}: not a prepared store (no index.json); run `imagenet_fast.py prepare` first")
     index = json.loads((path / "index.json").read_text())
     if index.get("version") != STORE_VERSION:
-        raise DataError(f"{path / 'index.json'}: store version {index.get('version')}, expected {STORE_VERSION}")
-    try:
-        # mmap "c" (copy-on-write) gives writable arrays, so torch.from_numpy shares them without a copy
-        load = lambda name: np.load(path / name, mmap_mode="c")
-        s = Store(index=index, train_x=load("train.npy"), train_y=load("train_labels.npy"), val_x=load("val.npy"),
-                  val_y=load("val_labels.npy"), val_shapes=load("val_shapes.npy"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: unreadable store file ({e})") from e
-    if s.train_x.shape[0] != index["train"]["count"] or s.val_y.shape[0] != index["val"]["count"]:
-        raise DataError(f"{path}: image counts disagree with index.json; prepare it again")
-    return s
+        raise DataError(f"{path / 'index.json'}: store version {index.get('version')}, expected {STORE_VERSION}; "
+                        f"prepare it again")
+    splits = {}
+    for split in ("train", "val"):
+        try:
+            rows, end = read_split(path / f"{split}.store")
+            # mmap "c" (copy-on-write) gives writable arrays, so torch.from_numpy shares them without a copy
+            data = np.memmap(path / f"{split}.store", np.uint8, mode="c", shape=(end,)) if end else np.zeros(0, np.uint8)
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: unreadable store file ({e})") from e
+        if len(rows) != index[split]["count"]:
+            raise DataError(f"{path}: image counts disagree with index.json; prepare it again")
+        splits[split] = Split(rows=rows, data=data)
+    s = index["settings"]
+    store = Store(index=index, format=s["format"], size=s["size"], **splits)
+    if store.format == "raw" and len(store.train) and (store.train.rows["nbytes"] != s["size"] ** 2 * 3).any():
+        raise DataError(f"{path}: raw training records of the wrong size; prepare it again")
+    return store

@@ -1,34 +1,45 @@
-"""Training throughput (images/s) of a ResNet through three input pipelines, in one run:
+"""Is my loader the bottleneck? Training throughput (images/s) of the ImageNet model as a recipe trains it (ResNet-50
+with BlurPool for rn50_16ep), at each resolution in --sizes, in one run:
 
-  ceiling      the model alone on one random batch already on the device
-  store        our prepared store + loader + batched on-device augmentation (imagenet_store.py, imagenet_fast.py)
-  imagefolder  torchvision ImageFolder + DataLoader (RandomResizedCrop, flip in worker processes)
+  loader    the training batches alone (imagenet_data.train_batches: read, crop, decode, augment, on the device)
+  ceiling   the model's training steps on one batch already on the device: the most any loader could give
+  together  the loader feeding the model, as training runs
+  pil       torchvision's ImageFolder + RandomResizedCrop + flip in DataLoader workers, decoding the original files
+            with PIL (the usual PyTorch pipeline), alone; as many workers as our loader has threads
 
-on synthetic JPEGs it writes itself, at each resolution in --sizes.
+Per GPU figures are per process; per core figures divide the loader's images/s by the CPU threads (or workers) that
+decode. The store is --store, or one written from --src, or one written from synthetic photos of mixed 4:3, 3:4 and
+square shapes, longer side 500 px (ImageNet's typical), at least 20,000 of them by default.
 
-    python benchmarks/imagenet_throughput.py                                   # GPU: ResNet-50, 128..224 px
-    python benchmarks/imagenet_throughput.py --device cpu --images 64 --sizes 64 --steps 2 --model resnet18
+    python benchmarks/imagenet_throughput.py                              # GPU: rn50_16ep, 20,000 images, 160 and 192 px
+    python benchmarks/imagenet_throughput.py --store /data/in500 --src /data/imagenet --sizes 160,192,224
+    python benchmarks/imagenet_throughput.py --device cpu --recipe tiny --images 2000 --sizes 64 --batch-size 64
 """
 import argparse
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision
+from PIL import Image
 from torchvision import transforms
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import devices  # noqa: E402
+import imagenet_data as idt  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
 import imagenet_store as ims  # noqa: E402
-import devices  # noqa: E402
-from cli import environment  # noqa: E402
-from core import Table, write_json  # noqa: E402
+from cli import environment, one_of  # noqa: E402
+from core import Parser, Table, UsageError, write_json  # noqa: E402
 
 
-def step(model, opt, x, y, device, dtype):
+def step(model, opt, x, y, *, device, dtype):
     with devices.autocast(device, dtype):
         loss = F.cross_entropy(model(x).float(), y)
     loss.backward()
@@ -36,17 +47,17 @@ def step(model, opt, x, y, device, dtype):
     opt.zero_grad(set_to_none=True)
 
 
-def measure(batches, model, opt, device, dtype, warmup, steps, bs):
-    """Images/s over `steps` training steps after `warmup` untimed ones; batches yields (x, y)."""
+def rate(batches, work, *, device, warmup, steps, batch_size):
+    """Images/s over `steps` batches after `warmup` untimed ones; work(x, y) is done on each."""
     for i, (x, y) in enumerate(batches):
         if i == warmup:
             devices.synchronize(device)
             start = time.perf_counter()
-        step(model, opt, x, y, device, dtype)
+        work(x, y)
         if i == warmup + steps - 1:
             break
     devices.synchronize(device)
-    return steps * bs / (time.perf_counter() - start)
+    return steps * batch_size / (time.perf_counter() - start)
 
 
 def forever(make_epoch):
@@ -54,78 +65,127 @@ def forever(make_epoch):
         yield from make_epoch()
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def photos(root, n, *, classes=10, max_side=500, seed=0):
+    """n smooth-plus-noise photos (a class colour each) of 4:3, 3:4 and square shapes, longer side max_side, as
+    JPEG quality 90: ImageNet-like sizes and compressed sizes for loader timing."""
+    rng, classes = np.random.default_rng(seed), min(classes, n)
+    shapes = ((max_side, max_side * 3 // 4), (max_side * 3 // 4, max_side), (max_side, max_side))
+    base = {s: np.mgrid[0:s[1], 0:s[0]].astype(np.float32) for s in shapes}
+    for i in range(n):
+        (w, h), k = shapes[i % 3], i % classes
+        y, x = base[(w, h)]
+        im = np.stack([x * 255 / w, y * 255 / h, np.full((h, w), 25.0 * k, np.float32)], -1)
+        im += rng.normal(0, 8, (h, w, 1)).astype(np.float32)
+        d = Path(root) / "train" / f"c{k:03d}"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(im.clip(0, 255).astype(np.uint8)).save(d / f"{i:06d}.JPEG", quality=90)
+    for k in range(classes):           # prepare wants a validation split: one image a class
+        (Path(root) / "val" / f"c{k:03d}").mkdir(parents=True, exist_ok=True)
+        (Path(root) / "val" / f"c{k:03d}" / "0.JPEG").write_bytes(
+            next((Path(root) / "train" / f"c{k:03d}").iterdir()).read_bytes())
+    return Path(root)
+
+
+def parse_args(argv=None):
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None)
     p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
-    p.add_argument("--model", default="resnet50")
-    p.add_argument("--sizes", default="128,160,192,224", help="training resolutions, comma-separated")
-    p.add_argument("--images", type=int, default=2560, help="synthetic training JPEGs to write")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps before each measurement")
-    p.add_argument("--workers", type=int, default=8, help="DataLoader workers and prepare workers")
-    p.add_argument("--data-on", default="auto", choices=["auto", "device", "host"])
-    p.add_argument("--dir", default=None, help="where to write the JPEGs and store (default: a temporary folder)")
+    p.add_argument("--recipe", default="rn50_16ep", help="the model as this recipe trains it (default rn50_16ep)")
+    p.add_argument("--sizes", default="160,192", help="training resolutions, comma-separated (default rn50_16ep's)")
+    p.add_argument("--store", default=None, help="a prepared store to read (default: write one)")
+    p.add_argument("--src", default=None, help="an ImageFolder tree for the PIL comparison (and the store, if none)")
+    p.add_argument("--images", type=int, default=20000, help="synthetic photos to write when no --src (default 20000)")
+    p.add_argument("--batch-size", type=int, default=256, help="per GPU (default 256)")
+    p.add_argument("--steps", type=int, default=30, help="timed batches per measurement")
+    p.add_argument("--warmup", type=int, default=5, help="untimed batches before each measurement")
+    p.add_argument("--threads", type=int, default=None, help="loader threads and PIL workers (default: CPU count)")
+    p.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS, str),
+                   help="auto: nvJPEG on a CUDA GPU, else the CPU's threads")
+    p.add_argument("--no-pil", action="store_true", help="skip the PIL comparison")
+    p.add_argument("--dir", default=None, help="where to write photos and store (default: a temporary folder)")
     p.add_argument("--out", default=None, help="write the table as JSON")
     args = p.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    for flag in ("images", "batch_size", "steps", "threads"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            p.error(f"--{flag.replace('_', '-')} {value}: must be positive")
+    if args.warmup < 0:
+        p.error(f"--warmup {args.warmup}: must not be negative")
+    try:
+        args.sizes = [int(s) for s in args.sizes.split(",")]
+    except ValueError:
+        p.error(f"--sizes {args.sizes}: must be whole numbers, comma-separated")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     device = devices.resolve(args.device)
-    dtype = devices.compute_dtype(device, args.precision)
-    fmt = devices.memory_format(device)
+    dtype, fmt = devices.compute_dtype(device, args.precision), devices.memory_format(device)
+    try:
+        hp = inf.hyperparameters(args.recipe)
+        decoder = devices.jpeg_decoder(device, args.decoder)
+    except (UsageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    threads = args.threads or os.cpu_count() or 1
     devices.autotune(device)
-    bs = min(args.batch_size, args.images)
-    hp = inf.hyperparameters("rn50_16ep", model=args.model, blurpool=False)
-
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        classes = 10
-        per = max(1, args.images // classes)
-        big = max(sizes)
-        print(f"writing {per * classes} synthetic JPEGs of {big}..{int(big * 1.5)} px in {tmp}", file=sys.stderr)
-        src = ims.synthetic_imagefolder(Path(tmp) / "src", classes, per, 1, (big, int(big * 1.5)))
-        ims.prepare(src, Path(tmp) / "store", big, args.workers, log=lambda s: print(s, file=sys.stderr))
-        data = inf.place(ims.open_store(Path(tmp) / "store"), device, args.data_on)
-        n = len(data["train_y"])
+        src = Path(args.src) if args.src else None
+        if src is None:
+            print(f"writing {args.images} synthetic photos (longer side 500 px) in {tmp}", file=sys.stderr)
+            src = photos(Path(tmp) / "src", args.images)
+        store_path = Path(args.store) if args.store else Path(tmp) / "store"
+        if not args.store:
+            ims.prepare(src, store_path, workers=threads, log=lambda s: print(s, file=sys.stderr))
+        store = ims.open_store(store_path)
+        data = idt.place(store, device, decoder=decoder, threads=threads)
+        classes, n = len(store.index["classes"]), len(data.train_rows)
+        bs = min(args.batch_size, n)
         gen = torch.Generator().manual_seed(0)
-
         folder = torchvision.datasets.ImageFolder(str(src / "train"), transforms.Compose([
-            transforms.RandomResizedCrop(big), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]))
-        mean = torch.tensor(inf.MEAN, device=device).view(1, 3, 1, 1)
-        std = torch.tensor(inf.STD, device=device).view(1, 3, 1, 1)
-
-        table = Table(["res", "ceiling", "store", "store/ceil", "folder", "folder/ceil"], width=12,
-                      formats={"ceiling": ".1f", "store": ".1f", "folder": ".1f", "store/ceil": ".3f",
-                               "folder/ceil": ".3f"})
-        print(f"{args.model} on {device} ({str(dtype)[6:]}), batch {bs}, {args.steps} timed steps after "
-              f"{args.warmup}; store in {data['where']} memory; images/s")
-        for res in sizes:
+            transforms.RandomResizedCrop(args.sizes[0]), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]))
+        cores = "GPU" if decoder == "gpu" else f"{threads} threads"
+        print(f"{hp['model']}{' + BlurPool' if hp['blurpool'] else ''} ({args.recipe}) on {devices.name(device)} "
+              f"({device}, {str(dtype)[6:]}), batch {bs}; {store.format} store of {n} images decoded on the {cores}; "
+              f"{args.steps} timed batches after {args.warmup}; images/s")
+        table = Table(["res", "loader", "ceiling", "together", "together/ceil", "loader/core", "pil/core"], width=13,
+                      formats={k: ".1f" for k in ("loader", "ceiling", "together", "loader/core", "pil/core")}
+                      | {"together/ceil": ".3f"})
+        timing = dict(device=device, warmup=args.warmup, steps=args.steps, batch_size=bs)
+        for res in args.sizes:
+            def epoch():
+                return idt.train_batches(data, hp, idt.draw_epoch(data, hp, gen), res=res, batch_size=bs,
+                                         generator=gen, device=device, dtype=dtype, memory_format=fmt)
             model = inf.build_model(hp, classes).to(device, memory_format=fmt)
             opt = inf.make_optimizer(model, hp)
+
+            def train(x, y):
+                step(model, opt, x, y, device=device, dtype=dtype)
+            loader = rate(forever(epoch), lambda x, y: None, **timing)
             x = torch.randn(bs, 3, res, res, device=device).to(dtype).contiguous(memory_format=fmt)
             y = torch.randint(0, classes, (bs,), device=device)
-            ceiling = measure(forever(lambda: [(x, y)]), model, opt, device, dtype, args.warmup, args.steps, bs)
-
-            def store_epoch():
-                perm = torch.randperm(n, generator=gen)
-                crops = inf.draw_crops(n, hp["crop_scale"], hp["crop_ratio"], gen)
-                return inf.augmented_batches(data, hp, perm, crops, res, bs, gen, device, dtype, fmt)
-            store = measure(forever(store_epoch), model, opt, device, dtype, args.warmup, args.steps, bs)
-
-            folder.transform.transforms[0].size = (res, res)
-            loader = torch.utils.data.DataLoader(folder, bs, shuffle=True, drop_last=True, num_workers=args.workers,
-                                                 pin_memory=devices.overlaps(device), persistent_workers=False)
-
-            def folder_epoch():
-                for xb, yb in loader:
-                    xb = xb.to(device, non_blocking=True).float()
-                    yield ((xb - mean) / std).to(dtype).contiguous(memory_format=fmt), yb.to(device, non_blocking=True)
-            imagefolder = measure(forever(folder_epoch), model, opt, device, dtype, args.warmup, args.steps, bs)
-            table.append({"res": res, "ceiling": ceiling, "store": store, "store/ceil": store / ceiling,
-                          "folder": imagefolder, "folder/ceil": imagefolder / ceiling})
+            ceiling = rate(forever(lambda: [(x, y)]), train, **timing)
+            together = rate(forever(epoch), train, **timing)
+            pil = None
+            if not args.no_pil:
+                folder.transform.transforms[0].size = (res, res)
+                pil_loader = torch.utils.data.DataLoader(folder, bs, shuffle=True, drop_last=True, num_workers=threads)
+                pil = rate(forever(lambda: pil_loader), lambda x, y: None, **{**timing, "device": "cpu"}) / threads
+            table.append({"res": res, "loader": loader, "ceiling": ceiling, "together": together,
+                          "together/ceil": together / ceiling,
+                          "loader/core": None if decoder == "gpu" else loader / threads, "pil/core": pil})
+        print("the loader is the bottleneck where loader < ceiling; together/ceil is the share of the model's speed "
+              "that training keeps")
     if args.out:
-        write_json(args.out, {"argv": sys.argv[1:] if argv is None else list(argv), "model": args.model,
-                              "device": str(device), "dtype": str(dtype), "batch_size": bs, "steps": args.steps,
-                              "environment": environment(device), "rows": table.rows})
+        import machine
+        argv = sys.argv[1:] if argv is None else list(argv)
+        write_json(args.out, {"piece": "imagenet_throughput", "command": " ".join(
+            ["python benchmarks/imagenet_throughput.py", *[a for a in argv if a != args.out and a != "--out"]]),
+                              "fingerprint": machine.fingerprint(device, True), "argv": argv, "recipe": args.recipe,
+                              "model": hp["model"], "blurpool": hp["blurpool"], "device": str(device),
+                              "dtype": str(dtype), "batch_size": bs, "steps": args.steps, "threads": threads,
+                              "decoder": decoder, "images": n, "environment": environment(device), "rows": table.rows})
     return 0
 
 

@@ -211,14 +211,44 @@ def t_throughput(results):
     rows = []
     for r in results.get("imagenet_throughput", []):
         for row in r.get("rows", []):
-            rows.append([device(r), row["res"], f"{row['ceiling']:.0f}", f"{row['store']:.0f}",
-                         f"{row['store/ceil']:.3f}", f"{row['folder']:.0f}", f"{row['folder/ceil']:.3f}"])
-    header = ["device", "res", "ceiling img/s", "store img/s", "store / ceiling", "ImageFolder img/s",
-              "ImageFolder / ceiling"]
+            per_core = "–" if row.get("loader/core") is None else f"{row['loader/core']:.0f}"
+            pil = "–" if row.get("pil/core") is None else f"{row['pil/core']:.0f}"
+            rows.append([device(r), row["res"], f"{row['loader']:.0f}", f"{row['ceiling']:.0f}",
+                         f"{row['together']:.0f}", f"{row['together/ceil']:.3f}", per_core, pil])
+    header = ["device", "res", "loader img/s", "ceiling img/s", "together img/s", "together / ceiling",
+              "loader img/s per core", "PIL ImageFolder img/s per core"]
     if not rows:
-        rows = [["GPU", res] + [NM] * 5 for res in (128, 160, 192, 224)]
+        rows = [["GPU", res] + [NM] * 6 for res in (160, 192)]
     cmd = next((r["command"] for r in results.get("imagenet_throughput", [])), None)
-    return table(header, rows) + ([""] + [f"Command: {code(cmd)} (ResNet-50, bf16, channels_last)."] if cmd else [])
+    return table(header, rows) + ([""] + [f"Command: {code(cmd)}."] if cmd else [])
+
+
+def t_prepare(results):
+    rows = []
+    for r in results.get("imagenet_prepare", []):
+        for row in r["rows"]:
+            rows.append([device(r), row["format"], row["images"], f"{row['images/s']:.0f}",
+                         f"{row['read GB/s']:.3f}", f"{row['written GB/s']:.3f}",
+                         f"{row['store GB'] / row['source GB']:.2f}"])
+    if not rows:
+        return [f"`prepare` throughput: {NM}."]
+    cmds = sorted({code(r["command"]) for r in results.get("imagenet_prepare", [])})
+    return table(["machine", "format", "images", "images/s", "source GB/s read", "store GB/s written",
+                  "store / source bytes"], rows) + ["", f"Command: {', '.join(cmds)} ({r['workers']} workers, median of "
+                                                        f"{r['repeats']})."]
+
+
+def t_decoders(results):
+    rows = []
+    for r in results.get("jpeg_decoders", []):
+        for row in r["rows"]:
+            rows.append([device(r), r["res"], f"`{row['method']}`", f"{row['ms per image']:.3f}",
+                         f"{row['images/s per core']:.0f}", row["n"]])
+    if not rows:
+        return [f"CPU JPEG decoders: {NM}."]
+    cmds = sorted({code(r["command"]) for r in results.get("jpeg_decoders", [])})
+    return table(["machine", "crop res", "method", "ms per image (median)", "images/s per core", "n"], rows) + [
+        "", f"Command: {', '.join(cmds)}."]
 
 
 def t_torchrun(results):
@@ -289,7 +319,7 @@ def t_cpu_accuracy(results):
 TABLES = {"env": t_env, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
-          "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput,
+          "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders,
           "torchrun": t_torchrun, "floor": t_floor}
 
 

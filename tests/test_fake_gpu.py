@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 import cifar10_fast as cf
 import cifar_data as cd
 import devices
+import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
 import torch_backend as tb
@@ -101,54 +102,77 @@ def test_a_cifar10_batch_on_the_cpu_is_a_device_mix_the_fake_gpu_catches(fake_gp
 # ---------------------------------------------------------------------------------------------------- ImageNet
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("in")
     ims.synthetic_imagefolder(root / "src", 4, 8, 4, sizes=(20, 32))
-    ims.prepare(root / "src", root / "store", 16, workers=1, log=lambda s: None)
-    return ims.open_store(root / "store")
+    for fmt in ims.FORMATS:
+        ims.prepare(root / "src", root / fmt, ims.Settings(format=fmt, size=16), workers=1, log=lambda s: None)
+    return {fmt: ims.open_store(root / fmt) for fmt in ims.FORMATS}
 
 
 def imagenet_hp():
     return inf.hyperparameters("tiny", width=4, batch_size=8, min_res=16, max_res=16, val_res=24, tta="flip")
 
 
-@pytest.mark.parametrize("where", ["device", "host"])
-def test_imagenet_on_the_gpu_gathers_augments_trains_forward_and_validates(fake_gpu, store, where):
-    """The store on the GPU (gathered there; on today's main this took the pinned-host path, because cuda:0 is not
-    cuda to torch.device's ==, and gathered from GPU memory into a host buffer), or in pinned host memory (gathered
-    into pinned buffers and copied on a side stream)."""
+def draws_on_the_host(data, hp, generator):
+    """An epoch's draws, host arrays as draw_epoch makes them from torch's generator, whose draws inside FakeTensorMode
+    are fake tensors with no values: a permutation, random whole-pixel boxes inside each image, random flips."""
+    rng, n = np.random.default_rng(0), len(data.train_rows)
+    h, w = data.shapes("train")
+    bh, bw = rng.integers(1, h + 1), rng.integers(1, w + 1)
+    boxes = np.stack([rng.integers(0, h - bh + 1), rng.integers(0, w - bw + 1), bh, bw], 1)
+    return idt.Draws(perm=rng.permutation(n), boxes=boxes, flips=rng.random(n) < 0.5)
+
+
+def host_buffers_and_nvjpeg_on_the_cpu(monkeypatch):
+    """The decoding threads' host buffers and an epoch's draws are real CPU memory (numpy reads and fills them);
+    nvJPEG is stood in for by the CPU's decoder, its images then moved to the (fake) GPU as nvJPEG leaves them."""
+    monkeypatch.setattr(idt, "draw_epoch", draws_on_the_host)
+    real_array, kept = devices.host_array, []     # kept: the fake tensor converter's memo keys on storage
+    monkeypatch.setattr(devices, "host_array", lambda shape, dtype, device: kept.append(built_on_the_cpu(
+        real_array, shape, dtype, "cpu")) or kept[-1])
+    real_decode = devices.decode_jpeg
+    monkeypatch.setattr(devices, "decode_jpeg", lambda records, device: [
+        im.to(device) for im in built_on_the_cpu(real_decode, records, "cpu")])
+
+
+@pytest.mark.parametrize("fmt, where, decoder", [("raw", "device", "cpu"), ("raw", "host", "cpu"),
+                                                 ("jpeg", "host", "cpu"), ("jpeg", "host", "gpu")])
+def test_imagenet_on_the_gpu_gathers_augments_trains_forward_and_validates(fake_gpu, stores, fmt, where, decoder,
+                                                                           monkeypatch):
+    """A raw store on the GPU (gathered there; on an earlier main this took the pinned-host path, because cuda:0 is
+    not cuda to torch.device's ==), or in pinned host memory (gathered into pinned buffers and copied on a side
+    stream); a JPEG store decoded by the CPU's threads into host buffers and copied, or by nvJPEG on the GPU and
+    cropped there. Training batches and validation end on the GPU, in its layout."""
+    host_buffers_and_nvjpeg_on_the_cpu(monkeypatch)
     hp = imagenet_hp()
-    data = inf.place(store, CUDA, where)
-    assert data["where"] == where
-    assert on_gpu(data["train_x"], data["val_x"]) is (where == "device")
+    data = idt.place(stores[fmt], CUDA, where=where, decoder=decoder, threads=2)
+    assert data.where == where and (fmt == "jpeg" or on_gpu(data.pixels) is (where == "device"))
     gen = torch.Generator().manual_seed(0)
     layout = devices.memory_format(CUDA)
     model = inf.build_model(hp, 4).to(CUDA, memory_format=layout)
-    n = len(data["train_y"])
-    perm = torch.randperm(n, generator=gen)
-    crops = inf.draw_crops(n, hp["crop_scale"], hp["crop_ratio"], gen)
-    batches = list(inf.augmented_batches(data, hp, perm, crops, 16, 8, gen, CUDA, torch.float32, layout))
+    n = len(data.train_rows)
+    batches = list(idt.train_batches(data, hp, idt.draw_epoch(data, hp, gen), res=16, batch_size=8, generator=gen,
+                                     device=CUDA, dtype=torch.float32, memory_format=layout))
     assert len(batches) == n // 8
     for x, y in batches:
         assert on_gpu(x, y) and x.shape == (8, 3, 16, 16) and x.is_contiguous(memory_format=layout)
         assert on_gpu(model(x))
-    assert len(fake_gpu) == (n // 8 if where == "host" else 0)        # a copy on the side stream per batch
-    sums = inf.validation_sums(model, data, 16, hp["val_res"], hp["tta"], CUDA, torch.float32, layout)
+    copies = {("raw", "host", "cpu"): n // 8, ("jpeg", "host", "cpu"): n // 8}.get((fmt, where, decoder), 0)
+    assert len(fake_gpu) == copies                  # a copy recorded per batch from host memory
+    sums = idt.validation_sums(model, data, hp, tta=hp["tta"], device=CUDA, dtype=torch.float32, memory_format=layout)
     assert on_gpu(sums) and sums.shape == (4,)
+    assert len(fake_gpu) == copies + len(idt.val_jobs(data, hp))     # validation: decoded on the CPU, copied
 
 
-def test_the_throughput_benchmark_reads_the_training_batches(fake_gpu, store):
-    """benchmarks/imagenet_throughput.py times inf.augmented_batches, the batches training reads."""
-    import sys
+def test_the_throughput_benchmark_reads_the_training_batches(fake_gpu, stores, monkeypatch):
+    """benchmarks/imagenet_throughput.py times idt.train_batches, the batches training reads."""
     from conftest import ROOT
-    sys.path.insert(0, str(ROOT / "benchmarks"))
     source = (ROOT / "benchmarks" / "imagenet_throughput.py").read_text()
-    assert "inf.augmented_batches(" in source and "inf.train_batches(" not in source
-    data = inf.place(store, CUDA, "device")
+    assert "idt.train_batches(" in source and "idt.gathered(" not in source
+    host_buffers_and_nvjpeg_on_the_cpu(monkeypatch)
+    data = idt.place(stores["jpeg"], CUDA, decoder="gpu")
     gen = torch.Generator().manual_seed(0)
-    n = len(data["train_y"])
-    x, y = next(inf.augmented_batches(data, imagenet_hp(), torch.randperm(n, generator=gen),
-                                      inf.draw_crops(n, (0.08, 1), (3 / 4, 4 / 3), gen), 16, 8, gen, CUDA,
-                                      torch.bfloat16, torch.channels_last))
-    assert on_gpu(x, y) and x.dtype == torch.bfloat16
-    assert np.asarray(store.train_y).dtype == np.int64
+    x, y = next(idt.train_batches(data, imagenet_hp(), idt.draw_epoch(data, imagenet_hp(), gen), res=16, batch_size=8,
+                                  generator=gen, device=CUDA, dtype=torch.bfloat16, memory_format=torch.channels_last))
+    assert on_gpu(x, y) and x.dtype == torch.bfloat16 and y.dtype == torch.int64

@@ -36,7 +36,7 @@ HP = dict(width=4, batch_size=16, min_res=SIZE, max_res=SIZE, val_res=SIZE, warm
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("in")
     ims.synthetic_imagefolder(root / "src", CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, sizes=(16, 28))
-    ims.prepare(root / "src", root / "store", SIZE, workers=1, log=lambda s: None)
+    ims.prepare(root / "src", root / "store", workers=1, log=lambda s: None)      # the JPEG store
     return root / "store"
 
 
@@ -62,24 +62,24 @@ def worker(rank, world, ports, store, out, phases):
     node = os.path.join(out, f"node{rank}")
     os.makedirs(node, exist_ok=True)
     os.chdir(node)
-    train_x = ims.open_store(store).train_x
-    ids = {train_x[i].tobytes(): i for i in range(len(train_x))}
-    record = {"epochs": [], "placed": [], "evaluated": []}
+    n_train = len(ims.open_store(store).train)
+    record = {"epochs": [], "placed": [], "evaluated": [], "read": {"train": set(), "val": set()}}
 
-    real_batches, real_place, real_evaluate = inf.train_batches, inf.place, inf.evaluate
+    real_batches, real_place, real_evaluate, real_record = inf.train_batches, inf.place, inf.evaluate, ims.Split.record
 
-    def batches(*args, **kwargs):            # one call an epoch: the ids of the images this rank steps on
-        epoch = []
-        record["epochs"].append(epoch)
-        for xb, yb in real_batches(*args, **kwargs):
-            epoch += [ids[row.numpy().tobytes()] for row in xb]
-            yield xb, yb
+    def batches(data, hp, draws, **kwargs):  # one call an epoch: the store rows of the images this rank steps on
+        steps = len(draws.perm) // kwargs["batch_size"]
+        record["epochs"].append(data.train_rows[draws.perm[:steps * kwargs["batch_size"]]].tolist())
+        yield from real_batches(data, hp, draws, **kwargs)
 
-    def place(*args, **kwargs):              # what this rank holds in its own memory
+    def place(*args, **kwargs):              # which images this rank holds
         data = real_place(*args, **kwargs)
-        record["placed"].append({k: (data[k].untyped_storage().nbytes(), len(data[k]))
-                                 for k in ("train_x", "train_y", "val_x", "val_y")})
+        record["placed"].append({"train": data.train_rows.tolist(), "val": data.val_rows.tolist()})
         return data
+
+    def read(split, i):                      # every record this rank reads from the memory-mapped store
+        record["read"]["train" if len(split) == n_train else "val"].add(int(i))
+        return real_record(split, i)
 
     def evaluate(model, *args, **kwargs):    # how many images this rank pushes through the model, and the result
         count = [0]
@@ -92,7 +92,7 @@ def worker(rank, world, ports, store, out, phases):
                                     "state": {k: v.clone() for k, v in model.state_dict().items()}})
         return result
 
-    inf.train_batches, inf.place, inf.evaluate = batches, place, evaluate
+    inf.train_batches, inf.place, inf.evaluate, ims.Split.record = batches, place, evaluate, read
     real_torus, record["torus"] = D.torus_allreduce_hook, []
 
     def torus(state, bucket):               # how many buckets each phase sent over the 2D torus
@@ -146,24 +146,25 @@ def two_ranks(store, tmp_path_factory):
 
 def test_two_ranks_see_every_class_in_a_new_order_each_epoch(two_ranks, store):
     assert all(r["phases"][0]["rc"] == 0 for r in two_ranks), two_ranks[0]["phases"][0]["stderr"][-2000:]
-    check_every_rank_sees_every_class(two_ranks, np.asarray(ims.open_store(store).train_y))
+    check_every_rank_sees_every_class(two_ranks, ims.open_store(store).train.labels)
 
 
-def test_a_rank_holds_only_its_share_of_the_store(two_ranks, store):
+def test_a_rank_reads_only_its_share_of_the_store(two_ranks, store):
+    """Each rank holds a disjoint half of the training images and of the validation images, and reads from the
+    memory-mapped JPEG store no record outside them."""
     s = ims.open_store(store)
-    whole = {k: getattr(s, k).nbytes for k in ("train_x", "train_y", "val_x", "val_y")}
+    (a,), (b,) = (rec["placed"] for rec in two_ranks)
+    for split, n in (("train", len(s.train)), ("val", len(s.val))):
+        assert not set(a[split]) & set(b[split]) and len(a[split]) + len(b[split]) == n, split
     for r, rec in enumerate(two_ranks):
         (placed,) = rec["placed"]
-        n = len(s.train_y) // 2
-        assert placed["train_x"] == (n * whole["train_x"] // len(s.train_y), n), f"rank {r}: {placed['train_x']}"
-        assert placed["train_y"] == (n * 8, n)
-    for k in ("val_x", "val_y"):         # the validation set is split between the ranks too, bytes and images
-        assert sum(rec["placed"][0][k][0] for rec in two_ranks) == whole[k]
-        assert sum(rec["placed"][0][k][1] for rec in two_ranks) == len(getattr(s, k))
+        for split in ("train", "val"):
+            assert rec["read"][split] and rec["read"][split] <= set(placed[split]), (r, split)
+        assert rec["read"]["val"] == set(placed["val"])      # its whole part of the validation set, nothing more
 
 
 def test_each_rank_evaluates_its_part_and_the_counts_add_up(two_ranks, store):
-    val = len(ims.open_store(store).val_y)
+    val = len(ims.open_store(store).val)
     last = [rec["evaluated"][-1] for rec in two_ranks]
     assert sum(e["images"] for e in last) == val, [e["images"] for e in last]
     # every rank reports the whole set's figures: those of one process evaluating the same (EMA) model
@@ -171,8 +172,8 @@ def test_each_rank_evaluates_its_part_and_the_counts_add_up(two_ranks, store):
     model = inf.build_model(hp, CLASSES)
     model.load_state_dict(last[0]["state"])
     data = inf.place(ims.open_store(store), torch.device("cpu"))
-    single = inf.evaluate(model, data, SIZE, SIZE, hp["tta"], torch.device("cpu"), torch.float32,
-                          torch.contiguous_format)
+    single = inf.evaluate(model, data, hp, tta=hp["tta"], device=torch.device("cpu"), dtype=torch.float32,
+                          memory_format=torch.contiguous_format)
     for e in last:
         loss, top1, top5 = e["result"]
         assert (top1, top5) == single[1:] and loss == pytest.approx(single[0], rel=1e-5)
@@ -203,7 +204,7 @@ def test_four_ranks_killed_and_resumed_without_a_shared_disk_end_exactly_as_unin
     assert [(x["train_loss"], x["top1"]) for x in ra] == [(x["train_loss"], x["top1"]) for x in rb]
     # the uninterrupted run's three epochs: every rank saw every class, in a new order each epoch
     check_every_rank_sees_every_class([{"epochs": r["epochs"][:3]} for r in ranks],
-                                      np.asarray(ims.open_store(store).train_y))
+                                      ims.open_store(store).train.labels)
 
 
 def rank_of(pid):

@@ -1,7 +1,7 @@
 """What training computes stays what it was when its loop last moved: the per-step training losses and the final
 evaluation of fast94, fast94_next and myrtle10 (CIFAR-10) and of ImageNet's tiny recipe, at tiny sizes with fixed
 seeds on one CPU thread, recorded in tests/data/loop_reference.json before the CIFAR-10 and ImageNet loops became
-one. Identical to the bit on the CPU model that recorded them; elsewhere other kernels may round differently, so
+one (ImageNet's again when its store began to keep whole images and its crops became torchvision's). Identical to the bit on the CPU model that recorded them; elsewhere other kernels may round differently, so
 there within 1e-5."""
 import json
 
@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 import cifar10_fast as cf
 import distributed as D
+import imagenet_data as idt
 import imagenet_fast as inf
-import loop
 import imagenet_store as ims
+import loop
 from conftest import ROOT, synthetic_arrays
 
 REFERENCE = json.loads((ROOT / "tests" / "data" / "loop_reference.json").read_text())
@@ -58,12 +59,12 @@ def test_cifar10_trains_as_it_did(steps, recipe):
 
 def test_imagenet_trains_as_it_did(steps, tmp_path):
     ims.synthetic_imagefolder(tmp_path / "src", 4, 24, 8, sizes=(20, 40))
-    ims.prepare(tmp_path / "src", tmp_path / "store", 24, workers=1, log=lambda s: None)
-    data = inf.place(ims.open_store(tmp_path / "store"), torch.device("cpu"))
+    ims.prepare(tmp_path / "src", tmp_path / "store", workers=1, log=lambda s: None)
+    data = idt.place(ims.open_store(tmp_path / "store"), torch.device("cpu"), threads=1)
     hp = inf.hyperparameters("tiny", width=8, epochs=3, batch_size=16, min_res=24, max_res=24, val_res=24,
                              ema_momentum=0.9, ema_every=5)
     cpu = torch.device("cpu")
-    result = loop.train(inf.start(hp, data, classes=5, size=24, device=cpu, dtype=torch.float32, ctx=D.Context()), hp,
+    result = loop.train(inf.start(hp, data, classes=5, device=cpu, dtype=torch.float32, ctx=D.Context()), hp,
                         device=cpu, seed=1)
     ref = REFERENCE["runs"]["imagenet_tiny"]
     same(steps, ref["steps"])

@@ -114,6 +114,9 @@ def test_an_output_in_folders_not_yet_there_is_fine(npz, tmp_path, capsys):
     (["train", "--store", "S", "--schedule", "exp"],
      "error: argument --schedule: 'exp' is not one of linear, cosine, step, slow_start"),
     (["train", "--store", "S", "--device", "gpu"], "error: --device gpu: not a device; use cpu, cuda, cuda:N, mps, ..."),
+    (["train", "--store", "S", "--val-crop", "1.5"], "error: --val-crop 1.5: must be between 0 and 1"),
+    (["train", "--store", "S", "--loader-threads", "0"], "error: --loader-threads must be positive"),
+    (["train", "--store", "S", "--decoder", "nvjpeg"], "error: argument --decoder: 'nvjpeg' is not one of auto, cpu, gpu"),
     (["simulate", "--gpus", "0"], "error: argument --gpus: '0': expected GPU counts of 1 or more separated by commas, "
                                   "e.g. 8,64"),
     (["simulate", "--gpus", "a,b"], "error: argument --gpus: 'a,b': expected GPU counts of 1 or more separated by "
@@ -152,6 +155,10 @@ def test_under_torchrun_only_rank_0_prints_the_error(tmp_path, capsys, monkeypat
     (["--max-aspect", "0"], "error: --max-aspect 0: must be at least 1 (the longer side over the shorter)"),
     (["--max-aspect", "-1"], "error: --max-aspect -1: must be at least 1 (the longer side over the shorter)"),
     (["--size", "4"], "error: --size 4: must be at least 8"),
+    (["--max-side", "4"], "error: --max-side 4: must be at least 8"),
+    (["--quality", "0"], "error: --quality 0: must be 1..100"),
+    (["--quality", "101"], "error: --quality 101: must be 1..100"),
+    (["--format", "png"], "error: argument --format: 'png' is not one of jpeg, raw"),
 ])
 def test_prepare_flags_are_checked_before_anything_is_written(flags, message, tmp_path, capsys):
     import imagenet_store as ims
