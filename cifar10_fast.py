@@ -351,7 +351,8 @@ def compiled_graphs():
 
 def start(hp, data, *, device, dtype, ctx, net=None, forward=None):
     """The builder of a run that loop.train calls once torch's seed is set: start(seed) builds a fresh network (or
-    re-initialises `net`, from network(), in place), fits its whitening, its optimisers and what it draws once, and
+    re-initialises `net`, from network(), in place), its optimisers and what it draws once (its whitening is fitted
+    by the Run's init, once the clock runs), and
     returns the loop.Run that trains it on the device-resident `data` (device_data; under torchrun this rank's
     shard), in this rank's share of the batch."""
     world, wrapped = ctx.world_size, ctx.distributed     # in DistributedDataParallel under torchrun, one rank too
@@ -368,8 +369,6 @@ def start(hp, data, *, device, dtype, ctx, net=None, forward=None):
         if net is not None:
             net.load_state_dict(fresh.state_dict())
             model, step = net, (net if forward is None else forward)
-        # under torchrun data["whiten_images"] holds the images one process would fit on (device_data)
-        tb.fit_whitening(model, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])
         tb.set_bias_grad(model, True)
         opts = make_optimizers(model, hp, steps_per_epoch, world)
         flip_base = cd.flip_bits(n_train, gen, device) if hp["flip"] == "alternate" else None
@@ -393,7 +392,11 @@ def start(hp, data, *, device, dtype, ctx, net=None, forward=None):
                                                           flip_base=flip_base, batch_size=batch),
                    schedule=lambda epoch, i, step_no: (schedule(step_no / total_steps), step_no / steps_per_epoch),
                    evaluate=evaluate, metrics=("test_loss", "test_acc"), accuracy="test_acc", wrapped=wrapped,
-                   before_step=before_step if whitening else None)
+                   before_step=before_step if whitening else None,
+                   # the whitening fit is timed, as the references time it; under torchrun data["whiten_images"]
+                   # holds the images one process would fit on (device_data)
+                   init=lambda: tb.fit_whitening(model, data.get("whiten_images", data["train_images"]),
+                                                 data["test_images"].shape[-2:]))
     return build
 
 

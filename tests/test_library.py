@@ -200,3 +200,15 @@ def test_epochs_between_are_evaluated_plainly_or_not_at_all_and_the_last_with_th
     assert [r["epoch"] for r in rows] == [1, 2, 3]
     assert [r["epoch"] for r in rows if r["test_acc"] is not None] == [e for e, _ in evaluated]
     assert result.summary["final_acc"]["n"] == 1 and rows[-1]["test_acc"] == result.runs[0]["final_acc"]
+
+
+def test_the_clock_starts_once_the_network_is_built_and_counts_the_whitening_fit(monkeypatch):
+    """As the references time: the network's construction before the clock, its whitening fit inside it."""
+    import devices
+    events = []
+    for module, name in ((tb, "build_model"), (tb, "fit_whitening"), (devices, "timer")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: events.append(name) or real(*a, **k))
+    cf.train("fast94", data=synthetic_arrays(n_train=64, n_test=32), device="cpu", epochs=1, width=1 / 16,
+             batch_size=32)
+    assert events[-3:] == ["build_model", "timer", "fit_whitening"]

@@ -248,3 +248,20 @@ def test_a_run_that_compiled_inside_its_clock_is_flagged_in_the_line_and_the_tab
     assert "COMPILED INSIDE THE CLOCK in 1 runs" in suite.describe(result)
     assert report.timed(st) == "2.50 s ± 0.71 (compiled inside the clock in 1 run)"
     assert report.timed(suite.side_stats(runs[1:], 0.94, None, None)) == "2.00 s ± 0.00"
+
+
+def test_the_pieces_share_one_compile_cache_under_the_results(tmp_path, monkeypatch):
+    """Every command the suite starts (and every piece it runs in its own process) sees the same inductor caches,
+    under results/<machine>/, so only the first pays a cold compile; the suite's own environment is left as it was."""
+    seen, real = {}, suite.launch
+
+    def launch(argv, log, **kwargs):
+        seen.update({k: os.environ.get(k) for k in suite.compile_cache(tmp_path)})
+        return real(argv, log, **kwargs)
+    monkeypatch.setattr(suite, "launch", launch)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert suite.main(["--smoke", "--pieces", "myrtle24", "--results", str(tmp_path)]) == 0
+    (machine,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert seen == {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+                    "TORCHINDUCTOR_CACHE_DIR": str(machine / ".compile-cache")}
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
