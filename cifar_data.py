@@ -333,20 +333,24 @@ def flip_bits(n, generator, device=None):
     return torch.rand(n, device=device or generator.device, generator=generator) < 0.5
 
 
-def batch_crop(x, dy, dx, size):
-    """Crops windows of `size` (a side, or height and width) at per-image offsets (dy, dx) from padded images x.
+def crop_flip(x, size, *, dy=None, dx=None, flip=None):
+    """Windows of `size` (a side, or height and width) at per-image offsets (dy, dx) from padded images x, each
+    mirrored left to right where flip is set; any of the three may be None (offset 0, no flip).
 
-    One masked select per possible offset and axis (2·(2·pad+1) whole-dataset ops), rather
-    than a gather index as large as the data or a Python loop over images.
+    One gather: the output's row and column indices come from the offsets and the flip bit, as (N, 1, h, 1) and
+    (N, 1, 1, w) tensors that advanced indexing broadcasts without materialising, so the images are read once
+    and the crops written once, instead of a masked select over the whole set per offset and axis.
     """
+    n, c = x.shape[:2]
     h, w = pair(size)
-    rows = x[:, :, :h]
-    for off in range(1, x.shape[2] - h + 1):
-        rows = torch.where((dy == off).view(-1, 1, 1, 1), x[:, :, off:off + h], rows)
-    out = rows[..., :w]
-    for off in range(1, x.shape[3] - w + 1):
-        out = torch.where((dx == off).view(-1, 1, 1, 1), rows[..., off:off + w], out)
-    return out
+    i = torch.arange(h, device=x.device)
+    j = torch.arange(w, device=x.device)
+    rows = (i if dy is None else dy[:, None] + i).expand(n, h)
+    cols = j if flip is None else torch.where(flip[:, None], w - 1 - j, j)
+    cols = (cols if dx is None else dx[:, None] + cols).expand(n, w)
+    image = torch.arange(n, device=x.device).view(-1, 1, 1, 1)
+    channel = torch.arange(c, device=x.device).view(1, -1, 1, 1)
+    return x[image, channel, rows.view(n, 1, h, 1), cols.view(n, 1, 1, w)]
 
 
 def cutout_mask(cy, cx, size, patch):
@@ -361,9 +365,9 @@ def cutout_mask(cy, cx, size, patch):
 
 def augment(images, r, size, cutout):
     """Applies one epoch's draws r to all (padded) images at once; returns them unshuffled."""
-    x = batch_crop(images, r["dy"], r["dx"], size) if "dy" in r else images
-    if "flip" in r:
-        x = torch.where(r["flip"].view(-1, 1, 1, 1), x.flip(3), x)
+    x = images
+    if "dy" in r or "flip" in r:
+        x = crop_flip(images, size, dy=r.get("dy"), dx=r.get("dx"), flip=r.get("flip"))
     if "brightness" in r:
         per_image = lambda v: v.view(-1, 1, 1, 1).to(x.dtype)
         x = (x + per_image(r["brightness"])) * per_image(r["contrast"])

@@ -97,3 +97,40 @@ def test_random_calls_per_epoch_do_not_grow_with_the_dataset(monkeypatch):
         list(cd.epoch_batches(data, HP, g, memory_format=torch.contiguous_format))
         counts.append(len(calls))
     assert counts[0] == counts[1] <= 5, counts
+
+
+def crop_flip_by_masks(x, r, size):
+    """The crop and flip as they were before the one-gather crop_flip, kept as its reference: a torch.where over the
+    whole set for every offset of each axis, then one for the flip."""
+    h, w = cd.pair(size)
+    if "dy" in r:
+        dy, dx = r["dy"], r["dx"]
+        rows = x[:, :, :h]
+        for off in range(1, x.shape[2] - h + 1):
+            rows = torch.where((dy == off).view(-1, 1, 1, 1), x[:, :, off:off + h], rows)
+        x = rows[..., :w]
+        for off in range(1, rows.shape[3] - w + 1):
+            x = torch.where((dx == off).view(-1, 1, 1, 1), rows[..., off:off + w], x)
+    if "flip" in r:
+        x = torch.where(r["flip"].view(-1, 1, 1, 1), x.flip(3), x)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pad, size, flip", [(4, 32, "random"), (2, 32, "alternate"), (3, (24, 32), "random"),
+                                             (4, 32, "none"), (0, 32, "random")])
+def test_the_one_gather_crops_and_flips_exactly_as_the_masked_selects_did(dtype, pad, size, flip):
+    h, w = cd.pair(size)
+    side = 2 * pad + 1
+    # every offset with and without the flip, then random draws
+    every = torch.arange(side * side * 2)
+    fixed = {"dy": every // 2 // side, "dx": every // 2 % side, "flip": every % 2 == 1}
+    g = torch.Generator().manual_seed(4)
+    n = len(every) + 500
+    x = torch.randn(n, 3, h + 2 * pad, w + 2 * pad, generator=g).to(dtype)
+    r = cd.draw_augmentation(n, size, pad=pad, flip=flip, cutout=0, generator=g, flip_base=cd.flip_bits(n, g))
+    for k in fixed:
+        if k in r:
+            r[k][:len(every)] = fixed[k]
+    out = cd.augment(x, r, size, cutout=0)
+    assert torch.equal(out, crop_flip_by_masks(x, r, size)) and out.is_contiguous()
