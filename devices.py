@@ -211,6 +211,19 @@ def autotune(device):
         torch.backends.cudnn.benchmark = True
 
 
+def compiles_helpers(device):
+    """Whether the small functions run every step beside the network (Muon's Newton–Schulz) are torch.compile'd on
+    this device: on CUDA, where their dozens of small kernels are bound by launches; not elsewhere, where eager keeps
+    the CPU's numerics bit for bit (tests/test_loop_kept.py)."""
+    return torch.device(device).type == "cuda"
+
+
+def sgd_options(device):
+    """torch.optim.SGD's implementation for parameters on this device: fused on CUDA (one kernel for every
+    parameter instead of a loop of them); torch's default elsewhere, so that the CPU's numerics stay as recorded."""
+    return {"fused": True} if torch.device(device).type == "cuda" else {}
+
+
 def set_deterministic():
     """--deterministic: two runs with the same seed give the same parameters on the same machine. torch's
     deterministic kernels, no cuDNN autotuning, and cuBLAS's fixed workspace (read when CUDA initialises, so call

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import devices
 from schedules import epoch_steps
 
 
@@ -52,6 +53,19 @@ def newton_schulz_padded(mats, steps=5, coeffs=MUON_COEFFS, dtype=torch.bfloat16
     return [o[:m.shape[0], :m.shape[1]].to(m.dtype) for o, m in zip(out, mats)]
 
 
+_COMPILED = {}
+
+
+def compiled(fn, backend="inductor"):
+    """fn torch.compile'd once per process and backend, so every Muon of every run shares its graphs. dynamic=False:
+    a graph per set of matrix shapes (one batched, or one per distinct filter bank shape: 4 in fast94_muon, 6 in
+    fast96 with Muon, under dynamo's limit of 8 for one function), all met in the untimed warm-up; dynamic shapes would
+    compile again inside a timed run."""
+    if (fn, backend) not in _COMPILED:
+        _COMPILED[fn, backend] = torch.compile(fn, backend=backend, dynamic=False)
+    return _COMPILED[fn, backend]
+
+
 # Ours: torch.optim.Muon is absent from torch 2.4 (which we support), takes 2-D weights only and averages momentum
 class Muon(torch.optim.Optimizer):
     """Muon (Jordan et al. 2024): SGD momentum whose update for each weight matrix (a conv filter
@@ -65,14 +79,24 @@ class Muon(torch.optim.Optimizer):
     - weight_decay: decoupled, w ← w·(1 − lr·weight_decay) after the update.
     - momentum_dtype: the momentum buffer's dtype (fp16 or bf16 halves its memory traffic).
     - batched: all filter banks orthogonalised in one newton_schulz_padded call.
+    - compile: Newton–Schulz torch.compile'd with compile_backend; None: where devices.compiles_helpers says so
+      (CUDA), eager elsewhere.
     """
 
     def __init__(self, params, lr, *, momentum=0.9, nesterov=True, ns_steps=5, ns_coeffs=MUON_COEFFS,
-                 renorm_every=(0, 0), total_steps=1, weight_decay=0.0, momentum_dtype=None, batched=False):
+                 renorm_every=(0, 0), total_steps=1, weight_decay=0.0, momentum_dtype=None, batched=False,
+                 compile=None, compile_backend="inductor"):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                       ns_coeffs=tuple(ns_coeffs), renorm_every=tuple(renorm_every),
                                       total_steps=total_steps, weight_decay=weight_decay,
                                       momentum_dtype=momentum_dtype, batched=batched, step=0, last_renorm=0))
+        self.compile, self.compile_backend = compile, compile_backend
+
+    def orthogonaliser(self, batched, device):
+        """newton_schulz_padded (batched) or newton_schulz, compiled or eager as `compile` and the device say."""
+        fn = newton_schulz_padded if batched else newton_schulz
+        on = devices.compiles_helpers(device) if self.compile is None else self.compile
+        return compiled(fn, self.compile_backend) if on else fn
 
     @torch.no_grad()
     def step(self):
@@ -85,13 +109,17 @@ class Muon(torch.optim.Optimizer):
             m = group["momentum"]
             updates = []
             for p in params:
-                buf = self.state[p].setdefault("momentum", torch.zeros_like(p.grad, dtype=group["momentum_dtype"]))
+                state = self.state[p]
+                if "momentum" not in state:     # not setdefault: its argument would allocate zeros every step
+                    state["momentum"] = torch.zeros_like(p.grad, dtype=group["momentum_dtype"])
+                buf = state["momentum"]
                 buf.mul_(m).add_(p.grad)
                 updates.append((p.grad.add(buf, alpha=m) if group["nesterov"] else buf).reshape(len(p), -1))
+            ns = self.orthogonaliser(group["batched"], params[0].device)
             if group["batched"]:
-                updates = newton_schulz_padded(updates, group["ns_steps"], group["ns_coeffs"])
+                updates = ns(updates, group["ns_steps"], group["ns_coeffs"])
             else:
-                updates = [newton_schulz(u, group["ns_steps"], group["ns_coeffs"]) for u in updates]
+                updates = [ns(u, group["ns_steps"], group["ns_coeffs"]) for u in updates]
             k0, k1 = group["renorm_every"]
             every = k0 + int((k1 - k0) * group["step"] / group["total_steps"])
             if k0 and group["step"] - group["last_renorm"] >= every:
@@ -230,7 +258,8 @@ def optimizer(groups, hp):
     and rms_beta_period in epochs of the training loop's clock)."""
     name, m = hp["optimizer"], hp["momentum"]
     if name == "sgd":
-        return torch.optim.SGD(groups, lr=0.0, momentum=m, nesterov=hp["nesterov"])
+        device = next((p.device for g in groups for p in g["params"]), "cpu")
+        return torch.optim.SGD(groups, lr=0.0, momentum=m, nesterov=hp["nesterov"], **devices.sgd_options(device))
     if name == "lars":
         return LARS(groups, lr=0.0, momentum=m, trust_coefficient=hp["lars_trust"])
     if name == "rmsprop_sgd":

@@ -156,3 +156,11 @@ def test_the_clock_reads_cuda_events_on_a_gpu_and_waits_on_the_device_elsewhere(
     assert t(include=False) == pytest.approx(1.5e-3)
     assert t() == pytest.approx(0.25e-3) and t.total == pytest.approx(0.5e-3)
     assert isinstance(devices.timer("cpu"), core.Timer)
+
+
+@pytest.mark.parametrize("name, compiled, sgd", [
+    ("cpu", False, {}), ("cuda", True, {"fused": True}), ("cuda:0", True, {"fused": True}), ("mps", False, {})])
+def test_what_is_compiled_and_fused_on_each_device(name, compiled, sgd):
+    """Newton–Schulz compiled and SGD fused on CUDA alone: elsewhere eager and torch's default SGD, as recorded."""
+    assert devices.compiles_helpers(name) is compiled and devices.compiles_helpers(torch.device(name)) is compiled
+    assert devices.sgd_options(name) == sgd == devices.sgd_options(torch.device(name))

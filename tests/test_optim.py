@@ -85,3 +85,74 @@ def test_rmsprop_to_sgd_follows_its_formula_when_the_rate_changes(case):
         torch.testing.assert_close(p.detach(), want, rtol=1e-10, atol=1e-12, msg=f"step {k + 1}")
 
 
+
+
+def filter_banks():
+    """Conv filter banks with gradients, in the shapes of a small network: two of them alike."""
+    torch.manual_seed(5)
+    shapes = [(16, 8, 3, 3), (16, 16, 3, 3), (32, 16, 3, 3), (32, 32, 3, 3), (32, 32, 3, 3)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    return params
+
+
+def test_muon_makes_its_momentum_buffers_once(monkeypatch):
+    params = filter_banks()
+    opt = optim.Muon(params, lr=0.1)
+    made, real = [], torch.zeros_like
+    monkeypatch.setattr(torch, "zeros_like", lambda *a, **k: (made.append(1), real(*a, **k))[1])
+    opt.step()
+    buffers = [opt.state[p]["momentum"] for p in params]
+    opt.step()
+    opt.step()
+    assert len(made) == len(params)
+    assert all(opt.state[p]["momentum"] is b for p, b in zip(params, buffers))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_newton_schulz_compiled_equals_eager(batched):
+    torch._dynamo.reset()
+    mats = [p.grad.reshape(len(p), -1) for p in filter_banks()]
+    fn = optim.newton_schulz_padded if batched else optim.newton_schulz
+    eager = fn(mats) if batched else [fn(m) for m in mats]
+    ns = optim.compiled(fn, "aot_eager")
+    got = ns(mats) if batched else [ns(m) for m in mats]
+    for g, e in zip(got, eager):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-2)      # bf16 iterations: a rounding step is 2^-8 of 1
+
+
+@pytest.mark.slow
+def test_newton_schulz_compiled_by_inductor_equals_eager_within_bf16_rounding():
+    torch._dynamo.reset()
+    mats = [p.grad.reshape(len(p), -1) for p in filter_banks()]
+    got, eager = optim.compiled(optim.newton_schulz_padded)(mats), optim.newton_schulz_padded(mats)
+    for g, e in zip(got, eager):
+        torch.testing.assert_close(g, e, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("batched, graphs", [(True, 1), (False, 4)])     # one, or one per distinct bank shape
+def test_compiled_muon_compiles_once_per_shape_and_steps_as_eager(batched, graphs):
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    params, twins = filter_banks(), filter_banks()
+    compiled = optim.Muon(params, lr=0.1, batched=batched, compile=True, compile_backend="eager")
+    eager = optim.Muon(twins, lr=0.1, batched=batched)
+    assert eager.orthogonaliser(batched, "cpu") in (optim.newton_schulz, optim.newton_schulz_padded)
+    for _ in range(4):
+        compiled.step()
+        eager.step()
+    assert counters["stats"]["unique_graphs"] == graphs
+    for p, q in zip(params, twins):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_sgd_takes_the_options_of_its_parameters_device(monkeypatch):
+    seen = []
+    monkeypatch.setattr(optim.devices, "sgd_options", lambda device: (seen.append(device), {"foreach": False})[1])
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = optim.optimizer([{"params": [p]}], {"optimizer": "sgd", "momentum": 0.9, "nesterov": True})
+    assert seen == [torch.device("cpu")] and opt.defaults["foreach"] is False
+    monkeypatch.undo()
+    assert not optim.optimizer([{"params": [p]}], {"optimizer": "sgd", "momentum": 0.9, "nesterov": True}).defaults["fused"]
