@@ -3,7 +3,7 @@ axis, then one for the flip: tests/test_augment.py keeps it as the reference) an
 gather), on the CPU: the bytes each moves (counted from the shapes), the operators and allocations torch.profiler
 sees in one call of each, and their times, alternating old and new in this one process.
 
-    python benchmarks/augment_bytes.py                       # /tmp/cifar10.npz, 50,000 images, pad 4, 20 repetitions
+    python benchmarks/augment_bytes.py --data cifar10.npz    # 50,000 images, pad 4, 20 repetitions
     python benchmarks/augment_bytes.py --data data.npz --pad 2 --reps 10
 """
 import argparse
@@ -45,7 +45,7 @@ def profiled(fn):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default="/tmp/cifar10.npz")
+    parser.add_argument("--data", default="data/cifar10.npz", help="CIFAR-10 arrays (.npz, as --data-dir takes)")
     parser.add_argument("--pad", type=int, default=4)
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args(argv)
