@@ -5,7 +5,8 @@ with BlurPool for rn50_16ep), at each resolution in --sizes, in one run:
   ceiling   the model's training steps on one batch already on the device: the most any loader could give
   together  the loader feeding the model, as training runs
   pil       torchvision's ImageFolder + RandomResizedCrop + flip in DataLoader workers, decoding the original files
-            with PIL (the usual PyTorch pipeline), alone; as many workers as our loader has threads
+            with PIL (the usual PyTorch pipeline), alone; as many workers as our loader has threads, its batches
+            finished as ours are (on the device, normalised, in the compute dtype and layout)
 
 Per GPU figures are per process; per core figures divide the loader's images/s by the CPU threads (or workers) that
 decode. The store is --store, or one written from --src, or one written from synthetic photos of mixed 4:3, 3:4 and
@@ -149,7 +150,7 @@ def main(argv=None):
         print(f"{hp['model']}{' + BlurPool' if hp['blurpool'] else ''} ({args.recipe}) on {devices.name(device)} "
               f"({device}, {str(dtype)[6:]}), batch {bs}; {store.format} store of {n} images decoded on the {cores}; "
               f"{args.steps} timed batches after {args.warmup}; images/s")
-        table = Table(["res", "loader", "ceiling", "together", "together/ceil", "loader/core", "pil/core"], width=13,
+        table = Table(["res", "loader", "ceiling", "together", "together/ceil", "loader/core", "pil/core"], width=14,
                       formats={k: ".1f" for k in ("loader", "ceiling", "together", "loader/core", "pil/core")}
                       | {"together/ceil": ".3f"})
         timing = dict(device=device, warmup=args.warmup, steps=args.steps, batch_size=bs)
@@ -170,8 +171,15 @@ def main(argv=None):
             pil = None
             if not args.no_pil:
                 folder.transform.transforms[0].size = (res, res)
-                pil_loader = torch.utils.data.DataLoader(folder, bs, shuffle=True, drop_last=True, num_workers=threads)
-                pil = rate(forever(lambda: pil_loader), lambda x, y: None, **{**timing, "device": "cpu"}) / threads
+                pil_loader = torch.utils.data.DataLoader(folder, bs, shuffle=True, drop_last=True, num_workers=threads,
+                                                         pin_memory=devices.overlaps(device))
+
+                def pil_batches():      # the same finish as ours: on the device, normalised, its dtype and layout
+                    for xb, yb in pil_loader:
+                        x = xb.to(device, non_blocking=True).float()
+                        yield (idt.finish(x, hp, generator=gen, dtype=dtype, memory_format=fmt),
+                               yb.to(device, non_blocking=True))
+                pil = rate(forever(pil_batches), lambda x, y: None, **timing) / threads
             table.append({"res": res, "loader": loader, "ceiling": ceiling, "together": together,
                           "together/ceil": together / ceiling,
                           "loader/core": None if decoder == "gpu" else loader / threads, "pil/core": pil})

@@ -227,15 +227,15 @@ def t_prepare(results):
     rows = []
     for r in results.get("imagenet_prepare", []):
         for row in r["rows"]:
-            rows.append([device(r), row["format"], row["images"], f"{row['images/s']:.0f}",
+            rows.append([device(r), r.get("source", "–"), row["format"], row["images"], f"{row['images/s']:.0f}",
                          f"{row['read GB/s']:.3f}", f"{row['written GB/s']:.3f}",
                          f"{row['store GB'] / row['source GB']:.2f}"])
     if not rows:
         return [f"`prepare` throughput: {NM}."]
     cmds = sorted({code(r["command"]) for r in results.get("imagenet_prepare", [])})
-    return table(["machine", "format", "images", "images/s", "source GB/s read", "store GB/s written",
-                  "store / source bytes"], rows) + ["", f"Command: {', '.join(cmds)} ({r['workers']} workers, median of "
-                                                        f"{r['repeats']})."]
+    return table(["machine", "source", "format", "images", "images/s", "source GB/s read", "store GB/s written",
+                  "store / source bytes"], rows) + ["", f"Commands: {', '.join(cmds)} ({r['workers']} workers, median "
+                                                        f"of {r['repeats']})."]
 
 
 def t_decoders(results):

@@ -728,4 +728,4 @@ def test_prepare_benchmark_measures_both_formats_and_the_report_shows_them(tmp_p
         assert row["images"] == 18 and row["images/s"] == pytest.approx(18 / row["seconds"])   # 9 train, 9 val
         assert row["read GB/s"] == pytest.approx(row["source GB"] / row["seconds"])
     text = "\n".join(report.t_prepare(report.load_results(tmp_path)))
-    assert "| jpeg | 18 |" in text and "python benchmarks/imagenet_prepare.py --images 9" in text
+    assert "| 9 synthetic photos, longer side 500 px | jpeg | 18 |" in text and "python benchmarks/imagenet_prepare.py --images 9" in text
