@@ -68,7 +68,7 @@ def val_view(height, width, *, res, crop, max_aspect=2.0):
     if crop:
         side = crop * min(height, width)
         return ((height - side) / 2, (width - side) / 2, side, side), (res, res)
-    ow, oh = val_shape(width, height, res, max_aspect, max(1, res // 8))
+    ow, oh = val_shape(width, height, res, max_aspect=max_aspect, step=max(1, res // 8))
     s = max(ow / width, oh / height)
     bw, bh = min(width, ow / s), min(height, oh / s)
     return ((height - bh) / 2, (width - bw) / 2, bh, bw), (oh, ow)
@@ -237,7 +237,7 @@ def finish(x, hp, *, generator, dtype, memory_format):
     return normalize(x).to(dtype).contiguous(memory_format=memory_format)
 
 
-def gathered(x, y, perm, bs, device):
+def gathered(x, y, perm, bs, *, device):
     """(uint8 NHWC squares, labels) on the device for each full batch of perm, from a raw store's pixels. From host
     memory on a GPU: the next batch is gathered into one of two pinned buffers and copied on a side stream while
     the current one computes."""
@@ -329,7 +329,8 @@ def train_batches(data, hp, draws, *, res, batch_size, generator, device, dtype,
     bs, steps = batch_size, len(draws.perm) // batch_size
     if data.store.format == "raw":
         h, w = data.shapes("train")
-        for i, (xb, yb) in enumerate(gathered(data.pixels, data.train_y, torch.from_numpy(draws.perm), bs, device)):
+        for i, (xb, yb) in enumerate(gathered(data.pixels, data.train_y, torch.from_numpy(draws.perm), bs,
+                                                    device=device)):
             idx = draws.perm[i * bs:(i + 1) * bs]
             x = crop_resize(xb.permute(0, 3, 1, 2).float(), torch.from_numpy(draws.boxes[idx]),
                             (torch.from_numpy(h[idx]), torch.from_numpy(w[idx])), res)

@@ -100,7 +100,7 @@ def list_split(src, split, classes=None):
     return classes, items, empty
 
 
-def val_shape(w, h, size, max_aspect, step):
+def val_shape(w, h, size, *, max_aspect, step):
     """A rectangular view's (width, height): shorter side = size, longer side rounded to a multiple of `step` (so few
     distinct shapes exist and a batch of one shape needs no padding) and capped at max_aspect x size."""
     long_ = min(max(w, h) * size / min(w, h), max_aspect * size)
@@ -138,7 +138,7 @@ def encode_image(path, split, settings):
             ow, oh, box = s.size, s.size, None
             shape = (max(s.size, round(h * scale)), max(s.size, round(w * scale)))
         else:                             # raw validation: rectangular, shorter side `size`
-            ow, oh = val_shape(w, h, s.size, s.max_aspect, s.step)
+            ow, oh = val_shape(w, h, s.size, max_aspect=s.max_aspect, step=s.step)
             box, shape = centre_box(w, h, ow, oh), (oh, ow)
         scale = max(ow / w, oh / h)
         im.draft("RGB", (ow, oh) if box is None else (int(np.ceil(w * scale)), int(np.ceil(h * scale))))
@@ -309,7 +309,8 @@ def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max
     return index
 
 
-def synthetic_imagefolder(root, classes=10, train_per_class=20, val_per_class=5, sizes=(24, 48), seed=0, quality=90):
+def synthetic_imagefolder(root, classes=10, train_per_class=20, val_per_class=5, *, sizes=(24, 48), seed=0,
+                          quality=90):
     """Writes root/{train,val}/c<k>/*.JPEG of random sizes in `sizes`: class k is a colour of its
     own with stripes of its own period, plus noise, so a network can learn the classes (tests and
     the throughput benchmark)."""

@@ -420,7 +420,7 @@ def synthetic_store(folder, smoke):
     """A generated ImageFolder prepared into a store, for the ImageNet torchrun piece."""
     import imagenet_store
     src = imagenet_store.synthetic_imagefolder(Path(folder) / "src", 10, 16 if smoke else 128, 4 if smoke else 32,
-                                               (32, 48))
+                                               sizes=(32, 48))
     imagenet_store.prepare(src, Path(folder) / "store", log=lambda s: None)      # the JPEG store, as by default
     return str(Path(folder) / "store")
 

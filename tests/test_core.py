@@ -109,3 +109,16 @@ def test_hyperparameters_once_built_cannot_change():
             change()
     assert hp == {"epochs": 10, "batch_size": 512} and hp.recipe == "myrtle24"
     assert json.loads(json.dumps(hp)) == hp and {**hp, "epochs": 2}["epochs"] == 2      # a copy is a plain dict
+
+
+def test_no_public_function_takes_more_than_four_positional_parameters():
+    """Beyond the first few, arguments are keyword-only, so that one in the wrong place cannot pass silently."""
+    import ast
+    crowded = []
+    for path in sorted(ROOT.glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+                positional = [a for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+                if len(positional) > 4:
+                    crowded.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert crowded == []

@@ -575,7 +575,7 @@ def test_throughput_benchmark_prints_the_loader_per_core_beside_pil(tmp_path):
 def test_streamed_batches_equal_indexed_batches(raw_store):
     data = idt.place(ims.open_store(raw_store), torch.device("cuda"), where="host")
     perm = torch.randperm(len(data.train_y))
-    for i, (x, y) in enumerate(idt.gathered(data.pixels, data.train_y, perm, 16, torch.device("cuda"))):
+    for i, (x, y) in enumerate(idt.gathered(data.pixels, data.train_y, perm, 16, device=torch.device("cuda"))):
         idx = perm[i * 16:(i + 1) * 16]
         assert torch.equal(x.cpu(), data.pixels[idx]) and torch.equal(y.cpu(), data.train_y[idx])
 
