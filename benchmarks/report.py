@@ -251,6 +251,19 @@ def t_decoders(results):
         "", f"Command: {', '.join(cmds)}."]
 
 
+def t_compile_cache(results):
+    rows = []
+    for r in results.get("compile_cache", []):
+        for row in r["rows"]:
+            rows.append([device(r), f"`{r['recipe']}` (width {r['width']:g}, mode {r['mode']})", row["cache"], row["n"],
+                         f"{row['mean s']:.1f} s", f"{row['min s']:.1f}-{row['max s']:.1f} s"])
+    if not rows:
+        return [f"Compiled warm-up, cold and warm cache: {NM}."]
+    cmds = sorted({code(r["command"]) for r in results.get("compile_cache", [])})
+    return table(["machine", "recipe", "cache", "n", "compiled warm-up (mean)", "min-max"], rows) + [
+        "", f"Command: {', '.join(cmds)} (each run a fresh process)."]
+
+
 def t_torchrun(results):
     rows = []
     for piece, what in (("torchrun_fast94", "fast94"), ("torchrun_imagenet_tiny", "ImageNet `tiny`")):
@@ -319,7 +332,7 @@ def t_cpu_accuracy(results):
 TABLES = {"env": t_env, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
-          "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders,
+          "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "compile_cache": t_compile_cache,
           "torchrun": t_torchrun, "floor": t_floor}
 
 

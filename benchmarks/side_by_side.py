@@ -1,8 +1,20 @@
-"""Our fast recipes against the installed `airbench` package, alternating runs in one process on one GPU.
+"""Our fast recipes against a peer, alternating runs on one device and the same data: the installed `airbench`
+package (in this process), or any reference script (--peer-script, each run a fresh process).
 
     pip install airbench          # the peer; this script installs nothing
     python benchmarks/side_by_side.py --runs 25                     # fast94 vs airbench94, ...
     python benchmarks/side_by_side.py --recipes fast94 --runs 100 --peer-runs 25 --compile max-autotune --out sbs.json
+    python benchmarks/side_by_side.py --recipes fast94_next --runs 25 --compile max-autotune \
+        --peer-script airbench94_muon.py --peer-pattern 'PATTERN' --out sbs.json
+
+A peer script (the record scripts such as airbench94_muon.py or the 2-second speedrun's, which no package holds) runs
+in a folder holding our data as ./cifar10/train.pt and ./cifar10/test.pt (the layout airbench's scripts read:
+`images` uint8 NHWC, `labels`, `classes`), with --peer-args, and reports its own accuracy and time: the last match
+in its output of --peer-pattern, a regular expression with the named groups acc and time (the default matches a
+line such as "accuracy 0.9412 time 3.21 s"; an accuracy above 1 is a percentage). Its time is its own clock; ours is
+the clock README's "How time is measured" describes (from the network built, whitening fit included, CUDA events,
+the final evaluation with test-time augmentation included): the same clock only where the script times as ours
+does, which the table cannot check. A run that fails or prints no match stops the comparison with one line.
 
 Both sides get the same data (our cached CIFAR-10, written once in the layout airbench reads:
 `cifar10/train.pt` and `cifar10/test.pt` holding `images` uint8 NHWC, `labels`, `classes`) and the
@@ -20,6 +32,9 @@ confidence interval. `--out` is rewritten after every run.
 import argparse
 import contextlib
 import os
+import re
+import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +53,41 @@ from core import DataError, Table, one_sided_p, ratio_ci, summarize, write_json 
 # airbench94_muon.py and the 2-second record are scripts, not in the package: the Muon recipes run beside train94.
 PEERS = {"fast94": ("94", 0.94), "fast95": ("95", 0.95), "fast96": ("96", 0.96), "fast94_muon": ("94", 0.94),
          "fast94_next": ("94", 0.94)}
+
+
+# What a peer script must print, by default: its final accuracy and its time, on a line such as
+# "accuracy 0.9412 time 3.21 s" (or "acc: 94.12%, time: 3.21"); the last such line counts. An accuracy above 1 is a
+# percentage. Anything else: --peer-pattern, a regular expression with the named groups acc and time.
+PEER_PATTERN = r"acc(?:uracy)?\W+(?P<acc>\d+(?:\.\d+)?)%?.*?time\W+(?P<time>\d+(?:\.\d+)?)"
+
+
+def peer_pattern(text):
+    """The compiled --peer-pattern; ValueError naming what is wrong."""
+    try:
+        pattern = re.compile(text, re.I)
+    except re.error as e:
+        raise ValueError(f"--peer-pattern {text!r}: not a regular expression ({e})") from None
+    missing = {"acc", "time"} - set(pattern.groupindex)
+    if missing:
+        raise ValueError(f"--peer-pattern {text!r}: needs the named groups acc and time (missing: "
+                         f"{', '.join(sorted(missing))})")
+    return pattern
+
+
+def run_peer_script(script, *, args, cwd, pattern):
+    """One run of a peer script in a fresh process (cwd holds ./cifar10/{train,test}.pt): its accuracy and time as
+    its output's last match of pattern says (an accuracy above 1 read as a percentage). A run that fails or prints
+    no match raises DataError, in one line."""
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=cwd, capture_output=True, text=True)
+    if proc.returncode:
+        tail = " ".join(proc.stderr.strip().splitlines()[-3:])[-200:]
+        raise DataError(f"{script} exited with status {proc.returncode}: {tail}")
+    found = list(pattern.finditer(proc.stdout))
+    if not found:
+        raise DataError(f"{script}: no line of its output matches --peer-pattern {pattern.pattern!r}; its output "
+                        f"ends {proc.stdout[-200:]!r}")
+    acc, seconds = float(found[-1]["acc"]), float(found[-1]["time"])
+    return {"final_acc": acc / 100 if acc > 1 else acc, "time": seconds, "matched": found[-1].group(0)}
 
 
 def import_airbench():
@@ -132,8 +182,26 @@ def main(argv=None):
     p.add_argument("--epochs", type=float, default=None, help="override our recipes' epochs (smoke tests only)")
     p.add_argument("--width", type=float, default=None, help="override our recipes' width (smoke tests only)")
     p.add_argument("--batch-size", type=int, default=None, help="override our recipes' batch size (smoke tests only)")
+    p.add_argument("--peer-script", default=None,
+                   help="a reference script to run beside ours instead of the airbench package (e.g. airbench94_muon.py)"
+                        ", n times in fresh processes, in a folder holding ./cifar10/{train,test}.pt")
+    p.add_argument("--peer-args", default="", help="arguments for the peer script, as one shell-quoted string")
+    p.add_argument("--peer-pattern", default=PEER_PATTERN,
+                   help="a regular expression with the groups acc and time, searched in the script's output (last "
+                        "match; an acc above 1 is a percentage); the default matches 'accuracy 0.9412 time 3.21 s'")
     p.add_argument("--out", default=None, help="write every run and the table as JSON")
     args = p.parse_args(argv)
+    script = None
+    if args.peer_script:
+        script = Path(args.peer_script).resolve()
+        try:
+            if not script.is_file():
+                raise ValueError(f"--peer-script {args.peer_script}: no such file")
+            pattern = peer_pattern(args.peer_pattern)
+            peer_args = shlex.split(args.peer_args)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     peer_runs = args.runs if args.peer_runs is None else args.peer_runs
     out = args.out and os.path.abspath(args.out)          # the peer runs in a temporary folder (chdir below)
     if args.runs < 0 or peer_runs < 0 or args.runs + peer_runs == 0:
@@ -141,7 +209,7 @@ def main(argv=None):
         return 2
 
     airbench = None
-    if args.peer == "airbench":
+    if args.peer == "airbench" and script is None:
         airbench = import_airbench()
         if airbench is None:
             print("error: the peer package is not installed: run `pip install airbench` "
@@ -168,7 +236,7 @@ def main(argv=None):
                  if v is not None}
     env = environment(device)
     print(f"side by side on {env['device_name']}, torch {env['torch']}, {args.runs} runs of ours"
-          + (f" and {peer_runs} of the peer" if airbench else "") + " per recipe", flush=True)
+          + (f" and {peer_runs} of the peer" if airbench or script else "") + " per recipe", flush=True)
 
     table = Table(["recipe", "n", "mean_acc", "std_acc", "p_above_target", "mean_time", "std_time", "time_ratio",
                    "ratio_lo95", "ratio_hi95"], width=15,
@@ -179,21 +247,25 @@ def main(argv=None):
     save = lambda: out and write_json(out, everything)
     with tempfile.TemporaryDirectory() as tmp:
         home = os.getcwd()
-        if airbench is not None:
+        if airbench is not None or script is not None:
             os.chdir(write_airbench_layout(arrays, tmp))      # airbench reads ./cifar10/{train,test}.pt
         try:
             for name in names:
                 hp = cf.hyperparameters(name, **overrides)
                 suffix, target = PEERS.get(name, (None, 0.94))
                 prepared = cf.prepare(hp, arrays, device=device, dtype=dtype, compile=args.compile)
-                peer = None
-                if airbench is not None and suffix:
+                peer, peer_name = None, None
+                if script is not None:          # a fresh process each run: it warms up inside, off its own clock
+                    peer_name = script.name
+                    peer = lambda: run_peer_script(script, args=peer_args, cwd=tmp, pattern=pattern)
+                elif airbench is not None and suffix:
+                    peer_name = f"airbench{suffix}"
                     loader, test_loader = peer_loaders(airbench, suffix)
                     peer = lambda: time_peer(airbench, suffix, loader=loader, test_loader=test_loader, sync=sync)
                     peer()                                      # the peer's untimed warm-up run
                 ours, theirs = [], []
                 everything["recipes"][name] = {"hyperparameters": hp, "target": target, "ours": ours,
-                                               "peer_name": peer and f"airbench{suffix}", "peer": theirs,
+                                               "peer_name": peer_name, "peer": theirs,
                                                "flops": prepared.flops}
                 for side in alternation(args.runs, peer_runs if peer else 0):
                     if side == "ours":
@@ -203,13 +275,17 @@ def main(argv=None):
                         print(f"  {name} run {len(ours)}/{args.runs}: ours {r['final_acc']:.4f} in {r['time']:.3f} s",
                               flush=True)
                     else:
-                        theirs.append(peer())
-                        print(f"  {name} peer run {len(theirs)}/{peer_runs}: airbench{suffix} "
+                        try:
+                            theirs.append(peer())
+                        except DataError as e:
+                            print(f"error: {e}", file=sys.stderr)
+                            return 1
+                        print(f"  {name} peer run {len(theirs)}/{peer_runs}: {peer_name} "
                               f"{theirs[-1]['final_acc']:.4f} in {theirs[-1]['time']:.3f} s", flush=True)
                     save()
                 table.append(stats_row(name, ours, target, theirs))
                 if theirs:
-                    table.append(stats_row(f"airbench{suffix}", theirs, target, theirs))
+                    table.append(stats_row(peer_name, theirs, target, theirs))
         finally:
             os.chdir(home)
     everything["table"], everything["complete"] = table.rows, True

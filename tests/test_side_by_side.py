@@ -110,3 +110,81 @@ def test_ours_gets_the_convolution_autotuning_the_command_line_gives_it(tmp_path
     assert side_by_side.main(["--peer", "none", "--device", "cpu", "--data-dir", str(npz), "--recipes", "fast94",
                               "--runs", "1", "--epochs", "1", "--width", "0.0625", "--batch-size", "64"]) == 0
     assert calls[:2] == [("autotune", "cpu"), ("train",)]
+
+
+STAND_IN = '''
+import sys
+from pathlib import Path
+import torch
+train = torch.load(Path("cifar10") / "train.pt")          # the data is where airbench's scripts read it
+count = Path(sys.argv[1])
+k = int(count.read_text()) if count.exists() else 0
+count.write_text(str(k + 1))
+print("epoch 1 accuracy 0.10 time 0.5 s")                    # an earlier line: the last match counts
+print(f"final: accuracy {sys.argv[2]} time {3.0 + k} s, {len(train['labels'])} training images")
+'''
+
+
+def peer_script_run(tmp_path, capsys, *extra, acc="0.9412"):
+    npz = tmp_path / "synth.npz"
+    np.savez(npz, **synthetic_arrays(128, 32))
+    script = tmp_path / "stand_in.py"
+    script.write_text(STAND_IN)
+    out = tmp_path / "sbs.json"
+    rc = side_by_side.main(["--device", "cpu", "--data-dir", str(npz), "--recipes", "fast94", "--runs", "2",
+                            "--peer-runs", "2", "--epochs", "1", "--width", "0.0625", "--batch-size", "64",
+                            "--peer-script", str(script), "--peer-args", f"{tmp_path / 'count'} {acc}",
+                            "--out", str(out), *extra])
+    captured = capsys.readouterr()
+    return rc, captured, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_a_peer_script_runs_interleaved_with_ours_on_the_same_data(tmp_path, capsys, monkeypatch):
+    evaluations = []
+    real = loop.train
+    monkeypatch.setattr(loop, "train", lambda *a, **k: evaluations.append(k.get("eval_every")) or real(*a, **k))
+    rc, captured, res = peer_script_run(tmp_path, capsys)
+    assert rc == 0, captured.err
+    lines = [l.strip() for l in captured.out.splitlines() if " run " in l]
+    assert [l.split(":")[0] for l in lines] == ["fast94 run 1/2", "fast94 peer run 1/2", "fast94 run 2/2",
+                                                "fast94 peer run 2/2"]
+    r = res["recipes"]["fast94"]
+    assert r["peer_name"] == "stand_in.py" and [p["final_acc"] for p in r["peer"]] == [0.9412, 0.9412]
+    assert [p["time"] for p in r["peer"]] == [3.0, 4.0]                       # each its own run, read from its output
+    assert r["peer"][0]["matched"] == "accuracy 0.9412 time 3.0"
+    assert evaluations == [0, 0]          # ours: evaluated only at the end of each timed run, never per epoch
+    peer_row = next(row for row in res["table"] if row["recipe"] == "stand_in.py")
+    assert peer_row["n"] == 2 and peer_row["mean_time"] == pytest.approx(3.5)
+
+
+def test_a_percentage_is_read_as_one(tmp_path, capsys):
+    rc, captured, res = peer_script_run(tmp_path, capsys, acc="94.12%")
+    assert rc == 0, captured.err
+    assert res["recipes"]["fast94"]["peer"][0]["final_acc"] == pytest.approx(0.9412)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--peer-pattern", "acc (?P<acc>"], "--peer-pattern 'acc (?P<acc>': not a regular expression"),
+    (["--peer-pattern", "acc (?P<acc>[0-9.]+)"], "--peer-pattern 'acc (?P<acc>[0-9.]+)': needs the named groups acc "
+                                                 "and time (missing: time)"),
+])
+def test_a_bad_pattern_stops_before_anything_runs(tmp_path, capsys, flags, message):
+    rc, captured, res = peer_script_run(tmp_path, capsys, *flags)
+    assert rc == 2 and captured.err.startswith(f"error: {message}") and len(captured.err.splitlines()) == 1
+    assert res is None
+
+
+def test_a_missing_script_a_failing_one_and_one_without_a_match_are_one_line_each(tmp_path, capsys):
+    rc = side_by_side.main(["--device", "cpu", "--peer-script", str(tmp_path / "nope.py")])
+    assert rc == 2 and capsys.readouterr().err.strip() == f"error: --peer-script {tmp_path / 'nope.py'}: no such file"
+    rc, captured, _ = peer_script_run(tmp_path, capsys, "--peer-pattern", r"score (?P<acc>\d+) in (?P<time>\d+)")
+    (line,) = captured.err.strip().splitlines()
+    assert rc == 1 and line.startswith("error: ") and "no line of its output matches --peer-pattern" in line
+    assert "training images" in line                                        # the end of what it printed
+    (tmp_path / "stand_in.py").write_text("raise SystemExit('no data here')")
+    npz = tmp_path / "synth.npz"
+    rc = side_by_side.main(["--device", "cpu", "--data-dir", str(npz), "--recipes", "fast94", "--runs", "0",
+                            "--peer-runs", "1", "--batch-size", "64", "--width", "0.0625",
+                            "--peer-script", str(tmp_path / "stand_in.py")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err == f"error: {tmp_path / 'stand_in.py'} exited with status 1: no data here"
