@@ -316,17 +316,25 @@ def t_scaling(results):
 def t_cpu_accuracy(results):
     """The record recipes' accuracy at full size on the CPU (the suite's cpu_accuracy piece): n so far, mean ± std,
     the one-sided p of "mean > 94%", and the mean time of a run on the CPU (not a speed figure)."""
-    rows = []
+    rows, verdicts = [], []
     for recipe in ("fast94_next", "fast94_next_lowres", "fast94"):
         found = sides(results, "cpu_accuracy", recipe)
         for r, s in found:
             st = s["stats"]
             rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"]),
                          pval(st["p_mean_above_target"]), secs(st["time"], std=False)])
+            n, mean, p = len(s["runs"]), st["accuracy"]["mean"], st["p_mean_above_target"]
+            if mean is None:
+                continue
+            if mean < 0.94:
+                verdicts.append(f"`{recipe}` does not reach a mean of 94% here (n = {n}"
+                                + (": too few runs to say more" if n < 5 else "") + ").")
+            elif p is None or p >= 0.05:
+                verdicts.append(f"`{recipe}`'s mean is above 94% but not yet significantly (n = {n}).")
         if not found:
             rows.append([recipe, "CPU", "see docs/measuring.md", "–", NM, NM, NM])
     return table(["recipe", "device", "command", "n", "final test accuracy (mean ± std)", "p (mean > 94%)",
-                  "time of a run on this CPU (mean)"], rows)
+                  "time of a run on this CPU (mean)"], rows) + ([""] + [" ".join(verdicts)] if verdicts else [])
 
 
 TABLES = {"env": t_env, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
