@@ -1,5 +1,6 @@
 """The command line end to end, on small synthetic data, in a subprocess as a user runs it."""
 import json
+import os
 import re
 import signal
 import subprocess
@@ -100,8 +101,10 @@ def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(synth_npz, t
 def interrupted(args, after):
     """Runs cifar10_fast.py with args, presses Ctrl-C (SIGINT) once `after` matches a line of its stdout; (exit status,
     stdout, stderr)."""
+    # unbuffered: the line arrives when printed, not when a full pipe buffer is flushed (on a quiet machine, after
+    # the run it announces has ended)
     proc = subprocess.Popen([sys.executable, str(ROOT / "cifar10_fast.py"), *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines = []
     for line in proc.stdout:
         lines.append(line)
