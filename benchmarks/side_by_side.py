@@ -1,33 +1,53 @@
-"""Our fast recipes against a peer, alternating runs on one device and the same data: the installed `airbench`
-package (in this process), or any reference script (--peer-script, each run a fresh process).
+"""Our fast recipes against a peer, alternating runs on one device and the same data. The peer is the installed
+`airbench` package (its trainNN, in this process, on our clock) or any reference script (--peer-script: each run a
+fresh process, on its own clock, as its output says).
 
-    pip install airbench          # the peer; this script installs nothing
+    pip install airbench          # the package peer; this script installs nothing
     python benchmarks/side_by_side.py --runs 25                     # fast94 vs airbench94, ...
     python benchmarks/side_by_side.py --recipes fast94 --runs 100 --peer-runs 25 --compile max-autotune --out sbs.json
     python benchmarks/side_by_side.py --recipes fast94_next --runs 25 --compile max-autotune \
-        --peer-script airbench94_muon.py --peer-pattern 'PATTERN' --out sbs.json
+        --peer-script airbench94_muon.py --peer-pattern airbench-table --out sbs.json
 
-A peer script (the record scripts such as airbench94_muon.py or the 2-second speedrun's, which no package holds) runs
-in a folder holding our data as ./cifar10/train.pt and ./cifar10/test.pt (the layout airbench's scripts read:
-`images` uint8 NHWC, `labels`, `classes`), with --peer-args, and reports its own accuracy and time: the last match
-in its output of --peer-pattern, a regular expression with the named groups acc and time (the default matches a
-line such as "accuracy 0.9412 time 3.21 s"; an accuracy above 1 is a percentage). Its time is its own clock; ours is
-the clock README's "How time is measured" describes (from the network built, whitening fit included, CUDA events,
-the final evaluation with test-time augmentation included): the same clock only where the script times as ours
-does, which the table cannot check. A run that fails or prints no match stops the comparison with one line.
+Ours, in both modes. Every run trains one network and evaluates it once, at its end, with the recipe's test-time
+augmentation (eval_every=0: no per-epoch evaluation inside a timed comparison). Its time is the recipe's own `time`
+(loop.train: train_time + final_eval_time): CUDA events on a GPU, the host's clock after a device synchronise
+elsewhere, started once the network is built (building it, here re-initialising the prepared network, and its
+optimisers are outside the clock, as airbench's scripts start theirs after model construction) and covering the
+whitening fit, augmentation, every step and the final evaluation. Outside it too: loading the data from disk and
+uploading it, and prepare()'s untimed warm-up (cuDNN's autotuning, torch.compile; on an accelerator or with
+--compile).
 
-Both sides get the same data (our cached CIFAR-10, written once in the layout airbench reads:
-`cifar10/train.pt` and `cifar10/test.pt` holding `images` uint8 NHWC, `labels`, `classes`) and the
-same clock, device-synchronised: from the call that builds the model (model construction, whitening
-fit, training) to the end of the final test-time-augmented evaluation. It excludes loading the data
-from disk and uploading it (for the peer, both loaders are built before its clock: airbench's train()
-would load the test set inside it, so it is handed the loaded one), one untimed warm-up run of each,
-and per-epoch evaluations (ours are left out of the clock; the peer, with verbose=False, does none).
-The peer runs with its own default hyperparameters and test-time augmentation. Runs alternate (ours,
-peer, ours, peer, ...; with fewer peer runs, each follows the run of ours it is due after) so that
-clock and thermal drift fall on both alike. The table gives n, mean accuracy ± std, the one-sided
-p-value of "mean > target", the mean time ± std and our mean time over the peer's with its 95%
-confidence interval. `--out` is rewritten after every run.
+The airbench package (--peer airbench, the default; CUDA only). Both loaders are built before its clock (airbench's
+train() would load the test set inside it, so it is handed the loaded one); the peer's clock is the host's after a
+device synchronise, around its train() with its defaults (model construction, which ours leaves out, whitening fit,
+training; verbose=False: no per-epoch evaluation) and its evaluation at its own default TTA level. One untimed
+warm-up run of the peer comes first.
+
+A reference script (--peer-script PATH: the record scripts such as airbench94_muon.py or the 2-second speedrun's,
+which no package holds). Each peer run is `sys.executable PATH ARGS` (--peer-args, shell-quoted) in a fresh
+process, its working directory a temporary folder holding our data as ./cifar10/train.pt and ./cifar10/test.pt
+(write_airbench_layout: dicts of `images` uint8 NHWC, `labels` int64, `classes`; airbench-style scripts read
+exactly these from their working directory), or --peer-cwd, a folder of one's own, used as it is. Where ours runs
+on cuda:N the script sees that GPU alone, as its default one (CUDA_VISIBLE_DEVICES). Its accuracy and time are the
+LAST match in its stdout of --peer-pattern, a regular expression (searched case-insensitively) with the named groups
+`acc` and `time` (time in seconds). The default, PEER_PATTERN, matches a line such as "accuracy 0.9412 time 3.21 s"
+or "val_acc: 94.12%, time: 3.21": the word acc or accuracy, non-word characters, a number (digits, optionally a
+point and digits) that is acc, then on the same line, with no other "acc" between, the word time, non-word
+characters, and a number that is time. `--peer-pattern airbench-table` reads the table airbench's scripts print
+(airbench94_muon.py's final `eval` row: tta_val_acc and time_seconds). An acc above 1, or followed in the output by
+"%", is a percentage (94.12 and 94.12% are 0.9412; 0.9412 is a fraction). A script that trains several runs in one
+process contributes only its last: have it train one (airbench94_muon.py trains a warm-up and 200; its own warm-up
+is off its own clock). Its time is what it prints, on its own clock: the same clock as ours only where the script
+times as ours does (CUDA events from after model construction to the end of its final evaluation, per-epoch
+evaluations left out; airbench94_muon.py nearly does, its loader's normalising and padding inside its clock), which
+nothing here can check, so the table is headed "time as each reports it". A bad flag stops it before anything
+runs, with one line (exit status 2); a peer run that exits non-zero, prints no match, or matches something that is
+not an accuracy and a time stops the comparison with one line (exit status 1).
+
+Runs alternate (ours, peer, ours, peer, ...; with fewer peer runs, each follows the run of ours it is due after) so
+that clock and thermal drift fall on both alike. The table gives n, mean accuracy ± std, the one-sided p-value of
+"mean > target", the mean time ± std and our mean time over the peer's with its 95% confidence interval. `--out` is
+rewritten after every run (a peer script's rows hold the text it matched and the raw acc and time).
 """
 import argparse
 import contextlib
@@ -47,7 +67,7 @@ import cifar10_fast as cf  # noqa: E402
 import cifar_data as cd  # noqa: E402
 import devices  # noqa: E402
 from cli import environment  # noqa: E402
-from core import DataError, Table, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
+from core import DataError, Table, UsageError, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
 
 # Our recipe → (the airbench package's trainer for the same target: its function suffix, the target accuracy).
 # airbench94_muon.py and the 2-second record are scripts, not in the package: the Muon recipes run beside train94.
@@ -55,16 +75,24 @@ PEERS = {"fast94": ("94", 0.94), "fast95": ("95", 0.95), "fast96": ("96", 0.96),
          "fast94_next": ("94", 0.94)}
 
 
-# What a peer script must print, by default: its final accuracy and its time, on a line such as
-# "accuracy 0.9412 time 3.21 s" (or "acc: 94.12%, time: 3.21"); the last such line counts. An accuracy above 1 is a
-# percentage. Anything else: --peer-pattern, a regular expression with the named groups acc and time.
-PEER_PATTERN = r"acc(?:uracy)?\W+(?P<acc>\d+(?:\.\d+)?)%?.*?time\W+(?P<time>\d+(?:\.\d+)?)"
+# What a peer script must print, by default: its final accuracy and its time, on one line such as
+# "accuracy 0.9412 time 3.21 s" or "val_acc: 94.12%, time: 3.21" (the accuracy nearest before the time: no other
+# "acc" between them); the last such line counts. Anything else: --peer-pattern, a regular expression with the
+# named groups acc and time, or the name of one of PEER_PATTERNS.
+PEER_PATTERN = r"acc(?:uracy)?\W+(?P<acc>\d+(?:\.\d+)?)(?:(?!acc).)*?time\W+(?P<time>\d+(?:\.\d+)?)"
+PEER_PATTERNS = {
+    "default": PEER_PATTERN,
+    # the table airbench's scripts print (print_training_details): a run's last row has epoch "eval", then the
+    # columns train_acc, val_acc, tta_val_acc, time_seconds
+    "airbench-table": r"\|\s*eval\s*\|[^|\n]*\|[^|\n]*\|\s*(?P<acc>\d+(?:\.\d+)?)\s*\|\s*(?P<time>\d+(?:\.\d+)?)\s*\|",
+}
 
 
 def peer_pattern(text):
-    """The compiled --peer-pattern; ValueError naming what is wrong."""
+    """The compiled --peer-pattern (a name in PEER_PATTERNS, or a regular expression), case-insensitive; ValueError
+    naming what is wrong."""
     try:
-        pattern = re.compile(text, re.I)
+        pattern = re.compile(PEER_PATTERNS.get(text, text), re.I)
     except re.error as e:
         raise ValueError(f"--peer-pattern {text!r}: not a regular expression ({e})") from None
     missing = {"acc", "time"} - set(pattern.groupindex)
@@ -74,20 +102,49 @@ def peer_pattern(text):
     return pattern
 
 
-def run_peer_script(script, *, args, cwd, pattern):
-    """One run of a peer script in a fresh process (cwd holds ./cifar10/{train,test}.pt): its accuracy and time as
-    its output's last match of pattern says (an accuracy above 1 read as a percentage). A run that fails or prints
-    no match raises DataError, in one line."""
-    proc = subprocess.run([sys.executable, str(script), *args], cwd=cwd, capture_output=True, text=True)
-    if proc.returncode:
-        tail = " ".join(proc.stderr.strip().splitlines()[-3:])[-200:]
-        raise DataError(f"{script} exited with status {proc.returncode}: {tail}")
-    found = list(pattern.finditer(proc.stdout))
+def peer_environment(device, environ):
+    """The peer script's environment: ours, with CUDA_VISIBLE_DEVICES narrowed to our GPU where ours runs on
+    cuda:N, so that a script that takes the default GPU (.cuda(), "cuda") runs on the same one."""
+    env = dict(environ)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        visible = [v.strip() for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = visible[device.index] if device.index < len(visible) else str(device.index)
+    return env
+
+
+def read_peer_output(output, pattern, *, script):
+    """A peer run's result from its stdout: the last match of pattern. acc above 1, or followed by "%", is a
+    percentage. DataError, in one line, when nothing matches or a match holds no accuracy and time."""
+    found = list(pattern.finditer(output))
     if not found:
         raise DataError(f"{script}: no line of its output matches --peer-pattern {pattern.pattern!r}; its output "
-                        f"ends {proc.stdout[-200:]!r}")
-    acc, seconds = float(found[-1]["acc"]), float(found[-1]["time"])
-    return {"final_acc": acc / 100 if acc > 1 else acc, "time": seconds, "matched": found[-1].group(0)}
+                        f"ends {output[-200:]!r}")
+    m = found[-1]
+    try:
+        acc, seconds = float(m["acc"]), float(m["time"])
+    except (TypeError, ValueError):
+        acc = seconds = None
+    percent = acc is not None and (acc > 1 or output[m.end("acc"):m.end("acc") + 1] == "%")
+    acc = acc / 100 if percent else acc
+    if acc is None or not 0 <= acc <= 1 or not seconds >= 0:
+        raise DataError(f"{script}: --peer-pattern {pattern.pattern!r} matched {m.group(0)!r}, whose acc "
+                        f"{m['acc']!r} and time {m['time']!r} are not an accuracy and a time in seconds")
+    return {"final_acc": acc, "time": seconds, "matched": m.group(0), "acc_raw": m["acc"], "time_raw": m["time"],
+            "percent": percent}
+
+
+def run_peer_script(script, *, args, cwd, pattern, env=None):
+    """One run of a peer script in a fresh process (cwd holds ./cifar10/{train,test}.pt): its accuracy and time as
+    its output's last match of pattern says (read_peer_output). A run that fails or prints no match raises
+    DataError, in one line."""
+    proc = subprocess.run([sys.executable, str(script), *args], cwd=cwd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
+               else f"exited with status {proc.returncode}")
+        tail = " ".join(proc.stderr.strip().splitlines()[-3:])[-200:] or "(nothing on stderr)"
+        raise DataError(f"{script} {how}: {tail}")
+    return read_peer_output(proc.stdout, pattern, script=script)
 
 
 def import_airbench():
@@ -167,6 +224,33 @@ def stats_row(name, results, target, reference=None):
             "ratio_lo95": blank(ci and ci["low"]), "ratio_hi95": blank(ci and ci["high"])}
 
 
+def peer_script_flags(args):
+    """--peer-script and the flags that go with it, checked before any work: (script, compiled pattern, its
+    arguments, the folder it runs in or None for a temporary one), or Nones without --peer-script; ValueError in one
+    line for a bad flag."""
+    given = [f"--peer-{k}" for k in ("args", "pattern", "cwd") if getattr(args, f"peer_{k}") is not None]
+    if not args.peer_script:
+        if given:
+            raise ValueError(f"{' and '.join(given)}: only with --peer-script")
+        return None, None, None, None
+    if args.peer != "airbench":
+        raise ValueError(f"--peer {args.peer} and --peer-script: choose one")
+    script = Path(args.peer_script).resolve()
+    if not script.exists():
+        raise ValueError(f"--peer-script {args.peer_script}: no such file")
+    if not script.is_file():
+        raise ValueError(f"--peer-script {args.peer_script}: not a file")
+    pattern = peer_pattern("default" if args.peer_pattern is None else args.peer_pattern)
+    try:
+        peer_args = shlex.split(args.peer_args or "")
+    except ValueError as e:
+        raise ValueError(f"--peer-args {args.peer_args!r}: not a shell-quoted string ({e})") from None
+    cwd = args.peer_cwd and Path(args.peer_cwd).resolve()
+    if cwd and not cwd.is_dir():
+        raise ValueError(f"--peer-cwd {args.peer_cwd}: no such folder")
+    return script, pattern, peer_args, cwd
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="fast94,fast95,fast96", help="comma-separated recipes of ours")
@@ -183,29 +267,32 @@ def main(argv=None):
     p.add_argument("--width", type=float, default=None, help="override our recipes' width (smoke tests only)")
     p.add_argument("--batch-size", type=int, default=None, help="override our recipes' batch size (smoke tests only)")
     p.add_argument("--peer-script", default=None,
-                   help="a reference script to run beside ours instead of the airbench package (e.g. airbench94_muon.py)"
-                        ", n times in fresh processes, in a folder holding ./cifar10/{train,test}.pt")
-    p.add_argument("--peer-args", default="", help="arguments for the peer script, as one shell-quoted string")
-    p.add_argument("--peer-pattern", default=PEER_PATTERN,
-                   help="a regular expression with the groups acc and time, searched in the script's output (last "
-                        "match; an acc above 1 is a percentage); the default matches 'accuracy 0.9412 time 3.21 s'")
+                   help="a reference script (a Python file, e.g. airbench94_muon.py) to run beside ours instead of the "
+                        "airbench package: `python PATH ARGS` in a fresh process each run, in a folder holding our "
+                        "data as ./cifar10/{train,test}.pt")
+    p.add_argument("--peer-args", default=None, help="arguments for the peer script, as one shell-quoted string")
+    p.add_argument("--peer-pattern", default=None,
+                   help="where the script's output says its accuracy and time: a regular expression with the named "
+                        "groups acc and time (the last match counts; an acc above 1 or followed by %% is a "
+                        f"percentage; time in seconds), or one of {', '.join(PEER_PATTERNS)}; the default matches "
+                        "'accuracy 0.9412 time 3.21 s'")
+    p.add_argument("--peer-cwd", default=None,
+                   help="run the peer script in this folder, as it is, instead of a temporary one holding our data "
+                        "as ./cifar10/{train,test}.pt")
     p.add_argument("--out", default=None, help="write every run and the table as JSON")
     args = p.parse_args(argv)
-    script = None
-    if args.peer_script:
-        script = Path(args.peer_script).resolve()
-        try:
-            if not script.is_file():
-                raise ValueError(f"--peer-script {args.peer_script}: no such file")
-            pattern = peer_pattern(args.peer_pattern)
-            peer_args = shlex.split(args.peer_args)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    try:
+        script, pattern, peer_args, peer_cwd = peer_script_flags(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     peer_runs = args.runs if args.peer_runs is None else args.peer_runs
     out = args.out and os.path.abspath(args.out)          # the peer runs in a temporary folder (chdir below)
     if args.runs < 0 or peer_runs < 0 or args.runs + peer_runs == 0:
         print("error: --runs and --peer-runs must not be negative, and not both 0", file=sys.stderr)
+        return 2
+    if script is not None and peer_runs < 1:
+        print(f"error: --peer-runs {peer_runs}: a --peer-script needs at least one run", file=sys.stderr)
         return 2
 
     airbench = None
@@ -215,7 +302,11 @@ def main(argv=None):
             print("error: the peer package is not installed: run `pip install airbench` "
                   "(or pass --peer none to run our recipes alone)", file=sys.stderr)
             return 1
-    device = devices.resolve(args.device)
+    try:
+        device = devices.resolve(args.device)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if airbench is not None and device.type != "cuda":
         print("error: airbench runs only on a CUDA GPU; use --peer none on this device", file=sys.stderr)
         return 1
@@ -242,13 +333,21 @@ def main(argv=None):
                    "ratio_lo95", "ratio_hi95"], width=15,
                   formats={"p_above_target": ".3g", "mean_time": ".3f", "std_time": ".3f", "time_ratio": ".3f",
                            "ratio_lo95": ".3f", "ratio_hi95": ".3f"})
+    # the time column: one clock for ours and the airbench package; a script's is its own (module docstring)
+    clocks = (f"time as each reports it: ours, the recipe's own (from the network built to the end of its final "
+              f"evaluation); {script.name}, as its output says" if script is not None else
+              "time: ours, the recipe's own; the airbench package's, around its train() and evaluation"
+              if airbench is not None else "time: the recipe's own")
     everything = {"environment": env, "argv": sys.argv[1:] if argv is None else argv, "complete": False,
-                  "recipes": {}}
+                  "time_protocol": clocks, "recipes": {}}
     save = lambda: out and write_json(out, everything)
     with tempfile.TemporaryDirectory() as tmp:
         home = os.getcwd()
-        if airbench is not None or script is not None:
+        if airbench is not None:
             os.chdir(write_airbench_layout(arrays, tmp))      # airbench reads ./cifar10/{train,test}.pt
+        elif script is not None and peer_cwd is None:
+            peer_cwd = write_airbench_layout(arrays, tmp)     # so do airbench-style scripts, from their cwd
+        peer_env = peer_environment(device, os.environ)
         try:
             for name in names:
                 hp = cf.hyperparameters(name, **overrides)
@@ -257,7 +356,8 @@ def main(argv=None):
                 peer, peer_name = None, None
                 if script is not None:          # a fresh process each run: it warms up inside, off its own clock
                     peer_name = script.name
-                    peer = lambda: run_peer_script(script, args=peer_args, cwd=tmp, pattern=pattern)
+                    peer = lambda: run_peer_script(script, args=peer_args, cwd=peer_cwd, pattern=pattern,
+                                                   env=peer_env)
                 elif airbench is not None and suffix:
                     peer_name = f"airbench{suffix}"
                     loader, test_loader = peer_loaders(airbench, suffix)
@@ -283,6 +383,8 @@ def main(argv=None):
                         print(f"  {name} peer run {len(theirs)}/{peer_runs}: {peer_name} "
                               f"{theirs[-1]['final_acc']:.4f} in {theirs[-1]['time']:.3f} s", flush=True)
                     save()
+                if not table.rows and script is not None:
+                    print(clocks, flush=True)
                 table.append(stats_row(name, ours, target, theirs))
                 if theirs:
                     table.append(stats_row(peer_name, theirs, target, theirs))

@@ -121,6 +121,7 @@ count = Path(sys.argv[1])
 k = int(count.read_text()) if count.exists() else 0
 count.write_text(str(k + 1))
 print("epoch 1 accuracy 0.10 time 0.5 s")                    # an earlier line: the last match counts
+Path("seen").write_text(str(len(train["labels"])))
 print(f"final: accuracy {sys.argv[2]} time {3.0 + k} s, {len(train['labels'])} training images")
 '''
 
@@ -139,10 +140,7 @@ def peer_script_run(tmp_path, capsys, *extra, acc="0.9412"):
     return rc, captured, (json.loads(out.read_text()) if out.exists() else None)
 
 
-def test_a_peer_script_runs_interleaved_with_ours_on_the_same_data(tmp_path, capsys, monkeypatch):
-    evaluations = []
-    real = loop.train
-    monkeypatch.setattr(loop, "train", lambda *a, **k: evaluations.append(k.get("eval_every")) or real(*a, **k))
+def test_a_peer_script_runs_interleaved_with_ours_on_the_same_data(tmp_path, capsys):
     rc, captured, res = peer_script_run(tmp_path, capsys)
     assert rc == 0, captured.err
     lines = [l.strip() for l in captured.out.splitlines() if " run " in l]
@@ -152,39 +150,128 @@ def test_a_peer_script_runs_interleaved_with_ours_on_the_same_data(tmp_path, cap
     assert r["peer_name"] == "stand_in.py" and [p["final_acc"] for p in r["peer"]] == [0.9412, 0.9412]
     assert [p["time"] for p in r["peer"]] == [3.0, 4.0]                       # each its own run, read from its output
     assert r["peer"][0]["matched"] == "accuracy 0.9412 time 3.0"
-    assert evaluations == [0, 0]          # ours: evaluated only at the end of each timed run, never per epoch
+    assert [(p["acc_raw"], p["time_raw"], p["percent"]) for p in r["peer"]] == [("0.9412", "3.0", False),
+                                                                                ("0.9412", "4.0", False)]
     peer_row = next(row for row in res["table"] if row["recipe"] == "stand_in.py")
     assert peer_row["n"] == 2 and peer_row["mean_time"] == pytest.approx(3.5)
+    assert "time as each reports it" in captured.out and res["time_protocol"].startswith("time as each reports it")
+    assert res["complete"]
+
+
+def test_ours_evaluate_once_per_timed_run_at_its_end_in_both_modes(tmp_path, capsys, monkeypatch):
+    # two epochs: an evaluation per epoch would show as two per run; the one there is has the recipe's TTA
+    evaluations = []
+    real = side_by_side.cf.tb.evaluate
+    monkeypatch.setattr(side_by_side.cf.tb, "evaluate",
+                        lambda *a, **k: evaluations.append(k["tta"]) or real(*a, **k))
+    tta = side_by_side.cf.hyperparameters("fast94")["tta"]
+    assert tta != "none"
+    rc, captured, res = peer_script_run(tmp_path, capsys, "--epochs", "2")
+    assert rc == 0, captured.err
+    assert evaluations == [tta, tta]                                            # 2 runs of ours, one each
+    assert [[row["test_acc"] is None for row in r["rows"]] for r in res["recipes"]["fast94"]["ours"]] == [
+        [True, False], [True, False]]
+    evaluations.clear()
+    out = tmp_path / "alone.json"
+    assert side_by_side.main(["--peer", "none", "--device", "cpu", "--data-dir", str(tmp_path / "synth.npz"),
+                              "--recipes", "fast94", "--runs", "2", "--epochs", "2", "--width", "0.0625",
+                              "--batch-size", "64", "--out", str(out)]) == 0
+    assert evaluations == [tta, tta]
 
 
 def test_a_percentage_is_read_as_one(tmp_path, capsys):
     rc, captured, res = peer_script_run(tmp_path, capsys, acc="94.12%")
     assert rc == 0, captured.err
-    assert res["recipes"]["fast94"]["peer"][0]["final_acc"] == pytest.approx(0.9412)
+    (first, _) = res["recipes"]["fast94"]["peer"]
+    assert first["final_acc"] == pytest.approx(0.9412) and (first["acc_raw"], first["percent"]) == ("94.12", True)
+
+
+@pytest.mark.parametrize("output, acc, percent", [
+    ("accuracy 0.9412 time 3.21 s", 0.9412, False),
+    ("val_acc: 94.12%, time: 3.21", 0.9412, True),
+    ("Accuracy 94.12 Time 3.21", 0.9412, True),                  # above 1: a percentage; case-insensitive
+    ("acc 0.5% time 3.21", 0.005, True),                          # a "%" after it: a percentage, however small
+    ("train_acc 0.99 val_acc 0.9412 time 3.21 s", 0.9412, False),  # the accuracy nearest before the time
+    ("accuracy 0.80 time 1.0\nepoch 9\naccuracy 0.9412 time 3.21 s\ndone", 0.9412, False),   # the last match
+])
+def test_the_default_pattern(output, acc, percent):
+    r = side_by_side.read_peer_output(output, side_by_side.peer_pattern("default"), script="s.py")
+    assert r["final_acc"] == pytest.approx(acc) and r["time"] == 3.21 and r["percent"] is percent
+
+
+def test_the_airbench_table_pattern_reads_the_last_runs_eval_row():
+    rule = "-" * 81
+    output = "\n".join([rule, "|  run     |  epoch  |  train_acc  |  val_acc  |  tta_val_acc  |  time_seconds  |", rule,
+                        "|  warmup  |      1  |     0.1016  |   0.1000  |               |        1.2345  |",
+                        "|          |   eval  |     0.1016  |   0.1000  |       0.1000  |        9.8765  |", rule,
+                        "|       0  |      1  |     0.5000  |   0.4000  |               |        0.3100  |",
+                        "|          |   eval  |     0.9600  |   0.9350  |       0.9401  |        2.5912  |", rule,
+                        "Mean: 0.9401    Std: nan"])
+    r = side_by_side.read_peer_output(output, side_by_side.peer_pattern("airbench-table"), script="airbench94_muon.py")
+    assert (r["final_acc"], r["time"]) == (0.9401, 2.5912)
+
+
+def test_a_match_that_holds_no_accuracy_is_one_line():
+    with pytest.raises(side_by_side.DataError, match="matched 'acc 128 time 3', whose acc '128'"):
+        side_by_side.read_peer_output("acc 128 time 3", side_by_side.peer_pattern("default"), script="s.py")
+
+
+def test_the_peer_script_sees_our_gpu_as_its_default_one():
+    env = side_by_side.peer_environment("cuda:1", {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "1"}
+    assert side_by_side.peer_environment("cuda:1", {"CUDA_VISIBLE_DEVICES": "4,6"})["CUDA_VISIBLE_DEVICES"] == "6"
+    assert side_by_side.peer_environment("cuda", {"CUDA_VISIBLE_DEVICES": "4,6"})["CUDA_VISIBLE_DEVICES"] == "4,6"
+    assert "CUDA_VISIBLE_DEVICES" not in side_by_side.peer_environment("cpu", {})
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--peer-pattern", "acc (?P<acc>"], "--peer-pattern 'acc (?P<acc>': not a regular expression"),
     (["--peer-pattern", "acc (?P<acc>[0-9.]+)"], "--peer-pattern 'acc (?P<acc>[0-9.]+)': needs the named groups acc "
                                                  "and time (missing: time)"),
+    (["--peer-runs", "0"], "--peer-runs 0: a --peer-script needs at least one run"),
+    (["--runs", "-1"], "--runs and --peer-runs must not be negative"),
+    (["--peer-cwd", "/no/such/folder"], "--peer-cwd /no/such/folder: no such folder"),
+    (["--peer", "none"], "--peer none and --peer-script: choose one"),
 ])
-def test_a_bad_pattern_stops_before_anything_runs(tmp_path, capsys, flags, message):
+def test_a_bad_flag_stops_before_anything_runs(tmp_path, capsys, flags, message):
     rc, captured, res = peer_script_run(tmp_path, capsys, *flags)
     assert rc == 2 and captured.err.startswith(f"error: {message}") and len(captured.err.splitlines()) == 1
-    assert res is None
+    assert res is None and not (tmp_path / "count").exists()                # the script never ran
+
+
+def test_peer_flags_without_a_script_are_refused(capsys):
+    assert side_by_side.main(["--peer", "none", "--device", "cpu", "--peer-pattern", "x"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --peer-pattern: only with --peer-script"
+
+
+def test_a_given_peer_cwd_is_where_the_script_runs(tmp_path, capsys):
+    own = tmp_path / "own"
+    side_by_side.write_airbench_layout(synthetic_arrays(16, 8), own)
+    rc, captured, res = peer_script_run(tmp_path, capsys, "--peer-cwd", str(own))
+    assert rc == 0, captured.err
+    assert [p["final_acc"] for p in res["recipes"]["fast94"]["peer"]] == [0.9412, 0.9412]
+    assert (own / "seen").read_text() == "16"                                # its data, not ours (128 images)
 
 
 def test_a_missing_script_a_failing_one_and_one_without_a_match_are_one_line_each(tmp_path, capsys):
     rc = side_by_side.main(["--device", "cpu", "--peer-script", str(tmp_path / "nope.py")])
     assert rc == 2 and capsys.readouterr().err.strip() == f"error: --peer-script {tmp_path / 'nope.py'}: no such file"
-    rc, captured, _ = peer_script_run(tmp_path, capsys, "--peer-pattern", r"score (?P<acc>\d+) in (?P<time>\d+)")
+    rc, captured, res = peer_script_run(tmp_path, capsys, "--peer-pattern", r"score (?P<acc>\d+) in (?P<time>\d+)")
     (line,) = captured.err.strip().splitlines()
     assert rc == 1 and line.startswith("error: ") and "no line of its output matches --peer-pattern" in line
+    assert r"'score (?P<acc>\\d+) in (?P<time>\\d+)'" in line                  # the pattern, named
     assert "training images" in line                                        # the end of what it printed
-    (tmp_path / "stand_in.py").write_text("raise SystemExit('no data here')")
+    assert not res["complete"] and len(res["recipes"]["fast94"]["ours"]) == 1   # written after our first run
+    (tmp_path / "stand_in.py").write_text("import sys\nprint('about to fail')\nraise SystemExit('no data here')")
     npz = tmp_path / "synth.npz"
     rc = side_by_side.main(["--device", "cpu", "--data-dir", str(npz), "--recipes", "fast94", "--runs", "0",
                             "--peer-runs", "1", "--batch-size", "64", "--width", "0.0625",
                             "--peer-script", str(tmp_path / "stand_in.py")])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and err == f"error: {tmp_path / 'stand_in.py'} exited with status 1: no data here"
+    (tmp_path / "stand_in.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)")
+    rc = side_by_side.main(["--device", "cpu", "--data-dir", str(npz), "--recipes", "fast94", "--runs", "0",
+                            "--peer-runs", "1", "--batch-size", "64", "--width", "0.0625",
+                            "--peer-script", str(tmp_path / "stand_in.py")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and err == f"error: {tmp_path / 'stand_in.py'} was killed by signal 9: (nothing on stderr)"
