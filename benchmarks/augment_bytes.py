@@ -9,7 +9,6 @@ sees in one call of each, and their times, alternating old and new in this one p
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import cifar_data as cd  # noqa: E402
 from test_augment import crop_flip_by_masks  # noqa: E402
+from machine import alternating  # noqa: E402
 
 
 def bytes_moved(n, c, size, *, pad, itemsize):
@@ -66,12 +66,7 @@ def main(argv=None):
         print(f"{name}: counted {counted[name] / 1e9:.3f} GB read+written; profiler: {ops} aten operators, "
               f"{allocated / 1e9:.3f} GB allocated by them")
         print(prof.key_averages().table(sort_by="self_cpu_memory_usage", row_limit=8))
-    times = {"old": [], "new": []}
-    for _ in range(args.reps):
-        for name, fn in (("old", old), ("new", new)):
-            started = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - started)
+    times = alternating({"old": old, "new": new}, args.reps)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"n={args.reps} alternating repetitions: median old {med['old']:.4f} s, new {med['new']:.4f} s, "
           f"new/old {med['new'] / med['old']:.4f} (old/new {med['old'] / med['new']:.1f}x)")

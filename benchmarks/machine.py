@@ -91,3 +91,15 @@ def fingerprint(device, smoke):
         fp.update(measure_rates(device, 256 if smoke else 2048, 2 ** 22 if smoke else 2 ** 28))
     fp["slug"] = slugify(fp["device_name"])
     return fp
+
+
+def alternating(fns, reps):
+    """{name: [seconds of each call]} for the dict of callables fns, called in turn, reps rounds: A B A B ..., so
+    that the machine's drift falls on all of them alike."""
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            started = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - started)
+    return times

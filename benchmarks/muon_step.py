@@ -10,7 +10,6 @@ import copy
 import statistics
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -21,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 import cifar10_fast as cf  # noqa: E402
 import optim  # noqa: E402
 import torch_backend as tb  # noqa: E402
+from machine import alternating  # noqa: E402
 
 
 def module_at(rev, name):
@@ -61,12 +61,7 @@ def main(argv=None):
     for _ in range(args.warmup):
         for step in steps.values():
             step()
-    times = {k: [] for k in steps}
-    for _ in range(args.reps):
-        for name, step in steps.items():
-            started = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - started)
+    times = alternating(steps, args.reps)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{args.recipe} (muon_batched={hp['muon_batched']}), {sum(p.numel() for p in net.parameters())} parameters, "
           f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps each")
