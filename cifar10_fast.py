@@ -343,10 +343,11 @@ class WithLoss(torch.nn.Module):
         return logits, F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing, reduction="sum")
 
 
-def compiled_graphs():
-    """How many graphs torch.compile has compiled in this process so far (torch._dynamo's count)."""
+def compile_counts():
+    """(graphs torch.compile has made in this process so far, frames it gave up on and left to run eagerly):
+    torch._dynamo's counts."""
     from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
+    return counters["stats"]["unique_graphs"], counters["frames"]["total"] - counters["frames"]["ok"]
 
 
 def start(hp, data, *, device, dtype, ctx, net=None, forward=None):
@@ -362,8 +363,8 @@ def start(hp, data, *, device, dtype, ctx, net=None, forward=None):
     steps_per_epoch, total_steps = run_steps(n_train, batch, hp["epochs"])
     schedule = PiecewiseLinear(hp["lr_knots"], hp["lr_values"])
 
-    def build(seed):
-        gen = devices.generator(device, seed)
+    def build(seeds):
+        order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
         fresh = tb.build_model(hp, device, memory_format=memory_format, num_classes=data.get("num_classes", 10))
         model, step = fresh, fresh
         if net is not None:
@@ -371,7 +372,7 @@ def start(hp, data, *, device, dtype, ctx, net=None, forward=None):
             model, step = net, (net if forward is None else forward)
         tb.set_bias_grad(model, True)
         opts = make_optimizers(model, hp, steps_per_epoch, world)
-        flip_base = cd.flip_bits(n_train, gen, device) if hp["flip"] == "alternate" else None
+        flip_base = cd.flip_bits(n_train, augment, device) if hp["flip"] == "alternate" else None
         # Once trained, the whitening bias is detached (no gradient to compute), as airbench94_muon does; not under
         # DDP, which expects a gradient for every parameter it holds (there its lr is 0 from then on).
         whitening, whiten_steps = ([] if wrapped else tb.whitening_biases(model),
@@ -386,10 +387,10 @@ def start(hp, data, *, device, dtype, ctx, net=None, forward=None):
                                     tta=hp["tta"] if final else "none", dtype=dtype, memory_format=memory_format,
                                     tta_fraction=hp["tta_fraction"] if final else 1.0, tta_weights=hp["tta_weights"])
             return {"test_loss": loss, "test_acc": acc}
-        return Run(model=model, forward=step, optimizers=opts, generator=gen,
+        return Run(model=model, forward=step, optimizers=opts, generators={"order": order, "augment": augment},
                    steps=[steps_per_epoch] * math.ceil(total_steps / steps_per_epoch), total_steps=total_steps,
-                   batches=lambda epoch: cd.epoch_batches(data, hp, gen, memory_format=memory_format, epoch=epoch,
-                                                          flip_base=flip_base, batch_size=batch),
+                   batches=lambda epoch: cd.epoch_batches(data, hp, augment, memory_format=memory_format, epoch=epoch,
+                                                          flip_base=flip_base, batch_size=batch, order=order),
                    schedule=lambda epoch, i, step_no: (schedule(step_no / total_steps), step_no / steps_per_epoch),
                    evaluate=evaluate, metrics=("test_loss", "test_acc"), accuracy="test_acc", wrapped=wrapped,
                    before_step=before_step if whitening else None,
@@ -411,16 +412,18 @@ def warmup(hp, data, *, device, dtype, ctx, net=None, forward=None):
     net = net if net is not None else tb.build_model(hp, device, memory_format=memory_format,
                                                       num_classes=data.get("num_classes", 10))
     forward = net if forward is None else forward
+    # the decomposition loads the GPU's linear-algebra library (cuSOLVER), which the first timed fit must not pay for
+    tb.fit_whitening(net, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])
     opts = make_optimizers(net, hp, 1, ctx.world_size)
     set_lr(opts, 1e-9)
     gen = devices.generator(device, 0)
     flip_base = cd.flip_bits(len(data["train_labels"]), gen, device)
     states = (True, False) if tb.whitening_biases(net) and not ctx.distributed else (True,)
     for epoch in dict.fromkeys((0, hp["low_res_epochs"] if hp["low_res"] else 0)):     # every training resolution
-        batches = cd.epoch_batches(data, hp, gen, memory_format=memory_format, epoch=epoch, flip_base=flip_base,
-                                   batch_size=hp["batch_size"] // ctx.world_size)
-        for step, (x, y) in zip(range(2 * len(states)), batches):
-            tb.set_bias_grad(net, states[step // 2])
+        for state in states:
+            x, y = next(cd.epoch_batches(data, hp, gen, memory_format=memory_format, epoch=epoch, flip_base=flip_base,
+                                         batch_size=hp["batch_size"] // ctx.world_size))
+            tb.set_bias_grad(net, state)
             train_step(forward, opts, x, y, label_smoothing=hp["label_smoothing"], dtype=dtype)
     evaluated = net if ctx.distributed else forward      # as loop.train evaluates
     for state in states:
@@ -497,15 +500,18 @@ class Prepared:
 
     def run(self, seed, *, target=0.94, eval_every=1, on_epoch=None, progress_after_s=None, on_first_steps=None):
         """One run (loop.train) with its wall-clock seconds, per-epoch evaluations included (wall_s: for planning,
-        not a result), and the graphs torch.compile made inside it (recompiles: 0 unless the warm-up missed one)."""
-        started, graphs = time.perf_counter(), compiled_graphs()
+        not a result), the graphs torch.compile made inside it (recompiles: 0 unless the warm-up missed one) and the
+        frames it left to run eagerly there (eager_fallbacks)."""
+        started, (graphs, fallbacks) = time.perf_counter(), compile_counts()
         result = loop.train(start(self.hp, self.data, device=self.device, dtype=self.dtype, ctx=self.ctx,
                                   net=self.net, forward=self.forward), self.hp,
                             device=self.device, seed=seed, dtype=self.dtype, ctx=self.ctx, target=target,
                             eval_every=eval_every, on_epoch=on_epoch, progress_after_s=progress_after_s,
                             on_first_steps=on_first_steps)
         result["model"].normalisation = self.stats       # for evaluate(): the statistics the network trained on
-        return {**result, "wall_s": time.perf_counter() - started, "recompiles": compiled_graphs() - graphs}
+        now = compile_counts()
+        return {**result, "wall_s": time.perf_counter() - started, "recompiles": now[0] - graphs,
+                "eager_fallbacks": now[1] - fallbacks}
 
 
 def prepare(hp, arrays, *, device, dtype, ctx=None, stats=None, compile=None, hook="none", bucket_mb=25.0):
@@ -576,8 +582,23 @@ def train(recipe, data=None, *, device=None, runs=1, seed=0, target=0.94, compil
         f"{n_test} test images of {'x'.join(map(str, arrays['test_images'].shape[1:3]))} "
         f"pixels, {classes} classes" + (f", {ctx.world_size} ranks of {batch} images per step"
                                         if ctx.distributed else ""), flush=True)
-    prepared = prepare(hp, arrays, device=device, dtype=dtype, ctx=ctx, stats=stats, compile=compile, hook=hook,
-                       bucket_mb=bucket_mb)
+    with strict_compile():
+        return train_prepared(prepare(hp, arrays, device=device, dtype=dtype, ctx=ctx, stats=stats, compile=compile,
+                                      hook=hook, bucket_mb=bucket_mb), runs=runs, seed=seed, target=target,
+                              eval_every=eval_every, on_run=on_run, on_epoch=on_epoch, verbose=verbose)
+
+
+def strict_compile():
+    """While inside, a compiled function past dynamo's limit of graphs stops the run (it would otherwise run eagerly
+    from then on, silently, inside the timed runs)."""
+    return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
+
+
+def train_prepared(prepared, *, runs, seed, target, eval_every, on_run, on_epoch, verbose):
+    """train()'s runs of a Prepared recipe: its Result."""
+    hp, device, n_test = prepared.hp, prepared.device, len(prepared.data["test_labels"])
+    batch = hp["batch_size"] // prepared.ctx.world_size
+    say = print if verbose else lambda *a, **k: None
 
     def estimate(step_s):
         total = runs * estimated_run_s(hp, step_s, flops=prepared.flops, batch=batch,

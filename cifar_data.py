@@ -296,7 +296,7 @@ def pair(size):
 
 
 def draw_augmentation(n, size, *, pad, flip, cutout, generator, epoch=0, flip_base=None, jitter=(0.0, 0.0),
-                      device=None):
+                      device=None, order=None):
     """Every random number for one epoch of n images of `size` (a side, or height and width), in at most seven
     calls whatever n is.
 
@@ -304,10 +304,11 @@ def draw_augmentation(n, size, *, pad, flip, cutout, generator, epoch=0, flip_ba
     flips image i in epoch e iff flip_base[i] xor (e odd), so every image is seen both ways in any two
     consecutive epochs; flip_base is drawn once per run (see flip_bits). jitter = (brightness, contrast)
     (the 2-second record): each image's normalised pixels become (x + b)·c with b uniform in ±brightness
-    and c in 1 ± contrast. The draws live on `device`, the generator's by default (the images').
+    and c in 1 ± contrast. The draws live on `device`, the generator's by default (the images'); the order of the
+    images comes from the generator `order` (by default the same one).
     """
     device = device or generator.device
-    r = {"perm": torch.randperm(n, device=device, generator=generator)}
+    r = {"perm": torch.randperm(n, device=device, generator=order or generator)}
     if pad:
         r["dy"], r["dx"] = torch.randint(0, 2 * pad + 1, (2, n), device=device, generator=generator)
     if flip == "random":
@@ -381,15 +382,15 @@ def low_resolution(x, res):
     return F.interpolate(x.float(), size=(res, res), mode="bilinear", antialias=True, align_corners=False).to(x.dtype)
 
 
-def epoch_batches(data, hp, generator, *, memory_format, epoch=0, flip_base=None, batch_size=None):
+def epoch_batches(data, hp, generator, *, memory_format, epoch=0, flip_base=None, batch_size=None, order=None):
     """Yields (images, labels) for one shuffled, augmented epoch, in batches of batch_size (by default the recipe's);
     the last partial batch is dropped. The first low_res_epochs epochs are resized to low_res pixels (when low_res
-    is set)."""
+    is set). The augmentation is drawn from generator, the order from `order` (by default the same)."""
     size = tuple(data["test_images"].shape[-2:])
     x, y = data["train_images"], data["train_labels"]
     r = draw_augmentation(len(x), size, pad=hp["crop_pad"], flip=hp["flip"], cutout=hp["cutout"], generator=generator,
                           epoch=epoch, flip_base=flip_base, jitter=(hp["jitter_brightness"], hp["jitter_contrast"]),
-                          device=x.device)
+                          device=x.device, order=order)
     x = augment(x, r, size, hp["cutout"])[r["perm"]]
     if hp["low_res"] and epoch < hp["low_res_epochs"]:
         x = low_resolution(x, hp["low_res"])

@@ -4,8 +4,8 @@ device, its compute dtype, memory layout and autocast, cuDNN's autotuning and de
 communication backend, and the side streams and events that overlap copies with compute.
 
 A device type other than CUDA (mps, xpu, ...) takes the generic path through torch.<type>, and never reaches a
-torch.cuda function. Streams and events exist on CUDA alone; elsewhere their helpers do nothing, and the tests stub
-them to follow the CUDA path on a CPU (tests/test_fake_gpu.py).
+torch.cuda function. Streams and events exist on CUDA alone; elsewhere their helpers do nothing. On a CPU the tests
+run the CUDA path under a stand-in for the GPU that answers torch.cuda's calls (tests/cuda_standin.py).
 """
 import os
 import platform
@@ -157,15 +157,37 @@ def free_memory(device):
     return module.mem_get_info(device)[0] if hasattr(module, "mem_get_info") else None
 
 
-def store_place(nbytes, device, where="auto"):
-    """Where a dataset of nbytes lives: "device" when asked, or when it fits in 80% of the device's free memory;
-    else "host". On the CPU the two are the same memory: "host"."""
-    if is_cpu(device):
+USABLE = 0.9      # of a device's free memory: the rest for the caching allocator's slack and cuDNN's workspaces
+
+
+def size(nbytes):
+    """Bytes as people read them: 1.5 GiB, 300.0 MiB, 12.0 KiB, 900 B."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def check_training_fits(device, training, *, why, remedy):
+    """Raises UsageError (one line: `why` needs about training bytes, what the device has, `remedy`) unless training
+    bytes fit in the usable part of the device's free memory; nothing to check where torch cannot tell (the CPU)."""
+    free = free_memory(device)
+    if free is not None and training > USABLE * free:
+        raise UsageError(f"{why} needs about {size(training)} on {device} but it has {size(free)} free; {remedy}")
+
+
+def store_place(nbytes, device, where="auto", *, training=0):
+    """Where a dataset of nbytes lives beside a training run that needs `training` bytes of the device: "device"
+    when both fit in its usable free memory ("auto", or asked: a UsageError of one line when they do not fit), else
+    "host". On the CPU the two are the same memory: "host"."""
+    if is_cpu(device) or where == "host":
         return "host"
-    if where == "auto":
-        free = free_memory(device)
-        return "device" if free is not None and nbytes < 0.8 * free else "host"
-    return where
+    free = free_memory(device)
+    fits = free is None or nbytes + training <= USABLE * free
+    if where == "device" and not fits:
+        raise UsageError(f"--data-on device: the store's {size(nbytes)} and training's {size(training)} do not fit in "
+                         f"the {size(free)} free on {device}; use --data-on host")
+    return "device" if fits and (where == "device" or free is not None) else "host"
 
 
 def host_buffer(shape, dtype, device):
@@ -273,6 +295,12 @@ def wait_host(event):
     """The host waits until the device has reached event (where there is one)."""
     if event is not None:
         event.synchronize()
+
+
+def drain(stream):
+    """The host waits until the work queued on stream has run (nothing where there are no streams)."""
+    if stream is not None:
+        stream.synchronize()
 
 
 def keep_alive(tensor, device):

@@ -118,6 +118,7 @@ class Data:
     train_y: torch.Tensor
     val_y: torch.Tensor
     pixels: torch.Tensor = None
+    pixel_rows: torch.Tensor = None   # the row of pixels of each of train_rows (None: the same position)
     where: str = "host"
     decoder: str = "cpu"              # "cpu": PIL on `threads` threads; "gpu": nvJPEG through torchvision
     threads: int = 1
@@ -128,12 +129,12 @@ class Data:
         return rows["height"].astype(np.int64), rows["width"].astype(np.int64)
 
 
-def place(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", threads=None):
+def place(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", threads=None, training=0):
     """This process's Data: one process takes the whole store; under torchrun (ctx.distributed) a rank takes the
     training images of D.stratified_share (every class in proportion; seeded, fixed for the run) and its contiguous
-    part of the validation set. A raw store's training squares go to the device when asked or when they fit in 80%
-    of its free memory, else to host memory (pinned on a GPU); on one CPU process they stay the memory-mapped file.
-    A JPEG store stays memory-mapped: a batch reads only its own records."""
+    part of the validation set. A raw store's training squares (this process's rows) go to the device when asked or
+    when they fit beside `training` bytes (devices.store_place), else stay the memory-mapped file, from which each
+    batch is gathered into pinned buffers. A JPEG store stays memory-mapped: a batch reads only its own records."""
     ctx = ctx or D.Context()
     train = (D.stratified_share(store.train.labels, ctx.rank, ctx.world_size, seed) if ctx.distributed
              else np.arange(len(store.train)))
@@ -145,14 +146,13 @@ def place(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", threa
                 decoder=decoder, threads=threads, pool=ThreadPoolExecutor(threads, thread_name_prefix="decode"))
     if store.format == "raw":
         squares = store.train_pixels()
-        data.where = devices.store_place(len(train) * squares[:1].nbytes, device, where)
-        if devices.is_cpu(device) and not ctx.distributed:
-            data.pixels = torch.from_numpy(squares)         # the memory-mapped file as it is
-        else:
-            shape = (len(train),) + squares.shape[1:]
-            data.pixels = (torch.empty(shape, dtype=torch.uint8, device=device) if data.where == "device"
-                           else devices.host_buffer(shape, torch.uint8, device))
+        data.where = devices.store_place(len(train) * squares[:1].nbytes, device, where, training=training)
+        if data.where == "device":
+            data.pixels = torch.empty((len(train),) + squares.shape[1:], dtype=torch.uint8, device=device)
             copy_rows(squares, train if ctx.distributed else range(len(train)), data.pixels)
+            data.train_y = data.train_y.to(device)      # beside the pixels: a batch's indices pick both there
+        else:           # the memory-mapped file itself, never pinned whole (the pinned allocator rounds up to 2^k)
+            data.pixels, data.pixel_rows = torch.from_numpy(squares), torch.from_numpy(data.train_rows)
     return data
 
 
@@ -181,9 +181,10 @@ class Draws:
     flips: np.ndarray     # bool (n,)
 
 
-def draw_epoch(data, hp, generator):
+def draw_epoch(data, hp, generator, *, order=None):
+    """An epoch's Draws: its order from the generator `order` (by default the same), the rest from generator."""
     n = len(data.train_rows)
-    perm = torch.randperm(n, generator=generator)
+    perm = torch.randperm(n, generator=order or generator)
     h, w = data.shapes("train")
     boxes = crop_boxes(h, w, scale=hp["crop_scale"], ratio=hp["crop_ratio"], generator=generator)
     flips = torch.rand(n, generator=generator) < 0.5 if hp["flip"] else torch.zeros(n, dtype=torch.bool)
@@ -237,15 +238,17 @@ def finish(x, hp, *, generator, dtype, memory_format):
     return normalize(x).to(dtype).contiguous(memory_format=memory_format)
 
 
-def gathered(x, y, perm, bs, *, device):
-    """(uint8 NHWC squares, labels) on the device for each full batch of perm, from a raw store's pixels. From host
-    memory on a GPU: the next batch is gathered into one of two pinned buffers and copied on a side stream while
-    the current one computes."""
+def gathered(x, y, perm, bs, *, device, rows=None):
+    """(uint8 NHWC squares, labels) on the device for each full batch of perm (positions of y; rows[position] is the
+    image's row of x, the position itself when rows is None), from a raw store's pixels. From host memory on a GPU:
+    the next batch is gathered into one of two pinned buffers and copied on a side stream while the current one
+    computes."""
     steps = len(perm) // bs
+    x_perm = perm if rows is None else rows[perm]
     if devices.same(x.device, device) or not devices.overlaps(device):
+        perm, x_perm = perm.to(y.device), x_perm.to(x.device)        # once an epoch
         for i in range(steps):
-            idx = perm[i * bs:(i + 1) * bs].to(x.device)
-            yield x[idx].to(device), y[idx].to(device)
+            yield x[x_perm[i * bs:(i + 1) * bs]].to(device), y[perm[i * bs:(i + 1) * bs]].to(device)
         return
     side = devices.side_stream(device)
     bufs = [(devices.host_buffer((bs,) + tuple(x.shape[1:]), x.dtype, device), devices.host_buffer(bs, y.dtype, device))
@@ -256,9 +259,8 @@ def gathered(x, y, perm, bs, *, device):
         b = i % 2
         if copied[b] is not None:
             devices.wait_host(copied[b])  # the buffer's previous copy must have left it
-        idx = perm[i * bs:(i + 1) * bs]
-        torch.index_select(x, 0, idx, out=bufs[b][0])
-        torch.index_select(y, 0, idx, out=bufs[b][1])
+        torch.index_select(x, 0, x_perm[i * bs:(i + 1) * bs], out=bufs[b][0])
+        torch.index_select(y, 0, perm[i * bs:(i + 1) * bs], out=bufs[b][1])
         with devices.on_stream(side):
             xb, yb = (t.to(device, non_blocking=True) for t in bufs[b])
             copied[b] = devices.record(side)
@@ -316,10 +318,20 @@ def decoded(data, split, jobs, *, device):
 
 
 def gpu_decoded(data, jobs, *, device):
-    """float NCHW crops on the device, nvJPEG-decoded (devices.decode_jpeg) a batch of whole images at a time."""
+    """float NCHW crops on the device, nvJPEG-decoded (devices.decode_jpeg) a batch of whole images at a time, on a
+    side stream of their own. nvJPEG writes its outputs from a stream of its own that waits on nothing (torchvision
+    pull request 9606), so the side stream's earlier work is waited for first (nothing queued there can still read
+    the memory it is given), the training stream waits for the crops, and they are kept alive for it."""
+    side = devices.side_stream(device)
     for rows, boxes, (res, _) in jobs:
-        images = devices.decode_jpeg([data.store.train.record(r) for r in rows], device)
-        yield crop_resize_images(images, boxes.tolist(), res)
+        devices.drain(side)
+        with devices.on_stream(side):
+            images = devices.decode_jpeg([data.store.train.record(r) for r in rows], device)
+            crops = crop_resize_images(images, boxes.tolist(), res)
+            done = devices.record(side)
+        devices.wait(done, device)
+        devices.keep_alive(crops, device)
+        yield crops
 
 
 def train_batches(data, hp, draws, *, res, batch_size, generator, device, dtype, memory_format):
@@ -330,7 +342,7 @@ def train_batches(data, hp, draws, *, res, batch_size, generator, device, dtype,
     if data.store.format == "raw":
         h, w = data.shapes("train")
         for i, (xb, yb) in enumerate(gathered(data.pixels, data.train_y, torch.from_numpy(draws.perm), bs,
-                                                    device=device)):
+                                              device=device, rows=data.pixel_rows)):
             idx = draws.perm[i * bs:(i + 1) * bs]
             x = crop_resize(xb.permute(0, 3, 1, 2).float(), torch.from_numpy(draws.boxes[idx]),
                             (torch.from_numpy(h[idx]), torch.from_numpy(w[idx])), res)

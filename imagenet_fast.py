@@ -17,6 +17,7 @@ import io
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision
@@ -94,6 +95,38 @@ def make_optimizer(model, hp):
     return optimizer(param_groups_no_decay_1d(model, hp["weight_decay"]), hp)
 
 
+def saved_bytes_per_image(hp, classes, res, dtype):
+    """Bytes of activations a training step saves for backward, per image at res x res in dtype: autograd's saved
+    tensors (parameters left out, each storage once) counted on the meta device, which holds no memory."""
+    with torch.device("meta"):
+        model = build_model(hp, classes).to(dtype)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params:
+            storages[s._cdata] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(model(torch.empty(2, 3, res, res, device="meta", dtype=dtype)).float(),
+                        torch.zeros(2, dtype=torch.long, device="meta"))
+    return sum(storages.values()) / 2
+
+
+STATE_COPIES = {"sgd": 1, "lars": 1, "rmsprop_sgd": 2}      # float32 copies of the parameters an optimiser keeps
+
+
+def training_bytes(hp, classes, *, world, dtype):
+    """The most device memory a rank's training needs in any epoch: float32 parameters, gradients, the optimiser's
+    state and an EMA's copy, and that epoch's batch of saved activations (saved_bytes_per_image) at its resolution."""
+    with torch.device("meta"):
+        params = sum(p.numel() * 4 for p in build_model(hp, classes).parameters())
+    copies = 2 + STATE_COPIES[hp["optimizer"]] + (hp["ema_momentum"] > 0)
+    per_image = {res: saved_bytes_per_image(hp, classes, res, dtype) for res in {res_at(hp, e) for e in range(hp["epochs"])}}
+    return copies * params + max(batch_for(hp, e, world) * per_image[res_at(hp, e)] for e in range(hp["epochs"]))
+
+
 # ---------------------------------------------------------------------------------------------
 # One run: the ImageNet parts of the loop (loop.train)
 # ---------------------------------------------------------------------------------------------
@@ -109,7 +142,7 @@ def warmup(hp, data, *, classes, device, dtype, world=1):
     for res, bs in sorted({(res_at(hp, e), batch_for(hp, e, world)) for e in range(hp["epochs"])}):
         bs = min(bs, n)
         draws = draw_epoch(data, hp, gen)
-        draws.perm = torch.arange(2 * bs) % n
+        draws.perm = np.arange(2 * bs) % n
         for x, y in train_batches(data, hp, draws, res=res, batch_size=bs, generator=gen, device=device, dtype=dtype,
                                   memory_format=memory_format):
             with devices.autocast(device, dtype):
@@ -128,15 +161,16 @@ def start(hp, data, *, classes, device, dtype, ctx, bucket_mb=25.0, hook="none")
     batches = [min(batch_for(hp, e, world), n) for e in range(hp["epochs"])]
     steps = [n // bs for bs in batches]
 
-    def build(seed):
-        gen = torch.Generator().manual_seed(seed)
+    def build(seeds):
+        order, augment = (torch.Generator().manual_seed(seeds[k]) for k in ("order", "augment"))
         model = build_model(hp, classes).to(device, memory_format=memory_format)
         opt = make_optimizer(model, hp)
         forward = D.register_comm_hook(D.wrap_ddp(model, ctx, bucket_mb), hook) if ctx.distributed else model
 
         def epoch_batches(epoch):
-            return train_batches(data, hp, draw_epoch(data, hp, gen), res=res_at(hp, epoch), batch_size=batches[epoch],
-                                 generator=gen, device=device, dtype=dtype, memory_format=memory_format)
+            return train_batches(data, hp, draw_epoch(data, hp, augment, order=order), res=res_at(hp, epoch),
+                                 batch_size=batches[epoch], generator=augment, device=device, dtype=dtype,
+                                 memory_format=memory_format)
 
         def schedule(epoch, i, step):
             clock = epoch + i / steps[epoch]
@@ -150,7 +184,8 @@ def start(hp, data, *, classes, device, dtype, ctx, bucket_mb=25.0, hook="none")
         def example(epoch):
             res = res_at(hp, epoch)
             return torch.zeros(2, 3, res, res, device=device, dtype=dtype).contiguous(memory_format=memory_format)
-        return Run(model=model, forward=forward, optimizers=[opt], generator=gen, steps=steps, total_steps=sum(steps),
+        return Run(model=model, forward=forward, optimizers=[opt], generators={"order": order, "augment": augment},
+                   steps=steps, total_steps=sum(steps),
                    batches=epoch_batches, schedule=schedule, evaluate=validate, metrics=("val_loss", "top1", "top5"),
                    accuracy="top1", wrapped=ctx.distributed, mean_loss=True,
                    columns=lambda epoch: {"res": res_at(hp, epoch), "batch": batches[epoch]}, example=example)
@@ -379,8 +414,15 @@ def run(args, hp, *, ctx, hook, argv):
         print(f"error: {e}", file=sys.stderr)     # every rank: each may read a store of its own node's
         return 1
     classes = len(store.index["classes"])
-    data = place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
-                 threads=args.loader_threads)     # under torchrun, this rank's share alone
+    try:            # before anything is loaded: what training needs of the device, and whether the store fits beside
+        training = 0 if devices.is_cpu(device) else training_bytes(hp, classes, world=ctx.world_size, dtype=dtype)
+        devices.check_training_fits(device, training, why=f"training {hp['model']} at {batch} images per process",
+                                    remedy="use a smaller --batch-size or more GPUs (the batch is split over them)")
+        data = place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
+                     threads=args.loader_threads, training=training)     # under torchrun, this rank's share alone
+    except UsageError as e:
+        say(f"error: {e}", file=sys.stderr)
+        return 2
     held = (("jpeg store, decoded on the GPU (nvJPEG)" if decoder == "gpu" else
              f"jpeg store, decoded by {data.threads} CPU threads") if store.format == "jpeg" else f"raw store of size {store.size} in {data.where} memory")
     say(f"recipe {args.recipe} on {devices.name(device)} ({device}, {str(dtype)[6:]}), "

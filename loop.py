@@ -14,6 +14,7 @@ import copy
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -27,7 +28,7 @@ INTERRUPTED = 75      # EX_TEMPFAIL: stopped on purpose after a checkpoint, resu
 
 @dataclass(kw_only=True)
 class Run:
-    """What a script builds for one run (the network from torch's seed, already set; random draws from `generator`).
+    """What a script builds for one run (the network from torch's seed, already set; random draws from `generators`).
     batches(epoch) yields that epoch's (x, y) on the device; schedule(epoch, i, step) gives the rate of the coming
     step (in the optimisers' units, see optim.set_lr) and the fractional epoch it falls in; evaluate(model, final)
     gives the row's `metrics` (final: with the recipe's test-time augmentation), of which `accuracy` meets the
@@ -36,7 +37,7 @@ class Run:
     model: torch.nn.Module           # the parameters: trained, averaged, checkpointed, returned
     forward: object                  # what a step calls: model, or it inside DistributedDataParallel and/or compiled
     optimizers: list
-    generator: torch.Generator       # the run's own random stream (augmentation, order)
+    generators: dict                 # the run's own random streams: "order" of the data, its "augment"ation
     steps: list                      # steps in each full epoch
     total_steps: int                 # the run's steps: fewer than the epochs' when the last epoch is fractional
     batches: object
@@ -141,6 +142,17 @@ def averaging(model, hp):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Random streams
+
+def run_seeds(seed, rank=0):
+    """The seeds of a run's independent random streams, from numpy's SeedSequence of (seed, stream[, rank]), so that
+    no draw of one depends on another: "init" for the network (torch's global generator; the same on every rank),
+    "order" of the data and its "augment"ation (each rank its own)."""
+    draw = lambda *key: int(np.random.SeedSequence([seed, *key]).generate_state(1, np.uint64)[0] >> 1)
+    return {"init": draw(0), "order": draw(1, rank), "augment": draw(2, rank)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Checkpoints
 
 CHECKPOINT_KEYS = {"model", "optimizers", "averaging", "rng", "epoch", "rows", "train_time", "time_to_target", "hp",
@@ -150,7 +162,7 @@ CHECKPOINT_KEYS = {"model", "optimizers", "averaging", "rng", "epoch", "rows", "
 def checkpoint_state(run, average, epoch, *, rows, timer, time_to_target, hp, world):
     """Everything a resumed run needs, with the random states of every rank (gathered to all), so that each rank
     resumes its own augmentation stream exactly."""
-    rng = [run.generator.get_state(), torch.get_rng_state()]
+    rng = [torch.get_rng_state(), *(g.get_state() for g in run.generators.values())]
     if torch.distributed.is_initialized():
         every = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every, rng)
@@ -180,7 +192,7 @@ def check_checkpoint(state, checkpoint, hp, world):
 
 def train(start, hp, *, device, seed=0, dtype=torch.float32, ctx=None, target=1.0, eval_every=1, on_epoch=None,
           checkpoint=None, resume=False, interrupt_after=None, progress_after_s=None, on_first_steps=None):
-    """Trains one network: start(seed of this rank) builds its Run after torch's seed is set; returns
+    """Trains one network: start(run_seeds(seed, rank)) builds its Run after torch's seed is set; returns
     {"seed", "rows", "final_acc", "train_time", "final_eval_time", "time", "time_to_target", "model"} (the model
     evaluated: the EMA's when there is one).
 
@@ -192,8 +204,9 @@ def train(start, hp, *, device, seed=0, dtype=torch.float32, ctx=None, target=1.
     every epoch; with progress_after_s an epoch that looks longer shows its steps on stderr (core.Progress);
     on_first_steps(seconds per step) is called once, after the third step."""
     ctx = ctx or D.Context()
-    torch.manual_seed(seed)
-    run = start(seed + 104729 * ctx.rank)          # the network built: before the clock, as the references build it
+    seeds = run_seeds(seed, ctx.rank)
+    torch.manual_seed(seeds["init"])
+    run = start(seeds)          # the network built: before the clock, as the references build it
     timer = devices.timer(device)
     if run.init:
         run.init()
@@ -213,9 +226,10 @@ def train(start, hp, *, device, seed=0, dtype=torch.float32, ctx=None, target=1.
         if average:
             average.load_state_dict(state["averaging"])
         # random states must be CPU bytes, whatever device or form the checkpoint was read into
-        gen_state, torch_state = (t.to("cpu", torch.uint8) for t in state["rng"][ctx.rank])
-        run.generator.set_state(gen_state)
+        torch_state, *gen_states = (t.to("cpu", torch.uint8) for t in state["rng"][ctx.rank])
         torch.set_rng_state(torch_state)
+        for g, saved in zip(run.generators.values(), gen_states):
+            g.set_state(saved)
         first, rows, time_to_target = state["epoch"], state["rows"], state["time_to_target"]
         timer.total = state["train_time"]
         D.print0(f"resumed from epoch {first} of {checkpoint}")

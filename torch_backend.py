@@ -328,13 +328,32 @@ def tta_views(x, mode, weights="airbench"):
     return [(1 / len(views), v) for _, v in views] if weights == "equal" else views
 
 
-def tta_logits(model, x, tta, plain=None, *, weights="airbench"):
+def logits_of(model, x, memory_format=torch.contiguous_format):
+    """The model's float32 logits of x, laid out in memory_format first (every view alike: one compiled graph), as a
+    copy of their own (a CUDA graph's next replay overwrites its outputs)."""
+    return model(x.contiguous(memory_format=memory_format)).to(torch.float32, copy=True)
+
+
+def batched(fn, batch_size, *tensors):
+    """torch.cat of fn over the tensors' batches of batch_size, the last padded with zeros to the full size and cut
+    back (one shape: one compiled graph; evaluation's batch norm is per image, so padding changes no logit)."""
+    out, n = [], len(tensors[0])
+    for i in range(0, n, batch_size):
+        parts = [t[i:i + batch_size] for t in tensors]
+        short = batch_size - len(parts[0])
+        if short:
+            parts = [torch.cat([p, p.new_zeros((short, *p.shape[1:]))]) for p in parts]
+        out.append(fn(*parts)[:batch_size - short])
+    return torch.cat(out)
+
+
+def tta_logits(model, x, tta, plain=None, *, weights="airbench", memory_format=torch.contiguous_format):
     """The weighted logits of x's test-time-augmented views (tta_views); `plain`, model(x) when it is already
     known, stands for the first view (the image itself)."""
     (w0, v0), *views = tta_views(x, tta, weights)
-    logits = w0 * (model(v0).float() if plain is None else plain)
+    logits = w0 * (logits_of(model, v0, memory_format) if plain is None else plain)
     for w, v in views:
-        logits = logits + w * model(v).float()
+        logits = logits + w * logits_of(model, v, memory_format)
     return logits
 
 
@@ -344,13 +363,13 @@ def selective_tta_logits(model, images, tta, fraction, *, batch_size=1000, memor
     only for the `fraction` of images the plain pass is least sure of (the lowest top softmax probability);
     the others keep their plain logits. The plain logits stand for the first view, so the views cost
     1 + fraction × (views - 1) passes an image, and fraction 1 is full TTA."""
-    batch = lambda x: x.contiguous(memory_format=memory_format)
-    plain = torch.cat([model(batch(images[i:i + batch_size])).float() for i in range(0, len(images), batch_size)])
+    plain = batched(lambda x: logits_of(model, x, memory_format), batch_size, images)
     unsure = plain.softmax(1).amax(1).topk(round(fraction * len(images)), largest=False).indices
     logits = plain.clone()
-    for i in range(0, len(unsure), batch_size):
-        idx = unsure[i:i + batch_size]
-        logits[idx] = tta_logits(model, batch(images[idx]), tta, plain[idx], weights=weights)
+    if len(unsure):
+        logits[unsure] = batched(lambda x, p: tta_logits(model, x, tta, p, weights=weights,
+                                                         memory_format=memory_format), batch_size, images[unsure],
+                                 plain[unsure])
     return logits
 
 
@@ -361,13 +380,14 @@ def evaluation_sums(model, images, labels, *, tta="none", dtype=torch.float32, b
     with tta_fraction < 1, selective_tta_logits), as one tensor on the images' device: nothing waits for it."""
     was_training = model.training
     model.eval()
+    batch_size = min(batch_size, len(images))      # every batch this size, the selective views' too
     with devices.autocast(images.device, dtype):
         if tta_fraction < 1 and tta != "none":
             logits = selective_tta_logits(model, images, tta, tta_fraction, batch_size=batch_size,
                                           memory_format=memory_format, weights=tta_weights)
         else:
-            logits = torch.cat([tta_logits(model, images[i:i + batch_size].contiguous(memory_format=memory_format), tta,
-                                           weights=tta_weights) for i in range(0, len(images), batch_size)])
+            logits = batched(lambda x: tta_logits(model, x, tta, weights=tta_weights, memory_format=memory_format),
+                             batch_size, images)
     model.train(was_training)
     return torch.stack([F.cross_entropy(logits, labels, reduction="sum"), (logits.argmax(1) == labels).sum().float()])
 

@@ -296,7 +296,7 @@ def side_stats(runs, target, flops, rate_tflops):
     s = {"n": len(runs), "accuracy": summarize(accs), "p_mean_above_target": one_sided_p(accs, target),
          "time": summarize(times), "time_to_target": summarize([r.get("time_to_target") for r in runs]),
          "fraction_reaching_target": (sum(r.get("time_to_target") is not None for r in runs) / len(runs)) if runs else None,
-         "recompiled_runs": sum(1 for r in runs if r.get("recompiles"))}      # torch.compile inside the clock
+         "recompiled_runs": sum(1 for r in runs if r.get("recompiles") or r.get("eager_fallbacks"))}   # inside the clock
     if flops:
         s["flops_per_run"] = flops
         if runs:

@@ -79,11 +79,21 @@ def test_what_each_device_computes_in(gpus, name, dtype, layout, backend, ids, o
 
 
 def test_where_a_store_lives(gpus, monkeypatch):
+    """On the device when it fits beside training in the usable part of the free memory (asked there when it does
+    not: one line naming --data-on host), else in host memory; on the CPU the two are one."""
     gpus(1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (1000, 2000))
-    assert devices.store_place(700, "cuda") == "device" and devices.store_place(900, "cuda") == "host"   # 80% rule
+    assert devices.store_place(500, "cuda", training=400) == "device"
+    assert devices.store_place(500, "cuda", training=401) == "host"
     assert devices.store_place(10, "cuda", "host") == "host" and devices.store_place(900, "cuda", "device") == "device"
+    with pytest.raises(core.UsageError, match=r"^--data-on device: the store's 1000.0 KiB and training's 0 B do not "
+                                              r"fit in the 1000 B free on cuda; use --data-on host$"):
+        devices.store_place(1024000, "cuda", "device")
     assert devices.store_place(10, "cpu") == "host" and devices.store_place(10, "cpu", "device") == "host"
+    with pytest.raises(core.UsageError, match=r"^training x needs about 901 B on cuda but it has 1000 B free; y$"):
+        devices.check_training_fits("cuda", 901, why="training x", remedy="y")
+    devices.check_training_fits("cuda", 900, why="training x", remedy="y")
+    devices.check_training_fits("cpu", 10 ** 15, why="training x", remedy="y")     # the CPU cannot tell
     pinned = []
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: pinned.append(pin_memory))
     devices.host_buffer((2, 3), torch.uint8, "cuda:0"), devices.host_buffer((2, 3), torch.uint8, "cpu")

@@ -11,7 +11,7 @@ import distributed as D
 import loop
 import optim
 import torch_backend as tb
-from conftest import train_once
+from conftest import synthetic_arrays, train_once
 
 CPU = torch.device("cpu")
 
@@ -494,3 +494,30 @@ def test_the_records_test_time_augmentation_weighs_its_six_views_equally():
         views = [model(v) for _, v in tb.tta_views(x, "flip_translate")]
         torch.testing.assert_close(tb.tta_logits(model, x, "flip_translate", weights="equal"),
                                    torch.stack(views).mean(0))
+
+
+def test_the_networks_initialisation_and_the_datas_order_and_augmentation_are_independent_streams():
+    """Changing only the augmentation's seed changes no initial weight and no order; changing only the order's changes
+    no augmentation; and the whitening bias (drawn at initialisation) no longer repeats the flip bits' draws, as it
+    did when both came from one CPU stream."""
+    import distributed as D
+    import loop
+    hp = cf.hyperparameters("fast94_next", width=1 / 16, batch_size=32)
+    data = cd.to_device(synthetic_arrays(n_train=64, n_test=32), "cpu", dtype=torch.float32, pad=hp["crop_pad"])
+    start = cf.start(hp, data, device=torch.device("cpu"), dtype=torch.float32, ctx=D.Context())
+
+    def built(seeds):
+        torch.manual_seed(seeds["init"])
+        run = start(seeds)
+        x, y = (torch.cat(t) for t in zip(*run.batches(0)))             # the whole epoch: 2 batches of 32
+        return [t.clone() for t in run.model.state_dict().values()], x, y
+    as_set = lambda x: x.flatten(1)[x.flatten(1).sum(1).argsort()]     # the epoch's images whatever their order
+    seeds = loop.run_seeds(0)
+    weights, x, y = built(seeds)
+    other_augment, x2, y2 = built({**seeds, "augment": seeds["augment"] + 1})
+    assert all(torch.equal(a, b) for a, b in zip(weights, other_augment)) and torch.equal(y, y2)
+    assert not torch.equal(x, x2)
+    _, x3, y3 = built({**seeds, "order": seeds["order"] + 1})
+    assert not torch.equal(y, y3) and torch.equal(as_set(x), as_set(x3))
+    assert len(set(loop.run_seeds(0).values())) == 3 and loop.run_seeds(0, rank=1)["init"] == seeds["init"]
+    assert loop.run_seeds(0, rank=1)["augment"] != seeds["augment"]

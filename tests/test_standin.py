@@ -1,0 +1,283 @@
+"""Whole commands as a GPU runs them, on the CPU: under the stand-in for CUDA GPUs (tests/cuda_standin.py), which
+computes every operation and checks devices as CUDA does, cifar10_fast.py's recipe families (eager and compiled),
+imagenet_fast.py train with both store formats, both decoders and both places of a raw store (warm-up, pinned
+staging, side streams, autocast, fused SGD), a ResNet-50 step, and torchrun with 2 ranks."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cifar10_fast as cf
+import devices
+import imagenet_data as idt
+import imagenet_fast as inf
+import imagenet_store as ims
+import torch_backend as tb
+from conftest import ROOT, synthetic_arrays
+from cuda_standin import StandIn
+
+TINY = ["--width", "0.0625", "--batch-size", "32", "--epochs", "3"]
+
+
+@pytest.fixture(scope="module")
+def npz(tmp_path_factory):
+    p = tmp_path_factory.mktemp("synth") / "synth.npz"
+    np.savez(p, **synthetic_arrays(n_train=128, n_test=64))
+    return p
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    root = tmp_path_factory.mktemp("in")
+    ims.synthetic_imagefolder(root / "src", 4, 12, 4, sizes=(20, 40))
+    for fmt in ims.FORMATS:
+        ims.prepare(root / "src", root / fmt, ims.Settings(format=fmt, size=24), workers=1, log=lambda s: None)
+    return {fmt: root / fmt for fmt in ims.FORMATS}
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """torch.compile through dynamo's guards and graphs as on a GPU, with no code generation (seconds)."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model=None, mode=None, **kw: real(model, **{**kw, "backend": "aot_eager"}))
+
+
+# ---------------------------------------------------------------------------------------------------- the stand-in
+
+def test_the_stand_in_refuses_what_cuda_refuses():
+    with StandIn() as gpu:
+        net = torch.nn.Linear(3, 2).to("cuda")
+        assert net.weight.device == torch.device("cuda:0") and net.weight.is_cuda
+        with pytest.raises(RuntimeError, match="same device"):
+            net(torch.zeros(4, 3))                                        # a batch left in host memory
+        x, labels = torch.arange(6.0, device="cuda"), torch.arange(6)
+        assert x[torch.tensor([0, 2])].device.type == "cuda"              # host indices into a GPU tensor: fine
+        with pytest.raises(RuntimeError, match="indices should be either on cpu or on the same device"):
+            labels[torch.tensor([0, 2], device="cuda")]                   # GPU indices into a host tensor
+        with pytest.raises(TypeError, match="can't convert cuda:0 device type tensor to numpy"):
+            x.numpy()
+        with pytest.raises(RuntimeError, match="Expected a 'cuda' device type for generator but found 'cpu'"):
+            torch.randperm(6, device="cuda", generator=torch.Generator())
+        with pytest.raises(RuntimeError, match="Expected a 'cpu' device type for generator but found 'cuda'"):
+            torch.rand(3, generator=devices.generator("cuda", 0))
+        with pytest.raises(RuntimeError, match="out tensor"):
+            torch.add(x, x, out=torch.empty(6))
+        assert (x * torch.tensor(2.0)).device.type == "cuda"              # a host scalar beside GPU tensors: fine
+    assert gpu.counts["blocking"] == 3       # the layer's two parameters and the host indices, from pageable memory
+
+
+def test_the_stand_in_counts_copies_and_which_of_them_block_the_host():
+    with StandIn() as gpu:
+        pageable, pinned = torch.ones(4), torch.ones(4, pin_memory=True)
+        assert pinned.is_pinned() and not pageable.is_pinned()
+        pinned.to("cuda", non_blocking=True)
+        assert gpu.counts["to_gpu"] == 1 and gpu.counts["blocking"] == 0
+        pageable.to("cuda", non_blocking=True)                            # pageable memory: the host waits
+        on_gpu = torch.ones(4).cuda()
+        assert gpu.counts["to_gpu"] == 3 and gpu.counts["blocking"] == 2
+        on_gpu.sum().item()
+        on_gpu.cpu()
+        assert gpu.counts["to_host"] == 2 and gpu.counts["blocking"] == 4
+
+
+def test_a_step_on_the_stand_in_trains_as_on_the_cpu():
+    """Backward, fused SGD and autocast run; gradients say they are on the GPU; the numbers are the CPU's."""
+    def step(device):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2)).to(device)
+        net(torch.zeros(1, 3, 6, 6, device=device))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, **devices.sgd_options(device))
+        x, y = torch.randn(4, 3, 6, 6).to(device), torch.tensor([0, 1, 0, 1]).to(device)
+        F.cross_entropy(net(x), y).backward()
+        assert net[0].weight.grad.device.type == torch.device(device).type
+        opt.step()
+        return [p.detach().cpu() for p in net.parameters()]
+    with StandIn():
+        on_gpu = step("cuda")
+    for a, b in zip(on_gpu, step("cpu")):
+        torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------- CIFAR-10
+
+@pytest.mark.parametrize("recipe", ["myrtle24", "myrtle10", "fast94", "fast94_muon", "fast94_next", "fast94_next_lowres"])
+def test_each_recipe_family_runs_its_whole_command_on_a_gpu(npz, tmp_path, recipe, aot_eager):
+    out = tmp_path / "r.json"
+    with StandIn() as gpu:
+        assert cf.main(["--recipe", recipe, "--data-dir", str(npz), *TINY, "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["environment"]["device"] == "cuda" and run["environment"]["device_name"] == gpu.name
+    assert gpu.ops["conv2d"] > 0 and gpu.counts["host_waits"] > 0        # the network ran there, and the clock
+
+
+@pytest.mark.parametrize("recipe, flags", [("fast94", []), ("fast94", ["--compile-step", "true", "--eval-every", "2"]),
+                                           ("fast94_muon", []), ("fast94_next_lowres", [])])
+def test_each_compiled_recipe_compiles_nothing_inside_a_timed_run_on_a_gpu(npz, tmp_path, recipe, flags, aot_eager):
+    out = tmp_path / "r.json"
+    torch._dynamo.reset()
+    with StandIn():
+        assert cf.main(["--recipe", recipe, "--data-dir", str(npz), *TINY, "--compile", "default", "--runs", "2",
+                        *flags, "--out", str(out)]) == 0
+    assert [(r["recompiles"], r["eager_fallbacks"]) for r in json.loads(out.read_text())["runs"]] == [(0, 0)] * 2
+
+
+def test_compiled_fast94_next_at_the_full_test_set_compiles_nothing_and_falls_back_to_nothing_in_a_timed_run(
+        tmp_path, aot_eager):
+    """All 10,000 test images (eval batches of 1000, the selective views' 2,500 with a remainder of 500, two states
+    of the whitening bias) and two steps of the record's batch: within dynamo's limit, every graph met in the
+    warm-up, and a function past the limit would stop the run rather than fall back to eager."""
+    npz, out = tmp_path / "full.npz", tmp_path / "r.json"
+    np.savez(npz, **synthetic_arrays(n_train=3072, n_test=10000))
+    torch._dynamo.reset()
+    with StandIn():
+        # float32: the same graphs as bf16's (autocast adds no shape), without the CPU's slow bf16 convolutions
+        assert cf.main(["--recipe", "fast94_next", "--data-dir", str(npz), "--width", "0.0625", "--epochs", "2",
+                        "--compile", "default", "--precision", "fp32", "--eval-every", "0", "--out", str(out)]) == 0
+    assert torch._dynamo.config.fail_on_recompile_limit_hit
+    assert [(r["recompiles"], r["eager_fallbacks"]) for r in json.loads(out.read_text())["runs"]] == [(0, 0)]
+
+
+def test_the_warm_up_fits_the_whitening_so_no_timed_run_loads_the_linear_algebra_library(npz):
+    arrays = dict(np.load(npz))
+    hp = cf.hyperparameters("fast94_next", width=1 / 16, batch_size=32)
+    with StandIn() as gpu:
+        cf.prepare(hp, arrays, device=torch.device("cuda"), dtype=torch.bfloat16)
+    assert gpu.ops["linalg_svd"] >= 1      # the record's decomposition, on the GPU, before any clock
+
+
+def test_in_float32_the_selective_views_read_no_output_a_cuda_graph_has_overwritten(npz):
+    """With CUDA graphs (reduce-overhead, max-autotune) a call's outputs are overwritten by the next call's; in
+    float32 `.float()` is no copy, so keeping the plain pass's outputs of every batch read overwritten ones."""
+    arrays = synthetic_arrays(n_train=64, n_test=300)
+    hp = cf.hyperparameters("fast94_next", width=1 / 16)
+    with StandIn():
+        data = cf.cd.to_device(arrays, torch.device("cuda"), dtype=torch.float32, pad=0)
+        torch.manual_seed(0)
+        net = tb.build_model(hp, "cuda", memory_format=torch.channels_last)
+        graphed = torch.compile(net, mode="reduce-overhead", backend="eager", dynamic=False)
+        options = dict(tta="flip_translate", tta_fraction=0.25, tta_weights="equal", batch_size=100,
+                       memory_format=torch.channels_last)
+        eager = tb.evaluation_sums(net, data["test_images"], data["test_labels"], **options)
+        assert torch.equal(tb.evaluation_sums(graphed, data["test_images"], data["test_labels"], **options), eager)
+
+
+def cifar_standin_command(*args, gpus=2, memory=80 << 30):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "STANDIN_GPUS": str(gpus),
+           "STANDIN_MEMORY": str(memory)}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+
+
+def test_torchrun_with_two_ranks_trains_on_two_gpus(npz, tmp_path):
+    out = tmp_path / "r.json"
+    r = cifar_standin_command("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              "tests/standin_main.py", "cifar10_fast.py", "--recipe", "fast94", "--data-dir", str(npz),
+                              *TINY, "--batch-size", "64", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "on NVIDIA stand-in (CPU) (cuda:0, bfloat16)" in r.stdout and "2 ranks of 32 images per step" in r.stdout
+    assert json.loads(out.read_text())["environment"]["world_size"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------- ImageNet
+
+TINY_IN = ["--recipe", "tiny", "--epochs", "2", "--batch-size", "8", "--width", "8", "--min-res", "24", "--max-res", "24",
+           "--val-res", "24"]
+
+
+@pytest.mark.parametrize("fmt, flags", [("raw", ["--data-on", "device"]), ("raw", ["--data-on", "host"]),
+                                        ("jpeg", ["--decoder", "cpu"]), ("jpeg", ["--decoder", "gpu"])])
+def test_imagenet_trains_on_a_gpu_from_each_store_and_place(stores, tmp_path, fmt, flags):
+    """The warm-up and every epoch's batches on the GPU: a raw store gathered there (its labels beside it) or from
+    the memory-mapped file through pinned buffers; a JPEG store decoded by the CPU's threads or by nvJPEG."""
+    out = tmp_path / "r.json"
+    with StandIn() as gpu:
+        assert inf.main(["train", "--store", str(stores[fmt]), *TINY_IN, *flags, "--out", str(out)]) == 0
+    run = json.loads(out.read_text())
+    assert run["environment"]["device"] == "cuda" and gpu.ops["conv2d"] > 0
+    if fmt == "raw":
+        assert run["data_on"] == flags[1]
+
+
+def test_a_raw_store_on_the_host_stays_the_memory_mapped_file_and_only_two_batches_are_pinned(stores):
+    store = ims.open_store(stores["raw"])
+    with StandIn() as gpu:
+        data = idt.place(store, torch.device("cuda"), where="host")
+        assert not data.pixels.is_pinned()
+        assert data.pixels.numpy().base is not None and np.shares_memory(data.pixels.numpy(), store.train.data)
+        hp = inf.hyperparameters("tiny", batch_size=8)
+        gen = torch.Generator().manual_seed(0)
+        batches = idt.train_batches(data, hp, idt.draw_epoch(data, hp, gen), res=24, batch_size=8, generator=gen,
+                                    device=torch.device("cuda"), dtype=torch.bfloat16, memory_format=torch.channels_last)
+        for x, y in batches:
+            assert x.device.type == "cuda" and y.device.type == "cuda"
+            assert gpu.pinned_bytes() <= 2 * 8 * (24 * 24 * 3 + 8)        # two staging buffers of pixels and labels
+
+
+def test_a_resnet50_step_runs_on_a_gpu(stores, tmp_path):
+    with StandIn():
+        assert inf.main(["train", "--store", str(stores["jpeg"]), "--recipe", "rn50_16ep", "--epochs", "1",
+                         "--batch-size", "4", "--min-res", "32", "--max-res", "32", "--val-res", "32",
+                         "--warmup-epochs", "0", "--out", str(tmp_path / "r.json")]) == 0
+
+
+def test_imagenet_under_torchrun_with_two_ranks_on_two_gpus(stores, tmp_path):
+    r = cifar_standin_command("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              "tests/standin_main.py", "imagenet_fast.py", "train", "--store", str(stores["jpeg"]),
+                              *TINY_IN, "--batch-size", "16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "decoded on the GPU (nvJPEG)" in r.stdout and "2 ranks of 8 images per step" in r.stdout
+
+
+def test_a_run_that_cannot_fit_the_gpu_stops_in_one_line_before_the_data_loads(stores, monkeypatch, capsys):
+    monkeypatch.setattr(idt, "place", lambda *a, **k: pytest.fail("the data was loaded"))
+    with StandIn(memory=80 << 30):
+        assert inf.main(["train", "--store", str(stores["jpeg"]), "--recipe", "akiba_32k"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: training resnet50 at 32768 images per process needs about ") and "\n" not in err
+    assert "GiB free; use a smaller --batch-size or more GPUs" in err
+
+
+def test_a_store_goes_onto_the_gpu_only_if_training_still_fits_beside_it(stores, capsys):
+    """A GPU with room for training and half the store: asked onto the GPU, the store stops the run in one line,
+    before it loads; left to choose, it stays in host memory."""
+    store = ims.open_store(stores["raw"])
+    hp = inf.hyperparameters("tiny", epochs=2, batch_size=8, width=8, min_res=24, max_res=24, val_res=24)
+    training = inf.training_bytes(hp, len(store.index["classes"]), world=1, dtype=torch.bfloat16)
+    memory = int((training + store.train_pixels().nbytes / 2) / devices.USABLE)
+    with StandIn(memory=memory):
+        assert inf.main(["train", "--store", str(stores["raw"]), *TINY_IN, "--data-on", "device"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --data-on device: the store's ") and err.endswith("; use --data-on host")
+        assert idt.place(store, torch.device("cuda"), training=training).where == "host"
+        assert idt.place(store, torch.device("cuda"), training=0).where == "device"
+
+
+def test_nvjpeg_decodes_on_a_drained_side_stream_that_the_training_stream_waits_for(stores):
+    """nvJPEG writes from a stream of its own that waits on nothing: it is called on a side stream with nothing left
+    queued there, the training stream waits for the crops, and they are kept alive for it (the call order, which is
+    what the stand-in can see of streams)."""
+    store = ims.open_store(stores["jpeg"])
+    with StandIn() as gpu:
+        data = idt.place(store, torch.device("cuda"), decoder="gpu")
+        hp = inf.hyperparameters("tiny", batch_size=8)
+        gen = torch.Generator().manual_seed(0)
+        for x, y in idt.train_batches(data, hp, idt.draw_epoch(data, hp, gen), res=24, batch_size=8, generator=gen,
+                                      device=torch.device("cuda"), dtype=torch.bfloat16,
+                                      memory_format=torch.channels_last):
+            pass
+    calls = [c for c in gpu.calls if c[0] != "record" or not c[1].default]
+    decodes = [i for i, c in enumerate(calls) if c[0] == "nvjpeg"]
+    assert len(decodes) == len(data.train_rows) // 8
+    for i in decodes:
+        side = calls[i][1]
+        assert not side.default
+        assert calls[i - 2] == ("host_wait", side) and calls[i - 1] == ("enter_stream", side)
+        event = next(c[2] for c in calls[i:] if c[0] == "record" and c[1] == side)
+        after = calls[i:]
+        waited = next(k for k, c in enumerate(after) if c[0] == "wait_event" and c[2] is event)
+        assert after[waited][1].default                                  # the training stream waits for the crops
+        assert any(c[0] == "record_stream" and c[1].default for c in after[waited:waited + 3])
