@@ -26,7 +26,8 @@ import loop
 import torch_backend as tb
 from cli import (add_shared_flags, check_run, check_values, flag, flag_error, interrupted, one_of, overrides_from,
                  recipe_values, run_in_ranks, run_record, show_choices)
-from core import DataError, Frozen, Parser, Table, UsageError, print_summary, summarize_runs, write_json
+from core import (DataError, Frozen, Heartbeat, Parser, Table, UsageError, print_summary, summarize_runs,
+                  write_json)
 from loop import Run, train_step
 from optim import make_optimizers, set_lr
 from schedules import PiecewiseLinear, epoch_steps, linear_scaled_lr, per_rank_batch, run_steps
@@ -514,7 +515,8 @@ class Prepared:
                 "eager_fallbacks": now[1] - fallbacks}
 
 
-def prepare(hp, arrays, *, device, dtype, ctx=None, stats=None, compile=None, hook="none", bucket_mb=25.0):
+def prepare(hp, arrays, *, device, dtype, ctx=None, stats=None, compile=None, hook="none", bucket_mb=25.0,
+            progress=False):
     """A Prepared recipe: arrays (four numpy arrays, checked) on the device, normalised by stats (the training images'
     own unless given), under torchrun this rank's shard; on an accelerator, or with `compile`, the untimed warm-up
     done."""
@@ -526,13 +528,15 @@ def prepare(hp, arrays, *, device, dtype, ctx=None, stats=None, compile=None, ho
                            num_classes=data.get("num_classes", 10))
     if not devices.is_cpu(device) or compile:
         devices.autotune(device)
-        warmup(hp, data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward)
+        what = "compiling every graph the runs meet (torch.compile)" if compile else "cuDNN's autotuning"
+        with Heartbeat(f"warm-up: {what}", on=progress):
+            warmup(hp, data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward)
     return Prepared(hp=hp, data=data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward, flops=flops,
                     stats=stats)
 
 
-def train(recipe, data=None, *, device=None, runs=1, seed=0, target=0.94, compile=None, verbose=False, dataset=None,
-          subset=None, precision="auto", eval_every=1, on_run=None, on_epoch=None, ctx=None, hook="none",
+def train(recipe, data=None, *, device=None, runs=1, seed=0, target=0.94, compile=None, verbose=False, progress=False,
+          dataset=None, subset=None, precision="auto", eval_every=1, on_run=None, on_epoch=None, ctx=None, hook="none",
           bucket_mb=25.0, **overrides):
     """Trains `runs` fresh networks (seeds seed, seed+1, ...) of a recipe and returns a Result. recipe: a recipe's
     name, with any hyperparameter of BASE overridden by a keyword (epochs=10, batch_size=768), or hyperparameters()
@@ -545,8 +549,9 @@ def train(recipe, data=None, *, device=None, runs=1, seed=0, target=0.94, compil
     images' per-channel mean and std. device: "cuda", "cpu", "mps", ... (default cuda when there is a GPU). On an
     accelerator, or with `compile`, an untimed warm-up comes first (prepare). eval_every: evaluate every this many
     epochs (0: only the last); the last with the recipe's test-time augmentation, the others on the plain images.
-    verbose prints the per-epoch table and each run's result on stdout, and on stderr an estimate of the time on a
-    CPU and the steps of a long epoch. on_run(Result so far) is called after every run, on_epoch(row) after every
+    verbose prints the per-epoch table and each run's result on stdout; progress shows on stderr what takes long
+    (loading, the warm-up and its compilation, a long epoch's steps, the final evaluation) and, on a CPU, an
+    estimate of the time. on_run(Result so far) is called after every run, on_epoch(row) after every
     epoch. Under torchrun the command line passes its ctx, hook and bucket_mb.
     Bad arguments raise core.UsageError, bad data core.DataError, each with a one-line message.
     """
@@ -564,7 +569,8 @@ def train(recipe, data=None, *, device=None, runs=1, seed=0, target=0.94, compil
     ctx = ctx or D.Context(device=str(device))
     dtype = devices.compute_dtype(device, precision)
     say = print if verbose else lambda *a, **k: None
-    arrays = cd.check_arrays(data, "data") if isinstance(data, dict) else cd.load(data or "data", dataset)
+    with Heartbeat(f"loading {data or 'data'}", on=progress and not isinstance(data, dict)):
+        arrays = cd.check_arrays(data, "data") if isinstance(data, dict) else cd.load(data or "data", dataset)
     stats = cd.channel_stats(arrays["train_images"])        # the whole training set's, whatever the subset
     check_subset(subset, len(arrays["train_labels"]))
     arrays = cd.take_subset(arrays, subset)
@@ -584,8 +590,9 @@ def train(recipe, data=None, *, device=None, runs=1, seed=0, target=0.94, compil
                                         if ctx.distributed else ""), flush=True)
     with strict_compile():
         return train_prepared(prepare(hp, arrays, device=device, dtype=dtype, ctx=ctx, stats=stats, compile=compile,
-                                      hook=hook, bucket_mb=bucket_mb), runs=runs, seed=seed, target=target,
-                              eval_every=eval_every, on_run=on_run, on_epoch=on_epoch, verbose=verbose)
+                                      hook=hook, bucket_mb=bucket_mb, progress=progress), runs=runs, seed=seed,
+                              target=target, eval_every=eval_every, on_run=on_run, on_epoch=on_epoch, verbose=verbose,
+                              progress=progress)
 
 
 def strict_compile():
@@ -594,11 +601,11 @@ def strict_compile():
     return torch._dynamo.config.patch(fail_on_recompile_limit_hit=True)
 
 
-def train_prepared(prepared, *, runs, seed, target, eval_every, on_run, on_epoch, verbose):
+def train_prepared(prepared, *, runs, seed, target, eval_every, on_run, on_epoch, verbose, progress):
     """train()'s runs of a Prepared recipe: its Result."""
     hp, device, n_test = prepared.hp, prepared.device, len(prepared.data["test_labels"])
     batch = hp["batch_size"] // prepared.ctx.world_size
-    say = print if verbose else lambda *a, **k: None
+    say = print if progress else lambda *a, **k: None
 
     def estimate(step_s):
         total = runs * estimated_run_s(hp, step_s, flops=prepared.flops, batch=batch,
@@ -620,8 +627,8 @@ def train_prepared(prepared, *, runs, seed, target, eval_every, on_run, on_epoch
             if on_epoch:
                 on_epoch(row)
         result = prepared.run(seed + r, target=target, eval_every=eval_every, on_epoch=epoch_done,
-                              progress_after_s=PROGRESS_AFTER_S if verbose else None,
-                              on_first_steps=estimate if verbose and devices.is_cpu(device) and r == 0 else None)
+                              progress_after_s=PROGRESS_AFTER_S if progress else None,
+                              on_first_steps=estimate if progress and devices.is_cpu(device) and r == 0 else None)
         model = result.pop("model")
         results.append(result)
         summary = summarize_runs(results, target, SUMMARY, "final_acc")
@@ -725,7 +732,8 @@ def run(args, hp, *, ctx, hook, argv):
         save(result, False)
     try:
         result = train(hp, args.data_dir, device=device, runs=args.runs, seed=args.seed, target=args.target,
-                       compile=args.compile, verbose=main_rank, dataset=args.dataset, subset=args.subset,
+                       compile=args.compile, verbose=main_rank, progress=main_rank and not args.quiet,
+                       dataset=args.dataset, subset=args.subset,
                        precision=args.precision, eval_every=args.eval_every, on_run=run_done, on_epoch=epoch_done,
                        ctx=ctx, hook=hook, bucket_mb=args.bucket_mb)
     except (UsageError, DataError) as e:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from core import DataError, write_atomic
+from core import DataError, made_folder, write_atomic, writable_folder
 
 # ---------------------------------------------------------------------------------------------
 # Data on disk
@@ -233,32 +233,14 @@ def load(path="data", dataset=None, *, download_ok=True, archive=None, url=None,
         if not tgz.is_file():
             if not download_ok:
                 raise DataError(f"{tgz}: not found and downloading is off")
+            writable_folder(p, f"{spec['title']}'s download", "give --data-dir a folder you can write in, or the data "
+                            "as one file: --data-dir FILE.npz")
             with made_folder(p):
                 download(url, tgz, progress)
         verify_archive(tgz, archive)
         d = check_arrays(read_archive(tgz, spec), tgz, dataset)
     write_cache(cache, d)
     return d
-
-
-@contextlib.contextmanager
-def made_folder(folder):
-    """Creates folder (and its missing parents) for the work inside; if the work fails, removes what it created
-    that is still empty, so a failed download leaves no empty data/ behind."""
-    folder, top = Path(folder), Path(folder)
-    while not top.parent.exists():
-        top = top.parent
-    created = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        yield folder
-    except BaseException:
-        if created:
-            for d in (folder, *folder.parents):
-                if d == top.parent or any(d.iterdir()):
-                    break
-                d.rmdir()
-        raise
 
 
 def load_cifar10(path="data", **kwargs):

@@ -154,12 +154,14 @@ def lost_peers(error):
 
 
 def interrupted(epoch, run, finished, *, out=None, checkpoint=None):
-    """The line Ctrl-C leaves: where the work stopped and what of it is kept."""
+    """The line Ctrl-C leaves: where the work stopped and what of it is kept (only what was written)."""
     line = f"interrupted in epoch {epoch} of run {run}"
     if checkpoint:
-        line += f"; the checkpoint of epoch {epoch - 1} is kept in {checkpoint}" if epoch > 1 else "; no checkpoint yet"
+        line += (f"; the checkpoint of epoch {epoch - 1} is kept in {checkpoint} (--resume continues from it)"
+                 if epoch > 1 else "; no epoch finished, so no checkpoint was written")
     if out:
-        line += f"; {finished} finished run{'s' * (finished != 1)} kept in {out}"
+        line += (f"; {finished} finished run{'s' * (finished != 1)} kept in {out}" if finished
+                 else f"; no run finished, so nothing was written to {out}")
     return line
 
 
@@ -183,9 +185,12 @@ def add_shared_flags(p, base, choices):
     p.add_argument("--eval-every", type=int, default=1, metavar="N",
                    help="evaluate every N epochs on the plain test images (0: none), and after the last with the "
                         "recipe's test-time augmentation (default 1)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (what takes long: loading, the warm-up, an epoch's steps, the final "
+                        "evaluation); the table and the results still print")
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms: the same seed gives the same parameters on the same machine "
-                        "(README.md, Reproducibility)")
+                        "(docs/cifar10.md, Reproducibility)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="under torchrun: DDP gradient bucket size in MB")
     p.add_argument("--torus-grid", type=grid, default=None, metavar="RxC",
                    help="under torchrun, with --comm-hook torus*: the 2D torus's rows x columns (default: a row per "

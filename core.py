@@ -5,6 +5,7 @@ usage errors the scripts report, atomic files, the check of an output path, and 
 Nothing here imports torch, so it can be read and tested on its own.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -44,11 +45,12 @@ def square_grid(world):
 
 class Frozen(dict):
     """A dict that cannot change: a recipe's hyperparameters, built and checked once and then passed down as one
-    value that nothing below can alter (a copy, {**hp, ...}, is an ordinary dict); .recipe names the recipe."""
+    value that nothing below can alter (a copy, {**hp, ...}, is an ordinary dict); .recipe names the recipe, .notes
+    are lines to show before training (what a value given changed in another)."""
 
-    def __init__(self, values, recipe=None):
+    def __init__(self, values, recipe=None, notes=()):
         super().__init__(values)
-        self.recipe = recipe
+        self.recipe, self.notes = recipe, tuple(notes)
 
     def _refuse(self, *args, **kwargs):
         raise TypeError("hyperparameters are built once, by the script's hyperparameters(); copy them to change one")
@@ -87,6 +89,36 @@ class Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+class Heartbeat:
+    """A phase's progress on stderr, once it turns out long: after `after_s` seconds a line `what: 3 s so far`, another
+    every `every_s`, and at the end `what: done in 152 s`; nothing at all for a phase shorter than after_s (or with
+    on=False). A thread of its own, so it speaks while the phase blocks (torch.compile, a decomposition)."""
+    after_s, every_s = 5.0, 30.0
+
+    def __init__(self, what, *, on=True, file=None):
+        self.what, self.on, self.file = what, on, file or sys.stderr
+        self.spoke, self.done = False, None
+
+    def __enter__(self):
+        import threading
+        self.start, self.done = time.perf_counter(), threading.Event()
+        if self.on:
+            threading.Thread(target=self.beat, daemon=True).start()
+        return self
+
+    def beat(self):
+        wait = self.after_s
+        while not self.done.wait(wait):
+            self.spoke = True
+            print(f"{self.what}: {time.perf_counter() - self.start:.0f} s so far", file=self.file, flush=True)
+            wait = self.every_s
+
+    def __exit__(self, *exc):
+        self.done.set()
+        if self.spoke and exc[0] is None:
+            print(f"{self.what}: done in {time.perf_counter() - self.start:.0f} s", file=self.file, flush=True)
 
 
 class Table:
@@ -182,10 +214,14 @@ class UsageError(ValueError):
     """A bad flag or argument: the message names it, says what is wrong and what is allowed (exit status 2)."""
 
 
-def die_with_parent():
-    """In a child process: end when the process that started it ends, even by SIGKILL, which leaves it no chance to
-    stop its children (Linux's PR_SET_PDEATHSIG; elsewhere a thread that watches the parent's pid)."""
-    parent = os.getppid()
+def die_with_parent(parent, ignore_interrupt=False):
+    """In a child process: end when the process `parent` (its pid, read by the parent: a parent killed before the
+    child runs this leaves the child another parent) ends, even by SIGKILL, which leaves it no chance to stop its
+    children (Linux's PR_SET_PDEATHSIG; elsewhere a thread that watches the parent's pid). ignore_interrupt: Ctrl-C
+    is the parent's to handle (a worker's traceback would only bury its one line)."""
+    if ignore_interrupt:
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)        # PR_SET_PDEATHSIG, SIGKILL
@@ -199,6 +235,48 @@ def die_with_parent():
         threading.Thread(target=watch, daemon=True).start()
     if os.getppid() != parent:            # the parent ended before the line above took effect
         os._exit(1)
+
+
+@contextlib.contextmanager
+def made_folder(folder):
+    """Creates folder (and its missing parents) for the work inside; if the work fails, removes what it created
+    that is still empty, so a failed run leaves no empty folders behind."""
+    from pathlib import Path
+    folder, top = Path(folder), Path(folder)
+    while not top.parent.exists():
+        top = top.parent
+    created = not folder.exists()
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield folder
+    except BaseException:
+        if created:
+            for d in (folder, *folder.parents):
+                if d == top.parent or any(d.iterdir()):
+                    break
+                d.rmdir()
+        raise
+
+
+def writable_folder(folder, what, remedy):
+    """Raises DataError (one line: the folder, why `what` cannot be written there, `remedy`) unless folder is, or
+    can be made, a folder this process can create files in; leaves nothing behind that it made."""
+    from pathlib import Path
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise DataError(f"{folder}: is a file, not a folder; {remedy}")
+    made = []
+    try:
+        for d in [*reversed(folder.parents), folder]:
+            if not d.exists():
+                d.mkdir()
+                made.append(d)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise DataError(f"{folder}: cannot write {what} there ({e.strerror or e}); {remedy}") from None
+    finally:
+        for d in reversed(made):          # made only to be tried
+            d.rmdir()
 
 
 def check_output(path, flag):

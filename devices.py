@@ -209,6 +209,22 @@ def compute_dtype(device, precision="auto"):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
+def has_float64(device):
+    """Whether the device computes in float64 (Apple's MPS does not)."""
+    return torch.device(device).type != "mps"
+
+
+def sum_dtype(device):
+    """The dtype of sums over a whole validation set: float64, or float32 where the device has no float64 (exact
+    for counts below 2^24)."""
+    return torch.float64 if has_float64(device) else torch.float32
+
+
+def float64_device(device):
+    """Where float64 work on the device's tensors runs (a small decomposition): there, or on the CPU."""
+    return torch.device(device) if has_float64(device) else torch.device("cpu")
+
+
 def memory_format(device):
     """channels_last on a CUDA GPU (cuDNN's fastest layout for these convolutions), contiguous elsewhere."""
     return torch.channels_last if torch.device(device).type == "cuda" else torch.contiguous_format
@@ -276,12 +292,12 @@ def on_stream(stream):
 
 
 def record(stream=None, device=None):
-    """An event recorded on stream (or on device's current stream): the point that work queued so far reaches;
-    None where there are no streams."""
+    """An event recorded on stream (or on device's own current stream, whichever device is this process's current
+    one): the point that work queued so far reaches; None where there are no streams."""
     if stream is None and (device is None or not overlaps(device)):
         return None
     event = torch.cuda.Event()
-    event.record(stream)
+    event.record(stream if stream is not None else torch.cuda.current_stream(device))
     return event
 
 

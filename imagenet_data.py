@@ -387,10 +387,11 @@ def val_jobs(data, hp, batch_size=256):
 @torch.no_grad()
 def validation_sums(model, data, hp, *, tta, device, dtype, memory_format, batch_size=256):
     """Evaluation of the validation images this process holds, each seen as val_view says. The summed loss, top-1
-    and top-5 counts and the number of images, as one float64 tensor on the device: nothing waits for it."""
+    and top-5 counts and the number of images, as one tensor on the device (float64 where it has it, devices.sum_dtype):
+    nothing waits for it."""
     was_training = model.training
     model.eval()
-    totals = torch.tensor([0.0, 0.0, 0.0, len(data.val_rows)], dtype=torch.float64, device=device)
+    totals = torch.tensor([0.0, 0.0, 0.0, len(data.val_rows)], dtype=devices.sum_dtype(device), device=device)
     jobs = val_jobs(data, hp, batch_size)
     for (pos, _, _, _), xb in zip(jobs, decoded(data, "val", [(r, b, s) for _, r, b, s in jobs], device=device)):
         y = data.val_y[pos].to(device)
@@ -400,8 +401,8 @@ def validation_sums(model, data, hp, *, tta, device, dtype, memory_format, batch
             if tta == "flip":
                 logits = (logits + model(x.flip(3)).float()) / 2
         top = logits.topk(min(5, logits.shape[1]), 1).indices
-        totals[:3] += torch.stack([F.cross_entropy(logits, y, reduction="sum").double(),
-                                   (top[:, 0] == y).sum().double(), (top == y[:, None]).any(1).sum().double()])
+        totals[:3] += torch.stack([F.cross_entropy(logits, y, reduction="sum"), (top[:, 0] == y).sum(),
+                                   (top == y[:, None]).any(1).sum()]).to(totals.dtype)
     model.train(was_training)
     return totals
 

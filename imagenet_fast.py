@@ -29,10 +29,10 @@ import loop
 import scaling
 from cli import (add_shared_flags, check_run, check_values, flag_error, interrupted, one_of, overrides_from,
                  recipe_values, run_in_ranks, run_record)
-from core import (DataError, Frozen, Parser, Table, UsageError, check_output, print_summary, summarize_runs,
-                  write_json)
+from core import (DataError, Frozen, Heartbeat, Parser, Table, UsageError, check_output, print_summary,
+                  summarize_runs, write_json)
 from imagenet_data import draw_epoch, evaluate, place, train_batches
-from imagenet_store import FORMATS, Settings, open_store, prepare
+from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from loop import Run
 from optim import optimizer, param_groups_no_decay_1d
 from schedules import batch_for, lr_at, per_rank_batch, res_at
@@ -274,7 +274,14 @@ def hyperparameters(name, **overrides):
     that the run passes down. A bad name or value is a UsageError of one line."""
     hp = recipe_values(name, overrides, base=BASE, recipes=RECIPES)
     check(hp)
-    return Frozen(hp, recipe=name)
+    notes = []
+    recipe_epochs = RECIPES[name].get("epochs", BASE["epochs"])
+    if "warmup_epochs" not in overrides and 0 < hp["epochs"] <= hp["warmup_epochs"] < recipe_epochs:
+        warmup = hp["warmup_epochs"] * hp["epochs"] / recipe_epochs      # the same share of the run
+        notes.append(f"note: --epochs {hp['epochs']} ends inside the recipe's {hp['warmup_epochs']:g}-epoch warm-up, "
+                     f"so the warm-up is shortened in proportion to {warmup:g} epochs (--warmup-epochs sets it)")
+        hp["warmup_epochs"] = warmup
+    return Frozen(hp, recipe=name, notes=notes)
 
 
 def check(hp):
@@ -362,6 +369,9 @@ def main_prepare(args):
     except (DataError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
+    except KeyboardInterrupt:
+        print(f"interrupted; {kept(args.dst)}; the same command resumes from there", file=sys.stderr)
+        return 130
     if index is None:
         return 3
     shape = (f"longer side <= {args.max_side}" if args.format == "jpeg" else f"size {args.size}")
@@ -391,7 +401,9 @@ COLUMNS = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss",
 
 def run(args, hp, *, ctx, hook, argv):
     """main_train's work once this process has its place: data, runs, summary, JSON; the exit status."""
-    device, say = torch.device(ctx.device), D.print0
+    device, say, progress = torch.device(ctx.device), D.print0, ctx.is_main and not args.quiet
+    for note in hp.notes:
+        say(note, file=sys.stderr)
     if devices.is_cpu(device) and ctx.is_main:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration use "
               "a small store, --model resnet_tiny and few --epochs", file=sys.stderr)
@@ -418,8 +430,9 @@ def run(args, hp, *, ctx, hook, argv):
         training = 0 if devices.is_cpu(device) else training_bytes(hp, classes, world=ctx.world_size, dtype=dtype)
         devices.check_training_fits(device, training, why=f"training {hp['model']} at {batch} images per process",
                                     remedy="use a smaller --batch-size or more GPUs (the batch is split over them)")
-        data = place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
-                     threads=args.loader_threads, training=training)     # under torchrun, this rank's share alone
+        with Heartbeat(f"placing {args.store}", on=progress):
+            data = place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
+                         threads=args.loader_threads, training=training)     # under torchrun, this rank's share alone
     except UsageError as e:
         say(f"error: {e}", file=sys.stderr)
         return 2
@@ -431,7 +444,8 @@ def run(args, hp, *, ctx, hook, argv):
            f"{len(data.train_rows)} train images" if ctx.distributed else ""))
     if not devices.is_cpu(device):
         devices.autotune(device)
-        warmup(hp, data, classes=classes, device=device, dtype=dtype, world=ctx.world_size)
+        with Heartbeat("warm-up: cuDNN's autotuning at every resolution and batch", on=progress):
+            warmup(hp, data, classes=classes, device=device, dtype=dtype, world=ctx.world_size)
     labels = {"final_top1": ("final top-1", ""), "final_top5": ("final top-5", ""),
               "time_to_target": (f"time to {args.target:.2%}", " s"), "train_time": ("training time", " s")}
     runs = []
@@ -463,7 +477,7 @@ def run(args, hp, *, ctx, hook, argv):
                                 device=device, seed=seed, dtype=dtype, ctx=ctx, target=args.target,
                                 eval_every=args.eval_every, on_epoch=epoch_done, checkpoint=ckpt, resume=args.resume,
                                 interrupt_after=args.interrupt_after_epoch,
-                                progress_after_s=PROGRESS_AFTER_S if ctx.is_main else None)
+                                progress_after_s=PROGRESS_AFTER_S if progress else None)
         except DataError as e:
             say(f"error: {e}", file=sys.stderr)      # the checkpoint's errors: the same on every rank
             return 1

@@ -15,6 +15,7 @@ Two formats, one layout:
 A split's file: its records back to back, then its index (a .npy array of ROW: offset, nbytes, height, width,
 label), then a 16-byte footer (MAGIC, the index's offset as a little-endian uint64).
 """
+import contextlib
 import hashlib
 import io
 import json
@@ -29,7 +30,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from core import DataError, UsageError, die_with_parent, write_json
+from core import DataError, UsageError, die_with_parent, writable_folder, write_json
 
 STORE_VERSION = 3      # 3: one indexed file per split, jpeg or raw, whole images (2 kept a centre square per image)
 FORMATS = ("jpeg", "raw")
@@ -181,6 +182,32 @@ def in_order(pool, fn, jobs, ahead):
         yield result
 
 
+@contextlib.contextmanager
+def worker_pool(workers):
+    """A ProcessPoolExecutor whose workers end with this process and leave Ctrl-C to it; left by an exception (Ctrl-C
+    included), it waits for nothing: the queued shards are cancelled, and the workers end as this process does."""
+    pool = ProcessPoolExecutor(workers, initializer=die_with_parent, initargs=(os.getpid(), True))
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+
+
+def kept(dst):
+    """What an interrupted prepare left in dst: the splits finished and the whole shards of the one under way."""
+    dst, parts = Path(dst), []
+    for split in ("train", "val"):
+        if (dst / f"{split}.done.json").is_file():
+            parts.append(f"{split} finished")
+        elif (dst / f"{split}.journal.json").is_file():
+            journal = json.loads((dst / f"{split}.journal.json").read_text())
+            parts.append(f"{journal['shards']} whole {split} shard{'s' * (journal['shards'] != 1)} "
+                         f"({journal['rows']} images)")
+    return f"{', '.join(parts) or 'no whole shard'} kept in {dst}"
+
+
 def split_key(split, items, settings):
     """Fingerprint of a split's inputs: a partial or finished split is reused only if it matches."""
     return hashlib.sha1(json.dumps([STORE_VERSION, split, asdict(settings), items]).encode()).hexdigest()
@@ -214,7 +241,7 @@ def write_split(dst, split, items, settings, *, workers, shard_size, max_shards,
     done = sum(len(s) for s in shards[:journal["shards"]])
     with open(data_p, "r+b") as data, open(rows_p, "r+b") as rows, \
             tqdm(total=len(items), initial=done, desc=f"prepare {split}", unit="img", file=sys.stderr) as bar, \
-            ProcessPoolExecutor(min(workers, max(1, len(todo))), initializer=die_with_parent) as pool:
+            worker_pool(min(workers, max(1, len(todo)))) as pool:
         data.seek(journal["bytes"])
         rows.seek(journal["rows"] * ROW.itemsize)
         for k, (records, errors) in zip(todo, in_order(pool, encode_shard, [(shards[k], split, settings)
@@ -259,6 +286,7 @@ def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise DataError(f"{src}: no such folder")
+    writable_folder(dst, "the store", "give --dst a folder you can write in")
     classes, train, empty_train = list_split(src, "train")
     _, val, empty_val = list_split(src, "val", classes)
     if not train:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import devices
 import distributed as D
-from core import DataError, Progress
+from core import DataError, Heartbeat, Progress
 from optim import set_lr
 
 INTERRUPTED = 75      # EX_TEMPFAIL: stopped on purpose after a checkpoint, resumable
@@ -280,7 +280,9 @@ def train(start, hp, *, device, seed=0, dtype=torch.float32, ctx=None, target=1.
                     D.sync_batch_norm_stats(average.model, ctx, counted=run.model)
             evaluated = average.model if average and average.model is not None else (
                 run.model if run.wrapped else run.forward)
-            metrics = run.evaluate(evaluated, last)
+            with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}",
+                           on=progress_after_s is not None):
+                metrics = run.evaluate(evaluated, last)
             final_eval_time = timer(include=False)
             if time_to_target is None and metrics[run.accuracy] >= target:
                 time_to_target = timer.total

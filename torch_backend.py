@@ -154,7 +154,8 @@ class Whitening(nn.Conv2d):
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
         if self.centre:
             patches = patches - patches.mean(0)
-        cov = (patches.T @ patches / (len(patches) - self.ddof)).double()
+        cov = (patches.T @ patches / (len(patches) - self.ddof)).to(devices.float64_device(images.device),
+                                                                     torch.float64)
         if self.decomp == "eigh":
             eigvals, eigvecs = torch.linalg.eigh(cov)                                   # ascending
             eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)

@@ -337,7 +337,26 @@ def t_cpu_accuracy(results):
                   "time of a run on this CPU (mean)"], rows) + ([""] + [" ".join(verdicts)] if verdicts else [])
 
 
-TABLES = {"env": t_env, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
+def t_install(results):
+    """One sentence: what the CPU build of PyTorch saves against the default (CUDA) build, to download and installed."""
+    found = results.get("install_size", [])
+    if not found:
+        return [f"The CPU build's saving against the default CUDA build: {NM}."]
+    r = found[-1]
+    build = {row["build"]: row for row in r["rows"]}
+    what = (f"{' and '.join(r['packages'])} with what they depend on, in a fresh environment on {device(r)}, n = 1: "
+            f"{code(r['command'])}")
+    gb = lambda b, key: build[b][key] / 1e9
+    default = (f"the default CUDA build is {gb('default', 'downloaded bytes'):.1f} GB to download and "
+               f"{gb('default', 'installed bytes'):.1f} GB installed")
+    if "error" in build["cpu"]:
+        return [f"Measured: {default} ({what}); the CPU build's sizes are {NM} (PyTorch's CPU index was out of that "
+                "machine's reach)."]
+    return [f"Measured: {default}, the CPU build {gb('cpu', 'downloaded bytes'):.1f} GB and "
+            f"{gb('cpu', 'installed bytes'):.1f} GB ({what})."]
+
+
+TABLES = {"env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
           "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "compile_cache": t_compile_cache,

@@ -28,6 +28,7 @@ a command that is still running at the deadline. One line per piece.
 import argparse
 import contextlib
 import datetime
+import functools
 import importlib
 import json
 import math
@@ -263,7 +264,7 @@ def launch(argv, log, *, deadline, in_process, on_poll):
         # its own process group, so the deadline stops torchrun's workers too; and it dies with the suite, so
         # no orphan keeps the GPU busy under the next measurement
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, process_group=0,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=functools.partial(die_with_parent, os.getpid()))
         try:
             while True:
                 try:

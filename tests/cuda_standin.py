@@ -129,9 +129,9 @@ class StandIn(TorchFunctionMode):
     """The stand-in for `gpus` CUDA devices, each reporting `memory` bytes in all and whatever the tensors on it
     leave of that free. A context manager: inside it, torch.cuda answers as a machine with these GPUs would."""
 
-    def __init__(self, gpus=1, *, memory=80 << 30, name="NVIDIA stand-in (CPU)"):
+    def __init__(self, gpus=1, *, memory=80 << 30, name="NVIDIA stand-in (CPU)", float64=True):
         super().__init__()
-        self.gpus, self.memory, self.name = gpus, memory, name
+        self.gpus, self.memory, self.name, self.float64 = gpus, memory, name, float64
         self.on = WeakTensorKeyDictionary()         # tensor -> the index of the GPU it is on
         self.pinned = {}                            # data_ptr of pinned host memory -> a weak reference to its owner
         self.counts = Counter()
@@ -180,11 +180,15 @@ class StandIn(TorchFunctionMode):
         return torch.device("cpu") if i is None else torch.device("cuda", i)
 
     def tag(self, out, device):
-        """Marks every tensor in out as on `device` (a cuda index, or None for the host)."""
+        """Marks every tensor in out as on `device` (a cuda index, or None for the host); a device with no float64
+        (float64=False, as Apple's MPS) refuses a float64 tensor, as MPS does."""
         if device is None:
             return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
+                if t.dtype == torch.float64 and not self.float64:
+                    raise TypeError("Cannot convert a MPS Tensor to float64 dtype as the MPS framework doesn't "
+                                    "support float64. Please use float32 instead.")
                 self.on[t] = device
         return out
 

@@ -6,10 +6,12 @@ import pickle
 import socket
 import tarfile
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import cifar10_fast as cf
 import cifar_data as cd
 from conftest import synthetic_arrays
 
@@ -228,3 +230,17 @@ def test_offline_without_a_data_file_says_how_to_go_on_and_leaves_no_folder(tmp_
                             "--data-dir FILE.npz holding train_images (N, 32, 32, 3) uint8, train_labels (N,), "
                             "test_images and test_labels")
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.skipif(not Path("/sys").is_dir(), reason="needs a folder no process may write in (/sys)")
+def test_a_data_dir_the_download_cannot_be_written_in_is_one_line_before_any_download(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cd, "download", lambda *a, **k: pytest.fail("downloaded"))
+    (tmp_path / "a_file").write_text("x")
+    for folder, why in ((Path("/sys"), "cannot write CIFAR-10's download there (Permission denied)"),
+                        (Path("/sys/cifar10"), "cannot write CIFAR-10's download there (Operation not permitted)"),
+                        (tmp_path / "a_file" / "data", "cannot write CIFAR-10's download there (Not a directory)")):
+        assert cf.main(["--data-dir", str(folder), "--device", "cpu"]) == 1
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"error: {folder}: {why}; give --data-dir a folder you can write in, or the data as one file: "
+            "--data-dir FILE.npz")
+    assert not Path("/sys/cifar10").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]

@@ -3,6 +3,8 @@ resumption, bad input), batched augmentation statistics, models, schedules, lear
 import io
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -676,7 +678,7 @@ def test_resume_restores_random_states_whatever_the_checkpoint_loaded_them_as(st
 
 def test_unreadable_checkpoint_is_one_line(store, tmp_path, capsys):
     args = ["train", "--store", store, "--recipe", "tiny", "--device", "cpu", "--epochs", "1", "--width", "4",
-            "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE, "--resume"]
+            "--warmup-epochs", "0.25", "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE, "--resume"]
     rc, _, _ = run_main(capsys, *args, "--checkpoint", tmp_path / "good.pt")
     assert rc == 0
     whole = (tmp_path / "good.pt").read_bytes()
@@ -742,3 +744,115 @@ def test_large_batch_optimisers_learn_from_the_command_line(store, capsys, opt):
     assert rc == 0, err
     final = [line for line in out.splitlines() if line.startswith("final top-1")][0]
     assert float(final.split()[2].rstrip(",")) >= 0.6
+
+
+def test_a_dst_that_cannot_be_written_is_one_line_and_leaves_nothing(folder, tmp_path, capsys):
+    """An existing file, a read-only folder and a folder below a file: exit 1, one line naming the path and what to
+    do, and nothing made there."""
+    (tmp_path / "a_file").write_text("x")
+    for dst, why in ((tmp_path / "a_file", "is a file, not a folder"),
+                     (Path("/sys/imagenet_store"), "cannot write the store there (Operation not permitted)"),
+                     (Path("/sys"), "cannot write the store there (Permission denied)"),
+                     (tmp_path / "a_file" / "store", "cannot write the store there (Not a directory)")):
+        if not Path("/sys").is_dir() and str(dst).startswith("/sys"):
+            continue
+        rc, out, err = run_main(capsys, "prepare", "--src", folder, "--dst", dst)
+        assert rc == 1 and err.strip() == f"error: {dst}: {why}; give --dst a folder you can write in", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"] and not Path("/sys/imagenet_store").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+def test_ctrl_c_in_prepare_is_one_line_keeps_the_whole_shards_and_the_same_command_resumes(folder, store, tmp_path):
+    src = ims.synthetic_imagefolder(tmp_path / "src", 4, 60, 2, sizes=(200, 300))
+    cmd = [sys.executable, str(ROOT / "imagenet_fast.py"), "prepare", "--src", str(src), "--dst", str(tmp_path / "s"),
+           "--workers", "2", "--shard-size", "4"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    journal = tmp_path / "s" / "train.journal.json"
+    while proc.poll() is None and not (journal.is_file() and json.loads(journal.read_text())["shards"] >= 2):
+        time.sleep(0.05)
+    assert proc.poll() is None, "prepare finished before it could be interrupted"
+    workers = children(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert re.fullmatch(rf"interrupted; \d+ whole train shards \(\d+ images\) kept in {tmp_path / 's'}; the same "
+                        r"command resumes from there", last), last
+    for _ in range(100):
+        if not any(alive(w) for w in workers):
+            break
+        time.sleep(0.1)
+    assert [w for w in workers if alive(w)] == []
+    again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "already written" in again.stdout, again.stderr[-2000:]
+    whole = subprocess.run([*cmd[:6], str(tmp_path / "whole"), *cmd[7:]], cwd=ROOT, capture_output=True, timeout=300)
+    assert whole.returncode == 0
+    assert (tmp_path / "s" / "train.store").read_bytes() == (tmp_path / "whole" / "train.store").read_bytes()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
+def test_prepare_killed_before_its_workers_start_their_watch_leaves_no_worker(tmp_path):
+    """The parent's pid is read by the parent: workers that start their watch only after prepare was killed still
+    see it gone (reading their parent's pid themselves, they would find their new parent and wait forever)."""
+    src = ims.synthetic_imagefolder(tmp_path / "src", 4, 10, 2, sizes=(20, 40))
+    script = tmp_path / "slow_workers.py"
+    script.write_text(f"""
+import concurrent.futures, os, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+real = concurrent.futures.ProcessPoolExecutor.__init__
+def init(self, max_workers=None, mp_context=None, initializer=None, initargs=(), **kwargs):
+    parent = os.getpid()
+    def late(*args):                     # the worker's own set-up begins only once its parent is gone
+        while os.getppid() == parent:
+            time.sleep(0.01)
+        initializer(*args)
+    real(self, max_workers, mp_context, late, initargs, **kwargs)
+concurrent.futures.ProcessPoolExecutor.__init__ = init
+import imagenet_fast
+imagenet_fast.main(["prepare", "--src", {str(src)!r}, "--dst", {str(tmp_path / "store")!r}, "--workers", "2"])
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while proc.poll() is None and not children(proc.pid) and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)                             # the pool starts its workers as the shards are queued
+    workers = children(proc.pid)
+    assert proc.poll() is None and workers
+    proc.kill()
+    proc.wait()
+    for _ in range(100):
+        if not any(alive(w) for w in workers):
+            break
+        time.sleep(0.1)
+    leftover = [w for w in workers if alive(w)]
+    for w in leftover:
+        os.kill(w, signal.SIGKILL)
+    assert leftover == []
+
+
+def test_ctrl_c_before_any_run_finished_says_nothing_was_written(store, tmp_path, capsys, monkeypatch):
+    def interrupt(*a, on_epoch=None, **k):
+        on_epoch and on_epoch({"epoch": 1})         # one epoch done, its checkpoint written, then Ctrl-C
+        raise KeyboardInterrupt
+    monkeypatch.setattr(loop, "train", interrupt)
+    out, ckpt = tmp_path / "r.json", tmp_path / "c.pt"
+    rc, _, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny", "--out", out)
+    assert rc == 130 and err.strip().splitlines()[-1] == (
+        f"interrupted in epoch 2 of run 1; no run finished, so nothing was written to {out}")
+    assert not out.exists()
+    monkeypatch.setattr(loop, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    rc, _, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny", "--checkpoint", ckpt)
+    assert rc == 130 and err.strip().splitlines()[-1] == (
+        "interrupted in epoch 1 of run 1; no epoch finished, so no checkpoint was written")
+
+
+def test_epochs_that_end_inside_the_warm_up_shorten_it_in_proportion_and_say_so(store, capsys):
+    rc, out, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny", "--epochs", "1",
+                            "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE)
+    assert rc == 0 and err.strip().splitlines()[0] == (
+        "note: --epochs 1 ends inside the recipe's 1-epoch warm-up, so the warm-up is shortened in proportion to "
+        "0.125 epochs (--warmup-epochs sets it)")
+    row = out.splitlines()[out.splitlines().index(next(l for l in out.splitlines() if l.split()[:1] == ["epoch"])) + 1]
+    assert float(row.split()[3]) > 0                           # the epoch's learning rate is no longer 0
+    assert inf.hyperparameters("tiny", epochs=1, warmup_epochs=1.0)["warmup_epochs"] == 1.0       # asked for: kept
+    assert not inf.hyperparameters("tiny", epochs=2).notes and not inf.hyperparameters("tiny").notes

@@ -168,7 +168,7 @@ def test_deterministic_runs_with_one_seed_have_identical_parameters(npz, determi
 def test_a_long_epoch_shows_its_progress_on_stderr(npz, capsys, monkeypatch):
     monkeypatch.setattr(core.Progress, "every_s", 0.0)        # a line per step (30 s apart when not a terminal)
     monkeypatch.setattr(cf, "PROGRESS_AFTER_S", 0.0)          # every epoch counts as long
-    cf.train("fast94", data=npz, verbose=True, **{**TINY, "epochs": 2})
+    cf.train("fast94", data=npz, verbose=True, progress=True, **{**TINY, "epochs": 2})
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.startswith("epoch ")]
     assert lines[0].startswith("epoch 1:") and lines[-1].startswith("epoch 2: 100%")
@@ -178,6 +178,23 @@ def test_a_long_epoch_shows_its_progress_on_stderr(npz, capsys, monkeypatch):
                          r"an estimate\)$", err, re.M)
     assert estimate and err[:estimate.start()].count("epoch 1:") == 3
     assert "epoch 1:" not in out and len([l for l in out.splitlines() if l.split()[:1] in (["1"], ["2"])]) == 2
+
+
+def test_progress_shows_every_long_phase_on_stderr_and_nothing_when_off(npz, capsys, monkeypatch):
+    """A phase that turns out long (here: any, the threshold 0) says so on stderr while it runs and when it ends:
+    loading, the compiled warm-up, each epoch, the final evaluation; with progress off, stderr stays empty."""
+    monkeypatch.setattr(core.Heartbeat, "after_s", 0.0)
+    monkeypatch.setattr(cf, "PROGRESS_AFTER_S", 0.0)
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model=None, mode=None, **kw: real(model, **{**kw, "backend": "eager"}))
+    cf.train("fast94", data=npz, progress=True, compile="default", **TINY)
+    out, err = capsys.readouterr()
+    assert out == ""
+    for phase in (f"loading {npz}", "warm-up: compiling every graph the runs meet (torch.compile)", "final evaluation"):
+        assert re.search(rf"^{re.escape(phase)}: done in \d+ s$", err, re.M), (phase, err)
+    assert re.search(r"^epoch 1: ", err, re.M) and re.search(r"^estimated time: about", err, re.M)
+    cf.train("fast94", data=npz, compile="default", **TINY)
+    assert capsys.readouterr() == ("", "")
 
 
 def test_a_short_epoch_shows_no_progress(npz, capsys):

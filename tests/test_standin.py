@@ -138,8 +138,16 @@ def test_compiled_fast94_next_at_the_full_test_set_compiles_nothing_and_falls_ba
         # float32: the same graphs as bf16's (autocast adds no shape), without the CPU's slow bf16 convolutions
         assert cf.main(["--recipe", "fast94_next", "--data-dir", str(npz), "--width", "0.0625", "--epochs", "2",
                         "--compile", "default", "--precision", "fp32", "--eval-every", "0", "--out", str(out)]) == 0
-    assert torch._dynamo.config.fail_on_recompile_limit_hit
     assert [(r["recompiles"], r["eager_fallbacks"]) for r in json.loads(out.read_text())["runs"]] == [(0, 0)]
+
+
+def test_a_compiled_run_past_dynamos_limit_of_graphs_stops_instead_of_falling_back_to_eager(npz, monkeypatch,
+                                                                                             aot_eager):
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)    # the warm-up's second graph is one too many
+    torch._dynamo.reset()
+    with StandIn(), pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        cf.main(["--recipe", "fast94", "--data-dir", str(npz), *TINY, "--compile", "default"])
+    assert not torch._dynamo.config.fail_on_recompile_limit_hit         # only while cifar10_fast trains
 
 
 def test_the_warm_up_fits_the_whitening_so_no_timed_run_loads_the_linear_algebra_library(npz):
@@ -281,3 +289,30 @@ def test_nvjpeg_decodes_on_a_drained_side_stream_that_the_training_stream_waits_
         waited = next(k for k, c in enumerate(after) if c[0] == "wait_event" and c[2] is event)
         assert after[waited][1].default                                  # the training stream waits for the crops
         assert any(c[0] == "record_stream" and c[1].default for c in after[waited:waited + 3])
+
+
+def test_an_event_for_a_device_is_recorded_on_that_devices_stream_not_the_current_devices():
+    """--device cuda:1 in one process: the copies to cuda:1 are waited for on cuda:1's stream."""
+    with StandIn(gpus=2) as gpu:
+        assert torch.cuda.current_device() == 0
+        event = devices.record(device=torch.device("cuda:1"))
+    assert event.stream.index == 1 and event.stream == gpu.current_stream(1)
+
+
+def test_without_float64_on_the_device_the_whitening_fit_and_the_validation_sums_still_run(stores, monkeypatch):
+    """Apple's MPS has no float64: the whitening's decomposition goes to the CPU, and the validation sums are float32,
+    through devices.py (a stand-in that refuses float64 as MPS does, and devices saying this device lacks it)."""
+    store = ims.open_store(stores["raw"])
+    hp = inf.hyperparameters("tiny", batch_size=8, val_res=24)
+    with StandIn(float64=False):
+        with pytest.raises(TypeError, match="doesn't support float64"):
+            torch.zeros(2, device="cuda").double()
+        monkeypatch.setattr(devices, "has_float64", lambda device: False)
+        net = tb.build_model(cf.hyperparameters("fast94_next", width=1 / 16), "cuda")
+        tb.fit_whitening(net, torch.randn(64, 3, 32, 32).to("cuda"), 32)
+        assert net[0].weight.device.type == "cuda" and torch.isfinite(net[0].weight).all()
+        data = idt.place(store, torch.device("cuda"))
+        model = inf.build_model(hp, 4).to("cuda")
+        sums = idt.validation_sums(model, data, hp, tta="none", device=torch.device("cuda"), dtype=torch.float32,
+                                   memory_format=torch.contiguous_format)
+        assert sums.dtype == torch.float32 and sums[3].item() == len(data.val_rows)
