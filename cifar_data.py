@@ -277,18 +277,19 @@ def pair(size):
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
-def draw_augmentation(n, size, *, pad, flip, cutout, generator, epoch=0, flip_base=None, jitter=(0.0, 0.0),
-                      device=None, order=None):
-    """Every random number for one epoch of n images of `size` (a side, or height and width), in at most seven
-    calls whatever n is.
+def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, device=None, order=None):
+    """Every random number for one epoch of n images of `size` (a side, or height and width) augmented as `augment`
+    says (cifar10_fast.Augment: crop_pad, flip, cutout, jitter), in at most seven calls whatever n is.
 
     flip="random" flips each image with probability 1/2 every epoch; flip="alternate" (Jordan 2024)
     flips image i in epoch e iff flip_base[i] xor (e odd), so every image is seen both ways in any two
-    consecutive epochs; flip_base is drawn once per run (see flip_bits). jitter = (brightness, contrast)
-    (the 2-second record): each image's normalised pixels become (x + b)·c with b uniform in ±brightness
-    and c in 1 ± contrast. The draws live on `device`, the generator's by default (the images'); the order of the
-    images comes from the generator `order` (by default the same one).
+    consecutive epochs; flip_base is drawn once per run (see flip_bits). jitter (the 2-second record): each
+    image's normalised pixels become (x + b)·c with b uniform in ±jitter_brightness and c in 1 ± jitter_contrast.
+    The draws live on `device`, the generator's by default (the images'); the order of the images comes from the
+    generator `order` (by default the same one).
     """
+    pad, flip, cutout = augment.crop_pad, augment.flip, augment.cutout
+    jitter = (augment.jitter_brightness, augment.jitter_contrast)
     device = device or generator.device
     r = {"perm": torch.randperm(n, device=device, generator=order or generator)}
     if pad:
@@ -346,7 +347,7 @@ def cutout_mask(cy, cx, size, patch):
     return (inside(cy, h)[:, :, None] & inside(cx, w)[:, None, :])[:, None]
 
 
-def augment(images, r, size, cutout):
+def augment_images(images, r, size, cutout):
     """Applies one epoch's draws r to all (padded) images at once; returns them unshuffled."""
     x = images
     if "dy" in r or "flip" in r:
@@ -364,20 +365,19 @@ def low_resolution(x, res):
     return F.interpolate(x.float(), size=(res, res), mode="bilinear", antialias=True, align_corners=False).to(x.dtype)
 
 
-def epoch_batches(data, hp, generator, *, memory_format, epoch=0, flip_base=None, batch_size=None, order=None):
-    """Yields (images, labels) for one shuffled, augmented epoch, in batches of batch_size (by default the recipe's);
-    the last partial batch is dropped. The first low_res_epochs epochs are resized to low_res pixels (when low_res
-    is set). The augmentation is drawn from generator, the order from `order` (by default the same)."""
+def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):
+    """Yields (images, labels) for one shuffled epoch, augmented as `augment` says (cifar10_fast.Augment), in batches
+    of batch_size; the last partial batch is dropped. The first low_res_epochs epochs are resized to low_res pixels
+    (when low_res is set). The augmentation is drawn from generator, the order from `order` (by default the same)."""
+    a = augment
     size = tuple(data["test_images"].shape[-2:])
     x, y = data["train_images"], data["train_labels"]
-    r = draw_augmentation(len(x), size, pad=hp["crop_pad"], flip=hp["flip"], cutout=hp["cutout"], generator=generator,
-                          epoch=epoch, flip_base=flip_base, jitter=(hp["jitter_brightness"], hp["jitter_contrast"]),
-                          device=x.device, order=order)
-    x = augment(x, r, size, hp["cutout"])[r["perm"]]
-    if hp["low_res"] and epoch < hp["low_res_epochs"]:
-        x = low_resolution(x, hp["low_res"])
+    r = draw_augmentation(len(x), size, a, generator=generator, epoch=epoch, flip_base=flip_base, device=x.device,
+                          order=order)
+    x = augment_images(x, r, size, a.cutout)[r["perm"]]
+    if a.low_res and epoch < a.low_res_epochs:
+        x = low_resolution(x, a.low_res)
     x = x.contiguous(memory_format=memory_format)
     y = y[r["perm"]]
-    bs = batch_size or hp["batch_size"]
-    for i in range(len(x) // bs):
-        yield x[i * bs:(i + 1) * bs], y[i * bs:(i + 1) * bs]
+    for i in range(len(x) // batch_size):
+        yield x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]

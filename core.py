@@ -1,4 +1,4 @@
-"""Framework-free helpers: timers, progress and result tables, a frozen dict for hyperparameters, the torus's grid,
+"""Framework-free helpers: timers, progress and result tables, the torus's grid,
 the statistics and printed summary of several runs, the command-line parser with one-line errors, the data and
 usage errors the scripts report, atomic files, the check of an output path, and children that die with their parent.
 
@@ -41,21 +41,6 @@ def square_grid(world):
     """rows x cols = world with rows <= cols as close as possible (32 x 32 for 1,024): the 2D torus's grid."""
     rows = max(r for r in range(1, math.isqrt(world) + 1) if world % r == 0)
     return rows, world // rows
-
-
-class Frozen(dict):
-    """A dict that cannot change: a recipe's hyperparameters, built and checked once and then passed down as one
-    value that nothing below can alter (a copy, {**hp, ...}, is an ordinary dict); .recipe names the recipe, .notes
-    are lines to show before training (what a value given changed in another)."""
-
-    def __init__(self, values, recipe=None, notes=()):
-        super().__init__(values)
-        self.recipe, self.notes = recipe, tuple(notes)
-
-    def _refuse(self, *args, **kwargs):
-        raise TypeError("hyperparameters are built once, by the script's hyperparameters(); copy them to change one")
-
-    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _refuse
 
 
 class Progress:

@@ -37,7 +37,8 @@ from core import DataError, square_grid, write_atomic
 
 @dataclass(kw_only=True)
 class Context:
-    """Where this process stands: its rank among world_size processes, its GPU (local_rank) and device."""
+    """Where this process stands: its rank among world_size processes, its GPU (local_rank) and device, and how its
+    gradients travel (hook: a CommHook; bucket_mb: DDP's buckets)."""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -45,6 +46,8 @@ class Context:
     is_main: bool = True
     distributed: bool = False  # a process group exists (torchrun, even with one process)
     local_world_size: int = 1  # processes on this node
+    hook: object = None        # a CommHook (below); None: plain all-reduce
+    bucket_mb: float = 25.0
 
 
 def init_from_env(device=None, backend=None, timeout_minutes=None):
@@ -139,6 +142,13 @@ def barrier():
         dist.barrier()
 
 
+def leave_together(ctx):
+    """Every rank leaves the process group at once, so that none sees a peer vanish mid-collective."""
+    if ctx.distributed:
+        barrier()
+        dist.destroy_process_group()
+
+
 def shard(n, rank, world):
     """The index range of rank's contiguous shard of n items (a device-resident dataset, or one global batch).
 
@@ -168,13 +178,6 @@ def stratified_share(labels, rank, world, seed=0):
     order = np.random.default_rng(seed).permutation(len(labels))
     order = order[np.argsort(labels[order], kind="stable")]
     return np.sort(order[rank::world][:len(labels) // world])
-
-
-def per_rank_batch(global_batch, world):
-    """The batch size of each rank; one global batch size defines the run whatever the number of processes."""
-    if global_batch % world:
-        raise ValueError(f"global batch size {global_batch} is not divisible by the world size {world}")
-    return global_batch // world
 
 
 def wrap_ddp(model, ctx, bucket_mb=25.0, **kwargs):
@@ -429,6 +432,8 @@ def register_comm_hook(ddp_model, hook, grid=None):
     fp32), fp16 / bf16 (torch's built-in compression: half the bytes on the wire, as in the ImageNet-in-minutes
     runs), or torus / torus_fp16 / torus_bf16 (2D-torus all-reduce over a rows x cols grid, default one row
     per node, gradients in fp32 or compressed)."""
+    if hook is None:
+        return ddp_model
     if isinstance(hook, CommHook):
         hook, grid = hook.name, hook.grid
     if hook not in HOOKS:

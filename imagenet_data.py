@@ -181,13 +181,14 @@ class Draws:
     flips: np.ndarray     # bool (n,)
 
 
-def draw_epoch(data, hp, generator, *, order=None):
-    """An epoch's Draws: its order from the generator `order` (by default the same), the rest from generator."""
+def draw_epoch(data, augment, generator, *, order=None):
+    """An epoch's Draws as augment says (imagenet_fast.Augment): its order from the generator `order` (by default the
+    same), the rest from generator."""
     n = len(data.train_rows)
     perm = torch.randperm(n, generator=order or generator)
     h, w = data.shapes("train")
-    boxes = crop_boxes(h, w, scale=hp["crop_scale"], ratio=hp["crop_ratio"], generator=generator)
-    flips = torch.rand(n, generator=generator) < 0.5 if hp["flip"] else torch.zeros(n, dtype=torch.bool)
+    boxes = crop_boxes(h, w, scale=augment.crop_scale, ratio=augment.crop_ratio, generator=generator)
+    flips = torch.rand(n, generator=generator) < 0.5 if augment.flip else torch.zeros(n, dtype=torch.bool)
     return Draws(perm=perm.numpy(), boxes=boxes.numpy(), flips=flips.numpy())
 
 
@@ -231,10 +232,10 @@ def normalize(x):
     return (x - mean) / std
 
 
-def finish(x, hp, *, generator, dtype, memory_format):
-    """float NCHW crops on 0..255 -> jittered, normalised compute-dtype batch."""
-    if hp["jitter"]:
-        x = jitter(x, hp["jitter"], generator)
+def finish(x, augment, *, generator, dtype, memory_format):
+    """float NCHW crops on 0..255 -> jittered (augment.jitter), normalised compute-dtype batch."""
+    if augment.jitter:
+        x = jitter(x, augment.jitter, generator)
     return normalize(x).to(dtype).contiguous(memory_format=memory_format)
 
 
@@ -334,11 +335,11 @@ def gpu_decoded(data, jobs, *, device):
         yield crops
 
 
-def train_batches(data, hp, draws, *, res, batch_size, generator, device, dtype, memory_format):
+def train_batches(data, augment, draws, *, res, batch_size, generator, device, dtype):
     """The training batches of one epoch in the order of draws.perm, each image cropped at its box, resized to res,
     flipped, jittered and normalised on the device; the last partial batch is dropped. The throughput benchmark
     reads the same batches."""
-    bs, steps = batch_size, len(draws.perm) // batch_size
+    bs, steps, memory_format = batch_size, len(draws.perm) // batch_size, devices.memory_format(device)
     if data.store.format == "raw":
         h, w = data.shapes("train")
         for i, (xb, yb) in enumerate(gathered(data.pixels, data.train_y, torch.from_numpy(draws.perm), bs,
@@ -348,7 +349,7 @@ def train_batches(data, hp, draws, *, res, batch_size, generator, device, dtype,
                             (torch.from_numpy(h[idx]), torch.from_numpy(w[idx])), res)
             flip = torch.from_numpy(draws.flips[idx]).to(device)
             x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
-            yield finish(x, hp, generator=generator, dtype=dtype, memory_format=memory_format), yb
+            yield finish(x, augment, generator=generator, dtype=dtype, memory_format=memory_format), yb
         return
     order = [draws.perm[i * bs:(i + 1) * bs] for i in range(steps)]
     jobs = [(data.train_rows[idx], draws.boxes[idx], (res, res)) for idx in order]
@@ -359,7 +360,7 @@ def train_batches(data, hp, draws, *, res, batch_size, generator, device, dtype,
     for idx, x in zip(order, crops):
         flip = torch.from_numpy(draws.flips[idx]).to(device)
         x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
-        yield (finish(x, hp, generator=generator, dtype=dtype, memory_format=memory_format),
+        yield (finish(x, augment, generator=generator, dtype=dtype, memory_format=memory_format),
                data.train_y[torch.from_numpy(idx)].to(device, non_blocking=True))
 
 
@@ -367,11 +368,11 @@ def train_batches(data, hp, draws, *, res, batch_size, generator, device, dtype,
 # Validation
 # ---------------------------------------------------------------------------------------------
 
-def val_jobs(data, hp, batch_size=256):
+def val_jobs(data, val, batch_size=256):
     """(positions in val_rows, store rows, boxes, output shape) per validation batch: this process's images grouped
     by output shape (val_view), so that a batch needs no padding; cut at batch_size."""
     h, w = data.shapes("val")
-    views = [val_view(int(a), int(b), res=hp["val_res"], crop=hp["val_crop"],
+    views = [val_view(int(a), int(b), res=val.res, crop=val.crop,
                       max_aspect=data.store.index["settings"]["max_aspect"]) for a, b in zip(h, w)]
     order = sorted(range(len(views)), key=lambda i: views[i][1])
     jobs = []
@@ -385,14 +386,14 @@ def val_jobs(data, hp, batch_size=256):
 
 
 @torch.no_grad()
-def validation_sums(model, data, hp, *, tta, device, dtype, memory_format, batch_size=256):
+def validation_sums(model, data, val, *, tta, device, dtype, batch_size=256):
     """Evaluation of the validation images this process holds, each seen as val_view says. The summed loss, top-1
     and top-5 counts and the number of images, as one tensor on the device (float64 where it has it, devices.sum_dtype):
     nothing waits for it."""
-    was_training = model.training
+    was_training, memory_format = model.training, devices.memory_format(device)
     model.eval()
     totals = torch.tensor([0.0, 0.0, 0.0, len(data.val_rows)], dtype=devices.sum_dtype(device), device=device)
-    jobs = val_jobs(data, hp, batch_size)
+    jobs = val_jobs(data, val, batch_size)
     for (pos, _, _, _), xb in zip(jobs, decoded(data, "val", [(r, b, s) for _, r, b, s in jobs], device=device)):
         y = data.val_y[pos].to(device)
         x = normalize(xb.permute(0, 3, 1, 2).float()).to(dtype).contiguous(memory_format=memory_format)
@@ -407,12 +408,11 @@ def validation_sums(model, data, hp, *, tta, device, dtype, memory_format, batch
     return totals
 
 
-def evaluate(model, data, hp, *, tta, device, dtype, memory_format, ctx=None, batch_size=256):
+def evaluate(model, data, val, *, tta, device, dtype, ctx=None, batch_size=256):
     """Mean loss, top-1 and top-5 accuracy over the validation set (validation_sums, read once). Under torchrun each
     rank evaluates the part it holds (place) and the sums are added over ranks, so every rank returns the whole
     set's figures."""
-    totals = validation_sums(model, data, hp, tta=tta, device=device, dtype=dtype, memory_format=memory_format,
-                             batch_size=batch_size)
+    totals = validation_sums(model, data, val, tta=tta, device=device, dtype=dtype, batch_size=batch_size)
     if ctx is not None and ctx.distributed:
         torch.distributed.all_reduce(totals)
     loss, top1, top5, m = totals.tolist()

@@ -9,12 +9,13 @@
 `prepare` writes an ImageFolder tree (train/<class>/*, val/<class>/*) once, in worker processes, into a store that
 `train` memory-maps (imagenet_store.py; docs/imagenet.md gives the format). `train` draws random-resized crops of
 the whole image, decodes them on the GPU or the CPU's threads, and augments them on the device (imagenet_data.py).
-Every hyperparameter is in BASE; a recipe is a dict of changes; any of them is also a flag. This file holds the
-models, the ImageNet parts of the training loop (loop.py), the recipes and the command line.
+A recipe is a small typed tree (Recipe below); any setting is also a flag. This file holds the models, the recipes,
+the training loop (train_run) and the command line.
 """
 import argparse
 import io
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,25 +26,25 @@ from torch import nn
 
 import devices
 import distributed as D
-import loop
 import scaling
-from cli import (add_shared_flags, check_run, check_values, flag_error, interrupted, one_of, overrides_from,
-                 recipe_values, run_in_ranks, run_record)
-from core import (DataError, Frozen, Heartbeat, Parser, Table, UsageError, check_output, print_summary,
+import training as T
+from cli import add_run_flags, check_run, interrupted, join_ranks, leave_ranks, lost_peer, run_record
+from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, print_summary,
                   summarize_runs, write_json)
 from imagenet_data import draw_epoch, evaluate, place, train_batches
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
-from loop import Run
-from optim import optimizer, param_groups_no_decay_1d
+from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
 from schedules import batch_for, lr_at, per_rank_batch, res_at
+from settings import add_flags, changed, changes_from, check, component, flag_error, flat, knob, one_of, part
 
 # ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
 
+
 class BlurPool(nn.Module):
-    """A fixed 3×3 binomial low-pass filter, put before every strided convolution so that it
-    subsamples a smoothed signal (anti-aliasing, Zhang 2019; FFCV's ResNets use it)."""
+    """A fixed 3x3 binomial low-pass filter, put before every strided convolution so that it subsamples a smoothed
+    signal (anti-aliasing, Zhang 2019; FFCV's ResNets use it)."""
 
     def __init__(self, channels):
         super().__init__()
@@ -55,7 +56,7 @@ class BlurPool(nn.Module):
 
 
 def add_blurpool(model, min_channels=16):
-    """Replaces each strided conv with ≥ min_channels inputs by BlurPool then that conv."""
+    """Replaces each strided conv with >= min_channels inputs by BlurPool then that conv."""
     for name, m in list(model.named_modules()):
         for child_name, child in list(m.named_children()):
             if isinstance(child, nn.Conv2d) and max(child.stride) > 1 and child.in_channels >= min_channels:
@@ -64,8 +65,8 @@ def add_blurpool(model, min_channels=16):
 
 
 def resnet_tiny(num_classes, width):
-    """A 4-stage ResNet of torchvision BasicBlocks, one per stage, `width` channels in the first
-    stage (torchvision's ResNets have fixed widths): for tests and CPU demonstrations."""
+    """A 4-stage ResNet of torchvision BasicBlocks, one per stage, `width` channels in the first stage
+    (torchvision's ResNets have fixed widths): for tests and CPU demonstrations."""
     from torchvision.models.resnet import BasicBlock
     layers, c_in = [nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)], width
     for i in range(4):
@@ -79,27 +80,34 @@ def resnet_tiny(num_classes, width):
 MODELS = ("resnet_tiny", "resnet18", "resnet34", "resnet50", "resnet101")
 
 
-def build_model(hp, num_classes):
-    if hp["model"] not in MODELS:
-        raise ValueError(f"unknown model {hp['model']!r}; choose from {', '.join(MODELS)}")
-    if hp["model"] == "resnet_tiny":
-        model = resnet_tiny(num_classes, hp["width"])
+def build_model(r, num_classes):
+    """The network of recipe r (its .network): torchvision's ResNet or resnet_tiny, with BlurPool if asked."""
+    net = r.network
+    if net.model == "resnet_tiny":
+        model = resnet_tiny(num_classes, net.width)
     else:
-        model = getattr(torchvision.models, hp["model"])(num_classes=num_classes, zero_init_residual=hp["zero_init"])
-    return add_blurpool(model) if hp["blurpool"] else model
+        model = getattr(torchvision.models, net.model)(num_classes=num_classes, zero_init_residual=net.zero_init)
+    return add_blurpool(model) if net.blurpool else model
 
 
-def make_optimizer(model, hp):
-    """SGD (or the large-batch LARS / RMSprop-to-SGD of optim.py); weight decay only on conv and
-    linear weights (none on batch-norm scales and biases)."""
-    return optimizer(param_groups_no_decay_1d(model, hp["weight_decay"]), hp)
+def make_optimizer(model, r):
+    """Momentum SGD, LARS or RMSprop-to-SGD (optim.py) as the recipe says, at lr 0 until the schedule sets it;
+    weight decay only on conv and linear weights (none on batch-norm scales and biases)."""
+    groups, s = param_groups_no_decay_1d(model, r.sgd.weight_decay), r.sgd
+    if r.lars:
+        return LARS(groups, lr=0.0, momentum=s.momentum, trust_coefficient=r.lars.trust)
+    if r.rmsprop:
+        return RMSpropToSGD(groups, lr=0.0, lr_rmsprop=r.rmsprop.lr, momentum=s.momentum,
+                            beta_center=r.rmsprop.beta_center, beta_period=r.rmsprop.beta_period)
+    device = next(model.parameters()).device
+    return torch.optim.SGD(groups, lr=0.0, momentum=s.momentum, nesterov=s.nesterov, **devices.sgd_options(device))
 
 
-def saved_bytes_per_image(hp, classes, res, dtype):
+def saved_bytes_per_image(r, classes, res, dtype):
     """Bytes of activations a training step saves for backward, per image at res x res in dtype: autograd's saved
     tensors (parameters left out, each storage once) counted on the meta device, which holds no memory."""
     with torch.device("meta"):
-        model = build_model(hp, classes).to(dtype)
+        model = build_model(r, classes).to(dtype)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     storages = {}
 
@@ -114,37 +122,376 @@ def saved_bytes_per_image(hp, classes, res, dtype):
     return sum(storages.values()) / 2
 
 
-STATE_COPIES = {"sgd": 1, "lars": 1, "rmsprop_sgd": 2}      # float32 copies of the parameters an optimiser keeps
-
-
-def training_bytes(hp, classes, *, world, dtype):
+def training_bytes(r, classes, *, world, dtype):
     """The most device memory a rank's training needs in any epoch: float32 parameters, gradients, the optimiser's
     state and an EMA's copy, and that epoch's batch of saved activations (saved_bytes_per_image) at its resolution."""
     with torch.device("meta"):
-        params = sum(p.numel() * 4 for p in build_model(hp, classes).parameters())
-    copies = 2 + STATE_COPIES[hp["optimizer"]] + (hp["ema_momentum"] > 0)
-    per_image = {res: saved_bytes_per_image(hp, classes, res, dtype) for res in {res_at(hp, e) for e in range(hp["epochs"])}}
-    return copies * params + max(batch_for(hp, e, world) * per_image[res_at(hp, e)] for e in range(hp["epochs"]))
+        params = sum(p.numel() * 4 for p in build_model(r, classes).parameters())
+    copies = 2 + (2 if r.rmsprop else 1) + (r.ema is not None)
+    per_image = {res: saved_bytes_per_image(r, classes, res, dtype) for res in {res_at(r, e) for e in range(r.epochs)}}
+    return copies * params + max(batch_for(r, e, world) * per_image[res_at(r, e)] for e in range(r.epochs))
 
 
 # ---------------------------------------------------------------------------------------------
-# One run: the ImageNet parts of the loop (loop.train)
+# The settings
 # ---------------------------------------------------------------------------------------------
 
-def warmup(hp, data, *, classes, device, dtype, world=1):
-    """Two steps at every (resolution, batch) pair of the schedule on a throwaway model, so that
-    cuDNN's autotuning for each new shape happens before the clock starts."""
+@dataclass(frozen=True, kw_only=True)
+class Network:
+    """torchvision's ResNets (resnet_tiny: ours, for tests and CPU demonstrations)."""
+    PREFIX = ""
+    model: str = knob("resnet50", choices=MODELS)
+    width: int = knob(16, above=0, whole=True, doc="resnet_tiny's first stage's channels")
+    blurpool: bool = knob(True, doc="a blur before each strided convolution (Zhang 2019; FFCV)")
+    zero_init: bool = knob(False, doc="each residual block's last batch-norm scale starts at 0 (Goyal et al.)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """The learning rate per lr_scale_base images of the batch (Goyal et al.'s linear scaling): a linear warm-up from
+    warmup_start of it, then linear to 0, cosine, x0.1 at each of step_epochs, or Akiba et al.'s slow start."""
+    PREFIX = ""
+    lr: float = knob(0.10625, low=0)
+    lr_scale_base: int = knob(256, above=0, whole=True)
+    warmup_epochs: float = knob(2.0, low=0)
+    warmup_start: float = knob(0.0, low=0, high=1)
+    schedule: str = knob("linear", choices=("linear", "cosine", "step", "slow_start"))
+    step_epochs: tuple = knob((30.0, 60.0, 80.0), low=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolution:
+    """Each epoch's training resolution (FFCV's progressive resizing: min_res to max_res between two epochs, in
+    steps of res_step) and batch (the global batch_size, larger at lower resolutions with batch_scale, or Mikami et
+    al.'s batch-size control: (epoch, global batch) pairs)."""
+    PREFIX = ""
+    min_res: int = knob(160, above=0, whole=True)
+    max_res: int = knob(192, above=0, whole=True)
+    res_start_epoch: int = knob(11, low=0, whole=True)
+    res_end_epoch: int = knob(13, low=0, whole=True)
+    res_step: int = knob(32, above=0, whole=True)
+    batch_scale: bool = knob(False)
+    batch_schedule: tuple = knob((), low=0, whole=True)
+
+    def check(self):
+        if round(self.min_res / self.res_step) == 0:
+            raise flag_error("res_step", self.res_step, f"rounds --min-res {self.min_res} to 0 pixels; use at most "
+                                                        f"{self.min_res}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Augment:
+    """torchvision's random-resized crops of the whole image (their area and aspect ratio ranges), a random flip,
+    and brightness, contrast and saturation jitter of +- jitter."""
+    PREFIX = ""
+    crop_scale: tuple = knob((0.08, 1.0), above=0, high=1)
+    crop_ratio: tuple = knob((3 / 4, 4 / 3), above=0)
+    flip: bool = knob(True)
+    jitter: float = knob(0.0, low=0)
+
+    def check(self):
+        if self.crop_scale[0] > self.crop_scale[-1] or len(self.crop_scale) != 2:
+            raise flag_error("crop_scale", self.crop_scale, "must be two fractions, 0 < low <= high <= 1")
+        if self.crop_ratio[0] > self.crop_ratio[-1] or len(self.crop_ratio) != 2:
+            raise flag_error("crop_ratio", self.crop_ratio, "must be two aspect ratios, 0 < low <= high")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Validation:
+    """What validation sees (imagenet_data.val_view): the centre crop of side crop x the shorter side resized to res
+    (crop 0: the whole image, shorter side res); tta flip adds each image's mirror."""
+    PREFIX = "val"
+    res: int = knob(256, above=0, whole=True)
+    crop: float = knob(0.875, low=0, high=1)
+    tta: str = knob("flip", choices=("none", "flip"), flag="tta")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGD:
+    """Momentum SGD, with no weight decay on batch norm and biases, and label smoothing of the loss."""
+    PREFIX = ""
+    momentum: float = knob(0.9, low=0, high=1)
+    nesterov: bool = knob(False)
+    weight_decay: float = knob(1e-4, low=0)
+    label_smoothing: float = knob(0.1, low=0, high=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LARSSettings:
+    """LARS (You et al. 2017) instead of SGD: each layer's step a fraction `trust` of its weights' norm."""
+    PREFIX = "lars"
+    trust: float = knob(0.001, low=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMSpropWarmup:
+    """Akiba et al. 2017's RMSprop warm-up instead of plain SGD: RMSprop at rate lr handing over to momentum SGD,
+    half done at epoch beta_center, over beta_period epochs (optim.RMSpropToSGD)."""
+    PREFIX = "rmsprop"
+    lr: float = knob(1e-3, low=0)
+    beta_center: float = knob(10.0, low=0)
+    beta_period: float = knob(5.0, above=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """What an ImageNet run computes. Settings left out (None) are techniques the recipe does not use."""
+    name: str = "custom"
+    doc: str = ""
+    notes: tuple = ()           # what a setting given changed in another, said before training
+    epochs: int = knob(16, above=0, whole=True)
+    batch_size: int = knob(512, above=0, whole=True, doc="the global batch, split over the ranks")
+    network: Network = part(Network())
+    schedule: Schedule = part(Schedule())
+    resolution: Resolution = part(Resolution())
+    augment: Augment = part(Augment())
+    validation: Validation = part(Validation())
+    sgd: SGD = part(SGD())
+    lars: LARSSettings = component(LARSSettings)
+    rmsprop: RMSpropWarmup = component(RMSpropWarmup)
+    ema: T.EMA = component(T.EMA)
+    lookahead: T.Lookahead = component(T.Lookahead)
+    bn_stats: str = knob("running", choices=("running", "last_batch"), doc="last_batch: the last batch's statistics "
+                         "averaged over the ranks before each evaluation (Akiba et al.)")
+    comm_hook: str = knob("none", choices=D.HOOKS, doc="under torchrun: how gradients travel (fp16, bf16: "
+                          "compressed; torus: a 2D torus, Mikami et al.)")
+
+    def check(self):
+        if self.lars and self.rmsprop:
+            raise UsageError("--lars and --rmsprop: one optimiser at a time")
+        if self.ema and self.lookahead:
+            raise UsageError("--ema-momentum and --lookahead-momentum: one weight average at a time")
+        try:
+            for e in range(self.epochs):
+                batch_for(self, e)        # a bad batch schedule fails here, not mid-run
+        except ValueError as e:
+            raise flag_error("batch_schedule", self.resolution.batch_schedule, str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# The recipes
+# ---------------------------------------------------------------------------------------------
+
+# FFCV's rn50 configurations (libffcv/ffcv-imagenet rn50_configs/): ResNet-50 with BlurPool, lr 1.7 for 8 GPUs x 512
+# images = 0.10625 per 256, peaking at epoch 2 and falling linearly to 0, label smoothing 0.1, res 160 -> 192,
+# validation at 256 with flip TTA (published: 73.8% top-1 in 14.9 min on 8 A100s).
+RN50_16EP = Recipe(
+    name="rn50_16ep", doc="ResNet-50, 16 epochs, res 160->192 (published by FFCV: 73.8% top-1 in 14.9 min on 8 A100s)",
+    epochs=16, batch_size=512,
+    network=Network(model="resnet50", blurpool=True),
+    schedule=Schedule(lr=0.10625, lr_scale_base=256, warmup_epochs=2.0, schedule="linear"),
+    resolution=Resolution(min_res=160, max_res=192, res_start_epoch=11, res_end_epoch=13, res_step=32),
+    augment=Augment(crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True),
+    validation=Validation(res=256, crop=0.875, tta="flip"),
+    sgd=SGD(momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.1))
+
+
+def ffcv(name, doc, *, epochs, res_start, res_end, **changes):
+    """An FFCV configuration: rn50_16ep stretched to `epochs` with its resolution ramp between res_start and
+    res_end, and changes (rn18's network, batch, rate and decay)."""
+    return replace(RN50_16EP, name=name, doc=doc, epochs=epochs, **changes,
+                   resolution=replace(RN50_16EP.resolution, res_start_epoch=res_start, res_end_epoch=res_end))
+
+
+RN18 = dict(network=Network(model="resnet18", blurpool=True), batch_size=1024,      # rn18: lr 0.5 for 1 GPU x 1024
+            schedule=replace(RN50_16EP.schedule, lr=0.125), sgd=replace(RN50_16EP.sgd, weight_decay=5e-5))
+
+# The cluster papers: torchvision's ResNet-50 (no BlurPool) for 90 epochs at 224 px, momentum SGD 0.9 with weight
+# decay 1e-4 off batch norm and biases, validated at 224 px without TTA (docs/imagenet.md gives each setting's source
+# and what their texts leave open). Goyal et al. 2017: batch 8,192, lr 0.1 per 256 after a 5-epoch warm-up from one
+# worker's 0.1, x0.1 at epochs 30, 60 and 80, each block's last batch-norm scale at 0 (published: 76.3% in 1 hour).
+GOYAL_8K = Recipe(
+    name="goyal_8k", doc="Goyal et al. 2017: batch 8,192, lr 0.1 per 256 (3.2) after a 5-epoch warm-up from 0.1, x0.1 "
+                         "at epochs 30/60/80, zero-init residual BN (published: 76.3% top-1 in 1 hour on 256 P100s)",
+    epochs=90, batch_size=8192,
+    network=Network(model="resnet50", blurpool=False, zero_init=True),
+    schedule=Schedule(lr=0.1, lr_scale_base=256, warmup_epochs=5.0, warmup_start=256 / 8192, schedule="step",
+                      step_epochs=(30.0, 60.0, 80.0)),
+    resolution=Resolution(min_res=224, max_res=224, res_start_epoch=0, res_end_epoch=0),
+    validation=Validation(res=224, crop=0.875, tta="none"),
+    sgd=SGD(momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.0))
+CLUSTER = dict(epochs=90, validation=GOYAL_8K.validation, resolution=GOYAL_8K.resolution,
+               network=replace(GOYAL_8K.network, zero_init=False))
+
+RECIPES = {r.name: r for r in (
+    RN50_16EP,
+    ffcv("rn50_24ep", "ResNet-50, 24 epochs, res 160->192 (published by FFCV: 75.6% top-1 in 21.7 min on 8 A100s)",
+         epochs=24, res_start=17, res_end=20),
+    ffcv("rn50_88ep", "ResNet-50, 88 epochs, res 160->192 (published by FFCV: 78.4% top-1 in 77.2 min on 8 A100s)",
+         epochs=88, res_start=65, res_end=76),
+    ffcv("rn18_16ep", "ResNet-18, 16 epochs, res 160->192 (published by FFCV: 66.9% top-1 in 35.0 min on 1 A100)",
+         epochs=16, res_start=11, res_end=13, **RN18),
+    ffcv("rn18_88ep", "ResNet-18, 88 epochs, res 160->192 (published by FFCV: 72.4% top-1 in 187.3 min on 1 A100)",
+         epochs=88, res_start=65, res_end=76, **RN18),
+    GOYAL_8K,
+    # Akiba et al. 2017: RMSprop warm-up handing over to SGD, slow-start rates, last-batch batch norm, fp16 gradients
+    replace(GOYAL_8K, name="akiba_32k", **CLUSTER, doc="Akiba et al. 2017: batch 32,768, RMSprop warm-up handing over "
+            "to SGD, slow-start lr, batch norm from the last batch averaged over ranks, fp16 gradients (published: "
+            "74.9% top-1 in 15 min on 1,024 P100s)", batch_size=32768,
+            schedule=Schedule(lr=0.1, warmup_epochs=0.0, schedule="slow_start"),
+            rmsprop=RMSpropWarmup(beta_center=10.0, beta_period=5.0), bn_stats="last_batch", comm_hook="fp16"),
+    # Mikami et al. 2018 (Sony): batch-size control, label smoothing, 2D-torus all-reduce in fp16
+    replace(GOYAL_8K, name="mikami_68k", **{**CLUSTER, "resolution": replace(
+                GOYAL_8K.resolution, batch_schedule=(0, 34816, 5, 69632))},
+            doc="Mikami et al. 2018 (Sony): batch-size control 34,816 -> 69,632 after 5 epochs, label smoothing, "
+            "2D-torus all-reduce in fp16 (published: 75.03% top-1 in 224 s on 2,176 V100s)", batch_size=69632,
+            schedule=Schedule(lr=0.1, warmup_epochs=5.0, schedule="linear"),
+            sgd=replace(GOYAL_8K.sgd, label_smoothing=0.1), comm_hook="torus_fp16"),
+    Recipe(name="tiny", doc="resnet_tiny width 16 for tests and CPU demonstrations on small stores (res 32, 8 epochs)",
+           epochs=8, batch_size=32, network=Network(model="resnet_tiny", width=16, blurpool=False),
+           schedule=Schedule(lr=0.2, warmup_epochs=1.0), sgd=SGD(weight_decay=5e-5),
+           resolution=Resolution(min_res=32, max_res=32, res_start_epoch=0, res_end_epoch=0, res_step=8),
+           augment=Augment(crop_scale=(0.35, 1.0)), validation=Validation(res=32, crop=0.0, tta="none")),
+)}
+
+
+def recipe(name, **changes):
+    """A recipe by name with settings changed by flag name, checked: the one value a run passes down. An --epochs
+    that ends inside the recipe's warm-up shortens it in proportion, and .notes says so. A bad name or value is a
+    UsageError of one line."""
+    if name not in RECIPES:
+        raise UsageError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
+    r, warm = changed(RECIPES[name], **changes), RECIPES[name].schedule.warmup_epochs
+    check(r)
+    notes = []
+    if "warmup_epochs" not in changes and 0 < r.epochs <= warm < RECIPES[name].epochs:
+        shorter = warm * r.epochs / RECIPES[name].epochs          # the same share of the run
+        notes.append(f"note: --epochs {r.epochs} ends inside the recipe's {warm:g}-epoch warm-up, so the warm-up is "
+                     f"shortened in proportion to {shorter:g} epochs (--warmup-epochs sets it)")
+        r = replace(r, schedule=replace(r.schedule, warmup_epochs=shorter))
+    return replace(r, notes=tuple(notes))
+
+
+# ---------------------------------------------------------------------------------------------
+# One run
+# ---------------------------------------------------------------------------------------------
+
+COLUMNS = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
+           "total_time"]
+PROGRESS_AFTER_S = 5.0    # an epoch that looks longer shows its steps on stderr
+
+
+@dataclass(kw_only=True)
+class Options(T.Options):
+    """How a run runs (not what it computes): training.Options with the top-1 that stops the clock, and a checkpoint
+    written after every epoch (resumed from with resume; interrupt_after: exit after that epoch's, as a preempted job
+    would)."""
+    target: float = 0.75
+    checkpoint: str = None
+    resume: bool = False
+    interrupt_after: int = None
+
+
+def train_run(r, data, o, *, ctx, seed, on_epoch=None):
+    """One run of recipe r on this process's Data (place()) with Options o: {"seed", "rows", "final_top1",
+    "final_top5", "train_time", "final_eval_time", "time", "time_to_target"}. Under torchrun every rank builds the
+    same network and draws its own batches."""
+    device, world, n = torch.device(ctx.device), ctx.world_size, len(data.train_rows)
+    dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
+    plan = [(res_at(r, e), min(batch_for(r, e, world), n)) for e in range(r.epochs)]   # each epoch's res and batch
+    steps = [n // bs for _, bs in plan]
+    seeds = T.run_seeds(seed, ctx.rank)          # the network, the data's order and its augmentation: 3 streams
+    torch.manual_seed(seeds["init"])
+    order, augment = (torch.Generator().manual_seed(seeds[k]) for k in ("order", "augment"))
+    model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
+    opt = make_optimizer(model, r)
+    forward = D.register_comm_hook(D.wrap_ddp(model, ctx, ctx.bucket_mb), ctx.hook) if ctx.distributed else model
+    clock = devices.timer(device)                # starts once the network is built, as the references' does
+    if r.bn_stats == "last_batch":               # no moving averages: the last batch's, pooled over ranks (Akiba)
+        D.use_last_batch_stats(model)
+    average = T.averaging(model, ema=r.ema, lookahead=r.lookahead)
+    run = T.Trainable(model=model, optimizers=[opt], average=average, generators=[order, augment])
+    done = resumed(r, run, o, forward=forward, plan=plan, ctx=ctx, on_epoch=on_epoch)
+    rows, time_to_target, clock.total = done["rows"], done["time_to_target"], done["train_time"]
+    step, final_eval_time = sum(steps[:done["epoch"]]), 0.0
+    for epoch in range(done["epoch"], r.epochs):
+        (res, batch), losses, correct, seen = plan[epoch], torch.zeros((), device=device), torch.zeros((), device=device), 0
+        bar = Progress(steps[epoch], f"epoch {epoch + 1}", PROGRESS_AFTER_S) if o.progress else None
+        for i, (x, y) in enumerate(train_batches(data, r.augment, draw_epoch(data, r.augment, augment, order=order),
+                                                 res=res, batch_size=batch, generator=augment, device=device,
+                                                 dtype=dtype)):
+            t = epoch + i / steps[epoch]         # the fractional epoch: the schedule's and RMSprop-to-SGD's clock
+            lr = lr_at(r, t) * batch * world / r.schedule.lr_scale_base          # Goyal et al.'s linear scaling
+            set_lr([opt], lr, step, t)
+            logits, loss = T.train_step(forward, [opt], x, y, label_smoothing=r.sgd.label_smoothing, dtype=dtype,
+                                        mean=True)
+            step += 1
+            if average:
+                average.update(model, step, sum(steps))
+            losses, correct, seen = losses + loss, correct + (logits.argmax(1) == y).sum(), seen + len(y)
+            bar and bar.update()
+        bar and bar.close()
+        if r.lookahead and epoch == r.epochs - 1:
+            average.finish(model)                # lookahead: the slow weights end the run
+        epoch_time, last = clock(), epoch == r.epochs - 1
+        metrics = dict.fromkeys(("val_loss", "top1", "top5"))
+        if last or (o.eval_every and (epoch + 1) % o.eval_every == 0):
+            with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
+                metrics = validation(r, run, data, ctx=ctx, dtype=dtype, final=last)
+            final_eval_time = clock(include=False)
+            if time_to_target is None and metrics["top1"] >= o.target:
+                time_to_target = clock.total
+        rows.append({"epoch": epoch + 1, "res": res, "batch": batch, "lr": lr, "train_loss": losses.item() / seen,
+                     "train_acc": correct.item() / seen, **metrics, "epoch_time": epoch_time, "total_time": clock.total})
+        if o.checkpoint:
+            T.save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, progress={
+                "epoch": epoch + 1, "rows": rows, "train_time": clock.total, "time_to_target": time_to_target})
+            if o.interrupt_after == epoch + 1:
+                D.leave_together(ctx)
+                raise SystemExit(T.INTERRUPTED)
+        on_epoch and on_epoch(rows[-1])
+        clock(include=False)
+    return {"seed": seed, "rows": rows, "final_top1": rows[-1]["top1"], "final_top5": rows[-1]["top5"],
+            "train_time": clock.total, "final_eval_time": final_eval_time, "time": clock.total + final_eval_time,
+            "time_to_target": time_to_target}
+
+
+def resumed(r, run, o, *, forward, plan, ctx, on_epoch):
+    """Where a run starts: epoch 0, or (with o.resume) where its checkpoint left it, its state loaded into run and
+    its rows replayed to on_epoch."""
+    state = T.read_checkpoint(o.checkpoint, settings=flat(r), ctx=ctx) if o.resume and o.checkpoint else None
+    if state is None:
+        return {"epoch": 0, "rows": [], "train_time": 0.0, "time_to_target": None}
+    if ctx.distributed:     # DDP's buckets as the uninterrupted run has them, so that its sums round the same
+        res = plan[state["progress"]["epoch"] - 1][0]
+        example = torch.zeros(2, 3, res, res, device=ctx.device).contiguous(
+            memory_format=devices.memory_format(ctx.device))
+        with devices.autocast(ctx.device, devices.compute_dtype(ctx.device, o.precision)):
+            D.rehearse_backward(forward, example.to(devices.compute_dtype(ctx.device, o.precision)))
+    T.load_checkpoint(state, run, ctx=ctx)
+    for row in state["progress"]["rows"]:
+        on_epoch and on_epoch(row)
+    return state["progress"]
+
+
+def validation(r, run, data, *, ctx, dtype, final):
+    """{"val_loss", "top1", "top5"} of the weights the run evaluates (the EMA's when there is one) over the whole
+    validation set (each rank its part, summed); the final one with the recipe's TTA. With last-batch statistics,
+    every rank first takes the global batch's."""
+    if r.bn_stats == "last_batch":
+        D.sync_batch_norm_stats(run.model, ctx)
+        if run.average and run.average.model is not None:
+            D.sync_batch_norm_stats(run.average.model, ctx, counted=run.model)
+    tta = r.validation.tta if final else "none"
+    loss, top1, top5 = evaluate(T.evaluated(run.model, run.average), data, r.validation, tta=tta, device=ctx.device,
+                                dtype=dtype, ctx=ctx)
+    return {"val_loss": loss, "top1": top1, "top5": top5}
+
+
+def warmup(r, data, *, device, dtype, world=1):
+    """Two steps at every (resolution, batch) pair of the schedule on a throwaway model, so that cuDNN's autotuning
+    for each new shape happens before the clock starts."""
     memory_format = devices.memory_format(device)
-    model = build_model(hp, classes).to(device, memory_format=memory_format)
-    opt = make_optimizer(model, hp)
+    model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
+    opt = make_optimizer(model, r)
     gen = torch.Generator().manual_seed(0)
     n = len(data.train_rows)
-    for res, bs in sorted({(res_at(hp, e), batch_for(hp, e, world)) for e in range(hp["epochs"])}):
+    for res, bs in sorted({(res_at(r, e), batch_for(r, e, world)) for e in range(r.epochs)}):
         bs = min(bs, n)
-        draws = draw_epoch(data, hp, gen)
+        draws = draw_epoch(data, r.augment, gen)
         draws.perm = np.arange(2 * bs) % n
-        for x, y in train_batches(data, hp, draws, res=res, batch_size=bs, generator=gen, device=device, dtype=dtype,
-                                  memory_format=memory_format):
+        for x, y in train_batches(data, r.augment, draws, res=res, batch_size=bs, generator=gen, device=device,
+                                  dtype=dtype):
             with devices.autocast(device, dtype):
                 F.cross_entropy(model(x).float(), y).backward()
             opt.step()
@@ -152,172 +499,9 @@ def warmup(hp, data, *, classes, device, dtype, world=1):
     devices.synchronize(device)
 
 
-def start(hp, data, *, classes, device, dtype, ctx, bucket_mb=25.0, hook="none"):
-    """The builder of a run that loop.train calls once torch's seed is set: start(seed) builds the network, its
-    optimiser and the generator of the data pipeline's draws (on the CPU), and returns the loop.Run that trains it on
-    `data` (place(); under torchrun this rank's share), each epoch at its resolution and this rank's batch, the
-    learning rate per lr_scale_base images of the global batch (Goyal et al.'s linear scaling)."""
-    world, memory_format, n = ctx.world_size, devices.memory_format(device), len(data.train_rows)
-    batches = [min(batch_for(hp, e, world), n) for e in range(hp["epochs"])]
-    steps = [n // bs for bs in batches]
-
-    def build(seeds):
-        order, augment = (torch.Generator().manual_seed(seeds[k]) for k in ("order", "augment"))
-        model = build_model(hp, classes).to(device, memory_format=memory_format)
-        opt = make_optimizer(model, hp)
-        forward = D.register_comm_hook(D.wrap_ddp(model, ctx, bucket_mb), hook) if ctx.distributed else model
-
-        def epoch_batches(epoch):
-            return train_batches(data, hp, draw_epoch(data, hp, augment, order=order), res=res_at(hp, epoch),
-                                 batch_size=batches[epoch], generator=augment, device=device, dtype=dtype,
-                                 memory_format=memory_format)
-
-        def schedule(epoch, i, step):
-            clock = epoch + i / steps[epoch]
-            return lr_at(hp, clock) * batches[epoch] * world / hp["lr_scale_base"], clock
-
-        def validate(model, final):
-            loss, top1, top5 = evaluate(model, data, hp, tta=hp["tta"] if final else "none", device=device,
-                                        dtype=dtype, memory_format=memory_format, ctx=ctx)
-            return {"val_loss": loss, "top1": top1, "top5": top5}
-
-        def example(epoch):
-            res = res_at(hp, epoch)
-            return torch.zeros(2, 3, res, res, device=device, dtype=dtype).contiguous(memory_format=memory_format)
-        return Run(model=model, forward=forward, optimizers=[opt], generators={"order": order, "augment": augment},
-                   steps=steps, total_steps=sum(steps),
-                   batches=epoch_batches, schedule=schedule, evaluate=validate, metrics=("val_loss", "top1", "top5"),
-                   accuracy="top1", wrapped=ctx.distributed, mean_loss=True,
-                   columns=lambda epoch: {"res": res_at(hp, epoch), "batch": batches[epoch]}, example=example)
-    return build
-
-
 # ---------------------------------------------------------------------------------------------
-# Recipes and the command line
+# The command line
 # ---------------------------------------------------------------------------------------------
-
-PROGRESS_AFTER_S = 5.0    # an epoch that looks longer shows its steps on stderr
-
-# Every hyperparameter once. lr is per lr_scale_base images: the step uses lr × batch / lr_scale_base (Goyal et al.'s
-# linear scaling rule, in their unit of 256 images).
-# Resolutions are in pixels of the network input; res_*_epoch are 0-based epochs.
-BASE = dict(
-    model="resnet50", width=16, blurpool=True, zero_init=False,
-    epochs=16, batch_size=512, lr=0.10625, lr_scale_base=256, warmup_epochs=2.0, warmup_start=0.0, schedule="linear",
-    step_epochs=(30.0, 60.0, 80.0),
-    momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.1,
-    min_res=160, max_res=192, res_start_epoch=11, res_end_epoch=13, res_step=32, batch_scale=False,
-    crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True, jitter=0.0,
-    val_res=256, val_crop=0.875, tta="flip", ema_momentum=0.0, ema_every=1, lookahead_momentum=0.0, lookahead_every=5,
-    # large-batch options (optim.py, distributed.py, as in cifar10_fast.py)
-    batch_schedule=(), optimizer="sgd", lars_trust=0.001, rms_lr=1e-3, rms_beta_center=10.0, rms_beta_period=5.0,
-    bn_stats="running", comm_hook="none",
-)
-
-# The values a hyperparameter that takes one of a few may take: the flags' choices (which --help lists) and what
-# validate() accepts.
-CHOICES = dict(model=MODELS, schedule=("linear", "cosine", "step", "slow_start"), tta=("none", "flip"),
-               optimizer=("sgd", "lars", "rmsprop_sgd"), bn_stats=("running", "last_batch"), comm_hook=D.HOOKS)
-POSITIVE = ("epochs", "batch_size", "width", "min_res", "max_res", "res_step", "val_res", "ema_every", "lr_scale_base",
-            "lookahead_every")
-NOT_NEGATIVE = ("lr", "warmup_epochs", "weight_decay", "jitter", "lars_trust", "rms_lr", "res_start_epoch",
-                "res_end_epoch")
-FRACTIONS = ("momentum", "label_smoothing", "ema_momentum", "lookahead_momentum", "warmup_start", "val_crop")
-
-# What the three cluster recipes share: torchvision's ResNet-50 (no BlurPool) for 90 epochs, at 224 px throughout,
-# momentum SGD 0.9 with weight decay 1e-4 off batch norm and biases, no label smoothing unless said, validated at
-# 224 px without test-time augmentation; lr per 256 images (Goyal's linear scaling).
-CLUSTER = dict(model="resnet50", blurpool=False, epochs=90, min_res=224, max_res=224, res_start_epoch=0,
-               res_end_epoch=0, res_step=32, momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.0,
-               val_res=224, val_crop=0.875, tta="none")
-
-# Epochs, resolution ramps, lr, weight decay, label smoothing and blurpool follow FFCV's published
-# configs (libffcv/ffcv-imagenet rn50_configs/, rn18_configs/): rn50 lr 1.7 for 8 GPUs x 512
-# images = 0.10625 per 256; rn18 lr 0.5 for 1 GPU x 1024 = 0.125 per 256; lr peaks at epoch 2 and
-# falls linearly to 0 ("cyclic"); res 160 -> 192; validation at 256 with flip TTA.
-RECIPES = {
-    "rn50_16ep": dict(doc="ResNet-50, 16 epochs, res 160->192 (published by FFCV: 73.8% top-1 in 14.9 min on 8 A100s)"),
-    "rn50_24ep": dict(doc="ResNet-50, 24 epochs, res 160->192 (published by FFCV: 75.6% top-1 in 21.7 min on 8 A100s)",
-                      epochs=24, res_start_epoch=17, res_end_epoch=20),
-    "rn50_88ep": dict(doc="ResNet-50, 88 epochs, res 160->192 (published by FFCV: 78.4% top-1 in 77.2 min on 8 A100s)",
-                      epochs=88, res_start_epoch=65, res_end_epoch=76),
-    "rn18_16ep": dict(doc="ResNet-18, 16 epochs, res 160->192 (published by FFCV: 66.9% top-1 in 35.0 min on 1 A100)",
-                      model="resnet18", batch_size=1024, lr=0.125, weight_decay=5e-5),
-    "rn18_88ep": dict(doc="ResNet-18, 88 epochs, res 160->192 (published by FFCV: 72.4% top-1 in 187.3 min on 1 A100)",
-                      model="resnet18", batch_size=1024, lr=0.125, weight_decay=5e-5, epochs=88,
-                      res_start_epoch=65, res_end_epoch=76),
-    # The cluster papers, ResNet-50 for 90 epochs at 224 px, at the settings they publish (docs/imagenet.md, "The
-    # cluster papers' recipes", gives each setting's source, and what their texts leave open and we assumed)
-    "goyal_8k": dict(doc="Goyal et al. 2017: batch 8,192, lr 0.1 per 256 (3.2) after a 5-epoch warm-up from 0.1, "
-                         "x0.1 at epochs 30/60/80, zero-init residual BN (published: 76.3% top-1 in 1 hour on 256 P100s)",
-                     **CLUSTER, batch_size=8192, lr=0.1, warmup_epochs=5.0, warmup_start=256 / 8192, schedule="step",
-                     step_epochs=(30.0, 60.0, 80.0), zero_init=True),
-    "akiba_32k": dict(doc="Akiba et al. 2017: batch 32,768, RMSprop warm-up handing over to SGD, slow-start lr, "
-                          "batch norm from the last batch averaged over ranks, fp16 gradients "
-                          "(published: 74.9% top-1 in 15 min on 1,024 P100s)",
-                      **CLUSTER, batch_size=32768, lr=0.1, warmup_epochs=0.0, schedule="slow_start",
-                      optimizer="rmsprop_sgd", rms_beta_center=10.0, rms_beta_period=5.0, bn_stats="last_batch",
-                      comm_hook="fp16"),
-    "mikami_68k": dict(doc="Mikami et al. 2018 (Sony): batch-size control 34,816 -> 69,632 after 5 epochs, label "
-                           "smoothing, 2D-torus all-reduce in fp16 (published: 75.03% top-1 in 224 s on 2,176 V100s)",
-                       **{**CLUSTER, "label_smoothing": 0.1}, batch_size=69632, batch_schedule=(0, 34816, 5, 69632),
-                       lr=0.1, warmup_epochs=5.0, schedule="linear", comm_hook="torus_fp16"),
-    "tiny": dict(doc="resnet_tiny width 16 for tests and CPU demonstrations on small stores (res 32, 8 epochs)",
-                 model="resnet_tiny", blurpool=False, epochs=8, batch_size=32, lr=0.2, warmup_epochs=1.0,
-                 weight_decay=5e-5, min_res=32, max_res=32, res_start_epoch=0, res_end_epoch=0, res_step=8,
-                 crop_scale=(0.35, 1.0), val_res=32, val_crop=0.0, tta="none"),
-}
-
-
-def hyperparameters(name, **overrides):
-    """A recipe's hyperparameters with overrides applied (any key of BASE), checked once and frozen: the one value
-    that the run passes down. A bad name or value is a UsageError of one line."""
-    hp = recipe_values(name, overrides, base=BASE, recipes=RECIPES)
-    check(hp)
-    notes = []
-    recipe_epochs = RECIPES[name].get("epochs", BASE["epochs"])
-    if "warmup_epochs" not in overrides and 0 < hp["epochs"] <= hp["warmup_epochs"] < recipe_epochs:
-        warmup = hp["warmup_epochs"] * hp["epochs"] / recipe_epochs      # the same share of the run
-        notes.append(f"note: --epochs {hp['epochs']} ends inside the recipe's {hp['warmup_epochs']:g}-epoch warm-up, "
-                     f"so the warm-up is shortened in proportion to {warmup:g} epochs (--warmup-epochs sets it)")
-        hp["warmup_epochs"] = warmup
-    return Frozen(hp, recipe=name, notes=notes)
-
-
-def check(hp):
-    """Raises UsageError naming the flag, what is wrong and what is allowed, for the first bad hyperparameter."""
-    check_values(hp, CHOICES, positive=POSITIVE, not_negative=NOT_NEGATIVE, fractions=FRACTIONS,
-                 whole=("epochs", "batch_size"))
-    low, high = hp["crop_scale"]
-    if not 0 < low <= high <= 1:
-        raise flag_error("crop_scale", hp["crop_scale"], "must be two fractions, 0 < low <= high <= 1")
-    low, high = hp["crop_ratio"]
-    if not 0 < low <= high:
-        raise flag_error("crop_ratio", hp["crop_ratio"], "must be two aspect ratios, 0 < low <= high")
-    if round(hp["min_res"] / hp["res_step"]) == 0:
-        raise flag_error("res_step", hp["res_step"], f"rounds --min-res {hp['min_res']} to 0 pixels; use at most "
-                                                      f"{hp['min_res']}")
-    try:
-        for e in range(hp["epochs"]):
-            batch_for(hp, e)        # a bad batch schedule fails here, not mid-run
-    except ValueError as e:
-        raise flag_error("batch_schedule", hp["batch_schedule"], str(e)) from None
-
-
-def check_train(args):
-    """Raises UsageError for the first bad flag of the train command that is not a hyperparameter; before anything
-    is loaded or started."""
-    for flag, bad, message in (
-            ("store", not args.store, "is required (a folder written by `imagenet_fast.py prepare`)"),
-            ("resume", args.resume and not args.checkpoint, "needs --checkpoint"),
-            ("resume", args.resume and args.runs > 1, "works with a single run"),
-            ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint"),
-            ("loader-threads", args.loader_threads is not None and args.loader_threads < 1, "must be positive")):
-        if bad:
-            raise UsageError(f"--{flag} {message}")
-    check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
-    check_output(args.checkpoint, "--checkpoint")
-
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -325,7 +509,7 @@ def parse_args(argv=None):
     pp = sub.add_parser("prepare", help="decode an ImageFolder tree into a store")
     pp.add_argument("--src", required=True, help="folder with train/<class>/* and val/<class>/*")
     pp.add_argument("--dst", required=True, help="store folder to write (resumes if partly written)")
-    pp.add_argument("--format", default="jpeg", type=one_of(FORMATS, str),
+    pp.add_argument("--format", default="jpeg", type=one_of(FORMATS),
                     help="jpeg: whole images, longer side <= --max-side, for full-quality training (default); "
                          "raw: uint8 pixels at --size, for low-resolution work")
     pp.add_argument("--max-side", type=int, default=500, help="jpeg: longest side kept (default 500, as FFCV)")
@@ -341,23 +525,24 @@ def parse_args(argv=None):
     tp.add_argument("--recipe", default="rn50_16ep", help="recipe name (default rn50_16ep; see --list-recipes)")
     tp.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
     tp.add_argument("--data-on", default="auto", choices=["auto", "device", "host"],
-                    help="where the store lives (auto: on the device if it fits)")
-    tp.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS, str),
+                    help="where a raw store lives (auto: on the device if it fits beside training)")
+    tp.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
                     help="where a JPEG store is decoded (auto: nvJPEG on a CUDA GPU, else the CPU's threads)")
     tp.add_argument("--loader-threads", type=int, default=None,
                     help="CPU decoding threads per process (default: CPU count / processes on the node)")
     tp.add_argument("--target", type=float, default=0.75, help="top-1 whose first epoch stops the clock")
     tp.add_argument("--checkpoint", default=None, help="checkpoint file, written atomically after every epoch")
     tp.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
-    tp.add_argument("--out", default=None, help="write config, environment, rows and summary as JSON")
+    tp.add_argument("--out", default=None, help="write the recipe, environment, rows and summary as JSON")
     tp.add_argument("--interrupt-after-epoch", type=int, default=None,
-                    help=f"exit with status {loop.INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
+                    help=f"exit with status {T.INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
                          "would; a restart with --resume (or torchrun --max-restarts) continues from it")
-    add_shared_flags(tp, BASE, CHOICES)
+    add_run_flags(tp)
+    add_flags(tp, Recipe)
     sub.add_parser("simulate", add_help=False,
                    help="project step time and scaling efficiency over many GPUs (as python scaling.py)")
     args = p.parse_args(argv)
-    return args, overrides_from(args, BASE)
+    return args, changes_from(args, Recipe) if args.command == "train" else {}
 
 
 def main_prepare(args):
@@ -382,120 +567,129 @@ def main_prepare(args):
     return 0
 
 
-def main_train(args, overrides, argv):
+def check_train(args):
+    """Raises UsageError for the first bad flag of the train command that is not a setting; before anything is
+    loaded or started."""
+    for flag, bad, message in (
+            ("store", not args.store, "is required (a folder written by `imagenet_fast.py prepare`)"),
+            ("resume", args.resume and not args.checkpoint, "needs --checkpoint"),
+            ("resume", args.resume and args.runs > 1, "works with a single run"),
+            ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint"),
+            ("loader-threads", args.loader_threads is not None and args.loader_threads < 1, "must be positive")):
+        if bad:
+            raise UsageError(f"--{flag} {message}")
+    check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
+    check_output(args.checkpoint, "--checkpoint")
+
+
+def main_train(args, changes, argv):
     if args.list_recipes:
-        print("\n".join(f"{name:12s} {r['doc']}" for name, r in RECIPES.items()))
+        print("\n".join(f"{name:12s} {r.doc}" for name, r in RECIPES.items()))
         return 0
     try:
-        hp = hyperparameters(args.recipe, **overrides)
+        r = recipe(args.recipe, **changes)
         check_train(args)
+        ctx = join_ranks(args, r.comm_hook)
     except UsageError as e:
         D.print0(f"error: {e}", file=sys.stderr)
         return 2
-    return run_in_ranks(args, hp, lambda ctx, hook: run(args, hp, ctx=ctx, hook=hook, argv=argv))
+    try:
+        return run(args, r, ctx=ctx, argv=argv)
+    except RuntimeError as e:
+        return lost_peer(e, ctx)
+    finally:
+        leave_ranks(ctx)
 
 
-COLUMNS = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
-           "total_time"]
-
-
-def run(args, hp, *, ctx, hook, argv):
-    """main_train's work once this process has its place: data, runs, summary, JSON; the exit status."""
+def run(args, r, *, ctx, argv):
+    """main_train's work once this process has its place: the store placed, the runs, the summary, the JSON; the
+    exit status."""
     device, say, progress = torch.device(ctx.device), D.print0, ctx.is_main and not args.quiet
-    for note in hp.notes:
+    for note in r.notes:
         say(note, file=sys.stderr)
     if devices.is_cpu(device) and ctx.is_main:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration use "
               "a small store, --model resnet_tiny and few --epochs", file=sys.stderr)
     try:
-        batch = per_rank_batch(hp["batch_size"], ctx.world_size)
-        for e in range(hp["epochs"]):
-            batch_for(hp, e, ctx.world_size)      # a schedule that does not divide over the ranks fails here
-    except ValueError as e:
-        say(f"error: {e}", file=sys.stderr)
-        return 2
-    dtype = devices.compute_dtype(device, args.precision)
-    try:
+        batch = per_rank_batch(r.batch_size, ctx.world_size)
+        for e in range(r.epochs):
+            batch_for(r, e, ctx.world_size)      # a schedule that does not divide over the ranks fails here
         decoder = devices.jpeg_decoder(device, args.decoder)
-    except ValueError as e:
-        say(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
         store = open_store(args.store)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)     # every rank: each may read a store of its own node's
-        return 1
-    classes = len(store.index["classes"])
-    try:            # before anything is loaded: what training needs of the device, and whether the store fits beside
-        training = 0 if devices.is_cpu(device) else training_bytes(hp, classes, world=ctx.world_size, dtype=dtype)
-        devices.check_training_fits(device, training, why=f"training {hp['model']} at {batch} images per process",
-                                    remedy="use a smaller --batch-size or more GPUs (the batch is split over them)")
-        with Heartbeat(f"placing {args.store}", on=progress):
-            data = place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
-                         threads=args.loader_threads, training=training)     # under torchrun, this rank's share alone
-    except UsageError as e:
-        say(f"error: {e}", file=sys.stderr)
-        return 2
+        data = placed(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
+    except (ValueError, DataError) as e:         # UsageError is a ValueError
+        (print if isinstance(e, DataError) else say)(f"error: {e}", file=sys.stderr)   # every rank: its own store
+        return 1 if isinstance(e, DataError) else 2
+    dtype = devices.compute_dtype(device, args.precision)
     held = (("jpeg store, decoded on the GPU (nvJPEG)" if decoder == "gpu" else
-             f"jpeg store, decoded by {data.threads} CPU threads") if store.format == "jpeg" else f"raw store of size {store.size} in {data.where} memory")
-    say(f"recipe {args.recipe} on {devices.name(device)} ({device}, {str(dtype)[6:]}), "
-        f"{len(store.train)} train and {len(store.val)} val images, {classes} classes, {held}"
-        + (f", {ctx.world_size} ranks of {batch} images per step, each holding "
-           f"{len(data.train_rows)} train images" if ctx.distributed else ""))
+             f"jpeg store, decoded by {data.threads} CPU threads") if store.format == "jpeg"
+            else f"raw store of size {store.size} in {data.where} memory")
+    say(f"recipe {r.name} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {len(store.train)} train and "
+        f"{len(store.val)} val images, {len(store.index['classes'])} classes, {held}"
+        + (f", {ctx.world_size} ranks of {batch} images per step, each holding {len(data.train_rows)} train images"
+           if ctx.distributed else ""))
     if not devices.is_cpu(device):
         devices.autotune(device)
         with Heartbeat("warm-up: cuDNN's autotuning at every resolution and batch", on=progress):
-            warmup(hp, data, classes=classes, device=device, dtype=dtype, world=ctx.world_size)
+            warmup(r, data, device=device, dtype=dtype, world=ctx.world_size)
+    return train_runs(args, r, data, ctx=ctx, argv=argv, store=store)
+
+
+def placed(r, store, args, *, ctx, decoder, progress):
+    """This process's Data (imagenet_data.place), once what training needs of the device is known to fit (and
+    whether a raw store fits beside it): a UsageError of one line, before anything is loaded, when not."""
+    device = torch.device(ctx.device)
+    dtype, classes = devices.compute_dtype(device, args.precision), len(store.index["classes"])
+    training = 0 if devices.is_cpu(device) else training_bytes(r, classes, world=ctx.world_size, dtype=dtype)
+    devices.check_training_fits(device, training, why=f"training {r.network.model} at "
+                                f"{per_rank_batch(r.batch_size, ctx.world_size)} images per process",
+                                remedy="use a smaller --batch-size or more GPUs (the batch is split over them)")
+    with Heartbeat(f"placing {args.store}", on=progress):
+        return place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
+                     threads=args.loader_threads, training=training)     # under torchrun, this rank's share alone
+
+
+def train_runs(args, r, data, *, ctx, argv, store):
+    """The runs of the command line (seeds --seed, +1, ...), each its table, its line and --out rewritten after it;
+    the exit status."""
+    o = Options(target=args.target, eval_every=args.eval_every, precision=args.precision,
+                interrupt_after=args.interrupt_after_epoch, resume=args.resume, progress=ctx.is_main and not args.quiet)
     labels = {"final_top1": ("final top-1", ""), "final_top5": ("final top-5", ""),
               "time_to_target": (f"time to {args.target:.2%}", " s"), "train_time": ("training time", " s")}
     runs = []
 
     def save(complete):
-        """--out after every run, so that a run cut short, or a failure later, never loses the finished runs."""
         if args.out and ctx.is_main:
             write_json(args.out, run_record({
-                "recipe": args.recipe, "hyperparameters": hp, "target": args.target, "store": str(args.store),
-                "store_format": store.format, "data_on": data.where, "decoder": decoder, "complete": complete, "runs": runs,
-                "summary": summarize_runs(runs, args.target, labels, "final_top1")}, args, argv=argv, device=device,
-                ctx=ctx))
-
-    for r in range(args.runs):
-        seed = args.seed + r
+                "recipe": r.name, "settings": r, "target": args.target, "store": str(args.store),
+                "store_format": store.format, "data_on": data.where, "decoder": data.decoder, "complete": complete,
+                "runs": runs, "summary": summarize_runs(runs, args.target, labels, "final_top1")}, args, argv=argv,
+                device=ctx.device, ctx=ctx))
+    for k in range(args.runs):
+        seed, epochs = args.seed + k, []
         if args.runs > 1:
-            say(f"run {r + 1}/{args.runs} (seed {seed})")
+            D.print0(f"run {k + 1}/{args.runs} (seed {seed})")
         table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
                       file=None if ctx.is_main else io.StringIO())
-        ckpt = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
-        epochs_done = []
-
-        def epoch_done(row):
-            table.append(row)
-            epochs_done.append(row["epoch"])
+        checkpoint = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
         try:
-            result = loop.train(start(hp, data, classes=classes, device=device, dtype=dtype, ctx=ctx,
-                                      bucket_mb=args.bucket_mb, hook=hook), hp,
-                                device=device, seed=seed, dtype=dtype, ctx=ctx, target=args.target,
-                                eval_every=args.eval_every, on_epoch=epoch_done, checkpoint=ckpt, resume=args.resume,
-                                interrupt_after=args.interrupt_after_epoch,
-                                progress_after_s=PROGRESS_AFTER_S if progress else None)
+            result = train_run(r, data, replace(o, checkpoint=checkpoint), ctx=ctx, seed=seed,
+                               on_epoch=lambda row: (table.append(row), epochs.append(row["epoch"])))
         except DataError as e:
-            say(f"error: {e}", file=sys.stderr)      # the checkpoint's errors: the same on every rank
+            D.print0(f"error: {e}", file=sys.stderr)      # the checkpoint's errors: the same on every rank
             return 1
         except KeyboardInterrupt:
-            say(interrupted(max(epochs_done, default=0) + 1, r + 1, len(runs), out=args.out, checkpoint=ckpt),
-                file=sys.stderr)
+            D.print0(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out, checkpoint=checkpoint),
+                     file=sys.stderr)
             return 130
-        result.pop("model")
-        result["final_top1"], result["final_top5"] = result.pop("final_acc"), result["rows"][-1]["top5"]
         runs.append(result)
         save(complete=False)
         ttt = result["time_to_target"]
-        say(f"final top-1 {result['final_top1']:.4f}, top-5 {result['final_top5']:.4f}; "
-            + (f"time to {args.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {args.target:.2%}")
-            + f"; training time {result['train_time']:.2f} s")
-
+        D.print0(f"final top-1 {result['final_top1']:.4f}, top-5 {result['final_top5']:.4f}; "
+                 + (f"time to {args.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach "
+                    f"{args.target:.2%}") + f"; training time {result['train_time']:.2f} s")
     if args.runs > 1 and ctx.is_main:
-        print_summary(args.recipe, summarize_runs(runs, args.target, labels, "final_top1"), args.target, labels)
+        print_summary(r.name, summarize_runs(runs, args.target, labels, "final_top1"), args.target, labels)
     save(complete=True)
     if args.out and ctx.is_main:
         print(f"wrote {args.out}")
@@ -507,10 +701,10 @@ def main(argv=None):
     argv_list = sys.argv[1:] if argv is None else list(argv)
     if argv_list[:1] == ["simulate"]:
         return scaling.main_simulate(argv_list[1:])
-    args, overrides = parse_args(argv)
+    args, changes = parse_args(argv)
     if args.command == "prepare":
         return main_prepare(args)
-    return main_train(args, overrides, argv)
+    return main_train(args, changes, argv)
 
 
 if __name__ == "__main__":

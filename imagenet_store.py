@@ -190,7 +190,9 @@ def worker_pool(workers):
     try:
         yield pool
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
+        for worker in list(pool._processes.values()):     # the executor has no terminate(); its workers ignore Ctrl-C
+            worker.terminate()
+        pool.shutdown(cancel_futures=True)              # waits for nothing now; wait=False fails at exit, now and then
         raise
     pool.shutdown()
 

@@ -252,22 +252,6 @@ class RMSpropToSGD(torch.optim.Optimizer):
 # ----------------------------------------------------------------------------------------------------------
 # Choosing the optimisers, their parameter groups and learning-rate units
 
-def optimizer(groups, hp):
-    """hp["optimizer"] over the parameter groups, at lr 0 until the schedule sets it: momentum SGD ("sgd"),
-    LARS ("lars", trust coefficient lars_trust) or RMSprop-to-SGD ("rmsprop_sgd": rms_lr, and rms_beta_center
-    and rms_beta_period in epochs of the training loop's clock)."""
-    name, m = hp["optimizer"], hp["momentum"]
-    if name == "sgd":
-        device = next((p.device for g in groups for p in g["params"]), "cpu")
-        return torch.optim.SGD(groups, lr=0.0, momentum=m, nesterov=hp["nesterov"], **devices.sgd_options(device))
-    if name == "lars":
-        return LARS(groups, lr=0.0, momentum=m, trust_coefficient=hp["lars_trust"])
-    if name == "rmsprop_sgd":
-        return RMSpropToSGD(groups, lr=0.0, lr_rmsprop=hp["rms_lr"], momentum=m, beta_center=hp["rms_beta_center"],
-                            beta_period=hp["rms_beta_period"])
-    raise ValueError(f"unknown optimizer {name!r}; choose from sgd, lars, rmsprop_sgd")
-
-
 def param_groups_no_decay_1d(model, weight_decay):
     """Two optimizer groups: weight decay for weight matrices and kernels, none for 1-D tensors (BN, biases); each
     at the schedule's rate (set_lr)."""
@@ -279,42 +263,36 @@ def param_groups_no_decay_1d(model, weight_decay):
 MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def make_optimizers(model, hp, steps_per_epoch=1, world=1):
-    """The optimisers for one run; set_lr() then sets every group's step size from the schedule.
+def make_optimizers(model, r, steps_per_epoch=1, world=1):
+    """The optimisers of one run of recipe r (cifar10_fast.Recipe); set_lr() then sets every group's step size from
+    the schedule.
 
-    Three parametrisations of lr and weight decay (wd), all on the batch-summed loss:
-    - "myrtle" (Myrtle 2018): step size lr/batch_size and decay wd·batch_size, which together equal
-      plain SGD on the batch-mean loss with (lr, wd).
+    Three units of lr and weight decay (wd), r.sgd.lr_units, all on the batch-summed loss:
+    - "myrtle" (Myrtle 2018): step size lr/batch_size and decay wd·batch_size, which together equal plain SGD on
+      the batch-mean loss with (lr, wd).
     - "decoupled" (Jordan 2024): lr and wd are per 1024 examples and divided by the Nesterov gain
       1 + 1/(1 - momentum), so the average step does not change with momentum; the decay per step is
-      wd·batch_size/(1024·gain) × the schedule's factor, whatever lr and bias_lr_mult are, so lr,
-      wd and momentum can be tuned one at a time.
+      wd·batch_size/(1024·gain) x the schedule's factor, whatever lr and bias_lr_mult are, so lr, wd and momentum
+      can be tuned one at a time.
     - "sum" (airbench94_muon): lr is torch.optim.SGD's on the summed loss, as written; the decay per step is
-      wd·batch_size × the schedule's factor (their weight_decay = wd·batch_size / lr), whatever lr is.
-    Batch-norm biases get lr × bias_lr_mult: with frozen scales they are the only per-channel knobs.
-    With optimizer="muon", conv filter banks (4-D weights) use Muon at muon_lr × the schedule factor.
-    The bias of the whitening layer (a convolution whose filters are frozen) gets lr × whiten_bias_lr_mult
-    and trains only for the first whiten_bias_epochs (fractional epochs: the steps are rounded up); with
-    whiten_bias_decay="linear" its rate ignores the schedule and falls linearly from its peak to 0 over
-    those steps (airbench94_muon). After them its lr is 0 and train() detaches it.
-    optimizer="lars" or "rmsprop_sgd" use the large-batch optimisers on the same groups.
+      wd·batch_size x the schedule's factor (their weight_decay = wd·batch_size / lr), whatever lr is.
+    Batch-norm biases get lr x bias_lr_mult: with frozen scales they are the only per-channel knobs. With Muon
+    (r.muon), conv filter banks (4-D weights) use it at muon.lr x the schedule's factor. The bias of the whitening
+    layer (a convolution whose filters are frozen) gets lr x its lr_mult and trains only for its first epochs
+    (fractional: the steps are rounded up); with decay "linear" its rate ignores the schedule and falls linearly
+    from its peak to 0 over those steps (airbench94_muon). After them its lr is 0 and the run detaches it.
 
     Under DDP (world ranks of batch_size / world images each) gradients are averaged over ranks, i.e. 1/world of
-    the summed loss's gradient over the global batch. In the myrtle units 1/(rank batch) = world/global
-    batch absorbs this; in the decoupled and sum units the step is multiplied by world to undo it.
+    the summed loss's gradient over the global batch. In the myrtle units 1/(rank batch) = world/global batch
+    absorbs this; in the decoupled and sum units the step is multiplied by world to undo it.
     """
-    bs, m, wd, peak = hp["batch_size"] // world, hp["momentum"], hp["weight_decay"], max(hp["lr_values"])
-    units = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - m))), "sum": world}
-    if hp["param"] not in units:
-        raise ValueError(f"param must be myrtle, decoupled or sum, not {hp['param']!r}")
-    unit = units[hp["param"]]
-    decay = (lambda scale: wd * bs / scale) if hp["param"] == "myrtle" else (lambda scale: wd * bs / (peak * scale))
-    if hp["optimizer"] == "lars":
-        unit = 1.0      # LARS divides by the gradient's norm: its step is lr × trust × |w|, whatever the loss's scale
+    sgd, muon = r.sgd, r.muon
+    bs, m, wd, peak = r.batch_size // world, sgd.momentum, sgd.weight_decay, max(r.lr.values)
+    unit = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - m))), "sum": world}[sgd.lr_units]
+    decay = (lambda scale: wd * bs / scale) if sgd.lr_units == "myrtle" else (lambda scale: wd * bs / (peak * scale))
     bn_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, nn.BatchNorm2d)}
     whiten_biases = {id(mod.bias) for mod in model.modules()
                      if isinstance(mod, nn.Conv2d) and mod.bias is not None and not mod.weight.requires_grad}
-    muon = hp["optimizer"] == "muon"
     groups = {"weights": [], "bn_biases": [], "whiten_bias": [], "filters": []}
     for p in model.parameters():
         if not p.requires_grad:
@@ -322,21 +300,22 @@ def make_optimizers(model, hp, steps_per_epoch=1, world=1):
         key = ("bn_biases" if id(p) in bn_biases else "whiten_bias" if id(p) in whiten_biases
                else "filters" if muon and p.ndim == 4 else "weights")
         groups[key].append(p)
-    scales = {"weights": 1.0, "bn_biases": hp["bias_lr_mult"], "whiten_bias": hp["whiten_bias_lr_mult"]}
-    whiten = dict(until_step=epoch_steps(hp["whiten_bias_epochs"], steps_per_epoch),
-                  linear=hp["whiten_bias_decay"] == "linear")
-    sgd = [{"params": groups[k], "lr_unit": unit * scales[k], "weight_decay": decay(scales[k]), "name": k,
-            "peak": peak, **(whiten if k == "whiten_bias" else {"until_step": None})}
-           for k in scales if groups[k]]
-    opts = [optimizer(sgd, {**hp, "optimizer": "sgd"} if muon else hp)]
+    bias = r.whitening.bias if r.whitening and r.whitening.bias else None
+    scales = {"weights": 1.0, "bn_biases": sgd.bias_lr_mult, "whiten_bias": bias.lr_mult if bias else 1.0}
+    whiten = dict(until_step=epoch_steps(bias.epochs if bias else 0, steps_per_epoch),
+                  linear=bias is not None and bias.decay == "linear")
+    groups_sgd = [{"params": groups[k], "lr_unit": unit * scales[k], "weight_decay": decay(scales[k]), "name": k,
+                   "peak": peak, **(whiten if k == "whiten_bias" else {"until_step": None})}
+                  for k in scales if groups[k]]
+    device = next(model.parameters()).device
+    opts = [torch.optim.SGD(groups_sgd, lr=0.0, momentum=m, nesterov=sgd.nesterov, **devices.sgd_options(device))]
     if groups["filters"]:
-        opts.append(Muon([{"params": groups["filters"], "lr_unit": hp["muon_lr"] / peak, "name": "filters",
-                           "until_step": None}], lr=0.0, momentum=hp["muon_momentum"], nesterov=hp["nesterov"],
-                         ns_steps=hp["muon_ns_steps"], ns_coeffs=hp["muon_ns_coeffs"],
-                         renorm_every=hp["muon_renorm_every"],
-                         total_steps=max(1, epoch_steps(hp["epochs"], steps_per_epoch)),
-                         weight_decay=hp["muon_weight_decay"] * bs * world,
-                         momentum_dtype=MOMENTUM_DTYPES[hp["muon_momentum_dtype"]], batched=hp["muon_batched"]))
+        opts.append(Muon([{"params": groups["filters"], "lr_unit": muon.lr / peak, "name": "filters",
+                           "until_step": None}], lr=0.0, momentum=muon.momentum, nesterov=sgd.nesterov,
+                         ns_steps=muon.ns_steps, ns_coeffs=muon.ns_coeffs, renorm_every=muon.renorm_every,
+                         total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)),
+                         weight_decay=muon.weight_decay * bs * world,
+                         momentum_dtype=MOMENTUM_DTYPES[muon.momentum_dtype], batched=muon.batched))
     return opts
 
 

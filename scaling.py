@@ -9,6 +9,7 @@ The model and its assumptions are written out in docs/scaling.md.
 import argparse
 import math
 import sys
+from dataclasses import dataclass
 
 from core import Parser, square_grid
 
@@ -35,8 +36,19 @@ def allreduce_time(nbytes, gpus, algorithm, *, link_gbps, latency_us):
     raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose from ring, tree, torus")
 
 
-def simulate(gpus, *, step_time_s, model_bytes, link_gbps, latency_us, algorithm="ring", buckets=4,
-             batch_per_gpu=32, backward_fraction=2 / 3, gpus_per_node=1, intra_gbps=None, intra_latency_us=None):
+@dataclass(frozen=True)
+class Links:
+    """The network between the GPUs: the slowest link's Gbit/s and latency (a node's network), and inside a node of
+    gpus_per_node GPUs, intra_gbps and intra_latency_us (NVLink; None: as between nodes)."""
+    link_gbps: float
+    latency_us: float
+    gpus_per_node: int = 1
+    intra_gbps: float = None
+    intra_latency_us: float = None
+
+
+def simulate(gpus, links, *, step_time_s, model_bytes, algorithm="ring", buckets=4, batch_per_gpu=32,
+             backward_fraction=2 / 3):
     """Projected step time, images/s and scaling efficiency of data-parallel training on each GPU count.
 
     Weak scaling: every GPU keeps batch_per_gpu, so compute stays step_time_s (one GPU's measured or given
@@ -47,17 +59,18 @@ def simulate(gpus, *, step_time_s, model_bytes, link_gbps, latency_us, algorithm
         step = F + max(B + c, B / k + k c)
     (the first term: communication hides behind backward except the last bucket's; the second: communication
     is the bottleneck and only the first bucket's wait for backward shows). Efficiency = step_time_s / step.
-    Runs that fit in one node (gpus <= gpus_per_node) use intra_gbps / intra_latency_us (NVLink); larger runs
-    use link_gbps / latency_us, the bandwidth of the slowest link a ring or tree crosses: a node's network
+    Runs that fit in one node (gpus <= links.gpus_per_node) use intra_gbps / intra_latency_us (NVLink); larger
+    runs use link_gbps / latency_us, the bandwidth of the slowest link a ring or tree crosses: a node's network
     bandwidth, since with ranks placed node by node each node boundary carries one stream (NCCL's rings and
     trees, and the torus's columns, which split that stream between the node's GPUs). Ignored: the optimizer
     step, stragglers, congestion, I/O, and the per-message overheads that real libraries add.
     """
     rows = []
+    n = links
     for p in gpus:
-        inside = p <= gpus_per_node and intra_gbps
-        bw = intra_gbps if inside else link_gbps
-        lat = (intra_latency_us if intra_latency_us is not None else latency_us) if inside else latency_us
+        inside = p <= n.gpus_per_node and n.intra_gbps
+        bw = n.intra_gbps if inside else n.link_gbps
+        lat = (n.intra_latency_us if n.intra_latency_us is not None else n.latency_us) if inside else n.latency_us
         c = allreduce_time(model_bytes / buckets, p, algorithm, link_gbps=bw, latency_us=lat)
         backward = backward_fraction * step_time_s
         step = step_time_s - backward + max(backward + c, backward / buckets + buckets * c)
@@ -89,16 +102,18 @@ PUBLISHED = [
               "tree all-reduce assumed (their exact algorithm not modelled)"),
 ]
 
-_SIM_ARGS = ("step_time_s", "model_bytes", "link_gbps", "latency_us", "algorithm", "buckets", "batch_per_gpu",
-             "gpus_per_node", "intra_gbps", "intra_latency_us")
+_SIM_ARGS = ("step_time_s", "model_bytes", "algorithm", "buckets", "batch_per_gpu")
+_LINKS = ("link_gbps", "latency_us", "gpus_per_node", "intra_gbps", "intra_latency_us")
 
 
 def published_metric(case, **override):
     """Our model's value of the case's published metric (efficiency, relative efficiency or images/s)."""
-    kw = {**{k: case[k] for k in _SIM_ARGS}, **override}
-    row = simulate([case["gpus"]], **kw)[0]
+    case = {**case, **override}
+    links = Links(**{k: case[k] for k in _LINKS if k in case})
+    kw = {k: case[k] for k in _SIM_ARGS}
+    row = simulate([case["gpus"]], links, **kw)[0]
     if case["metric"] == "relative_efficiency":
-        return row["efficiency"] / simulate([case["base_gpus"]], **kw)[0]["efficiency"]
+        return row["efficiency"] / simulate([case["base_gpus"]], links, **kw)[0]["efficiency"]
     return row[case["metric"]]
 
 
@@ -190,10 +205,10 @@ def main_simulate(argv=None):
     print(f"{'gpus':>6} {'algorithm':>9} {'step ms':>9} {'comm ms':>9} {'images/s':>12} {'efficiency':>10}"
           + (f" {epochs:>12}" if epochs else ""))
     for alg in (["ring", "tree", "torus"] if a.algorithm == "all" else [a.algorithm]):
-        for r in simulate(a.gpus, step_time_s=a.step_time, model_bytes=a.model_mb * 1e6, link_gbps=a.link_gbps,
-                          latency_us=a.latency_us, algorithm=alg, buckets=a.buckets, batch_per_gpu=a.batch_per_gpu,
-                          backward_fraction=a.backward_fraction, gpus_per_node=a.gpus_per_node,
-                          intra_gbps=a.intra_gbps):
+        links = Links(link_gbps=a.link_gbps, latency_us=a.latency_us, gpus_per_node=a.gpus_per_node,
+                      intra_gbps=a.intra_gbps)
+        for r in simulate(a.gpus, links, step_time_s=a.step_time, model_bytes=a.model_mb * 1e6, algorithm=alg,
+                          buckets=a.buckets, batch_per_gpu=a.batch_per_gpu, backward_fraction=a.backward_fraction):
             print(f"{r['gpus']:>6} {alg:>9} {1e3 * r['step_s']:>9.2f} {1e3 * r['comm_s']:>9.2f} "
                   f"{r['images_per_s']:>12,.0f} {100 * r['efficiency']:>9.1f}%"
                   + (f" {a.epochs * a.images_per_epoch / r['images_per_s']:>10,.1f} s" if epochs else ""))

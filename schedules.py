@@ -81,49 +81,52 @@ def slow_start_lr(epoch, peak_lr, epochs=90):
     return peak_lr * [factor for start, factor in SLOW_START if start <= at][-1]
 
 
-def lr_at(hp, t):
-    """Learning rate per lr_scale_base images at t epochs: a linear warm-up over warmup_epochs from warmup_start ×
-    the schedule's rate there (0: from zero; Goyal et al. start from the rate of one 256-image worker) up to it,
-    then the schedule: linear to 0 at the end, cosine to 0, ×0.1 at each of step_epochs, or slow_start (Akiba et
-    al.'s 90-epoch schedule stretched to the run: 0.5 × lr for the first 40/90 while RMSprop-to-SGD hands over,
-    then 0.075, 0.01 and 0.001 × lr)."""
-    warm = hp["warmup_epochs"]
+def lr_at(r, t):
+    """Learning rate per lr_scale_base images at t epochs of an ImageNet recipe r (its .schedule): a linear warm-up
+    over warmup_epochs from warmup_start x the schedule's rate there (0: from zero; Goyal et al. start from the rate
+    of one 256-image worker) up to it, then the schedule: linear to 0 at the end, cosine to 0, x0.1 at each of
+    step_epochs, or slow_start (Akiba et al.'s 90-epoch schedule stretched to the run: 0.5 x lr for the first 40/90
+    while RMSprop-to-SGD hands over, then 0.075, 0.01 and 0.001 x lr)."""
+    warm = r.schedule.warmup_epochs
     if t < warm:
-        top, start = decayed_lr(hp, warm), hp["warmup_start"]
+        top, start = decayed_lr(r, warm), r.schedule.warmup_start
         return top * start + top * (1 - start) * t / warm
-    return decayed_lr(hp, t)
+    return decayed_lr(r, t)
 
 
-def decayed_lr(hp, t):
+def decayed_lr(r, t):
     """The schedule after the warm-up, at t epochs (lr_at)."""
-    peak, warm, end = hp["lr"], hp["warmup_epochs"], hp["epochs"]
+    s = r.schedule
+    peak, warm, end = s.lr, s.warmup_epochs, r.epochs
     f = min(1.0, (t - warm) / max(end - warm, 1e-9))
-    if hp["schedule"] == "linear":
+    if s.schedule == "linear":
         return peak * (1 - f)
-    if hp["schedule"] == "cosine":
+    if s.schedule == "cosine":
         return peak * 0.5 * (1 + math.cos(math.pi * f))
-    if hp["schedule"] == "step":
-        return peak * 0.1 ** sum(t >= s for s in hp["step_epochs"])
-    if hp["schedule"] == "slow_start":
+    if s.schedule == "step":
+        return peak * 0.1 ** sum(t >= e for e in s.step_epochs)
+    if s.schedule == "slow_start":
         return slow_start_lr(t, peak, end)
-    raise ValueError(f"unknown schedule {hp['schedule']!r}; choose from linear, cosine, step, slow_start")
+    raise ValueError(f"unknown schedule {s.schedule!r}; choose from linear, cosine, step, slow_start")
 
 
-def res_at(hp, epoch):
-    """Training resolution of an epoch (0-based): min_res until res_start_epoch, linear to max_res
-    at res_end_epoch, rounded to a multiple of res_step (FFCV's progressive resizing)."""
-    a, b = hp["res_start_epoch"], hp["res_end_epoch"]
+def res_at(r, epoch):
+    """Training resolution of an epoch (0-based) of an ImageNet recipe r (its .resolution): min_res until
+    res_start_epoch, linear to max_res at res_end_epoch, rounded to a multiple of res_step (FFCV's progressive
+    resizing)."""
+    s = r.resolution
+    a, b = s.res_start_epoch, s.res_end_epoch
     f = 1.0 if epoch >= b else 0.0 if epoch <= a else (epoch - a) / (b - a)
-    r = hp["min_res"] + f * (hp["max_res"] - hp["min_res"])
-    return int(round(r / hp["res_step"])) * hp["res_step"]
+    res = s.min_res + f * (s.max_res - s.min_res)
+    return int(round(res / s.res_step)) * s.res_step
 
 
-def batch_at(batch, hp, res):
+def batch_at(batch, s, res):
     """Batch size at a resolution: `batch` at max_res, and with batch_scale, larger at lower resolutions in
-    proportion to the pixels saved (same activation memory), a multiple of 8."""
-    if not hp["batch_scale"]:
+    proportion to the pixels saved (same activation memory), a multiple of 8 (s: a recipe's .resolution)."""
+    if not s.batch_scale:
         return batch
-    return max(8, int(batch * (hp["max_res"] / res) ** 2) // 8 * 8)
+    return max(8, int(batch * (s.max_res / res) ** 2) // 8 * 8)
 
 
 class BatchSizeSchedule:
@@ -156,13 +159,13 @@ class BatchSizeSchedule:
         return per_rank_batch(self.batch(epoch), world)
 
 
-def batch_for(hp, epoch, world=1):
-    """This rank's batch in an epoch: from the batch-size schedule (Mikami et al. 2018: the global batch grows during
-    training; flattened (epoch, global batch) pairs) if there is one, else batch_at of this rank's share of
-    batch_size."""
-    pairs = hp["batch_schedule"]
+def batch_for(r, epoch, world=1):
+    """This rank's batch in an epoch of an ImageNet recipe r: from the batch-size schedule (Mikami et al. 2018: the
+    global batch grows during training; flattened (epoch, global batch) pairs) if there is one, else batch_at of
+    this rank's share of batch_size."""
+    pairs = r.resolution.batch_schedule
     if len(pairs) % 2:
         raise ValueError(f"batch schedule {pairs} is not (epoch, batch) pairs")
     if pairs:
         return BatchSizeSchedule(zip(pairs[::2], pairs[1::2])).per_rank(epoch, world)
-    return batch_at(per_rank_batch(hp["batch_size"], world), hp, res_at(hp, epoch))
+    return batch_at(per_rank_batch(r.batch_size, world), r.resolution, res_at(r, epoch))

@@ -1,9 +1,7 @@
 """The CIFAR-10 networks: ResNet-9, ResNet-18 and the three-block fastnet with their batch-norm and whitening
-options, test-time augmentation and evaluation, and the FLOPs of a run. The data and its augmentation are in
-cifar_data.py, the optimisers in optim.py, the loop in loop.py, every device decision in devices.py.
-
-Hyperparameters arrive as one flat dict (a recipe from cifar10_fast.py, where every key is
-named once in BASE); `grep 'hp\\["name"\\]'` finds where a hyperparameter acts.
+options, test-time augmentation and evaluation, and the FLOPs of a run. Each is built from a recipe's settings
+(cifar10_fast.Recipe: its network, batch_norm and whitening); the data and its augmentation are in cifar_data.py,
+the optimisers in optim.py, the loop in cifar10_fast.py, every device decision in devices.py.
 """
 
 import torch
@@ -51,15 +49,15 @@ class BatchNorm(nn.BatchNorm2d):
         return torch.addcmul(shift.to(x.dtype), xs, scale.to(x.dtype)).flatten(0, 1)
 
 
-def batch_norm(c, hp):
-    return BatchNorm(c, freeze_scale=hp["freeze_bn_scale"], ghost_batch=hp["ghost_batch"], momentum=hp["bn_momentum"],
-                     eps=hp["bn_eps"])
+def batch_norm(c, bn):
+    """BatchNorm of c channels with the settings bn (cifar10_fast.BatchNorm)."""
+    return BatchNorm(c, freeze_scale=bn.freeze_scale, ghost_batch=bn.ghost_batch, momentum=bn.momentum, eps=bn.eps)
 
 
-def activation(hp, act=None):
-    act = act or hp["act"]
+def activation(net, act=None):
+    act = act or net.act
     if act == "celu":
-        return nn.CELU(hp["celu_alpha"])
+        return nn.CELU(net.celu_alpha)
     if act == "gelu":
         return nn.GELU()
     if act == "silu":
@@ -69,22 +67,22 @@ def activation(hp, act=None):
     raise ValueError(f"act must be relu, celu, gelu or silu, not {act!r}")
 
 
-def conv(c_in, c_out, hp, kernel=3):
-    """A bias-free convolution; with hp["dirac_init"] its first c_in filters start as the identity
-    (Jordan 2024), so a fresh network passes its input through and early steps train faster."""
+def conv(c_in, c_out, net, kernel=3):
+    """A bias-free convolution; with net.dirac_init its first c_in filters start as the identity (Jordan 2024), so a
+    fresh network passes its input through and early steps train faster."""
     layer = nn.Conv2d(c_in, c_out, kernel, padding=kernel // 2, bias=False)
-    if hp["dirac_init"] and kernel > 1 and c_out >= c_in:
+    if net.dirac_init and kernel > 1 and c_out >= c_in:
         with torch.no_grad():
             nn.init.dirac_(layer.weight[:c_in])
     return layer
 
 
-def conv_bn(c_in, c_out, hp, *, pool=False, kernel=3):
-    """conv → batch norm → activation, with an optional 2×2 max-pool after it, or moved to
-    straight after the conv (`pool_first`), which does the same maths on 4× fewer pixels."""
-    layers = [conv(c_in, c_out, hp, kernel), batch_norm(c_out, hp), activation(hp)]
+def conv_bn(c_in, c_out, r, *, pool=False, kernel=3):
+    """conv -> batch norm -> activation, with an optional 2x2 max-pool after it, or moved to straight after the conv
+    (net.pool_first), which does the same maths on 4x fewer pixels."""
+    layers = [conv(c_in, c_out, r.network, kernel), batch_norm(c_out, r.batch_norm), activation(r.network)]
     if pool:
-        layers.insert(1 if hp["pool_first"] else 3, nn.MaxPool2d(2))
+        layers.insert(1 if r.network.pool_first else 3, nn.MaxPool2d(2))
     return nn.Sequential(*layers)
 
 
@@ -169,76 +167,77 @@ class Whitening(nn.Conv2d):
         self.weight.copy_(filters.to(self.weight))
 
 
-def first_layer(hp, c_out):
-    """The input layer: patch whitening when hp["whiten"], else an ordinary trainable convolution."""
-    k = hp["whiten_size"]
-    if not hp["whiten"]:
-        return nn.Conv2d(3, c_out, k, padding=hp["whiten_pad"], bias=hp["whiten_bias"])
-    return Whitening(k, hp["whiten_eps"], both_signs=hp["whiten_signs"] == 2, bias=hp["whiten_bias"],
-                     bias_init=hp["whiten_bias_init"], padding=hp["whiten_pad"], images=hp["whiten_images"], centre=hp["whiten_centre"],
-                     ddof=hp["whiten_ddof"], decomp=hp["whiten_decomp"])
+def first_layer(w):
+    """The input layer: patch whitening with the settings w (cifar10_fast.Whitening); with none, an ordinary
+    trainable convolution of fastnet's shape (2x2, 24 channels, a bias)."""
+    if w is None:
+        return nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True)
+    return Whitening(w.size, w.eps, both_signs=w.both_signs, bias=w.bias is not None,
+                     bias_init=w.bias.init if w.bias else "zero", padding=w.pad, images=w.fit.images,
+                     centre=w.fit.centre, ddof=w.fit.ddof, decomp=w.fit.decomp)
 
 
-def widths(hp, base):
-    return [max(1, round(c * hp["width"])) for c in base]
+def widths(net, base):
+    return [max(1, round(c * net.width)) for c in base]
 
 
-def classifier(c, hp, num_classes):
-    """The linear head and the logit scale output_scale (÷ c with output_by_width, as airbench94_muon divides by
-    the width); head_unit_std rescales its initial weights to unit standard deviation (airbench94_muon)."""
+def classifier(c, net, num_classes):
+    """The linear head and the logit scale output_scale; with head_unit_std its initial weights at unit standard
+    deviation and the logits / c as well (airbench94_muon)."""
     head = nn.Linear(c, num_classes, bias=False)
-    if hp["head_unit_std"]:
+    if net.head_unit_std:
         with torch.no_grad():
             head.weight /= head.weight.std()
-    return [head, Mul(hp["output_scale"] / (c if hp["output_by_width"] else 1))]
+    return [head, Mul(net.output_scale / (c if net.head_unit_std else 1))]
 
 
-def resnet9(hp, num_classes=10):
-    """Myrtle's ResNet-9: prep 64, layer1 128 + residual, layer2 256, layer3 512 + residual,
-    global max-pool, linear, logits × output_scale. 6,573,120 parameters at width 1.
-    With whitening, the prep conv becomes a frozen 3×3 whitening layer and a 1×1 conv (Myrtle)."""
-    c0, c1, c2, c3 = widths(hp, (64, 128, 256, 512))
-    if hp["whiten"]:
-        white = first_layer(hp, 0)
-        prep = nn.Sequential(white, conv_bn(white.out_channels, c0, hp, kernel=1))
+def resnet9(r, num_classes=10):
+    """Myrtle's ResNet-9: prep 64, layer1 128 + residual, layer2 256, layer3 512 + residual, global max-pool, linear,
+    logits x output_scale. 6,573,120 parameters at width 1. With whitening, the prep conv becomes a frozen 3x3
+    whitening layer and a 1x1 conv (Myrtle)."""
+    c0, c1, c2, c3 = widths(r.network, (64, 128, 256, 512))
+    if r.whitening:
+        white = first_layer(r.whitening)
+        prep = nn.Sequential(white, conv_bn(white.out_channels, c0, r, kernel=1))
     else:
-        prep = conv_bn(3, c0, hp)
+        prep = conv_bn(3, c0, r)
     return nn.Sequential(
         prep,
-        conv_bn(c0, c1, hp, pool=True),
-        Residual(conv_bn(c1, c1, hp), conv_bn(c1, c1, hp)),
-        conv_bn(c1, c2, hp, pool=True),
-        conv_bn(c2, c3, hp, pool=True),
-        Residual(conv_bn(c3, c3, hp), conv_bn(c3, c3, hp)),
+        conv_bn(c0, c1, r, pool=True),
+        Residual(conv_bn(c1, c1, r), conv_bn(c1, c1, r)),
+        conv_bn(c1, c2, r, pool=True),
+        conv_bn(c2, c3, r, pool=True),
+        Residual(conv_bn(c3, c3, r), conv_bn(c3, c3, r)),
         GlobalMaxPool(), nn.Flatten(),
-        *classifier(c3, hp, num_classes),
+        *classifier(c3, r.network, num_classes),
     )
 
 
-def conv_group(c_in, c_out, hp):
-    """Jordan's block: conv → 2×2 max-pool → BN → act → conv → BN → act. At block_depth 3 (airbench96) the
+def conv_group(c_in, c_out, r):
+    """Jordan's block: conv -> 2x2 max-pool -> BN -> act -> conv -> BN -> act. At block_depth 3 (airbench96) the
     second conv-BN-act and a third conv-BN form a residual branch added before the last activation:
-    x ← act(x + BN(conv(act(BN(conv(x))))))."""
-    first = [conv(c_in, c_out, hp), nn.MaxPool2d(2), batch_norm(c_out, hp), activation(hp)]
-    unit = lambda: [conv(c_out, c_out, hp), batch_norm(c_out, hp)]
-    if hp["block_depth"] == 2:
-        return nn.Sequential(*first, *unit(), activation(hp))
-    if hp["block_depth"] == 3:
-        return nn.Sequential(*first, Residual(*unit(), activation(hp), *unit(), act=activation(hp)))
-    raise ValueError(f"block_depth must be 2 or 3, not {hp['block_depth']}")
+    x <- act(x + BN(conv(act(BN(conv(x))))))."""
+    net, bn = r.network, r.batch_norm
+    first = [conv(c_in, c_out, net), nn.MaxPool2d(2), batch_norm(c_out, bn), activation(net)]
+    unit = lambda: [conv(c_out, c_out, net), batch_norm(c_out, bn)]
+    if net.block_depth == 2:
+        return nn.Sequential(*first, *unit(), activation(net))
+    if net.block_depth == 3:
+        return nn.Sequential(*first, Residual(*unit(), activation(net), *unit(), act=activation(net)))
+    raise ValueError(f"block_depth must be 2 or 3, not {net.block_depth}")
 
 
-def fastnet(hp, num_classes=10):
-    """The three-block network of Jordan (2024), "94% on CIFAR-10 in 3.29 seconds": a frozen 2×2
-    patch-whitening layer (both signs, 24 channels, trainable bias) and its activation (whiten_act, else act),
-    three conv groups of hp["block_widths"] channels (each halves the resolution), global max-pool, linear,
-    logits × output_scale."""
-    white = first_layer(hp, 2 * 3 * hp["whiten_size"] ** 2)
-    layers, c = [white, activation(hp, hp["whiten_act"])], white.out_channels
-    for w in widths(hp, hp["block_widths"]):
-        layers.append(conv_group(c, w, hp))
+def fastnet(r, num_classes=10):
+    """The three-block network of Jordan (2024), "94% on CIFAR-10 in 3.29 seconds": a frozen 2x2 patch-whitening
+    layer (both signs, 24 channels, trainable bias) and its activation (the whitening's act, else the network's),
+    three conv groups of block_widths channels (each halves the resolution), global max-pool, linear, logits x
+    output_scale."""
+    white = first_layer(r.whitening)
+    layers, c = [white, activation(r.network, r.whitening.act if r.whitening else "")], white.out_channels
+    for w in widths(r.network, r.network.block_widths):
+        layers.append(conv_group(c, w, r))
         c = w
-    layers += [GlobalMaxPool(), nn.Flatten(), *classifier(c, hp, num_classes)]
+    layers += [GlobalMaxPool(), nn.Flatten(), *classifier(c, r.network, num_classes)]
     return nn.Sequential(*layers)
 
 
@@ -246,12 +245,12 @@ class PreActBlock(nn.Module):
     """Myrtle's pre-activation block (experiments.ipynb): bn-relu, then conv-bn-relu-conv, plus a shortcut that
     starts from the bn-relu output (the identity, or a strided 1×1 conv when the shape changes)."""
 
-    def __init__(self, c_in, c_out, stride, hp):
+    def __init__(self, c_in, c_out, stride, r):
         super().__init__()
-        self.bn1, self.bn2 = batch_norm(c_in, hp), batch_norm(c_out, hp)
+        self.bn1, self.bn2 = batch_norm(c_in, r.batch_norm), batch_norm(c_out, r.batch_norm)
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.act = activation(hp)
+        self.act = activation(r.network)
         self.shortcut = None if stride == 1 and c_in == c_out else nn.Conv2d(c_in, c_out, 1, stride, bias=False)
 
     def forward(self, x):
@@ -268,26 +267,27 @@ class ConcatPool(nn.Module):
         return torch.cat([x.amax((2, 3)), x.mean((2, 3))], 1)
 
 
-def resnet18(hp, num_classes=10):
-    """Myrtle's ResNet-18, the baseline of their series (experiments.ipynb, DAWN_net): a 3×3 conv of 64 channels
+def resnet18(r, num_classes=10):
+    """Myrtle's ResNet-18, the baseline of their series (experiments.ipynb, DAWN_net): a 3x3 conv of 64 channels
     (no batch norm), four stages of two PreActBlocks of 64/128/256/256 channels (strides 1, 2, 2, 2), then
     concatenated max- and average-pooling into a 512-wide linear layer with bias. 5,205,834 parameters."""
-    c = widths(hp, (64, 128, 256, 256))
+    c = widths(r.network, (64, 128, 256, 256))
     layers, c_in = [nn.Conv2d(3, c[0], 3, 1, 1, bias=False)], c[0]
     for c_out, stride in zip(c, (1, 2, 2, 2)):
-        layers += [PreActBlock(c_in, c_out, stride, hp), PreActBlock(c_out, c_out, 1, hp)]
+        layers += [PreActBlock(c_in, c_out, stride, r), PreActBlock(c_out, c_out, 1, r)]
         c_in = c_out
-    layers += [ConcatPool(), nn.Linear(2 * c_in, num_classes), Mul(hp["output_scale"])]
+    layers += [ConcatPool(), nn.Linear(2 * c_in, num_classes), Mul(r.network.output_scale)]
     return nn.Sequential(*layers)
 
 
 MODELS = {"resnet9": resnet9, "resnet18": resnet18, "fastnet": fastnet}
 
 
-def build_model(hp, device, *, memory_format=torch.contiguous_format, num_classes=10):
-    if hp["model"] not in MODELS:
-        raise ValueError(f"unknown model {hp['model']!r}; choose from {sorted(MODELS)}")
-    return MODELS[hp["model"]](hp, num_classes).to(device, memory_format=memory_format)
+def build_model(r, device, *, memory_format=torch.contiguous_format, num_classes=10):
+    """The network of recipe r (cifar10_fast.Recipe) on device, in memory_format."""
+    if r.network.model not in MODELS:
+        raise ValueError(f"unknown model {r.network.model!r}; choose from {sorted(MODELS)}")
+    return MODELS[r.network.model](r, num_classes).to(device, memory_format=memory_format)
 
 
 def count_parameters(model):
@@ -375,19 +375,21 @@ def selective_tta_logits(model, images, tta, fraction, *, batch_size=1000, memor
 
 
 @torch.no_grad()
-def evaluation_sums(model, images, labels, *, tta="none", dtype=torch.float32, batch_size=1000,
-                    memory_format=torch.contiguous_format, tta_fraction=1.0, tta_weights="airbench"):
-    """The summed loss and the number of correct predictions of the test-time-augmented prediction (see tta_views;
-    with tta_fraction < 1, selective_tta_logits), as one tensor on the images' device: nothing waits for it."""
+def evaluation_sums(model, images, labels, *, tta=None, dtype=torch.float32, batch_size=1000,
+                    memory_format=torch.contiguous_format):
+    """The summed loss and the number of correct predictions, with test-time augmentation tta (cifar10_fast.TTA: its
+    views for every image, or with fraction < 1 selective_tta_logits; None: the plain images), as one tensor on the
+    images' device: nothing waits for it."""
     was_training = model.training
     model.eval()
     batch_size = min(batch_size, len(images))      # every batch this size, the selective views' too
+    views, weights = (tta.views, tta.weights) if tta else ("none", "airbench")
     with devices.autocast(images.device, dtype):
-        if tta_fraction < 1 and tta != "none":
-            logits = selective_tta_logits(model, images, tta, tta_fraction, batch_size=batch_size,
-                                          memory_format=memory_format, weights=tta_weights)
+        if tta and tta.fraction < 1:
+            logits = selective_tta_logits(model, images, views, tta.fraction, batch_size=batch_size,
+                                          memory_format=memory_format, weights=weights)
         else:
-            logits = batched(lambda x: tta_logits(model, x, tta, weights=tta_weights, memory_format=memory_format),
+            logits = batched(lambda x: tta_logits(model, x, views, weights=weights, memory_format=memory_format),
                              batch_size, images)
     model.train(was_training)
     return torch.stack([F.cross_entropy(logits, labels, reduction="sum"), (logits.argmax(1) == labels).sum().float()])
@@ -413,14 +415,14 @@ def set_bias_grad(net, trained):
 # FLOPs
 # ---------------------------------------------------------------------------------------------
 
-def count_flops(hp, data, *, batch=2):
-    """FLOPs of one run: every training step (forward and backward, at low_res for the first low_res_epochs)
-    and the final test-time-augmented evaluation (selective: the plain pass and the other views of
-    tta_fraction of the images), counted by torch.utils.flop_counter (convolutions and matmuls) on a small
-    batch and scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
+def count_flops(r, data, *, batch=2):
+    """FLOPs of one run of recipe r: every training step (forward and backward, at low_res for the first
+    low_res_epochs) and the final test-time-augmented evaluation (selective: the plain pass and the other views of
+    tta.fraction of the images), counted by torch.utils.flop_counter (convolutions and matmuls) on a small batch and
+    scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
     from torch.utils.flop_counter import FlopCounterMode
     device = data["test_images"].device
-    model = build_model(hp, device, num_classes=data.get("num_classes", 10))
+    model = build_model(r, device, num_classes=data.get("num_classes", 10))
     # contiguous: on one CPU thread, torch 2.14.1 crashed in the backward of the pre-activation ResNet-18
     # given this slice's channels-last strides (the training step always gets a contiguous batch)
     x, y = data["test_images"][:batch].float().contiguous(), data["test_labels"][:batch]
@@ -429,22 +431,24 @@ def count_flops(hp, data, *, batch=2):
         with FlopCounterMode(display=False) as counter:
             F.cross_entropy(model(x), y).backward()
         return counter.get_total_flops() / len(x)
-    steps_per_epoch, steps = run_steps(len(data["train_labels"]), hp["batch_size"], hp["epochs"])
-    low = min(steps, hp["low_res_epochs"] * steps_per_epoch) if hp["low_res"] else 0
+    a = r.augment
+    steps_per_epoch, steps = run_steps(len(data["train_labels"]), r.batch_size, r.epochs)
+    low = min(steps, a.low_res_epochs * steps_per_epoch) if a.low_res else 0
     per_image = per_train_image(x)
-    per_low_image = per_train_image(low_resolution(x, hp["low_res"])) if low else 0.0
+    per_low_image = per_train_image(low_resolution(x, a.low_res)) if low else 0.0
     model.eval()
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(x)
     per_forward_image = counter.get_total_flops() / len(x)
+    fraction = r.tta.fraction if r.tta else 1.0
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        views = tta_views(x, hp["tta"])
-        for _, view in views if hp["tta_fraction"] >= 1 else views[:1]:
+        views = tta_views(x, r.tta.views if r.tta else "none")
+        for _, view in views if fraction >= 1 else views[:1]:
             model(view)
     per_test_image = counter.get_total_flops() / len(x)
-    if hp["tta_fraction"] < 1:
-        per_test_image *= 1 + hp["tta_fraction"] * (len(views) - 1)
-    train = ((steps - low) * per_image + low * per_low_image) * hp["batch_size"]
+    if fraction < 1:
+        per_test_image *= 1 + fraction * (len(views) - 1)
+    train = ((steps - low) * per_image + low * per_low_image) * r.batch_size
     test = len(data["test_labels"]) * per_test_image
     return {"train": train, "final_eval": test, "total": train + test,
             "per_train_image": per_image, "per_test_image": per_test_image, "per_forward_image": per_forward_image}

@@ -1,4 +1,4 @@
-"""What a shared compile cache saves: the compiled warm-up of a recipe (cifar10_fast.prepare with --compile: every
+"""What a shared compile cache saves: the compiled warm-up of a recipe (cifar10_fast.build with --compile: every
 graph a timed run meets, compiled before its clock) timed in a fresh process with an empty inductor cache (cold) and
 again in a fresh process reading the cache the first one left (warm), as the suite's pieces now share one
 (benchmarks/suite.py, compile_cache). Pairs of (cold, warm), each pair with a cache folder of its own.
@@ -25,11 +25,11 @@ import json, sys, time
 sys.path.insert(0, {root!r})
 import torch
 import cifar10_fast as cf
+import distributed as D
 from conftest_free import arrays
-hp = cf.hyperparameters({recipe!r}, width={width})
+r = cf.recipe({recipe!r}, width={width})
 start = time.perf_counter()
-cf.prepare(hp, arrays({n}), device=torch.device({device!r}), dtype=torch.float32 if {device!r} == "cpu" else
-           torch.bfloat16, compile={mode!r})
+cf.build(r, arrays({n}), cf.Options(compile={mode!r}), ctx=D.Context(device={device!r}))
 print(json.dumps({{"seconds": time.perf_counter() - start}}))
 """
 ARRAYS = """

@@ -53,8 +53,8 @@ def per_module(data_file):
 def main(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write the map as JSON (a results/ file for benchmarks/report.py)")
-    p.add_argument("pytest_args", nargs="*", help="passed to pytest (default: none, the default test run)")
-    args = p.parse_args(argv)
+    args, pytest_args = p.parse_known_args(argv)      # the rest goes to pytest (default: the default test run)
+    args.pytest_args = pytest_args
     with tempfile.TemporaryDirectory() as tmp:
         data_file = Path(tmp) / ".coverage"
         rc = run_suite(data_file, args.pytest_args)

@@ -36,7 +36,8 @@ import devices  # noqa: E402
 import imagenet_data as idt  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
 import imagenet_store as ims  # noqa: E402
-from cli import environment, one_of  # noqa: E402
+from cli import environment  # noqa: E402
+from settings import one_of  # noqa: E402
 from core import Parser, Table, UsageError, write_json  # noqa: E402
 
 
@@ -100,7 +101,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30, help="timed batches per measurement")
     p.add_argument("--warmup", type=int, default=5, help="untimed batches before each measurement")
     p.add_argument("--threads", type=int, default=None, help="loader threads and PIL workers (default: CPU count)")
-    p.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS, str),
+    p.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
                    help="auto: nvJPEG on a CUDA GPU, else the CPU's threads")
     p.add_argument("--no-pil", action="store_true", help="skip the PIL comparison")
     p.add_argument("--dir", default=None, help="where to write photos and store (default: a temporary folder)")
@@ -124,7 +125,7 @@ def main(argv=None):
     device = devices.resolve(args.device)
     dtype, fmt = devices.compute_dtype(device, args.precision), devices.memory_format(device)
     try:
-        hp = inf.hyperparameters(args.recipe)
+        r = inf.recipe(args.recipe)
         decoder = devices.jpeg_decoder(device, args.decoder)
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -147,7 +148,7 @@ def main(argv=None):
         folder = torchvision.datasets.ImageFolder(str(src / "train"), transforms.Compose([
             transforms.RandomResizedCrop(args.sizes[0]), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]))
         cores = "GPU" if decoder == "gpu" else f"{threads} threads"
-        print(f"{hp['model']}{' + BlurPool' if hp['blurpool'] else ''} ({args.recipe}) on {devices.name(device)} "
+        print(f"{r.network.model}{' + BlurPool' if r.network.blurpool else ''} ({args.recipe}) on {devices.name(device)} "
               f"({device}, {str(dtype)[6:]}), batch {bs}; {store.format} store of {n} images decoded on the {cores}; "
               f"{args.steps} timed batches after {args.warmup}; images/s")
         table = Table(["res", "loader", "ceiling", "together", "together/ceil", "loader/core", "pil/core"], width=14,
@@ -156,10 +157,10 @@ def main(argv=None):
         timing = dict(device=device, warmup=args.warmup, steps=args.steps, batch_size=bs)
         for res in args.sizes:
             def epoch():
-                return idt.train_batches(data, hp, idt.draw_epoch(data, hp, gen), res=res, batch_size=bs,
-                                         generator=gen, device=device, dtype=dtype, memory_format=fmt)
-            model = inf.build_model(hp, classes).to(device, memory_format=fmt)
-            opt = inf.make_optimizer(model, hp)
+                return idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=res,
+                                         batch_size=bs, generator=gen, device=device, dtype=dtype)
+            model = inf.build_model(r, classes).to(device, memory_format=fmt)
+            opt = inf.make_optimizer(model, r)
 
             def train(x, y):
                 step(model, opt, x, y, device=device, dtype=dtype)
@@ -177,7 +178,7 @@ def main(argv=None):
                 def pil_batches():      # the same finish as ours: on the device, normalised, its dtype and layout
                     for xb, yb in pil_loader:
                         x = xb.to(device, non_blocking=True).float()
-                        yield (idt.finish(x, hp, generator=gen, dtype=dtype, memory_format=fmt),
+                        yield (idt.finish(x, r.augment, generator=gen, dtype=dtype, memory_format=fmt),
                                yb.to(device, non_blocking=True))
                 pil = rate(forever(pil_batches), lambda x, y: None, **timing) / threads
             table.append({"res": res, "loader": loader, "ceiling": ceiling, "together": together,
@@ -191,7 +192,7 @@ def main(argv=None):
         write_json(args.out, {"piece": "imagenet_throughput", "command": " ".join(
             ["python benchmarks/imagenet_throughput.py", *[a for a in argv if a != args.out and a != "--out"]]),
                               "fingerprint": machine.fingerprint(device, True), "argv": argv, "recipe": args.recipe,
-                              "model": hp["model"], "blurpool": hp["blurpool"], "device": str(device),
+                              "model": r.network.model, "blurpool": r.network.blurpool, "device": str(device),
                               "dtype": str(dtype), "batch_size": bs, "steps": args.steps, "threads": threads,
                               "decoder": decoder, "images": n, "environment": environment(device), "rows": table.rows})
     return 0

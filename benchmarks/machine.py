@@ -38,7 +38,7 @@ def cpu_name():
 
 
 def device_name(device):
-    """The accelerator's name (torch_backend.device_name), or the CPU's model and cores: the results' folder."""
+    """The accelerator's name (devices.name), or the CPU's model and cores: the results' folder."""
     import devices
     return f"CPU {os.cpu_count()} cores {cpu_name()}" if devices.is_cpu(device) else devices.name(device)
 

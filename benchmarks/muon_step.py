@@ -49,21 +49,21 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
-    hp = cf.hyperparameters(args.recipe)
+    r = cf.recipe(args.recipe)
     torch.manual_seed(0)
-    net = tb.build_model(hp, torch.device("cpu"))
+    net = tb.build_model(r, torch.device("cpu"))
     twin = copy.deepcopy(net)           # (a parameter's deep copy leaves its gradient behind)
     for p, q in zip(net.parameters(), twin.parameters()):
         if p.requires_grad:
             p.grad = torch.randn_like(p)
             q.grad = p.grad.clone()
-    steps = {"before": stepper(module_at(args.before, "optim"), net, hp), "after": stepper(optim, twin, hp)}
+    steps = {"before": stepper(module_at(args.before, "optim"), net, r), "after": stepper(optim, twin, r)}
     for _ in range(args.warmup):
         for step in steps.values():
             step()
     times = alternating(steps, args.reps)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"{args.recipe} (muon_batched={hp['muon_batched']}), {sum(p.numel() for p in net.parameters())} parameters, "
+    print(f"{args.recipe} (muon batched={r.muon.batched}), {sum(p.numel() for p in net.parameters())} parameters, "
           f"{torch.get_num_threads()} threads, {args.warmup} warm-up steps each")
     print(f"n={args.reps} alternating repetitions: median before {med['before'] * 1e3:.2f} ms, "
           f"after {med['after'] * 1e3:.2f} ms, after/before {med['after'] / med['before']:.4f}")

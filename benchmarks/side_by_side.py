@@ -10,7 +10,7 @@ fresh process, on its own clock, as its output says).
 
 Ours, in both modes. Every run trains one network and evaluates it once, at its end, with the recipe's test-time
 augmentation (eval_every=0: no per-epoch evaluation inside a timed comparison). Its time is the recipe's own `time`
-(loop.train: train_time + final_eval_time): CUDA events on a GPU, the host's clock after a device synchronise
+(cifar10_fast.train_run: train_time + final_eval_time): CUDA events on a GPU, the host's clock after a device synchronise
 elsewhere, started once the network is built (building it, here re-initialising the prepared network, and its
 optimisers are outside the clock, as airbench's scripts start theirs after model construction) and covering the
 whitening fit, augmentation, every step and the final evaluation. Outside it too: loading the data from disk and
@@ -66,7 +66,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cifar10_fast as cf  # noqa: E402
 import cifar_data as cd  # noqa: E402
 import devices  # noqa: E402
+import distributed as D  # noqa: E402
+import training as T  # noqa: E402
 from cli import environment  # noqa: E402
+from settings import flat  # noqa: E402
 from core import DataError, Table, UsageError, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
 
 # Our recipe → (the airbench package's trainer for the same target: its function suffix, the target accuracy).
@@ -251,7 +254,7 @@ def peer_script_flags(args):
     return script, pattern, peer_args, cwd
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="fast94,fast95,fast96", help="comma-separated recipes of ours")
     p.add_argument("--runs", type=int, default=10, help="runs of ours per recipe")
@@ -280,55 +283,58 @@ def main(argv=None):
                    help="run the peer script in this folder, as it is, instead of a temporary one holding our data "
                         "as ./cifar10/{train,test}.pt")
     p.add_argument("--out", default=None, help="write every run and the table as JSON")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def checked(args):
+    """What the flags ask for, every one checked before any work: {"script", "pattern", "peer_args", "peer_cwd",
+    "peer_runs", "airbench", "device", "names"}; a bad one is an error of one line, as (message, exit status)."""
     try:
         script, pattern, peer_args, peer_cwd = peer_script_flags(args)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise Refused(str(e), 2)
     peer_runs = args.runs if args.peer_runs is None else args.peer_runs
-    out = args.out and os.path.abspath(args.out)          # the peer runs in a temporary folder (chdir below)
     if args.runs < 0 or peer_runs < 0 or args.runs + peer_runs == 0:
-        print("error: --runs and --peer-runs must not be negative, and not both 0", file=sys.stderr)
-        return 2
+        raise Refused("--runs and --peer-runs must not be negative, and not both 0", 2)
     if script is not None and peer_runs < 1:
-        print(f"error: --peer-runs {peer_runs}: a --peer-script needs at least one run", file=sys.stderr)
-        return 2
-
+        raise Refused(f"--peer-runs {peer_runs}: a --peer-script needs at least one run", 2)
     airbench = None
     if args.peer == "airbench" and script is None:
         airbench = import_airbench()
         if airbench is None:
-            print("error: the peer package is not installed: run `pip install airbench` "
-                  "(or pass --peer none to run our recipes alone)", file=sys.stderr)
-            return 1
+            raise Refused("the peer package is not installed: run `pip install airbench` (or pass --peer none to run "
+                          "our recipes alone)", 1)
     try:
         device = devices.resolve(args.device)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        raise Refused(str(e), 2)
     if airbench is not None and device.type != "cuda":
-        print("error: airbench runs only on a CUDA GPU; use --peer none on this device", file=sys.stderr)
-        return 1
+        raise Refused("airbench runs only on a CUDA GPU; use --peer none on this device", 1)
     names = args.recipes.split(",")
     unknown = [n for n in names if n not in cf.RECIPES]
     if unknown:
-        print(f"error: unknown recipes {unknown}; choose from {', '.join(cf.RECIPES)}", file=sys.stderr)
-        return 2
-    dtype = devices.compute_dtype(device)
-    devices.autotune(device)                 # as cifar10_fast.py does (importing airbench also does it, for both sides)
-    sync = lambda: devices.synchronize(device)
+        raise Refused(f"unknown recipes {unknown}; choose from {', '.join(cf.RECIPES)}", 2)
+    return dict(script=script, pattern=pattern, peer_args=peer_args, peer_cwd=peer_cwd, peer_runs=peer_runs,
+                airbench=airbench, device=device, names=names)
+
+
+class Refused(Exception):
+    """A flag refused: its line and the exit status."""
+
+
+def main(argv=None):
+    args = parse_args(argv)
     try:
+        c = checked(args)
         arrays = cd.take_subset(cd.load_cifar10(args.data_dir), args.subset)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    overrides = {k: v for k, v in (("epochs", args.epochs), ("width", args.width), ("batch_size", args.batch_size))
-                 if v is not None}
+    except (Refused, DataError) as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return e.args[1] if isinstance(e, Refused) else 1
+    device, script, airbench = c["device"], c["script"], c["airbench"]
+    devices.autotune(device)                 # as cifar10_fast.py does (importing airbench also does it, for both sides)
     env = environment(device)
     print(f"side by side on {env['device_name']}, torch {env['torch']}, {args.runs} runs of ours"
-          + (f" and {peer_runs} of the peer" if airbench or script else "") + " per recipe", flush=True)
-
+          + (f" and {c['peer_runs']} of the peer" if airbench or script else "") + " per recipe", flush=True)
     table = Table(["recipe", "n", "mean_acc", "std_acc", "p_above_target", "mean_time", "std_time", "time_ratio",
                    "ratio_lo95", "ratio_hi95"], width=15,
                   formats={"p_above_target": ".3g", "mean_time": ".3f", "std_time": ".3f", "time_ratio": ".3f",
@@ -338,6 +344,7 @@ def main(argv=None):
               f"evaluation); {script.name}, as its output says" if script is not None else
               "time: ours, the recipe's own; the airbench package's, around its train() and evaluation"
               if airbench is not None else "time: the recipe's own")
+    out = args.out and os.path.abspath(args.out)          # the peer runs in a temporary folder (chdir below)
     everything = {"environment": env, "argv": sys.argv[1:] if argv is None else argv, "complete": False,
                   "time_protocol": clocks, "recipes": {}}
     save = lambda: out and write_json(out, everything)
@@ -345,49 +352,19 @@ def main(argv=None):
         home = os.getcwd()
         if airbench is not None:
             os.chdir(write_airbench_layout(arrays, tmp))      # airbench reads ./cifar10/{train,test}.pt
-        elif script is not None and peer_cwd is None:
-            peer_cwd = write_airbench_layout(arrays, tmp)     # so do airbench-style scripts, from their cwd
-        peer_env = peer_environment(device, os.environ)
+        elif script is not None and c["peer_cwd"] is None:
+            c["peer_cwd"] = write_airbench_layout(arrays, tmp)     # so do airbench-style scripts, from their cwd
         try:
-            for name in names:
-                hp = cf.hyperparameters(name, **overrides)
-                suffix, target = PEERS.get(name, (None, 0.94))
-                prepared = cf.prepare(hp, arrays, device=device, dtype=dtype, compile=args.compile)
-                peer, peer_name = None, None
-                if script is not None:          # a fresh process each run: it warms up inside, off its own clock
-                    peer_name = script.name
-                    peer = lambda: run_peer_script(script, args=peer_args, cwd=peer_cwd, pattern=pattern,
-                                                   env=peer_env)
-                elif airbench is not None and suffix:
-                    peer_name = f"airbench{suffix}"
-                    loader, test_loader = peer_loaders(airbench, suffix)
-                    peer = lambda: time_peer(airbench, suffix, loader=loader, test_loader=test_loader, sync=sync)
-                    peer()                                      # the peer's untimed warm-up run
-                ours, theirs = [], []
-                everything["recipes"][name] = {"hyperparameters": hp, "target": target, "ours": ours,
-                                               "peer_name": peer_name, "peer": theirs,
-                                               "flops": prepared.flops}
-                for side in alternation(args.runs, peer_runs if peer else 0):
-                    if side == "ours":
-                        r = prepared.run(args.seed + len(ours), target=target, eval_every=0)   # the end's alone
-                        r.pop("model")
-                        ours.append(r)
-                        print(f"  {name} run {len(ours)}/{args.runs}: ours {r['final_acc']:.4f} in {r['time']:.3f} s",
-                              flush=True)
-                    else:
-                        try:
-                            theirs.append(peer())
-                        except DataError as e:
-                            print(f"error: {e}", file=sys.stderr)
-                            return 1
-                        print(f"  {name} peer run {len(theirs)}/{peer_runs}: {peer_name} "
-                              f"{theirs[-1]['final_acc']:.4f} in {theirs[-1]['time']:.3f} s", flush=True)
-                    save()
+            for name in c["names"]:
+                if compare(name, args, c, arrays=arrays, record=everything["recipes"], save=save) is not None:
+                    return 1
+                ours, theirs = everything["recipes"][name]["ours"], everything["recipes"][name]["peer"]
                 if not table.rows and script is not None:
                     print(clocks, flush=True)
+                target = everything["recipes"][name]["target"]
                 table.append(stats_row(name, ours, target, theirs))
                 if theirs:
-                    table.append(stats_row(peer_name, theirs, target, theirs))
+                    table.append(stats_row(everything["recipes"][name]["peer_name"], theirs, target, theirs))
         finally:
             os.chdir(home)
     everything["table"], everything["complete"] = table.rows, True
@@ -395,6 +372,52 @@ def main(argv=None):
         save()
         print(f"wrote {args.out}")
     return 0
+
+
+def compare(name, args, c, *, arrays, record, save):
+    """Our recipe `name` and its peer, runs alternating (alternation), each appended to record[name] and saved as it
+    ends; None, or 1 when the peer's output could not be read (said in one line)."""
+    device, script, airbench = c["device"], c["script"], c["airbench"]
+    overrides = {k: v for k, v in (("epochs", args.epochs), ("width", args.width), ("batch_size", args.batch_size))
+                 if v is not None}
+    r = cf.recipe(name, **overrides)
+    suffix, target = PEERS.get(name, (None, 0.94))
+    options = cf.Options(target=target, eval_every=0, compile=args.compile)     # the end's evaluation alone
+    ctx = D.Context(device=str(device))
+    with T.strict_compile():
+        built = cf.build(r, arrays, options, ctx=ctx)
+    peer, peer_name = None, None
+    if script is not None:          # a fresh process each run: it warms up inside, off its own clock
+        peer_name, peer_env = script.name, peer_environment(device, os.environ)
+        peer = lambda: run_peer_script(script, args=c["peer_args"], cwd=c["peer_cwd"], pattern=c["pattern"],
+                                       env=peer_env)
+    elif airbench is not None and suffix:
+        peer_name = f"airbench{suffix}"
+        loader, test_loader = peer_loaders(airbench, suffix)
+        sync = lambda: devices.synchronize(device)
+        peer = lambda: time_peer(airbench, suffix, loader=loader, test_loader=test_loader, sync=sync)
+        peer()                                      # the peer's untimed warm-up run
+    ours, theirs = [], []
+    record[name] = {"settings": flat(r), "target": target, "ours": ours, "peer_name": peer_name, "peer": theirs,
+                    "flops": built.flops}
+    for side in alternation(args.runs, c["peer_runs"] if peer else 0):
+        if side == "ours":
+            with T.strict_compile():
+                run = cf.train_run(r, built, options, ctx=ctx, seed=args.seed + len(ours))
+            run.pop("model")
+            ours.append(run)
+            print(f"  {name} run {len(ours)}/{args.runs}: ours {run['final_acc']:.4f} in {run['time']:.3f} s",
+                  flush=True)
+        else:
+            try:
+                theirs.append(peer())
+            except DataError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
+            print(f"  {name} peer run {len(theirs)}/{c['peer_runs']}: {peer_name} {theirs[-1]['final_acc']:.4f} in "
+                  f"{theirs[-1]['time']:.3f} s", flush=True)
+        save()
+    return None
 
 
 if __name__ == "__main__":

@@ -139,9 +139,10 @@ def counted_flops(recipes):
     shapes = {"train_images": torch.zeros(1, 3, 1, 1).expand(50000, 3, 1, 1), "train_labels": torch.zeros(50000),
               "test_images": torch.zeros(1, 3, 32, 32).expand(10000, 3, 32, 32),
               "test_labels": torch.zeros(10000, dtype=torch.long)}
-    views = lambda hp: len(tb.tta_views(shapes["test_images"][:1], hp["tta"]))
-    return {r: {**tb.count_flops(hp, shapes), "parameters": tb.count_parameters(tb.build_model(hp, "cpu")),
-                "tta_views": views(hp), "tta_fraction": hp["tta_fraction"]} for r, hp in ((r, cf.hyperparameters(r)) for r in recipes)}
+    views = lambda r: len(tb.tta_views(shapes["test_images"][:1], r.tta.views if r.tta else "none"))
+    return {name: {**tb.count_flops(r, shapes), "parameters": tb.count_parameters(tb.build_model(r, "cpu")),
+                   "tta_views": views(r), "tta_fraction": r.tta.fraction if r.tta else 1.0}
+            for name, r in ((name, cf.recipe(name)) for name in recipes)}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -367,7 +368,7 @@ def per_run_s(piece, side, result, *, fp, flops):
     if not f or not rate:
         return 60.0
     import cifar10_fast as cf
-    epochs = math.ceil(cf.hyperparameters(recipe)["epochs"])      # every epoch ends with an evaluation pass
+    epochs = math.ceil(cf.recipe(recipe).epochs)      # every epoch ends with an evaluation pass
     return (f["train"] + epochs * f["final_eval"]) / (rate * 1e12 * ASSUMED_EFFICIENCY)
 
 

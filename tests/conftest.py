@@ -49,16 +49,13 @@ def cifar10_npz(tmp_path_factory):
     return out
 
 
-def train_once(hp, data, *, device="cpu", net=None, forward=None, **options):
-    """One CIFAR-10 run of hp on device-resident data (cifar_data.to_device), through the one loop (loop.train);
-    options as loop.train takes them (seed, target, eval_every, ...)."""
+def train_once(r, data, *, device="cpu", net=None, forward=None, seed=0, **options):
+    """One CIFAR-10 run of recipe r on device-resident data (cifar_data.to_device) through cifar10_fast.train_run;
+    options as cifar10_fast.Options takes them (target, eval_every, progress, ...)."""
     import cifar10_fast as cf
     import distributed as D
-    import loop
-    device = torch.device(device)
-    build = cf.start(hp, data, device=device, dtype=torch.float32, ctx=D.Context(device=str(device)), net=net,
-                     forward=forward)
-    return loop.train(build, hp, device=device, **options)
+    built = cf.Built(data=data, net=net, forward=forward)
+    return cf.train_run(r, built, cf.Options(**options), ctx=D.Context(device=str(device)), seed=seed)
 
 
 def synthetic_arrays(n_train=256, n_test=128, seed=0):

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import cifar10_fast as cf
 import cifar_data as cd
 
 
@@ -15,8 +16,8 @@ def padded_index_images(n, size=32, pad=4):
 def test_crop_offsets_cover_the_range_uniformly_and_crop_exactly():
     n, pad, size = 20000, 4, 32
     g = torch.Generator().manual_seed(0)
-    r = cd.draw_augmentation(n, size, pad=pad, flip="none", cutout=0, generator=g)
-    x = cd.augment(padded_index_images(n, size, pad), r, size, cutout=0)
+    r = cd.draw_augmentation(n, size, cf.Augment(crop_pad=pad, flip="none", cutout=0), generator=g)
+    x = cd.augment_images(padded_index_images(n, size, pad), r, size, cutout=0)
     dy, dx = (x[:, 0, 0, 0] // 100).long(), (x[:, 0, 0, 0] % 100).long()
     assert torch.equal(dy, r["dy"]) and torch.equal(dx, r["dx"])
     # every crop is a contiguous size×size window starting at its offset
@@ -33,9 +34,9 @@ def test_crop_offsets_cover_the_range_uniformly_and_crop_exactly():
 def test_about_half_flipped_and_flips_mirror():
     n = 10000
     g = torch.Generator().manual_seed(1)
-    r = cd.draw_augmentation(n, 32, pad=0, flip="random", cutout=0, generator=g)
+    r = cd.draw_augmentation(n, 32, cf.Augment(crop_pad=0, flip="random", cutout=0), generator=g)
     x = torch.arange(32.0).view(1, 1, 1, 32).expand(n, 3, 32, 32)
-    out = cd.augment(x, r, 32, cutout=0)
+    out = cd.augment_images(x, r, 32, cutout=0)
     flipped = out[:, 0, 0, 0] == 31
     assert torch.equal(flipped, r["flip"])
     assert torch.equal(out[flipped][0, 0, 0], torch.arange(31.0, -1, -1))
@@ -46,8 +47,8 @@ def test_about_half_flipped_and_flips_mirror():
 def test_cutout_patches_have_the_stated_size_and_stay_inside(patch):
     n = 5000
     g = torch.Generator().manual_seed(2)
-    r = cd.draw_augmentation(n, 32, pad=0, flip="none", cutout=patch, generator=g)
-    out = cd.augment(torch.ones(n, 3, 32, 32), r, 32, cutout=patch)
+    r = cd.draw_augmentation(n, 32, cf.Augment(crop_pad=0, flip="none", cutout=patch), generator=g)
+    out = cd.augment_images(torch.ones(n, 3, 32, 32), r, 32, cutout=patch)
     zero = out[:, 0] == 0
     assert torch.equal(zero.sum((1, 2)), torch.full((n,), patch * patch))
     assert torch.equal(out[:, 0] == 0, out[:, 2] == 0)              # same patch in every channel
@@ -63,8 +64,7 @@ def small_data(n=64):
     return {"train_images": x, "train_labels": y, "test_images": x[:, :, 4:-4, 4:-4], "test_labels": y}
 
 
-HP = {"crop_pad": 4, "flip": "random", "cutout": 8, "batch_size": 16, "jitter_brightness": 0.0, "jitter_contrast": 0.0,
-      "low_res": 0, "low_res_epochs": 0}
+AUGMENT = cf.Augment(crop_pad=4, flip="random", cutout=8)
 
 
 def test_labels_follow_their_images_and_epochs_differ():
@@ -72,8 +72,8 @@ def test_labels_follow_their_images_and_epochs_differ():
     # tag each image with its label; the 4x4 centre of any crop lies inside the tagged area
     data["train_images"][:, :, 4:36, 4:36] = data["train_labels"].float().view(-1, 1, 1, 1) + 1
     g = torch.Generator().manual_seed(3)
-    e1 = list(cd.epoch_batches(data, HP, g, memory_format=torch.contiguous_format))
-    e2 = list(cd.epoch_batches(data, HP, g, memory_format=torch.contiguous_format))
+    e1 = list(cd.epoch_batches(data, AUGMENT, g, batch_size=16, memory_format=torch.contiguous_format))
+    e2 = list(cd.epoch_batches(data, AUGMENT, g, batch_size=16, memory_format=torch.contiguous_format))
     assert len(e1) == 4 and all(x.shape == (16, 3, 32, 32) for x, _ in e1)
     for x, y in e1 + e2:
         centre = x[:, 0, 14:18, 14:18].amax((1, 2))
@@ -94,7 +94,7 @@ def test_random_calls_per_epoch_do_not_grow_with_the_dataset(monkeypatch):
         calls.clear()
         g = torch.Generator().manual_seed(0)
         data = small_data(n)
-        list(cd.epoch_batches(data, HP, g, memory_format=torch.contiguous_format))
+        list(cd.epoch_batches(data, AUGMENT, g, batch_size=16, memory_format=torch.contiguous_format))
         counts.append(len(calls))
     assert counts[0] == counts[1] <= 5, counts
 
@@ -128,9 +128,10 @@ def test_the_one_gather_crops_and_flips_exactly_as_the_masked_selects_did(dtype,
     g = torch.Generator().manual_seed(4)
     n = len(every) + 500
     x = torch.randn(n, 3, h + 2 * pad, w + 2 * pad, generator=g).to(dtype)
-    r = cd.draw_augmentation(n, size, pad=pad, flip=flip, cutout=0, generator=g, flip_base=cd.flip_bits(n, g))
+    r = cd.draw_augmentation(n, size, cf.Augment(crop_pad=pad, flip=flip, cutout=0), generator=g,
+                             flip_base=cd.flip_bits(n, g))
     for k in fixed:
         if k in r:
             r[k][:len(every)] = fixed[k]
-    out = cd.augment(x, r, size, cutout=0)
+    out = cd.augment_images(x, r, size, cutout=0)
     assert torch.equal(out, crop_flip_by_masks(x, r, size)) and out.is_contiguous()

@@ -39,8 +39,8 @@ def test_two_runs_print_the_table_and_write_the_json(synth_npz, tmp_path):
     assert "summary over 2 runs of myrtle24" in r.stdout and "runs reaching 20.00%" in r.stdout
 
     res = json.loads(out.read_text())
-    assert res["recipe"] == "myrtle24" and res["hyperparameters"]["epochs"] == 2
-    assert res["hyperparameters"]["batch_size"] == 64 and res["hyperparameters"]["width"] == 0.125
+    assert res["recipe"] == "myrtle24" and res["settings"]["epochs"] == 2
+    assert res["settings"]["batch_size"] == 64 and res["settings"]["width"] == 0.125
     assert res["environment"]["torch"] and res["environment"]["device"] == "cpu"
     assert [r["seed"] for r in res["runs"]] == [0, 1]
     assert all(len(run["rows"]) == 2 for run in res["runs"])
@@ -75,7 +75,7 @@ def test_unknown_recipe_and_bad_flag(synth_npz):
     r = run_cli("--recipe", "nope", "--data-dir", str(synth_npz))
     assert r.returncode == 2 and "unknown recipe 'nope'; choose from myrtle24" in r.stderr
     r = run_cli("--epochs", "two")
-    assert r.returncode == 2 and "--epochs: invalid" in r.stderr
+    assert r.returncode == 2 and "--epochs: 'two' is not a whole number" in r.stderr
 
 
 def test_a_journey_stage_runs_from_the_command_line(synth_npz):
@@ -87,8 +87,7 @@ def test_a_journey_stage_runs_from_the_command_line(synth_npz):
 
 def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(synth_npz, tmp_path, monkeypatch):
     import cifar10_fast as cf
-    import loop
-    monkeypatch.setattr(loop, "train", failing_on_call(loop.train, 2))
+    monkeypatch.setattr(cf, "train_run", failing_on_call(cf.train_run, 2))
     out = tmp_path / "r.json"
     with pytest.raises(RuntimeError):
         cf.main(["--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "1", "--width", "0.125",

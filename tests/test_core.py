@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from core import Frozen, Table, Timer, one_sided_p, ratio_ci, summarize, write_atomic, write_json
+from core import Table, Timer, one_sided_p, ratio_ci, summarize, write_atomic, write_json
 
 
 def test_table_prints_header_once_and_each_row_as_it_arrives():
@@ -101,14 +101,37 @@ def test_the_framework_free_files_import_no_torch():
     assert out.strip() == "False"
 
 
-def test_hyperparameters_once_built_cannot_change():
-    hp = Frozen({"epochs": 10, "batch_size": 512}, recipe="myrtle24")
-    for change in (lambda: hp.__setitem__("epochs", 2), lambda: hp.update(epochs=2), lambda: hp.pop("epochs"),
-                   lambda: hp.setdefault("width", 1), lambda: hp.clear(), lambda: hp.__delitem__("epochs")):
-        with pytest.raises(TypeError, match="hyperparameters are built once"):
-            change()
-    assert hp == {"epochs": 10, "batch_size": 512} and hp.recipe == "myrtle24"
-    assert json.loads(json.dumps(hp)) == hp and {**hp, "epochs": 2}["epochs"] == 2      # a copy is a plain dict
+def test_a_recipe_once_built_cannot_change_and_every_setting_has_a_flag_of_its_own():
+    import dataclasses
+    import cifar10_fast as cf
+    import imagenet_fast as inf
+    import settings
+    r = cf.recipe("fast94")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.epochs = 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.whitening.eps = 1.0
+    for script in (cf, inf):
+        names = [leaf.name for leaf in settings.leaves(script.Recipe)]
+        assert len(names) == len(set(names))                  # one flag, one setting
+        for name in script.RECIPES:
+            settings.check(script.recipe(name))
+
+
+def test_no_function_is_longer_than_80_lines_and_none_but_a_constructor_takes_more_than_8_parameters():
+    """The recipe reads top to bottom when every function can be read at once."""
+    import ast
+    big = []
+    for path in sorted(ROOT.glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                params = [x for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls")]
+                length = node.end_lineno - min([d.lineno for d in node.decorator_list] + [node.lineno]) + 1
+                if length > 80 or (len(params) > 8 and node.name != "__init__"):
+                    big.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines, "
+                               f"{len(params)} parameters)")
+    assert big == []
 
 
 def test_no_public_function_takes_more_than_four_positional_parameters():

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import distributed as D
+import schedules
 import optim
 
 GLOBAL_BATCH, STEPS = 16, 5
@@ -273,9 +274,9 @@ def test_init_from_env_without_torchrun_is_one_process(monkeypatch):
 def test_shard_and_per_rank_batch():
     assert [D.shard(10, r, 3) for r in range(3)] == [range(0, 3), range(3, 6), range(6, 9)]
     assert D.shard(10, 0, 1) == range(10)
-    assert D.per_rank_batch(512, 8) == 64
+    assert schedules.per_rank_batch(512, 8) == 64
     with pytest.raises(ValueError, match="^global batch size 512 is not divisible by the world size 3$"):
-        D.per_rank_batch(512, 3)
+        schedules.per_rank_batch(512, 3)
 
 
 def test_checkpoint_is_replaced_atomically(tmp_path):

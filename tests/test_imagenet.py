@@ -21,9 +21,9 @@ import distributed as D
 import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
-import loop
 import optim
 from conftest import ROOT, failing_on_call
+from settings import changed
 
 SIZE = 24
 CLASSES = 4  # + one empty class folder, c004
@@ -266,7 +266,7 @@ def test_bad_input_is_one_line_and_nonzero(folder, store, tmp_path, capsys):
     rc, _, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--decoder", "gpu")
     assert rc == 2 and err.strip().splitlines()[-1] == "error: --decoder gpu needs a CUDA device (nvJPEG); this run is on cpu"
     rc, _, err = run_main(capsys, "train", "--store", store, "--epochs", "two")
-    assert rc == 2 and "--epochs: invalid int value: 'two'" in err
+    assert rc == 2 and "--epochs: 'two' is not a whole number" in err
 
 
 # --- augmentation ----------------------------------------------------------------------------
@@ -385,7 +385,7 @@ def test_validation_views_keep_orientation_and_crop_the_centre():
 def test_validation_batches_are_one_shape_each(store):
     data = idt.place(ims.open_store(store), torch.device("cpu"))
     for crop in (0.0, 0.875):
-        jobs = idt.val_jobs(data, {"val_res": SIZE, "val_crop": crop}, batch_size=5)
+        jobs = idt.val_jobs(data, inf.Validation(res=SIZE, crop=crop), batch_size=5)
         assert sorted(i for pos, _, _, _ in jobs for i in pos) == list(range(32))
         assert all(len(pos) <= 5 for pos, _, _, _ in jobs)
         shapes = [shape for _, _, _, shape in jobs]
@@ -395,22 +395,22 @@ def test_validation_batches_are_one_shape_each(store):
 # --- models, optimiser, schedules ------------------------------------------------------------
 
 def test_blurpool_models():
-    hp = inf.hyperparameters("rn50_16ep")
-    m = inf.build_model(hp, 10)
+    r = inf.recipe("rn50_16ep")
+    m = inf.build_model(r, 10)
     blurs = [mod for mod in m.modules() if isinstance(mod, inf.BlurPool)]
     strided = [mod for mod in m.modules() if isinstance(mod, torch.nn.Conv2d) and max(mod.stride) > 1]
     assert len(strided) == 7 and len(blurs) == 6  # all but the 3-channel stem conv
     assert m(torch.randn(2, 3, 40, 32)).shape == (2, 10)
     const = torch.full((1, 4, 5, 5), 3.0)
     assert torch.allclose(inf.BlurPool(4)(const), const)
-    assert not any(isinstance(mod, inf.BlurPool) for mod in inf.build_model({**hp, "blurpool": False}, 10).modules())
-    tiny = inf.build_model(inf.hyperparameters("tiny", width=4), 5)
+    assert not any(isinstance(mod, inf.BlurPool) for mod in inf.build_model(changed(r, blurpool=False), 10).modules())
+    tiny = inf.build_model(inf.recipe("tiny", width=4), 5)
     assert tiny(torch.randn(2, 3, 24, 24)).shape == (2, 5)
 
 
 def test_no_weight_decay_on_batchnorm_and_bias():
-    model = inf.build_model(inf.hyperparameters("rn18_16ep", blurpool=False), 10)
-    opt = inf.make_optimizer(model, inf.hyperparameters("rn18_16ep"))
+    model = inf.build_model(inf.recipe("rn18_16ep", blurpool=False), 10)
+    opt = inf.make_optimizer(model, inf.recipe("rn18_16ep"))
     decayed, free = opt.param_groups
     assert decayed["weight_decay"] == 5e-5 and free["weight_decay"] == 0
     names = {id(p): n for n, p in model.named_parameters()}
@@ -419,15 +419,14 @@ def test_no_weight_decay_on_batchnorm_and_bias():
     assert "fc.bias" in {names[id(p)] for p in free["params"]} and "bn1.weight" in {names[id(p)] for p in free["params"]}
 
 
-def train(hp, data, **kw):
-    """One run of hp on data (a placed store of 5 classes at SIZE px), on the CPU."""
-    cpu = torch.device("cpu")
-    return loop.train(inf.start(hp, data, classes=5, device=cpu, dtype=torch.float32, ctx=D.Context()), hp,
-                      device=cpu, **kw)
+def train(r, data, *, seed=0, **options):
+    """One run of recipe r on data (a placed store of 5 classes at SIZE px), on the CPU; options as inf.Options takes
+    them (target, checkpoint, resume, interrupt_after, ...)."""
+    return inf.train_run(r, data, inf.Options(**options), ctx=D.Context(), seed=seed)
 
 
-def tiny_hp(**kw):
-    return inf.hyperparameters("tiny", **{"width": 8, "epochs": 3, "batch_size": 16, "min_res": SIZE, "max_res": SIZE,
+def tiny_recipe(**kw):
+    return inf.recipe("tiny", **{"width": 8, "epochs": 3, "batch_size": 16, "min_res": SIZE, "max_res": SIZE,
                                  "val_res": SIZE, **kw})
 
 
@@ -435,8 +434,14 @@ def place(store):
     return idt.place(ims.open_store(store), torch.device("cpu"))
 
 
-def params(model):
-    return torch.cat([t.detach().flatten().float() for t in model.state_dict().values()])
+def saved(path):
+    return torch.load(path, weights_only=False)
+
+
+def same_tensors(a, b):
+    """Two state dicts (or lists of tensors) hold the same tensors, exactly."""
+    pairs = [(a[k], b[k]) for k in a] if isinstance(a, dict) else list(zip(a, b))
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in pairs)
 
 
 def test_learns_above_chance(store):
@@ -444,15 +449,15 @@ def test_learns_above_chance(store):
     # 0.906, 1.0, 1.0 on the 32 validation images. Chance is 0.25 (4 classes in val); we require 0.6 with seed 0.
     torch.manual_seed(0)
     data = place(store)
-    r = train(tiny_hp(epochs=4), data, seed=0, target=0.5)
-    assert r["final_acc"] >= 0.6 and r["rows"][-1]["top5"] == 1.0
+    r = train(tiny_recipe(epochs=4), data, seed=0, target=0.5)
+    assert r["final_top1"] >= 0.6 and r["rows"][-1]["top5"] == 1.0
     assert r["time_to_target"] is not None and r["rows"][-1]["train_loss"] < r["rows"][0]["train_loss"]
 
 
 def test_resume_after_interrupted_epoch_is_exact(store, tmp_path, monkeypatch):
     data = place(store)
-    hp = tiny_hp(ema_momentum=0.9, ema_every=5, jitter=0.2)
-    full = train(hp, data, seed=1, checkpoint=tmp_path / "a.pt")
+    r = tiny_recipe(ema_momentum=0.9, ema_every=5, jitter=0.2)
+    full = train(r, data, seed=1, checkpoint=tmp_path / "a.pt")
 
     real, seen = inf.train_batches, [0]
 
@@ -464,16 +469,16 @@ def test_resume_after_interrupted_epoch_is_exact(store, tmp_path, monkeypatch):
             yield batch
     monkeypatch.setattr(inf, "train_batches", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        train(hp, data, seed=1, checkpoint=tmp_path / "b.pt")
+        train(r, data, seed=1, checkpoint=tmp_path / "b.pt")
     monkeypatch.setattr(inf, "train_batches", real)
-    assert torch.load(tmp_path / "b.pt", weights_only=False)["epoch"] == 2
-    resumed = train(hp, data, seed=1, checkpoint=tmp_path / "b.pt", resume=True)
-    assert torch.equal(params(full["model"]), params(resumed["model"]))  # the EMA model, exactly
-    a, b = torch.load(tmp_path / "a.pt", weights_only=False), torch.load(tmp_path / "b.pt", weights_only=False)
-    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    assert [r["top1"] for r in full["rows"]] == [r["top1"] for r in resumed["rows"]]
-    with pytest.raises(inf.DataError, match="written with other hyperparameters \\(lr\\); cannot resume"):
-        train({**hp, "lr": 0.1}, data, seed=1, checkpoint=tmp_path / "b.pt", resume=True)
+    assert saved(tmp_path / "b.pt")["progress"]["epoch"] == 2
+    resumed = train(r, data, seed=1, checkpoint=tmp_path / "b.pt", resume=True)
+    a, b = saved(tmp_path / "a.pt"), saved(tmp_path / "b.pt")
+    assert same_tensors(a["averaging"], b["averaging"])  # the EMA model, exactly
+    assert same_tensors(a["model"], b["model"])
+    assert [row["top1"] for row in full["rows"]] == [row["top1"] for row in resumed["rows"]]
+    with pytest.raises(inf.DataError, match="written with other settings \\(lr\\); cannot resume"):
+        train(changed(r, lr=0.1), data, seed=1, checkpoint=tmp_path / "b.pt", resume=True)
 
 
 def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
@@ -489,7 +494,7 @@ def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
     rows = [l.split() for l in lines[2:4]]
     assert [row[:3] for row in rows] == [["1", str(SIZE), "32"], ["2", str(SIZE), "32"]]
     res = json.loads(out.read_text())
-    assert res["hyperparameters"]["width"] == 4 and res["store_format"] == "jpeg" and res["decoder"] == "cpu"
+    assert res["settings"]["width"] == 4 and res["store_format"] == "jpeg" and res["decoder"] == "cpu"
     assert float(rows[1][7]) == pytest.approx(res["runs"][0]["rows"][1]["top1"], abs=1e-4)
     assert res["runs"][0]["final_top5"] >= res["runs"][0]["final_top1"]
     rc, stdout, _ = run_main(capsys, "train", "--list-recipes")
@@ -497,7 +502,7 @@ def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
 
 
 def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(store, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(loop, "train", failing_on_call(loop.train, 2))
+    monkeypatch.setattr(inf, "train_run", failing_on_call(inf.train_run, 2))
     out = tmp_path / "r.json"
     with pytest.raises(RuntimeError):
         run_main(capsys, "train", "--store", store, "--recipe", "tiny", "--device", "cpu", "--epochs", "1", "--width",
@@ -547,13 +552,13 @@ def test_prepare_killed_leaves_no_decoding_worker(tmp_path):
 def test_imagenet_takes_the_learning_rates_batch_from_lr_scale_base(store, monkeypatch):
     """--lr-scale-base B: lr is per B images of the global batch (256 by default, Goyal et al.'s unit)."""
     assert inf.parse_args(["train", "--store", "S", "--lr-scale-base", "512"])[1] == {"lr_scale_base": 512}
-    assert inf.hyperparameters("tiny")["lr_scale_base"] == 256
+    assert inf.recipe("tiny").schedule.lr_scale_base == 256
     rates, real_step = {256: [], 512: []}, torch.optim.SGD.step
     data = place(store)
     for base, seen in rates.items():
         monkeypatch.setattr(torch.optim.SGD, "step", lambda self, *a, **k: seen.append(self.param_groups[0]["lr"])
                             or real_step(self, *a, **k))
-        train(tiny_hp(epochs=1, lr_scale_base=base), data, seed=0)
+        train(tiny_recipe(epochs=1, lr_scale_base=base), data, seed=0)
     assert rates[256] and rates[256] == pytest.approx([2 * r for r in rates[512]])
 
 
@@ -603,7 +608,7 @@ def test_two_ranks_resume_after_an_interruption_exactly(store, tmp_path):
     resumable = [*common, "--checkpoint", tmp_path / "b.pt", "--resume", "--out", tmp_path / "b.json"]
     b = torchrun(*resumable, "--interrupt-after-epoch", "1")
     assert b.returncode != 0 and not (tmp_path / "b.json").exists()
-    assert torch.load(tmp_path / "b.pt", weights_only=False)["epoch"] == 1
+    assert saved(tmp_path / "b.pt")["progress"]["epoch"] == 1
     b = torchrun(*resumable)
     assert b.returncode == 0, b.stderr[-3000:]
     assert b.stdout.count(f"resumed from epoch 1 of {tmp_path / 'b.pt'}") == 1
@@ -611,8 +616,8 @@ def test_two_ranks_resume_after_an_interruption_exactly(store, tmp_path):
     assert len(ra) == len(rb) == 3
     for x, y in zip(ra, rb):
         assert (x["train_loss"], x["top1"], x["val_loss"]) == (y["train_loss"], y["top1"], y["val_loss"])
-    ca, cb = (torch.load(tmp_path / f"{n}.pt", weights_only=False) for n in "ab")
-    assert all(torch.equal(ca["model"][k], cb["model"][k]) for k in ca["model"])
+    ca, cb = (saved(tmp_path / f"{n}.pt") for n in "ab")
+    assert same_tensors(ca["model"], cb["model"])
     assert len(ca["rng"]) == 2
 
 
@@ -648,23 +653,22 @@ def test_rmsprop_hand_over_clock_is_the_loops_fractional_epoch(store, monkeypatc
     real = optim.alpha_sgd
     monkeypatch.setattr(optim, "alpha_sgd", lambda epoch, c, p: seen.append(epoch) or real(epoch, c, p))
     data = place(store)
-    hp = tiny_hp(optimizer="rmsprop_sgd", warmup_epochs=0.0, batch_schedule=(0, 16, 2, 32), width=4)
-    train(hp, data)
+    train(tiny_recipe(rmsprop=True, warmup_epochs=0.0, batch_schedule=(0, 16, 2, 32), width=4), data)
     want = [e + i / 6 for e in (0, 1) for i in range(6)] + [2 + i / 3 for i in range(3)]
     assert seen[::2] == pytest.approx(want)       # two parameter groups a step
 
 
-def resume_hp():
-    return tiny_hp(epochs=2, width=4)
+def resume_recipe():
+    return tiny_recipe(epochs=2, width=4)
 
 
 def test_resume_restores_random_states_whatever_the_checkpoint_loaded_them_as(store, tmp_path, monkeypatch):
     """A checkpoint loaded onto a GPU holds CUDA tensors, which set_rng_state refuses: the random states are
     restored from CPU bytes whatever form they arrive in (here int64, as another map_location could give)."""
     data = place(store)
-    full = train(resume_hp(), data, seed=3)
+    train(resume_recipe(), data, seed=3, checkpoint=tmp_path / "full.pt")
     with pytest.raises(SystemExit):
-        train(resume_hp(), data, seed=3, checkpoint=tmp_path / "c.pt", interrupt_after=1)
+        train(resume_recipe(), data, seed=3, checkpoint=tmp_path / "c.pt", interrupt_after=1)
     real = torch.load
 
     def elsewhere(*args, **kwargs):
@@ -672,8 +676,9 @@ def test_resume_restores_random_states_whatever_the_checkpoint_loaded_them_as(st
         state["rng"] = [[t.to(torch.int64) for t in rank] for rank in state["rng"]]
         return state
     monkeypatch.setattr(torch, "load", elsewhere)
-    resumed = train(resume_hp(), data, seed=3, checkpoint=tmp_path / "c.pt", resume=True)
-    assert torch.equal(params(full["model"]), params(resumed["model"]))
+    train(resume_recipe(), data, seed=3, checkpoint=tmp_path / "c.pt", resume=True)
+    monkeypatch.undo()
+    assert same_tensors(saved(tmp_path / "full.pt")["model"], saved(tmp_path / "c.pt")["model"])
 
 
 def test_unreadable_checkpoint_is_one_line(store, tmp_path, capsys):
@@ -691,7 +696,7 @@ def test_unreadable_checkpoint_is_one_line(store, tmp_path, capsys):
         assert rc == 1 and len(lines) == 2 and lines[0].startswith("warning: no GPU"), err
         assert lines[1] == f"error: {tmp_path / name}: not a readable checkpoint ({why})"     # whole sentences
     rc, out, _ = run_main(capsys, *args, "--checkpoint", tmp_path / "good.pt", "--epochs", "2")
-    assert rc == 1     # other hyperparameters: refused, as before
+    assert rc == 1     # other settings: refused, as before
     rc, out, _ = run_main(capsys, *args, "--checkpoint", tmp_path / "good.pt")
     assert rc == 0 and f"resumed from epoch 1 of {tmp_path / 'good.pt'}" in out
 
@@ -715,8 +720,8 @@ def test_a_rank_reads_only_its_share_of_a_raw_store_in_place(raw_store, monkeypa
 def test_one_epoch_learns_from_each_store_format(store, raw_store):
     """The same run from the JPEG and the raw store: both learn (train loss falls, validation above chance)."""
     for path in (store, raw_store):
-        r = train(tiny_hp(epochs=3), place(path), seed=0)
-        assert r["rows"][-1]["train_loss"] < r["rows"][0]["train_loss"] and r["final_acc"] > 0.4, path
+        r = train(tiny_recipe(epochs=3), place(path), seed=0)
+        assert r["rows"][-1]["train_loss"] < r["rows"][0]["train_loss"] and r["final_top1"] > 0.4, path
 
 
 def test_prepare_benchmark_measures_both_formats_and_the_report_shows_them(tmp_path):
@@ -734,8 +739,8 @@ def test_prepare_benchmark_measures_both_formats_and_the_report_shows_them(tmp_p
     assert "| 9 synthetic photos, longer side 500 px | jpeg | 18 |" in text and "python benchmarks/imagenet_prepare.py --images 9" in text
 
 
-@pytest.mark.parametrize("opt", [["--optimizer", "lars", "--lars-trust", "0.02"],
-                                 ["--optimizer", "rmsprop_sgd", "--rms-beta-center", "1", "--rms-beta-period", "2"]])
+@pytest.mark.parametrize("opt", [["--lars", "true", "--lars-trust", "0.02"],
+                                 ["--rmsprop", "true", "--rmsprop-beta-center", "1", "--rmsprop-beta-period", "2"]])
 def test_large_batch_optimisers_learn_from_the_command_line(store, capsys, opt):
     # measured (2-core CPU, this store, seeds 0 and 1): lars, rmsprop_sgd and plain sgd each 1.000 and 1.000 final
     # top-1 after 6 epochs; chance is 0.25
@@ -834,13 +839,13 @@ def test_ctrl_c_before_any_run_finished_says_nothing_was_written(store, tmp_path
     def interrupt(*a, on_epoch=None, **k):
         on_epoch and on_epoch({"epoch": 1})         # one epoch done, its checkpoint written, then Ctrl-C
         raise KeyboardInterrupt
-    monkeypatch.setattr(loop, "train", interrupt)
+    monkeypatch.setattr(inf, "train_run", interrupt)
     out, ckpt = tmp_path / "r.json", tmp_path / "c.pt"
     rc, _, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny", "--out", out)
     assert rc == 130 and err.strip().splitlines()[-1] == (
         f"interrupted in epoch 2 of run 1; no run finished, so nothing was written to {out}")
     assert not out.exists()
-    monkeypatch.setattr(loop, "train", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(inf, "train_run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     rc, _, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny", "--checkpoint", ckpt)
     assert rc == 130 and err.strip().splitlines()[-1] == (
         "interrupted in epoch 1 of run 1; no epoch finished, so no checkpoint was written")
@@ -854,5 +859,5 @@ def test_epochs_that_end_inside_the_warm_up_shorten_it_in_proportion_and_say_so(
         "0.125 epochs (--warmup-epochs sets it)")
     row = out.splitlines()[out.splitlines().index(next(l for l in out.splitlines() if l.split()[:1] == ["epoch"])) + 1]
     assert float(row.split()[3]) > 0                           # the epoch's learning rate is no longer 0
-    assert inf.hyperparameters("tiny", epochs=1, warmup_epochs=1.0)["warmup_epochs"] == 1.0       # asked for: kept
-    assert not inf.hyperparameters("tiny", epochs=2).notes and not inf.hyperparameters("tiny").notes
+    assert inf.recipe("tiny", epochs=1, warmup_epochs=1.0).schedule.warmup_epochs == 1.0       # asked for: kept
+    assert not inf.recipe("tiny", epochs=2).notes and not inf.recipe("tiny").notes

@@ -23,9 +23,10 @@ import torch.multiprocessing as mp
 import distributed as D
 import imagenet_fast as inf
 import imagenet_store as ims
-import loop
 import schedules
+import training as T
 from conftest import ROOT
+from settings import changed
 
 SIZE, CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 16, 4, 24, 8
 # tiny and quick: 96 images, global batch 16, so every rank steps on 96 / world images an epoch, all of them
@@ -67,10 +68,10 @@ def worker(rank, world, ports, store, out, phases):
 
     real_batches, real_place, real_evaluate, real_record = inf.train_batches, inf.place, inf.evaluate, ims.Split.record
 
-    def batches(data, hp, draws, **kwargs):  # one call an epoch: the store rows of the images this rank steps on
+    def batches(data, augment, draws, **kwargs):  # one call an epoch: the store rows of the images this rank steps on
         steps = len(draws.perm) // kwargs["batch_size"]
         record["epochs"].append(data.train_rows[draws.perm[:steps * kwargs["batch_size"]]].tolist())
-        yield from real_batches(data, hp, draws, **kwargs)
+        yield from real_batches(data, augment, draws, **kwargs)
 
     def place(*args, **kwargs):              # which images this rank holds
         data = real_place(*args, **kwargs)
@@ -168,12 +169,12 @@ def test_each_rank_evaluates_its_part_and_the_counts_add_up(two_ranks, store):
     last = [rec["evaluated"][-1] for rec in two_ranks]
     assert sum(e["images"] for e in last) == val, [e["images"] for e in last]
     # every rank reports the whole set's figures: those of one process evaluating the same (EMA) model
-    hp = inf.hyperparameters("tiny", **HP)
-    model = inf.build_model(hp, CLASSES)
+    r = inf.recipe("tiny", **HP)
+    model = inf.build_model(r, CLASSES)
     model.load_state_dict(last[0]["state"])
     data = inf.place(ims.open_store(store), torch.device("cpu"))
-    single = inf.evaluate(model, data, hp, tta=hp["tta"], device=torch.device("cpu"), dtype=torch.float32,
-                          memory_format=torch.contiguous_format)
+    single = inf.evaluate(model, data, r.validation, tta=r.validation.tta, device=torch.device("cpu"),
+                          dtype=torch.float32)
     for e in last:
         loss, top1, top5 = e["result"]
         assert (top1, top5) == single[1:] and loss == pytest.approx(single[0], rel=1e-5)
@@ -192,13 +193,13 @@ def test_four_ranks_killed_and_resumed_without_a_shared_disk_end_exactly_as_unin
               cli_args(store, 3, "--checkpoint", "b.pt", "--resume", "--interrupt-after-epoch", "1"),
               cli_args(store, 3, "--checkpoint", "b.pt", "--resume", "--out", "b.json")]
     ranks = spawn(4, store, tmp_path, phases)
-    assert [[p["rc"] for p in r["phases"]] for r in ranks] == [[0, loop.INTERRUPTED, 0]] * 4, \
+    assert [[p["rc"] for p in r["phases"]] for r in ranks] == [[0, T.INTERRUPTED, 0]] * 4, \
         [p["stderr"][-1500:] for r in ranks for p in r["phases"]]
     assert not any((tmp_path / f"node{r}" / name).exists() for r in (1, 2, 3) for name in ("a.pt", "b.pt"))
     resumed = ranks[0]["phases"][2]["stdout"]
     assert resumed.count("resumed from epoch 1 of b.pt") == 1
     a, b = (torch.load(tmp_path / "node0" / f"{n}.pt", weights_only=False) for n in "ab")
-    assert a["epoch"] == b["epoch"] == 3
+    assert a["progress"]["epoch"] == b["progress"]["epoch"] == 3
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     ra, rb = (json.loads((tmp_path / "node0" / f"{n}.json").read_text())["runs"][0]["rows"] for n in "ab")
     assert [(x["train_loss"], x["top1"]) for x in ra] == [(x["train_loss"], x["top1"]) for x in rb]
@@ -249,7 +250,7 @@ def test_torchrun_restarts_a_killed_worker_which_resumes_and_ends_as_if_uninterr
     assert re.search(r"resumed from epoch [1-9] of ckpt.pt", out), out
     assert "Traceback" not in err, err[-3000:]               # the surviving rank said what happened in one line
     a, b = (torch.load(tmp_path / n / "ckpt.pt", weights_only=False) for n in "ab")
-    assert a["epoch"] == b["epoch"] == 10
+    assert a["progress"]["epoch"] == b["progress"]["epoch"] == 10
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     # the checkpoint of 2 ranks, resumed by 1 process: refused, naming both
     os.chdir(tmp_path / "b")
@@ -264,7 +265,7 @@ def test_torchrun_restarts_a_killed_worker_which_resumes_and_ends_as_if_uninterr
 # --- the cluster papers' recipes, at tiny size on 2 gloo ranks ------------------------------------------------------
 
 PRESETS = {"goyal_8k": ["--batch-size", "32", "--warmup-epochs", "2", "--step-epochs", "3"],
-           "akiba_32k": ["--batch-size", "32", "--rms-beta-center", "1", "--rms-beta-period", "2"],
+           "akiba_32k": ["--batch-size", "32", "--rmsprop-beta-center", "1", "--rmsprop-beta-period", "2"],
            "mikami_68k": ["--batch-size", "32", "--batch-schedule", "0,16,2,32", "--warmup-epochs", "1"]}
 
 
@@ -289,36 +290,40 @@ def test_the_cluster_recipes_train_on_two_ranks(presets):
     assert [[p["rc"] for p in r["phases"]] for r in ranks] == [[0, 0, 0]] * 2, \
         [p["stderr"][-1500:] for r in ranks for p in r["phases"]]
     for name, res in results.items():
-        hp = res["hyperparameters"]
-        assert hp["model"] == "resnet_tiny" and res["environment"]["world_size"] == 2, name
+        assert res["settings"]["model"] == "resnet_tiny" and res["environment"]["world_size"] == 2, name
         rows = res["runs"][0]["rows"]
         assert len(rows) == 4 and rows[-1]["train_loss"] < rows[0]["train_loss"], name
 
 
+def recipe_of(res):
+    """The recipe a run's JSON record ran, rebuilt from its settings (by flag name; JSON's lists back to tuples)."""
+    settings = {k: tuple(v) if isinstance(v, list) else v for k, v in res["settings"].items()}
+    return changed(inf.RECIPES[res["recipe"]], **settings)
+
+
 def last_step_rates(res):
     """Each epoch's last rate, as the loop computes it: lr per 256 images of the global batch at that step."""
-    hp, rows = res["hyperparameters"], res["runs"][0]["rows"]
-    hp = {**hp, "step_epochs": tuple(hp["step_epochs"]), "batch_schedule": tuple(hp["batch_schedule"])}
-    return [schedules.lr_at(hp, e + (s - 1) / s) * r["batch"] * 2 / 256
-            for e, r in enumerate(rows) for s in [48 // r["batch"]]], [r["lr"] for r in rows]
+    r, rows = recipe_of(res), res["runs"][0]["rows"]
+    return [schedules.lr_at(r, e + (s - 1) / s) * row["batch"] * 2 / 256
+            for e, row in enumerate(rows) for s in [48 // row["batch"]]], [row["lr"] for row in rows]
 
 
 def test_goyal_warms_up_from_the_small_batch_rate_and_steps_down(presets):
     _, results = presets
     res = results["goyal_8k"]
-    assert res["hyperparameters"]["warmup_start"] == 1 / 32 and res["hyperparameters"]["zero_init"]
+    assert res["settings"]["warmup_start"] == 1 / 32 and res["settings"]["zero_init"]
     want, got = last_step_rates(res)
     assert got == pytest.approx(want)
     assert got[3] == pytest.approx(0.1 * 0.1 * 32 / 256)            # after the step at epoch 3: a tenth of the peak
-    assert schedules.lr_at(res["hyperparameters"], 0) == pytest.approx(0.1 / 32)       # the first step: 1/32 of 0.1
+    assert schedules.lr_at(recipe_of(res), 0) == pytest.approx(0.1 / 32)              # the first step: 1/32 of 0.1
 
 
 def test_akiba_hands_rmsprop_over_to_sgd_on_a_slow_start_with_the_last_batchs_statistics(presets):
     ranks, results = presets
     res = results["akiba_32k"]
-    hp = res["hyperparameters"]
-    assert (hp["optimizer"], hp["schedule"], hp["bn_stats"], hp["comm_hook"]) == ("rmsprop_sgd", "slow_start",
-                                                                                  "last_batch", "fp16")
+    s = res["settings"]
+    assert (s["rmsprop"], s["lars"], s["schedule"], s["bn_stats"], s["comm_hook"]) == (True, False, "slow_start",
+                                                                                       "last_batch", "fp16")
     want, got = last_step_rates(res)
     assert got == pytest.approx(want) and got[0] == pytest.approx(0.5 * 0.1 * 32 / 256)
     first, second = (rec["evaluated"][4]["bn"] for rec in ranks)       # the second phase's last evaluation
@@ -334,4 +339,4 @@ def test_mikami_grows_the_batch_and_the_rate_and_reduces_over_a_torus(presets):
     want, got = last_step_rates(res)
     assert got == pytest.approx(want)
     assert all(rec["torus"][2] > 0 for rec in ranks)                   # the third phase's buckets went over the torus
-    assert res["hyperparameters"]["label_smoothing"] == 0.1
+    assert res["settings"]["label_smoothing"] == 0.1

@@ -1,4 +1,6 @@
 """The journey stages: Myrtle's published steps as recipes that build on each other."""
+import dataclasses
+
 import pytest
 
 import cifar10_fast as cf
@@ -15,25 +17,32 @@ def test_every_stage_is_a_recipe_in_order_with_a_published_time():
     assert times[0] == 297 and times[-1] == 26
     assert all(b < a for a, b in zip(times, times[1:]))               # every published step was faster
     for name in names:
-        cf.hyperparameters(name)                                                # only known hyperparameters
+        cf.recipe(name)                                                 # only known settings, each allowed
+
+
+def settings_of(name):
+    """The recipe's settings: the recipe without what it says of itself (its name and description)."""
+    return dataclasses.replace(cf.recipe(name), name="", doc="")
 
 
 def test_the_journey_lands_on_the_existing_myrtle_recipes():
     # the cumulative changes must reproduce the two recipes written out independently
-    assert cf.hyperparameters("resnet9_24") == cf.hyperparameters("myrtle24")
-    assert cf.hyperparameters("tta10") == cf.hyperparameters("myrtle10")
+    assert settings_of("resnet9_24") == settings_of("myrtle24")
+    assert settings_of("tta10") == settings_of("myrtle10")
 
 
 def test_stages_carry_myrtles_numbers():
-    r = cf.hyperparameters
-    assert (r("baseline_resnet18")["model"], r("baseline_resnet18")["epochs"], r("baseline_resnet18")["batch_size"]) == ("resnet18", 35, 128)
-    assert r("faster_bn") == r("batch512") and r("gpu_aug") == r("resnet9_24")   # fixes we have built in
-    assert (r("cutout30_bs768")["batch_size"], r("cutout30_bs768")["epochs"], r("cutout30_bs768")["cutout"]) == (768, 30, 8)
-    assert [r(n)["epochs"] for n in ("maxpool_pre", "label_smoothing", "celu", "ghost_bn", "frozen_bn_scale",
-                                     "whitening", "ema", "tta10")] == [25, 23, 20, 18, 17, 14, 13, 10]
-    assert r("celu")["celu_alpha"] == 0.075 and r("frozen_bn_scale")["celu_alpha"] == 0.3
-    assert r("ghost_bn")["ghost_batch"] == 32 and not r("celu")["ghost_batch"]
-    assert r("ema")["lr_knots"][-1] * 13 == pytest.approx(11)         # lr floored for the last 2 of 13 epochs
+    r = cf.recipe
+    first, bs768 = r("baseline_resnet18"), r("cutout30_bs768")
+    assert (first.network.model, first.epochs, first.batch_size) == ("resnet18", 35, 128)
+    assert settings_of("faster_bn") == settings_of("batch512")                  # fixes we have built in
+    assert settings_of("gpu_aug") == settings_of("resnet9_24")
+    assert (bs768.batch_size, bs768.epochs, bs768.augment.cutout) == (768, 30, 8)
+    assert [r(n).epochs for n in ("maxpool_pre", "label_smoothing", "celu", "ghost_bn", "frozen_bn_scale",
+                                  "whitening", "ema", "tta10")] == [25, 23, 20, 18, 17, 14, 13, 10]
+    assert r("celu").network.celu_alpha == 0.075 and r("frozen_bn_scale").network.celu_alpha == 0.3
+    assert r("ghost_bn").batch_norm.ghost_batch == 32 and not r("celu").batch_norm.ghost_batch
+    assert r("ema").lr.knots[-1] * 13 == pytest.approx(11)            # lr floored for the last 2 of 13 epochs
 
 
 def test_list_recipes_prints_one_line_per_stage(capsys):

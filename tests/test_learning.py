@@ -16,10 +16,10 @@ def test_narrow_resnet9_learns_real_cifar10_in_two_epochs(cifar10_npz):
     arrays = cd.load_cifar10(cifar10_npz)
     assert arrays["train_images"].shape == (50000, 32, 32, 3) and arrays["test_images"].shape == (10000, 32, 32, 3)
     arrays = {**arrays, "train_images": arrays["train_images"][:10000], "train_labels": arrays["train_labels"][:10000]}
-    hp = cf.hyperparameters("myrtle24", width=0.25, epochs=2)
+    r = cf.recipe("myrtle24", width=0.25, epochs=2)
     device = torch.device("cpu")
-    data = cd.to_device(arrays, device, dtype=torch.float32, pad=hp["crop_pad"])
-    result = train_once(hp, data, seed=0)
+    data = cd.to_device(arrays, device, dtype=torch.float32, pad=r.augment.crop_pad)
+    result = train_once(r, data, seed=0)
     rows = result["rows"]
     assert len(rows) == 2
     assert rows[1]["train_loss"] < rows[0]["train_loss"]
@@ -34,9 +34,9 @@ def test_narrow_resnet9_learns_real_cifar10_in_two_epochs(cifar10_npz):
 @pytest.mark.parametrize("name", [pytest.param("fast94_muon", marks=pytest.mark.slow), "fast94_next"])
 def test_the_muon_recipes_learn_real_cifar10_at_tiny_width(cifar10_npz, one_thread, name):
     arrays = cd.take_subset(cd.load_cifar10(cifar10_npz), 5000, 1000)
-    hp = cf.hyperparameters(name, width=1 / 8, epochs=2, batch_size=250)
+    r = cf.recipe(name, width=1 / 8, epochs=2, batch_size=250)
     device = torch.device("cpu")
-    result = train_once(hp, cd.to_device(arrays, device, dtype=torch.float32, pad=hp["crop_pad"]), seed=0)
+    result = train_once(r, cd.to_device(arrays, device, dtype=torch.float32, pad=r.augment.crop_pad), seed=0)
     rows = result["rows"]
     assert rows[1]["train_loss"] < rows[0]["train_loss"]
     assert result["final_acc"] >= 0.40

@@ -56,17 +56,17 @@ def test_the_readme_example_runs_as_written_after_pip_install(cifar10_npz, tmp_p
 def test_train_returns_the_model_rows_and_summary_and_evaluate_agrees(npz):
     result = cf.train("fast94", data=npz, runs=2, seed=5, target=0.2, **TINY)
     assert [r["seed"] for r in result.runs] == [5, 6] and result.rows == result.runs[-1]["rows"]
-    assert result.summary["final_acc"]["n"] == 2 and result.hyperparameters["width"] == 1 / 16
+    assert result.summary["final_acc"]["n"] == 2 and result.recipe.network.width == 1 / 16
     assert result.summary["flops_per_run"] == result.flops["total"] > 0
     test = np.load(npz)
-    score = cf.evaluate(result.model, test["test_images"], test["test_labels"], tta="flip_translate")
+    score = cf.evaluate(result.model, test["test_images"], test["test_labels"], tta=cf.TTA(views="flip_translate"))
     assert score["accuracy"] == result.rows[-1]["test_acc"]          # the same images, normalised the same way
     assert score["loss"] == pytest.approx(result.rows[-1]["test_loss"], rel=1e-5)
     with pytest.raises(core.UsageError, match=r"^--tta all: must be one of none, flip, flip_translate$"):
-        cf.evaluate(result.model, test["test_images"], test["test_labels"], tta="all")
+        cf.evaluate(result.model, test["test_images"], test["test_labels"], tta=cf.TTA(views="all"))
     with pytest.raises(core.UsageError, match=r"^--batch-size 0: must be positive$"):
         cf.train("fast94", data=npz, device="cpu", batch_size=0)
-    with pytest.raises(core.UsageError, match=r"^unknown hyperparameters \['batchsize'\]$"):
+    with pytest.raises(core.UsageError, match=r"^unknown settings \['batchsize'\]; see --help for the flags$"):
         cf.train("fast94", data=npz, device="cpu", batchsize=64)
     with pytest.raises(core.UsageError, match=r"^--dataset mnist: must be one of cifar10, cifar100$"):
         cf.train("fast94", dataset="mnist")
@@ -93,10 +93,10 @@ def test_64_pixel_images_learn_above_chance(one_thread):
 
 @pytest.mark.parametrize("model", ["resnet9", "resnet18", "fastnet"])
 def test_every_network_takes_any_number_of_classes_and_image_size(model):
-    hp = cf.hyperparameters("fast94" if model == "fastnet" else "myrtle10" if model == "resnet9" else "baseline_resnet18",
-                   width=1 / 16)
+    r = cf.recipe("fast94" if model == "fastnet" else "myrtle10" if model == "resnet9" else "baseline_resnet18",
+                  width=1 / 16)
     for classes, (h, w) in ((100, (32, 32)), (7, (64, 64)), (3, (24, 40))):
-        net = tb.build_model(hp, CPU, num_classes=classes)
+        net = tb.build_model(r, CPU, num_classes=classes)
         assert net(torch.randn(2, 3, h, w)).shape == (2, classes)
 
 
@@ -133,10 +133,10 @@ def test_cifar10s_statistics_are_the_old_constants_and_train_as_before(cifar10_n
     assert cd.channel_stats(arrays["train_images"]) == (cd.MEAN, cd.STD)
     arrays = cd.take_subset(arrays, None, 500)
     result = cf.train("myrtle10", data=arrays, subset=1000, device="cpu", epochs=1, width=1 / 8, batch_size=200)
-    hp = cf.hyperparameters("myrtle10", width=1 / 8, epochs=1, batch_size=200)
+    r = cf.recipe("myrtle10", width=1 / 8, epochs=1, batch_size=200)
     arrays = cd.take_subset(arrays, 1000)
-    data = cd.to_device(arrays, CPU, dtype=torch.float32, pad=hp["crop_pad"], stats=(cd.MEAN, cd.STD))
-    before = train_once(hp, data)
+    data = cd.to_device(arrays, CPU, dtype=torch.float32, pad=r.augment.crop_pad, stats=(cd.MEAN, cd.STD))
+    before = train_once(r, data)
     new, old = result.model.state_dict(), before["model"].state_dict()
     assert all(torch.equal(new[k], old[k]) for k in old) and result.rows[0]["test_acc"] == before["final_acc"]
 
@@ -173,10 +173,11 @@ def test_a_long_epoch_shows_its_progress_on_stderr(npz, capsys, monkeypatch):
     lines = [line for line in err.splitlines() if line.startswith("epoch ")]
     assert lines[0].startswith("epoch 1:") and lines[-1].startswith("epoch 2: 100%")
     assert all(re.search(r"\d+/4 \[\d\d:\d\d<\d\d:\d\d, ", line) for line in lines)     # steps, elapsed<left
-    # the estimate comes from the run's own first steps (at step 3 of 4), not from a throwaway network before it
-    estimate = re.search(r"^estimated time: about \d+ s for 1 run of 2 epochs on this CPU \(from the first steps; "
-                         r"an estimate\)$", err, re.M)
-    assert estimate and err[:estimate.start()].count("epoch 1:") == 3
+    # the estimate comes from the run's own first epoch (after its 4 steps, before the second epoch's), not from a
+    # throwaway network before it
+    estimate = re.search(r"^estimated time: about \d+ s for 1 run of 2 epochs on this CPU \(from the first epoch, "
+                         r"evaluations left out; an estimate\)$", err, re.M)
+    assert estimate and err[:estimate.start()].count("epoch 1:") == 4 and "epoch 2:" not in err[:estimate.start()]
     assert "epoch 1:" not in out and len([l for l in out.splitlines() if l.split()[:1] in (["1"], ["2"])]) == 2
 
 
@@ -199,8 +200,8 @@ def test_progress_shows_every_long_phase_on_stderr_and_nothing_when_off(npz, cap
 
 def test_a_short_epoch_shows_no_progress(npz, capsys):
     data = cd.to_device(np.load(npz), CPU, dtype=torch.float32, pad=2)
-    hp = cf.hyperparameters("fast94", width=1 / 16, epochs=2, batch_size=64)
-    train_once(hp, data, progress_after_s=cf.PROGRESS_AFTER_S)        # as on a GPU: no estimate, quick epochs
+    r = cf.recipe("fast94", width=1 / 16, epochs=2, batch_size=64)
+    train_once(r, data, progress=True)        # quick epochs (under cf.PROGRESS_AFTER_S); train_run alone: no estimate
     assert capsys.readouterr().err == ""
 
 
@@ -210,7 +211,8 @@ def test_a_short_epoch_shows_no_progress(npz, capsys):
 def test_epochs_between_are_evaluated_plainly_or_not_at_all_and_the_last_with_the_recipes_tta(npz, monkeypatch,
                                                                                              every, evaluated):
     calls, real = [], tb.evaluate
-    monkeypatch.setattr(tb, "evaluate", lambda model, x, y, **k: calls.append(k["tta"]) or real(model, x, y, **k))
+    monkeypatch.setattr(tb, "evaluate", lambda model, x, y, **k: calls.append(k["tta"].views if k["tta"] else "none")
+                        or real(model, x, y, **k))
     result = cf.train("fast94", data=npz, eval_every=every, **{**TINY, "epochs": 3})
     assert calls == [tta for _, tta in evaluated]
     rows = result.rows

@@ -23,14 +23,13 @@ import distributed as D  # noqa: E402
 import imagenet_data as idt  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
 import imagenet_store as ims  # noqa: E402
-import loop  # noqa: E402
 from conftest import ROOT, synthetic_arrays  # noqa: E402
 
 PATH = ROOT / "tests" / "data" / "loop_reference.json"
 CIFAR = ["myrtle24", "myrtle10", "fast94", "fast94_muon", "fast94_next", "fast94_next_lowres"]
 IMAGENET = {"imagenet_tiny": dict(ema_momentum=0.9, ema_every=5),
-            "imagenet_lars": dict(optimizer="lars", lars_trust=0.02),
-            "imagenet_rmsprop_sgd": dict(optimizer="rmsprop_sgd", rms_beta_center=1.0, rms_beta_period=2.0)}
+            "imagenet_lars": dict(lars=True, lars_trust=0.02),
+            "imagenet_rmsprop_sgd": dict(rmsprop=True, rmsprop_beta_center=1.0, rmsprop_beta_period=2.0)}
 MARGIN, FLOOR = 10.0, 1e-6     # the tolerance: this many times the rounding envelope, and at least this (relative)
 
 
@@ -71,16 +70,14 @@ def imagenet(name, folder, **changes):
         ims.synthetic_imagefolder(Path(folder) / "src", 4, 24, 8, sizes=(24, 24), lossless=True)
         ims.prepare(Path(folder) / "src", store, ims.Settings(format="raw", size=24), workers=1, log=lambda s: None)
     data = idt.place(ims.open_store(store), torch.device("cpu"), threads=1)
-    hp = inf.hyperparameters("tiny", width=8, epochs=3, batch_size=16, min_res=24, max_res=24, val_res=24,
-                             **{**IMAGENET[name], **changes})
+    r = inf.recipe("tiny", width=8, epochs=3, batch_size=16, min_res=24, max_res=24, val_res=24,
+                   **{**IMAGENET[name], **changes})
     losses, undo = record_losses()
-    cpu = torch.device("cpu")
     try:
-        result = loop.train(inf.start(hp, data, classes=4, device=cpu, dtype=torch.float32, ctx=D.Context()), hp,
-                            device=cpu, seed=1)
+        result = inf.train_run(r, data, inf.Options(), ctx=D.Context(), seed=1)
     finally:
         undo()
-    return losses, result["final_acc"], result["rows"][-1]["val_loss"]
+    return losses, result["final_top1"], result["rows"][-1]["val_loss"]
 
 
 def values(losses, accuracy, loss):
@@ -130,7 +127,7 @@ def test_rounding_stays_inside_the_tolerance_and_a_real_change_does_not(referenc
     torch.set_num_threads(1)
     assert rounded["steps"] != ref["steps"]
     same(rounded, ref, exact=False)
-    for change in (dict(nesterov=False), dict(label_smoothing=cf.hyperparameters("fast94_next")["label_smoothing"] + 0.01)):
+    for change in (dict(nesterov=False), dict(label_smoothing=cf.recipe("fast94_next").label_smoothing + 0.01)):
         with pytest.raises(AssertionError, match="outside their tolerance"):
             same(values(*cifar10("fast94_next", **change)), ref, exact=False)
 

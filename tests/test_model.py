@@ -7,21 +7,20 @@ from torch import nn
 
 import cifar10_fast as cf
 import devices
-import loop
 import optim
 import torch_backend as tb
+import training as T
 
 CPU = torch.device("cpu")
 
 
 def test_resnet9_parameter_count_is_myrtles():
-    model = tb.build_model(cf.hyperparameters("myrtle24"), CPU)
+    model = tb.build_model(cf.recipe("myrtle24"), CPU)
     assert tb.count_parameters(model) == 6_573_120              # Myrtle's ResNet-9: 6.57M
 
 
 def test_myrtle10_network_shapes_and_frozen_parts():
-    hp = cf.hyperparameters("myrtle10")
-    model = tb.build_model(hp, CPU)
+    model = tb.build_model(cf.recipe("myrtle10"), CPU)
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert frozen[0] == "0.0.weight"                              # the whitening filters
     assert all(n.endswith("weight") for n in frozen) and len(frozen) == 1 + 8   # + every batch-norm scale
@@ -31,7 +30,7 @@ def test_myrtle10_network_shapes_and_frozen_parts():
 def test_resnet18_is_myrtles():
     """Myrtle's ResNet-18 (experiments.ipynb, DAWN_net): channels 64/128/256/256, pre-activation blocks whose
     identity shortcut starts after bn-relu, concatenated max+average pooling into a 512-wide linear layer."""
-    model = tb.build_model(cf.hyperparameters("baseline_resnet18"), CPU)
+    model = tb.build_model(cf.recipe("baseline_resnet18"), CPU)
     # prep conv 3·64·9 = 1,728; a block: bn1 2·c_in + conv1 9·c_in·c_out + bn2 2·c_out + conv2 9·c_out², and a 1×1
     # projection c_in·c_out when the shape changes: 147,968 + 525,184 + 2,098,944 + 2,426,880 for the four
     # stages; linear 512·10 + 10
@@ -49,18 +48,18 @@ def test_resnet18_is_myrtles():
     x = torch.randn(2, 3, 32, 32)                 # max and average pooling, concatenated
     features = nn.Sequential(*list(model.eval())[:9])(x)
     pooled = torch.cat([features.amax((2, 3)), features.mean((2, 3))], 1)
-    torch.testing.assert_close(model(x), linear(pooled) * cf.hyperparameters("baseline_resnet18")["output_scale"])
+    torch.testing.assert_close(model(x), linear(pooled) * cf.recipe("baseline_resnet18").network.output_scale)
 
 
 def test_width_multiplier_shrinks_channels():
-    model = tb.build_model(cf.hyperparameters("myrtle24", width=0.25), CPU)
+    model = tb.build_model(cf.recipe("myrtle24", width=0.25), CPU)
     assert model[0][0].out_channels == 16 and model[-2].in_features == 128
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
 
 
 def test_bf16_and_float32_paths_agree():
     torch.manual_seed(0)
-    model = tb.build_model(cf.hyperparameters("myrtle24", width=0.5), CPU).eval()
+    model = tb.build_model(cf.recipe("myrtle24", width=0.5), CPU).eval()
     x = torch.randn(64, 3, 32, 32)
     with torch.no_grad():
         ref = model(x)
@@ -133,15 +132,15 @@ def test_whitening_filters_decorrelate_patches():
 def test_sum_loss_parametrisation_equals_mean_loss_sgd():
     """lr/bs on the summed loss with wd·bs equals plain SGD(lr, wd) on the mean loss."""
     torch.manual_seed(0)
-    hp = cf.hyperparameters("myrtle24", width=0.125, batch_size=8)
-    a = tb.build_model(hp, CPU)
+    r = cf.recipe("myrtle24", width=0.125, batch_size=8)
+    a = tb.build_model(r, CPU)
     b = copy.deepcopy(a)
-    opt_a = optim.make_optimizers(a, hp)
+    opt_a = optim.make_optimizers(a, r)
     opt_b = torch.optim.SGD(b.parameters(), lr=0.3, momentum=0.9, nesterov=True, weight_decay=5e-4)
     x, y = torch.randn(8, 3, 32, 32), torch.arange(8)
     for _ in range(3):
         optim.set_lr(opt_a, 0.3)
-        loop.train_step(a, opt_a, x, y, label_smoothing=hp["label_smoothing"], dtype=torch.float32)
+        T.train_step(a, opt_a, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
         F.cross_entropy(b(x), y).backward()
         opt_b.step(); opt_b.zero_grad()
     for pa, pb in zip(a.parameters(), b.parameters()):
@@ -149,8 +148,8 @@ def test_sum_loss_parametrisation_equals_mean_loss_sgd():
 
 
 def test_bias_lr_multiplier_groups():
-    hp = cf.hyperparameters("myrtle10")
-    opts = optim.make_optimizers(tb.build_model(hp, CPU), hp)
+    r = cf.recipe("myrtle10")
+    opts = optim.make_optimizers(tb.build_model(r, CPU), r)
     optim.set_lr(opts, 1.0)
     assert len(opts) == 1
     weights, biases = opts[0].param_groups
@@ -162,7 +161,7 @@ def test_bias_lr_multiplier_groups():
 def test_ema_matches_its_formula():
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    ema = loop.EMA(model, momentum=0.9, every=2)
+    ema = T.ExponentialAverage(model, momentum=0.9, every=2)
     w0 = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.add_(1.0)
@@ -174,10 +173,10 @@ def test_ema_matches_its_formula():
 
 def test_flip_tta_averages_logits_of_image_and_mirror():
     torch.manual_seed(0)
-    model = tb.build_model(cf.hyperparameters("myrtle24", width=0.125), CPU).eval()
+    model = tb.build_model(cf.recipe("myrtle24", width=0.125), CPU).eval()
     x, y = torch.randn(10, 3, 32, 32), torch.arange(10)
     with torch.no_grad():
         logits = (model(x) + model(x.flip(3))) / 2
-    loss, acc = tb.evaluate(model, x, y, tta="flip", batch_size=4)
+    loss, acc = tb.evaluate(model, x, y, tta=cf.TTA(views="flip"), batch_size=4)
     assert loss == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
     assert acc == pytest.approx((logits.argmax(1) == y).float().mean().item())

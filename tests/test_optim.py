@@ -149,10 +149,16 @@ def test_compiled_muon_compiles_once_per_shape_and_steps_as_eager(batched, graph
 
 
 def test_sgd_takes_the_options_of_its_parameters_device(monkeypatch):
-    seen = []
-    monkeypatch.setattr(optim.devices, "sgd_options", lambda device: (seen.append(device), {"foreach": False})[1])
-    p = torch.nn.Parameter(torch.zeros(2))
-    opt = optim.optimizer([{"params": [p]}], {"optimizer": "sgd", "momentum": 0.9, "nesterov": True})
-    assert seen == [torch.device("cpu")] and opt.defaults["foreach"] is False
-    monkeypatch.undo()
-    assert not optim.optimizer([{"params": [p]}], {"optimizer": "sgd", "momentum": 0.9, "nesterov": True}).defaults["fused"]
+    import cifar10_fast as cf
+    import imagenet_fast as inf
+    changes = dict(momentum=0.9, nesterov=True)
+    makers = {"imagenet": lambda model: inf.make_optimizer(model, inf.recipe("tiny", **changes)),
+              "cifar": lambda model: optim.make_optimizers(model, cf.recipe("myrtle24", **changes))[0]}
+    for name, make in makers.items():
+        model = torch.nn.Linear(2, 2)
+        seen = []
+        monkeypatch.setattr(optim.devices, "sgd_options", lambda device: (seen.append(device), {"foreach": False})[1])
+        opt = make(model)
+        assert seen == [torch.device("cpu")] and opt.defaults["foreach"] is False, name
+        monkeypatch.undo()
+        assert not make(model).defaults["fused"], name

@@ -20,22 +20,23 @@ def test_square_grid():
     assert core.square_grid(4) == (2, 2) and core.square_grid(7) == (1, 7)
 
 
-SIM = dict(step_time_s=0.1, model_bytes=100e6, link_gbps=100, latency_us=10, buckets=4, batch_per_gpu=32)
+SIM = dict(step_time_s=0.1, model_bytes=100e6, buckets=4, batch_per_gpu=32)
+LINKS = scaling.Links(link_gbps=100, latency_us=10)
 
 
 def test_simulate_efficiency_falls_with_gpus():
-    rows = scaling.simulate([1, 8, 64, 512, 2048], algorithm="ring", **SIM)
+    rows = scaling.simulate([1, 8, 64, 512, 2048], LINKS, algorithm="ring", **SIM)
     assert rows[0]["efficiency"] == 1.0 and rows[0]["images_per_s"] == pytest.approx(320)
     effs = [r["efficiency"] for r in rows]
     assert all(a > b for a, b in zip(effs, effs[1:]))
 
 
 def test_simulate_torus_beats_ring_when_latency_bound():
-    kw = {**SIM, "model_bytes": 1e6, "latency_us": 20}
-    ring, torus = (scaling.simulate([2048], algorithm=a, **kw)[0]["step_s"] for a in ("ring", "torus"))
+    kw, slow = {**SIM, "model_bytes": 1e6}, scaling.Links(link_gbps=100, latency_us=20)
+    ring, torus = (scaling.simulate([2048], slow, algorithm=a, **kw)[0]["step_s"] for a in ("ring", "torus"))
     assert torus < ring
     # and a small count with a large message: the same bandwidth term, little latency, nearly equal
-    ring, torus = (scaling.simulate([4], algorithm=a, **SIM)[0]["step_s"] for a in ("ring", "torus"))
+    ring, torus = (scaling.simulate([4], LINKS, algorithm=a, **SIM)[0]["step_s"] for a in ("ring", "torus"))
     assert torus == pytest.approx(ring, rel=1e-3)
 
 
@@ -43,10 +44,10 @@ def test_simulate_exact_formula_small_case():
     # 4 GPUs, ring, 1 bucket: c = 2*3*alpha + 2*3/4 * n * beta; step = F + B + c
     alpha, beta, n = 10e-6, 8 / 100e9, 100e6
     c = 6 * alpha + 1.5 * n * beta
-    row = scaling.simulate([4], algorithm="ring", **{**SIM, "buckets": 1})[0]
+    row = scaling.simulate([4], LINKS, algorithm="ring", **{**SIM, "buckets": 1})[0]
     assert row["step_s"] == pytest.approx(0.1 + c)
     # 4 buckets, communication-bound (c4 > B/4): step = F + B/4 + 4 c4
-    row = scaling.simulate([4], algorithm="ring", **{**SIM, "link_gbps": 1})[0]
+    row = scaling.simulate([4], scaling.Links(link_gbps=1, latency_us=10), algorithm="ring", **SIM)[0]
     c4 = 6 * alpha + 1.5 * n / 4 * 8 / 1e9
     F_, B = 0.1 / 3, 0.2 / 3
     assert row["step_s"] == pytest.approx(F_ + B / 4 + 4 * c4)

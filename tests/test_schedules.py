@@ -5,6 +5,7 @@ import pytest
 import imagenet_fast as inf
 import schedules
 from schedules import PiecewiseLinear
+from settings import changed
 
 
 def test_piecewise_linear_exact_at_knots_and_between():
@@ -57,40 +58,42 @@ def test_batch_size_schedule():
 
 
 def test_schedules_of_rn50_16ep():
-    hp = inf.hyperparameters("rn50_16ep")
-    assert [schedules.res_at(hp, e) for e in range(16)] == [160] * 12 + [192] * 4  # 176 at epoch 12 rounds to 192
-    assert schedules.lr_at(hp, 0) == 0 and schedules.lr_at(hp, 1) == pytest.approx(hp["lr"] / 2)
-    assert schedules.lr_at(hp, 2) == pytest.approx(hp["lr"]) and schedules.lr_at(hp, 16) == pytest.approx(0)
-    assert schedules.lr_at(hp, 9) == pytest.approx(hp["lr"] / 2)
-    cos = {**hp, "schedule": "cosine"}
-    assert schedules.lr_at(cos, 9) == pytest.approx(hp["lr"] / 2)
-    assert schedules.lr_at(cos, 5.5) > schedules.lr_at(hp, 5.5)
-    step = {**hp, "schedule": "step", "step_epochs": (8, 12)}
-    assert schedules.lr_at(step, 7.9) == pytest.approx(hp["lr"])
-    assert schedules.lr_at(step, 12) == pytest.approx(hp["lr"] / 100)
-    scaled = {**hp, "batch_scale": True}
-    assert schedules.batch_at(512, hp, 160) == 512 and schedules.batch_at(512, scaled, 192) == 512
-    assert schedules.batch_at(512, scaled, 160) == 736
-    assert schedules.batch_for(scaled, 0, world=2) == schedules.batch_at(256, scaled, 160)     # each rank's share
+    r = inf.recipe("rn50_16ep")
+    lr = r.schedule.lr
+    assert [schedules.res_at(r, e) for e in range(16)] == [160] * 12 + [192] * 4  # 176 at epoch 12 rounds to 192
+    assert schedules.lr_at(r, 0) == 0 and schedules.lr_at(r, 1) == pytest.approx(lr / 2)
+    assert schedules.lr_at(r, 2) == pytest.approx(lr) and schedules.lr_at(r, 16) == pytest.approx(0)
+    assert schedules.lr_at(r, 9) == pytest.approx(lr / 2)
+    cos = changed(r, schedule="cosine")
+    assert schedules.lr_at(cos, 9) == pytest.approx(lr / 2)
+    assert schedules.lr_at(cos, 5.5) > schedules.lr_at(r, 5.5)
+    step = changed(r, schedule="step", step_epochs=(8, 12))
+    assert schedules.lr_at(step, 7.9) == pytest.approx(lr)
+    assert schedules.lr_at(step, 12) == pytest.approx(lr / 100)
+    scaled = changed(r, batch_scale=True)
+    res, scaled_res = r.resolution, scaled.resolution
+    assert schedules.batch_at(512, res, 160) == 512 and schedules.batch_at(512, scaled_res, 192) == 512
+    assert schedules.batch_at(512, scaled_res, 160) == 736
+    assert schedules.batch_for(scaled, 0, world=2) == schedules.batch_at(256, scaled_res, 160)     # each rank's share
 
 
 def test_slow_start_schedule_is_akiba_et_al_s_stretched_to_the_run():
     # 0.5 η for 40 of 90 epochs, 0.075 η for 30, 0.01 η for 15, 0.001 η for 5; never above 0.5 η, even while
     # a linear warm-up (here 2 epochs) leads into it; 45 epochs stretch it by half
-    hp = inf.hyperparameters("tiny", schedule="slow_start", lr=0.4, epochs=90, warmup_epochs=2.0)
-    got = [schedules.lr_at(hp, t) for t in (0, 1, 2, 39.9, 40, 69.9, 70, 85, 89.9)]
+    r = inf.recipe("tiny", schedule="slow_start", lr=0.4, epochs=90, warmup_epochs=2.0)
+    got = [schedules.lr_at(r, t) for t in (0, 1, 2, 39.9, 40, 69.9, 70, 85, 89.9)]
     assert got == pytest.approx([0, 0.1, 0.2, 0.2, 0.03, 0.03, 0.004, 0.0004, 0.0004])
-    assert max(schedules.lr_at(hp, t / 10) for t in range(900)) == pytest.approx(0.2)
-    hp = {**hp, "epochs": 45, "warmup_epochs": 0.0}
-    assert [schedules.lr_at(hp, t) for t in (0, 19.9, 20, 35, 42.5)] == pytest.approx([0.2, 0.2, 0.03, 0.004, 0.0004])
+    assert max(schedules.lr_at(r, t / 10) for t in range(900)) == pytest.approx(0.2)
+    r = changed(r, epochs=45, warmup_epochs=0.0)
+    assert [schedules.lr_at(r, t) for t in (0, 19.9, 20, 35, 42.5)] == pytest.approx([0.2, 0.2, 0.03, 0.004, 0.0004])
 
 
 def test_a_warm_up_may_start_from_a_rate_of_its_own():
     """Goyal et al.'s gradual warm-up starts from the rate of one 256-image worker, not from zero, and rises by the
     same amount every step to the scaled rate after 5 epochs."""
-    hp = inf.hyperparameters("rn50_16ep", lr=0.1, batch_size=8192, warmup_epochs=5.0, warmup_start=1 / 32,
-                             schedule="step", step_epochs=(30, 60, 80), epochs=90)
-    rates = [schedules.lr_at(hp, t) * 8192 / 256 for t in (0, 2.5, 5, 29.9, 30, 60, 80)]
+    r = inf.recipe("rn50_16ep", lr=0.1, batch_size=8192, warmup_epochs=5.0, warmup_start=1 / 32,
+                   schedule="step", step_epochs=(30, 60, 80), epochs=90)
+    rates = [schedules.lr_at(r, t) * 8192 / 256 for t in (0, 2.5, 5, 29.9, 30, 60, 80)]
     assert rates == pytest.approx([0.1, 1.65, 3.2, 3.2, 0.32, 0.032, 0.0032])
 
 
@@ -108,17 +111,18 @@ def test_the_cluster_recipes_hold_the_papers_settings():
     """ResNet-50, 90 epochs at 224 px; Goyal et al.'s 8k batch at 3.2 after 5 epochs rising from 0.1; Akiba et al.'s
     32k batch on a slow start from half of 12.8 with RMSprop handing over to SGD and last-batch statistics; Mikami et
     al.'s batch growing from 34,816 to 69,632 after 5 epochs over a 2D torus in fp16."""
-    rate = lambda hp, t: schedules.lr_at(hp, t) * schedules.batch_for(hp, int(t)) / 256
+    rate = lambda r, t: schedules.lr_at(r, t) * schedules.batch_for(r, int(t)) / 256
     for name in ("goyal_8k", "akiba_32k", "mikami_68k"):
-        hp = inf.hyperparameters(name)
-        assert (hp["model"], hp["epochs"], hp["min_res"], hp["max_res"]) == ("resnet50", 90, 224, 224), name
-        assert not hp["blurpool"] and hp["momentum"] == 0.9 and hp["weight_decay"] == 1e-4, name
-    goyal = inf.hyperparameters("goyal_8k")
-    assert goyal["batch_size"] == 8192 and goyal["zero_init"] and goyal["label_smoothing"] == 0
+        r = inf.recipe(name)
+        net, res = r.network, r.resolution
+        assert (net.model, r.epochs, res.min_res, res.max_res) == ("resnet50", 90, 224, 224), name
+        assert not net.blurpool and r.sgd.momentum == 0.9 and r.sgd.weight_decay == 1e-4, name
+    goyal = inf.recipe("goyal_8k")
+    assert goyal.batch_size == 8192 and goyal.network.zero_init and goyal.sgd.label_smoothing == 0
     assert [rate(goyal, t) for t in (0, 5, 29.9, 30, 60, 80)] == pytest.approx([0.1, 3.2, 3.2, 0.32, 0.032, 0.0032])
-    akiba = inf.hyperparameters("akiba_32k")
-    assert (akiba["batch_size"], akiba["optimizer"], akiba["bn_stats"]) == (32768, "rmsprop_sgd", "last_batch")
+    akiba = inf.recipe("akiba_32k")
+    assert (akiba.batch_size, akiba.lars, akiba.bn_stats) == (32768, None, "last_batch") and akiba.rmsprop
     assert [rate(akiba, t) for t in (0, 39.9, 40, 70, 85)] == pytest.approx([6.4, 6.4, 0.96, 0.128, 0.0128])
-    mikami = inf.hyperparameters("mikami_68k")
+    mikami = inf.recipe("mikami_68k")
     assert [schedules.batch_for(mikami, e) for e in (0, 4, 5, 89)] == [34816, 34816, 69632, 69632]
-    assert mikami["comm_hook"] == "torus_fp16" and mikami["label_smoothing"] == 0.1
+    assert mikami.comm_hook == "torus_fp16" and mikami.sgd.label_smoothing == 0.1

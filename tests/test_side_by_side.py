@@ -10,7 +10,6 @@ import torch
 from conftest import ROOT, synthetic_arrays
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import loop  # noqa: E402
 import side_by_side  # noqa: E402
 
 
@@ -105,8 +104,8 @@ def test_ours_gets_the_convolution_autotuning_the_command_line_gives_it(tmp_path
     np.savez(npz, **synthetic_arrays(128, 32))
     calls = []
     monkeypatch.setattr(side_by_side.devices, "autotune", lambda device: calls.append(("autotune", str(device))))
-    train = loop.train
-    monkeypatch.setattr(loop, "train", lambda *a, **k: calls.append(("train",)) or train(*a, **k))
+    train = side_by_side.cf.train_run
+    monkeypatch.setattr(side_by_side.cf, "train_run", lambda *a, **k: calls.append(("train",)) or train(*a, **k))
     assert side_by_side.main(["--peer", "none", "--device", "cpu", "--data-dir", str(npz), "--recipes", "fast94",
                               "--runs", "1", "--epochs", "1", "--width", "0.0625", "--batch-size", "64"]) == 0
     assert calls[:2] == [("autotune", "cpu"), ("train",)]
@@ -164,8 +163,8 @@ def test_ours_evaluate_once_per_timed_run_at_its_end_in_both_modes(tmp_path, cap
     real = side_by_side.cf.tb.evaluate
     monkeypatch.setattr(side_by_side.cf.tb, "evaluate",
                         lambda *a, **k: evaluations.append(k["tta"]) or real(*a, **k))
-    tta = side_by_side.cf.hyperparameters("fast94")["tta"]
-    assert tta != "none"
+    tta = side_by_side.cf.recipe("fast94").tta
+    assert tta is not None
     rc, captured, res = peer_script_run(tmp_path, capsys, "--epochs", "2")
     assert rc == 0, captured.err
     assert evaluations == [tta, tta]                                            # 2 runs of ours, one each

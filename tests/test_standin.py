@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import cifar10_fast as cf
 import devices
+import distributed as D
 import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
@@ -152,9 +153,9 @@ def test_a_compiled_run_past_dynamos_limit_of_graphs_stops_instead_of_falling_ba
 
 def test_the_warm_up_fits_the_whitening_so_no_timed_run_loads_the_linear_algebra_library(npz):
     arrays = dict(np.load(npz))
-    hp = cf.hyperparameters("fast94_next", width=1 / 16, batch_size=32)
+    r = cf.recipe("fast94_next", width=1 / 16, batch_size=32)
     with StandIn() as gpu:
-        cf.prepare(hp, arrays, device=torch.device("cuda"), dtype=torch.bfloat16)
+        cf.build(r, arrays, cf.Options(), ctx=D.Context(device="cuda"))
     assert gpu.ops["linalg_svd"] >= 1      # the record's decomposition, on the GPU, before any clock
 
 
@@ -162,14 +163,13 @@ def test_in_float32_the_selective_views_read_no_output_a_cuda_graph_has_overwrit
     """With CUDA graphs (reduce-overhead, max-autotune) a call's outputs are overwritten by the next call's; in
     float32 `.float()` is no copy, so keeping the plain pass's outputs of every batch read overwritten ones."""
     arrays = synthetic_arrays(n_train=64, n_test=300)
-    hp = cf.hyperparameters("fast94_next", width=1 / 16)
+    r = cf.recipe("fast94_next", width=1 / 16)
     with StandIn():
         data = cf.cd.to_device(arrays, torch.device("cuda"), dtype=torch.float32, pad=0)
         torch.manual_seed(0)
-        net = tb.build_model(hp, "cuda", memory_format=torch.channels_last)
+        net = tb.build_model(r, "cuda", memory_format=torch.channels_last)
         graphed = torch.compile(net, mode="reduce-overhead", backend="eager", dynamic=False)
-        options = dict(tta="flip_translate", tta_fraction=0.25, tta_weights="equal", batch_size=100,
-                       memory_format=torch.channels_last)
+        options = dict(tta=r.tta, batch_size=100, memory_format=torch.channels_last)       # selective: a quarter
         eager = tb.evaluation_sums(net, data["test_images"], data["test_labels"], **options)
         assert torch.equal(tb.evaluation_sums(graphed, data["test_images"], data["test_labels"], **options), eager)
 
@@ -216,10 +216,10 @@ def test_a_raw_store_on_the_host_stays_the_memory_mapped_file_and_only_two_batch
         data = idt.place(store, torch.device("cuda"), where="host")
         assert not data.pixels.is_pinned()
         assert data.pixels.numpy().base is not None and np.shares_memory(data.pixels.numpy(), store.train.data)
-        hp = inf.hyperparameters("tiny", batch_size=8)
+        r = inf.recipe("tiny", batch_size=8)
         gen = torch.Generator().manual_seed(0)
-        batches = idt.train_batches(data, hp, idt.draw_epoch(data, hp, gen), res=24, batch_size=8, generator=gen,
-                                    device=torch.device("cuda"), dtype=torch.bfloat16, memory_format=torch.channels_last)
+        batches = idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=24, batch_size=8,
+                                    generator=gen, device=torch.device("cuda"), dtype=torch.bfloat16)
         for x, y in batches:
             assert x.device.type == "cuda" and y.device.type == "cuda"
             assert gpu.pinned_bytes() <= 2 * 8 * (24 * 24 * 3 + 8)        # two staging buffers of pixels and labels
@@ -253,8 +253,8 @@ def test_a_store_goes_onto_the_gpu_only_if_training_still_fits_beside_it(stores,
     """A GPU with room for training and half the store: asked onto the GPU, the store stops the run in one line,
     before it loads; left to choose, it stays in host memory."""
     store = ims.open_store(stores["raw"])
-    hp = inf.hyperparameters("tiny", epochs=2, batch_size=8, width=8, min_res=24, max_res=24, val_res=24)
-    training = inf.training_bytes(hp, len(store.index["classes"]), world=1, dtype=torch.bfloat16)
+    r = inf.recipe("tiny", epochs=2, batch_size=8, width=8, min_res=24, max_res=24, val_res=24)
+    training = inf.training_bytes(r, len(store.index["classes"]), world=1, dtype=torch.bfloat16)
     memory = int((training + store.train_pixels().nbytes / 2) / devices.USABLE)
     with StandIn(memory=memory):
         assert inf.main(["train", "--store", str(stores["raw"]), *TINY_IN, "--data-on", "device"]) == 2
@@ -271,11 +271,10 @@ def test_nvjpeg_decodes_on_a_drained_side_stream_that_the_training_stream_waits_
     store = ims.open_store(stores["jpeg"])
     with StandIn() as gpu:
         data = idt.place(store, torch.device("cuda"), decoder="gpu")
-        hp = inf.hyperparameters("tiny", batch_size=8)
+        r = inf.recipe("tiny", batch_size=8)
         gen = torch.Generator().manual_seed(0)
-        for x, y in idt.train_batches(data, hp, idt.draw_epoch(data, hp, gen), res=24, batch_size=8, generator=gen,
-                                      device=torch.device("cuda"), dtype=torch.bfloat16,
-                                      memory_format=torch.channels_last):
+        for x, y in idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=24, batch_size=8,
+                                      generator=gen, device=torch.device("cuda"), dtype=torch.bfloat16):
             pass
     calls = [c for c in gpu.calls if c[0] != "record" or not c[1].default]
     decodes = [i for i, c in enumerate(calls) if c[0] == "nvjpeg"]
@@ -303,16 +302,16 @@ def test_without_float64_on_the_device_the_whitening_fit_and_the_validation_sums
     """Apple's MPS has no float64: the whitening's decomposition goes to the CPU, and the validation sums are float32,
     through devices.py (a stand-in that refuses float64 as MPS does, and devices saying this device lacks it)."""
     store = ims.open_store(stores["raw"])
-    hp = inf.hyperparameters("tiny", batch_size=8, val_res=24)
+    r = inf.recipe("tiny", batch_size=8, val_res=24)
     with StandIn(float64=False):
         with pytest.raises(TypeError, match="doesn't support float64"):
             torch.zeros(2, device="cuda").double()
         monkeypatch.setattr(devices, "has_float64", lambda device: False)
-        net = tb.build_model(cf.hyperparameters("fast94_next", width=1 / 16), "cuda")
+        net = tb.build_model(cf.recipe("fast94_next", width=1 / 16), "cuda")
         tb.fit_whitening(net, torch.randn(64, 3, 32, 32).to("cuda"), 32)
         assert net[0].weight.device.type == "cuda" and torch.isfinite(net[0].weight).all()
         data = idt.place(store, torch.device("cuda"))
-        model = inf.build_model(hp, 4).to("cuda")
-        sums = idt.validation_sums(model, data, hp, tta="none", device=torch.device("cuda"), dtype=torch.float32,
-                                   memory_format=torch.contiguous_format)
+        model = inf.build_model(r, 4).to("cuda")
+        sums = idt.validation_sums(model, data, r.validation, tta="none", device=torch.device("cuda"),
+                                   dtype=torch.float32)
         assert sums.dtype == torch.float32 and sums[3].item() == len(data.val_rows)

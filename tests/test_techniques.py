@@ -8,9 +8,10 @@ import torch.nn.functional as F
 import cifar10_fast as cf
 import cifar_data as cd
 import distributed as D
-import loop
 import optim
+import settings
 import torch_backend as tb
+import training as T
 from conftest import synthetic_arrays, train_once
 
 CPU = torch.device("cpu")
@@ -34,8 +35,7 @@ def test_2x2_whitening_with_both_signs_gives_identity_covariance():
 
 
 def test_fastnet_architecture_and_parameter_count():
-    hp = cf.hyperparameters("fast94")
-    net = tb.build_model(hp, CPU)
+    net = tb.build_model(cf.recipe("fast94"), CPU)
     # whitening 24·3·2·2 + 24 bias; convs 24·64·9 + 64·64·9 + 64·256·9 + 256·256·9 + 2·256·256·9;
     # linear 256·10; batch norm 2·(2·64 + 4·256)
     expected = 288 + 24 + 13824 + 36864 + 147456 + 589824 + 1179648 + 2560 + 2304
@@ -43,13 +43,12 @@ def test_fastnet_architecture_and_parameter_count():
     assert net(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     bns = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     assert all(not m.weight.requires_grad and m.momentum == 0.4 and m.eps == 1e-12 for m in bns)
-    deep = tb.build_model(cf.hyperparameters("fast96"), CPU)
+    deep = tb.build_model(cf.recipe("fast96"), CPU)
     assert sum(isinstance(m, torch.nn.Conv2d) for m in deep.modules()) == 1 + 3 * 3
 
 
 def test_dirac_init_passes_the_input_through():
-    hp = cf.hyperparameters("fast94")
-    layer = tb.conv(16, 32, hp)
+    layer = tb.conv(16, 32, cf.recipe("fast94").network)
     x = torch.randn(2, 16, 8, 8)
     torch.testing.assert_close(layer(x)[:, :16], x)
     assert layer(x)[:, 16:].abs().sum() > 0                              # the rest stays random
@@ -70,13 +69,13 @@ def test_muon_orthogonalises_its_update():
 
 
 def test_muon_takes_the_conv_filters_only():
-    hp = cf.hyperparameters("fast94", optimizer="muon", muon_lr=0.2)
-    net = tb.build_model(hp, CPU)
-    sgd, muon = optim.make_optimizers(net, hp)
+    r = cf.recipe("fast94", muon=True, muon_lr=0.2)
+    net = tb.build_model(r, CPU)
+    sgd, muon = optim.make_optimizers(net, r)
     filters = muon.param_groups[0]["params"]
     assert all(p.ndim == 4 for p in filters) and len(filters) == 6
     assert all(p.ndim < 4 for g in sgd.param_groups for p in g["params"])
-    optim.set_lr([sgd, muon], max(hp["lr_values"]) / 2)
+    optim.set_lr([sgd, muon], max(r.lr.values) / 2)
     assert muon.param_groups[0]["lr"] == pytest.approx(0.1)
 
 
@@ -84,8 +83,9 @@ def test_alternating_flip_flips_each_image_in_exactly_alternate_epochs():
     n = 1000
     g = torch.Generator().manual_seed(0)
     base = cd.flip_bits(n, g)
-    flips = torch.stack([cd.draw_augmentation(n, 32, pad=0, flip="alternate", cutout=0, generator=g, epoch=epoch,
-                                              flip_base=base)["flip"] for epoch in range(6)])
+    augment = cf.Augment(crop_pad=0, flip="alternate", cutout=0)
+    flips = torch.stack([cd.draw_augmentation(n, 32, augment, generator=g, epoch=epoch, flip_base=base)["flip"]
+                         for epoch in range(6)])
     assert torch.equal(flips[1:], ~flips[:-1])                             # every image changes every epoch
     assert abs(flips[0].float().mean().item() - 0.5) < 0.06
 
@@ -110,7 +110,7 @@ def test_flip_translate_views_are_what_they_claim():
 def test_lookahead_matches_its_formula():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    la = loop.Lookahead(model, momentum=0.95, every=5)
+    la = T.LookaheadAverage(model, momentum=0.95, every=5)
     slow = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.add_(2.0)                                            # the fast weights move
@@ -130,15 +130,15 @@ def test_lookahead_matches_its_formula():
 
 
 def test_decoupled_weight_decay_does_not_depend_on_lr_or_bias_multiplier():
-    hp = cf.hyperparameters("fast94", width=0.125)
-    net = tb.build_model(hp, CPU)
-    opts = optim.make_optimizers(net, hp)
-    peak = max(hp["lr_values"])
+    r = cf.recipe("fast94", width=0.125)
+    net = tb.build_model(r, CPU)
+    opts = optim.make_optimizers(net, r)
+    peak = max(r.lr.values)
     optim.set_lr(opts, peak * 0.5, step=0)
-    gain = 1 + 1 / (1 - hp["momentum"])
+    gain = 1 + 1 / (1 - r.sgd.momentum)
     groups = {g["name"]: g for g in opts[0].param_groups}
     for g in groups.values():                                             # decay per step: lr × weight_decay
-        assert g["lr"] * g["weight_decay"] == pytest.approx(0.5 * hp["weight_decay"] * hp["batch_size"] / (1024 * gain))
+        assert g["lr"] * g["weight_decay"] == pytest.approx(0.5 * r.sgd.weight_decay * r.batch_size / (1024 * gain))
     assert groups["bn_biases"]["lr"] == pytest.approx(64 * groups["weights"]["lr"])
     assert groups["weights"]["lr"] == pytest.approx(peak * 0.5 / (1024 * gain))
     optim.set_lr(opts, peak, step=3)               # whiten_bias_epochs = 3, of 1 step each (make_optimizers default)
@@ -151,40 +151,40 @@ def test_fractional_epochs_and_lookahead_in_a_short_run():
     x = torch.randn(n, 3, 36, 36)
     data = {"train_images": x, "train_labels": torch.arange(n) % 10,
             "test_images": x[:32, :, 2:-2, 2:-2], "test_labels": torch.arange(32) % 10}
-    hp = cf.hyperparameters("fast94", width=1 / 16, batch_size=bs, epochs=1.5)
-    res = train_once(hp, data, seed=0, target=2.0)
+    r = cf.recipe("fast94", width=1 / 16, batch_size=bs, epochs=1.5)
+    res = train_once(r, data, seed=0, target=2.0)
     assert len(res["rows"]) == 2 and res["time_to_target"] is None
     assert res["time"] == pytest.approx(res["train_time"] + res["final_eval_time"])
-    flops = tb.count_flops(hp, data)
+    flops = tb.count_flops(r, data)
     assert flops["train"] == pytest.approx(round(1.5 * (n // bs)) * bs * flops["per_train_image"])
     assert flops["per_test_image"] > 0 and flops["per_train_image"] > 2 * flops["per_test_image"] / 6
 
 
 def test_fastnet_flops_per_image_match_the_architecture():
     """Forward conv/linear FLOPs of fast94's network, counted by hand: 2·MACs per output."""
-    hp = cf.hyperparameters("fast94", tta="none")
+    r = cf.recipe("fast94", tta="none")
     data = {"train_images": torch.zeros(1024, 3, 36, 36), "train_labels": torch.zeros(1024, dtype=torch.long),
             "test_images": torch.zeros(8, 3, 32, 32), "test_labels": torch.zeros(8, dtype=torch.long)}
     macs = (31 * 31 * 24 * 12 + 31 * 31 * 64 * 24 * 9 + 15 * 15 * 64 * 64 * 9 + 15 * 15 * 256 * 64 * 9
             + 7 * 7 * 256 * 256 * 9 + 7 * 7 * 256 * 256 * 9 + 3 * 3 * 256 * 256 * 9 + 256 * 10)
-    assert tb.count_flops(hp, data)["per_test_image"] == 2 * macs
+    assert tb.count_flops(r, data)["per_test_image"] == 2 * macs
 
 
 @pytest.mark.slow
 def test_compiled_and_eager_steps_give_the_same_loss():
-    hp = cf.hyperparameters("fast94", width=1 / 16, batch_size=16)
+    r = cf.recipe("fast94", width=1 / 16, batch_size=16)
     torch.manual_seed(0)
-    net = tb.build_model(hp, CPU)
+    net = tb.build_model(r, CPU)
     x, y = torch.randn(16, 3, 32, 32), torch.arange(16) % 10
     tb.fit_whitening(net, x, 32)
     twin = copy.deepcopy(net)
     forward = torch.compile(twin)
-    eager, compiled = optim.make_optimizers(net, hp), optim.make_optimizers(twin, hp)
+    eager, compiled = optim.make_optimizers(net, r), optim.make_optimizers(twin, r)
     for opts in (eager, compiled):
-        optim.set_lr(opts, max(hp["lr_values"]))
+        optim.set_lr(opts, max(r.lr.values))
     for _ in range(3):
-        _, a = loop.train_step(net, eager, x, y, label_smoothing=hp["label_smoothing"], dtype=torch.float32)
-        _, b = loop.train_step(forward, compiled, x, y, label_smoothing=hp["label_smoothing"], dtype=torch.float32)
+        _, a = T.train_step(net, eager, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
+        _, b = T.train_step(forward, compiled, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
         assert b.item() == pytest.approx(a.item(), rel=1e-4)
     for p, q in zip(net.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
@@ -202,14 +202,14 @@ def test_lookahead_runs_its_last_scheduled_update_before_the_hand_over(monkeypat
     (decay 0.95^5), and only then the hand-over with decay 1; replacing it would drop the last 5 steps."""
     decays = []
 
-    class Recording(loop.Lookahead):
+    class Recording(T.LookaheadAverage):
         def update(self, model, step, total_steps, decay=None):
             if decay is not None or step % self.every == 0:
                 decays.append(decay if decay is not None else self.momentum ** self.every * (step / total_steps) ** 3)
             super().update(model, step, total_steps, decay)
-    monkeypatch.setattr(loop, "Lookahead", Recording)
-    hp = cf.hyperparameters("fast94", width=1 / 16, batch_size=16, epochs=2)      # 5 steps an epoch, 10 in all
-    train_once(hp, tiny_data(80), target=2.0)
+    monkeypatch.setattr(T, "LookaheadAverage", Recording)
+    r = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=2)      # 5 steps an epoch, 10 in all
+    train_once(r, tiny_data(80), target=2.0)
     rho = 0.95 ** 5
     assert decays == pytest.approx([rho * (5 / 10) ** 3, rho, 1.0])
 
@@ -217,13 +217,13 @@ def test_lookahead_runs_its_last_scheduled_update_before_the_hand_over(monkeypat
 def test_total_steps_round_up_as_airbench(monkeypatch):
     """airbench: ceil(epochs × steps per epoch) steps (9.9 × 48 = 475.2: 476 steps), in training and in the count."""
     steps = []
-    step = loop.train_step
-    monkeypatch.setattr(loop, "train_step", lambda *a, **k: steps.append(1) or step(*a, **k))
-    hp = cf.hyperparameters("fast94", width=1 / 16, batch_size=16, epochs=1.1)    # 4 steps an epoch: 4.4 -> 5
+    step = T.train_step
+    monkeypatch.setattr(T, "train_step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    r = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=1.1)    # 4 steps an epoch: 4.4 -> 5
     data = tiny_data(64)
-    res = train_once(hp, data, target=2.0)
+    res = train_once(r, data, target=2.0)
     assert len(steps) == 5 and len(res["rows"]) == 2
-    flops = tb.count_flops(hp, data)
+    flops = tb.count_flops(r, data)
     assert flops["train"] == pytest.approx(5 * 16 * flops["per_train_image"])
 
 
@@ -235,8 +235,8 @@ def patch_covariance_inverse(images, k, centre, ddof, eps):
     return torch.linalg.inv(cov + eps * torch.eye(len(cov), dtype=torch.float64))
 
 
-def whitening_filters(hp, images):
-    net = tb.build_model(hp, CPU)
+def whitening_filters(r, images):
+    net = tb.build_model(r, CPU)
     tb.fit_whitening(net, images, images.shape[-1])
     w = next(m for m in net.modules() if isinstance(m, tb.Whitening)).weight
     k = w.shape[-1]
@@ -247,13 +247,13 @@ def test_whitening_fit_follows_each_reference():
     """Each filter is an eigenvector over sqrt(eigenvalue + eps), so FᵀF = (C + eps·I)⁻¹ whatever the signs and
     order eigh picks: the check that the covariance C is the reference's."""
     x = correlated_images(n=6000, size=6) + torch.tensor([0.5, -0.3, 0.2]).view(1, 3, 1, 1)   # centring matters
-    f = whitening_filters(cf.hyperparameters("fast94", width=1 / 16), x)
+    f = whitening_filters(cf.recipe("fast94", width=1 / 16), x)
     # airbench94: the first 5,000 images, uncentred, divided by n
     torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x[:5000], 2, False, 0, 5e-4), rtol=2e-4, atol=1e-3)
-    f = whitening_filters(cf.hyperparameters("fast94_next", width=1 / 16), x)
+    f = whitening_filters(cf.recipe("fast94_next", width=1 / 16), x)
     # the 2-second record: the first 960 images, uncentred, divided by n, by an SVD of the covariance
     torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x[:960], 2, False, 0, 5e-4), rtol=2e-4, atol=1e-3)
-    f = whitening_filters(cf.hyperparameters("myrtle10", width=1 / 16), x)
+    f = whitening_filters(cf.recipe("myrtle10", width=1 / 16), x)
     # today's myrtle10: up to 10,000 images, centred, divided by n - 1
     torch.testing.assert_close(f.T @ f, patch_covariance_inverse(x, 3, True, 1, 1e-2), rtol=2e-4, atol=1e-3)
 
@@ -339,8 +339,8 @@ def test_sum_units_and_the_whitening_bias_falling_to_zero():
     """airbench94_muon: SGD's lr as written on the summed loss (head 0.67, biases 0.053), decay per step
     2e-6 × batch × the schedule's factor; the whitening bias's rate falls from 0.053 to 0 over 3 epochs, Muon's
     follows the schedule from 0.24."""
-    hp = cf.hyperparameters("fast94_muon", width=1 / 16)
-    opts = optim.make_optimizers(tb.build_model(hp, CPU), hp, steps_per_epoch=25)
+    r = cf.recipe("fast94_muon", width=1 / 16)
+    opts = optim.make_optimizers(tb.build_model(r, CPU), r, steps_per_epoch=25)
     sgd, muon = opts
     groups = {g["name"]: g for g in sgd.param_groups}
     for step, factor, whiten in ((0, 1.0, 1.0), (30, 0.85, 0.6), (75, 0.625, 0.0)):
@@ -355,11 +355,11 @@ def test_sum_units_and_the_whitening_bias_falling_to_zero():
 
 def test_the_whitening_bias_is_detached_after_its_steps(monkeypatch):
     detached = []
-    step = loop.train_step
-    monkeypatch.setattr(loop, "train_step", lambda f, *a, **k: detached.append(not tb.whitening_biases(f)[0].bias_grad)
+    step = T.train_step
+    monkeypatch.setattr(T, "train_step", lambda f, *a, **k: detached.append(not tb.whitening_biases(f)[0].bias_grad)
                         or step(f, *a, **k))
-    hp = cf.hyperparameters("fast94_muon", width=1 / 16, batch_size=16, epochs=2, whiten_bias_epochs=0.5)
-    res = train_once(hp, tiny_data(80), target=2.0)                # 5 steps an epoch: 3 with the bias trained
+    r = cf.recipe("fast94_muon", width=1 / 16, batch_size=16, epochs=2, whiten_bias_epochs=0.5)
+    res = train_once(r, tiny_data(80), target=2.0)                # 5 steps an epoch: 3 with the bias trained
     assert detached == [False] * 3 + [True] * 7
     assert tb.whitening_biases(res["model"])[0].bias.grad is None
 
@@ -368,13 +368,13 @@ def test_muon_recipe_networks():
     """fast94_muon: head weights at unit std, logits ÷ 256; fast94_next: SiLU in the blocks, GELU after the
     whitening; fast96: airbench96's 128/384/512 with the residual added before the block's last activation."""
     torch.manual_seed(0)
-    net = tb.build_model(cf.hyperparameters("fast94_muon"), CPU)
+    net = tb.build_model(cf.recipe("fast94_muon"), CPU)
     head, scale = net[-2], net[-1]
     assert head.weight.std().item() == pytest.approx(1.0) and scale.scale == 1 / 256
-    acts = [type(m) for m in tb.build_model(cf.hyperparameters("fast94_next"), CPU).modules()
+    acts = [type(m) for m in tb.build_model(cf.recipe("fast94_next"), CPU).modules()
             if isinstance(m, (torch.nn.GELU, torch.nn.SiLU))]
     assert acts == [torch.nn.GELU] + [torch.nn.SiLU] * 6
-    net = tb.build_model(cf.hyperparameters("fast96"), CPU)
+    net = tb.build_model(cf.recipe("fast96"), CPU)
     # whitening 24·12 + 24; convs 9·(24·128 + 2·128² + 128·384 + 2·384² + 384·512 + 2·512²); batch norm
     # 2·3·(128 + 384 + 512); linear 512·10
     assert tb.count_parameters(net) == 312 + 9_907_200 + 6_144 + 5_120 == 9_918_776
@@ -389,31 +389,35 @@ def test_muon_recipe_networks():
 def test_brightness_and_contrast_jitter():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(500, 3, 8, 8)
-    r = cd.draw_augmentation(500, 8, pad=0, flip="none", cutout=0, generator=g, jitter=(0.14, 0.13))
+    jitter = cf.Augment(crop_pad=0, flip="none", cutout=0, jitter_brightness=0.14, jitter_contrast=0.13)
+    r = cd.draw_augmentation(500, 8, jitter, generator=g)
     assert r["brightness"].abs().max() <= 0.14 and (r["contrast"] - 1).abs().max() <= 0.13
     assert r["brightness"].std() > 0.07 and (r["contrast"] - 1).std() > 0.06          # uniform: std = range / √3
-    out = cd.augment(x, r, 8, 0)
+    out = cd.augment_images(x, r, 8, 0)
     torch.testing.assert_close(out, (x + r["brightness"].view(-1, 1, 1, 1)) * r["contrast"].view(-1, 1, 1, 1))
-    assert "brightness" not in cd.draw_augmentation(500, 8, pad=0, flip="none", cutout=0, generator=g)   # off: no draw
+    plain = cf.Augment(crop_pad=0, flip="none", cutout=0)
+    assert "brightness" not in cd.draw_augmentation(500, 8, plain, generator=g)                       # off: no draw
 
 
 def test_low_resolution_epochs_and_their_flops():
-    hp = cf.hyperparameters("fast94", width=1 / 16, batch_size=16, epochs=2, low_res=16, low_res_epochs=1)
+    r = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=2, low_res=16, low_res_epochs=1)
     data = tiny_data(32, size=24)
     g = torch.Generator().manual_seed(0)
     base = cd.flip_bits(32, g)
-    sizes = [x.shape[-1] for e in (0, 1) for x, _ in cd.epoch_batches(data, hp, g, memory_format=torch.contiguous_format, epoch=e, flip_base=base)]
+    sizes = [x.shape[-1] for e in (0, 1) for x, _ in cd.epoch_batches(data, r.augment, g, batch_size=r.batch_size,
+                                                                        memory_format=torch.contiguous_format, epoch=e,
+                                                                        flip_base=base)]
     assert sizes == [16, 16, 24, 24]
-    ratio = tb.count_flops(hp, data)["train"] / tb.count_flops({**hp, "low_res": 0}, data)["train"]
+    ratio = tb.count_flops(r, data)["train"] / tb.count_flops(settings.changed(r, low_res=0), data)["train"]
     assert ratio == pytest.approx((1 + (16 / 24) ** 2) / 2, rel=0.1)       # half the steps at 4/9 of the pixels
-    train_once(hp, data, target=2.0)
+    train_once(r, data, target=2.0)
 
 
 def test_selective_tta():
     """The record's selective TTA: fraction 1 is full TTA, 0 the plain pass; in between the views change only
     the least confident images."""
     torch.manual_seed(0)
-    model = tb.build_model(cf.hyperparameters("fast94", width=1 / 16), CPU).eval()
+    model = tb.build_model(cf.recipe("fast94", width=1 / 16), CPU).eval()
     x = torch.randn(40, 3, 16, 16)
     with torch.no_grad():
         plain = model(x)
@@ -428,22 +432,22 @@ def test_selective_tta():
     assert torch.equal(half[sure], plain[sure])
     y = torch.arange(40) % 10
     accuracy = (half.argmax(1) == y).float().mean().item()
-    assert tb.evaluate(model, x, y, tta="flip_translate", tta_fraction=0.5)[1] == pytest.approx(accuracy)
-    flops = tb.count_flops(cf.hyperparameters("fast94", tta_fraction=0.25), tiny_data(1024, 32))
+    assert tb.evaluate(model, x, y, tta=cf.TTA(views="flip_translate", fraction=0.5))[1] == pytest.approx(accuracy)
+    flops = tb.count_flops(cf.recipe("fast94", tta_fraction=0.25), tiny_data(1024, 32))
     assert flops["per_test_image"] == pytest.approx(flops["per_train_image"] / 3 * (1 + 0.25 * 5), rel=0.02)
 
 
 def test_compiled_step_gives_the_eager_loss_and_gradients():
     """compile_step: forward and loss compiled as one function (its backward compiled with it by AOTAutograd)."""
-    hp = cf.hyperparameters("fast94_next", width=1 / 16, batch_size=8)
+    r = cf.recipe("fast94_next", width=1 / 16, batch_size=8)
     torch.manual_seed(0)
     x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 10
-    net, step = cf.network(hp, CPU, compile_mode="default")
+    net, step = cf.network(r, CPU, compile_mode="default")
     assert isinstance(step._orig_mod, cf.WithLoss)
     tb.fit_whitening(net, x, 16)
     twin = copy.deepcopy(net)
-    _, a = loop.train_step(step, [], x, y, label_smoothing=hp["label_smoothing"], dtype=torch.float32)
-    _, b = loop.train_step(twin, [], x, y, label_smoothing=hp["label_smoothing"], dtype=torch.float32)
+    _, a = T.train_step(step, [], x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
+    _, b = T.train_step(twin, [], x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
     assert a.item() == pytest.approx(b.item(), rel=1e-5)
     for p, q in zip(net.parameters(), twin.parameters()):
         assert (p.grad is None) == (q.grad is None)
@@ -451,21 +455,22 @@ def test_compiled_step_gives_the_eager_loss_and_gradients():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4)
     # the warm-up and a run through a compiled WithLoss (dynamo without code generation, to keep this test short):
     # the whitening bias detached after its step, selective TTA through the network
-    hp, data = {**hp, "epochs": 1, "whiten_bias_epochs": 0.5}, tiny_data(16, n_test=8)
-    step = torch.compile(cf.WithLoss(net, hp["label_smoothing"]), backend="eager")
-    cf.warmup(hp, data, device=CPU, dtype=torch.float32, ctx=D.Context(), net=net, forward=step)
-    assert len(train_once(hp, data, net=net, forward=step, target=2.0)["rows"]) == 1
+    r, data = settings.changed(r, epochs=1, whiten_bias_epochs=0.5), tiny_data(16, n_test=8)
+    step = torch.compile(cf.WithLoss(net, r.label_smoothing), backend="eager")
+    cf.warmup(r, data, device=CPU, dtype=torch.float32, ctx=D.Context(), net=net, forward=step)
+    assert len(train_once(r, data, net=net, forward=step, target=2.0)["rows"]) == 1
 
 
 def test_the_low_resolution_ablation_is_fast94_next_with_its_switch_and_the_predicted_flops():
     # docs/perf-notes.md predicts training FLOPs -12%: 2 of 7.59 epochs at (24/32)^2 of the pixels (counted:
     # 12.6%: the unpadded 2x2 whitening leaves 23 and 31 pixels a side, which the poolings round down to 11 of 15
     # and 5 of 7, each a little under 24/32)
-    ablation, base = cf.hyperparameters("fast94_next_lowres"), cf.hyperparameters("fast94_next")
-    assert {k for k in base if ablation[k] != base[k]} == {"low_res", "low_res_epochs"}
+    ablation, base = cf.recipe("fast94_next_lowres"), cf.recipe("fast94_next")
+    flat_ablation, flat_base = settings.flat(ablation), settings.flat(base)
+    assert {k for k in flat_base if flat_ablation[k] != flat_base[k]} == {"low_res", "low_res_epochs"}
     shapes = {"train_images": torch.zeros(1, 3, 1, 1).expand(50000, 3, 1, 1), "train_labels": torch.zeros(50000),
               "test_images": torch.zeros(8, 3, 32, 32), "test_labels": torch.zeros(8, dtype=torch.long)}
-    low, full = (tb.count_flops(hp, shapes)["train"] for hp in (ablation, base))
+    low, full = (tb.count_flops(r, shapes)["train"] for r in (ablation, base))
     assert 1 - low / full == pytest.approx(2 / 7.59 * (1 - (24 / 32) ** 2), abs=0.015)
 
 
@@ -473,7 +478,7 @@ def test_the_whitening_bias_starts_as_each_reference_leaves_it():
     """legacy airbench94 zeroes it; airbench94_muon and the 2-second record keep nn.Conv2d's default, uniform in
     ±1/√fan_in = ±1/√12 for 2×2 filters over 3 channels."""
     from scipy.stats import kstest
-    bias = lambda recipe: tb.whitening_biases(tb.build_model(cf.hyperparameters(recipe, width=1 / 16), CPU))[0].bias
+    bias = lambda recipe: tb.whitening_biases(tb.build_model(cf.recipe(recipe, width=1 / 16), CPU))[0].bias
     assert torch.equal(bias("fast94"), torch.zeros(24))
     bound = 1 / 12 ** 0.5
     for recipe in ("fast94_muon", "fast94_next"):
@@ -487,37 +492,44 @@ def test_the_records_test_time_augmentation_weighs_its_six_views_equally():
     x = torch.randn(2, 3, 32, 32)
     assert [w for w, _ in tb.tta_views(x, "flip_translate", "equal")] == [1 / 6] * 6
     assert [w for w, _ in tb.tta_views(x, "flip_translate")] == [0.25, 0.25] + [0.125] * 4
-    assert cf.hyperparameters("fast94_next")["tta_weights"] == "equal"
-    assert cf.hyperparameters("fast94_muon")["tta_weights"] == "airbench"      # airbench94_muon's tta_level=2
-    model = tb.build_model(cf.hyperparameters("fast94", width=1 / 16), CPU).eval()
+    assert cf.recipe("fast94_next").tta.weights == "equal"
+    assert cf.recipe("fast94_muon").tta.weights == "airbench"      # airbench94_muon's tta_level=2
+    model = tb.build_model(cf.recipe("fast94", width=1 / 16), CPU).eval()
     with torch.no_grad():
         views = [model(v) for _, v in tb.tta_views(x, "flip_translate")]
         torch.testing.assert_close(tb.tta_logits(model, x, "flip_translate", weights="equal"),
                                    torch.stack(views).mean(0))
 
 
-def test_the_networks_initialisation_and_the_datas_order_and_augmentation_are_independent_streams():
+def test_the_networks_initialisation_and_the_datas_order_and_augmentation_are_independent_streams(monkeypatch):
     """Changing only the augmentation's seed changes no initial weight and no order; changing only the order's changes
     no augmentation; and the whitening bias (drawn at initialisation) no longer repeats the flip bits' draws, as it
     did when both came from one CPU stream."""
-    import distributed as D
-    import loop
-    hp = cf.hyperparameters("fast94_next", width=1 / 16, batch_size=32)
-    data = cd.to_device(synthetic_arrays(n_train=64, n_test=32), "cpu", dtype=torch.float32, pad=hp["crop_pad"])
-    start = cf.start(hp, data, device=torch.device("cpu"), dtype=torch.float32, ctx=D.Context())
+    r = cf.recipe("fast94_next", width=1 / 16, batch_size=32, epochs=1)
+    data = cd.to_device(synthetic_arrays(n_train=64, n_test=32), "cpu", dtype=torch.float32, pad=r.augment.crop_pad)
+    run_seeds, step = T.run_seeds, T.train_step
 
     def built(seeds):
-        torch.manual_seed(seeds["init"])
-        run = start(seeds)
-        x, y = (torch.cat(t) for t in zip(*run.batches(0)))             # the whole epoch: 2 batches of 32
-        return [t.clone() for t in run.model.state_dict().values()], x, y
+        """(the initial weights, the epoch's images and labels) of a run train_run starts from these seeds."""
+        weights, batches = [], []
+
+        def recording(forward, *a, **k):
+            if not weights:                                               # before the first step
+                weights.extend(t.clone() for t in forward.state_dict().values())
+            batches.append(tuple(t.clone() for t in a[1:3]))
+            return step(forward, *a, **k)
+        monkeypatch.setattr(T, "run_seeds", lambda seed, rank=0: seeds)
+        monkeypatch.setattr(T, "train_step", recording)
+        train_once(r, data, target=2.0)
+        x, y = (torch.cat(t) for t in zip(*batches))                    # the whole epoch: 2 batches of 32
+        return weights, x, y
     as_set = lambda x: x.flatten(1)[x.flatten(1).sum(1).argsort()]     # the epoch's images whatever their order
-    seeds = loop.run_seeds(0)
+    seeds = run_seeds(0)
     weights, x, y = built(seeds)
     other_augment, x2, y2 = built({**seeds, "augment": seeds["augment"] + 1})
     assert all(torch.equal(a, b) for a, b in zip(weights, other_augment)) and torch.equal(y, y2)
     assert not torch.equal(x, x2)
     _, x3, y3 = built({**seeds, "order": seeds["order"] + 1})
     assert not torch.equal(y, y3) and torch.equal(as_set(x), as_set(x3))
-    assert len(set(loop.run_seeds(0).values())) == 3 and loop.run_seeds(0, rank=1)["init"] == seeds["init"]
-    assert loop.run_seeds(0, rank=1)["augment"] != seeds["augment"]
+    assert len(set(run_seeds(0).values())) == 3 and run_seeds(0, rank=1)["init"] == seeds["init"]
+    assert run_seeds(0, rank=1)["augment"] != seeds["augment"]

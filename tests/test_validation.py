@@ -27,21 +27,19 @@ def run(main, args, capsys):
     return rc, capsys.readouterr().err.strip().splitlines()
 
 
-KNOTS = "0,0.208333,1"      # myrtle24's lr_knots (0, 5/24, 1) as the message shows them
 # (flags, the last line on stderr). NO_DATA cases run with a --data-dir that does not exist: they must stop before
 # anything is loaded. DATA cases need the data's size: they load the 256 synthetic training images first.
 NO_DATA = [
     (["--epochs", "0"], "error: --epochs 0: must be positive"),
     (["--epochs", "-2"], "error: --epochs -2: must be positive"),
-    (["--epochs", "two"], "error: argument --epochs: invalid int value: 'two'"),
+    (["--epochs", "two"], "error: argument --epochs: 'two' is not a whole number"),
     (["--batch-size", "0"], "error: --batch-size 0: must be positive"),
     (["--batch-size", "9.5"], "error: --batch-size 9.5: must be a whole number"),
     (["--width", "0"], "error: --width 0: must be positive"),
     (["--subset", "0"], "error: --subset 0: must be positive"),
-    (["--lr-values", "0,0.4"], f"error: --lr-knots {KNOTS} and --lr-values 0,0.4: must have the same length (here 3 and 2)"),
-    (["--lr-knots", "0,1"], "error: --lr-knots 0,1 and --lr-values 0,0.4,0: must have the same length (here 2 and 3)"),
+    (["--lr-values", "0,0.4"], "error: --lr-knots and --lr-values: must have the same length (here 3 and 2)"),
+    (["--lr-knots", "0,1"], "error: --lr-knots and --lr-values: must have the same length (here 2 and 3)"),
     (["--tta", "all"], "error: argument --tta: 'all' is not one of none, flip, flip_translate"),
-    (["--optimizer", "adam"], "error: argument --optimizer: 'adam' is not one of sgd, muon, lars, rmsprop_sgd"),
     (["--flip", "sometimes"], "error: argument --flip: 'sometimes' is not one of none, random, alternate"),
     (["--act", "tanh"], "error: argument --act: 'tanh' is not one of relu, celu, gelu, silu"),
     (["--device", "gpu"], "error: --device gpu: not a device; use cpu, cuda, cuda:N, mps, ..."),
@@ -67,7 +65,7 @@ def test_a_bad_flag_stops_before_the_data_is_loaded(flags, message, tmp_path, ca
 
 @pytest.mark.parametrize("flags, message", DATA, ids=[" ".join(f) for f, _ in DATA])
 def test_a_flag_too_large_for_the_data_stops_before_training(flags, message, npz, capsys, monkeypatch):
-    monkeypatch.setattr(cf.loop, "train", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr(cf, "train_run", lambda *a, **k: pytest.fail("trained"))
     rc, err = run(cf.main, ["--data-dir", npz, "--device", "cpu", "--recipe", "fast94", *flags], capsys)
     assert rc == 2 and err[-1] == message, err
 
@@ -135,10 +133,10 @@ def test_imagenet_and_simulate_flags(args, message, capsys):
 def test_help_lists_the_allowed_values(capsys):
     with pytest.raises(SystemExit) as e:
         cf.main(["--help"])
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())         # argparse wraps the help's lines
     assert e.value.code == 0
-    for choices in ("{none,flip,flip_translate}", "{sgd,muon,lars,rmsprop_sgd}", "{none,random,alternate}",
-                    "{relu,celu,gelu,silu}", "{cifar10,cifar100}"):
+    for choices in ("(one of none, flip, flip_translate)", "(one of none, random, alternate)",
+                    "(one of relu, celu, gelu, silu)", "(one of cifar10, cifar100)"):
         assert choices in out
 
 

@@ -1,0 +1,245 @@
+"""A recipe's settings as a small typed tree: frozen dataclasses whose fields say what they may take (`knob`: one of a
+few values, a range, whole numbers) and hold the settings of one technique each (`component`: present, or None where
+the recipe leaves the technique out). From the tree come the flags (one per field, named after it: --whiten-eps,
+--muon-lr, --batch-size), the changes a flag or keyword makes, and the checks, each a UsageError of one line naming
+the flag, what is wrong and what is allowed.
+
+A component class names its flags' prefix (PREFIX) and either a field whose value turns it off (OFF: ("momentum",
+0.0): --ema-momentum 0 leaves EMA out) or gets a switch of its own (--whiten false); giving any of its fields turns
+an absent component on, from its defaults. No torch here.
+"""
+import argparse
+import dataclasses
+
+from core import UsageError
+
+
+def knob(default, *, choices=None, low=None, high=None, above=None, whole=False, flag=None, doc=None):
+    """A setting's default and what it may take: one of `choices` (a tuple, or a dict of named presets whose flag
+    takes the name), or a number in [low, high], above `above`, a whole number with whole; `flag` names its flag
+    when its component's prefix alone is the natural name (the TTA's views: --tta)."""
+    meta = {"choices": choices, "low": low, "high": high, "above": above, "whole": whole, "flag": flag, "doc": doc}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def component(cls, default=None):
+    """A field holding a technique's settings, of class cls, or None where the recipe leaves it out."""
+    return dataclasses.field(default=default, metadata={"component": cls})
+
+
+def part(default):
+    """A field holding settings every recipe has (the network, its batch norm): always present."""
+    return dataclasses.field(default=default, metadata={"component": type(default), "always": True})
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One setting as the command line sees it: its flag's name (underscores), the path of field names to it, and
+    the field, with the classes it sits in."""
+    name: str
+    path: tuple
+    field: dataclasses.Field
+    owners: tuple
+
+
+def leaves(cls, prefix=(), path=(), owners=()):
+    """Every setting of a recipe class, in the order of its fields, components' settings included (whether the
+    recipe has them or not), and each optional component's switch when it has no OFF field."""
+    out = []
+    for f in dataclasses.fields(cls):
+        sub = f.metadata.get("component")
+        if f.name in ("name", "doc", "notes"):         # what a recipe says of itself, not a setting
+            continue
+        if sub is None:
+            name = f.metadata.get("flag") or "_".join([*prefix, f.name])
+            out.append(Leaf(name, (*path, f.name), f, owners + (cls,)))
+            continue
+        sub_prefix = (*prefix, sub.PREFIX) if getattr(sub, "PREFIX", "") else prefix
+        if not f.metadata.get("always") and not getattr(sub, "OFF", None):
+            out.append(Leaf("_".join(sub_prefix), (*path, f.name), f, owners + (cls,)))       # --whiten true|false
+        out += leaves(sub, sub_prefix, (*path, f.name), owners + (cls,))
+    return out
+
+
+def by_name(cls):
+    return {leaf.name: leaf for leaf in leaves(cls)}
+
+
+def get(tree, path):
+    for name in path:
+        tree = None if tree is None else getattr(tree, name)
+    return tree
+
+
+def show(value):
+    """A value as a flag takes it: 0,0.4,0 for a tuple, a preset's name, a number in its shortest form."""
+    if isinstance(value, tuple):
+        return ",".join(map(show, value))
+    if dataclasses.is_dataclass(value) and hasattr(value, "name"):        # a preset
+        return value.name
+    return f"{value:g}" if isinstance(value, float) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def flag_error(name, value, why):
+    return UsageError(f"--{name.replace('_', '-')} {show(value)}: {why}")
+
+
+def changed(tree, **changes):
+    """The tree with settings changed by flag name (width=0.25, whiten_eps=1e-3, ema_momentum=0, whiten=False); a
+    component that a change reaches is made from its defaults when absent; an OFF value or a false switch leaves it
+    out. An unknown name is a UsageError of one line."""
+    names = by_name(type(tree))
+    unknown = sorted(set(changes) - set(names))
+    if unknown:
+        raise UsageError(f"unknown settings {unknown}; see --help for the flags")
+    for name, value in changes.items():
+        tree = put(tree, names[name].path, value, names[name].field)
+    return tree
+
+
+def put(tree, path, value, f):
+    """tree with the field at path set to value (components on the way made or left out as changed() says)."""
+    head, rest = path[0], path[1:]
+    if not rest:
+        if "component" in f.metadata and not f.metadata.get("always"):      # a switch: on (from defaults) or off
+            current = getattr(tree, head)
+            return dataclasses.replace(tree, **{head: (current or f.metadata["component"]()) if value else None})
+        return dataclasses.replace(tree, **{head: value})
+    meta = {x.name: x for x in dataclasses.fields(tree)}[head].metadata
+    sub = getattr(tree, head)
+    off = getattr(meta.get("component"), "OFF", None)
+    if off and len(rest) == 1 and rest[0] == off[0] and value == off[1]:
+        return dataclasses.replace(tree, **{head: None})
+    sub = sub if sub is not None else meta["component"]()
+    return dataclasses.replace(tree, **{head: put(sub, rest, value, f)})
+
+
+def check(tree, prefix=()):
+    """Raises flag_error for the first setting of tree outside what its knob allows, then each component's own
+    check() (what depends on several settings at once)."""
+    for f in dataclasses.fields(tree):
+        value = getattr(tree, f.name)
+        sub = f.metadata.get("component")
+        if f.name in ("name", "doc", "notes"):
+            continue
+        if sub is not None:
+            if value is not None:
+                check(value, (*prefix, sub.PREFIX) if getattr(sub, "PREFIX", "") else prefix)
+            continue
+        m = f.metadata
+        name = m.get("flag") or "_".join([*prefix, f.name])
+        if m.get("choices") is not None:
+            allowed = tuple(m["choices"].values()) if isinstance(m["choices"], dict) else m["choices"]
+            if value not in allowed:
+                raise flag_error(name, value, f"must be one of {', '.join(map(show, m['choices']))}")
+            continue
+        items = value if isinstance(value, tuple) else (value,)
+        for v in items:
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                continue
+            if m.get("whole") and not float(v).is_integer():
+                raise flag_error(name, value, "must be a whole number")
+            low, high, above = m.get("low"), m.get("high"), m.get("above")
+            if above is not None and not v > above:
+                raise flag_error(name, value, "must be positive" if above == 0 else f"must be above {show(above)}")
+            if low is not None and v < low or high is not None and v > high:
+                raise flag_error(name, value, f"must be between {show(low if low is not None else above)} and "
+                                 f"{show(high)}" if high is not None else "must not be negative" if low == 0
+                                 else f"must be at least {show(low)}")
+    if hasattr(tree, "check"):
+        tree.check()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flags
+
+def number(s):
+    """A number as typed: 3, 0.5, 1e-3 or a fraction such as 1/16."""
+    if "/" in s:
+        a, b = s.split("/")
+        return float(a) / float(b)
+    return float(s)
+
+
+def converter(f):
+    """The function from a flag's text to the value of field f (named after the type, for argparse's errors)."""
+    default, choices = f.default, f.metadata.get("choices")
+    if isinstance(choices, dict):
+        convert = lambda s: choices[s]
+    elif isinstance(default, bool):
+        convert = lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
+    elif isinstance(default, tuple):
+        item = int if default and all(isinstance(v, int) for v in default) else float
+        convert = lambda s: tuple(item(number(v)) for v in s.split(","))
+    elif isinstance(default, int):        # an integer unless written as a fraction: --epochs 9.9
+        convert = lambda s: int(number(s)) if float(number(s)).is_integer() else float(number(s))
+    elif isinstance(default, float):
+        convert = lambda s: float(number(s))
+    else:
+        kind = type(default) if default is not None else str
+        convert = lambda s: kind(s)
+    convert.__name__ = type(default).__name__ if not isinstance(choices, dict) else "preset"
+    return convert
+
+
+KINDS = {"int": "a whole number", "float": "a number", "tuple": "numbers separated by commas", "bool": "true or false",
+         "preset": "a preset", "str": "a word"}
+
+
+def checked(convert, choices):
+    """An argparse type: convert, refusing (one line, naming what is allowed) what it cannot read or what is not one
+    of choices."""
+    def check(s):
+        try:
+            value = convert(s)
+        except (KeyError, ValueError, ZeroDivisionError):
+            if choices:
+                raise argparse.ArgumentTypeError(f"{s!r} is not one of {', '.join(map(show, choices))}")
+            raise argparse.ArgumentTypeError(f"{s!r} is not {KINDS.get(convert.__name__, convert.__name__)}")
+        allowed = tuple(choices.values()) if isinstance(choices, dict) else choices
+        if choices is not None and value not in allowed:
+            raise argparse.ArgumentTypeError(f"{s!r} is not one of {', '.join(map(show, choices))}")
+        return value
+    check.__name__ = convert.__name__
+    return check
+
+
+def one_of(choices):
+    """An argparse type for a flag that takes one of a few words, refusing any other in one line that names them."""
+    return checked(str, tuple(choices))
+
+
+def add_flags(parser, recipe_class, title="settings (change the recipe's)"):
+    """One flag per setting of recipe_class (--whiten-eps for whiten_eps); a switch takes true or false."""
+    group = parser.add_argument_group(title)
+    for leaf in leaves(recipe_class):
+        f, choices = leaf.field, leaf.field.metadata.get("choices")
+        if "component" in f.metadata:
+            convert, help_ = converter(dataclasses.field(default=True)), "switch this technique on or off"
+        else:
+            convert = converter(f)
+            help_ = f.metadata.get("doc") or ""
+            if choices is not None:
+                help_ += f" (one of {', '.join(map(show, choices))})"
+        group.add_argument("--" + leaf.name.replace("_", "-"), dest=leaf.name, default=None,
+                           type=checked(convert, choices if "component" not in f.metadata else None), help=help_)
+
+
+def changes_from(args, recipe_class):
+    """The settings a command line gives, by flag name."""
+    return {name: getattr(args, name) for name in by_name(recipe_class) if getattr(args, name, None) is not None}
+
+
+def flat(tree):
+    """{flag name: value} of every setting a tree holds (a component it leaves out: its switch, False), for a run's
+    record and a checkpoint's check."""
+    out = {}
+    for leaf in leaves(type(tree)):
+        if "component" in leaf.field.metadata:
+            out[leaf.name] = get(tree, leaf.path) is not None
+            continue
+        owner = get(tree, leaf.path[:-1])
+        if owner is not None:
+            value = getattr(owner, leaf.path[-1])
+            out[leaf.name] = show(value) if dataclasses.is_dataclass(value) else value
+    return out

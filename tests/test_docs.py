@@ -1,0 +1,63 @@
+"""What the prose names exists: every `module.name` that README, docs/, the notebook, and the modules' comments and
+docstrings mention resolves to something the module has (a renamed or deleted function leaves no stale name)."""
+import importlib
+import io
+import json
+import re
+import sys
+import tokenize
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+MODULES = sorted(p.stem for p in ROOT.glob("*.py")) + sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py"))
+ALIASES = {"cf": "cifar10_fast", "tb": "torch_backend", "cd": "cifar_data", "inf": "imagenet_fast",
+           "idt": "imagenet_data", "ims": "imagenet_store", "T": "training", "D": "distributed"}
+FILE_ENDINGS = {"py", "md", "json", "ipynb", "npz", "pt", "store", "txt", "toml", "ini"}
+
+
+def mentions(text, names):
+    """(module, dotted attribute path) for each `name.attr[.attr]` in text whose name is one of names."""
+    pattern = re.compile(rf"(?<![\w.])({'|'.join(map(re.escape, names))})\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
+    for m in pattern.finditer(text):
+        path = m.group(2).split(".")
+        if path[0] not in FILE_ENDINGS:
+            yield ALIASES.get(m.group(1), m.group(1)), path
+
+
+def prose():
+    """(where, text) of every piece of prose: the markdown files' code spans, the notebook's cells, and the
+    modules' comments and string literals."""
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for span in re.findall(r"`([^`\n]+)`", path.read_text()):
+            yield path.name, span, MODULES + list(ALIASES)
+    for cell in json.loads((ROOT / "experiments.ipynb").read_text())["cells"]:
+        yield "experiments.ipynb", "".join(cell["source"]), MODULES + ["cf"]
+    for path in [*ROOT.glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]:
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if tok.type == tokenize.COMMENT or tok.type == tokenize.STRING and not tok.string.lower().startswith(
+                    ("f", "rf", "fr")):               # an f-string is a message, its braces code
+                yield path.name, tok.string, MODULES
+
+
+def resolves(module, path):
+    obj = importlib.import_module(module)
+    for name in path:
+        if not hasattr(obj, name):
+            return False
+        obj = getattr(obj, name)
+    return True
+
+
+def test_every_module_name_the_prose_mentions_exists():
+    stale = sorted({f"{where}: {module}.{'.'.join(path)}" for where, text, names in prose()
+                    for module, path in mentions(text, names) if not resolves(module, path)})
+    assert stale == []
+
+
+@pytest.mark.parametrize("text, found", [("see `cf.train_run` and torch_backend.evaluate", 2),
+                                         ("cifar10_fast.py and results.json", 0)])
+def test_the_mentions_are_found(text, found):
+    assert len(list(mentions(text, MODULES + list(ALIASES)))) == found
