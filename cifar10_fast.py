@@ -26,7 +26,7 @@ import devices
 import distributed as D
 import torch_backend as tb
 import training as T
-from cli import add_run_flags, check_run, interrupted, join_ranks, leave_ranks, run_record
+from cli import add_run_flags, check_run, interrupted, join_ranks, leave_ranks, lost_peer, run_record
 from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, print_summary, summarize_runs,
                   write_json)
 from optim import make_optimizers, set_lr
@@ -592,32 +592,69 @@ def train(recipe_or_name, data=None, *, subset=None, dataset=None, ctx=None, **c
     all the training images' per-channel mean and std. Under torchrun the command line passes its ctx. Bad arguments
     raise UsageError, bad data DataError.
     """
-    options = Options(**{k: changes.pop(k) for k in list(changes) if k in Options.__dataclass_fields__})
+    o = Options(**{k: changes.pop(k) for k in list(changes) if k in Options.__dataclass_fields__})
+    r, arrays, stats, ctx = loaded(recipe_or_name, data, o, subset=subset, dataset=dataset, ctx=ctx, changes=changes)
+    device, results = torch.device(ctx.device), []
+    with T.strict_compile():
+        built = build(r, arrays, o, ctx=ctx, stats=stats)
+        for k in range(o.runs):
+            if o.verbose and o.runs > 1:
+                print(f"run {k + 1}/{o.runs} (seed {o.seed + k})", flush=True)
+            table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
+                          file=None if o.verbose else io.StringIO())
+            started = time.perf_counter()
+
+            def epoch_done(row, first=k == 0):
+                table.append(row)
+                if first and row["epoch"] == 1 and o.progress and devices.is_cpu(device):
+                    say_estimate(r, row["epoch_time"], runs=o.runs, n_train=len(arrays["train_labels"]))
+                o.on_epoch and o.on_epoch(row)
+            result = train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done)
+            model = result.pop("model")
+            model.normalisation = stats          # for evaluate(): the statistics the network trained on
+            results.append({**result, "wall_s": time.perf_counter() - started})
+            summary = summarize_runs(results, o.target, SUMMARY, "final_acc")
+            flops = built.flops["total"]
+            summary.update(flops_per_run=flops, tflops_per_s=flops / summary["time"]["mean"] / 1e12)
+            last = Result(model=model, rows=result["rows"], summary=summary, runs=list(results), recipe=r,
+                          flops=built.flops)
+            o.on_run and o.on_run(last)
+            if o.verbose:
+                ttt = result["time_to_target"]
+                print(f"final test accuracy {result['final_acc']:.4f}; "
+                      + (f"time to {o.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {o.target:.2%}")
+                      + f"; training {result['train_time']:.2f} s + final evaluation {result['final_eval_time']:.2f} s",
+                      flush=True)
+    return last
+
+
+def loaded(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
+    """train()'s arguments checked and its data loaded: (the recipe, the four arrays of the subset, the whole training
+    set's per-channel statistics, ctx)."""
     if isinstance(recipe_or_name, Recipe) and changes:
         raise UsageError("train: give a recipe's name with its changes, or a Recipe (recipe(name, **changes))")
     r = recipe_or_name if isinstance(recipe_or_name, Recipe) else recipe(recipe_or_name, **changes)
     check(r)
-    check_run(options.runs, options.target, eval_every=options.eval_every)
+    check_run(o.runs, o.target, eval_every=o.eval_every)
     check_subset(subset)
     if dataset is not None and dataset not in cd.DATASETS:
         raise UsageError(f"--dataset {dataset}: must be one of {', '.join(cd.DATASETS)}")
-    device = torch.device(ctx.device) if ctx else devices.resolve(options.device)
+    device = torch.device(ctx.device) if ctx else devices.resolve(o.device)
     ctx = ctx or D.Context(device=str(device))
-    dtype = devices.compute_dtype(device, options.precision)
-    with Heartbeat(f"loading {data or 'data'}", on=options.progress and not isinstance(data, dict)):
+    with Heartbeat(f"loading {data or 'data'}", on=o.progress and not isinstance(data, dict)):
         arrays = cd.check_arrays(data, "data") if isinstance(data, dict) else cd.load(data or "data", dataset)
     stats = cd.channel_stats(arrays["train_images"])        # the whole training set's, whatever the subset
     check_subset(subset, len(arrays["train_labels"]))
     arrays = cd.take_subset(arrays, subset)
-    check_data(r, arrays, ctx, say=print if options.verbose else None)
-    if options.verbose:
-        print(f"recipe {r.name} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {len(arrays['train_labels'])}"
-              f" training and {len(arrays['test_labels'])} test images of "
-              f"{'x'.join(map(str, arrays['test_images'].shape[1:3]))} pixels, {cd.num_classes(arrays)} classes"
+    check_data(r, arrays, ctx, say=print if o.verbose else None)
+    if o.verbose:
+        print(f"recipe {r.name} on {devices.name(device)} ({device}, "
+              f"{str(devices.compute_dtype(device, o.precision))[6:]}), {len(arrays['train_labels'])} training and "
+              f"{len(arrays['test_labels'])} test images of {'x'.join(map(str, arrays['test_images'].shape[1:3]))} "
+              f"pixels, {cd.num_classes(arrays)} classes"
               + (f", {ctx.world_size} ranks of {r.batch_size // ctx.world_size} images per step" if ctx.distributed
                  else ""), flush=True)
-    with T.strict_compile():
-        return train_runs(r, build(r, arrays, options, ctx=ctx, stats=stats), options, ctx=ctx)
+    return r, arrays, stats, ctx
 
 
 @dataclass(kw_only=True)
@@ -646,38 +683,6 @@ def build(r, arrays, o, *, ctx, stats=None):
         with Heartbeat(f"warm-up: {what}", on=o.progress):
             warmup(r, data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward)
     return Built(data=data, net=net, forward=forward, flops=flops)
-
-
-def train_runs(r, built, o, *, ctx):
-    """train()'s runs of the Built recipe, seeds o.seed, +1, ...: their Result (after each, o.on_run(it))."""
-    device, results, data, flops = torch.device(ctx.device), [], built.data, built.flops
-    for k in range(o.runs):
-        if o.verbose and o.runs > 1:
-            print(f"run {k + 1}/{o.runs} (seed {o.seed + k})", flush=True)
-        table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
-                      file=None if o.verbose else io.StringIO())
-        started = time.perf_counter()
-
-        def epoch_done(row, first=k == 0):
-            table.append(row)
-            if first and row["epoch"] == 1 and o.progress and devices.is_cpu(device):
-                say_estimate(r, row["epoch_time"], runs=o.runs, n_train=len(data["train_labels"]) * ctx.world_size)
-            o.on_epoch and o.on_epoch(row)
-        result = train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done)
-        model = result.pop("model")
-        model.normalisation = data["stats"]          # for evaluate(): the statistics the network trained on
-        results.append({**result, "wall_s": time.perf_counter() - started})
-        summary = summarize_runs(results, o.target, SUMMARY, "final_acc")
-        summary.update(flops_per_run=flops["total"], tflops_per_s=flops["total"] / summary["time"]["mean"] / 1e12)
-        last = Result(model=model, rows=result["rows"], summary=summary, runs=list(results), recipe=r, flops=flops)
-        o.on_run and o.on_run(last)
-        if o.verbose:
-            ttt = result["time_to_target"]
-            print(f"final test accuracy {result['final_acc']:.4f}; "
-                  + (f"time to {o.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {o.target:.2%}")
-                  + f"; training {result['train_time']:.2f} s + final evaluation {result['final_eval_time']:.2f} s",
-                  flush=True)
-    return last
 
 
 def say_estimate(r, epoch_s, *, runs, n_train):
@@ -771,6 +776,8 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    """The command line: the recipe and every flag checked, this process's place among torchrun's ranks joined, the
+    runs trained (train()), their summary printed and --out written after every run; the exit status."""
     args, changes = parse_args(argv)
     if args.list_recipes:
         width = max(map(len, RECIPES))
@@ -784,21 +791,13 @@ def main(argv=None):
     except UsageError as e:
         D.print0(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        return run(args, r, ctx=ctx, argv=argv)
-    finally:
-        leave_ranks(ctx)
-
-
-def run(args, r, *, ctx, argv):
-    """main's work once this process has its place: train, print the summary, write --out; the exit status."""
-    device, main_rank, where = torch.device(ctx.device), ctx.is_main, {"run": 1, "epoch": 1, "finished": 0}
-    if devices.is_cpu(device) and main_rank:
+    device, where = torch.device(ctx.device), {"run": 1, "epoch": 1, "finished": 0}
+    if devices.is_cpu(device) and ctx.is_main:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration, "
               "shrink the work with --subset, --epochs and --width", file=sys.stderr)
 
     def save(result, complete):     # after every run: a run cut short, or a failure later, never loses the others
-        if args.out and main_rank:
+        if args.out and ctx.is_main:
             write_json(args.out, run_record({
                 "recipe": r.name, "settings": r, "target": args.target, "subset": args.subset,
                 "dataset": args.dataset, "compile": args.compile, "flops": result.flops, "complete": complete,
@@ -811,21 +810,25 @@ def run(args, r, *, ctx, argv):
         result = train(r, args.data_dir, subset=args.subset, dataset=args.dataset, ctx=ctx, on_run=run_done,
                        on_epoch=lambda row: where.update(epoch=row["epoch"] + 1), runs=args.runs,
                        seed=args.seed, target=args.target, eval_every=args.eval_every, precision=args.precision,
-                       compile=args.compile, verbose=main_rank, progress=main_rank and not args.quiet)
+                       compile=args.compile, verbose=ctx.is_main, progress=ctx.is_main and not args.quiet)
+        D.barrier()                 # leave together
     except (UsageError, DataError) as e:
         D.print0(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt:
         D.print0(interrupted(where["epoch"], where["run"], where["finished"], out=args.out), file=sys.stderr)
         return 130
-    if args.runs > 1 and main_rank:
+    except RuntimeError as e:
+        return lost_peer(e, ctx)
+    finally:
+        leave_ranks(ctx)
+    if args.runs > 1 and ctx.is_main:
         print_summary(r.name, result.summary, args.target, {
             "final_acc": ("final test accuracy", ""), "time": ("time (training + final evaluation)", " s"),
             "time_to_target": (f"time to {args.target:.2%}", " s")})
     save(result, True)
-    if args.out and main_rank:
+    if args.out and ctx.is_main:
         print(f"wrote {args.out}")
-    D.barrier()
     return 0
 
 

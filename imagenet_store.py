@@ -185,14 +185,15 @@ def in_order(pool, fn, jobs, ahead):
 @contextlib.contextmanager
 def worker_pool(workers):
     """A ProcessPoolExecutor whose workers end with this process and leave Ctrl-C to it; left by an exception (Ctrl-C
-    included), it waits for nothing: the queued shards are cancelled, and the workers end as this process does."""
+    included), the queued shards are cancelled and only the shards being encoded are waited for (their results are
+    dropped: what is kept is whole shards)."""
     pool = ProcessPoolExecutor(workers, initializer=die_with_parent, initargs=(os.getpid(), True))
     try:
         yield pool
     except BaseException:
-        for worker in list(pool._processes.values()):     # the executor has no terminate(); its workers ignore Ctrl-C
-            worker.terminate()
-        pool.shutdown(cancel_futures=True)              # waits for nothing now; wait=False fails at exit, now and then
+        # not terminate(): a worker killed while it sends a result leaves half a message that the executor's thread
+        # then waits for forever, and the process with it
+        pool.shutdown(cancel_futures=True)
         raise
     pool.shutdown()
 
