@@ -26,11 +26,12 @@ import devices
 import distributed as D
 import torch_backend as tb
 import training as T
+from cifar_data import epoch_steps, run_steps
 from cli import add_run_flags, check_run, interrupted, join_ranks, leave_ranks, lost_peer, run_record
 from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, print_summary, summarize_runs,
                   write_json)
 from optim import make_optimizers, set_lr
-from schedules import PiecewiseLinear, epoch_steps, per_rank_batch, run_steps
+from schedules import per_rank_batch
 from settings import add_flags, changed, changes_from, check, component, flag_error, knob, one_of, part
 
 ACTIVATIONS = ("relu", "celu", "gelu", "silu")
@@ -121,6 +122,14 @@ class LR:
                              f"{len(self.values)})")
         if any(b < a for a, b in zip(self.knots, self.knots[1:])):
             raise flag_error("lr_knots", self.knots, "must not decrease")
+
+    def at(self, t):
+        """The rate at t, a fraction of the run: linear between the knots, constant beyond the ends."""
+        k, v = self.knots, self.values
+        i = next((i for i in range(len(k)) if t <= k[i]), None)
+        if i is None or i == 0 or k[i] == k[i - 1]:
+            return float(v[-1] if i is None else v[i])
+        return float(v[i - 1] + (t - k[i - 1]) / (k[i] - k[i - 1]) * (v[i] - v[i - 1]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -385,7 +394,6 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     device, batch = torch.device(ctx.device), r.batch_size // ctx.world_size
     dtype = devices.compute_dtype(device, o.precision)
     steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), batch, r.epochs)
-    lr_at = PiecewiseLinear(r.lr.knots, r.lr.values)
     seeds = T.run_seeds(seed, ctx.rank)          # the network, the data's order and its augmentation: 3 streams
     torch.manual_seed(seeds["init"])
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
@@ -412,7 +420,7 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
             if o.progress else None
         for x, y in cd.epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
                                      batch_size=batch, memory_format=devices.memory_format(device)):
-            lr = lr_at(step / total_steps)
+            lr = r.lr.at(step / total_steps)
             set_lr(opts, lr, step)
             if bias_steps is not None:
                 tb.set_bias_grad(model, step < bias_steps)
@@ -484,10 +492,9 @@ def device_data(arrays, r, ctx, device, *, dtype, stats):
 
 
 def network(r, device, *, compile_mode=None, ctx=None, num_classes=10):
-    """(net, forward) built once per process and re-initialised in place by every run: under torchrun forward is
-    net in DistributedDataParallel (ctx's buckets and communication hook), and with compile_mode it is
-    torch.compile'd, once, in the warm-up (with r.compile_step, the forward and the loss as one function: WithLoss).
-    (None, None) when neither applies: each run then builds a plain network of its own."""
+    """(net, forward) built once a process, re-initialised by every run: forward is net in DDP under torchrun, and
+    torch.compile'd with compile_mode (with r.compile_step, as WithLoss); (None, None) when neither applies (each
+    run builds its own)."""
     distributed = ctx is not None and ctx.distributed
     if not (compile_mode or distributed):
         return None, None
@@ -582,16 +589,9 @@ class Result:
 
 
 def train(recipe_or_name, data=None, *, subset=None, dataset=None, ctx=None, **changes):
-    """Trains fresh networks of a recipe and returns a Result. recipe_or_name: a Recipe, or a recipe's name; changes:
-    Options (runs=10, device="cpu", progress=True, on_epoch=print) and, with a name, settings by flag name (epochs=10,
-    width=0.25).
-
-    data: a .npz (train_images and test_images (N, H, W, 3) uint8, integer train_labels and test_labels), a data
-    folder (where `dataset`, cifar10 or cifar100, is downloaded and cached), an unpacked archive folder, or a dict of
-    the four arrays; None is the folder data/. subset: the first training images only. The images are normalised by
-    all the training images' per-channel mean and std. Under torchrun the command line passes its ctx. Bad arguments
-    raise UsageError, bad data DataError.
-    """
+    """The Result of o.runs fresh networks of a recipe (a Recipe, or a name with settings by flag name), trained on
+    data (a .npz, a data folder, an unpacked archive or a dict of the four arrays; docs/cifar10.md, Library use) with
+    Options o from the keywords (runs=10, device="cpu", progress=True, on_epoch=print)."""
     o = Options(**{k: changes.pop(k) for k in list(changes) if k in Options.__dataclass_fields__})
     r, arrays, stats, ctx = loaded(recipe_or_name, data, o, subset=subset, dataset=dataset, ctx=ctx, changes=changes)
     device, results = torch.device(ctx.device), []

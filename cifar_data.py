@@ -7,6 +7,7 @@ Bad data raises core.DataError with one line naming the file and what is wrong.
 """
 import contextlib
 import io
+import math
 import os
 import pickle
 import sys
@@ -278,16 +279,9 @@ def pair(size):
 
 
 def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, device=None, order=None):
-    """Every random number for one epoch of n images of `size` (a side, or height and width) augmented as `augment`
-    says (cifar10_fast.Augment: crop_pad, flip, cutout, jitter), in at most seven calls whatever n is.
-
-    flip="random" flips each image with probability 1/2 every epoch; flip="alternate" (Jordan 2024)
-    flips image i in epoch e iff flip_base[i] xor (e odd), so every image is seen both ways in any two
-    consecutive epochs; flip_base is drawn once per run (see flip_bits). jitter (the 2-second record): each
-    image's normalised pixels become (x + b)·c with b uniform in ±jitter_brightness and c in 1 ± jitter_contrast.
-    The draws live on `device`, the generator's by default (the images'); the order of the images comes from the
-    generator `order` (by default the same one).
-    """
+    """Every random number of one epoch of n images of `size` augmented as `augment` says, in at most seven calls,
+    the order from the generator `order` (by default the same). Alternate flips (Jordan 2024) and jitter:
+        flip_i = flip_base_i xor (epoch odd);  x <- (x + b) c,  b ~ U(±jitter_brightness), c ~ 1 + U(±jitter_contrast)"""
     pad, flip, cutout = augment.crop_pad, augment.flip, augment.cutout
     jitter = (augment.jitter_brightness, augment.jitter_contrast)
     device = device or generator.device
@@ -318,13 +312,9 @@ def flip_bits(n, generator, device=None):
 
 
 def crop_flip(x, size, *, dy=None, dx=None, flip=None):
-    """Windows of `size` (a side, or height and width) at per-image offsets (dy, dx) from padded images x, each
-    mirrored left to right where flip is set; any of the three may be None (offset 0, no flip).
-
-    One gather: the output's row and column indices come from the offsets and the flip bit, as (N, 1, h, 1) and
-    (N, 1, 1, w) tensors that advanced indexing broadcasts without materialising, so the images are read once
-    and the crops written once, instead of a masked select over the whole set per offset and axis.
-    """
+    """Windows of `size` at per-image offsets (dy, dx) from padded images x, mirrored where flip is set (None: offset
+    0, no flip), in one gather: row and column indices broadcast from (N, 1, h, 1) and (N, 1, 1, w), so the images
+    are read once and the crops written once."""
     n, c = x.shape[:2]
     h, w = pair(size)
     i = torch.arange(h, device=x.device)
@@ -363,6 +353,21 @@ def augment_images(images, r, size, cutout):
 def low_resolution(x, res):
     """x resized to res × res (bilinear, antialiased: each output pixel averages the input it covers)."""
     return F.interpolate(x.float(), size=(res, res), mode="bilinear", antialias=True, align_corners=False).to(x.dtype)
+
+
+def epoch_steps(epochs, steps_per_epoch):
+    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476); epochs may be
+    fractional. Less a hair, so that a product that should be whole (1.1 × 10 = 11.000000000000002) stays so."""
+    return math.ceil(epochs * steps_per_epoch - 1e-9)
+
+
+def run_steps(n_train, batch, epochs):
+    """(steps per epoch, total steps) of a run of `epochs` (fractional: the last epoch is cut short) over n_train
+    images in batches of `batch`; the last partial batch of an epoch is dropped."""
+    steps_per_epoch = n_train // batch
+    if steps_per_epoch == 0:
+        raise ValueError(f"batch size {batch} is larger than the {n_train} training images")
+    return steps_per_epoch, max(1, epoch_steps(epochs, steps_per_epoch))
 
 
 def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):

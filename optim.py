@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import devices
-from schedules import epoch_steps
+from cifar_data import epoch_steps
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -264,28 +264,12 @@ MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def make_optimizers(model, r, steps_per_epoch=1, world=1):
-    """The optimisers of one run of recipe r (cifar10_fast.Recipe); set_lr() then sets every group's step size from
-    the schedule.
-
-    Three units of lr and weight decay (wd), r.sgd.lr_units, all on the batch-summed loss:
-    - "myrtle" (Myrtle 2018): step size lr/batch_size and decay wd·batch_size, which together equal plain SGD on
-      the batch-mean loss with (lr, wd).
-    - "decoupled" (Jordan 2024): lr and wd are per 1024 examples and divided by the Nesterov gain
-      1 + 1/(1 - momentum), so the average step does not change with momentum; the decay per step is
-      wd·batch_size/(1024·gain) x the schedule's factor, whatever lr and bias_lr_mult are, so lr, wd and momentum
-      can be tuned one at a time.
-    - "sum" (airbench94_muon): lr is torch.optim.SGD's on the summed loss, as written; the decay per step is
-      wd·batch_size x the schedule's factor (their weight_decay = wd·batch_size / lr), whatever lr is.
-    Batch-norm biases get lr x bias_lr_mult: with frozen scales they are the only per-channel knobs. With Muon
-    (r.muon), conv filter banks (4-D weights) use it at muon.lr x the schedule's factor. The bias of the whitening
-    layer (a convolution whose filters are frozen) gets lr x its lr_mult and trains only for its first epochs
-    (fractional: the steps are rounded up); with decay "linear" its rate ignores the schedule and falls linearly
-    from its peak to 0 over those steps (airbench94_muon). After them its lr is 0 and the run detaches it.
-
-    Under DDP (world ranks of batch_size / world images each) gradients are averaged over ranks, i.e. 1/world of
-    the summed loss's gradient over the global batch. In the myrtle units 1/(rank batch) = world/global batch
-    absorbs this; in the decoupled and sum units the step is multiplied by world to undo it.
-    """
+    """The optimisers of a run of recipe r (set_lr sets their steps from the schedule's lr): SGD on the summed loss
+    of b images a rank of `world`, each group at lr x unit x scale, with units by r.sgd.lr_units (docs/cifar10.md),
+    and Muon (r.muon) for the conv filters at muon.lr x lr / peak:
+        unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum);  decay per step
+        lr x unit x wd x b (myrtle), / peak otherwise;  scale = bias_lr_mult (batch-norm biases), the whitening
+        bias's lr_mult (until its last step: linear to 0 with decay "linear"), 1 (the rest)"""
     sgd, muon = r.sgd, r.muon
     bs, m, wd, peak = r.batch_size // world, sgd.momentum, sgd.weight_decay, max(r.lr.values)
     unit = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - m))), "sum": world}[sgd.lr_units]

@@ -1,6 +1,6 @@
-"""Every schedule of a run, in one place: the learning rate over the run (CIFAR-10's piecewise-linear knots,
-ImageNet's warm-up then linear, cosine, step or slow-start decay), the steps of fractional epochs, the training
-resolution and batch size of each epoch (progressive resizing, batch-size control) and its share per rank.
+"""ImageNet's schedules: the learning rate over the run (warm-up then linear, cosine, step or slow-start decay), the
+training resolution and batch size of each epoch (progressive resizing, batch-size control) and a batch's share per
+rank. CIFAR-10's rate is its recipe's own (cifar10_fast.LR.at), its steps are its data's (cifar_data.run_steps).
 
 Nothing here imports torch: each schedule is plain arithmetic on epochs and steps, tested on its own.
 
@@ -12,46 +12,6 @@ Papers:
 """
 import math
 from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class PiecewiseLinear:
-    """Linear interpolation between knots, constant beyond the ends: PiecewiseLinear([0, 5, 24], [0, .4, 0])."""
-    knots: tuple
-    values: tuple
-
-    def __post_init__(self):
-        if len(self.knots) != len(self.values) or len(self.knots) < 1:
-            raise ValueError(f"PiecewiseLinear needs as many knots as values, got {self.knots} and {self.values}")
-        if any(b < a for a, b in zip(self.knots, self.knots[1:])):
-            raise ValueError(f"PiecewiseLinear knots must not decrease, got {self.knots}")
-
-    def __call__(self, t):
-        k, v = self.knots, self.values
-        if t <= k[0]:
-            return float(v[0])
-        for i in range(1, len(k)):
-            if t <= k[i]:
-                if k[i] == k[i - 1]:
-                    return float(v[i])
-                f = (t - k[i - 1]) / (k[i] - k[i - 1])
-                return float(v[i - 1] + f * (v[i] - v[i - 1]))
-        return float(v[-1])
-
-
-def epoch_steps(epochs, steps_per_epoch):
-    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476); epochs may be
-    fractional. Less a hair, so that a product that should be whole (1.1 × 10 = 11.000000000000002) stays so."""
-    return math.ceil(epochs * steps_per_epoch - 1e-9)
-
-
-def run_steps(n_train, batch, epochs):
-    """(steps per epoch, total steps) of a run of `epochs` (fractional: the last epoch is cut short) over n_train
-    images in batches of `batch`; the last partial batch of an epoch is dropped."""
-    steps_per_epoch = n_train // batch
-    if steps_per_epoch == 0:
-        raise ValueError(f"batch size {batch} is larger than the {n_train} training images")
-    return steps_per_epoch, max(1, epoch_steps(epochs, steps_per_epoch))
 
 
 def per_rank_batch(global_batch, world):

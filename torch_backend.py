@@ -9,21 +9,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import devices
-from cifar_data import low_resolution, pair
-from schedules import run_steps
+from cifar_data import low_resolution, pair, run_steps
 
 # ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
 
 class BatchNorm(nn.BatchNorm2d):
-    """Batch norm with two options from Myrtle's bag of tricks.
-
-    freeze_scale: the scale stays at 1 (only the bias learns).
-    ghost_batch: in training, statistics come from groups of this many images (interleaved:
-    image i belongs to group i mod n/ghost_batch, which is as random as contiguous groups for
-    shuffled data and needs only a view); running statistics average over the groups.
-    """
+    """Batch norm with Myrtle's frozen scale (only the bias learns) and ghost batches: training statistics over
+    groups of ghost_batch images (image i in group i mod n/ghost_batch: a view, as random as contiguous groups of
+    shuffled data), the running statistics their average."""
 
     def __init__(self, c, *, freeze_scale=False, ghost_batch=0, momentum=0.1, eps=1e-5):
         super().__init__(c, eps=eps, momentum=momentum)
@@ -119,17 +114,9 @@ class GlobalMaxPool(nn.Module):
 
 
 class Whitening(nn.Conv2d):
-    """A frozen k×k convolution whose filters whiten the input's k×k patches: one filter per
-    eigenvector of the training-set patch covariance, scaled by 1/sqrt(eigenvalue + eps).
-    both_signs adds each filter's negative too (so a following ReLU/GELU loses nothing);
-    the optional bias is trainable (optim.make_optimizers knows it as the bias of frozen filters
-    and trains it for whiten_bias_epochs; then the run detaches it) and starts at zero (legacy airbench94) or,
-    with bias_init="default", where the convolution's own initialisation puts it: uniform in ±1/√fan_in, ±1/√12
-    for 2×2 filters of 3 channels (airbench94_muon and the 2-second record leave it so).
-    The fit follows the reference it reproduces: the first `images` images, the covariance centred or
-    not and divided by n - ddof (Myrtle: 10,000 images, n - 1; airbench94: 5,000, uncentred, n), and the
-    eigenvectors from eigh or from an SVD of the covariance (the same vectors, up to sign: it is symmetric
-    positive semi-definite)."""
+    """A frozen k×k convolution whose filters whiten the k×k patches of the first `images` training images (and,
+    with both_signs, their negatives), and a bias that trains until the run detaches it (bias_grad):
+        filters = eigenvectors of C / sqrt(eigenvalues + eps),  C = P'P / (n - ddof), P the patches (centred or not)"""
 
     def __init__(self, k, eps, *, both_signs=False, bias=False, bias_init="zero", padding=0, images=10000,
                  centre=True, ddof=1, decomp="eigh"):
@@ -228,10 +215,8 @@ def conv_group(c_in, c_out, r):
 
 
 def fastnet(r, num_classes=10):
-    """The three-block network of Jordan (2024), "94% on CIFAR-10 in 3.29 seconds": a frozen 2x2 patch-whitening
-    layer (both signs, 24 channels, trainable bias) and its activation (the whitening's act, else the network's),
-    three conv groups of block_widths channels (each halves the resolution), global max-pool, linear, logits x
-    output_scale."""
+    """The three-block network of Jordan (2024): patch whitening and its activation, three conv groups of
+    block_widths channels (each halves the resolution), global max-pool, linear, logits x output_scale."""
     white = first_layer(r.whitening)
     layers, c = [white, activation(r.network, r.whitening.act if r.whitening else "")], white.out_channels
     for w in widths(r.network, r.network.block_widths):
@@ -311,10 +296,9 @@ def fit_whitening(model, train_images, size):
 # ---------------------------------------------------------------------------------------------
 
 def tta_views(x, mode, weights="airbench"):
-    """(weight, view) pairs whose weighted logits make the prediction.
-    flip: the image and its mirror, 1/2 each. flip_translate (Jordan 2024): those two at 1/4 each, and
-    the image shifted one pixel up-left and one pixel down-right (reflect-padded), each with its
-    mirror, at 1/8 each; with weights="equal" every view counts the same (the 2-second record's mean)."""
+    """(weight, view) pairs whose weighted logits make the prediction: flip, the image and its mirror at 1/2;
+    flip_translate (Jordan 2024), those at 1/4 and the image shifted a pixel up-left and down-right (reflect-padded)
+    with their mirrors at 1/8; weights="equal", every view alike (the 2-second record)."""
     if mode == "none":
         views = [(1.0, x)]
     elif mode == "flip":

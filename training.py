@@ -105,10 +105,8 @@ class ExponentialAverage:
 
 
 class LookaheadAverage:
-    """Lookahead (Zhang et al. 2019) used as weight averaging (Jordan 2024): every `every` steps the slow weights
-    move towards the fast ones, slow <- slow + (1 - decay)(fast - slow), and the fast weights restart from the slow
-    ones, with decay = momentum**every x (step / total steps)^3, rising over the run; finish() hands the slow
-    weights to the model (decay 1). The model itself is the one evaluated."""
+    """Lookahead (Zhang et al. 2019) as weight averaging (Jordan 2024), every `every` steps; the model is evaluated:
+        slow <- slow + (1 - decay)(fast - slow);  fast <- slow;  decay = momentum^every x (step / total steps)^3"""
     model = None
 
     def __init__(self, model, momentum, every):

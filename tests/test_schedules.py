@@ -1,32 +1,35 @@
-"""schedules.py: every schedule of a run (learning rate, steps, resolution, batch), plain arithmetic checked against
-the published schedules it reproduces."""
+"""Every schedule of a run (learning rate, steps, resolution, batch), plain arithmetic checked against the published
+schedules it reproduces."""
 import pytest
 
+import cifar10_fast as cf
+import cifar_data
 import imagenet_fast as inf
 import schedules
-from schedules import PiecewiseLinear
+from core import UsageError
 from settings import changed
 
 
-def test_piecewise_linear_exact_at_knots_and_between():
-    s = PiecewiseLinear((0, 5, 24), (0.0, 0.4, 0.0))
+def test_the_cifar_rate_is_linear_between_its_knots_and_exact_at_them():
+    s = cf.LR(knots=(0, 5, 24), values=(0.0, 0.4, 0.0)).at
     assert [s(t) for t in (0, 5, 24)] == [0.0, 0.4, 0.0]
     assert s(2.5) == pytest.approx(0.2)
     assert s(14.5) == pytest.approx(0.2)
     assert s(-1) == 0.0 and s(30) == 0.0          # constant beyond the ends
 
 
-def test_piecewise_linear_flat_tail_like_myrtle10():
-    s = PiecewiseLinear((0, 0.2, 0.8), (0.0, 1.0, 0.1))
+def test_the_cifar_rate_has_a_flat_tail_like_myrtle10():
+    s = cf.LR(knots=(0, 0.2, 0.8), values=(0.0, 1.0, 0.1)).at
     assert s(0.2) == 1.0 and s(0.8) == pytest.approx(0.1) and s(1.0) == pytest.approx(0.1)
     assert s(0.5) == pytest.approx(0.55)
+    assert cf.LR(knots=(0, 0.5, 0.5, 1), values=(0.0, 1.0, 2.0, 0.0)).at(0.5) == 1.0     # a step: its first value
 
 
-def test_piecewise_linear_rejects_bad_knots():
-    with pytest.raises(ValueError, match="as many knots as values"):
-        PiecewiseLinear((0, 1), (0,))
-    with pytest.raises(ValueError, match="must not decrease"):
-        PiecewiseLinear((0, 2, 1), (0, 1, 0))
+def test_the_cifar_rate_refuses_bad_knots_in_one_line():
+    with pytest.raises(UsageError, match="must have the same length"):
+        cf.recipe("myrtle24", lr_knots=(0, 1), lr_values=(0,))
+    with pytest.raises(UsageError, match="must not decrease"):
+        cf.recipe("myrtle24", lr_knots=(0, 0.5, 0.2), lr_values=(0, 1, 0))
 
 
 def test_linear_scaling():
@@ -98,10 +101,10 @@ def test_a_warm_up_may_start_from_a_rate_of_its_own():
 
 
 def test_fractional_epochs_count_their_steps_as_airbench():
-    assert schedules.epoch_steps(9.9, 48) == 476 and schedules.epoch_steps(1.1, 10) == 11
-    assert schedules.run_steps(50000, 1024, 9.9) == (48, 476)
+    assert cifar_data.epoch_steps(9.9, 48) == 476 and cifar_data.epoch_steps(1.1, 10) == 11
+    assert cifar_data.run_steps(50000, 1024, 9.9) == (48, 476)
     with pytest.raises(ValueError, match="batch size 64 is larger than the 32 training images"):
-        schedules.run_steps(32, 64, 1)
+        cifar_data.run_steps(32, 64, 1)
     assert schedules.per_rank_batch(1024, 4) == 256
     with pytest.raises(ValueError, match="global batch size 63 is not divisible by the world size 2"):
         schedules.per_rank_batch(63, 2)
