@@ -249,7 +249,8 @@ JOURNEY = [
     dict(name="batch512", published_v100_s=256, doc="batch 512, lr peak 0.44",
          changes=dict(batch_size=512, lr_values=(0.0, 0.44, 0.005, 0.0))),
     dict(name="faster_bn", published_v100_s=186, changes=dict(),
-         doc="same as batch512: Myrtle's step kept batch norm out of a slow fp16 path; ours always runs in float32"),
+         doc="same as batch512: Myrtle's step kept batch norm out of a slow fp16 path; ours keeps batch "
+             "norm's parameters and statistics in float32 on every device"),
     dict(name="cutout30", published_v100_s=161, doc="cutout 8x8, 30 epochs, lr peak 0.4 at epoch 8",
          changes=dict(cutout=8, epochs=30, lr_knots=(0, 8 / 30, 1), lr_values=(0.0, 0.4, 0.0))),
     dict(name="cutout30_bs768", published_v100_s=154, doc="batch 768, lr peak 0.6",
@@ -340,8 +341,8 @@ FAST94_MUON = replace(
     muon=Muon(lr=0.24, momentum=0.6, ns_steps=3, renorm_every=(1, 1)), lookahead=None)
 
 # The 2-second record (hiverge/cifar10-speedrun, cifar10_speedrun.py; published: 94.01% in 2.015 s on an A100). Ours
-# differs in: bf16 autocast with float32 weights (theirs: fp16 weights), and no rescaling of the Newton-Schulz input
-# before its normalisation (theirs divides it away again).
+# differs in: bf16 autocast with float32 weights and batch norm, Newton-Schulz in bf16 (theirs: all in fp16), and no
+# rescaling of the Newton-Schulz input before its normalisation (theirs divides it away again).
 FAST94_NEXT = Recipe(
     name="fast94_next", doc="the 2-second record's configuration: batched Newton-Schulz, SiLU, jitter, selective TTA, "
                             "7.59 epochs at batch 1536 (target 94%)",

@@ -203,7 +203,8 @@ def host_array(shape, dtype, device):
 
 
 def compute_dtype(device, precision="auto"):
-    """bf16 on a CUDA GPU (batch-norm statistics and optimiser state stay float32), float32 on other devices."""
+    """The autocast dtype --precision names; auto: bf16 on a CUDA GPU, float32 on other devices (the weights and
+    batch-norm statistics stay float32 either way)."""
     if precision == "auto":
         precision = "bf16" if torch.device(device).type == "cuda" else "fp32"
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]

@@ -98,8 +98,8 @@ def pieces():
         Piece("fast94_next_lowres", "2", "fast94_next_lowres (n=50), compiled max-autotune, beside tier 1's "
               "fast94_next", "cifar", {"fast94_next_lowres": 50}, {"fast94_next_lowres": "fast94_next_lowres"},
               {"fast94_next_lowres": 0.94}, "max-autotune", ("gpu",)),
-        # the references train in float16; the recipes in bf16 (batch-norm statistics and optimiser state in
-        # float32 either way): the precision is an ablation measured beside tier 1's fast94_next, not a sentence
+        # the references train in float16; the recipes under bf16 autocast (weights, batch norm and SGD's momentum in
+        # float32 either way; docs/cifar10.md, Precision): an ablation measured beside tier 1's fast94_next
         Piece("fast94_next_fp16", "2", "fast94_next in float16 as the record trains (n=50), compiled as tier 1's "
               "fast94_next is: the precision ablation", "cifar", {"fast94_next_fp16": 50},
               {"fast94_next_fp16": "fast94_next"}, {"fast94_next_fp16": 0.94}, "max-autotune", ("gpu",),
