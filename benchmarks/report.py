@@ -356,7 +356,28 @@ def t_install(results):
             f"{gb('cpu', 'installed bytes'):.1f} GB ({what})."]
 
 
-TABLES = {"env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
+def t_coverage(results):
+    """The coverage map (benchmarks/coverage_map.py): per product module, the share of its lines and branches the
+    default tests run, and devices.py's lines that no CPU test reaches, each with the reason its line gives."""
+    found = results.get("coverage", [])
+    if not found:
+        return [f"Coverage: {NM}."]
+    r = found[-1]
+    rows = []
+    for name, f in r["files"].items():
+        ran = 1 - len(f["missing lines"]) / max(1, f["statements"])
+        taken = 1 - len(f["missing branches"]) / max(1, f["branches"])
+        rows.append([code(name), f["statements"], f"{ran:.1%}", f["branches"], f"{taken:.1%}"])
+    lines = [f"Measured on {device(r)} (n = 1, tests exit status {r['tests_exit_status']}): {code(r['command'])}.", ""]
+    lines += table(["module", "statements", "run", "branches", "taken"], rows)
+    unrun = r["devices_unrun"]
+    lines += ["", f"`devices.py`'s lines that no CPU test runs: {len(unrun)}" + (":" if unrun else ".")]
+    lines += [f"- line {u['line']}, {code(u['code'].split('#')[0].strip())}: {u['code'].split('#', 1)[1].strip()}"
+              if "#" in u["code"] else f"- line {u['line']}, {code(u['code'])}: no reason given" for u in unrun]
+    return lines
+
+
+TABLES = {"coverage": t_coverage, "env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
           "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "compile_cache": t_compile_cache,
