@@ -4,6 +4,7 @@ import pytest
 
 import imagenet_fast as inf
 import schedules
+import settings
 from schedules import PiecewiseLinear
 from settings import changed
 
@@ -126,3 +127,79 @@ def test_the_cluster_recipes_hold_the_papers_settings():
     mikami = inf.recipe("mikami_68k")
     assert [schedules.batch_for(mikami, e) for e in (0, 4, 5, 89)] == [34816, 34816, 69632, 69632]
     assert mikami.comm_hook == "torus_fp16" and mikami.sgd.label_smoothing == 0.1
+
+
+# --- phases: a table of epoch ranges, each with its size, batch, rate, crop scale and validation -------------------
+
+# two phases: 2 epochs at 16 px and a global batch of 64 with the rate rising 0.1 -> 0.3 and crops down to 0.35 of the
+# image, validated at the recipe's --val-res; then 1 epoch at 24 px, 128 images, rate 0.2, crops of at least half the
+# image, validated on whole images at 24 px
+TWO = (0, 2, 16, 64, 0.1, 0.3, 0.35, 0, 0,
+       2, 3, 24, 128, 0.2, 0.2, 0.5, 24, 1)
+
+
+def test_a_phase_table_sets_each_epochs_size_batch_rate_crop_and_validation():
+    r = inf.recipe("tiny", phases=TWO, lr_scaling="none")
+    assert r.epochs == 3                                                  # the table's end
+    assert [schedules.res_at(r, e) for e in range(3)] == [16, 16, 24]
+    assert [schedules.batch_for(r, e, world=2) for e in range(3)] == [32, 32, 64]       # each rank's share
+    assert [schedules.lr_at(r, t) for t in (0, 1, 1.5, 2, 2.9)] == pytest.approx([0.1, 0.2, 0.25, 0.2, 0.2])
+    assert [schedules.crop_at(r, e) for e in (0, 2)] == [(0.35, 1.0), (0.5, 1.0)]
+    assert [schedules.val_at(r, e) for e in (0, 2)] == [(32, 0.0), (24, 0.0)]      # tiny validates whole images
+    crop = changed(r, val_crop=0.875)
+    assert [schedules.val_at(crop, e) for e in (0, 2)] == [(32, 0.875), (24, 0.0)]  # rectangular: whole images
+    rows = schedules.plan(r, world=2)
+    assert [(p["epoch"], p["res"], p["batch"], p["crop_min"], p["val"]) for p in rows] == [
+        (1, 16, 64, 0.35, (32, 0.0)), (2, 16, 64, 0.35, (32, 0.0)), (3, 24, 128, 0.5, (24, 0.0))]
+    assert [p[k] for p in rows for k in ("lr_start", "lr_end")] == pytest.approx([0.1, 0.2, 0.2, 0.3, 0.2, 0.2])
+
+
+def test_a_rate_per_images_follows_the_global_batch_and_a_plain_rate_does_not():
+    """lr_scaling linear: lr is per lr_scale_base images of the global batch (Goyal et al.); none: the optimiser's
+    rate as written, whatever the batch (FFCV's script, fast.ai's tables)."""
+    per = inf.recipe("tiny", phases=TWO)
+    plain = changed(per, lr_scaling="none")
+    assert schedules.step_lr(per, 1.0, 64) == pytest.approx(0.2 * 64 / 256)
+    assert schedules.step_lr(plain, 1.0, 64) == schedules.step_lr(plain, 1.0, 4096) == pytest.approx(0.2)
+    assert [p["lr_start"] for p in schedules.plan(per, world=1)] == pytest.approx([0.025, 0.05, 0.1])
+
+
+def test_every_schedule_gives_the_same_per_epoch_plan():
+    """Without a table the plan comes from the warm-up, decay, resolution ramp and batch settings."""
+    r = inf.recipe("goyal_8k")
+    rows = schedules.plan(r, world=256)
+    assert len(rows) == 90 and {(p["res"], p["batch"], p["crop_min"], p["val"]) for p in rows} == {
+        (224, 8192, 0.08, (224, 0.875))}
+    assert (rows[0]["lr_start"], rows[4]["lr_end"], rows[5]["lr_start"], rows[30]["lr_start"]) == pytest.approx(
+        (0.1, 3.2, 3.2, 0.32))
+
+
+@pytest.mark.parametrize("table, message", [
+    (TWO[:-1], "must be rows of 9 numbers (start, end, res, batch, lr at start, lr at end, smallest crop scale, "
+               "validation res or 0, rectangular validation 0 or 1); got 17 numbers"),
+    ((1, 2, 16, 64, 0.1, 0.1, 0.35, 0, 0), "row 1 starts at epoch 1; the first starts at 0"),
+    (TWO[:9] + (3,) + TWO[10:], "row 2 starts at epoch 3; the row before ends at 2"),
+    ((0, 0, 16, 64, 0.1, 0.1, 0.35, 0, 0), "row 1 ends at epoch 0, not after its start 0"),
+    ((0, 1.5, 16, 64, 0.1, 0.1, 0.35, 0, 0), "row 1: epochs, res, batch and validation res are whole numbers"),
+    ((0, 1, 16, 0, 0.1, 0.1, 0.35, 0, 0), "row 1: res and batch must be positive"),
+    ((0, 1, 16, 64, 0.1, 0.1, 0, 0, 0), "row 1: the smallest crop scale must be in (0, 1]"),
+    ((0, 1, 16, 64, 0.1, 0.1, 0.35, 0, 2), "row 1: rectangular validation is 0 or 1"),
+])
+def test_a_bad_phase_table_is_one_line_naming_the_flag(table, message):
+    with pytest.raises(inf.UsageError) as e:
+        inf.recipe("tiny", phases=table)
+    assert str(e.value) == f"--phases {','.join(f'{v:g}' for v in table)}: {message}"
+
+
+def test_the_settings_a_phase_table_replaces_are_refused_beside_it():
+    with pytest.raises(inf.UsageError) as e:
+        inf.recipe("tiny", phases=TWO, val_res=16)             # the table's second row validates at 24 px
+    assert str(e.value) == ("--val-res 16: the phase table (--phases) sets each phase's validation resolution; change "
+                            "--phases instead")
+    assert inf.recipe("tiny", phases=TWO[:9], val_res=16).validation.res == 16
+    for flag, value in (("epochs", 4), ("batch_size", 64), ("lr", 0.1), ("min_res", 32), ("warmup_epochs", 1.0),
+                        ("batch_schedule", (0, 16))):
+        with pytest.raises(inf.UsageError) as e:
+            inf.recipe("tiny", phases=TWO, **{flag: value})
+        assert str(e.value) == (f"--{flag.replace('_', '-')} {settings.show(value)}: the phase table (--phases) "
+                                f"sets each phase's epochs, resolution, batch and rate; change --phases instead")
