@@ -942,3 +942,11 @@ def test_a_batch_that_does_not_split_into_micro_batches_or_groups_is_one_line(st
         rc, _, err = run_main(capsys, *common, *flags)
         assert rc == 2 and err.strip().splitlines()[-1] == f"error: {message}"
 
+
+def test_train_help_says_how_each_recipe_counts_its_batch(capsys):
+    with pytest.raises(SystemExit):
+        inf.parse_args(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("FFCV's recipes (rn50_*, rn18_*), which train FFCV's batch on each GPU (512; 1024 for ResNet-18) at FFCV's "
+            "rate (1.7; 0.5) whatever the number of GPUs, as FFCV's train_imagenet.py does") in text
+    assert "--per-gpu-batch PER_GPU_BATCH --batch-size is each GPU's batch" in text

@@ -62,7 +62,8 @@ def test_schedules_of_rn50_16ep():
     r = inf.recipe("rn50_16ep")
     lr = r.schedule.lr
     assert [schedules.res_at(r, e) for e in range(16)] == [160] * 12 + [192] * 4  # 176 at epoch 12 rounds to 192
-    assert schedules.lr_at(r, 0) == 0 and schedules.lr_at(r, 1) == pytest.approx(lr / 2)
+    assert schedules.lr_at(r, 0) == pytest.approx(1e-4 * lr) and schedules.lr_at(r, 1) == pytest.approx(
+        lr * (1e-4 + (1 - 1e-4) / 2))                                   # FFCV's warm-up starts at 1e-4 of the peak
     assert schedules.lr_at(r, 2) == pytest.approx(lr) and schedules.lr_at(r, 16) == pytest.approx(0)
     assert schedules.lr_at(r, 9) == pytest.approx(lr / 2)
     cos = changed(r, schedule="cosine")
@@ -75,7 +76,23 @@ def test_schedules_of_rn50_16ep():
     res, scaled_res = r.resolution, scaled.resolution
     assert schedules.batch_at(512, res, 160) == 512 and schedules.batch_at(512, scaled_res, 192) == 512
     assert schedules.batch_at(512, scaled_res, 160) == 736
-    assert schedules.batch_for(scaled, 0, world=2) == schedules.batch_at(256, scaled_res, 160)     # each rank's share
+    assert schedules.batch_for(scaled, 0, world=2) == schedules.batch_at(512, scaled_res, 160)     # each GPU's own
+    shared = changed(scaled, per_gpu_batch=False)
+    assert schedules.batch_for(shared, 0, world=2) == schedules.batch_at(256, scaled_res, 160)     # each rank's share
+
+
+@pytest.mark.parametrize("name, per_gpu, lr", [("rn50_16ep", 512, 1.7), ("rn50_88ep", 512, 1.7),
+                                               ("rn18_16ep", 1024, 0.5)])
+def test_ffcvs_recipes_train_ffcvs_batch_on_each_gpu_at_ffcvs_rate_whatever_the_number_of_gpus(name, per_gpu, lr):
+    """FFCV's train_imagenet.py: each GPU loads batch_size images, and the rate is the configuration's (get_lr does
+    not scale it by the batch or the GPUs): 1.7 for ResNet-50 (their 8 GPUs: 4,096 images), 0.5 for ResNet-18."""
+    r = inf.recipe(name)
+    for world in (1, 8, 64):
+        assert schedules.batch_for(r, 0, world) == per_gpu
+        rows = schedules.plan(r, world)
+        assert rows[0]["batch"] == per_gpu * world and rows[1]["lr_end"] == pytest.approx(lr)       # the peak, epoch 2
+    linear = changed(r, lr_scaling="linear", lr=lr * 256 / 4096)         # --lr-scaling linear: the rate per image
+    assert schedules.plan(linear, 8)[1]["lr_end"] == pytest.approx(lr * 8 * per_gpu / 4096)
 
 
 def test_slow_start_schedule_is_akiba_et_al_s_stretched_to_the_run():
