@@ -1,10 +1,13 @@
 """schedules.py: every schedule of a run (learning rate, steps, resolution, batch), plain arithmetic checked against
 the published schedules it reproduces."""
+import re
+
 import pytest
 
 import imagenet_fast as inf
 import schedules
 import settings
+from conftest import ROOT
 from schedules import PiecewiseLinear
 from settings import changed
 
@@ -126,24 +129,37 @@ def test_fractional_epochs_count_their_steps_as_airbench():
 
 
 def test_the_cluster_recipes_hold_the_papers_settings():
-    """ResNet-50, 90 epochs at 224 px; Goyal et al.'s 8k batch at 3.2 after 5 epochs rising from 0.1; Akiba et al.'s
-    32k batch on a slow start from half of 12.8 with RMSprop handing over to SGD and last-batch statistics; Mikami et
-    al.'s batch growing from 34,816 to 69,632 after 5 epochs over a 2D torus in fp16."""
-    rate = lambda r, t: schedules.lr_at(r, t) * schedules.batch_for(r, int(t)) / 256
-    for name in ("goyal_8k", "akiba_32k", "mikami_68k"):
+    """ResNet-50 without BlurPool, momentum 0.9 and weight decay 1e-4, batch norm over each paper's per-GPU batch;
+    Goyal et al.'s 8k batch at 3.2 after 5 epochs rising from 0.1; Akiba et al.'s 32k batch on a slow start from half
+    of 12.8 with RMSprop handing over to SGD and last-batch statistics; Mikami et al.'s batch doubling after 5
+    epochs over a 2D torus in fp16, label smoothing in the second version alone; Yamazaki et al.'s 81,920 with LARS;
+    fast.ai's tables, each block's last batch norm at 0, timed to top-5 93%. Their per-epoch schedules are checked
+    against docs/imagenet.md's tables below."""
+    rate = lambda r, t: schedules.step_lr(r, t, schedules.batch_for(r, int(t)))
+    groups = {"goyal_8k": 32, "akiba_32k": 32, "mikami_68k": 16, "mikami_122s": 8, "yamazaki_81k": 40,
+              "fastai_1x8": 512, "fastai_4x8": 256, "fastai_8x8": 128, "fastai_16x8": 64}
+    for name, group in groups.items():
         r = inf.recipe(name)
-        net, res = r.network, r.resolution
-        assert (net.model, r.epochs, res.min_res, res.max_res) == ("resnet50", 90, 224, 224), name
-        assert not net.blurpool and r.sgd.momentum == 0.9 and r.sgd.weight_decay == 1e-4, name
+        assert r.network.model == "resnet50" and not r.network.blurpool, name
+        assert r.sgd.momentum == 0.9 and r.sgd.weight_decay == 1e-4, name
+        assert schedules.batch_for(r, 0) // r.bn_workers == group, name              # each paper GPU's first batch
     goyal = inf.recipe("goyal_8k")
     assert goyal.batch_size == 8192 and goyal.network.zero_init and goyal.sgd.label_smoothing == 0
     assert [rate(goyal, t) for t in (0, 5, 29.9, 30, 60, 80)] == pytest.approx([0.1, 3.2, 3.2, 0.32, 0.032, 0.0032])
     akiba = inf.recipe("akiba_32k")
     assert (akiba.batch_size, akiba.lars, akiba.bn_stats) == (32768, None, "last_batch") and akiba.rmsprop
     assert [rate(akiba, t) for t in (0, 39.9, 40, 70, 85)] == pytest.approx([6.4, 6.4, 0.96, 0.128, 0.0128])
-    mikami = inf.recipe("mikami_68k")
-    assert [schedules.batch_for(mikami, e) for e in (0, 4, 5, 89)] == [34816, 34816, 69632, 69632]
-    assert mikami.comm_hook == "torus_fp16" and mikami.sgd.label_smoothing == 0.1
+    first, second = inf.recipe("mikami_68k"), inf.recipe("mikami_122s")
+    assert [schedules.batch_for(first, e) for e in (0, 4, 5, 89)] == [34816, 34816, 69632, 69632]
+    assert [schedules.batch_for(second, e) for e in (0, 4, 5, 89)] == [27648, 27648, 55296, 55296]
+    assert (first.comm_hook, first.sgd.label_smoothing, second.sgd.label_smoothing) == ("torus_fp16", 0.0, 0.1)
+    assert rate(first, 4.999) == pytest.approx(rate(first, 5.0), rel=1e-3)      # the rate goes on as the batch doubles
+    fujitsu = inf.recipe("yamazaki_81k")
+    assert (fujitsu.batch_size, fujitsu.lars.trust, fujitsu.sgd.label_smoothing) == (81920, 0.001, 0.1)
+    for name in ("fastai_1x8", "fastai_4x8", "fastai_8x8", "fastai_16x8"):
+        r = inf.recipe(name)
+        assert r.network.zero_init and r.sgd.label_smoothing == 0 and r.target_top5 == 0.93, name
+        assert schedules.res_at(r, 0) == 128 and schedules.res_at(r, r.epochs - 1) == 288, name
 
 
 # --- phases: a table of epoch ranges, each with its size, batch, rate, crop scale and validation -------------------
@@ -220,3 +236,43 @@ def test_the_settings_a_phase_table_replaces_are_refused_beside_it():
             inf.recipe("tiny", phases=TWO, **{flag: value})
         assert str(e.value) == (f"--{flag.replace('_', '-')} {settings.show(value)}: the phase table (--phases) "
                                 f"sets each phase's epochs, resolution, batch and rate; change --phases instead")
+
+
+# --- the cluster recipes' schedules as docs/imagenet.md gives them from their sources -----------------------------
+
+CLUSTER = ("goyal_8k", "akiba_32k", "mikami_68k", "mikami_122s", "yamazaki_81k", "fastai_1x8", "fastai_4x8",
+           "fastai_8x8", "fastai_16x8")
+
+
+def documented_schedules():
+    """{recipe: rows} of the tables docs/imagenet.md marks `<!-- schedule: NAME -->`: (first epoch, last epoch, size,
+    global batch, rate at the start, rate at the end, smallest crop scale, validation)."""
+    text = (ROOT / "docs" / "imagenet.md").read_text()
+    tables = {}
+    for m in re.finditer(r"<!-- schedule: (\w+) -->\n((?:\|.*\n)+)", text):
+        rows = []
+        for line in m[2].strip().splitlines()[2:]:
+            epochs, size, batch, lr, crop, val = (c.strip() for c in line.strip("|").split("|"))
+            first, _, last = epochs.partition("-")
+            start, _, end = lr.partition("→")
+            rows.append((int(first), int(last or first), int(size), int(batch.replace(",", "")), float(start),
+                         float(end or start), float(crop), val))
+        tables[m[1]] = rows
+    return tables
+
+
+@pytest.mark.parametrize("name", CLUSTER)
+def test_each_cluster_recipe_trains_the_schedule_its_source_gives(name):
+    """Every epoch of the recipe, as a run prints it (schedules.plan), is the row of docs/imagenet.md's table that
+    holds it: its size, global batch, smallest crop scale and validation, and its rate at its start and end on the
+    row's line from the start rate to the end rate."""
+    plan = schedules.plan(inf.recipe(name), world=1)
+    seen = []
+    for first, last, size, batch, lr0, lr1, crop, val in documented_schedules()[name]:
+        for e in range(first, last + 1):
+            row, span = plan[e - 1], last - first + 1
+            assert (row["res"], row["batch"], row["crop_min"], inf.view_text(row["val"])) == (size, batch, crop, val), e
+            want = [lr0 + (lr1 - lr0) * (e - first + k) / span for k in (0, 1)]
+            assert [row["lr_start"], row["lr_end"]] == pytest.approx(want, rel=1e-6, abs=1e-9), e
+            seen.append(e)
+    assert seen == list(range(1, len(plan) + 1))
