@@ -198,10 +198,12 @@ TINY_IN = ["--recipe", "tiny", "--epochs", "2", "--batch-size", "8", "--width", 
 
 
 @pytest.mark.parametrize("fmt, flags", [("raw", ["--data-on", "device"]), ("raw", ["--data-on", "host"]),
-                                        ("jpeg", ["--decoder", "cpu"]), ("jpeg", ["--decoder", "gpu"])])
+                                        ("jpeg", ["--decoder", "cpu"]), ("jpeg", ["--decoder", "gpu"]),
+                                        ("raw", ["--data-on", "device", "--accumulate", "2", "--bn-workers", "4"])])
 def test_imagenet_trains_on_a_gpu_from_each_store_and_place(stores, tmp_path, fmt, flags):
     """The warm-up and every epoch's batches on the GPU: a raw store gathered there (its labels beside it) or from
-    the memory-mapped file through pinned buffers; a JPEG store decoded by the CPU's threads or by nvJPEG."""
+    the memory-mapped file through pinned buffers; a JPEG store decoded by the CPU's threads or by nvJPEG; and
+    micro-batches normalised in groups (ghost batch norm) in bf16."""
     out = tmp_path / "r.json"
     with StandIn() as gpu:
         assert inf.main(["train", "--store", str(stores[fmt]), *TINY_IN, *flags, "--out", str(out)]) == 0
@@ -209,6 +211,7 @@ def test_imagenet_trains_on_a_gpu_from_each_store_and_place(stores, tmp_path, fm
     assert run["environment"]["device"] == "cuda" and gpu.ops["conv2d"] > 0
     if fmt == "raw":
         assert run["data_on"] == flags[1]
+    assert (gpu.ops["var_mean"] > 0) == ("--bn-workers" in flags)          # the groups' statistics, on the GPU
 
 
 def test_a_raw_store_on_the_host_stays_the_memory_mapped_file_and_only_two_batches_are_pinned(stores):
