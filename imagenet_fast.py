@@ -13,6 +13,7 @@ A recipe is a small typed tree (Recipe below); any setting is also a flag. This 
 the training loop (train_run) and the command line.
 """
 import argparse
+import contextlib
 import io
 import sys
 from dataclasses import dataclass, replace
@@ -34,7 +35,7 @@ from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, che
 from imagenet_data import draw_epoch, evaluate, place, train_batches
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
-from schedules import batch_for, lr_at, per_rank_batch, res_at
+from schedules import batch_for, phases, plan, res_at, step_lr
 from settings import add_flags, changed, changes_from, check, component, flag_error, flat, knob, one_of, part
 
 # ---------------------------------------------------------------------------------------------
@@ -64,29 +65,62 @@ def add_blurpool(model, min_channels=16):
     return model
 
 
-def resnet_tiny(num_classes, width):
+def resnet_tiny(num_classes, width, norm=nn.BatchNorm2d):
     """A 4-stage ResNet of torchvision BasicBlocks, one per stage, `width` channels in the first stage
-    (torchvision's ResNets have fixed widths): for tests and CPU demonstrations."""
+    (torchvision's ResNets have fixed widths), batch norm of class `norm`: for tests and CPU demonstrations."""
     from torchvision.models.resnet import BasicBlock
-    layers, c_in = [nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)], width
+    layers, c_in = [nn.Conv2d(3, width, 3, 1, 1, bias=False), norm(width), nn.ReLU(inplace=True)], width
     for i in range(4):
         c, stride = width * 2 ** i, 1 if i == 0 else 2
-        down = None if stride == 1 else nn.Sequential(nn.Conv2d(c_in, c, 1, stride, bias=False), nn.BatchNorm2d(c))
-        layers.append(BasicBlock(c_in, c, stride, down))
+        down = None if stride == 1 else nn.Sequential(nn.Conv2d(c_in, c, 1, stride, bias=False), norm(c))
+        layers.append(BasicBlock(c_in, c, stride, down, norm_layer=norm))
         c_in = c
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, num_classes))
+
+
+# Ours, not torch_backend.BatchNorm (CIFAR's): its groups interleave, which micro-batches cannot reproduce
+class GhostBatchNorm(nn.BatchNorm2d):
+    """Batch norm whose training statistics come from consecutive groups of `group` images (ghost batch norm, Hoffer
+    et al. 2017): each group is normalised as one GPU of a many-GPU run normalises its own batch, so a micro-batch
+    of whole groups is normalised as in the one large batch it is part of. The running statistics move towards the
+    groups' average. group 0, or the whole batch: plain batch norm."""
+    group = 0
+
+    def forward(self, x):
+        n, g, c = len(x), self.group, x.shape[1]
+        if not (self.training and 0 < g < n):
+            return super().forward(x)
+        xs = x.unflatten(0, (n // g, g))                            # a view in any memory format
+        var, mean = torch.var_mean(xs, (1, 3, 4), correction=0, keepdim=True)
+        scale = self.weight.view(1, 1, c, 1, 1) * torch.rsqrt(var.float() + self.eps)
+        shift = self.bias.view(1, 1, c, 1, 1) - mean.float() * scale
+        with torch.no_grad():
+            count = g * x.shape[2] * x.shape[3]
+            self.num_batches_tracked.add_(1)
+            self.running_mean.lerp_(mean.float().mean(0).flatten(), self.momentum)
+            self.running_var.lerp_(var.float().mean(0).flatten() * count / (count - 1), self.momentum)
+        return torch.addcmul(shift.to(x.dtype), xs, scale.to(x.dtype)).flatten(0, 1)
+
+
+def set_ghost_groups(model, group):
+    """Every GhostBatchNorm of model normalises groups of `group` images from now on."""
+    for m in model.modules():
+        if isinstance(m, GhostBatchNorm):
+            m.group = group
 
 
 MODELS = ("resnet_tiny", "resnet18", "resnet34", "resnet50", "resnet101")
 
 
 def build_model(r, num_classes):
-    """The network of recipe r (its .network): torchvision's ResNet or resnet_tiny, with BlurPool if asked."""
-    net = r.network
+    """The network of recipe r (its .network): torchvision's ResNet or resnet_tiny, with BlurPool if asked, and
+    ghost batch norm (GhostBatchNorm) where the recipe reproduces a paper's per-GPU groups (bn_workers)."""
+    net, norm = r.network, GhostBatchNorm if r.bn_workers else nn.BatchNorm2d
     if net.model == "resnet_tiny":
-        model = resnet_tiny(num_classes, net.width)
+        model = resnet_tiny(num_classes, net.width, norm)
     else:
-        model = getattr(torchvision.models, net.model)(num_classes=num_classes, zero_init_residual=net.zero_init)
+        model = getattr(torchvision.models, net.model)(num_classes=num_classes, zero_init_residual=net.zero_init,
+                                                       norm_layer=norm)
     return add_blurpool(model) if net.blurpool else model
 
 
@@ -122,14 +156,42 @@ def saved_bytes_per_image(r, classes, res, dtype):
     return sum(storages.values()) / 2
 
 
-def training_bytes(r, classes, *, world, dtype):
-    """The most device memory a rank's training needs in any epoch: float32 parameters, gradients, the optimiser's
-    state and an EMA's copy, and that epoch's batch of saved activations (saved_bytes_per_image) at its resolution."""
+def memory_parts(r, classes, dtype):
+    """(bytes a rank holds whatever its batch: float32 parameters, gradients, the optimiser's state and an EMA's copy;
+    {resolution: saved_bytes_per_image} at each of the run's resolutions)."""
     with torch.device("meta"):
         params = sum(p.numel() * 4 for p in build_model(r, classes).parameters())
     copies = 2 + (2 if r.rmsprop else 1) + (r.ema is not None)
-    per_image = {res: saved_bytes_per_image(r, classes, res, dtype) for res in {res_at(r, e) for e in range(r.epochs)}}
-    return copies * params + max(batch_for(r, e, world) * per_image[res_at(r, e)] for e in range(r.epochs))
+    return copies * params, {res: saved_bytes_per_image(r, classes, res, dtype) for res in
+                             {res_at(r, e) for e in range(r.epochs)}}
+
+
+def training_bytes(r, classes, *, world, dtype, parts=None):
+    """The most device memory a rank's training needs in any epoch: memory_parts's fixed bytes, and that epoch's
+    micro-batch of saved activations at its resolution (parts: memory_parts's, when known)."""
+    fixed, per_image = parts or memory_parts(r, classes, dtype)
+    return fixed + max(p.micro * per_image[p.res] for p in epoch_plans(r, world))
+
+
+def check_memory(r, classes, *, device, world, dtype):
+    """training_bytes of a rank, once it fits the device; a UsageError of one line otherwise, naming the smallest
+    --accumulate that would fit (schedules permitting), or more GPUs."""
+    parts = memory_parts(r, classes, dtype)
+    training, free = training_bytes(r, classes, world=world, dtype=dtype, parts=parts), devices.free_memory(device)
+    if free is None or training <= devices.USABLE * free:
+        return training
+    first = epoch_plans(r, world)[0]
+    remedy = "use more GPUs (the batch is split over them)"
+    for k in (k for k in range(r.accumulate + 1, first.batch + 1) if first.batch % k == 0):
+        try:
+            need = training_bytes(replace(r, accumulate=k), classes, world=world, dtype=dtype, parts=parts)
+        except ValueError:              # k does not split every epoch's batch into whole groups
+            continue
+        if need <= devices.USABLE * free:
+            remedy = f"add --accumulate {k} (micro-batches of {first.batch // k} images), or use more GPUs"
+            break
+    what = f"{first.batch} images per process" + (f" in micro-batches of {first.micro}" if r.accumulate > 1 else "")
+    devices.check_training_fits(device, training, why=f"training {r.network.model} at {what}", remedy=remedy)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,8 +210,9 @@ class Network:
 
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
-    """The learning rate per lr_scale_base images of the batch (Goyal et al.'s linear scaling): a linear warm-up from
-    warmup_start of it, then linear to 0, cosine, x0.1 at each of step_epochs, or Akiba et al.'s slow start."""
+    """The learning rate per lr_scale_base images of the batch (Goyal et al.'s linear scaling) or as written: a linear
+    warm-up from warmup_start of it, then linear to 0, cosine, x0.1 at each of step_epochs, or Akiba et al.'s slow
+    start; or a phase table (schedules.Phase), which sets each phase's resolution, batch, rate, crops and validation."""
     PREFIX = ""
     lr: float = knob(0.10625, low=0)
     lr_scale_base: int = knob(256, above=0, whole=True)
@@ -157,6 +220,13 @@ class Schedule:
     warmup_start: float = knob(0.0, low=0, high=1)
     schedule: str = knob("linear", choices=("linear", "cosine", "step", "slow_start"))
     step_epochs: tuple = knob((30.0, 60.0, 80.0), low=0)
+    lr_scaling: str = knob("linear", choices=("linear", "none"), doc="linear: lr is per --lr-scale-base images of the "
+                           "global batch (Goyal et al.); none: lr is the optimiser's rate, whatever the batch and the "
+                           "number of GPUs (FFCV's script, fast.ai's tables)")
+    phases: tuple = knob((), low=0, doc="a phase table instead of the warm-up, decay, resolution and batch settings: "
+                         "rows of start epoch, end epoch, res, global batch, lr at start, lr at end (linear between), "
+                         "smallest crop scale, validation res (0: --val-res), rectangular validation (0 or 1), commas "
+                         "between all (fast.ai's train.py)")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,7 +310,16 @@ class Recipe:
     doc: str = ""
     notes: tuple = ()           # what a setting given changed in another, said before training
     epochs: int = knob(16, above=0, whole=True)
-    batch_size: int = knob(512, above=0, whole=True, doc="the global batch, split over the ranks")
+    batch_size: int = knob(512, above=0, whole=True, doc="the global batch, split over the ranks (with "
+                           "--per-gpu-batch true: each GPU's)")
+    per_gpu_batch: bool = knob(False, doc="--batch-size is each GPU's batch, so the global batch grows with the GPUs "
+                               "(FFCV's rn50 and rn18 configurations: 512 and 1024 images per GPU)")
+    accumulate: int = knob(1, above=0, whole=True, doc="micro-batches per step on each rank, their gradients added "
+                           "before one update (DDP's all-reduce on the last alone): a batch that does not fit in one "
+                           "pass, with the same update")
+    bn_workers: int = knob(0, low=0, whole=True, doc="batch norm over groups of global batch / bn_workers images: the "
+                           "per-GPU batch of a paper's bn_workers GPUs, whatever the GPUs here (ghost batch norm); "
+                           "0: over each micro-batch")
     network: Network = part(Network())
     schedule: Schedule = part(Schedule())
     resolution: Resolution = part(Resolution())
@@ -251,6 +330,8 @@ class Recipe:
     rmsprop: RMSpropWarmup = component(RMSpropWarmup)
     ema: T.EMA = component(T.EMA)
     lookahead: T.Lookahead = component(T.Lookahead)
+    target_top5: float = knob(0.0, low=0, high=1, doc="the top-5 accuracy whose first epoch stops the clock, instead "
+                              "of --target's top-1 (fast.ai: 0.93); 0: none")
     bn_stats: str = knob("running", choices=("running", "last_batch"), doc="last_batch: the last batch's statistics "
                          "averaged over the ranks before each evaluation (Akiba et al.)")
     comm_hook: str = knob("none", choices=D.HOOKS, doc="under torchrun: how gradients travel (fp16, bf16: "
@@ -261,6 +342,12 @@ class Recipe:
             raise UsageError("--lars and --rmsprop: one optimiser at a time")
         if self.ema and self.lookahead:
             raise UsageError("--ema-momentum and --lookahead-momentum: one weight average at a time")
+        table = self.schedule.phases
+        try:
+            if table and phases(table)[-1].end != self.epochs:
+                raise ValueError(f"ends at epoch {phases(table)[-1].end}, the run at {self.epochs}")
+        except ValueError as e:
+            raise flag_error("phases", table, str(e)) from None
         try:
             for e in range(self.epochs):
                 batch_for(self, e)        # a bad batch schedule fails here, not mid-run
@@ -272,14 +359,16 @@ class Recipe:
 # The recipes
 # ---------------------------------------------------------------------------------------------
 
-# FFCV's rn50 configurations (libffcv/ffcv-imagenet rn50_configs/): ResNet-50 with BlurPool, lr 1.7 for 8 GPUs x 512
-# images = 0.10625 per 256, peaking at epoch 2 and falling linearly to 0, label smoothing 0.1, res 160 -> 192,
-# validation at 256 with flip TTA (published: 73.8% top-1 in 14.9 min on 8 A100s).
+# FFCV's rn50 configurations (libffcv/ffcv-imagenet rn50_configs/, train_imagenet.py): ResNet-50 with BlurPool, 512
+# images per GPU at lr 1.7 (their 8 GPUs: 4,096 a step), which their script applies whatever the number of GPUs,
+# from 1e-4 of it up to it at epoch 2 and linearly to 0, label smoothing 0.1, res 160 -> 192, validation at 256 with
+# flip TTA (published: 73.8% top-1 in 14.9 min on 8 A100s).
 RN50_16EP = Recipe(
-    name="rn50_16ep", doc="ResNet-50, 16 epochs, res 160->192 (published by FFCV: 73.8% top-1 in 14.9 min on 8 A100s)",
-    epochs=16, batch_size=512,
+    name="rn50_16ep", doc="ResNet-50, 16 epochs, res 160->192, 512 images per GPU at lr 1.7 (published by FFCV: 73.8% "
+                          "top-1 in 14.9 min on 8 A100s)",
+    epochs=16, batch_size=512, per_gpu_batch=True,
     network=Network(model="resnet50", blurpool=True),
-    schedule=Schedule(lr=0.10625, lr_scale_base=256, warmup_epochs=2.0, schedule="linear"),
+    schedule=Schedule(lr=1.7, lr_scaling="none", warmup_epochs=2.0, warmup_start=1e-4, schedule="linear"),
     resolution=Resolution(min_res=160, max_res=192, res_start_epoch=11, res_end_epoch=13, res_step=32),
     augment=Augment(crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True),
     validation=Validation(res=256, crop=0.875, tta="flip"),
@@ -294,16 +383,17 @@ def ffcv(name, doc, *, epochs, res_start, res_end, **changes):
 
 
 RN18 = dict(network=Network(model="resnet18", blurpool=True), batch_size=1024,      # rn18: lr 0.5 for 1 GPU x 1024
-            schedule=replace(RN50_16EP.schedule, lr=0.125), sgd=replace(RN50_16EP.sgd, weight_decay=5e-5))
+            schedule=replace(RN50_16EP.schedule, lr=0.5), sgd=replace(RN50_16EP.sgd, weight_decay=5e-5))
 
 # The cluster papers: torchvision's ResNet-50 (no BlurPool) for 90 epochs at 224 px, momentum SGD 0.9 with weight
-# decay 1e-4 off batch norm and biases, validated at 224 px without TTA (docs/imagenet.md gives each setting's source
-# and what their texts leave open). Goyal et al. 2017: batch 8,192, lr 0.1 per 256 after a 5-epoch warm-up from one
-# worker's 0.1, x0.1 at epochs 30, 60 and 80, each block's last batch-norm scale at 0 (published: 76.3% in 1 hour).
+# decay 1e-4 off batch norm and biases, validated at 224 px without TTA, batch norm over each paper's per-GPU batch
+# whatever the GPUs here (docs/imagenet.md gives each setting's source and what their texts leave open). Goyal et al.
+# 2017: batch 8,192 on 256 GPUs, lr 0.1 per 256 after a 5-epoch warm-up from one worker's 0.1, x0.1 at epochs 30, 60
+# and 80, each block's last batch-norm scale at 0 (published: 76.3% in 1 hour).
 GOYAL_8K = Recipe(
     name="goyal_8k", doc="Goyal et al. 2017: batch 8,192, lr 0.1 per 256 (3.2) after a 5-epoch warm-up from 0.1, x0.1 "
                          "at epochs 30/60/80, zero-init residual BN (published: 76.3% top-1 in 1 hour on 256 P100s)",
-    epochs=90, batch_size=8192,
+    epochs=90, batch_size=8192, bn_workers=256,
     network=Network(model="resnet50", blurpool=False, zero_init=True),
     schedule=Schedule(lr=0.1, lr_scale_base=256, warmup_epochs=5.0, warmup_start=256 / 8192, schedule="step",
                       step_epochs=(30.0, 60.0, 80.0)),
@@ -313,30 +403,89 @@ GOYAL_8K = Recipe(
 CLUSTER = dict(epochs=90, validation=GOYAL_8K.validation, resolution=GOYAL_8K.resolution,
                network=replace(GOYAL_8K.network, zero_init=False))
 
+
+def mikami(name, doc, *, gpus, per_gpu, **changes):
+    """Mikami et al. 2018 (Sony) on `gpus` GPUs: batch-size control, per_gpu images a GPU for 5 epochs then twice as
+    many, at the rate 0.1 per 256 of the first batch, rising linearly from 0 over the 5 epochs and falling linearly to
+    0 at epoch 90, unchanged when the batch doubles; 2D-torus all-reduce in fp16."""
+    small, large = gpus * per_gpu, gpus * per_gpu * 2
+    peak = 0.1 * small / 256
+    return replace(GOYAL_8K, name=name, doc=doc, **CLUSTER, batch_size=large, bn_workers=gpus, comm_hook="torus_fp16",
+                   schedule=Schedule(lr_scaling="none", phases=(0, 5, 224, small, 0.0, peak, 0.08, 0, 0,
+                                                                5, 90, 224, large, peak, 0.0, 0.08, 0, 0)), **changes)
+
+
+def fastai(name, doc, *, machines, rows):
+    """fast.ai and DIU's run on `machines` AWS machines of 8 V100s (cybertronai/imagenet18, train.py): its phase
+    table, rows of (start epoch, end epoch, size, batch per GPU, lr at start, lr at end, smallest crop scale,
+    rectangular validation), each phase validated at its size; torchvision's ResNet-50 with each block's last batch
+    norm at 0, no weight decay on batch norm, no label smoothing, batch norm over each GPU's batch; top-5 93% their
+    target."""
+    gpus = 8 * machines
+    table = sum(((a, b, size, per_gpu * gpus, lr0, lr1, crop, size, rect)
+                 for a, b, size, per_gpu, lr0, lr1, crop, rect in rows), ())
+    return replace(GOYAL_8K, name=name, doc=doc, epochs=rows[-1][1], batch_size=rows[0][3] * gpus, bn_workers=gpus,
+                   target_top5=0.93, schedule=Schedule(lr_scaling="none", phases=table))
+
+
+# fast.ai's tables (train.py): the rates are the optimiser's, for the table's global batch
+FASTAI = dict(
+    fastai_1x8=dict(machines=1, doc="fast.ai and DIU, 1 machine of 8 V100s: 128 -> 224 -> 288 px, 35 epochs "
+                    "(published: 93.00% top-5 in 109:12, train.py)", rows=(
+                        (0, 5, 128, 512, 1.0, 2.0, 0.08, 0), (5, 14, 128, 512, 1.0, 1.0, 0.08, 0),
+                        (14, 16, 224, 224, 0.4375, 0.4375, 0.08, 0), (16, 27, 224, 224, 0.04375, 0.04375, 0.08, 0),
+                        (27, 32, 224, 224, 0.004375, 0.004375, 0.08, 0),
+                        (32, 33, 288, 128, 0.0025, 0.0025, 0.5, 1), (33, 35, 288, 128, 0.00025, 0.00025, 0.5, 1))),
+    fastai_4x8=dict(machines=4, doc="fast.ai and DIU, 4 machines of 8 V100s: 128 -> 224 -> 288 px, 30 epochs "
+                    "(published: 93.05% top-5 in 29:44, train.py)", rows=(
+                        (0, 6, 128, 256, 2.0, 4.0, 0.08, 0), (6, 11, 128, 512, 4.0, 4.0, 0.08, 0),
+                        (11, 13, 128, 512, 4.0, 2.0, 0.08, 0),
+                        (13, 16, 224, 224, 1.75, 1.75, 0.087, 0), (16, 23, 224, 224, 1.75, 0.175, 0.087, 0),
+                        (23, 28, 224, 224, 0.175, 0.0175, 0.087, 0), (28, 30, 288, 128, 0.01, 0.001, 0.5, 1))),
+    fastai_8x8=dict(machines=8, doc="fast.ai and DIU, 8 machines of 8 V100s: 128 -> 224 -> 288 px, 35 epochs "
+                    "(published: 93.0% top-5 in 19:04, train.py)", rows=(
+                        (0, 6, 128, 128, 1.88, 3.76, 0.08, 0), (6, 11, 128, 256, 3.76, 3.76, 0.08, 0),
+                        (11, 14, 128, 256, 3.76, 1.88, 0.08, 0), (14, 17, 224, 128, 1.88, 1.88, 0.087, 0),
+                        (17, 23, 224, 224, 1.88, 0.329, 0.087, 0), (23, 29, 224, 224, 0.329, 0.0329, 0.087, 0),
+                        (29, 35, 288, 128, 0.0188, 0.00188, 0.5, 1))),
+    fastai_16x8=dict(machines=16, doc="fast.ai and DIU, 16 machines of 8 V100s: 128 -> 224 -> 288 px, 50 epochs "
+                     "(published: 93.04% top-5 in 16:08 after prewarming, train.py; 18 minutes in their README)", rows=(
+                         (0, 6, 128, 64, 1.88, 3.76, 0.08, 0), (6, 16, 128, 128, 3.76, 3.76, 0.08, 0),
+                         (16, 19, 224, 64, 1.88, 1.88, 0.08, 0), (19, 31, 224, 192, 0.564, 0.564, 0.08, 0),
+                         (31, 37, 224, 192, 0.0564, 0.0564, 0.08, 0),
+                         (37, 38, 288, 128, 0.0376, 0.0376, 0.5, 1), (38, 50, 288, 128, 0.00376, 0.00376, 0.5, 1))))
+
 RECIPES = {r.name: r for r in (
     RN50_16EP,
-    ffcv("rn50_24ep", "ResNet-50, 24 epochs, res 160->192 (published by FFCV: 75.6% top-1 in 21.7 min on 8 A100s)",
-         epochs=24, res_start=17, res_end=20),
-    ffcv("rn50_88ep", "ResNet-50, 88 epochs, res 160->192 (published by FFCV: 78.4% top-1 in 77.2 min on 8 A100s)",
-         epochs=88, res_start=65, res_end=76),
-    ffcv("rn18_16ep", "ResNet-18, 16 epochs, res 160->192 (published by FFCV: 66.9% top-1 in 35.0 min on 1 A100)",
-         epochs=16, res_start=11, res_end=13, **RN18),
-    ffcv("rn18_88ep", "ResNet-18, 88 epochs, res 160->192 (published by FFCV: 72.4% top-1 in 187.3 min on 1 A100)",
-         epochs=88, res_start=65, res_end=76, **RN18),
+    ffcv("rn50_24ep", "ResNet-50, 24 epochs, res 160->192, 512 images per GPU at lr 1.7 (published by FFCV: 75.6% "
+                      "top-1 in 21.7 min on 8 A100s)", epochs=24, res_start=17, res_end=20),
+    ffcv("rn50_88ep", "ResNet-50, 88 epochs, res 160->192, 512 images per GPU at lr 1.7 (published by FFCV: 78.4% "
+                      "top-1 in 77.2 min on 8 A100s)", epochs=88, res_start=65, res_end=76),
+    ffcv("rn18_16ep", "ResNet-18, 16 epochs, res 160->192, 1024 images per GPU at lr 0.5 (published by FFCV: 66.9% "
+                      "top-1 in 35.0 min on 1 A100)", epochs=16, res_start=11, res_end=13, **RN18),
+    ffcv("rn18_88ep", "ResNet-18, 88 epochs, res 160->192, 1024 images per GPU at lr 0.5 (published by FFCV: 72.4% "
+                      "top-1 in 187.3 min on 1 A100)", epochs=88, res_start=65, res_end=76, **RN18),
     GOYAL_8K,
     # Akiba et al. 2017: RMSprop warm-up handing over to SGD, slow-start rates, last-batch batch norm, fp16 gradients
     replace(GOYAL_8K, name="akiba_32k", **CLUSTER, doc="Akiba et al. 2017: batch 32,768, RMSprop warm-up handing over "
             "to SGD, slow-start lr, batch norm from the last batch averaged over ranks, fp16 gradients (published: "
-            "74.9% top-1 in 15 min on 1,024 P100s)", batch_size=32768,
+            "74.9% top-1 in 15 min on 1,024 P100s)", batch_size=32768, bn_workers=1024,
             schedule=Schedule(lr=0.1, warmup_epochs=0.0, schedule="slow_start"),
             rmsprop=RMSpropWarmup(beta_center=10.0, beta_period=5.0), bn_stats="last_batch", comm_hook="fp16"),
-    # Mikami et al. 2018 (Sony): batch-size control, label smoothing, 2D-torus all-reduce in fp16
-    replace(GOYAL_8K, name="mikami_68k", **{**CLUSTER, "resolution": replace(
-                GOYAL_8K.resolution, batch_schedule=(0, 34816, 5, 69632))},
-            doc="Mikami et al. 2018 (Sony): batch-size control 34,816 -> 69,632 after 5 epochs, label smoothing, "
-            "2D-torus all-reduce in fp16 (published: 75.03% top-1 in 224 s on 2,176 V100s)", batch_size=69632,
+    mikami("mikami_68k", "Mikami et al. 2018 (Sony), first version: batch-size control 34,816 -> 69,632 after 5 "
+           "epochs, 2D-torus all-reduce in fp16 (published: 75.03% top-1 in 224 s on 2,176 V100s)",
+           gpus=2176, per_gpu=16),
+    mikami("mikami_122s", "Mikami et al. 2018 (Sony), second version: batch-size control (27,648 -> 55,296 after 5 "
+           "epochs, assumed), label smoothing, 2D-torus all-reduce in fp16 (published: 75.29% top-1 in 122 s on 3,456 "
+           "V100s)",
+           gpus=3456, per_gpu=8, sgd=replace(GOYAL_8K.sgd, label_smoothing=0.1)),
+    # Yamazaki et al. 2019 (Fujitsu): batch 81,920 on 2,048 GPUs, LARS; the rest assumed (docs/imagenet.md)
+    replace(GOYAL_8K, name="yamazaki_81k", **CLUSTER, doc="Yamazaki et al. 2019 (Fujitsu): batch 81,920, LARS (the "
+            "schedule, label smoothing and the rest assumed) (published: 75.08% top-1 in 74.7 s on 2,048 V100s)",
+            batch_size=81920, bn_workers=2048, lars=LARSSettings(trust=0.001),
             schedule=Schedule(lr=0.1, warmup_epochs=5.0, schedule="linear"),
-            sgd=replace(GOYAL_8K.sgd, label_smoothing=0.1), comm_hook="torus_fp16"),
+            sgd=replace(GOYAL_8K.sgd, label_smoothing=0.1), comm_hook="fp16"),
+    *(fastai(name, **kw) for name, kw in FASTAI.items()),
     Recipe(name="tiny", doc="resnet_tiny width 16 for tests and CPU demonstrations on small stores (res 32, 8 epochs)",
            epochs=8, batch_size=32, network=Network(model="resnet_tiny", width=16, blurpool=False),
            schedule=Schedule(lr=0.2, warmup_epochs=1.0), sgd=SGD(weight_decay=5e-5),
@@ -352,14 +501,39 @@ def recipe(name, **changes):
     if name not in RECIPES:
         raise UsageError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
     r, warm = changed(RECIPES[name], **changes), RECIPES[name].schedule.warmup_epochs
+    if r.schedule.phases:
+        r = phased(r, changes)
     check(r)
     notes = []
-    if "warmup_epochs" not in changes and 0 < r.epochs <= warm < RECIPES[name].epochs:
+    if "warmup_epochs" not in changes and not r.schedule.phases and 0 < r.epochs <= warm < RECIPES[name].epochs:
         shorter = warm * r.epochs / RECIPES[name].epochs          # the same share of the run
         notes.append(f"note: --epochs {r.epochs} ends inside the recipe's {warm:g}-epoch warm-up, so the warm-up is "
                      f"shortened in proportion to {shorter:g} epochs (--warmup-epochs sets it)")
         r = replace(r, schedule=replace(r.schedule, warmup_epochs=shorter))
     return replace(r, notes=tuple(notes))
+
+
+# what a phase table sets, so that a flag for one of them beside it would be ignored
+PHASED = ("epochs", "batch_size", "lr", "warmup_epochs", "warmup_start", "schedule", "step_epochs", "min_res",
+          "max_res", "res_start_epoch", "res_end_epoch", "res_step", "batch_scale", "batch_schedule", "crop_scale",
+          "per_gpu_batch")
+
+
+def phased(r, changes):
+    """Recipe r, which has a phase table, as long as the table (a table that cannot be read: left to check()); a
+    setting the table replaces, given beside it, is a UsageError of one line."""
+    for name in PHASED:
+        if name in changes:
+            raise flag_error(name, changes[name], "the phase table (--phases) sets each phase's epochs, resolution, "
+                             "batch and rate; change --phases instead")
+    try:
+        table = phases(r.schedule.phases)
+    except ValueError:
+        return r
+    if "val_res" in changes and any(ph.val_res for ph in table):
+        raise flag_error("val_res", changes["val_res"], "the phase table (--phases) sets each phase's validation "
+                         "resolution; change --phases instead")
+    return replace(r, epochs=table[-1].end)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -382,14 +556,57 @@ class Options(T.Options):
     interrupt_after: int = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class EpochPlan:
+    """One epoch of a run on this rank (schedules.plan's row): its resolution, this rank's batch in micro-batches of
+    `micro` images normalised in groups of `group` (0: whole micro-batches), the steps of the epoch, the run's steps
+    before it and in all, its crops (augment) and what validation after it sees."""
+    epoch: int
+    res: int
+    batch: int
+    micro: int
+    group: int
+    steps: int
+    first_step: int
+    total_steps: int
+    augment: Augment
+    validation: Validation
+
+
+def epoch_plans(r, world, n=None):
+    """Each epoch's EpochPlan of recipe r on world ranks, each holding n training images (None: as many as the
+    batches need): a ValueError of one line, naming the flag, when a rank's batch does not split into --accumulate
+    micro-batches of whole batch-norm groups."""
+    out, first = [], 0
+    for e, row in enumerate(plan(r, world)):
+        batch, k, workers = row["batch"] // world, r.accumulate, r.bn_workers
+        batch = batch if n is None else min(batch, n)
+        if batch % k:
+            raise ValueError(f"--accumulate {k}: the {batch} images of a rank's batch in epoch {e + 1} do not split "
+                             f"into {k} micro-batches")
+        if workers and row["batch"] % workers:
+            raise ValueError(f"--bn-workers {workers}: the global batch of epoch {e + 1}, {row['batch']} images, is "
+                             f"not a multiple of it")
+        if workers and (batch // k) % (row["batch"] // workers):
+            raise ValueError(f"--bn-workers {workers}: batch norm's groups of {row['batch'] // workers} images (the "
+                             f"global batch / {workers}) do not fill micro-batches of {batch // k} images in epoch "
+                             f"{e + 1}; change --accumulate")
+        steps = (batch if n is None else n) // batch
+        out.append(EpochPlan(epoch=e, res=row["res"], batch=batch, micro=batch // k, steps=steps, first_step=first,
+                             group=row["batch"] // workers if workers else 0, total_steps=0,
+                             augment=replace(r.augment, crop_scale=(row["crop_min"], r.augment.crop_scale[1])),
+                             validation=replace(r.validation, res=row["val"][0], crop=row["val"][1])))
+        first += steps
+    return [replace(p, total_steps=first) for p in out]
+
+
 def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     """One run of recipe r on this process's Data (place()) with Options o: {"seed", "rows", "final_top1",
     "final_top5", "train_time", "final_eval_time", "time", "time_to_target"}. Under torchrun every rank builds the
     same network and draws its own batches."""
-    device, world, n = torch.device(ctx.device), ctx.world_size, len(data.train_rows)
+    device = torch.device(ctx.device)
     dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
-    plan = [(res_at(r, e), min(batch_for(r, e, world), n)) for e in range(r.epochs)]   # each epoch's res and batch
-    steps = [n // bs for _, bs in plan]
+    plans = epoch_plans(r, ctx.world_size, len(data.train_rows))
     seeds = T.run_seeds(seed, ctx.rank)          # the network, the data's order and its augmentation: 3 streams
     torch.manual_seed(seeds["init"])
     order, augment = (torch.Generator().manual_seed(seeds[k]) for k in ("order", "augment"))
@@ -401,42 +618,27 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
         D.use_last_batch_stats(model)
     average = T.averaging(model, ema=r.ema, lookahead=r.lookahead)
     run = T.Trainable(model=model, optimizers=[opt], average=average, generators=[order, augment])
-    done = resumed(r, run, o, forward=forward, plan=plan, ctx=ctx, on_epoch=on_epoch)
+    done = resumed(r, run, o, forward=forward, plans=plans, ctx=ctx, on_epoch=on_epoch)
     rows, time_to_target, clock.total = done["rows"], done["time_to_target"], done["train_time"]
-    step, final_eval_time = sum(steps[:done["epoch"]]), 0.0
-    for epoch in range(done["epoch"], r.epochs):
-        (res, batch), losses, correct, seen = plan[epoch], torch.zeros((), device=device), torch.zeros((), device=device), 0
-        bar = Progress(steps[epoch], f"epoch {epoch + 1}", PROGRESS_AFTER_S) if o.progress else None
-        for i, (x, y) in enumerate(train_batches(data, r.augment, draw_epoch(data, r.augment, augment, order=order),
-                                                 res=res, batch_size=batch, generator=augment, device=device,
-                                                 dtype=dtype)):
-            t = epoch + i / steps[epoch]         # the fractional epoch: the schedule's and RMSprop-to-SGD's clock
-            lr = lr_at(r, t) * batch * world / r.schedule.lr_scale_base          # Goyal et al.'s linear scaling
-            set_lr([opt], lr, step, t)
-            logits, loss = T.train_step(forward, [opt], x, y, label_smoothing=r.sgd.label_smoothing, dtype=dtype,
-                                        mean=True)
-            step += 1
-            if average:
-                average.update(model, step, sum(steps))
-            losses, correct, seen = losses + loss, correct + (logits.argmax(1) == y).sum(), seen + len(y)
-            bar and bar.update()
-        bar and bar.close()
-        if r.lookahead and epoch == r.epochs - 1:
+    final_eval_time = 0.0
+    for p in plans[done["epoch"]:]:
+        losses, correct, seen, lr = train_epoch(r, run, data, p, forward=forward, ctx=ctx, o=o)
+        if r.lookahead and p.epoch == r.epochs - 1:
             average.finish(model)                # lookahead: the slow weights end the run
-        epoch_time, last = clock(), epoch == r.epochs - 1
+        epoch_time, last = clock(), p.epoch == r.epochs - 1
         metrics = dict.fromkeys(("val_loss", "top1", "top5"))
-        if last or (o.eval_every and (epoch + 1) % o.eval_every == 0):
-            with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
-                metrics = validation(r, run, data, ctx=ctx, dtype=dtype, final=last)
+        if last or (o.eval_every and (p.epoch + 1) % o.eval_every == 0):
+            with Heartbeat("final evaluation" if last else f"evaluation of epoch {p.epoch + 1}", on=o.progress):
+                metrics = validation(r, run, data, p.validation, ctx=ctx, dtype=dtype, final=last)
             final_eval_time = clock(include=False)
-            if time_to_target is None and metrics["top1"] >= o.target:
+            if time_to_target is None and metrics["top5" if r.target_top5 else "top1"] >= o.target:
                 time_to_target = clock.total
-        rows.append({"epoch": epoch + 1, "res": res, "batch": batch, "lr": lr, "train_loss": losses.item() / seen,
+        rows.append({"epoch": p.epoch + 1, "res": p.res, "batch": p.batch, "lr": lr, "train_loss": losses.item() / seen,
                      "train_acc": correct.item() / seen, **metrics, "epoch_time": epoch_time, "total_time": clock.total})
         if o.checkpoint:
             T.save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, progress={
-                "epoch": epoch + 1, "rows": rows, "train_time": clock.total, "time_to_target": time_to_target})
-            if o.interrupt_after == epoch + 1:
+                "epoch": p.epoch + 1, "rows": rows, "train_time": clock.total, "time_to_target": time_to_target})
+            if o.interrupt_after == p.epoch + 1:
                 D.leave_together(ctx)
                 raise SystemExit(T.INTERRUPTED)
         on_epoch and on_epoch(rows[-1])
@@ -446,14 +648,57 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
             "time_to_target": time_to_target}
 
 
-def resumed(r, run, o, *, forward, plan, ctx, on_epoch):
+def train_epoch(r, run, data, p, *, forward, ctx, o):
+    """The steps of one epoch (EpochPlan p): each a step of this rank's batch, in p.micro-image micro-batches
+    normalised in groups of p.group (accumulated_step), at the rate of its fractional epoch. Returns the summed
+    loss, the correct predictions, the images seen (on the device, unread) and the last rate."""
+    device, (order, augment), (opt,) = torch.device(ctx.device), run.generators, run.optimizers
+    dtype = devices.compute_dtype(device, o.precision)
+    set_ghost_groups(run.model, p.group)
+    draws = draw_epoch(data, p.augment, augment, order=order)
+    draws.perm = draws.perm[:p.steps * p.batch]          # the epoch's whole batches; the rest is dropped
+    micro = train_batches(data, p.augment, draws, res=p.res, batch_size=p.micro, generator=augment, device=device,
+                          dtype=dtype)
+    losses, correct, lr = torch.zeros((), device=device), torch.zeros((), device=device), 0.0
+    bar = Progress(p.steps, f"epoch {p.epoch + 1}", PROGRESS_AFTER_S) if o.progress else None
+    for i, batch in enumerate(zip(*[micro] * r.accumulate)):       # r.accumulate micro-batches at a time
+        t = p.epoch + i / p.steps                # the fractional epoch: the schedule's and RMSprop-to-SGD's clock
+        lr = step_lr(r, t, p.batch * ctx.world_size)
+        set_lr([opt], lr, p.first_step + i, t)
+        hits, loss = accumulated_step(forward, opt, batch, ctx=ctx, label_smoothing=r.sgd.label_smoothing, dtype=dtype)
+        if run.average:
+            run.average.update(run.model, p.first_step + i + 1, p.total_steps)
+        losses, correct = losses + loss, correct + hits
+        bar and bar.update()
+    bar and bar.close()
+    return losses, correct, p.steps * p.batch, lr
+
+
+def accumulated_step(forward, opt, batch, *, ctx, label_smoothing, dtype):
+    """One update from the micro-batches [(x, y), ...] of this rank's batch: the gradients of each one's mean loss /
+    their number added up (under DDP, all-reduced after the last alone: no_sync before), then the optimiser's step.
+    Returns the correct predictions and the summed loss, on the device."""
+    k, hits, total = len(batch), 0, 0
+    for i, (x, y) in enumerate(batch):
+        with forward.no_sync() if ctx.distributed and i < k - 1 else contextlib.nullcontext():
+            with devices.autocast(x.device, dtype):
+                logits = forward(x)
+                loss = F.cross_entropy(logits.float(), y, label_smoothing=label_smoothing)
+            (loss / k if k > 1 else loss).backward()
+        hits, total = hits + (logits.argmax(1) == y).sum(), total + loss.detach() * len(y)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return hits, total
+
+
+def resumed(r, run, o, *, forward, plans, ctx, on_epoch):
     """Where a run starts: epoch 0, or (with o.resume) where its checkpoint left it, its state loaded into run and
     its rows replayed to on_epoch."""
     state = T.read_checkpoint(o.checkpoint, settings=flat(r), ctx=ctx) if o.resume and o.checkpoint else None
     if state is None:
         return {"epoch": 0, "rows": [], "train_time": 0.0, "time_to_target": None}
     if ctx.distributed:     # DDP's buckets as the uninterrupted run has them, so that its sums round the same
-        res = plan[state["progress"]["epoch"] - 1][0]
+        res = plans[state["progress"]["epoch"] - 1].res
         example = torch.zeros(2, 3, res, res, device=ctx.device).contiguous(
             memory_format=devices.memory_format(ctx.device))
         with devices.autocast(ctx.device, devices.compute_dtype(ctx.device, o.precision)):
@@ -464,30 +709,30 @@ def resumed(r, run, o, *, forward, plan, ctx, on_epoch):
     return state["progress"]
 
 
-def validation(r, run, data, *, ctx, dtype, final):
+def validation(r, run, data, val, *, ctx, dtype, final):
     """{"val_loss", "top1", "top5"} of the weights the run evaluates (the EMA's when there is one) over the whole
-    validation set (each rank its part, summed); the final one with the recipe's TTA. With last-batch statistics,
-    every rank first takes the global batch's."""
+    validation set (each rank its part, summed), each image seen as val (a Validation) says; the final one with the
+    recipe's TTA. With last-batch statistics, every rank first takes the global batch's."""
     if r.bn_stats == "last_batch":
         D.sync_batch_norm_stats(run.model, ctx)
         if run.average and run.average.model is not None:
             D.sync_batch_norm_stats(run.average.model, ctx, counted=run.model)
-    tta = r.validation.tta if final else "none"
-    loss, top1, top5 = evaluate(T.evaluated(run.model, run.average), data, r.validation, tta=tta, device=ctx.device,
+    tta = val.tta if final else "none"
+    loss, top1, top5 = evaluate(T.evaluated(run.model, run.average), data, val, tta=tta, device=ctx.device,
                                 dtype=dtype, ctx=ctx)
     return {"val_loss": loss, "top1": top1, "top5": top5}
 
 
 def warmup(r, data, *, device, dtype, world=1):
-    """Two steps at every (resolution, batch) pair of the schedule on a throwaway model, so that cuDNN's autotuning
-    for each new shape happens before the clock starts."""
+    """Two steps at every (resolution, micro-batch, batch-norm group) of the schedule on a throwaway model, so that
+    cuDNN's autotuning for each new shape happens before the clock starts."""
     memory_format = devices.memory_format(device)
     model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
     opt = make_optimizer(model, r)
     gen = torch.Generator().manual_seed(0)
     n = len(data.train_rows)
-    for res, bs in sorted({(res_at(r, e), batch_for(r, e, world)) for e in range(r.epochs)}):
-        bs = min(bs, n)
+    for res, bs, group in sorted({(p.res, p.micro, p.group) for p in epoch_plans(r, world, n)}):
+        set_ghost_groups(model, group)
         draws = draw_epoch(data, r.augment, gen)
         draws.perm = np.arange(2 * bs) % n
         for x, y in train_batches(data, r.augment, draws, res=res, batch_size=bs, generator=gen, device=device,
@@ -502,6 +747,17 @@ def warmup(r, data, *, device, dtype, world=1):
 # ---------------------------------------------------------------------------------------------
 # The command line
 # ---------------------------------------------------------------------------------------------
+
+TRAIN = """Train a recipe on a store, on one GPU or under torchrun on many.
+
+--batch-size is the global batch, split over the GPUs, and the rate per --lr-scale-base images of it, but for:
+  FFCV's recipes (rn50_*, rn18_*), which train FFCV's batch on each GPU (512; 1024 for ResNet-18) at FFCV's rate
+    (1.7; 0.5) whatever the number of GPUs, as FFCV's train_imagenet.py does (--per-gpu-batch true, --lr-scaling
+    none; --lr-scaling linear --lr 0.10625 keeps FFCV's rate per image instead);
+  phase tables (--phases: fast.ai's recipes, Mikami et al.'s), whose rows give each phase's global batch and rate.
+--accumulate K steps on each rank's batch in K micro-batches, --bn-workers W normalises groups of global batch / W.
+"""
+
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -520,7 +776,8 @@ def parse_args(argv=None):
     pp.add_argument("--max-aspect", type=float, default=2.0, help="longest val aspect kept (default 2)")
     pp.add_argument("--max-shards", type=int, default=None, help="stop after decoding this many new shards")
 
-    tp = sub.add_parser("train", help="train on a store")
+    tp = sub.add_parser("train", help="train on a store", description=TRAIN,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     tp.add_argument("--store", help="a folder written by prepare")
     tp.add_argument("--recipe", default="rn50_16ep", help="recipe name (default rn50_16ep; see --list-recipes)")
     tp.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
@@ -530,7 +787,9 @@ def parse_args(argv=None):
                     help="where a JPEG store is decoded (auto: nvJPEG on a CUDA GPU, else the CPU's threads)")
     tp.add_argument("--loader-threads", type=int, default=None,
                     help="CPU decoding threads per process (default: CPU count / processes on the node)")
-    tp.add_argument("--target", type=float, default=0.75, help="top-1 whose first epoch stops the clock")
+    tp.add_argument("--target", type=float, default=None,
+                    help="top-1 whose first epoch stops the clock (default 0.75; a recipe with a --target-top5 stops "
+                         "it at that top-5 instead)")
     tp.add_argument("--checkpoint", default=None, help="checkpoint file, written atomically after every epoch")
     tp.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     tp.add_argument("--out", default=None, help="write the recipe, environment, rows and summary as JSON")
@@ -582,12 +841,22 @@ def check_train(args):
     check_output(args.checkpoint, "--checkpoint")
 
 
+def goal(r, target):
+    """The accuracy whose first epoch stops the clock: --target (top-1, default 0.75), or the recipe's top-5 target;
+    a UsageError of one line when both are given."""
+    if r.target_top5 and target is not None:
+        raise UsageError(f"--target {target:g}: {r.name} stops its clock at top-5 {r.target_top5:g} (--target-top5); "
+                         f"give --target-top5 0 to time to a top-1 --target")
+    return r.target_top5 or (0.75 if target is None else target)
+
+
 def main_train(args, changes, argv):
     if args.list_recipes:
         print("\n".join(f"{name:12s} {r.doc}" for name, r in RECIPES.items()))
         return 0
     try:
         r = recipe(args.recipe, **changes)
+        args.target = goal(r, args.target)
         check_train(args)
         ctx = join_ranks(args, r.comm_hook)
     except UsageError as e:
@@ -611,9 +880,7 @@ def run(args, r, *, ctx, argv):
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration use "
               "a small store, --model resnet_tiny and few --epochs", file=sys.stderr)
     try:
-        batch = per_rank_batch(r.batch_size, ctx.world_size)
-        for e in range(r.epochs):
-            batch_for(r, e, ctx.world_size)      # a schedule that does not divide over the ranks fails here
+        plans = epoch_plans(r, ctx.world_size)   # a schedule that does not divide over the ranks fails here
         decoder = devices.jpeg_decoder(device, args.decoder)
         store = open_store(args.store)
         data = placed(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
@@ -626,8 +893,9 @@ def run(args, r, *, ctx, argv):
             else f"raw store of size {store.size} in {data.where} memory")
     say(f"recipe {r.name} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {len(store.train)} train and "
         f"{len(store.val)} val images, {len(store.index['classes'])} classes, {held}"
-        + (f", {ctx.world_size} ranks of {batch} images per step, each holding {len(data.train_rows)} train images"
-           if ctx.distributed else ""))
+        + (f", {ctx.world_size} ranks of {plans[0].batch} images per step, each holding {len(data.train_rows)} "
+           f"train images" if ctx.distributed else ""))
+    say(schedule_text(r, plans, world=ctx.world_size))
     if not devices.is_cpu(device):
         devices.autotune(device)
         with Heartbeat("warm-up: cuDNN's autotuning at every resolution and batch", on=progress):
@@ -635,15 +903,36 @@ def run(args, r, *, ctx, argv):
     return train_runs(args, r, data, ctx=ctx, argv=argv, store=store)
 
 
+def schedule_text(r, plans, *, world):
+    """The run's schedule, one line per epoch (schedules.plan: the global batch, the optimiser's rate at the epoch's
+    start and end, the crops' smallest scale, what validation sees), after how a rank's batch is split."""
+    p = plans[0]
+    lines = [f"schedule on {world} rank{'s' * (world > 1)}" + (
+        f": each rank's batch in {r.accumulate} micro-batches, their gradients added before one update"
+        if r.accumulate > 1 else "") + (
+        f"; batch norm over groups of global batch / {r.bn_workers} images ({p.group} in epoch 1)"
+        if r.bn_workers else "; batch norm over each rank's micro-batch" if r.accumulate > 1 else ""),
+        f"{'ep':>5} {'res':>5} {'batch':>7} {'lr start':>10} {'lr end':>10} {'crop':>6}  validation"]
+    for row in plan(r, world):
+        lines.append(f"{row['epoch']:>5} {row['res']:>5} {row['batch']:>7} {row['lr_start']:>10.5g} "
+                     f"{row['lr_end']:>10.5g} {row['crop_min']:>6.3g}  {view_text(row['val'])}")
+    return "\n".join(lines)
+
+
+def view_text(view):
+    """What validation sees, (shorter side, centre crop) as schedules.val_at gives it, in words: "224 px, centre
+    0.875" (of the shorter side, square) or "288 px, whole image"."""
+    res, crop = view
+    return f"{res} px, centre {crop:g}" if crop else f"{res} px, whole image"
+
+
 def placed(r, store, args, *, ctx, decoder, progress):
     """This process's Data (imagenet_data.place), once what training needs of the device is known to fit (and
     whether a raw store fits beside it): a UsageError of one line, before anything is loaded, when not."""
     device = torch.device(ctx.device)
     dtype, classes = devices.compute_dtype(device, args.precision), len(store.index["classes"])
-    training = 0 if devices.is_cpu(device) else training_bytes(r, classes, world=ctx.world_size, dtype=dtype)
-    devices.check_training_fits(device, training, why=f"training {r.network.model} at "
-                                f"{per_rank_batch(r.batch_size, ctx.world_size)} images per process",
-                                remedy="use a smaller --batch-size or more GPUs (the batch is split over them)")
+    training = 0 if devices.is_cpu(device) else check_memory(r, classes, device=device, world=ctx.world_size,
+                                                                 dtype=dtype)
     with Heartbeat(f"placing {args.store}", on=progress):
         return place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
                      threads=args.loader_threads, training=training)     # under torchrun, this rank's share alone
@@ -654,8 +943,10 @@ def train_runs(args, r, data, *, ctx, argv, store):
     the exit status."""
     o = Options(target=args.target, eval_every=args.eval_every, precision=args.precision,
                 interrupt_after=args.interrupt_after_epoch, resume=args.resume, progress=ctx.is_main and not args.quiet)
-    labels = {"final_top1": ("final top-1", ""), "final_top5": ("final top-5", ""),
-              "time_to_target": (f"time to {args.target:.2%}", " s"), "train_time": ("training time", " s")}
+    aim = f"{args.target:.2%}" + (" top-5" if r.target_top5 else "")
+    accuracy = "final_top5" if r.target_top5 else "final_top1"       # the first label: the t-test's
+    labels = {k: (f"final top-{k[-1]}", "") for k in (accuracy, "final_top1", "final_top5")}
+    labels.update({"time_to_target": (f"time to {aim}", " s"), "train_time": ("training time", " s")})
     runs = []
 
     def save(complete):
@@ -663,7 +954,7 @@ def train_runs(args, r, data, *, ctx, argv, store):
             write_json(args.out, run_record({
                 "recipe": r.name, "settings": r, "target": args.target, "store": str(args.store),
                 "store_format": store.format, "data_on": data.where, "decoder": data.decoder, "complete": complete,
-                "runs": runs, "summary": summarize_runs(runs, args.target, labels, "final_top1")}, args, argv=argv,
+                "runs": runs, "summary": summarize_runs(runs, args.target, labels, accuracy)}, args, argv=argv,
                 device=ctx.device, ctx=ctx))
     for k in range(args.runs):
         seed, epochs = args.seed + k, []
@@ -686,10 +977,10 @@ def train_runs(args, r, data, *, ctx, argv, store):
         save(complete=False)
         ttt = result["time_to_target"]
         D.print0(f"final top-1 {result['final_top1']:.4f}, top-5 {result['final_top5']:.4f}; "
-                 + (f"time to {args.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach "
-                    f"{args.target:.2%}") + f"; training time {result['train_time']:.2f} s")
+                 + (f"time to {aim}: {ttt:.2f} s" if ttt is not None else f"did not reach {aim}")
+                 + f"; training time {result['train_time']:.2f} s")
     if args.runs > 1 and ctx.is_main:
-        print_summary(r.name, summarize_runs(runs, args.target, labels, "final_top1"), args.target, labels)
+        print_summary(r.name, summarize_runs(runs, args.target, labels, accuracy), args.target, labels)
     save(complete=True)
     if args.out and ctx.is_main:
         print(f"wrote {args.out}")

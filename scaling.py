@@ -102,6 +102,37 @@ PUBLISHED = [
               "tree all-reduce assumed (their exact algorithm not modelled)"),
 ]
 
+# The recipes whose published time the model can check (imagenet_fast.RECIPES): each phase of their schedule on the
+# paper's GPUs as (epochs, resolution, images per GPU), a GPU's images/s at 224 px (derived or assumed, as the rows
+# above say; a step's compute in proportion to the pixels) and its network. tests/test_scaling.py holds the phases to
+# the recipes'.
+P100_GOYAL = dict(per_gpu_224=32 / 0.232, link_gbps=50.0, latency_us=50.0, gpus_per_node=8, intra_gbps=160.0,
+                  intra_latency_us=5.0, model_bytes=25.6e6 * 4, algorithm="tree", buckets=4)
+P100_AKIBA = {**P100_GOYAL, "link_gbps": 56.0, "latency_us": 10.0, "algorithm": "ring"}
+V100_ABCI = dict(per_gpu_224=1000.0, model_bytes=25.6e6 * 2, algorithm="torus", **ABCI)
+V100_AWS = dict(per_gpu_224=1000.0, link_gbps=25.0, latency_us=25.0, gpus_per_node=8, intra_gbps=400.0,
+                intra_latency_us=5.0, model_bytes=25.6e6 * 2, algorithm="ring", buckets=4)
+RECIPE_RUNS = [
+    dict(recipe="goyal_8k", gpus=256, kind="P100", published="1 h", published_s=3600.0, phases=((90, 224, 32),),
+         **P100_GOYAL),
+    dict(recipe="akiba_32k", gpus=1024, kind="P100", published="15 min", published_s=900.0, phases=((90, 224, 32),),
+         **P100_AKIBA),
+    dict(recipe="mikami_68k", gpus=2176, kind="V100", published="224 s", published_s=224.0,
+         phases=((5, 224, 16), (85, 224, 32)), **V100_ABCI),
+    dict(recipe="mikami_122s", gpus=3456, kind="V100", published="122 s", published_s=122.0,
+         phases=((5, 224, 8), (85, 224, 16)), **V100_ABCI),
+    dict(recipe="yamazaki_81k", gpus=2048, kind="V100", published="74.7 s", published_s=74.7,
+         phases=((90, 224, 40),), **{**V100_ABCI, "algorithm": "tree"}),
+    dict(recipe="fastai_1x8", gpus=8, kind="V100", published="109:12 to 93% top-5", published_s=6552.0,
+         phases=((14, 128, 512), (18, 224, 224), (3, 288, 128)), **V100_AWS),
+    dict(recipe="fastai_4x8", gpus=32, kind="V100", published="29:44 to 93% top-5", published_s=1784.0,
+         phases=((6, 128, 256), (7, 128, 512), (15, 224, 224), (2, 288, 128)), **V100_AWS),
+    dict(recipe="fastai_8x8", gpus=64, kind="V100", published="19:04 to 93% top-5", published_s=1144.0,
+         phases=((6, 128, 128), (8, 128, 256), (3, 224, 128), (12, 224, 224), (6, 288, 128)), **V100_AWS),
+    dict(recipe="fastai_16x8", gpus=128, kind="V100", published="16:08 to 93% top-5", published_s=968.0,
+         phases=((6, 128, 64), (10, 128, 128), (3, 224, 64), (18, 224, 192), (13, 288, 128)), **V100_AWS),
+]
+
 _SIM_ARGS = ("step_time_s", "model_bytes", "algorithm", "buckets", "batch_per_gpu")
 _LINKS = ("link_gbps", "latency_us", "gpus_per_node", "intra_gbps", "intra_latency_us")
 
@@ -139,6 +170,29 @@ def published_table():
         show = (lambda v: f"{v / 1e6:.2f}M images/s") if case["metric"] == "images_per_s" else (lambda v: f"{100 * v:.1f}%")
         lines.append(f"| {case['name']} | {case['published']} | {show(got)} | {got / case['target']:.3f} | "
                      f"{case['link_gbps']:g}, {'n/a' if fit is None else f'{fit:.2f}'} |")
+    return "\n".join(lines)
+
+
+def recipe_time(run, images=1_281_167):
+    """Seconds the model gives a recipe's whole schedule on its paper's GPUs (a RECIPE_RUNS row): the sum over its
+    phases of epochs x images / simulate()'s images/s, a GPU's step taking batch / per_gpu_224 x (res / 224)^2."""
+    links = Links(**{k: run[k] for k in _LINKS if k in run})
+    total = 0.0
+    for epochs, res, batch in run["phases"]:
+        step = batch / run["per_gpu_224"] * (res / 224) ** 2
+        row = simulate([run["gpus"]], links, step_time_s=step, model_bytes=run["model_bytes"],
+                       algorithm=run["algorithm"], buckets=run["buckets"], batch_per_gpu=batch)[0]
+        total += epochs * images / row["images_per_s"]
+    return total
+
+
+def recipe_table():
+    """Markdown table: each recipe's published time beside the model's for its whole schedule (recipe_time)."""
+    lines = ["| recipe | GPUs | published | model: the whole schedule | model / published |", "|---|---|---|---|---|"]
+    for run in RECIPE_RUNS:
+        t = recipe_time(run)
+        lines.append(f"| `{run['recipe']}` | {run['gpus']:,} {run['kind']} | {run['published']} | {t:,.1f} s | "
+                     f"{t / run['published_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -189,7 +243,12 @@ def main_simulate(argv=None):
     ap.add_argument("--images-per-epoch", type=positive(int), default=1_281_167,
                     help="default: ImageNet-1k's training set")
     ap.add_argument("--published", action="store_true", help="compare the model with the published figures")
+    ap.add_argument("--recipes", action="store_true",
+                    help="the model's time for each cluster recipe's whole schedule beside its published time")
     a = ap.parse_args(argv)
+    if a.recipes:
+        print(recipe_table())
+        return 0
     if a.published:
         for case in PUBLISHED:
             print(f"- {case['name']}: {case['note']}; latency {case['latency_us']} us, {case['algorithm']}, "

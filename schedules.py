@@ -1,6 +1,8 @@
 """ImageNet's schedules: the learning rate over the run (warm-up then linear, cosine, step or slow-start decay), the
 training resolution and batch size of each epoch (progressive resizing, batch-size control) and a batch's share per
-rank. CIFAR-10's rate is its recipe's own (cifar10_fast.LR.at), its steps are its data's (cifar_data.run_steps).
+rank, and the phase tables (fast.ai's: epoch ranges, each with its size, batch, rate or ramp, crop scale and
+validation) that every ImageNet schedule is read as, one row per epoch (plan). CIFAR-10's rate is its recipe's own
+(cifar10_fast.LR.at), its steps are its data's (cifar_data.run_steps).
 
 Nothing here imports torch: each schedule is plain arithmetic on epochs and steps, tested on its own.
 
@@ -9,7 +11,9 @@ Papers:
   Akiba, Suzuki, Fukuda 2017, "Extremely Large Minibatch SGD: Training ResNet-50 on ImageNet in 15 Minutes"
       (arXiv:1711.04325)
   Mikami et al. 2018, "ImageNet/ResNet-50 Training in 224 Seconds" (Sony, batch-size control, arXiv:1811.05233)
+  Howard, Shaw, Bulatov 2018, fast.ai and DIU's "ImageNet in 18 minutes" (github.com/cybertronai/imagenet18, train.py)
 """
+import functools
 import math
 from dataclasses import dataclass
 
@@ -42,11 +46,16 @@ def slow_start_lr(epoch, peak_lr, epochs=90):
 
 
 def lr_at(r, t):
-    """Learning rate per lr_scale_base images at t epochs of an ImageNet recipe r (its .schedule): a linear warm-up
+    """Learning rate at t epochs of an ImageNet recipe r (its .schedule), per lr_scale_base images or as the optimiser
+    takes it (step_lr): its phase's, linear from the phase's start to its end, when r has a phase table; else a linear
+    warm-up
     over warmup_epochs from warmup_start x the schedule's rate there (0: from zero; Goyal et al. start from the rate
     of one 256-image worker) up to it, then the schedule: linear to 0 at the end, cosine to 0, x0.1 at each of
     step_epochs, or slow_start (Akiba et al.'s 90-epoch schedule stretched to the run: 0.5 x lr for the first 40/90
     while RMSprop-to-SGD hands over, then 0.075, 0.01 and 0.001 x lr)."""
+    if r.schedule.phases:
+        ph = phase_at(r, t)
+        return ph.lr_start + (ph.lr_end - ph.lr_start) * (t - ph.start) / (ph.end - ph.start)
     warm = r.schedule.warmup_epochs
     if t < warm:
         top, start = decayed_lr(r, warm), r.schedule.warmup_start
@@ -71,9 +80,12 @@ def decayed_lr(r, t):
 
 
 def res_at(r, epoch):
-    """Training resolution of an epoch (0-based) of an ImageNet recipe r (its .resolution): min_res until
+    """Training resolution of an epoch (0-based) of an ImageNet recipe r: its phase's, or (its .resolution) min_res
+    until
     res_start_epoch, linear to max_res at res_end_epoch, rounded to a multiple of res_step (FFCV's progressive
     resizing)."""
+    if r.schedule.phases:
+        return phase_at(r, epoch).res
     s = r.resolution
     a, b = s.res_start_epoch, s.res_end_epoch
     f = 1.0 if epoch >= b else 0.0 if epoch <= a else (epoch - a) / (b - a)
@@ -120,12 +132,108 @@ class BatchSizeSchedule:
 
 
 def batch_for(r, epoch, world=1):
-    """This rank's batch in an epoch of an ImageNet recipe r: from the batch-size schedule (Mikami et al. 2018: the
-    global batch grows during training; flattened (epoch, global batch) pairs) if there is one, else batch_at of
-    this rank's share of batch_size."""
+    """This rank's batch in an epoch of an ImageNet recipe r: its share of the phase's global batch when r has a phase
+    table, else of the batch-size schedule's (Mikami et al. 2018: the global batch grows during training; flattened
+    (epoch, global batch) pairs) if there is one, else batch_at of this rank's share of batch_size, or of batch_size
+    itself with per_gpu_batch (FFCV: each GPU's batch, the global batch growing with the GPUs)."""
+    if r.schedule.phases:
+        return per_rank_batch(phase_at(r, epoch).batch, world)
     pairs = r.resolution.batch_schedule
     if len(pairs) % 2:
         raise ValueError(f"batch schedule {pairs} is not (epoch, batch) pairs")
     if pairs:
         return BatchSizeSchedule(zip(pairs[::2], pairs[1::2])).per_rank(epoch, world)
-    return batch_at(per_rank_batch(r.batch_size, world), r.resolution, res_at(r, epoch))
+    rank = r.batch_size if r.per_gpu_batch else per_rank_batch(r.batch_size, world)
+    return batch_at(rank, r.resolution, res_at(r, epoch))
+
+
+def step_lr(r, t, batch):
+    """The optimiser's rate at t epochs of recipe r stepping on a global batch: lr_at x batch / lr_scale_base
+    (lr_scaling linear: Goyal et al.'s rule), or lr_at itself (none: the rate as written, whatever the batch)."""
+    s = r.schedule
+    return lr_at(r, t) * batch / s.lr_scale_base if s.lr_scaling == "linear" else lr_at(r, t)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ImageNet: phase tables (fast.ai's train.py), and every schedule read as one row per epoch
+
+PHASE_FIELDS = ("start", "end", "res", "batch", "lr_start", "lr_end", "crop_min", "val_res", "rect_val")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Epochs [start, end) of a run: the training resolution, the global batch, the rate at the phase's start and
+    end (linear in between; equal: a constant rate), the smallest crop scale, and validation at val_res (0: the
+    recipe's) of the whole image when rect_val (fast.ai's rectangular validation), else as the recipe crops it."""
+    start: int
+    end: int
+    res: int
+    batch: int
+    lr_start: float
+    lr_end: float
+    crop_min: float
+    val_res: int
+    rect_val: bool
+
+
+@functools.lru_cache(maxsize=64)
+def phases(table):
+    """The Phases of a phase table (rows of PHASE_FIELDS, flattened), contiguous from epoch 0; a ValueError naming
+    the first bad row otherwise."""
+    width = len(PHASE_FIELDS)
+    if len(table) % width or not table:
+        raise ValueError(f"must be rows of {width} numbers (start, end, res, batch, lr at start, lr at end, smallest "
+                         f"crop scale, validation res or 0, rectangular validation 0 or 1); got {len(table)} numbers")
+    out = []
+    for k in range(len(table) // width):
+        start, end, res, batch, lr0, lr1, crop, val_res, rect = table[k * width:(k + 1) * width]
+        at = f"row {k + 1}"
+        before = out[-1].end if out else 0
+        if start != before:
+            raise ValueError(f"{at} starts at epoch {start:g}; " + (f"the row before ends at {before:g}" if out else
+                                                                     "the first starts at 0"))
+        if not all(float(v).is_integer() for v in (start, end, res, batch, val_res)):
+            raise ValueError(f"{at}: epochs, res, batch and validation res are whole numbers")
+        if end <= start:
+            raise ValueError(f"{at} ends at epoch {end:g}, not after its start {start:g}")
+        if res <= 0 or batch <= 0:
+            raise ValueError(f"{at}: res and batch must be positive")
+        if not 0 < crop <= 1:
+            raise ValueError(f"{at}: the smallest crop scale must be in (0, 1]")
+        if rect not in (0, 1):
+            raise ValueError(f"{at}: rectangular validation is 0 or 1")
+        out.append(Phase(int(start), int(end), int(res), int(batch), lr0, lr1, crop, int(val_res), bool(rect)))
+    return out
+
+
+def phase_at(r, t):
+    """The Phase of recipe r's table holding t epochs (the last one from its end on)."""
+    table = phases(r.schedule.phases)
+    return next((ph for ph in table if t < ph.end), table[-1])
+
+
+def crop_at(r, epoch):
+    """The crop scale range (smallest, largest fraction of the image) of an epoch: the phase's smallest."""
+    low, high = r.augment.crop_scale
+    return (phase_at(r, epoch).crop_min, high) if r.schedule.phases else (low, high)
+
+
+def val_at(r, epoch):
+    """(shorter side, centre crop) that validation after an epoch sees: the recipe's (its .validation), or its phase's
+    resolution and, with rect_val, the whole image (crop 0, imagenet_data.val_view)."""
+    v = r.validation
+    if not r.schedule.phases:
+        return v.res, v.crop
+    ph = phase_at(r, epoch)
+    return ph.val_res or v.res, 0.0 if ph.rect_val else v.crop
+
+
+def plan(r, world=1):
+    """Every epoch of recipe r on world ranks: {"epoch" (1-based), "res", "batch" (global), "lr_start", "lr_end"
+    (the optimiser's rates at its start and, in the limit, its end: step_lr), "crop_min", "val" (val_at)}."""
+    rows = []
+    for e in range(r.epochs):
+        batch = batch_for(r, e, world) * world
+        rows.append({"epoch": e + 1, "res": res_at(r, e), "batch": batch, "lr_start": step_lr(r, e, batch),
+                     "lr_end": step_lr(r, e + 1 - 1e-9, batch), "crop_min": crop_at(r, e)[0], "val": val_at(r, e)})
+    return rows

@@ -36,21 +36,21 @@ class Options:
     progress: bool = False
 
 
-def train_step(forward, optimizers, x, y, *, label_smoothing, dtype, mean=False):
-    """One step: forward (with its loss, when forward computes it: cifar10_fast.WithLoss), backward, every
-    optimiser. Returns the logits and the batch's summed loss, detached (nothing waits for them)."""
+def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
+    """One step on the batch-summed loss (CIFAR-10's; ImageNet's is imagenet_fast.accumulated_step): forward (with its
+    loss, when forward computes it: cifar10_fast.WithLoss), backward, every optimiser. Returns the logits and the
+    batch's summed loss, detached (nothing waits for them)."""
     with devices.autocast(x.device, dtype):
         if getattr(forward, "takes_labels", False):
             logits, loss = forward(x, y)
         else:
             logits = forward(x)
-            loss = F.cross_entropy(logits.float(), y, label_smoothing=label_smoothing,
-                                   reduction="mean" if mean else "sum")
+            loss = F.cross_entropy(logits.float(), y, label_smoothing=label_smoothing, reduction="sum")
     loss.backward()
     for opt in optimizers:
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return logits.detach(), loss.detach() * len(y) if mean else loss.detach()
+    return logits.detach(), loss.detach()
 
 
 def strict_compile():

@@ -313,6 +313,12 @@ def t_scaling(results):
     return scaling.published_table().split("\n")
 
 
+def t_scaling_recipes(results):
+    """The scaling model's time for each cluster recipe's schedule beside its published time (model output)."""
+    import scaling
+    return scaling.recipe_table().split("\n")
+
+
 def t_cpu_accuracy(results):
     """The record recipes' accuracy at full size on the CPU (the suite's cpu_accuracy piece): n so far, mean ± std,
     the one-sided p of "mean > 94%", and the mean time of a run on the CPU (not a speed figure)."""
@@ -377,7 +383,9 @@ def t_coverage(results):
     return lines
 
 
-TABLES = {"coverage": t_coverage, "env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling, "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
+TABLES = {"coverage": t_coverage, "env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling,
+          "scaling_recipes": t_scaling_recipes,
+          "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
           "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "compile_cache": t_compile_cache,

@@ -22,6 +22,7 @@ import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
 import optim
+import schedules
 from conftest import ROOT, failing_on_call
 from settings import changed
 
@@ -489,9 +490,13 @@ def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
     assert rc == 0, err
     assert "warning: no GPU in use" in err
     lines = stdout.splitlines()
-    assert lines[1].split() == ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5",
+    assert lines[1:3] == ["schedule on 1 rank", "   ep   res   batch   lr start     lr end   crop  validation"]
+    lr = [schedules.step_lr(inf.recipe("tiny", epochs=2), t, 32) for t in (0, 1, 1 - 1e-9, 2 - 1e-9)]
+    assert lines[3:5] == [f"    1    {SIZE}      32 {lr[0]:>10.5g} {lr[2]:>10.5g}   0.35  32 px, whole image",
+                          f"    2    {SIZE}      32 {lr[1]:>10.5g} {lr[3]:>10.5g}   0.35  32 px, whole image"]
+    assert lines[5].split() == ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5",
                                 "epoch_time", "total_time"]
-    rows = [l.split() for l in lines[2:4]]
+    rows = [l.split() for l in lines[6:8]]
     assert [row[:3] for row in rows] == [["1", str(SIZE), "32"], ["2", str(SIZE), "32"]]
     res = json.loads(out.read_text())
     assert res["settings"]["width"] == 4 and res["store_format"] == "jpeg" and res["decoder"] == "cpu"
@@ -861,3 +866,87 @@ def test_epochs_that_end_inside_the_warm_up_shorten_it_in_proportion_and_say_so(
     assert float(row.split()[3]) > 0                           # the epoch's learning rate is no longer 0
     assert inf.recipe("tiny", epochs=1, warmup_epochs=1.0).schedule.warmup_epochs == 1.0       # asked for: kept
     assert not inf.recipe("tiny", epochs=2).notes and not inf.recipe("tiny").notes
+
+
+# --- phases, micro-batches and batch norm over a paper's per-GPU groups ----------------------------------------------
+
+def test_a_phase_table_trains_each_epoch_at_its_size_batch_rate_crops_and_validation(store, tmp_path, capsys,
+                                                                                     monkeypatch):
+    seen = {"crops": [], "val": []}
+    real_draw, real_evaluate = inf.draw_epoch, inf.evaluate
+    monkeypatch.setattr(inf, "draw_epoch", lambda data, augment, *a, **k: seen["crops"].append(augment.crop_scale)
+                        or real_draw(data, augment, *a, **k))
+    monkeypatch.setattr(inf, "evaluate", lambda model, data, val, **k: seen["val"].append((val.res, val.crop))
+                        or real_evaluate(model, data, val, **k))
+    table = (0, 1, SIZE, 16, 0.1, 0.3, 0.35, 0, 0,
+             1, 2, SIZE + 8, 32, 0.05, 0.05, 0.5, SIZE, 1)
+    out = tmp_path / "r.json"
+    rc, stdout, err = run_main(capsys, "train", "--store", store, "--recipe", "tiny", "--device", "cpu", "--width", "4",
+                               "--val-crop", "0.875", "--lr-scaling", "none", "--phases", ",".join(map(str, table)),
+                               "--out", out)
+    assert rc == 0, err
+    rows = json.loads(out.read_text())["runs"][0]["rows"]
+    assert [(row["res"], row["batch"]) for row in rows] == [(SIZE, 16), (SIZE + 8, 32)]
+    assert [row["lr"] for row in rows] == pytest.approx([0.1 + 0.2 * 5 / 6, 0.05])      # each epoch's last step
+    assert seen["crops"] == [(0.35, 1.0), (0.5, 1.0)]
+    assert seen["val"] == [(32, 0.875), (SIZE, 0.0)]          # the recipe's centre crop, then the whole image
+    assert f"    2    {SIZE + 8}      32       0.05       0.05    0.5  {SIZE} px, whole image" in stdout.splitlines()
+
+
+def test_micro_batches_step_as_one_batch_normalised_in_the_same_groups():
+    """--accumulate 4: four micro-batches of 16 images, their gradients added, give the parameters of one step on the
+    64 images with batch norm over the same groups of 8 (8 workers' batches), to float rounding; the same
+    micro-batches normalised whole do not."""
+    r = inf.recipe("tiny", width=4, batch_size=64, bn_workers=8)
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 3, 16, 16), torch.randint(0, 5, (64,))
+
+    def one_step(group, k):
+        torch.manual_seed(1)
+        model = inf.build_model(r, 5)
+        inf.set_ghost_groups(model, group)
+        opt = inf.make_optimizer(model, r)
+        optim.set_lr([opt], 0.5)
+        inf.accumulated_step(model, opt, list(zip(x.chunk(k), y.chunk(k))), ctx=D.Context(), label_smoothing=0.1,
+                             dtype=torch.float32)
+        return [t.detach().clone() for t in model.parameters()]
+    whole, micro, plain = one_step(8, 1), one_step(8, 4), one_step(0, 4)
+    for a, b in zip(whole, micro):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert max((a - b).abs().max().item() for a, b in zip(whole, plain)) > 1e-3
+
+
+def test_a_run_in_micro_batches_resumes_exactly(store, tmp_path):
+    r = tiny_recipe(epochs=2, width=4, accumulate=2, bn_workers=4)      # 16 images: 2 micro-batches, groups of 4
+    data = place(store)
+    full = train(r, data, seed=2, checkpoint=tmp_path / "a.pt")
+    assert [row["batch"] for row in full["rows"]] == [16, 16]
+    with pytest.raises(SystemExit):
+        train(r, data, seed=2, checkpoint=tmp_path / "b.pt", interrupt_after=1)
+    train(r, data, seed=2, checkpoint=tmp_path / "b.pt", resume=True)
+    assert same_tensors(saved(tmp_path / "a.pt")["model"], saved(tmp_path / "b.pt")["model"])
+    with pytest.raises(inf.DataError, match=r"written with other settings \(accumulate\); cannot resume"):
+        train(changed(r, accumulate=4), data, seed=2, checkpoint=tmp_path / "b.pt", resume=True)
+
+
+def test_a_batch_that_does_not_split_into_micro_batches_or_groups_is_one_line(store, capsys, monkeypatch):
+    monkeypatch.setattr(inf, "place", lambda *a, **k: pytest.fail("the data was loaded"))
+    common = ["train", "--store", store, "--recipe", "tiny", "--device", "cpu", "--batch-size", "16"]
+    for flags, message in (
+            (["--accumulate", "3"], "--accumulate 3: the 16 images of a rank's batch in epoch 1 do not split into 3 "
+                                    "micro-batches"),
+            (["--bn-workers", "3"], "--bn-workers 3: the global batch of epoch 1, 16 images, is not a multiple of it"),
+            (["--bn-workers", "2", "--accumulate", "4"], "--bn-workers 2: batch norm's groups of 8 images (the global "
+                                                         "batch / 2) do not fill micro-batches of 4 images in epoch 1; "
+                                                         "change --accumulate")):
+        rc, _, err = run_main(capsys, *common, *flags)
+        assert rc == 2 and err.strip().splitlines()[-1] == f"error: {message}"
+
+
+def test_train_help_says_how_each_recipe_counts_its_batch(capsys):
+    with pytest.raises(SystemExit):
+        inf.parse_args(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert ("FFCV's recipes (rn50_*, rn18_*), which train FFCV's batch on each GPU (512; 1024 for ResNet-18) at FFCV's "
+            "rate (1.7; 0.5) whatever the number of GPUs, as FFCV's train_imagenet.py does") in text
+    assert "--per-gpu-batch PER_GPU_BATCH --batch-size is each GPU's batch" in text

@@ -71,3 +71,39 @@ def test_simulate_command_prints_the_time_for_some_epochs(capsys):
     images_per_s = float(row.split()[4].replace(",", ""))
     seconds = float(row.split()[-2].replace(",", ""))
     assert seconds == pytest.approx(90 * 1000 / images_per_s, rel=5e-3)     # images/s as printed, rounded
+
+
+def test_a_recipes_time_adds_its_phases_at_the_modelled_rate():
+    """Each phase's epochs over ImageNet's images at simulate()'s images/s, a GPU's step taking its batch over the
+    per-GPU rate at 224 px, in proportion to the pixels."""
+    run = {**scaling.RECIPE_RUNS[0], "phases": ((2, 224, 32), (1, 112, 64)), "gpus": 1}
+    per_s = run["per_gpu_224"]
+    assert scaling.recipe_time(run, images=1000) == pytest.approx(2 * 1000 / per_s + 1000 / (4 * per_s))
+
+
+def test_every_cluster_recipe_has_a_row_whose_phases_are_the_recipes_on_its_papers_gpus():
+    import imagenet_fast as inf
+    import schedules
+    rows = {run["recipe"]: run for run in scaling.RECIPE_RUNS}
+    assert sorted(rows) == sorted(["goyal_8k", "akiba_32k", "mikami_68k", "mikami_122s", "yamazaki_81k", "fastai_1x8",
+                                   "fastai_4x8", "fastai_8x8", "fastai_16x8"])
+    for name, run in rows.items():
+        phases = []
+        for p in schedules.plan(inf.recipe(name), world=run["gpus"]):
+            shape = (p["res"], p["batch"] // run["gpus"])
+            if phases and phases[-1][1:] == shape:
+                phases[-1] = (phases[-1][0] + 1, *shape)
+            else:
+                phases.append((1, *shape))
+        assert tuple(phases) == run["phases"], name
+        assert 0 < scaling.recipe_time(run) and run["published_s"] > 0, name
+
+
+def test_the_recipes_table_sets_the_model_beside_each_published_time(capsys):
+    assert scaling.main_simulate(["--recipes"]) == 0
+    out = capsys.readouterr().out
+    lines = [l for l in out.splitlines() if l.startswith("| `")]
+    assert len(lines) == len(scaling.RECIPE_RUNS) and "| `fastai_16x8` | 128 V100 |" in out
+    for line, run in zip(lines, scaling.RECIPE_RUNS):
+        model, ratio = line.split("|")[4:6]
+        assert float(ratio) == pytest.approx(scaling.recipe_time(run) / run["published_s"], abs=5e-3)

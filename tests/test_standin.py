@@ -4,6 +4,7 @@ imagenet_fast.py train with both store formats, both decoders and both places of
 staging, side streams, autocast, fused SGD), a ResNet-50 step, and torchrun with 2 ranks."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -197,10 +198,12 @@ TINY_IN = ["--recipe", "tiny", "--epochs", "2", "--batch-size", "8", "--width", 
 
 
 @pytest.mark.parametrize("fmt, flags", [("raw", ["--data-on", "device"]), ("raw", ["--data-on", "host"]),
-                                        ("jpeg", ["--decoder", "cpu"]), ("jpeg", ["--decoder", "gpu"])])
+                                        ("jpeg", ["--decoder", "cpu"]), ("jpeg", ["--decoder", "gpu"]),
+                                        ("raw", ["--data-on", "device", "--accumulate", "2", "--bn-workers", "4"])])
 def test_imagenet_trains_on_a_gpu_from_each_store_and_place(stores, tmp_path, fmt, flags):
     """The warm-up and every epoch's batches on the GPU: a raw store gathered there (its labels beside it) or from
-    the memory-mapped file through pinned buffers; a JPEG store decoded by the CPU's threads or by nvJPEG."""
+    the memory-mapped file through pinned buffers; a JPEG store decoded by the CPU's threads or by nvJPEG; and
+    micro-batches normalised in groups (ghost batch norm) in bf16."""
     out = tmp_path / "r.json"
     with StandIn() as gpu:
         assert inf.main(["train", "--store", str(stores[fmt]), *TINY_IN, *flags, "--out", str(out)]) == 0
@@ -208,6 +211,7 @@ def test_imagenet_trains_on_a_gpu_from_each_store_and_place(stores, tmp_path, fm
     assert run["environment"]["device"] == "cuda" and gpu.ops["conv2d"] > 0
     if fmt == "raw":
         assert run["data_on"] == flags[1]
+    assert (gpu.ops["var_mean"] > 0) == ("--bn-workers" in flags)          # the groups' statistics, on the GPU
 
 
 def test_a_raw_store_on_the_host_stays_the_memory_mapped_file_and_only_two_batches_are_pinned(stores):
@@ -240,13 +244,35 @@ def test_imagenet_under_torchrun_with_two_ranks_on_two_gpus(stores, tmp_path):
     assert "decoded on the GPU (nvJPEG)" in r.stdout and "2 ranks of 8 images per step" in r.stdout
 
 
-def test_a_run_that_cannot_fit_the_gpu_stops_in_one_line_before_the_data_loads(stores, monkeypatch, capsys):
-    monkeypatch.setattr(idt, "place", lambda *a, **k: pytest.fail("the data was loaded"))
-    with StandIn(memory=80 << 30):
-        assert inf.main(["train", "--store", str(stores["jpeg"]), "--recipe", "akiba_32k"]) == 2
+class Loaded(Exception):
+    """The data began to load."""
+
+
+@pytest.mark.parametrize("world", [1, 8])
+def test_a_batch_that_cannot_fit_the_gpu_stops_in_one_line_naming_the_accumulation_that_fits(stores, monkeypatch,
+                                                                                             capsys, world):
+    """akiba_32k at full size on GPUs of 80 GiB, alone or as one of 8 ranks (4,096 images each): one line before the
+    data loads, naming the fewest micro-batches (--accumulate) whose activations fit, and with them the data loads."""
+    monkeypatch.setattr(inf, "place", lambda *a, **k: (_ for _ in ()).throw(Loaded()))
+    ctx = D.Context(world_size=world, distributed=world > 1, device="cuda:0")
+    batch = 32768 // world
+
+    def run(*flags):
+        args, changes = inf.parse_args(["train", "--store", str(stores["jpeg"]), "--recipe", "akiba_32k", *flags])
+        with StandIn(memory=80 << 30):
+            return inf.run(args, inf.recipe("akiba_32k", **changes), ctx=ctx, argv=[])
+    assert run() == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: training resnet50 at 32768 images per process needs about ") and "\n" not in err
-    assert "GiB free; use a smaller --batch-size or more GPUs" in err
+    m = re.fullmatch(rf"error: training resnet50 at {batch} images per process needs about [\d.]+ GiB on cuda:0 but "
+                     r"it has 80.0 GiB free; add --accumulate (\d+) \(micro-batches of (\d+) images\), or use more "
+                     r"GPUs", err)
+    assert m and int(m[1]) * int(m[2]) == batch, err
+    classes = len(ims.open_store(stores["jpeg"]).index["classes"])
+    need = lambda k: inf.training_bytes(inf.recipe("akiba_32k", accumulate=k), classes, world=world,
+                                        dtype=torch.bfloat16)
+    assert need(int(m[1])) <= devices.USABLE * (80 << 30) < need(int(m[1]) // 2)
+    with pytest.raises(Loaded):
+        run("--accumulate", m[1])
 
 
 def test_a_store_goes_onto_the_gpu_only_if_training_still_fits_beside_it(stores, capsys):
