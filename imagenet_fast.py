@@ -44,7 +44,8 @@ from settings import add_flags, changed, changes_from, check, component, flag_er
 
 class BlurPool(nn.Module):
     """A fixed 3x3 binomial low-pass filter, put before every strided convolution so that it subsamples a smoothed
-    signal (anti-aliasing, Zhang 2019; FFCV's ResNets use it)."""
+    signal (anti-aliasing, Zhang 2019), as FFCV's ResNets build it: one depthwise convolution that pads with zeros,
+    so a channels_last input stays channels_last (CUDA's reflection pad returns NCHW, forward and backward)."""
 
     def __init__(self, channels):
         super().__init__()
@@ -52,7 +53,7 @@ class BlurPool(nn.Module):
         self.register_buffer("kernel", (k[:, None] * k[None, :] / 16).expand(channels, 1, 3, 3).clone())
 
     def forward(self, x):
-        return F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), self.kernel.to(x.dtype), groups=x.shape[1])
+        return F.conv2d(x, self.kernel.to(x.dtype), padding=1, groups=x.shape[1])
 
 
 def add_blurpool(model, min_channels=16):

@@ -401,8 +401,20 @@ def test_blurpool_models():
     strided = [mod for mod in m.modules() if isinstance(mod, torch.nn.Conv2d) and max(mod.stride) > 1]
     assert len(strided) == 7 and len(blurs) == 6  # all but the 3-channel stem conv
     assert m(torch.randn(2, 3, 40, 32)).shape == (2, 10)
-    const = torch.full((1, 4, 5, 5), 3.0)
-    assert torch.allclose(inf.BlurPool(4)(const), const)
+    const = torch.full((1, 4, 5, 5), 16.0)
+    blurred = inf.BlurPool(4)(const)                      # FFCV's: zeros beyond the edge, inside the convolution
+    assert torch.equal(blurred[..., 1:-1, 1:-1], const[..., 1:-1, 1:-1])
+    assert blurred[0, 0, 0, 0] == 9 and blurred[0, 0, 0, 2] == 12
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+    seen, x, blur = [], torch.randn(2, 16, 9, 9).contiguous(memory_format=torch.channels_last), inf.BlurPool(16)
+    with Ops():
+        out = blur(x)
+    assert seen == ["aten.convolution.default"] and out.is_contiguous(memory_format=torch.channels_last)
     assert not any(isinstance(mod, inf.BlurPool) for mod in inf.build_model(changed(r, blurpool=False), 10).modules())
     tiny = inf.build_model(inf.recipe("tiny", width=4), 5)
     assert tiny(torch.randn(2, 3, 24, 24)).shape == (2, 5)
