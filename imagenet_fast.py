@@ -8,9 +8,9 @@
 
 `prepare` writes an ImageFolder tree (train/<class>/*, val/<class>/*) once, in worker processes, into a store that
 `train` memory-maps (imagenet_store.py; docs/imagenet.md gives the format). `train` draws random-resized crops of
-the whole image, decodes them on the GPU or the CPU's threads, and augments them on the device (imagenet_data.py).
-A recipe is a small typed tree (Recipe below); any setting is also a flag. This file holds the models, the recipes,
-the training loop (train_run) and the command line.
+the whole image, decodes them on the GPU or in the CPU's worker processes, and augments them on the device
+(imagenet_data.py). A recipe is a small typed tree (Recipe below); any setting is also a flag. This file holds the
+models, the recipes, the training loop (train_run) and the command line.
 """
 import argparse
 import io
@@ -387,7 +387,7 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     """One run of recipe r on this process's Data (place()) with Options o: {"seed", "rows", "final_top1",
     "final_top5", "train_time", "final_eval_time", "time", "time_to_target"}. Under torchrun every rank builds the
     same network and draws its own batches."""
-    device, world, n = torch.device(ctx.device), ctx.world_size, len(data.train_rows)
+    device, world, n = torch.device(ctx.device), ctx.world_size, data.per_epoch()
     dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
     plan = [(res_at(r, e), min(batch_for(r, e, world), n)) for e in range(r.epochs)]   # each epoch's res and batch
     steps = [n // bs for _, bs in plan]
@@ -408,8 +408,8 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     for epoch in range(done["epoch"], r.epochs):
         (res, batch), losses, correct, seen = plan[epoch], torch.zeros((), device=device), torch.zeros((), device=device), 0
         bar = Progress(steps[epoch], f"epoch {epoch + 1}", PROGRESS_AFTER_S) if o.progress else None
-        for i, (x, y) in enumerate(train_batches(data, r.augment, draw_epoch(data, r.augment, augment, order=order),
-                                                 res=res, batch_size=batch, generator=augment, device=device,
+        draws = draw_epoch(data, r.augment, augment, order=order, epoch_seed=[seeds["shares"], epoch])
+        for i, (x, y) in enumerate(train_batches(data, r.augment, draws, res=res, batch_size=batch, device=device,
                                                  dtype=dtype)):
             t = epoch + i / steps[epoch]         # the fractional epoch: the schedule's and RMSprop-to-SGD's clock
             lr = lr_at(r, t) * batch * world / r.schedule.lr_scale_base          # Goyal et al.'s linear scaling
@@ -486,13 +486,12 @@ def warmup(r, data, *, device, dtype, world=1):
     model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
     opt = make_optimizer(model, r)
     gen = torch.Generator().manual_seed(0)
-    n = len(data.train_rows)
+    n = data.per_epoch()
     for res, bs in sorted({(res_at(r, e), batch_for(r, e, world)) for e in range(r.epochs)}):
         bs = min(bs, n)
         draws = draw_epoch(data, r.augment, gen)
-        draws.perm = np.arange(2 * bs) % n
-        for x, y in train_batches(data, r.augment, draws, res=res, batch_size=bs, generator=gen, device=device,
-                                  dtype=dtype):
+        draws.perm = draws.perm[np.arange(2 * bs) % n]
+        for x, y in train_batches(data, r.augment, draws, res=res, batch_size=bs, device=device, dtype=dtype):
             with devices.autocast(device, dtype):
                 F.cross_entropy(model(x).float(), y).backward()
             opt.step()
@@ -528,9 +527,9 @@ def parse_args(argv=None):
     tp.add_argument("--data-on", default="auto", choices=["auto", "device", "host"],
                     help="where a raw store lives (auto: on the device if it fits beside training)")
     tp.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
-                    help="where a JPEG store is decoded (auto: nvJPEG on a CUDA GPU, else the CPU's threads)")
-    tp.add_argument("--loader-threads", type=int, default=None,
-                    help="CPU decoding threads per process (default: CPU count / processes on the node)")
+                    help="where a JPEG store is decoded (auto: nvJPEG on a CUDA GPU, else the CPU's worker processes)")
+    tp.add_argument("--loader-workers", type=int, default=None,
+                    help="CPU decoding processes per training process (default: CPU count / processes on the node)")
     tp.add_argument("--target", type=float, default=0.75, help="top-1 whose first epoch stops the clock")
     tp.add_argument("--checkpoint", default=None, help="checkpoint file, written atomically after every epoch")
     tp.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
@@ -576,7 +575,7 @@ def check_train(args):
             ("resume", args.resume and not args.checkpoint, "needs --checkpoint"),
             ("resume", args.resume and args.runs > 1, "works with a single run"),
             ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint"),
-            ("loader-threads", args.loader_threads is not None and args.loader_threads < 1, "must be positive")):
+            ("loader-workers", args.loader_workers is not None and args.loader_workers < 1, "must be positive")):
         if bad:
             raise UsageError(f"--{flag} {message}")
     check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
@@ -623,12 +622,12 @@ def run(args, r, *, ctx, argv):
         return 1 if isinstance(e, DataError) else 2
     dtype = devices.compute_dtype(device, args.precision)
     held = (("jpeg store, decoded on the GPU (nvJPEG)" if decoder == "gpu" else
-             f"jpeg store, decoded by {data.threads} CPU threads") if store.format == "jpeg"
+             f"jpeg store, decoded by {data.workers} CPU processes") if store.format == "jpeg"
             else f"raw store of size {store.size} in {data.where} memory")
     say(f"recipe {r.name} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {len(store.train)} train and "
         f"{len(store.val)} val images, {len(store.index['classes'])} classes, {held}"
-        + (f", {ctx.world_size} ranks of {batch} images per step, each holding {len(data.train_rows)} train images"
-           if ctx.distributed else ""))
+        + (f", {ctx.world_size} ranks of {batch} images per step, each training on {data.per_epoch()} images "
+           + ("of a new share every epoch" if data.shares else "of its own") if ctx.distributed else ""))
     if not devices.is_cpu(device):
         devices.autotune(device)
         with Heartbeat("warm-up: cuDNN's autotuning at every resolution and batch", on=progress):
@@ -647,7 +646,7 @@ def placed(r, store, args, *, ctx, decoder, progress):
                                 remedy="use a smaller --batch-size or more GPUs (the batch is split over them)")
     with Heartbeat(f"placing {args.store}", on=progress):
         return place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
-                     threads=args.loader_threads, training=training)     # under torchrun, this rank's share alone
+                     workers=args.loader_workers, training=training)     # under torchrun, this rank's share alone
 
 
 def train_runs(args, r, data, *, ctx, argv, store):
