@@ -202,6 +202,22 @@ def host_array(shape, dtype, device):
     return t, t.numpy()
 
 
+def to_device(array, device):
+    """A host array (numpy) as a tensor on the device without the host waiting for the copy: staged in pinned memory
+    and copied asynchronously on the current stream (CUDA; the caching host allocator reuses the staging only once
+    the copy has run); the array itself elsewhere."""
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def resize_dtype(device):
+    """The dtype of the GPU decoder's batched crop-and-resize (two matrix products): float16 on CUDA, whose tensor
+    cores take it and which holds pixel values 0..255 exactly and the filter's weights to 11 bits; float32 elsewhere."""
+    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+
+
 def compute_dtype(device, precision="auto"):
     """The autocast dtype --precision names; auto: bf16 on a CUDA GPU, float32 on other devices (the weights and
     batch-norm statistics stay float32 either way)."""

@@ -170,10 +170,10 @@ def stratified_share(labels, rank, world, seed=0):
     partition into world disjoint shares of n // world items, stratified by class, so every rank holds every
     class in proportion (±1 item), whatever order the set is stored in (our store is in class order).
 
-    The shares are fixed for a run, so that each can live in its rank's memory (on its GPU); every epoch
-    each rank draws a new order of its own share. The classes, one after another, each in a random order, are
-    dealt round-robin; the n % world items left over are dropped, so every rank runs the same number of steps.
-    """
+    A raw store's shares are fixed for a run, so that each can live in its rank's memory (on its GPU); a JPEG
+    store's are drawn anew each epoch (seed: the run's and the epoch's). Each rank draws its own order of its
+    share. The classes, one after another, each in a random order, are dealt round-robin; the n % world items left
+    over are dropped, so every rank runs the same number of steps."""
     labels = np.asarray(labels)
     order = np.random.default_rng(seed).permutation(len(labels))
     order = order[np.argsort(labels[order], kind="stable")]

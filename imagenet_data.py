@@ -1,28 +1,32 @@
-"""ImageNet batches from the store (imagenet_store.py): this process's share placed, random-resized crops of the whole
-image drawn as torchvision defines them, decoded on the CPU's threads or the GPU, augmented on the device; and the
-validation views.
+"""ImageNet batches from the store (imagenet_store.py): this process's share placed (and, of a JPEG store under
+torchrun, dealt anew each epoch), random-resized crops of the whole image drawn as torchvision defines them, decoded
+one batch ahead in the CPU's worker processes or on the GPU, augmented on the device with no wait for the host; and
+the validation views.
 
 Training crops follow torchvision's RandomResizedCrop.get_params exactly (crop_boxes): the area a fraction of the
 image's uniform in `crop_scale`, the log aspect uniform in log `crop_ratio`, whole pixels, the first of 10 draws that
 fits, else a centre crop. A JPEG store's crop is decoded at the smallest DCT scale (1, 1/2, 1/4, 1/8) that still
 holds the crop at the output resolution, then resized with PIL's antialiased bilinear filter; on a GPU
-(decoder "gpu") torchvision's nvJPEG decodes the batch's images and each crop is resized on the device. A raw store
-keeps each training image stretched to a square, so a box of the image is a box of the square: sampled with one
-affine grid for the batch on the device.
+(decoder "gpu") torchvision's nvJPEG decodes the batch's images and all its crops are resized at once with the same
+filter. A raw store keeps each training image stretched to a square, so a box of the image is a box of the square:
+sampled with one affine grid for the batch on the device.
 """
-import io
 import math
+import multiprocessing
 import os
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import numpy as np
+import simplejpeg
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
 import devices
 import distributed as D
+from core import die_with_parent
 from imagenet_store import val_shape
 
 MEAN = (123.675, 116.28, 103.53)  # the usual ImageNet statistics, 0..255 scale
@@ -79,28 +83,76 @@ def val_view(height, width, *, res, crop, max_aspect=2.0):
 # ---------------------------------------------------------------------------------------------
 
 def decode_crop(record, *, box, shape, raw_shape=None):
-    """The box (top, left, height, width) of one record resized to shape (height, width): uint8 HWC. A JPEG
-    record is decoded at the smallest DCT scale that keeps the box at least as large as the output (libjpeg's
-    draft mode: 2-8x fewer pixels for small crops); raw_shape (h, w) marks a raw record of those pixels."""
+    """The box (top, left, height, width) of one record resized to shape (height, width) with PIL's antialiased
+    bilinear filter: uint8 HWC. A JPEG record is decoded by simplejpeg (libjpeg-turbo) at the smallest of the DCT
+    scales 1, 1/2, 1/4, 1/8 that keeps the box at least as large as the output (as PIL's draft chooses; 4-64x fewer
+    pixels for small crops); raw_shape (h, w) marks a raw record of those pixels."""
     top, left, bh, bw = (float(v) for v in box)
     oh, ow = shape
     if raw_shape is not None:
-        im = Image.fromarray(np.asarray(record).reshape(*raw_shape, 3))
+        pixels = np.asarray(record).reshape(*raw_shape, 3)
     else:
-        im = Image.open(io.BytesIO(record))
-        W, H = im.size
-        im.draft("RGB", (math.ceil(W * ow / bw), math.ceil(H * oh / bh)))
-        sx, sy = im.size[0] / W, im.size[1] / H
+        H, W, _, _ = simplejpeg.decode_jpeg_header(record)
+        room = min(W // math.ceil(W * ow / bw), H // math.ceil(H * oh / bh))
+        f = next(f for f in (8, 4, 2, 1) if f <= max(room, 1))     # libjpeg's eighths in between decode slower
+        pixels = simplejpeg.decode_jpeg(record, colorspace="RGB", min_height=-(-H // f), min_width=-(-W // f))
+        sy, sx = pixels.shape[0] / H, pixels.shape[1] / W
         top, left, bh, bw = top * sy, left * sx, bh * sy, bw * sx
-    im = im.convert("RGB")
+    im = Image.fromarray(pixels)
     return np.asarray(im.resize((ow, oh), Image.BILINEAR, box=(left, top, left + bw, top + bh)))
 
 
-def decode_into(out, records, boxes, raw_shapes=None):
-    """decode_crop of each record into out[k] (a numpy view of a host buffer): one thread's part of a batch."""
-    for k, record in enumerate(records):
-        out[k] = decode_crop(record, box=boxes[k], shape=out.shape[1:3],
-                             raw_shape=None if raw_shapes is None else raw_shapes[k])
+# ---------------------------------------------------------------------------------------------
+# The decoding workers: processes (no lock shared between them) writing into shared memory
+# ---------------------------------------------------------------------------------------------
+
+WORKER = {}     # in a decoding worker: the store it inherited and the staging buffers it has opened
+STAGED = 3      # staging buffers: the batch the caller works on and the two decoding meanwhile
+
+
+def worker_start(parent, store):
+    """A decoding worker's set-up: it ends with its parent and leaves Ctrl-C to it, and keeps the store it inherited
+    (forked: the memory-mapped file itself, nothing copied)."""
+    die_with_parent(parent, True)
+    WORKER.update(store=store, buffers={})
+
+
+def decode_part(split, path, *, shape, start, rows, boxes):
+    """In a decoding worker: decode_crop of each store row of split into images start, start + 1, ... of the
+    staging file at path, a uint8 (n, height, width, 3) batch at its start."""
+    buffers = WORKER["buffers"]
+    if path not in buffers:
+        while len(buffers) >= STAGED:            # the staging buffers take turns; an older one was replaced
+            del buffers[next(iter(buffers))]
+        buffers[path] = np.memmap(path, dtype=np.uint8, mode="r+")
+    out = buffers[path][:math.prod(shape)].reshape(shape)
+    records = WORKER["store"].train if split == "train" else WORKER["store"].val
+    raw = WORKER["store"].format == "raw"
+    for k, (r, box) in enumerate(zip(rows, boxes)):
+        raw_shape = (int(records.rows["height"][r]), int(records.rows["width"][r])) if raw else None
+        out[start + k] = decode_crop(records.record(r), box=box, shape=shape[1:3], raw_shape=raw_shape)
+
+
+def decoding_pool(data):
+    """data's decoding workers, started on first use: `data.workers` processes forked from this one (so they share
+    its memory-mapped store) that end with it."""
+    if data.pool is None:
+        data.pool = ProcessPoolExecutor(data.workers, mp_context=multiprocessing.get_context("fork"),
+                                        initializer=worker_start, initargs=(os.getpid(), data.store))
+    return data.pool
+
+
+def staging(data, slot, nbytes):
+    """The shared file of staging buffer `slot` (0 ... STAGED - 1), holding at least nbytes: (its path, a uint8 numpy
+    view of it). A larger one replaces it when needed. In /dev/shm where it has room for all of them (a full one would
+    kill the writer with SIGBUS; containers often give it 64 MB), else in the temporary folder's page cache."""
+    held = data.staging.get(slot)
+    if held is None or held[1].nbytes < nbytes:
+        shm = os.path.isdir("/dev/shm") and os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+        f = tempfile.NamedTemporaryFile(prefix="decode-", dir="/dev/shm" if shm and shm > 2 * STAGED * nbytes else None)
+        f.truncate(max(nbytes, 1))
+        data.staging[slot] = held = (f, np.memmap(f.name, dtype=np.uint8, mode="r+"))   # the file goes with f
+    return held[0].name, held[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,50 +161,58 @@ def decode_into(out, records, boxes, raw_shapes=None):
 
 @dataclass(kw_only=True)
 class Data:
-    """What this process trains and validates on. train_rows / val_rows index the store's splits (under torchrun,
-    this rank's share alone: nothing else is ever read); pixels, for a raw store, holds the training squares of
+    """What this process trains and validates on. train_rows / val_rows index the store's splits; under torchrun a
+    raw store's train_rows are this rank's share for the run, a JPEG store's the whole split, of which each epoch
+    deals this rank a new share (shares: (rank, world)). pixels, for a raw store, holds the training squares of
     train_rows (on the device, in pinned host memory, or the memory-mapped file itself)."""
     store: object
     train_rows: np.ndarray
     val_rows: np.ndarray
-    train_y: torch.Tensor
-    val_y: torch.Tensor
+    train_y: np.ndarray
+    val_y: np.ndarray
     pixels: torch.Tensor = None
-    pixel_rows: torch.Tensor = None   # the row of pixels of each of train_rows (None: the same position)
+    pixel_rows: np.ndarray = None     # the row of pixels of each of train_rows (None: the same position)
     where: str = "host"
-    decoder: str = "cpu"              # "cpu": PIL on `threads` threads; "gpu": nvJPEG through torchvision
-    threads: int = 1
-    pool: ThreadPoolExecutor = field(default=None, repr=False)
+    decoder: str = "cpu"              # "cpu": simplejpeg in `workers` processes; "gpu": nvJPEG through torchvision
+    workers: int = 1
+    shares: tuple = None              # (rank, world): each epoch deals this rank a new share of train_rows
+    pool: ProcessPoolExecutor = field(default=None, repr=False)
+    staging: dict = field(default_factory=dict, repr=False)
 
     def shapes(self, split="train"):
         rows = self.store.train.rows[self.train_rows] if split == "train" else self.store.val.rows[self.val_rows]
         return rows["height"].astype(np.int64), rows["width"].astype(np.int64)
 
+    def per_epoch(self):
+        """How many images this process trains on in an epoch."""
+        return len(self.train_rows) // (self.shares[1] if self.shares else 1)
 
-def place(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", threads=None, training=0):
-    """This process's Data: one process takes the whole store; under torchrun (ctx.distributed) a rank takes the
-    training images of D.stratified_share (every class in proportion; seeded, fixed for the run) and its contiguous
-    part of the validation set. A raw store's training squares (this process's rows) go to the device when asked or
-    when they fit beside `training` bytes (devices.store_place), else stay the memory-mapped file, from which each
-    batch is gathered into pinned buffers. A JPEG store stays memory-mapped: a batch reads only its own records."""
+
+def place(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", workers=None, training=0):
+    """This process's Data: one process takes the whole store. Under torchrun (ctx.distributed) a rank takes its
+    contiguous part of the validation set and, of a raw store, the training images of D.stratified_share (every class
+    in proportion; seeded, fixed for the run, so that they can live on its GPU); of a JPEG store, which stays the
+    memory-mapped file, each epoch's draw deals it a new share (draw_epoch). A raw store's training squares go to the
+    device when asked or when they fit beside `training` bytes (devices.store_place), else stay the memory-mapped
+    file, from which each batch is gathered into pinned buffers."""
     ctx = ctx or D.Context()
-    train = (D.stratified_share(store.train.labels, ctx.rank, ctx.world_size, seed) if ctx.distributed
+    fixed = ctx.distributed and store.format == "raw"
+    train = (D.stratified_share(store.train.labels, ctx.rank, ctx.world_size, seed) if fixed
              else np.arange(len(store.train)))
     part = D.part(len(store.val), ctx.rank, ctx.world_size)
     val = np.arange(part.start, part.stop)
-    threads = threads or max(1, (os.cpu_count() or 1) // max(1, ctx.local_world_size))
-    data = Data(store=store, train_rows=np.asarray(train, np.int64), val_rows=val,
-                train_y=torch.from_numpy(store.train.labels[train]), val_y=torch.from_numpy(store.val.labels[val]),
-                decoder=decoder, threads=threads, pool=ThreadPoolExecutor(threads, thread_name_prefix="decode"))
+    workers = workers or max(1, (os.cpu_count() or 1) // max(1, ctx.local_world_size))
+    data = Data(store=store, train_rows=np.asarray(train, np.int64), val_rows=val, train_y=store.train.labels[train],
+                val_y=store.val.labels[val], decoder=decoder, workers=workers,
+                shares=(ctx.rank, ctx.world_size) if ctx.distributed and not fixed else None)
     if store.format == "raw":
         squares = store.train_pixels()
         data.where = devices.store_place(len(train) * squares[:1].nbytes, device, where, training=training)
         if data.where == "device":
             data.pixels = torch.empty((len(train),) + squares.shape[1:], dtype=torch.uint8, device=device)
-            copy_rows(squares, train if ctx.distributed else range(len(train)), data.pixels)
-            data.train_y = data.train_y.to(device)      # beside the pixels: a batch's indices pick both there
+            copy_rows(squares, train if fixed else range(len(train)), data.pixels)
         else:           # the memory-mapped file itself, never pinned whole (the pinned allocator rounds up to 2^k)
-            data.pixels, data.pixel_rows = torch.from_numpy(squares), torch.from_numpy(data.train_rows)
+            data.pixels, data.pixel_rows = torch.from_numpy(squares), data.train_rows
     return data
 
 
@@ -168,35 +228,64 @@ def copy_rows(src, rows, out, chunk_bytes=256 << 20):
 
 
 # ---------------------------------------------------------------------------------------------
-# Training batches
+# An epoch's draws
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(kw_only=True)
 class Draws:
-    """An epoch's random choices, drawn at its start from the run's generator (so a resumed run draws the same):
-    the order of this process's images, each one's crop box in its own pixels, and its flip. Host arrays: the
-    decoding threads read them."""
-    perm: np.ndarray      # int64 (n,)
+    """An epoch's random choices, drawn at its start from the run's generators (so a resumed run draws the same): the
+    order of the images this process trains on (positions in train_rows), and for each position its crop box in its
+    own pixels, its flip and its jitter factors. Host arrays: the decoding workers read them."""
+    perm: np.ndarray      # int64 (m,)
     boxes: np.ndarray     # int64 (n, 4): top, left, height, width
     flips: np.ndarray     # bool (n,)
+    factors: np.ndarray = None    # float32 (n, 3): brightness, contrast, saturation (None: no jitter)
 
 
-def draw_epoch(data, augment, generator, *, order=None):
+def draw_epoch(data, augment, generator, *, order=None, epoch_seed=0):
     """An epoch's Draws as augment says (imagenet_fast.Augment): its order from the generator `order` (by default the
-    same), the rest from generator."""
+    same), the rest from generator. With data.shares, this rank's share of the epoch is D.stratified_share of
+    epoch_seed (the same on every rank, so that the shares are disjoint and cover the store)."""
     n = len(data.train_rows)
-    perm = torch.randperm(n, generator=order or generator)
+    share = (np.arange(n) if data.shares is None else
+             D.stratified_share(data.train_y, *data.shares, seed=epoch_seed))
+    perm = share[torch.randperm(len(share), generator=order or generator).numpy()]
     h, w = data.shapes("train")
-    boxes = crop_boxes(h, w, scale=augment.crop_scale, ratio=augment.crop_ratio, generator=generator)
-    flips = torch.rand(n, generator=generator) < 0.5 if augment.flip else torch.zeros(n, dtype=torch.bool)
-    return Draws(perm=perm.numpy(), boxes=boxes.numpy(), flips=flips.numpy())
+    boxes, flips = np.zeros((n, 4), np.int64), np.zeros(n, bool)
+    boxes[share] = crop_boxes(h[share], w[share], scale=augment.crop_scale, ratio=augment.crop_ratio,
+                              generator=generator).numpy()
+    if augment.flip:
+        flips[share] = (torch.rand(len(share), generator=generator) < 0.5).numpy()
+    draws = Draws(perm=perm, boxes=boxes, flips=flips)
+    if augment.jitter:
+        draws.factors = np.ones((n, 3), np.float32)
+        s = augment.jitter
+        draws.factors[share] = (1 + s * (2 * torch.rand(len(share), 3, generator=generator) - 1)).numpy()
+    return draws
 
 
-def crop_resize(x, boxes, shapes, res):
+# ---------------------------------------------------------------------------------------------
+# Training batches
+# ---------------------------------------------------------------------------------------------
+
+TOP, LEFT, HEIGHT, WIDTH, IMAGE_H, IMAGE_W, FLIP, LABEL, PIXEL_ROW = range(9)    # the rows of a batch's index
+CONSTANTS = np.array([MEAN, STD, (0.299, 0.587, 0.114)], np.float32)          # normalisation, and grey's weights
+
+
+def batch_index(data, draws, idx):
+    """The small host arrays of the batch of positions idx: an int64 (9, n) index (TOP ... PIXEL_ROW: its box, its
+    image's shape, flip, label, row of pixels) and, with jitter, its float32 (3, n) factors."""
+    h, w = data.shapes("train")
+    pixel = idx if data.pixel_rows is None else data.pixel_rows[idx]
+    index = np.stack([*draws.boxes[idx].T, h[idx], w[idx], draws.flips[idx], data.train_y[idx], pixel])
+    return (index,) if draws.factors is None else (index, np.ascontiguousarray(draws.factors[idx].T))
+
+
+def crop_resize(x, index, res):
     """Samples each image's box at res x res with one affine grid_sample for the batch: x float NCHW squares that
-    hold each whole image stretched, boxes (top, left, h, w) in the image's own pixels of shapes (H, W)."""
-    H, W = (t.to(x.device, x.dtype) for t in shapes)
-    top, left, h, w = (b.to(x.device, x.dtype) for b in boxes.unbind(1))
+    hold each whole image stretched; index the batch's (batch_index) on x's device."""
+    H, W = (index[k].to(x.dtype) for k in (IMAGE_H, IMAGE_W))
+    top, left, h, w = (index[k].to(x.dtype) for k in (TOP, LEFT, HEIGHT, WIDTH))
     theta = torch.zeros(x.shape[0], 2, 3, device=x.device, dtype=x.dtype)
     theta[:, 0, 0], theta[:, 0, 2] = w / W, 2 * (left + w / 2) / W - 1
     theta[:, 1, 1], theta[:, 1, 2] = h / H, 2 * (top + h / 2) / H - 1
@@ -204,164 +293,202 @@ def crop_resize(x, boxes, shapes, res):
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
-def crop_resize_images(images, boxes, res):
-    """The GPU decoder's crops: each CHW uint8 image's box (top, left, height, width: whole pixels) resized to
-    res x res with antialiasing (as PIL does on the CPU path), stacked as float NCHW."""
-    out = []
-    for im, (top, left, h, w) in zip(images, boxes):
-        out.append(F.interpolate(im[None, :, top:top + h, left:left + w].float(), size=(res, res), mode="bilinear",
-                                 antialias=True, align_corners=False))
-    return torch.cat(out)
+def filter_matrix(start, length, size, res):
+    """(n, res, size) float32: row i of image k holds the weights of the input pixels start[k] ... start[k] +
+    length[k] - 1 (of `size`) in output pixel i, as F.interpolate's antialiased bilinear filter (and PIL's) weighs
+    them: w(j) = max(0, 1 - |j + 1/2 - c_i| / s) normalised over j, c_i = (i + 1/2) s, s = max(1, length / res)."""
+    n, device = len(start), start.device
+    length = length.to(torch.float32).view(n, 1, 1)
+    scale = length / res
+    support = scale.clamp(min=1)
+    j = torch.arange(size, device=device, dtype=torch.float32).view(1, 1, size) - start.to(torch.float32).view(n, 1, 1)
+    centre = scale * (torch.arange(res, device=device, dtype=torch.float32).view(1, res, 1) + 0.5)
+    weights = (1 - ((j + 0.5 - centre) / support).abs()).clamp(min=0) * ((j >= 0) & (j < length))
+    return weights / weights.sum(2, keepdim=True)
 
 
-def jitter(x, strength, generator):
-    """Brightness, contrast and saturation, each x a factor uniform in 1 +- strength, per image
-    (x float NCHW on 0..255)."""
-    f = 1 + strength * (2 * torch.rand(3, x.shape[0], 1, 1, 1, generator=generator) - 1)
-    f = f.to(x.device)
+def crop_resize_images(images, boxes, res, *, dtype=torch.float32):
+    """The GPU decoder's crops, all at once: each CHW uint8 image's box (an int64 (4, n) tensor of top, left, height,
+    width on the images' device) resized to res x res with F.interpolate's (and PIL's) antialiased bilinear filter,
+    as float NCHW. The images are padded into one batch (a nested tensor), and the filter's separable weights
+    (filter_matrix) make the crop and resize two batched matrix products in `dtype` (devices.resize_dtype)."""
+    import warnings
+    with warnings.catch_warnings():     # nested tensors of two ragged dimensions are a prototype: only this layout
+        warnings.simplefilter("ignore", UserWarning)
+        x = torch.nested.nested_tensor(images).to(dtype).to_padded_tensor(0.0)
+    top, left, h, w = boxes.unbind(0)
+    rows = filter_matrix(top, h, x.shape[2], res).to(dtype)
+    cols = filter_matrix(left, w, x.shape[3], res).to(dtype)
+    return (rows.unsqueeze(1) @ x @ cols.transpose(1, 2).unsqueeze(1)).float()
+
+
+def jitter(x, factors, grey):
+    """Brightness, contrast and saturation, each x a factor per image (factors (3, n); grey's weights (3,)), on
+    float NCHW on 0..255."""
+    f = factors.view(3, -1, 1, 1, 1)
     x = x * f[0]
     mean = x.mean((1, 2, 3), keepdim=True)
     x = (x - mean) * f[1] + mean
-    gray = (x * torch.tensor([0.299, 0.587, 0.114], device=x.device).view(1, 3, 1, 1)).sum(1, keepdim=True)
+    gray = (x * grey.view(1, 3, 1, 1)).sum(1, keepdim=True)
     return ((x - gray) * f[2] + gray).clamp(0, 255)
 
 
-def normalize(x):
-    mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
-    return (x - mean) / std
+def normalize(x, constants):
+    """(x - mean) / std per channel: constants is CONSTANTS on x's device."""
+    return (x - constants[0].view(1, 3, 1, 1)) / constants[1].view(1, 3, 1, 1)
 
 
-def finish(x, augment, *, generator, dtype, memory_format):
-    """float NCHW crops on 0..255 -> jittered (augment.jitter), normalised compute-dtype batch."""
-    if augment.jitter:
-        x = jitter(x, augment.jitter, generator)
-    return normalize(x).to(dtype).contiguous(memory_format=memory_format)
+def finish(x, factors, constants, *, dtype, memory_format):
+    """float NCHW crops on 0..255 -> jittered (factors, or None), normalised compute-dtype batch."""
+    if factors is not None:
+        x = jitter(x, factors, constants[2])
+    return normalize(x, constants).to(dtype).contiguous(memory_format=memory_format)
 
 
-def gathered(x, y, perm, bs, *, device, rows=None):
-    """(uint8 NHWC squares, labels) on the device for each full batch of perm (positions of y; rows[position] is the
-    image's row of x, the position itself when rows is None), from a raw store's pixels. From host memory on a GPU:
-    the next batch is gathered into one of two pinned buffers and copied on a side stream while the current one
-    computes."""
-    steps = len(perm) // bs
-    x_perm = perm if rows is None else rows[perm]
+def on_device(arrays, device):
+    """A batch's small host arrays on the device (devices.to_device: nothing waits)."""
+    return tuple(devices.to_device(a, device) for a in arrays)
+
+
+def handed_over(done, device, tensors):
+    """The device's current stream waits for the event done of a side stream, and the tensors made there are kept
+    for it (devices.keep_alive)."""
+    devices.wait(done, device)
+    for t in tensors:
+        devices.keep_alive(t, device)
+
+
+def gathered(data, smalls, *, device):
+    """(uint8 NHWC squares, the batch's small tensors) on the device for each batch's small host arrays (batch_index),
+    from a raw store's pixels: gathered there when they are on the device; from host memory on a GPU, the next batch
+    is gathered into one of two pinned buffers and copied with its small arrays on a side stream while the current
+    one computes."""
+    x = data.pixels
     if devices.same(x.device, device) or not devices.overlaps(device):
-        perm, x_perm = perm.to(y.device), x_perm.to(x.device)        # once an epoch
-        for i in range(steps):
-            yield x[x_perm[i * bs:(i + 1) * bs]].to(device), y[perm[i * bs:(i + 1) * bs]].to(device)
+        for arrays in smalls:
+            small = on_device(arrays, device)
+            yield x[small[0][PIXEL_ROW] if x.device == small[0].device else arrays[0][PIXEL_ROW]].to(device), small
         return
     side = devices.side_stream(device)
-    bufs = [(devices.host_buffer((bs,) + tuple(x.shape[1:]), x.dtype, device), devices.host_buffer(bs, y.dtype, device))
-            for _ in range(2)]
-    copied = [None, None]
+    bufs, copied = [None, None], [None, None]
 
     def load(i):
-        b = i % 2
+        b, rows = i % 2, torch.from_numpy(smalls[i][0][PIXEL_ROW])
         if copied[b] is not None:
             devices.wait_host(copied[b])  # the buffer's previous copy must have left it
-        torch.index_select(x, 0, x_perm[i * bs:(i + 1) * bs], out=bufs[b][0])
-        torch.index_select(y, 0, perm[i * bs:(i + 1) * bs], out=bufs[b][1])
+        if bufs[b] is None or len(bufs[b]) != len(rows):
+            bufs[b] = devices.host_buffer((len(rows),) + tuple(x.shape[1:]), x.dtype, device)
+        torch.index_select(x, 0, rows, out=bufs[b])
         with devices.on_stream(side):
-            xb, yb = (t.to(device, non_blocking=True) for t in bufs[b])
+            xb, small = bufs[b].to(device, non_blocking=True), on_device(smalls[i], device)
             copied[b] = devices.record(side)
-        return xb, yb, copied[b]
+        return xb, small, copied[b]
 
-    nxt = load(0) if steps else None
-    for i in range(steps):
-        xb, yb, ev = nxt
-        devices.wait(ev, device)
-        devices.keep_alive(xb, device)
-        devices.keep_alive(yb, device)
-        if i + 1 < steps:
+    nxt = load(0) if smalls else None
+    for i in range(len(smalls)):
+        xb, small, done = nxt
+        handed_over(done, device, (xb, *small))
+        if i + 1 < len(smalls):
             nxt = load(i + 1)
-        yield xb, yb
+        yield xb, small
 
 
 def decoded(data, split, jobs, *, device):
-    """uint8 NHWC batches on the device, decoded on the CPU's threads: jobs are (store rows, boxes, output shape);
-    the next batch decodes while the caller works on this one. Two host buffers take turns (pinned on a
-    GPU, so the copy is asynchronous); a buffer is refilled only once its last copy has left it."""
-    records_of = data.store.train if split == "train" else data.store.val
-    raw = data.store.format == "raw"
-    buffers, copied = [None, None], [None, None]
+    """(uint8 NHWC batch, its small tensors) on the device for each job (store rows, boxes, output shape, small host
+    arrays), decoded by the worker processes (decoding_pool) into one of STAGED shared staging buffers, the next
+    STAGED - 1 batches while the caller works on this one. On a GPU the batch is copied into one of two pinned buffers
+    and from there, with its small arrays, on a side stream; a buffer is refilled only once its last copy has left
+    it."""
+    pool, side, jobs = decoding_pool(data), devices.side_stream(device), list(jobs)
+    pinned, copied, pending = [None, None], [None, None], {}
 
-    def start(k, job):
-        rows, boxes, (oh, ow) = job
-        b = k % 2
-        if copied[b] is not None:
-            devices.wait_host(copied[b])       # the buffer's last copy must have left it
-            copied[b] = None
-        if buffers[b] is None or buffers[b][1].shape != (len(rows), oh, ow, 3):
-            buffers[b] = devices.host_array((len(rows), oh, ow, 3), torch.uint8, device)
-        out = buffers[b][1]
-        records = [records_of.record(r) for r in rows]
-        raw_shapes = ([(int(records_of.rows["height"][r]), int(records_of.rows["width"][r])) for r in rows]
-                      if raw else None)
-        edges = np.linspace(0, len(rows), min(data.threads, len(rows)) + 1).astype(int)
-        futures = [data.pool.submit(decode_into, out[a:b_], records[a:b_], boxes[a:b_],
-                                    None if raw_shapes is None else raw_shapes[a:b_])
-                   for a, b_ in zip(edges[:-1], edges[1:]) if b_ > a]
-        return b, futures
+    def start(k):
+        rows, boxes, (oh, ow), _ = jobs[k]
+        shape = (len(rows), oh, ow, 3)
+        path, buffer = staging(data, k % STAGED, math.prod(shape))
+        edges = np.linspace(0, len(rows), min(data.workers, len(rows)) + 1).astype(int)
+        pending[k] = shape, buffer, [pool.submit(decode_part, split, path, shape=shape, start=a, rows=rows[a:z],
+                                                 boxes=boxes[a:z]) for a, z in zip(edges[:-1], edges[1:]) if z > a]
 
-    jobs = list(jobs)
-    pending = start(0, jobs[0]) if jobs else None
-    for k in range(len(jobs)):
-        b, futures = pending
+    try:
+        for k in range(min(STAGED - 1, len(jobs))):
+            start(k)
+        for k in range(len(jobs)):
+            if k + STAGED - 1 < len(jobs):
+                start(k + STAGED - 1)          # into the buffer of batch k - 1, which the caller is done with
+            (shape, buffer, futures), b = pending.pop(k), k % 2
+            for f in futures:
+                f.result()
+            host = torch.from_numpy(buffer[:math.prod(shape)].reshape(shape))
+            if devices.overlaps(device):
+                devices.wait_host(copied[b])       # the pinned buffer's last copy must have left it
+                if pinned[b] is None or pinned[b].numel() < host.numel():
+                    pinned[b] = devices.host_buffer(host.numel(), torch.uint8, device)
+                host = pinned[b][:host.numel()].view(shape).copy_(host)
+            with devices.on_stream(side):
+                xb, small = host.to(device, non_blocking=True), on_device(jobs[k][3], device)
+                copied[b] = devices.record(side)
+            handed_over(copied[b], device, (xb, *small))
+            yield xb, small
+    finally:            # left early: the next user of the staging buffers must not meet this one's writers
+        futures = [f for _, _, fs in pending.values() for f in fs]
         for f in futures:
-            f.result()
-        xb = buffers[b][0].to(device, non_blocking=True)
-        if not devices.is_cpu(device):
-            copied[b] = devices.record(device=device)
-        if k + 1 < len(jobs):
-            pending = start(k + 1, jobs[k + 1])
-        yield xb
+            f.cancel()
+        wait(futures)
 
 
 def gpu_decoded(data, jobs, *, device):
-    """float NCHW crops on the device, nvJPEG-decoded (devices.decode_jpeg) a batch of whole images at a time, on a
-    side stream of their own. nvJPEG writes its outputs from a stream of its own that waits on nothing (torchvision
-    pull request 9606), so the side stream's earlier work is waited for first (nothing queued there can still read
-    the memory it is given), the training stream waits for the crops, and they are kept alive for it."""
-    side = devices.side_stream(device)
-    for rows, boxes, (res, _) in jobs:
+    """(float NCHW crops, the batch's small tensors) on the device for each job (store rows, output side, small host
+    arrays): a batch's whole images nvJPEG-decoded (devices.decode_jpeg) in a thread of their own while the training
+    thread queues the step before (torchvision's batched decode holds its calling thread until the decode ends), then
+    cropped and resized at once (crop_resize_images) on a side stream that the training stream waits for. nvJPEG
+    writes from a stream of its own that waits on nothing (torchvision pull request 9606), so the side stream's work
+    is drained first: nothing queued there can still read the memory it is given."""
+    side, jobs = devices.side_stream(device), list(jobs)
+    reader = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
+
+    def decode(rows):
         devices.drain(side)
         with devices.on_stream(side):
-            images = devices.decode_jpeg([data.store.train.record(r) for r in rows], device)
-            crops = crop_resize_images(images, boxes.tolist(), res)
-            done = devices.record(side)
-        devices.wait(done, device)
-        devices.keep_alive(crops, device)
-        yield crops
+            return devices.decode_jpeg([data.store.train.record(r) for r in rows], device)
+    try:
+        pending = reader.submit(decode, jobs[0][0]) if jobs else None
+        for k, (_, res, arrays) in enumerate(jobs):
+            images = pending.result()
+            with devices.on_stream(side):
+                small = on_device(arrays, device)
+                crops = crop_resize_images(images, small[0][TOP:WIDTH + 1], res, dtype=devices.resize_dtype(device))
+                done = devices.record(side)
+            del images
+            if k + 1 < len(jobs):
+                pending = reader.submit(decode, jobs[k + 1][0])
+            handed_over(done, device, (crops, *small))
+            yield crops, small
+    finally:
+        reader.shutdown(cancel_futures=True)
 
 
-def train_batches(data, augment, draws, *, res, batch_size, generator, device, dtype):
+def train_batches(data, augment, draws, *, res, batch_size, device, dtype):
     """The training batches of one epoch in the order of draws.perm, each image cropped at its box, resized to res,
-    flipped, jittered and normalised on the device; the last partial batch is dropped. The throughput benchmark
-    reads the same batches."""
-    bs, steps, memory_format = batch_size, len(draws.perm) // batch_size, devices.memory_format(device)
+    flipped, jittered and normalised on the device; the last partial batch is dropped. Each batch's small tensors
+    (boxes, flips, labels, jitter factors) come from pinned memory and nothing in it waits for the device. The
+    throughput benchmark reads the same batches."""
+    bs, memory_format = batch_size, devices.memory_format(device)
+    order = [draws.perm[i * bs:(i + 1) * bs] for i in range(len(draws.perm) // bs)]
+    smalls = [batch_index(data, draws, idx) for idx in order]
+    constants = devices.to_device(CONSTANTS, device)
     if data.store.format == "raw":
-        h, w = data.shapes("train")
-        for i, (xb, yb) in enumerate(gathered(data.pixels, data.train_y, torch.from_numpy(draws.perm), bs,
-                                              device=device, rows=data.pixel_rows)):
-            idx = draws.perm[i * bs:(i + 1) * bs]
-            x = crop_resize(xb.permute(0, 3, 1, 2).float(), torch.from_numpy(draws.boxes[idx]),
-                            (torch.from_numpy(h[idx]), torch.from_numpy(w[idx])), res)
-            flip = torch.from_numpy(draws.flips[idx]).to(device)
-            x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
-            yield finish(x, augment, generator=generator, dtype=dtype, memory_format=memory_format), yb
-        return
-    order = [draws.perm[i * bs:(i + 1) * bs] for i in range(steps)]
-    jobs = [(data.train_rows[idx], draws.boxes[idx], (res, res)) for idx in order]
-    if data.decoder == "gpu":
-        crops = gpu_decoded(data, jobs, device=device)
+        batches = ((crop_resize(xb.permute(0, 3, 1, 2).float(), small[0], res), small)
+                   for xb, small in gathered(data, smalls, device=device))
+    elif data.decoder == "gpu":
+        batches = gpu_decoded(data, [(data.train_rows[idx], res, s) for idx, s in zip(order, smalls)], device=device)
     else:
-        crops = (xb.permute(0, 3, 1, 2).float() for xb in decoded(data, "train", jobs, device=device))
-    for idx, x in zip(order, crops):
-        flip = torch.from_numpy(draws.flips[idx]).to(device)
-        x = torch.where(flip.view(-1, 1, 1, 1), x.flip(3), x)
-        yield (finish(x, augment, generator=generator, dtype=dtype, memory_format=memory_format),
-               data.train_y[torch.from_numpy(idx)].to(device, non_blocking=True))
+        jobs = [(data.train_rows[idx], draws.boxes[idx], (res, res), s) for idx, s in zip(order, smalls)]
+        batches = ((xb.permute(0, 3, 1, 2).float(), small) for xb, small in decoded(data, "train", jobs, device=device))
+    for x, small in batches:
+        x = torch.where(small[0][FLIP].bool().view(-1, 1, 1, 1), x.flip(3), x)
+        yield (finish(x, small[1] if len(small) > 1 else None, constants, dtype=dtype, memory_format=memory_format),
+               small[0][LABEL])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,11 +519,12 @@ def validation_sums(model, data, val, *, tta, device, dtype, batch_size=256):
     nothing waits for it."""
     was_training, memory_format = model.training, devices.memory_format(device)
     model.eval()
-    totals = torch.tensor([0.0, 0.0, 0.0, len(data.val_rows)], dtype=devices.sum_dtype(device), device=device)
-    jobs = val_jobs(data, val, batch_size)
-    for (pos, _, _, _), xb in zip(jobs, decoded(data, "val", [(r, b, s) for _, r, b, s in jobs], device=device)):
-        y = data.val_y[pos].to(device)
-        x = normalize(xb.permute(0, 3, 1, 2).float()).to(dtype).contiguous(memory_format=memory_format)
+    totals = torch.zeros(4, dtype=devices.sum_dtype(device), device=device)
+    totals[3] = len(data.val_rows)
+    constants = devices.to_device(CONSTANTS, device)
+    jobs = [(r, b, s, (data.val_y[pos],)) for pos, r, b, s in val_jobs(data, val, batch_size)]
+    for xb, (y,) in decoded(data, "val", jobs, device=device):
+        x = normalize(xb.permute(0, 3, 1, 2).float(), constants).to(dtype).contiguous(memory_format=memory_format)
         with devices.autocast(device, dtype):
             logits = model(x).float()
             if tta == "flip":

@@ -8,9 +8,9 @@
 
 `prepare` writes an ImageFolder tree (train/<class>/*, val/<class>/*) once, in worker processes, into a store that
 `train` memory-maps (imagenet_store.py; docs/imagenet.md gives the format). `train` draws random-resized crops of
-the whole image, decodes them on the GPU or the CPU's threads, and augments them on the device (imagenet_data.py).
-A recipe is a small typed tree (Recipe below); any setting is also a flag. This file holds the models, the recipes,
-the training loop (train_run) and the command line.
+the whole image, decodes them on the GPU or in the CPU's worker processes, and augments them on the device
+(imagenet_data.py). A recipe is a small typed tree (Recipe below); any setting is also a flag. This file holds the
+models, the recipes, the training loop (train_run) and the command line.
 """
 import argparse
 import contextlib
@@ -45,7 +45,8 @@ from settings import add_flags, changed, changes_from, check, component, flag_er
 
 class BlurPool(nn.Module):
     """A fixed 3x3 binomial low-pass filter, put before every strided convolution so that it subsamples a smoothed
-    signal (anti-aliasing, Zhang 2019; FFCV's ResNets use it)."""
+    signal (anti-aliasing, Zhang 2019), as FFCV's ResNets build it: one depthwise convolution that pads with zeros,
+    so a channels_last input stays channels_last (CUDA's reflection pad returns NCHW, forward and backward)."""
 
     def __init__(self, channels):
         super().__init__()
@@ -53,7 +54,7 @@ class BlurPool(nn.Module):
         self.register_buffer("kernel", (k[:, None] * k[None, :] / 16).expand(channels, 1, 3, 3).clone())
 
     def forward(self, x):
-        return F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), self.kernel.to(x.dtype), groups=x.shape[1])
+        return F.conv2d(x, self.kernel.to(x.dtype), padding=1, groups=x.shape[1])
 
 
 def add_blurpool(model, min_channels=16):
@@ -606,7 +607,7 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     same network and draws its own batches."""
     device = torch.device(ctx.device)
     dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
-    plans = epoch_plans(r, ctx.world_size, len(data.train_rows))
+    plans = epoch_plans(r, ctx.world_size, data.per_epoch())
     seeds = T.run_seeds(seed, ctx.rank)          # the network, the data's order and its augmentation: 3 streams
     torch.manual_seed(seeds["init"])
     order, augment = (torch.Generator().manual_seed(seeds[k]) for k in ("order", "augment"))
@@ -622,7 +623,8 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     rows, time_to_target, clock.total = done["rows"], done["time_to_target"], done["train_time"]
     final_eval_time = 0.0
     for p in plans[done["epoch"]:]:
-        losses, correct, seen, lr = train_epoch(r, run, data, p, forward=forward, ctx=ctx, o=o)
+        losses, correct, seen, lr = train_epoch(r, run, data, p, forward=forward, ctx=ctx, o=o,
+                                                shares=seeds["shares"])
         if r.lookahead and p.epoch == r.epochs - 1:
             average.finish(model)                # lookahead: the slow weights end the run
         epoch_time, last = clock(), p.epoch == r.epochs - 1
@@ -648,17 +650,16 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
             "time_to_target": time_to_target}
 
 
-def train_epoch(r, run, data, p, *, forward, ctx, o):
+def train_epoch(r, run, data, p, *, forward, ctx, o, shares):
     """The steps of one epoch (EpochPlan p): each a step of this rank's batch, in p.micro-image micro-batches
     normalised in groups of p.group (accumulated_step), at the rate of its fractional epoch. Returns the summed
     loss, the correct predictions, the images seen (on the device, unread) and the last rate."""
     device, (order, augment), (opt,) = torch.device(ctx.device), run.generators, run.optimizers
     dtype = devices.compute_dtype(device, o.precision)
     set_ghost_groups(run.model, p.group)
-    draws = draw_epoch(data, p.augment, augment, order=order)
+    draws = draw_epoch(data, p.augment, augment, order=order, epoch_seed=[shares, p.epoch])   # a JPEG store's share
     draws.perm = draws.perm[:p.steps * p.batch]          # the epoch's whole batches; the rest is dropped
-    micro = train_batches(data, p.augment, draws, res=p.res, batch_size=p.micro, generator=augment, device=device,
-                          dtype=dtype)
+    micro = train_batches(data, p.augment, draws, res=p.res, batch_size=p.micro, device=device, dtype=dtype)
     losses, correct, lr = torch.zeros((), device=device), torch.zeros((), device=device), 0.0
     bar = Progress(p.steps, f"epoch {p.epoch + 1}", PROGRESS_AFTER_S) if o.progress else None
     for i, batch in enumerate(zip(*[micro] * r.accumulate)):       # r.accumulate micro-batches at a time
@@ -730,13 +731,12 @@ def warmup(r, data, *, device, dtype, world=1):
     model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
     opt = make_optimizer(model, r)
     gen = torch.Generator().manual_seed(0)
-    n = len(data.train_rows)
+    n = data.per_epoch()
     for res, bs, group in sorted({(p.res, p.micro, p.group) for p in epoch_plans(r, world, n)}):
         set_ghost_groups(model, group)
         draws = draw_epoch(data, r.augment, gen)
-        draws.perm = np.arange(2 * bs) % n
-        for x, y in train_batches(data, r.augment, draws, res=res, batch_size=bs, generator=gen, device=device,
-                                  dtype=dtype):
+        draws.perm = draws.perm[np.arange(2 * bs) % n]
+        for x, y in train_batches(data, r.augment, draws, res=res, batch_size=bs, device=device, dtype=dtype):
             with devices.autocast(device, dtype):
                 F.cross_entropy(model(x).float(), y).backward()
             opt.step()
@@ -784,9 +784,9 @@ def parse_args(argv=None):
     tp.add_argument("--data-on", default="auto", choices=["auto", "device", "host"],
                     help="where a raw store lives (auto: on the device if it fits beside training)")
     tp.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
-                    help="where a JPEG store is decoded (auto: nvJPEG on a CUDA GPU, else the CPU's threads)")
-    tp.add_argument("--loader-threads", type=int, default=None,
-                    help="CPU decoding threads per process (default: CPU count / processes on the node)")
+                    help="where a JPEG store is decoded (auto: nvJPEG on a CUDA GPU, else the CPU's worker processes)")
+    tp.add_argument("--loader-workers", type=int, default=None,
+                    help="CPU decoding processes per training process (default: CPU count / processes on the node)")
     tp.add_argument("--target", type=float, default=None,
                     help="top-1 whose first epoch stops the clock (default 0.75; a recipe with a --target-top5 stops "
                          "it at that top-5 instead)")
@@ -834,7 +834,7 @@ def check_train(args):
             ("resume", args.resume and not args.checkpoint, "needs --checkpoint"),
             ("resume", args.resume and args.runs > 1, "works with a single run"),
             ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint"),
-            ("loader-threads", args.loader_threads is not None and args.loader_threads < 1, "must be positive")):
+            ("loader-workers", args.loader_workers is not None and args.loader_workers < 1, "must be positive")):
         if bad:
             raise UsageError(f"--{flag} {message}")
     check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
@@ -889,12 +889,12 @@ def run(args, r, *, ctx, argv):
         return 1 if isinstance(e, DataError) else 2
     dtype = devices.compute_dtype(device, args.precision)
     held = (("jpeg store, decoded on the GPU (nvJPEG)" if decoder == "gpu" else
-             f"jpeg store, decoded by {data.threads} CPU threads") if store.format == "jpeg"
+             f"jpeg store, decoded by {data.workers} CPU processes") if store.format == "jpeg"
             else f"raw store of size {store.size} in {data.where} memory")
     say(f"recipe {r.name} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {len(store.train)} train and "
         f"{len(store.val)} val images, {len(store.index['classes'])} classes, {held}"
-        + (f", {ctx.world_size} ranks of {plans[0].batch} images per step, each holding {len(data.train_rows)} "
-           f"train images" if ctx.distributed else ""))
+        + (f", {ctx.world_size} ranks of {plans[0].batch} images per step, each training on {data.per_epoch()} "
+           "images " + ("of a new share every epoch" if data.shares else "of its own") if ctx.distributed else ""))
     say(schedule_text(r, plans, world=ctx.world_size))
     if not devices.is_cpu(device):
         devices.autotune(device)
@@ -935,7 +935,7 @@ def placed(r, store, args, *, ctx, decoder, progress):
                                                                  dtype=dtype)
     with Heartbeat(f"placing {args.store}", on=progress):
         return place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
-                     threads=args.loader_threads, training=training)     # under torchrun, this rank's share alone
+                     workers=args.loader_workers, training=training)     # under torchrun, this rank's share alone
 
 
 def train_runs(args, r, data, *, ctx, argv, store):

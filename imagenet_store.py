@@ -6,7 +6,7 @@ ImageFolder trees for tests and benchmarks. No torch: the store is plain bytes a
 Two formats, one layout:
   jpeg  every image whole, its longer side at most max_side (500, as FFCV recommends), as a baseline RGB JPEG
         (re-encoded at `quality`, or the source file's own bytes when it already is one and fits): full-quality
-        training, random-resized crops of the whole photo, decoded on the GPU or the CPU's threads.
+        training, random-resized crops of the whole photo, decoded on the GPU or in the CPU's worker processes.
   raw   uint8 pixels. Training images: the whole image stretched to size x size (so a crop of any part of the photo
         is a box of the square; its true shape is kept in the index); validation images: shorter side `size`,
         rectangular. For low-resolution work (quick ablations, a 128 px phase), where decoding would cost more

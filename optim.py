@@ -165,23 +165,30 @@ class LARS(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = _closure_loss(closure)
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                if p.ndim > 1:
-                    w_norm, g_norm = p.norm(), g.norm()
-                    local = group["trust_coefficient"] * w_norm / (g_norm + group["weight_decay"] * w_norm + group["eps"])
-                    # torch.where, not `if`: no GPU-to-host sync per layer
-                    local = torch.where((w_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
-                    g = (g + group["weight_decay"] * p) * local
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                v = state["momentum_buffer"]
-                v.mul_(group["momentum"]).add_(g, alpha=group["lr"])
-                p.sub_(v)
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            # one foreach operation for all the weights (or all the 1-D tensors) at a time, not a loop of them
+            for some in ([p for p in params if p.ndim > 1], [p for p in params if p.ndim <= 1]):
+                if some:
+                    self.update(some, group, adapt=some[0].ndim > 1)
         return loss
+
+    def update(self, params, group, *, adapt):
+        """v = m v + lr local (g + beta w), w = w - v for params: local the trust ratio (adapt), or 1 and no decay."""
+        grads, buffers = [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params]
+        if adapt:
+            w_norm, g_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(grads))
+            local = group["trust_coefficient"] * w_norm / (g_norm + group["weight_decay"] * w_norm + group["eps"])
+            # torch.where, not `if`: no GPU-to-host sync per layer
+            local = torch.where((w_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
+            grads = torch._foreach_mul(params, group["weight_decay"])
+            torch._foreach_add_(grads, [p.grad for p in params])
+            torch._foreach_mul_(grads, local.unbind(0))
+        torch._foreach_mul_(buffers, group["momentum"])
+        torch._foreach_add_(buffers, grads, alpha=group["lr"])
+        torch._foreach_sub_(params, buffers)
 
 
 def alpha_sgd(epoch, beta_center, beta_period):
@@ -233,19 +240,30 @@ class RMSpropToSGD(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = _closure_loss(closure)
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             a = alpha_sgd(group["epoch"], group["beta_center"], group["beta_period"])
             sgd, rms = group["lr"] * a, group["lr_rmsprop"] * (1 - a)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad
-                state = self.state[p]
-                if not state:
-                    state["square_avg"], state["momentum_buffer"] = torch.zeros_like(p), torch.zeros_like(p)
-                m, v = state["square_avg"], state["momentum_buffer"]
-                m.mul_(group["rms_decay"]).addcmul_(g, g, value=1 - group["rms_decay"])
-                v.mul_(group["momentum"]).add_(g * (sgd + rms / (m.sqrt() + group["eps"])))
-                p.sub_(v)
+            for p in params:
+                if not self.state[p]:
+                    self.state[p]["square_avg"], self.state[p]["momentum_buffer"] = (torch.zeros_like(p),
+                                                                                     torch.zeros_like(p))
+            # one foreach operation for all the group's tensors at a time, each in the order of the formula's terms
+            grads = [p.grad for p in params]
+            if group["weight_decay"]:
+                grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+            m, v = ([self.state[p][k] for p in params] for k in ("square_avg", "momentum_buffer"))
+            torch._foreach_mul_(m, group["rms_decay"])
+            torch._foreach_addcmul_(m, grads, grads, value=1 - group["rms_decay"])
+            rate = torch._foreach_sqrt(m)
+            torch._foreach_add_(rate, group["eps"])
+            torch._foreach_reciprocal_(rate)             # rms / x is x.reciprocal() * rms, as the formula's rounding
+            torch._foreach_mul_(rate, rms)
+            torch._foreach_add_(rate, sgd)
+            torch._foreach_mul_(v, group["momentum"])
+            torch._foreach_add_(v, torch._foreach_mul(grads, rate))
+            torch._foreach_sub_(params, v)
         return loss
 
 

@@ -5,11 +5,16 @@ with BlurPool for rn50_16ep), at each resolution in --sizes, in one run:
   ceiling   the model's training steps on one batch already on the device: the most any loader could give
   together  the loader feeding the model, as training runs
   pil       torchvision's ImageFolder + RandomResizedCrop + flip in DataLoader workers, decoding the original files
-            with PIL (the usual PyTorch pipeline), alone; as many workers as our loader has threads, its batches
-            finished as ours are (on the device, normalised, in the compute dtype and layout)
+            with PIL (the usual PyTorch pipeline), alone; as many workers as our loader has decoding processes, its
+            batches finished as ours are (on the device, normalised, in the compute dtype and layout)
 
-Per GPU figures are per process; per core figures divide the loader's images/s by the CPU threads (or workers) that
-decode. The store is --store, or one written from --src, or one written from synthetic photos of mixed 4:3, 3:4 and
+and, beside them, what predicts a GPU's speed, counted per step under the CPU stand-in for a CUDA GPU
+(tests/cuda_standin.py) for each store format and place: the operations launched on the GPU and the copies that
+make the host wait, of the data path alone (imagenet_data.train_batches) and of the whole training step (the data,
+then training.train_step), at two batch sizes (--count-batch and twice it; neither count depends on the resolution).
+
+Per GPU figures are per process; per core figures divide the loader's images/s by the CPU processes (or workers)
+that decode. The store is --store, or one written from --src, or one written from synthetic photos of mixed 4:3, 3:4 and
 square shapes, longer side 500 px (ImageNet's typical), at least 20,000 of them by default.
 
     python benchmarks/imagenet_throughput.py                              # GPU: rn50_16ep, 20,000 images, 160 and 192 px
@@ -36,6 +41,7 @@ import devices  # noqa: E402
 import imagenet_data as idt  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
 import imagenet_store as ims  # noqa: E402
+import training as T  # noqa: E402
 from cli import environment  # noqa: E402
 from settings import one_of  # noqa: E402
 from core import Parser, Table, UsageError, write_json  # noqa: E402
@@ -88,6 +94,46 @@ def photos(root, n, *, classes=10, max_side=500, seed=0):
     return Path(root)
 
 
+PATHS = (("jpeg", dict(decoder="gpu")), ("jpeg", dict(decoder="cpu")), ("raw", dict(where="device")),
+         ("raw", dict(where="host")))
+
+
+def counted(r, tmp, *, batch_size, classes, res=32, steps=2):
+    """Per step, under the CPU stand-in for one CUDA GPU, for each store format and place (PATHS) at batch_size and
+    twice it: the operations on the GPU and the blocking copies of the data path and of the whole step, from the last
+    of `steps` steps (the first also sets up the buffers and streams). Printed as a table; rows."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from cuda_standin import StandIn
+    src = photos(tmp / "count_src", 2 * steps * batch_size, classes=2, max_side=64)
+    stores = {fmt: tmp / f"count_{fmt}" for fmt in ("jpeg", "raw")}
+    for fmt, path in stores.items():
+        ims.prepare(src, path, ims.Settings(format=fmt, size=res), workers=1, log=lambda s: None)
+    table = Table(["store", "batch", "data ops", "data blocking", "step ops", "step blocking"], width=16)
+    rows = []
+    for (fmt, where), bs in ((p, bs) for p in PATHS for bs in (batch_size, 2 * batch_size)):
+        with StandIn() as gpu:
+            device = torch.device("cuda")
+            data = idt.place(ims.open_store(stores[fmt]), device, workers=1, **where)
+            model = inf.build_model(r, classes).to(device, memory_format=devices.memory_format(device))
+            opt = inf.make_optimizer(model, r)
+            gen = torch.Generator().manual_seed(0)
+            batches = idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=res,
+                                        batch_size=bs, device=device, dtype=torch.bfloat16)
+            for _ in range(steps):
+                before = gpu.counts.copy()
+                x, y = next(batches)
+                loaded = gpu.counts.copy()
+                T.train_step(model, [opt], x, y, label_smoothing=r.sgd.label_smoothing, dtype=torch.bfloat16, mean=True)
+            batches.close()
+        name = f"{fmt}, " + (f"decoder {where['decoder']}" if fmt == "jpeg" else f"on the {where['where']}")
+        rows.append({"store": name, "batch": bs, "data ops": loaded["gpu_ops"] - before["gpu_ops"],
+                     "data blocking": loaded["blocking"] - before["blocking"],
+                     "step ops": gpu.counts["gpu_ops"] - before["gpu_ops"],
+                     "step blocking": gpu.counts["blocking"] - before["blocking"]})
+        table.append(rows[-1])
+    return rows
+
+
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None)
@@ -100,14 +146,17 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=256, help="per GPU (default 256)")
     p.add_argument("--steps", type=int, default=30, help="timed batches per measurement")
     p.add_argument("--warmup", type=int, default=5, help="untimed batches before each measurement")
-    p.add_argument("--threads", type=int, default=None, help="loader threads and PIL workers (default: CPU count)")
+    p.add_argument("--workers", type=int, default=None, help="decoding processes and PIL workers (default: CPU count)")
+    p.add_argument("--count-batch", type=int, default=4, help="the smaller batch of the counts (default 4)")
+    p.add_argument("--count-recipe", default=None, help="the model of the counts as this recipe trains it (default: "
+                                                         "--recipe's)")
     p.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
-                   help="auto: nvJPEG on a CUDA GPU, else the CPU's threads")
+                   help="auto: nvJPEG on a CUDA GPU, else the CPU's decoding processes")
     p.add_argument("--no-pil", action="store_true", help="skip the PIL comparison")
     p.add_argument("--dir", default=None, help="where to write photos and store (default: a temporary folder)")
     p.add_argument("--out", default=None, help="write the table as JSON")
     args = p.parse_args(argv)
-    for flag in ("images", "batch_size", "steps", "threads"):
+    for flag in ("images", "batch_size", "steps", "workers", "count_batch"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             p.error(f"--{flag.replace('_', '-')} {value}: must be positive")
@@ -126,28 +175,27 @@ def main(argv=None):
     dtype, fmt = devices.compute_dtype(device, args.precision), devices.memory_format(device)
     try:
         r = inf.recipe(args.recipe)
+        counted_recipe = inf.recipe(args.count_recipe) if args.count_recipe else r     # checked before any work
         decoder = devices.jpeg_decoder(device, args.decoder)
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    threads = args.threads or os.cpu_count() or 1
+    workers = args.workers or os.cpu_count() or 1
     devices.autotune(device)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        src = Path(args.src) if args.src else None
-        if src is None:
+        if not args.src:
             print(f"writing {args.images} synthetic photos (longer side 500 px) in {tmp}", file=sys.stderr)
-            src = photos(Path(tmp) / "src", args.images)
+        src = Path(args.src) if args.src else photos(Path(tmp) / "src", args.images)
         store_path = Path(args.store) if args.store else Path(tmp) / "store"
         if not args.store:
-            ims.prepare(src, store_path, workers=threads, log=lambda s: print(s, file=sys.stderr))
+            ims.prepare(src, store_path, workers=workers, log=lambda s: print(s, file=sys.stderr))
         store = ims.open_store(store_path)
-        data = idt.place(store, device, decoder=decoder, threads=threads)
-        classes, n = len(store.index["classes"]), len(data.train_rows)
-        bs = min(args.batch_size, n)
+        data = idt.place(store, device, decoder=decoder, workers=workers)
+        classes, n, bs = len(store.index["classes"]), len(data.train_rows), min(args.batch_size, len(data.train_rows))
         gen = torch.Generator().manual_seed(0)
         folder = torchvision.datasets.ImageFolder(str(src / "train"), transforms.Compose([
             transforms.RandomResizedCrop(args.sizes[0]), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]))
-        cores = "GPU" if decoder == "gpu" else f"{threads} threads"
+        cores = "GPU" if decoder == "gpu" else f"{workers} CPU processes"
         print(f"{r.network.model}{' + BlurPool' if r.network.blurpool else ''} ({args.recipe}) on {devices.name(device)} "
               f"({device}, {str(dtype)[6:]}), batch {bs}; {store.format} store of {n} images decoded on the {cores}; "
               f"{args.steps} timed batches after {args.warmup}; images/s")
@@ -158,7 +206,7 @@ def main(argv=None):
         for res in args.sizes:
             def epoch():
                 return idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=res,
-                                         batch_size=bs, generator=gen, device=device, dtype=dtype)
+                                         batch_size=bs, device=device, dtype=dtype)
             model = inf.build_model(r, classes).to(device, memory_format=fmt)
             opt = inf.make_optimizer(model, r)
 
@@ -172,20 +220,23 @@ def main(argv=None):
             pil = None
             if not args.no_pil:
                 folder.transform.transforms[0].size = (res, res)
-                pil_loader = torch.utils.data.DataLoader(folder, bs, shuffle=True, drop_last=True, num_workers=threads,
+                pil_loader = torch.utils.data.DataLoader(folder, bs, shuffle=True, drop_last=True, num_workers=workers,
                                                          pin_memory=devices.overlaps(device))
+
+                constants = devices.to_device(idt.CONSTANTS, device)
 
                 def pil_batches():      # the same finish as ours: on the device, normalised, its dtype and layout
                     for xb, yb in pil_loader:
                         x = xb.to(device, non_blocking=True).float()
-                        yield (idt.finish(x, r.augment, generator=gen, dtype=dtype, memory_format=fmt),
+                        yield (idt.finish(x, None, constants, dtype=dtype, memory_format=fmt),
                                yb.to(device, non_blocking=True))
-                pil = rate(forever(pil_batches), lambda x, y: None, **timing) / threads
+                pil = rate(forever(pil_batches), lambda x, y: None, **timing) / workers
             table.append({"res": res, "loader": loader, "ceiling": ceiling, "together": together,
                           "together/ceil": together / ceiling,
-                          "loader/core": None if decoder == "gpu" else loader / threads, "pil/core": pil})
+                          "loader/core": None if decoder == "gpu" else loader / workers, "pil/core": pil})
         print("the loader is the bottleneck where loader < ceiling; together/ceil is the share of the model's speed "
               "that training keeps")
+        counts = counted(counted_recipe, Path(tmp), batch_size=args.count_batch, classes=classes)
     if args.out:
         import machine
         argv = sys.argv[1:] if argv is None else list(argv)
@@ -193,8 +244,10 @@ def main(argv=None):
             ["python benchmarks/imagenet_throughput.py", *[a for a in argv if a != args.out and a != "--out"]]),
                               "fingerprint": machine.fingerprint(device, True), "argv": argv, "recipe": args.recipe,
                               "model": r.network.model, "blurpool": r.network.blurpool, "device": str(device),
-                              "dtype": str(dtype), "batch_size": bs, "steps": args.steps, "threads": threads,
-                              "decoder": decoder, "images": n, "environment": environment(device), "rows": table.rows})
+                              "dtype": str(dtype), "batch_size": bs, "steps": args.steps, "workers": workers,
+                              "decoder": decoder, "images": n, "environment": environment(device), "rows": table.rows,
+                              "counts": counts, "count_model": counted_recipe.network.model,
+                              "count_blurpool": counted_recipe.network.blurpool})
     return 0
 
 

@@ -7,9 +7,11 @@ a fixed order, after a warm-up pass. Rows:
   pil_decode          PIL: the whole image decoded (no crop), for reference
   pil_crop            PIL: the whole image decoded, then the crop resized to --res (antialiased bilinear)
   pil_draft_crop      PIL with libjpeg's DCT scaling (draft) to the smallest scale that keeps the crop at --res,
-                      then the crop resized: what imagenet_data.decode_crop does
+                      then the crop resized (the CPU decoder before simplejpeg)
+  simplejpeg_crop     simplejpeg's decode at the same DCT scale, then PIL's resize of the crop: what
+                      imagenet_data.decode_crop does
   torchvision_decode  torchvision.io.decode_jpeg on the CPU (libjpeg-turbo), the whole image
-  simplejpeg_decode   simplejpeg.decode_jpeg, the whole image (only if simplejpeg is installed; not a dependency)
+  simplejpeg_decode   simplejpeg.decode_jpeg, the whole image
 
     python benchmarks/jpeg_decoders.py --out results/<machine>/jpeg_decoders.json
 """
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import imagenet_data as idt  # noqa: E402
 from core import Parser, Table, write_json  # noqa: E402
+from cpu_loaders import pil_decode_crop  # noqa: E402
 from imagenet_throughput import photos  # noqa: E402
 
 
@@ -42,8 +45,12 @@ def methods(res):
         return np.asarray(im.resize((res, res), Image.BILINEAR, box=(left, top, left + w, top + h)))
 
     def pil_draft_crop(data, box):
+        return pil_decode_crop(data, box=box, shape=(res, res))
+
+    def simplejpeg_crop(data, box):
         return idt.decode_crop(data, box=box, shape=(res, res))
-    out = {"pil_decode": pil_decode, "pil_crop": pil_crop, "pil_draft_crop": pil_draft_crop}
+    out = {"pil_decode": pil_decode, "pil_crop": pil_crop, "pil_draft_crop": pil_draft_crop,
+           "simplejpeg_crop": simplejpeg_crop}
     try:
         import warnings
         from torchvision.io import decode_jpeg
@@ -51,11 +58,8 @@ def methods(res):
         out["torchvision_decode"] = lambda data, box: decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     except ImportError:
         pass
-    try:
-        import simplejpeg
-        out["simplejpeg_decode"] = lambda data, box: simplejpeg.decode_jpeg(data)
-    except ImportError:
-        pass
+    import simplejpeg
+    out["simplejpeg_decode"] = lambda data, box: simplejpeg.decode_jpeg(data)
     return out
 
 

@@ -213,14 +213,25 @@ def t_throughput(results):
         for row in r.get("rows", []):
             per_core = "–" if row.get("loader/core") is None else f"{row['loader/core']:.0f}"
             pil = "–" if row.get("pil/core") is None else f"{row['pil/core']:.0f}"
-            rows.append([device(r), row["res"], f"{row['loader']:.0f}", f"{row['ceiling']:.0f}",
-                         f"{row['together']:.0f}", f"{row['together/ceil']:.3f}", per_core, pil])
-    header = ["device", "res", "loader img/s", "ceiling img/s", "together img/s", "together / ceiling",
+            rows.append([device(r), f"{r['fingerprint']['load_average_1min']:.1f}", row["res"], f"{row['loader']:.0f}",
+                         f"{row['ceiling']:.0f}", f"{row['together']:.0f}", f"{row['together/ceil']:.3f}", per_core, pil])
+    header = ["device", "load (1 min)", "res", "loader img/s", "ceiling img/s", "together img/s", "together / ceiling",
               "loader img/s per core", "PIL ImageFolder img/s per core"]
     if not rows:
-        rows = [["GPU", res] + [NM] * 6 for res in (160, 192)]
+        rows = [["GPU", "–", res] + [NM] * 6 for res in (160, 192)]
     cmd = next((r["command"] for r in results.get("imagenet_throughput", [])), None)
-    return table(header, rows) + ([""] + [f"Command: {code(cmd)}."] if cmd else [])
+    out = table(header, rows) + ([""] + [f"Command: {code(cmd)}."] if cmd else [])
+    counted = [(r, c) for r in results.get("imagenet_throughput", []) for c in r.get("counts", [])]
+    if not counted:
+        return out + ["", f"Operations and blocking copies per step: {NM}."]
+    models = sorted({f"{r['count_model']}{' + BlurPool' if r['count_blurpool'] else ''}" for r, _ in counted})
+    return out + ["", f"Per step, counted under the CPU stand-in for a CUDA GPU (`tests/cuda_standin.py`: every operation "
+                      f"on a GPU tensor, and the copies that make the host wait), {', '.join(models)}, bf16 autocast, "
+                      "the second step of an epoch, same command:", ""] + table(
+        ["store", "batch", "data path: GPU operations", "data path: blocking copies", "whole step: GPU operations",
+         "whole step: blocking copies"],
+        [[c["store"], c["batch"], c["data ops"], c["data blocking"], c["step ops"], c["step blocking"]]
+         for _, c in counted])
 
 
 def t_prepare(results):
@@ -249,6 +260,20 @@ def t_decoders(results):
     cmds = sorted({code(r["command"]) for r in results.get("jpeg_decoders", [])})
     return table(["machine", "crop res", "method", "ms per image (median)", "images/s per core", "n"], rows) + [
         "", f"Command: {', '.join(cmds)}."]
+
+
+def t_cpu_loaders(results):
+    rows = []
+    for r in results.get("cpu_loaders", []):
+        load = f"{r['fingerprint']['load_average_1min']:.1f}"
+        for row in r["rows"]:
+            rows.append([device(r), load, row["res"], f"`{row['method']}`", r["workers"], f"{row['images/s']:.0f}",
+                         f"{row['images/s per core']:.0f}", f"{row['n']} × {row['repeats']}"])
+    if not rows:
+        return [f"CPU loaders side by side: {NM}."]
+    cmds = sorted({code(r["command"]) for r in results.get("cpu_loaders", [])})
+    return table(["machine", "load (1 min)", "res", "method", "workers", "images/s (median)", "images/s per core",
+                  "n (images × repeats)"], rows) + ["", f"Command: {', '.join(cmds)}."]
 
 
 def t_compile_cache(results):
@@ -388,7 +413,7 @@ TABLES = {"coverage": t_coverage, "env": t_env, "install": t_install, "cpu_accur
           "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
-          "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "compile_cache": t_compile_cache,
+          "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "compile_cache": t_compile_cache,
           "torchrun": t_torchrun, "floor": t_floor}
 
 

@@ -203,7 +203,7 @@ def chunk_for(piece, want, done, ctx, *, whole=False):
 
 def throughput_argv(piece, ctx, whole=False):
     extra = (["--device", "cpu", "--images", "20", "--sizes", "32", "--steps", "1", "--warmup", "1",
-              "--recipe", "tiny", "--batch-size", "8", "--threads", "1"] if ctx["smoke"] else piece.extra)
+              "--recipe", "tiny", "--batch-size", "8", "--workers", "1"] if ctx["smoke"] else piece.extra)
     return ["python", "benchmarks/imagenet_throughput.py", *extra, *([] if whole else ["--out", ctx["out"]])]
 
 

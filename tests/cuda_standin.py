@@ -1,13 +1,15 @@
 """A CPU stand-in for CUDA GPUs: every tensor computes in CPU memory, but the ones the program put on the GPU say
 they are on `cuda:N`, and every operation is checked as CUDA checks it. Whole commands run under it as they run
 on a GPU: `devices.py` sees GPUs, its streams, events, pinned buffers, clocks and nvJPEG are stood in, autocast
-runs in the same dtype, `torch.compile` compiles, and torchrun's ranks join over gloo.
+runs in the same dtype, `torch.compile` compiles, nested tensors stay on their GPU, and torchrun's ranks join over
+gloo.
 
 What it checks, as CUDA does: no operation mixes a tensor on the GPU with one in host memory (but for a 0-dim
 host tensor, a scalar), host indices into a GPU tensor are fine and GPU indices into a host tensor are not,
 `out=` and a random generator on the operation's device, no numpy view of GPU memory, pinning only host memory,
 `record_stream` only of GPU tensors on a stream of their device. What it counts: operations on the GPU, copies
-to and from it (and which of them block the host: pageable memory, reading a value), host waits.
+to and from it (and which of them block the host: pageable memory, host data made into a GPU tensor by torch.tensor
+and its like, reading a value), host waits.
 
 What it cannot see: kernel speed; races between streams (each stream's work runs at once, in order: the tests of
 stream order read the calls it records); memory limits beyond the free memory it is told to report; device mixes
@@ -40,6 +42,7 @@ FACTORIES = {"empty", "zeros", "ones", "full", "arange", "rand", "randn", "randi
              "linspace", "logspace", "eye", "empty_strided", "scalar_tensor", "zeros_like", "ones_like", "empty_like",
              "full_like", "rand_like", "randn_like", "randint_like", "normal", "new_empty", "new_zeros", "new_ones",
              "new_full", "new_tensor", "tril_indices", "triu_indices"}
+COPIES = {"tensor", "as_tensor", "new_tensor"}      # factories that copy host data: onto a GPU, from pageable memory
 RANDOM = {"rand", "randn", "randint", "randperm", "normal", "uniform_", "normal_", "bernoulli", "bernoulli_",
           "multinomial", "random_", "exponential_", "rand_like", "randn_like", "randint_like", "dropout"}
 INDEXING = {"__getitem__", "__setitem__", "index_put_", "index_put"}
@@ -137,6 +140,7 @@ class StandIn(TorchFunctionMode):
         self.counts = Counter()
         self.ops = Counter()                        # operations on a GPU, by name
         self.calls = []                             # (what, *details): streams, events, waits, decodes, in order
+        self.threads = []                           # the name of the thread that made each call
         self.streams = []
         self.local = threading.local()
         self.recording = False
@@ -170,6 +174,7 @@ class StandIn(TorchFunctionMode):
 
     def log(self, what, *details):
         self.calls.append((what, *details))
+        self.threads.append(threading.current_thread().name)
 
     def host_wait(self, why):
         self.counts["host_waits"] += 1
@@ -278,8 +283,12 @@ class StandIn(TorchFunctionMode):
                 kwargs["device"] = "cpu"
                 index = self.index(requested)
                 self.check_generator(name, kwargs, index)
-                self.counts["gpu_ops"] += 1
-                self.ops[name] += 1
+                if name in COPIES:
+                    self.counts["to_gpu"] += 1
+                    self.counts["blocking"] += 1          # the host's data is copied as it waits
+                else:
+                    self.counts["gpu_ops"] += 1
+                    self.ops[name] += 1
                 return self.tag(func(*args, **kwargs), index)
         pin = kwargs.pop("pin_memory", False) if name in FACTORIES else False
         out = kwargs.get("out")
@@ -422,6 +431,9 @@ class StandIn(TorchFunctionMode):
         real_decode = torchvision.io.decode_jpeg
         patch(torchvision.io, "decode_jpeg", lambda input, *a, device="cpu", **k: self.nvjpeg(
             real_decode, input, *a, device=device, **k))
+        real_nested = torch.nested.nested_tensor        # a C function the mode does not see: tagged here
+        patch(torch.nested, "nested_tensor", lambda tensors, *a, **k: self.tag(
+            real_nested(tensors, *a, **k), self.device_of("nested_tensor", (tensors,), {})))
         real_param = nn.Parameter.__new__
         patch(nn.Parameter, "__new__", lambda cls, data=None, requires_grad=True: self.tag(
             real_param(cls, data, requires_grad), self.on.get(data) if data is not None else None))

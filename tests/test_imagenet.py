@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torchvision import transforms
 
@@ -341,11 +342,13 @@ def test_crop_resize_geometry():
     x[:, 0, :, :4] = 255  # left half red
     x[:, 2, :, 4:] = 255  # right half blue
     x[1] += torch.arange(8.0)  # distinct columns
-    shapes = (torch.tensor([30, 30]), torch.tensor([40, 40]))           # the images were 40 wide, 30 tall
-    whole = torch.tensor([[0, 0, 30, 40]] * 2)
-    assert torch.allclose(idt.crop_resize(x, whole, shapes, 8), x, atol=1e-4)
-    left = torch.tensor([[0, 0, 30, 20]] * 2)                          # the left half of the image
-    out = idt.crop_resize(x, left, shapes, 16)
+    def index(box):                    # a batch's index (imagenet_data.batch_index): the images were 40 wide, 30 tall
+        rows = torch.zeros(9, 2, dtype=torch.int64)
+        rows[idt.TOP:idt.WIDTH + 1] = torch.tensor(box)[:, None]
+        rows[idt.IMAGE_H], rows[idt.IMAGE_W] = 30, 40
+        return rows
+    assert torch.allclose(idt.crop_resize(x, index([0, 0, 30, 40]), 8), x, atol=1e-4)
+    out = idt.crop_resize(x, index([0, 0, 30, 20]), 16)                 # the left half of the image
     assert out.shape == (2, 3, 16, 16)
     # bilinear: only the last two output columns (within half an input pixel of the edge) see blue
     assert torch.allclose(out[0, 0, :, :14], torch.full((16, 14), 255.0)) and out[0, 2, :, :14].abs().max() < 1e-4
@@ -360,17 +363,50 @@ def test_the_cpu_and_gpu_decoders_crop_alike(store):
     h, w = s.train.rows["height"][rows], s.train.rows["width"][rows]
     boxes = idt.crop_boxes(h, w, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), generator=torch.Generator().manual_seed(0))
     images = devices.decode_jpeg([s.train.record(r) for r in rows], "cpu")
-    gpu = idt.crop_resize_images(images, boxes.tolist(), 16)
+    gpu = idt.crop_resize_images(images, boxes.T.contiguous(), 16)
     cpu = torch.stack([torch.from_numpy(idt.decode_crop(s.train.record(r), box=b.tolist(), shape=(16, 16)).copy())
                        for r, b in zip(rows, boxes)]).permute(0, 3, 1, 2).float()
     assert (gpu - cpu).abs().mean() < 4
 
 
+def crop_resize_per_image(images, boxes, res):
+    """The GPU decoder's crops as they were made before the batched version: a resize an image, kept as the
+    reference."""
+    out = []
+    for im, (top, left, h, w) in zip(images, boxes):
+        out.append(F.interpolate(im[None, :, top:top + h, left:left + w].float(), size=(res, res), mode="bilinear",
+                                 antialias=True, align_corners=False))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-3), (torch.float16, 0.5)])
+def test_the_batched_crop_and_resize_is_the_per_image_one_within_its_tolerance(dtype, tolerance):
+    """Uniform noise (the hardest case for a filter) in images of mixed shapes, random-resized crops from 8% of an
+    image to all of it, shrunk and enlarged: every output pixel within `tolerance` grey levels (of 0..255) of the
+    per-image resize's. float32: rounding alone; float16 (what a GPU computes it in, devices.resize_dtype): its 11
+    bits of the weights and of the pass between the two products."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(375, 500), (500, 375), (333, 333), (40, 60), (500, 500), (120, 90)]
+    images = [torch.randint(0, 256, (3, h, w), generator=g, dtype=torch.uint8) for h, w in shapes]
+    boxes = idt.crop_boxes([h for h, _ in shapes], [w for _, w in shapes], scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
+                           generator=g)
+    boxes[-1] = torch.tensor([0, 0, 120, 90])                                       # a whole image too
+    for res in (32, 160, 224):
+        want = crop_resize_per_image(images, boxes.tolist(), res)
+        got = idt.crop_resize_images(images, boxes.T.contiguous(), res, dtype=dtype)
+        assert got.dtype == torch.float32 and (got - want).abs().max() <= tolerance, (res, (got - want).abs().max())
+    box = boxes[:1].T.contiguous()                      # a box filter of the same support is another filter: outside
+    box_filtered = F.avg_pool2d(crop_resize_per_image(images[:1], boxes[:1].tolist(), 64), 3, 1, 1)
+    assert (idt.crop_resize_images(images[:1], box, 64) - box_filtered).abs().max() > 10 * tolerance
+
+
 def test_jitter_changes_images_within_range():
     x = torch.rand(16, 3, 8, 8) * 255
-    y = idt.jitter(x, 0.4, torch.Generator().manual_seed(0))
+    grey = torch.tensor([0.299, 0.587, 0.114])
+    factors = 1 + 0.4 * (2 * torch.rand(3, 16, generator=torch.Generator().manual_seed(0)) - 1)
+    y = idt.jitter(x, factors, grey)
     assert y.shape == x.shape and y.min() >= 0 and y.max() <= 255 and not torch.allclose(x, y)
-    assert torch.allclose(idt.jitter(x, 0.0, torch.Generator()), x.clamp(0, 255), atol=1e-3)
+    assert torch.allclose(idt.jitter(x, torch.ones(3, 16), grey), x.clamp(0, 255), atol=1e-3)
 
 
 def test_validation_views_keep_orientation_and_crop_the_centre():
@@ -402,8 +438,20 @@ def test_blurpool_models():
     strided = [mod for mod in m.modules() if isinstance(mod, torch.nn.Conv2d) and max(mod.stride) > 1]
     assert len(strided) == 7 and len(blurs) == 6  # all but the 3-channel stem conv
     assert m(torch.randn(2, 3, 40, 32)).shape == (2, 10)
-    const = torch.full((1, 4, 5, 5), 3.0)
-    assert torch.allclose(inf.BlurPool(4)(const), const)
+    const = torch.full((1, 4, 5, 5), 16.0)
+    blurred = inf.BlurPool(4)(const)                      # FFCV's: zeros beyond the edge, inside the convolution
+    assert torch.equal(blurred[..., 1:-1, 1:-1], const[..., 1:-1, 1:-1])
+    assert blurred[0, 0, 0, 0] == 9 and blurred[0, 0, 0, 2] == 12
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+    seen, x, blur = [], torch.randn(2, 16, 9, 9).contiguous(memory_format=torch.channels_last), inf.BlurPool(16)
+    with Ops():
+        out = blur(x)
+    assert seen == ["aten.convolution.default"] and out.is_contiguous(memory_format=torch.channels_last)
     assert not any(isinstance(mod, inf.BlurPool) for mod in inf.build_model(changed(r, blurpool=False), 10).modules())
     tiny = inf.build_model(inf.recipe("tiny", width=4), 5)
     assert tiny(torch.randn(2, 3, 24, 24)).shape == (2, 5)
@@ -569,7 +617,7 @@ def test_imagenet_takes_the_learning_rates_batch_from_lr_scale_base(store, monke
 
 def test_throughput_benchmark_prints_the_loader_per_core_beside_pil(tmp_path):
     r = run_cli("--device", "cpu", "--recipe", "tiny", "--images", "30", "--sizes", "32", "--steps", "2", "--warmup",
-                "1", "--batch-size", "8", "--threads", "1", "--out", str(tmp_path / "t.json"),
+                "1", "--batch-size", "8", "--workers", "1", "--count-batch", "2", "--out", str(tmp_path / "t.json"),
                 script="benchmarks/imagenet_throughput.py")
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / "t.json").read_text())
@@ -579,17 +627,42 @@ def test_throughput_benchmark_prints_the_loader_per_core_beside_pil(tmp_path):
     assert row["loader/core"] == pytest.approx(row["loader"])              # one thread: per core is the whole
     assert res["images"] == 30 and res["decoder"] == "cpu" and res["model"] == "resnet_tiny"
     assert "loader/core" in r.stdout and "pil/core" in r.stdout and "jpeg store of 30 images" in r.stdout
+    counts = {(c["store"], c["batch"]): c for c in res["counts"]}       # under the stand-in for a GPU, per step
+    assert sorted({store for store, _ in counts}) == ["jpeg, decoder cpu", "jpeg, decoder gpu", "raw, on the device",
+                                                      "raw, on the host"]
+    for store in {store for store, _ in counts}:
+        small, large = counts[store, 2], counts[store, 4]
+        assert small["data blocking"] == small["step blocking"] == large["step blocking"] == 0, store
+        assert small["data ops"] == large["data ops"] and small["step ops"] > small["data ops"] > 0, store
     bad = run_cli("--sizes", "a,b", script="benchmarks/imagenet_throughput.py")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --sizes a,b: must be whole numbers, comma-separated"
+
+
+def test_cpu_loaders_benchmark_measures_every_candidate_and_the_report_shows_them(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cpu_loaders
+    import report
+    out = tmp_path / "cpu" / "cpu_loaders.json"
+    assert cpu_loaders.main(["--images", "12", "--sizes", "32", "--batch-size", "4", "--batches", "2", "--repeats",
+                             "1", "--workers", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [row["method"] for row in r["rows"]] == list(cpu_loaders.METHODS)
+    assert all(row["images/s"] > 0 and row["images/s per core"] == row["images/s"] and row["n"] == 8
+               for row in r["rows"])
+    text = "\n".join(report.t_cpu_loaders(report.load_results(tmp_path)))
+    assert "| 32 | `processes_simplejpeg` | 1 |" in text and "--images 12 --sizes 32" in text
+    with pytest.raises(SystemExit):
+        cpu_loaders.main(["--images", "4", "--batch-size", "4"])          # fewer photos than a measurement reads
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_streamed_batches_equal_indexed_batches(raw_store):
     data = idt.place(ims.open_store(raw_store), torch.device("cuda"), where="host")
-    perm = torch.randperm(len(data.train_y))
-    for i, (x, y) in enumerate(idt.gathered(data.pixels, data.train_y, perm, 16, device=torch.device("cuda"))):
-        idx = perm[i * 16:(i + 1) * 16]
-        assert torch.equal(x.cpu(), data.pixels[idx]) and torch.equal(y.cpu(), data.train_y[idx])
+    draws = idt.draw_epoch(data, inf.recipe("tiny").augment, torch.Generator().manual_seed(0))
+    order = [draws.perm[i:i + 16] for i in range(0, len(draws.perm) - 15, 16)]
+    smalls = [idt.batch_index(data, draws, idx) for idx in order]
+    for idx, (x, small) in zip(order, idt.gathered(data, smalls, device=torch.device("cuda"))):
+        assert torch.equal(x.cpu(), data.pixels[idx]) and np.array_equal(small[0][idt.LABEL].cpu(), data.train_y[idx])
 
 
 def torchrun(*args):
@@ -715,11 +788,33 @@ def test_a_rank_reads_only_its_share_of_a_raw_store_in_place(raw_store, monkeypa
     data = idt.place(s, torch.device("cpu"), ctx=ctx)
     assert np.shares_memory(data.pixels.numpy(), s.train.data) and len(data.train_rows) == 24
     assert data.val_rows.tolist() == list(range(8, 16))
-    perm = torch.randperm(24, generator=torch.Generator().manual_seed(0))
-    batches = list(idt.gathered(data.pixels, data.train_y, perm, 8, device=torch.device("cpu"), rows=data.pixel_rows))
-    rows = data.train_rows[perm.numpy()]
+    draws = idt.draw_epoch(data, inf.recipe("tiny").augment, torch.Generator().manual_seed(0))
+    batches = list(idt.gathered(data, [idt.batch_index(data, draws, draws.perm[i:i + 8]) for i in range(0, 24, 8)],
+                                device=torch.device("cpu")))
+    rows = data.train_rows[draws.perm]
     assert torch.equal(torch.cat([x for x, _ in batches]), torch.from_numpy(s.train_pixels()[rows]))
-    assert torch.equal(torch.cat([y for _, y in batches]), torch.from_numpy(s.train.labels[rows]))
+    assert torch.equal(torch.cat([small[0][idt.LABEL] for _, small in batches]), torch.from_numpy(s.train.labels[rows]))
+
+
+def test_a_jpeg_store_deals_each_epoch_new_shares_to_the_ranks_and_a_raw_store_keeps_its_own(store, raw_store):
+    """Two ranks of a JPEG store: each epoch's shares are disjoint, hold every image once (but for the remainder that
+    keeps the ranks' steps equal), differ from the epoch before, and are drawn again alike from the same seed; a raw
+    store's rank holds its share for the run."""
+    s, augment = ims.open_store(store), inf.recipe("tiny").augment
+    ranks = [idt.place(s, torch.device("cpu"), ctx=inf.D.Context(rank=r, world_size=2, distributed=True))
+             for r in range(2)]
+    assert [d.shares for d in ranks] == [(0, 2), (1, 2)] and all(len(d.train_rows) == len(s.train) for d in ranks)
+
+    def shares(epoch, seed=7):
+        return [set(d.train_rows[idt.draw_epoch(d, augment, torch.Generator().manual_seed(r),
+                                                epoch_seed=[seed, epoch]).perm]) for r, d in enumerate(ranks)]
+    first, second = shares(0), shares(1)
+    for a, b in (first, second):
+        assert not a & b and len(a) == len(b) == len(s.train) // 2
+    assert first[0] != second[0] and first == shares(0) and first != shares(0, seed=8)
+    raw = idt.place(ims.open_store(raw_store), torch.device("cpu"), ctx=inf.D.Context(rank=1, world_size=2,
+                                                                                      distributed=True))
+    assert raw.shares is None and raw.per_epoch() == len(raw.train_rows) == len(s.train) // 2
 
 
 def test_one_epoch_learns_from_each_store_format(store, raw_store):

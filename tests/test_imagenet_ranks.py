@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import distributed as D
+import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
 import schedules
@@ -63,10 +64,9 @@ def worker(rank, world, ports, store, out, phases):
     node = os.path.join(out, f"node{rank}")
     os.makedirs(node, exist_ok=True)
     os.chdir(node)
-    n_train = len(ims.open_store(store).train)
     record = {"epochs": [], "placed": [], "evaluated": [], "read": {"train": set(), "val": set()}}
 
-    real_batches, real_place, real_evaluate, real_record = inf.train_batches, inf.place, inf.evaluate, ims.Split.record
+    real_batches, real_place, real_evaluate, real_decoded = inf.train_batches, inf.place, inf.evaluate, idt.decoded
 
     def batches(data, augment, draws, **kwargs):  # one call an epoch: the store rows of the images this rank steps on
         steps = len(draws.perm) // kwargs["batch_size"]
@@ -78,9 +78,10 @@ def worker(rank, world, ports, store, out, phases):
         record["placed"].append({"train": data.train_rows.tolist(), "val": data.val_rows.tolist()})
         return data
 
-    def read(split, i):                      # every record this rank reads from the memory-mapped store
-        record["read"]["train" if len(split) == n_train else "val"].add(int(i))
-        return real_record(split, i)
+    def decoded(data, split, jobs, **kwargs):    # every record this rank's decoding workers read from the store
+        jobs = list(jobs)
+        record["read"][split].update(int(r) for job in jobs for r in job[0])
+        return real_decoded(data, split, jobs, **kwargs)
 
     def evaluate(model, *args, **kwargs):    # how many images this rank pushes through the model, and the result
         count = [0]
@@ -93,7 +94,7 @@ def worker(rank, world, ports, store, out, phases):
                                     "state": {k: v.clone() for k, v in model.state_dict().items()}})
         return result
 
-    inf.train_batches, inf.place, inf.evaluate, ims.Split.record = batches, place, evaluate, read
+    inf.train_batches, inf.place, inf.evaluate, idt.decoded = batches, place, evaluate, decoded
     real_torus, record["torus"] = D.torus_allreduce_hook, []
 
     def torus(state, bucket):               # how many buckets each phase sent over the 2D torus
@@ -151,17 +152,24 @@ def test_two_ranks_see_every_class_in_a_new_order_each_epoch(two_ranks, store):
 
 
 def test_a_rank_reads_only_its_share_of_the_store(two_ranks, store):
-    """Each rank holds a disjoint half of the training images and of the validation images, and reads from the
-    memory-mapped JPEG store no record outside them."""
+    """Each rank holds a disjoint half of the validation images and reads all of it, nothing more; of the training
+    images of the memory-mapped JPEG store it reads only its shares of the epochs."""
     s = ims.open_store(store)
     (a,), (b,) = (rec["placed"] for rec in two_ranks)
-    for split, n in (("train", len(s.train)), ("val", len(s.val))):
-        assert not set(a[split]) & set(b[split]) and len(a[split]) + len(b[split]) == n, split
+    assert not set(a["val"]) & set(b["val"]) and len(a["val"]) + len(b["val"]) == len(s.val)
     for r, rec in enumerate(two_ranks):
-        (placed,) = rec["placed"]
-        for split in ("train", "val"):
-            assert rec["read"][split] and rec["read"][split] <= set(placed[split]), (r, split)
-        assert rec["read"]["val"] == set(placed["val"])      # its whole part of the validation set, nothing more
+        assert rec["read"]["val"] == set(rec["placed"][0]["val"])
+        assert rec["read"]["train"] == set().union(*rec["epochs"]), r
+
+
+def test_each_epoch_deals_the_ranks_new_shares_of_a_jpeg_store(two_ranks, store):
+    """Every epoch the ranks' shares are new (each rank trains on other images than the epoch before) and together
+    hold every training image once (check_every_rank_sees_every_class)."""
+    for r, rec in enumerate(two_ranks):
+        assert len(rec["epochs"]) == 2 and set(rec["epochs"][0]) != set(rec["epochs"][1]), r
+    for e in range(2):
+        assert not set(two_ranks[0]["epochs"][e]) & set(two_ranks[1]["epochs"][e])
+    check_every_rank_sees_every_class(two_ranks, ims.open_store(store).train.labels)
 
 
 def test_each_rank_evaluates_its_part_and_the_counts_add_up(two_ranks, store):
@@ -395,4 +403,4 @@ def test_fastai_tables_change_size_batch_crops_and_validation_by_phase(presets, 
     want, got = last_step_rates(res)
     assert got == pytest.approx(want)
     assert res["target"] == 0.93 and res["settings"]["target_top5"] == 0.93 and res["settings"]["zero_init"]
-    assert f"time to 93.00% top-5" in ranks[0]["phases"][NAMES.index(name)]["stdout"]
+    assert "time to 93.00% top-5" in ranks[0]["phases"][NAMES.index(name)]["stdout"]

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -70,7 +71,7 @@ def test_the_stand_in_refuses_what_cuda_refuses():
         with pytest.raises(RuntimeError, match="out tensor"):
             torch.add(x, x, out=torch.empty(6))
         assert (x * torch.tensor(2.0)).device.type == "cuda"              # a host scalar beside GPU tensors: fine
-    assert gpu.counts["blocking"] == 3       # the layer's two parameters and the host indices, from pageable memory
+    assert gpu.counts["blocking"] == 4       # the layer's parameters, host indices, GPU indices made of host data
 
 
 def test_the_stand_in_counts_copies_and_which_of_them_block_the_host():
@@ -85,6 +86,8 @@ def test_the_stand_in_counts_copies_and_which_of_them_block_the_host():
         on_gpu.sum().item()
         on_gpu.cpu()
         assert gpu.counts["to_host"] == 2 and gpu.counts["blocking"] == 4
+        torch.tensor([1.0, 2.0], device="cuda")                           # host data, copied as the host waits
+        assert gpu.counts["to_gpu"] == 4 and gpu.counts["blocking"] == 5 and gpu.counts["gpu_ops"] == 1
 
 
 def test_a_step_on_the_stand_in_trains_as_on_the_cpu():
@@ -223,10 +226,38 @@ def test_a_raw_store_on_the_host_stays_the_memory_mapped_file_and_only_two_batch
         r = inf.recipe("tiny", batch_size=8)
         gen = torch.Generator().manual_seed(0)
         batches = idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=24, batch_size=8,
-                                    generator=gen, device=torch.device("cuda"), dtype=torch.bfloat16)
+                                    device=torch.device("cuda"), dtype=torch.bfloat16)
         for x, y in batches:
             assert x.device.type == "cuda" and y.device.type == "cuda"
-            assert gpu.pinned_bytes() <= 2 * 8 * (24 * 24 * 3 + 8)        # two staging buffers of pixels and labels
+            assert gpu.pinned_bytes() <= 2 * 8 * 24 * 24 * 3 + 4 * 9 * 8 * 8    # two staging buffers, two indices
+
+
+def data_path_counts(store, *, batch_size, steps=3, **where):
+    """(operations launched on the GPU, blocking copies) of each of the first `steps` training batches the loader
+    yields (flips, jitter, normalisation, labels), under the stand-in."""
+    with StandIn() as gpu:
+        data = idt.place(ims.open_store(store), torch.device("cuda"), **where)
+        r = inf.recipe("tiny", batch_size=batch_size, jitter=0.2)
+        gen = torch.Generator().manual_seed(0)
+        batches = idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=24,
+                                    batch_size=batch_size, device=torch.device("cuda"), dtype=torch.bfloat16)
+        counts = []
+        for _ in range(steps):
+            ops, blocking = gpu.counts["gpu_ops"], gpu.counts["blocking"]
+            x, y = next(batches)
+            assert x.device.type == y.device.type == "cuda" and len(x) == len(y) == batch_size
+            counts.append((gpu.counts["gpu_ops"] - ops, gpu.counts["blocking"] - blocking))
+    return counts
+
+
+@pytest.mark.parametrize("fmt, where", [("raw", dict(where="device")), ("raw", dict(where="host")),
+                                        ("jpeg", dict(decoder="cpu")), ("jpeg", dict(decoder="gpu"))])
+def test_the_data_path_launches_as_many_operations_for_any_batch_and_never_blocks_the_host(stores, fmt, where):
+    """Each step's batch takes the same operations on the GPU at 4 images as at 8 (no per-image work), and no copy
+    in it makes the host wait (small per-batch tensors from pinned memory, constants made without one)."""
+    small, large = (data_path_counts(stores[fmt], batch_size=bs, **where) for bs in (4, 8))
+    assert [ops for ops, _ in small] == [ops for ops, _ in large], (small, large)
+    assert [blocking for _, blocking in small + large] == [0] * 6, (small, large)
 
 
 def test_a_resnet50_step_runs_on_a_gpu(stores, tmp_path):
@@ -290,30 +321,34 @@ def test_a_store_goes_onto_the_gpu_only_if_training_still_fits_beside_it(stores,
         assert idt.place(store, torch.device("cuda"), training=0).where == "device"
 
 
-def test_nvjpeg_decodes_on_a_drained_side_stream_that_the_training_stream_waits_for(stores):
-    """nvJPEG writes from a stream of its own that waits on nothing: it is called on a side stream with nothing left
-    queued there, the training stream waits for the crops, and they are kept alive for it (the call order, which is
-    what the stand-in can see of streams)."""
+def test_nvjpeg_decodes_in_a_thread_of_its_own_on_a_drained_side_stream_that_the_training_stream_waits_for(stores):
+    """nvJPEG writes from a stream of its own that waits on nothing: it is called, in a thread that is not the training
+    loop's (the call holds its thread until the decode ends), on a side stream with nothing left queued there; the
+    batch's crops are made on that side stream, the training stream waits for them, and they are kept alive for it
+    (the call order, which is what the stand-in can see of streams)."""
     store = ims.open_store(stores["jpeg"])
     with StandIn() as gpu:
         data = idt.place(store, torch.device("cuda"), decoder="gpu")
         r = inf.recipe("tiny", batch_size=8)
         gen = torch.Generator().manual_seed(0)
         for x, y in idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=24, batch_size=8,
-                                      generator=gen, device=torch.device("cuda"), dtype=torch.bfloat16):
+                                      device=torch.device("cuda"), dtype=torch.bfloat16):
             pass
-    calls = [c for c in gpu.calls if c[0] != "record" or not c[1].default]
-    decodes = [i for i, c in enumerate(calls) if c[0] == "nvjpeg"]
-    assert len(decodes) == len(data.train_rows) // 8
-    for i in decodes:
-        side = calls[i][1]
-        assert not side.default
-        assert calls[i - 2] == ("host_wait", side) and calls[i - 1] == ("enter_stream", side)
-        event = next(c[2] for c in calls[i:] if c[0] == "record" and c[1] == side)
-        after = calls[i:]
-        waited = next(k for k, c in enumerate(after) if c[0] == "wait_event" and c[2] is event)
-        assert after[waited][1].default                                  # the training stream waits for the crops
-        assert any(c[0] == "record_stream" and c[1].default for c in after[waited:waited + 3])
+    main = threading.current_thread().name
+    reader = [c for c, t in zip(gpu.calls, gpu.threads) if t != main]
+    assert len(reader) == 5 * (len(data.train_rows) // 8)
+    side = reader[0][1]
+    assert not side.default and reader[:5] == [("host_wait", side), ("enter_stream", side), ("nvjpeg", side),
+                                               ("host_wait", "nvjpeg"), ("exit_stream", side)]
+    assert all(reader[i:i + 5] == reader[:5] for i in range(0, len(reader), 5))
+    calls = [c for c, t in zip(gpu.calls, gpu.threads) if t == main and (c[0] != "record" or not c[1].default)]
+    assert not any(c[0] == "nvjpeg" or c == ("host_wait", "nvjpeg") for c in calls)   # the training thread never waits
+    crops = [i for i, c in enumerate(calls) if c[0] == "record" and c[1] == side]
+    assert len(crops) == len(data.train_rows) // 8
+    for i in crops:
+        waited = next(k for k in range(i, len(calls)) if calls[k][0] == "wait_event" and calls[k][2] is calls[i][2])
+        assert calls[waited][1].default                                  # the training stream waits for the crops
+        assert any(c[0] == "record_stream" and c[1].default for c in calls[waited:waited + 3])
 
 
 def test_an_event_for_a_device_is_recorded_on_that_devices_stream_not_the_current_devices():

@@ -531,5 +531,6 @@ def test_the_networks_initialisation_and_the_datas_order_and_augmentation_are_in
     assert not torch.equal(x, x2)
     _, x3, y3 = built({**seeds, "order": seeds["order"] + 1})
     assert not torch.equal(y, y3) and torch.equal(as_set(x), as_set(x3))
-    assert len(set(run_seeds(0).values())) == 3 and run_seeds(0, rank=1)["init"] == seeds["init"]
+    assert len(set(run_seeds(0).values())) == 4 and run_seeds(0, rank=1)["init"] == seeds["init"]
+    assert run_seeds(0, rank=1)["shares"] == seeds["shares"]          # the epochs' shares: the same on every rank
     assert run_seeds(0, rank=1)["augment"] != seeds["augment"]

@@ -113,7 +113,7 @@ def test_an_output_in_folders_not_yet_there_is_fine(npz, tmp_path, capsys):
      "error: argument --schedule: 'exp' is not one of linear, cosine, step, slow_start"),
     (["train", "--store", "S", "--device", "gpu"], "error: --device gpu: not a device; use cpu, cuda, cuda:N, mps, ..."),
     (["train", "--store", "S", "--val-crop", "1.5"], "error: --val-crop 1.5: must be between 0 and 1"),
-    (["train", "--store", "S", "--loader-threads", "0"], "error: --loader-threads must be positive"),
+    (["train", "--store", "S", "--loader-workers", "0"], "error: --loader-workers must be positive"),
     (["train", "--store", "S", "--decoder", "nvjpeg"], "error: argument --decoder: 'nvjpeg' is not one of auto, cpu, gpu"),
     (["simulate", "--gpus", "0"], "error: argument --gpus: '0': expected GPU counts of 1 or more separated by commas, "
                                   "e.g. 8,64"),
