@@ -27,7 +27,7 @@ import distributed as D
 import torch_backend as tb
 import training as T
 from cifar_data import epoch_steps, run_steps
-from cli import add_run_flags, check_run, interrupted, join_ranks, leave_ranks, lost_peer, run_record
+from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, run_record
 from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, print_summary, summarize_runs,
                   write_json)
 from optim import make_optimizers, set_lr
@@ -822,7 +822,7 @@ def main(argv=None):
     except RuntimeError as e:
         return lost_peer(e, ctx)
     finally:
-        leave_ranks(ctx)
+        D.leave(ctx)
     if args.runs > 1 and ctx.is_main:
         print_summary(r.name, result.summary, args.target, {
             "final_acc": ("final test accuracy", ""), "time": ("time (training + final evaluation)", " s"),

@@ -12,7 +12,7 @@ import torch
 
 import devices
 from core import UsageError, check_output
-from distributed import HOOKS, comm_hook, first_sentence, init_from_env
+from distributed import HOOKS, comm_hook, first_sentence, init_from_env, leave
 from settings import flag_error, flat
 
 
@@ -82,13 +82,8 @@ def join_ranks(args, hook=None):
         return dataclasses.replace(ctx, hook=comm_hook(hook or args.comm_hook, args.torus_grid, ctx),
                                    bucket_mb=args.bucket_mb)
     except ValueError as e:
-        leave_ranks(ctx)
+        leave(ctx)
         raise UsageError(str(e)) from None
-
-
-def leave_ranks(ctx):
-    if ctx.distributed and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def lost_peer(error, ctx):

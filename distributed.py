@@ -14,6 +14,7 @@ Papers:
   Mikami et al. 2018, "ImageNet/ResNet-50 Training in 224 Seconds" (Sony, 2D-torus all-reduce, arXiv:1811.05233)
 """
 import datetime
+import gc
 import os
 import shlex
 import socket
@@ -142,11 +143,21 @@ def barrier():
         dist.barrier()
 
 
+def leave(ctx):
+    """Leaves the process group, with the garbage collected before and after while the interpreter is whole: gloo
+    work still referenced from cyclic garbage, freed at the interpreter's exit, aborted one run in four with
+    "terminate called without an active exception" (measured on 2 CPU ranks with DDP)."""
+    if ctx.distributed and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+        gc.collect()
+
+
 def leave_together(ctx):
     """Every rank leaves the process group at once, so that none sees a peer vanish mid-collective."""
     if ctx.distributed:
         barrier()
-        dist.destroy_process_group()
+        leave(ctx)
 
 
 def shard(n, rank, world):

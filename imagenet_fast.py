@@ -29,7 +29,7 @@ import devices
 import distributed as D
 import scaling
 import training as T
-from cli import add_run_flags, check_run, interrupted, join_ranks, leave_ranks, lost_peer, run_record
+from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, run_record
 from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, print_summary,
                   summarize_runs, write_json)
 from imagenet_data import draw_epoch, evaluate, place, train_batches
@@ -867,7 +867,7 @@ def main_train(args, changes, argv):
     except RuntimeError as e:
         return lost_peer(e, ctx)
     finally:
-        leave_ranks(ctx)
+        D.leave(ctx)
 
 
 def run(args, r, *, ctx, argv):

@@ -11,7 +11,7 @@ with BlurPool for rn50_16ep), at each resolution in --sizes, in one run:
 and, beside them, what predicts a GPU's speed, counted per step under the CPU stand-in for a CUDA GPU
 (tests/cuda_standin.py) for each store format and place: the operations launched on the GPU and the copies that
 make the host wait, of the data path alone (imagenet_data.train_batches) and of the whole training step (the data,
-then training.train_step), at two batch sizes (--count-batch and twice it; neither count depends on the resolution).
+then imagenet_fast.accumulated_step), at two batch sizes (--count-batch and twice it; neither count depends on the resolution).
 
 Per GPU figures are per process; per core figures divide the loader's images/s by the CPU processes (or workers)
 that decode. The store is --store, or one written from --src, or one written from synthetic photos of mixed 4:3, 3:4 and
@@ -41,7 +41,7 @@ import devices  # noqa: E402
 import imagenet_data as idt  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
 import imagenet_store as ims  # noqa: E402
-import training as T  # noqa: E402
+import distributed as D  # noqa: E402
 from cli import environment  # noqa: E402
 from settings import one_of  # noqa: E402
 from core import Parser, Table, UsageError, write_json  # noqa: E402
@@ -123,7 +123,8 @@ def counted(r, tmp, *, batch_size, classes, res=32, steps=2):
                 before = gpu.counts.copy()
                 x, y = next(batches)
                 loaded = gpu.counts.copy()
-                T.train_step(model, [opt], x, y, label_smoothing=r.sgd.label_smoothing, dtype=torch.bfloat16, mean=True)
+                inf.accumulated_step(model, opt, [(x, y)], ctx=D.Context(device="cuda"),
+                                     label_smoothing=r.sgd.label_smoothing, dtype=torch.bfloat16)
             batches.close()
         name = f"{fmt}, " + (f"decoder {where['decoder']}" if fmt == "jpeg" else f"on the {where['where']}")
         rows.append({"store": name, "batch": bs, "data ops": loaded["gpu_ops"] - before["gpu_ops"],

@@ -123,7 +123,7 @@ def worker_two(rank, port, out):
     res["bad"] = attempt(D.load_checkpoint, os.path.join(node, "bad.pt"), ctx)
     res["ctx"] = (ctx.rank, ctx.world_size, ctx.is_main, ctx.distributed)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    D.leave(ctx)
 
 
 class Bucket:
@@ -165,7 +165,7 @@ def worker_torus(rank, port, out):
     res["bf16"] = attempt(hook_grads, ctx, "torus_bf16", (2, 3))
     res["async"] = hook_returns_at_once(ctx, out)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    D.leave(ctx)
 
 
 def spawn(fn, world, out):

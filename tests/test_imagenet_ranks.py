@@ -114,8 +114,7 @@ def worker(rank, world, ports, store, out, phases):
                 rc = inf.main(args)
             except SystemExit as e:
                 rc = e.code
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        D.leave(D.Context(distributed=True))         # whatever main left of the group
         record["phases"].append({"rc": rc, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()})
     torch.save(record, os.path.join(out, f"rank{rank}.pt"))
 

@@ -1,0 +1,52 @@
+"""How long README's test command takes on this machine, as a whole process: wall and CPU seconds, the outcome
+counts, and the load the machine carried when it started (another process on a 2-core machine doubles the time).
+
+    python benchmarks/test_time.py --out results/<machine>/test_time.json
+"""
+import argparse
+import os
+import re
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from core import Parser, write_json  # noqa: E402
+
+COMMAND = ["python", "-m", "pytest"]      # README's test command, as CI runs it
+
+
+def outcome_counts(tail):
+    """{"passed": n, "skipped": n, ...} from pytest's last summary line."""
+    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed)", tail)}
+
+
+def main(argv=None):
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="write the measurement as JSON (a results/ file for report.py)")
+    args = p.parse_args(argv)
+    import torch
+    import machine
+    load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, *COMMAND[1:], "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True,
+                          text=True)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    counts = outcome_counts(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "")
+    print(f"{' '.join(COMMAND)}: exit status {proc.returncode}, {wall:.0f} s wall, {cpu:.0f} CPU s, {counts}, "
+          f"load average {load:.2f} at the start")
+    if args.out:
+        write_json(args.out, {"piece": "test_time", "command": " ".join(COMMAND), "exit_status": proc.returncode,
+                              "wall_s": wall, "cpu_s": cpu, "counts": counts, "load_average_at_start": load,
+                              "fingerprint": machine.fingerprint(torch.device("cpu"), True)})
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
