@@ -196,12 +196,6 @@ def host_buffer(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
 
 
-def host_array(shape, dtype, device):
-    """A host_buffer and its numpy view: threads fill the view (numpy releases the GIL), the tensor is copied."""
-    t = host_buffer(shape, dtype, device)
-    return t, t.numpy()
-
-
 def to_device(array, device):
     """A host array (numpy) as a tensor on the device without the host waiting for the copy: staged in pinned memory
     and copied asynchronously on the current stream (CUDA; the caching host allocator reuses the staging only once
@@ -348,7 +342,8 @@ DECODERS = ("auto", "cpu", "gpu")
 
 def jpeg_decoder(device, choice="auto"):
     """Where JPEG records are decoded: "gpu" (nvJPEG, batched, through torchvision) on a CUDA device, else "cpu"
-    (PIL on a thread pool). "gpu" on another device is a ValueError, said in one line."""
+    (simplejpeg in worker processes). A choice not in DECODERS, or "gpu" on another device, is a ValueError of one
+    line."""
     if choice not in DECODERS:
         raise ValueError(f"--decoder {choice}: choose from {', '.join(DECODERS)}")
     cuda = torch.device(device).type == "cuda"

@@ -876,6 +876,10 @@ def run(args, r, *, ctx, argv):
     device, say, progress = torch.device(ctx.device), D.print0, ctx.is_main and not args.quiet
     for note in r.notes:
         say(note, file=sys.stderr)
+    if r.per_gpu_batch and r.schedule.lr_scaling == "none":     # FFCV's recipes: the rate does not follow the GPUs
+        say(f"note: {r.batch_size} images on each GPU, {r.batch_size * ctx.world_size} a step on {ctx.world_size}, at lr "
+            f"{r.schedule.lr:g} whatever the number of GPUs, as FFCV's train_imagenet.py trains (--lr-scaling linear "
+            "scales the rate with the images of a step instead)", file=sys.stderr)
     if devices.is_cpu(device) and ctx.is_main:
         print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration use "
               "a small store, --model resnet_tiny and few --epochs", file=sys.stderr)

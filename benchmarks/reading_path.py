@@ -1,7 +1,7 @@
 """How much code a reader follows to learn what a recipe computes: every function of the product's modules that a
 short run of `cifar10_fast.py --recipe NAME` calls, with the recipe's own definition and the setting types it
 uses, in lines (each function's whole span, once) and files; and how many calls `main` makes to reach the training
-step. Counted apart, as what a reader may skip: the flags, checks, warm-up and records (the command line,
+step; and of those lines, how many are code (not blank, a comment or a docstring). Counted apart, as what a reader may skip: the flags, checks, warm-up and records (the command line,
 settings.py, cli.py, core.py, check*, the FLOP count, the summary), joining torchrun's ranks (distributed.py's set-up,
 called for one process too) and devices.py's decisions (a line or two each, named for what they decide).
 
@@ -26,7 +26,21 @@ SKIPPABLE_MODULES = {"settings.py", "cli.py", "core.py"}       # flags, checks, 
 SKIPPABLE = ("main", "parse_args", "check", "loaded", "warmup", "say_estimate", "count_flops", "compile_counts",
              "strict_compile", "take_subset", "read_npz", "load", "channel_stats", "num_classes", "run_record",
              "per_rank_batch")
-RANKS = ("init_from_env", "barrier", "comm_hook", "shard")
+RANKS = ("init_from_env", "barrier", "comm_hook", "shard", "leave")
+
+
+def code_lines(lines):
+    """How many of a unit's source lines are code: not blank, not a comment, not in a docstring."""
+    import textwrap
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    docs = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
+                getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
+            docs.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return sum(1 for i, line in enumerate(lines, 1)
+               if line.strip() and not line.strip().startswith("#") and i not in docs)
 
 
 def kind(path, name):
@@ -55,7 +69,8 @@ def traced_calls(argv):
             return
         key = (path.name, code.co_qualname)
         if key not in seen:
-            seen[key] = len(inspect.getsourcelines(code)[0])
+            lines = inspect.getsourcelines(code)[0]
+            seen[key] = (len(lines), code_lines(lines))
         if code is training.train_step.__code__ and not depth:
             depth.append(calls_from_main(frame))
     sys.setprofile(profile)
@@ -87,16 +102,19 @@ def recipe_definition(name):
     uses (each dataclass once)."""
     import cifar10_fast as cf
     value, out = cf.RECIPES[name], {}
-    tree = ast.parse((ROOT / "cifar10_fast.py").read_text())
+    source = (ROOT / "cifar10_fast.py").read_text().splitlines(keepends=True)
+    tree = ast.parse("".join(source))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == name.upper() for t in node.targets):
-            out[("cifar10_fast.py", name.upper())] = node.end_lineno - node.lineno + 1
+            lines = source[node.lineno - 1:node.end_lineno]
+            out[("cifar10_fast.py", name.upper())] = (len(lines), code_lines(lines))
     stack = [value]
     while stack:
         v = stack.pop()
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             t = type(v)
-            out[(Path(inspect.getsourcefile(t)).name, t.__qualname__)] = len(inspect.getsourcelines(t)[0])
+            lines = inspect.getsourcelines(t)[0]
+            out[(Path(inspect.getsourcefile(t)).name, t.__qualname__)] = (len(lines), code_lines(lines))
             stack += [getattr(v, f.name) for f in dataclasses.fields(v)]
     return out
 
@@ -120,12 +138,15 @@ def count(recipe):
     types = recipe_definition(recipe)
     # a setting type's span holds its methods: each line once
     units = {**{k: n for k, n in calls.items() if (k[0], k[1].split(".")[0]) not in types}, **types}
-    lines = defaultdict(lambda: defaultdict(int))
-    for (file, name), n in units.items():
+    lines, code = defaultdict(lambda: defaultdict(int)), defaultdict(int)
+    for (file, name), (n, c) in units.items():
         lines[kind(file, name)][file] += n
+        code[kind(file, name)] += c
     return {"recipe": recipe, **{k: dict(v) for k, v in lines.items()}, "calls_to_step": chain,
-            **{f"{k}_lines": sum(v.values()) for k, v in lines.items()}, "path_files": len(lines["path"]),
-            "functions": sorted(f"{file}:{name} {n} {kind(file, name)}" for (file, name), n in units.items())}
+            **{f"{k}_lines": sum(v.values()) for k, v in lines.items()}, "path_code_lines": code["path"],
+            "path_files": len(lines["path"]),
+            "functions": sorted(f"{file}:{name} {n} ({c} code) {kind(file, name)}"
+                                for (file, name), (n, c) in units.items())}
 
 
 def main(argv=None):
@@ -139,7 +160,7 @@ def main(argv=None):
     c = count(args.recipe)
     if args.list:
         print("\n".join(c["functions"]))
-    print(f"{args.recipe}: {c['path_lines']} lines in {c['path_files']} files to read "
+    print(f"{args.recipe}: {c['path_lines']} lines ({c['path_code_lines']} of code) in {c['path_files']} files to read "
           f"({', '.join(f'{f} {n}' for f, n in sorted(c['path'].items()))}); besides, {c['devices_lines']} of "
           f"devices.py's decisions, {c.get('ranks_lines', 0)} of joining ranks and {c['skippable_lines']} of flags, "
           f"checks, warm-up and records; main reaches the step in {len(c['calls_to_step']) - 1} calls: "

@@ -387,6 +387,18 @@ def t_install(results):
             f"{gb('cpu', 'installed bytes'):.1f} GB ({what})."]
 
 
+def t_tests(results):
+    """One sentence: how long README's test command took, as a whole process (benchmarks/test_time.py)."""
+    found = results.get("test_time", [])
+    if not found:
+        return [f"The time of `python -m pytest`: {NM}."]
+    r = found[-1]
+    counts = ", ".join(f"{n} {word}" for word, n in r["counts"].items())
+    return [f"Measured on {device(r)} as a whole process, the load average {r['load_average_at_start']:.2f} at its "
+            f"start: {code(r['command'])} took {r['wall_s']:.0f} s wall and {r['cpu_s']:.0f} CPU s (n = 1; {counts}; "
+            f"exit status {r['exit_status']}), timed by {code('python benchmarks/test_time.py')}."]
+
+
 def t_coverage(results):
     """The coverage map (benchmarks/coverage_map.py): per product module, the share of its lines and branches the
     default tests run, and devices.py's lines that no CPU test reaches, each with the reason its line gives."""
@@ -408,7 +420,7 @@ def t_coverage(results):
     return lines
 
 
-TABLES = {"coverage": t_coverage, "env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling,
+TABLES = {"tests": t_tests, "coverage": t_coverage, "env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling,
           "scaling_recipes": t_scaling_recipes,
           "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")

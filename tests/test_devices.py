@@ -174,3 +174,20 @@ def test_what_is_compiled_and_fused_on_each_device(name, compiled, sgd):
     """Newton–Schulz compiled and SGD fused on CUDA alone: elsewhere eager and torch's default SGD, as recorded."""
     assert devices.compiles_helpers(name) is compiled and devices.compiles_helpers(torch.device(name)) is compiled
     assert devices.sgd_options(name) == sgd == devices.sgd_options(torch.device(name))
+
+
+@pytest.mark.parametrize("name, choice, decoder", [
+    ("cpu", "auto", "cpu"), ("cuda", "auto", "gpu"), ("cuda:1", "auto", "gpu"), ("cuda", "cpu", "cpu"),
+    ("mps", "auto", "cpu"), ("cuda:0", "gpu", "gpu")])
+def test_where_jpeg_records_are_decoded(name, choice, decoder):
+    assert devices.jpeg_decoder(name, choice) == decoder == devices.jpeg_decoder(torch.device(name), choice)
+
+
+@pytest.mark.parametrize("name, choice, message", [
+    ("cpu", "gpu", "--decoder gpu needs a CUDA device (nvJPEG); this run is on cpu"),
+    ("mps", "gpu", "--decoder gpu needs a CUDA device (nvJPEG); this run is on mps"),
+    ("cuda", "nvjpeg", "--decoder nvjpeg: choose from auto, cpu, gpu")])
+def test_a_decoder_the_device_cannot_run_is_one_line(name, choice, message):
+    with pytest.raises(ValueError) as e:
+        devices.jpeg_decoder(name, choice)
+    assert str(e.value) == message

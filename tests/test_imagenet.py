@@ -963,6 +963,20 @@ def test_epochs_that_end_inside_the_warm_up_shorten_it_in_proportion_and_say_so(
     assert not inf.recipe("tiny", epochs=2).notes and not inf.recipe("tiny").notes
 
 
+def test_a_per_gpu_batch_at_an_unscaled_rate_says_so_before_training(store, capsys):
+    """FFCV's recipes train FFCV's batch on each GPU at FFCV's rate whatever the GPUs: a run on other GPUs than
+    FFCV's is told what its step and rate are, in one line, before training."""
+    rc, out, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny", "--epochs", "2",
+                            "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE, "--per-gpu-batch", "true",
+                            "--lr-scaling", "none", "--lr", "0.4")
+    assert rc == 0 and err.strip().splitlines()[0] == (
+        "note: 32 images on each GPU, 32 a step on 1, at lr 0.4 whatever the number of GPUs, as FFCV's "
+        "train_imagenet.py trains (--lr-scaling linear scales the rate with the images of a step instead)")
+    rc, out, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny", "--epochs", "2",
+                            "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE)
+    assert rc == 0 and "FFCV" not in err
+
+
 # --- phases, micro-batches and batch norm over a paper's per-GPU groups ----------------------------------------------
 
 def test_a_phase_table_trains_each_epoch_at_its_size_batch_rate_crops_and_validation(store, tmp_path, capsys,

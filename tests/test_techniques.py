@@ -170,6 +170,28 @@ def test_fastnet_flops_per_image_match_the_architecture():
     assert tb.count_flops(r, data)["per_test_image"] == 2 * macs
 
 
+def test_the_step_with_its_loss_in_the_forward_is_the_plain_step():
+    """compile_step's WithLoss, run eagerly: its logits and summed loss are the network's and the step's own, and the
+    step through it moves every parameter exactly as the plain step does."""
+    r = cf.recipe("fast94_next", width=1 / 16, batch_size=16)
+    torch.manual_seed(0)
+    net = tb.build_model(r, CPU)
+    x, y = torch.randn(16, 3, 32, 32), torch.arange(16) % 10
+    tb.fit_whitening(net, x, 32)
+    twin = copy.deepcopy(net)
+    with_loss = cf.WithLoss(twin, r.label_smoothing)
+    logits, loss = with_loss(x, y)
+    assert torch.equal(logits, net(x)) and torch.equal(with_loss(x), logits)
+    assert torch.equal(loss, F.cross_entropy(logits.float(), y, label_smoothing=r.label_smoothing, reduction="sum"))
+    plain, fused = optim.make_optimizers(net, r), optim.make_optimizers(twin, r)
+    for opts in (plain, fused):
+        optim.set_lr(opts, max(r.lr.values))
+    _, a = T.train_step(net, plain, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
+    _, b = T.train_step(with_loss, fused, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
+    assert torch.equal(a, b)
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), twin.parameters()))
+
+
 @pytest.mark.slow
 def test_compiled_and_eager_steps_give_the_same_loss():
     r = cf.recipe("fast94", width=1 / 16, batch_size=16)
