@@ -170,15 +170,20 @@ def test_fastnet_flops_per_image_match_the_architecture():
     assert tb.count_flops(r, data)["per_test_image"] == 2 * macs
 
 
-def test_the_step_with_its_loss_in_the_forward_is_the_plain_step():
-    """compile_step's WithLoss, run eagerly: its logits and summed loss are the network's and the step's own, and the
-    step through it moves every parameter exactly as the plain step does."""
-    r = cf.recipe("fast94_next", width=1 / 16, batch_size=16)
+def whitened_twins(r):
+    """A network with its whitening fitted, an identical copy, and a batch of 16 random images with labels."""
     torch.manual_seed(0)
     net = tb.build_model(r, CPU)
     x, y = torch.randn(16, 3, 32, 32), torch.arange(16) % 10
     tb.fit_whitening(net, x, 32)
-    twin = copy.deepcopy(net)
+    return net, copy.deepcopy(net), x, y
+
+
+def test_the_step_with_its_loss_in_the_forward_is_the_plain_step():
+    """compile_step's WithLoss, run eagerly: its logits and summed loss are the network's and the step's own, and the
+    step through it moves every parameter exactly as the plain step does."""
+    r = cf.recipe("fast94_next", width=1 / 16, batch_size=16)
+    net, twin, x, y = whitened_twins(r)
     with_loss = cf.WithLoss(twin, r.label_smoothing)
     logits, loss = with_loss(x, y)
     assert torch.equal(logits, net(x)) and torch.equal(with_loss(x), logits)
@@ -195,11 +200,7 @@ def test_the_step_with_its_loss_in_the_forward_is_the_plain_step():
 @pytest.mark.slow
 def test_compiled_and_eager_steps_give_the_same_loss():
     r = cf.recipe("fast94", width=1 / 16, batch_size=16)
-    torch.manual_seed(0)
-    net = tb.build_model(r, CPU)
-    x, y = torch.randn(16, 3, 32, 32), torch.arange(16) % 10
-    tb.fit_whitening(net, x, 32)
-    twin = copy.deepcopy(net)
+    net, twin, x, y = whitened_twins(r)
     forward = torch.compile(twin)
     eager, compiled = optim.make_optimizers(net, r), optim.make_optimizers(twin, r)
     for opts in (eager, compiled):
