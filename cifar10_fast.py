@@ -34,7 +34,7 @@ from optim import make_optimizers, set_lr
 from schedules import per_rank_batch
 from settings import add_flags, changed, changes_from, check, component, flag_error, knob, one_of, part
 
-ACTIVATIONS = ("relu", "celu", "gelu", "silu")
+ACTIVATIONS = tuple(tb.ACTIVATIONS)
 
 # ---------------------------------------------------------------------------------------------
 # The settings: one component per technique
@@ -611,22 +611,27 @@ def train(recipe_or_name, data=None, *, subset=None, dataset=None, ctx=None, **c
                     say_estimate(r, row["epoch_time"], runs=o.runs, n_train=len(arrays["train_labels"]))
                 o.on_epoch and o.on_epoch(row)
             result = train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done)
-            model = result.pop("model")
-            model.normalisation = stats          # for evaluate(): the statistics the network trained on
-            results.append({**result, "wall_s": time.perf_counter() - started})
-            summary = summarize_runs(results, o.target, SUMMARY, "final_acc")
-            flops = built.flops["total"]
-            summary.update(flops_per_run=flops, tflops_per_s=flops / summary["time"]["mean"] / 1e12)
-            last = Result(model=model, rows=result["rows"], summary=summary, runs=list(results), recipe=r,
-                          flops=built.flops)
+            last = recorded(r, result, results, built=built, o=o, stats=stats, wall_s=time.perf_counter() - started)
             o.on_run and o.on_run(last)
-            if o.verbose:
-                ttt = result["time_to_target"]
-                print(f"final test accuracy {result['final_acc']:.4f}; "
-                      + (f"time to {o.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {o.target:.2%}")
-                      + f"; training {result['train_time']:.2f} s + final evaluation {result['final_eval_time']:.2f} s",
-                      flush=True)
     return last
+
+
+def recorded(r, result, results, *, built, o, stats, wall_s):
+    """The Result once `result` joins `results`: the summary over the runs so far, its FLOPs and network (which
+    keeps the statistics it trained on, for evaluate()); with o.verbose, the run's line printed."""
+    model = result.pop("model")
+    model.normalisation = stats
+    results.append({**result, "wall_s": wall_s})
+    summary = summarize_runs(results, o.target, SUMMARY, "final_acc")
+    flops = built.flops["total"]
+    summary.update(flops_per_run=flops, tflops_per_s=flops / summary["time"]["mean"] / 1e12)
+    if o.verbose:
+        ttt = result["time_to_target"]
+        print(f"final test accuracy {result['final_acc']:.4f}; "
+              + (f"time to {o.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {o.target:.2%}")
+              + f"; training {result['train_time']:.2f} s + final evaluation {result['final_eval_time']:.2f} s",
+              flush=True)
+    return Result(model=model, rows=result["rows"], summary=summary, runs=list(results), recipe=r, flops=built.flops)
 
 
 def loaded(recipe_or_name, data, o, *, subset, dataset, ctx, changes):

@@ -288,7 +288,7 @@ def make_optimizers(model, r, steps_per_epoch=1, world=1):
         unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum);  decay per step
         lr x unit x wd x b (myrtle), / peak otherwise;  scale = bias_lr_mult (batch-norm biases), the whitening
         bias's lr_mult (until its last step: linear to 0 with decay "linear"), 1 (the rest)"""
-    sgd, muon = r.sgd, r.muon
+    sgd = r.sgd
     bs, m, wd, peak = r.batch_size // world, sgd.momentum, sgd.weight_decay, max(r.lr.values)
     unit = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - m))), "sum": world}[sgd.lr_units]
     decay = (lambda scale: wd * bs / scale) if sgd.lr_units == "myrtle" else (lambda scale: wd * bs / (peak * scale))
@@ -300,7 +300,7 @@ def make_optimizers(model, r, steps_per_epoch=1, world=1):
         if not p.requires_grad:
             continue
         key = ("bn_biases" if id(p) in bn_biases else "whiten_bias" if id(p) in whiten_biases
-               else "filters" if muon and p.ndim == 4 else "weights")
+               else "filters" if r.muon and p.ndim == 4 else "weights")
         groups[key].append(p)
     bias = r.whitening.bias if r.whitening and r.whitening.bias else None
     scales = {"weights": 1.0, "bn_biases": sgd.bias_lr_mult, "whiten_bias": bias.lr_mult if bias else 1.0}
@@ -312,13 +312,18 @@ def make_optimizers(model, r, steps_per_epoch=1, world=1):
     device = next(model.parameters()).device
     opts = [torch.optim.SGD(groups_sgd, lr=0.0, momentum=m, nesterov=sgd.nesterov, **devices.sgd_options(device))]
     if groups["filters"]:
-        opts.append(Muon([{"params": groups["filters"], "lr_unit": muon.lr / peak, "name": "filters",
-                           "until_step": None}], lr=0.0, momentum=muon.momentum, nesterov=sgd.nesterov,
-                         ns_steps=muon.ns_steps, ns_coeffs=muon.ns_coeffs, renorm_every=muon.renorm_every,
-                         total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)),
-                         weight_decay=muon.weight_decay * bs * world,
-                         momentum_dtype=MOMENTUM_DTYPES[muon.momentum_dtype], batched=muon.batched))
+        opts.append(muon_for(groups["filters"], r, steps_per_epoch=steps_per_epoch, world=world))
     return opts
+
+
+def muon_for(filters, r, *, steps_per_epoch, world):
+    """Muon with the settings r.muon for the filters, at muon.lr x the schedule's lr / its peak."""
+    muon, bs = r.muon, r.batch_size // world
+    return Muon([{"params": filters, "lr_unit": muon.lr / max(r.lr.values), "name": "filters", "until_step": None}],
+                lr=0.0, momentum=muon.momentum, nesterov=r.sgd.nesterov, ns_steps=muon.ns_steps,
+                ns_coeffs=muon.ns_coeffs, renorm_every=muon.renorm_every,
+                total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)), weight_decay=muon.weight_decay * bs * world,
+                momentum_dtype=MOMENTUM_DTYPES[muon.momentum_dtype], batched=muon.batched)
 
 
 def set_lr(opts, lr, step=0, epoch=0.0):

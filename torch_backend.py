@@ -26,10 +26,13 @@ class BatchNorm(nn.BatchNorm2d):
         self.weight.requires_grad_(not freeze_scale)
 
     def forward(self, x):
+        g, n = self.ghost_batch, len(x)
+        return self.ghost_forward(x) if self.training and g and n > g and n % g == 0 else super().forward(x)
+
+    def ghost_forward(self, x):
+        """Ghost batch norm (Hoffer et al. 2017) over ghost_batch groups, running statistics their mean."""
         g = self.ghost_batch
         n, c, h, w = x.shape
-        if not (self.training and g and n > g and n % g == 0):
-            return super().forward(x)
         # Splitting the batch dimension is a view in any memory format; F.batch_norm on a (g, s·c, h, w)
         # reshape would copy a channels_last batch, and copy the result back.
         xs = x.unflatten(0, (g, n // g))                                     # g, s, c, h, w
@@ -49,17 +52,15 @@ def batch_norm(c, bn):
     return BatchNorm(c, freeze_scale=bn.freeze_scale, ghost_batch=bn.ghost_batch, momentum=bn.momentum, eps=bn.eps)
 
 
+ACTIVATIONS = {"relu": lambda net: nn.ReLU(inplace=True), "celu": lambda net: nn.CELU(net.celu_alpha),
+               "gelu": lambda net: nn.GELU(), "silu": lambda net: nn.SiLU()}
+
+
 def activation(net, act=None):
     act = act or net.act
-    if act == "celu":
-        return nn.CELU(net.celu_alpha)
-    if act == "gelu":
-        return nn.GELU()
-    if act == "silu":
-        return nn.SiLU()
-    if act == "relu":
-        return nn.ReLU(inplace=True)
-    raise ValueError(f"act must be relu, celu, gelu or silu, not {act!r}")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act must be relu, celu, gelu or silu, not {act!r}")
+    return ACTIVATIONS[act](net)
 
 
 def conv(c_in, c_out, net, kernel=3):

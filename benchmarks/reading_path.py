@@ -25,7 +25,7 @@ from core import Parser  # noqa: E402
 SKIPPABLE_MODULES = {"settings.py", "cli.py", "core.py"}       # flags, checks, tables, progress, records
 SKIPPABLE = ("main", "parse_args", "check", "loaded", "warmup", "say_estimate", "count_flops", "compile_counts",
              "strict_compile", "take_subset", "read_npz", "load", "channel_stats", "num_classes", "run_record",
-             "per_rank_batch")
+             "recorded", "per_rank_batch")
 RANKS = ("init_from_env", "barrier", "comm_hook", "shard", "leave")
 
 
