@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def ctrl_c_heard():
+    """For subprocess's preexec_fn: Ctrl-C (SIGINT) back to its default in the child, where a shell's background job
+    (pytest started with `&`) would pass on SIG_IGN, and Python would then never raise KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def failing_on_call(function, n):

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, failing_on_call, synthetic_arrays
+from conftest import ROOT, ctrl_c_heard, failing_on_call, synthetic_arrays
 
 
 def run_cli(*args):
@@ -103,7 +103,8 @@ def interrupted(args, after):
     # unbuffered: the line arrives when printed, not when a full pipe buffer is flushed (on a quiet machine, after
     # the run it announces has ended)
     proc = subprocess.Popen([sys.executable, str(ROOT / "cifar10_fast.py"), *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=ctrl_c_heard)
     lines = []
     for line in proc.stdout:
         lines.append(line)

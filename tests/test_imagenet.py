@@ -24,7 +24,7 @@ import imagenet_fast as inf
 import imagenet_store as ims
 import optim
 import schedules
-from conftest import ROOT, failing_on_call
+from conftest import ROOT, ctrl_c_heard, failing_on_call
 from settings import changed
 
 SIZE = 24
@@ -871,7 +871,8 @@ def test_ctrl_c_in_prepare_is_one_line_keeps_the_whole_shards_and_the_same_comma
     src = ims.synthetic_imagefolder(tmp_path / "src", 4, 60, 2, sizes=(200, 300))
     cmd = [sys.executable, str(ROOT / "imagenet_fast.py"), "prepare", "--src", str(src), "--dst", str(tmp_path / "s"),
            "--workers", "2", "--shard-size", "4"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=ctrl_c_heard)
     journal = tmp_path / "s" / "train.journal.json"
     while proc.poll() is None and not (journal.is_file() and json.loads(journal.read_text())["shards"] >= 2):
         time.sleep(0.05)
