@@ -24,6 +24,11 @@ def outcome_counts(tail):
     return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed)", tail)}
 
 
+def failed_tests(stdout):
+    """The node ids of pytest's FAILED and ERROR summary lines."""
+    return re.findall(r"^(?:FAILED|ERROR) (\S+)", stdout, re.M)
+
+
 def main(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write the measurement as JSON (a results/ file for report.py)")
@@ -39,11 +44,12 @@ def main(argv=None):
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     counts = outcome_counts(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "")
+    failed = failed_tests(proc.stdout)
     print(f"{' '.join(COMMAND)}: exit status {proc.returncode}, {wall:.0f} s wall, {cpu:.0f} CPU s, {counts}, "
-          f"load average {load:.2f} at the start")
+          f"load average {load:.2f} at the start" + "".join(f"\nfailed: {t}" for t in failed))
     if args.out:
         write_json(args.out, {"piece": "test_time", "command": " ".join(COMMAND), "exit_status": proc.returncode,
-                              "wall_s": wall, "cpu_s": cpu, "counts": counts, "load_average_at_start": load,
+                              "wall_s": wall, "cpu_s": cpu, "counts": counts, "failed": failed, "load_average_at_start": load,
                               "fingerprint": machine.fingerprint(torch.device("cpu"), True)})
     return proc.returncode
 

@@ -281,3 +281,16 @@ def test_the_cpu_accuracy_tier_fills_its_recipes_in_order_one_run_at_a_time():
     assert plan({"fast94_next": piece.sides["fast94_next"]}) == {"fast94": 1}
     assert plan({"fast94_next": 99, "fast94": 5}) == {"fast94_muon": 1}
     assert plan({"fast94_next": 99, "fast94": 5, "fast94_muon": 5}) == {"fast94_next_lowres": 1}
+
+
+def test_the_test_time_sentence_names_the_counts_and_each_failed_test():
+    import test_time
+    out = "..F\nFAILED tests/test_cli.py::test_a - AssertionError\n1 failed, 480 passed, 1 skipped in 481.27s\n"
+    assert test_time.outcome_counts(out.splitlines()[-1]) == {"failed": 1, "passed": 480, "skipped": 1}
+    assert test_time.failed_tests(out) == ["tests/test_cli.py::test_a"]
+    record = {"command": "python -m pytest", "exit_status": 1, "wall_s": 481.3, "cpu_s": 608.6,
+              "counts": {"failed": 1, "passed": 480}, "failed": ["tests/test_cli.py::test_a"],
+              "load_average_at_start": 0.39, "fingerprint": {"device_name": "a CPU", "device": "cpu"}}
+    [line] = report.t_tests({"test_time": [record]})
+    assert "took 481 s wall and 609 CPU s (n = 1; 1 failed, 480 passed; exit status 1)" in line
+    assert line.endswith("Failed: `tests/test_cli.py::test_a`.")
