@@ -115,18 +115,18 @@ class GlobalMaxPool(nn.Module):
 
 
 class Whitening(nn.Conv2d):
-    """A frozen k×k convolution whose filters whiten the k×k patches of the first `images` training images (and,
-    with both_signs, their negatives), and a bias that trains until the run detaches it (bias_grad):
+    """Patch whitening with the settings w (cifar10_fast.Whitening): a frozen convolution whose filters whiten the
+    patches of the first w.fit.images training images (and, with both_signs, their negatives), and a bias that trains
+    until the run detaches it (bias_grad):
         filters = eigenvectors of C / sqrt(eigenvalues + eps),  C = P'P / (n - ddof), P the patches (centred or not)"""
 
-    def __init__(self, k, eps, *, both_signs=False, bias=False, bias_init="zero", padding=0, images=10000,
-                 centre=True, ddof=1, decomp="eigh"):
-        super().__init__(3, 3 * k * k * (2 if both_signs else 1), k, padding=padding, bias=bias)
-        self.eps, self.both_signs = eps, both_signs
-        self.images, self.centre, self.ddof, self.decomp = images, centre, ddof, decomp
+    def __init__(self, w):
+        super().__init__(3, 3 * w.size ** 2 * (2 if w.both_signs else 1), w.size, padding=w.pad,
+                         bias=w.bias is not None)
+        self.w, self.images = w, w.fit.images
         self.bias_grad = True           # the run detaches the bias once it has trained (airbench94_muon)
         self.weight.requires_grad_(False)
-        if bias and bias_init == "zero":
+        if w.bias and w.bias.init == "zero":
             nn.init.zeros_(self.bias)
 
     def forward(self, x):
@@ -135,34 +135,28 @@ class Whitening(nn.Conv2d):
 
     @torch.no_grad()
     def fit(self, images):
-        k = self.kernel_size[0]
+        k, fit = self.w.size, self.w.fit
         patches = images[:self.images].float().unfold(2, k, 1).unfold(3, k, 1)          # N,3,H',W',k,k
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
-        if self.centre:
+        if fit.centre:
             patches = patches - patches.mean(0)
-        cov = (patches.T @ patches / (len(patches) - self.ddof)).to(devices.float64_device(images.device),
-                                                                     torch.float64)
-        if self.decomp == "eigh":
+        cov = (patches.T @ patches / (len(patches) - fit.ddof)).to(devices.float64_device(images.device),
+                                                                    torch.float64)
+        if fit.decomp == "eigh":
             eigvals, eigvecs = torch.linalg.eigh(cov)                                   # ascending
             eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
-        elif self.decomp == "svd":
-            eigvecs, eigvals, _ = torch.linalg.svd(cov)                                 # descending
         else:
-            raise ValueError(f"whiten_decomp must be eigh or svd, not {self.decomp!r}")
-        filters = (eigvecs / torch.sqrt(eigvals + self.eps)).T.reshape(-1, 3, k, k)
-        if self.both_signs:
+            eigvecs, eigvals, _ = torch.linalg.svd(cov)                                 # descending
+        filters = (eigvecs / torch.sqrt(eigvals + self.w.eps)).T.reshape(-1, 3, k, k)
+        if self.w.both_signs:
             filters = torch.cat([filters, -filters])
         self.weight.copy_(filters.to(self.weight))
 
 
 def first_layer(w):
-    """The input layer: patch whitening with the settings w (cifar10_fast.Whitening); with none, an ordinary
-    trainable convolution of fastnet's shape (2x2, 24 channels, a bias)."""
-    if w is None:
-        return nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True)
-    return Whitening(w.size, w.eps, both_signs=w.both_signs, bias=w.bias is not None,
-                     bias_init=w.bias.init if w.bias else "zero", padding=w.pad, images=w.fit.images,
-                     centre=w.fit.centre, ddof=w.fit.ddof, decomp=w.fit.decomp)
+    """The input layer: patch whitening with the settings w; with none, an ordinary trainable convolution of
+    fastnet's shape (2x2, 24 channels, a bias)."""
+    return nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True) if w is None else Whitening(w)
 
 
 def widths(net, base):

@@ -25,7 +25,7 @@ def correlated_images(n=300, size=16):
 
 def test_2x2_whitening_with_both_signs_gives_identity_covariance():
     x = correlated_images()
-    w = tb.Whitening(2, eps=1e-6, both_signs=True, bias=True)
+    w = tb.Whitening(cf.Whitening(size=2, pad=0, eps=1e-6, both_signs=True, bias=cf.WhiteningBias()))
     w.fit(x)
     assert w.weight.shape == (24, 3, 2, 2) and not w.weight.requires_grad and w.bias.requires_grad
     out = F.conv2d(x, w.weight)
