@@ -1,6 +1,5 @@
 import json
 import sys
-import time
 import types
 
 import numpy as np
@@ -58,19 +57,32 @@ def test_alternation_spreads_the_peer_runs_evenly():
     assert side_by_side.alternation(0, 2) == ["peer", "peer"] and side_by_side.alternation(2, 0) == ["ours", "ours"]
 
 
-def fake_airbench(load_s, build_s):
+class VirtualClock:
+    """Stands in for side_by_side's time module: its seconds pass only when sleep says so, whatever the load."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+def fake_airbench(load_s, build_s, clock):
     """A stand-in for the airbench package, shaped like it: train94 (lib_airbench94) runs airbench.utils.train,
-    which builds the model (build_s) and loads the test set from disk (load_s) inside itself."""
+    which builds the model (build_s on clock) and loads the test set from disk (load_s) inside itself."""
     calls = []
 
     class CifarLoader:
         def __init__(self, path, train=True, batch_size=500, aug=None, altflip=False):
-            time.sleep(0 if train else load_s)
+            clock.sleep(0 if train else load_s)
             self.train, self.batch_size, self.aug, self.altflip = train, batch_size, aug, altflip
 
     def train(train_loader, verbose=True):
         test_loader = utils.CifarLoader("cifar10", train=False, batch_size=2000)
-        time.sleep(build_s)
+        clock.sleep(build_s)
         calls.append(("train", train_loader, test_loader, verbose))
         return "model"
 
@@ -84,13 +96,15 @@ def fake_airbench(load_s, build_s):
                                  evaluate=evaluate), calls
 
 
-def test_the_peers_clock_holds_its_model_construction_but_not_its_test_set_load():
-    airbench, calls = fake_airbench(load_s=0.5, build_s=0.05)
+def test_the_peers_clock_holds_its_model_construction_but_not_its_test_set_load(monkeypatch):
+    clock = VirtualClock()
+    monkeypatch.setattr(side_by_side, "time", clock)
+    airbench, calls = fake_airbench(load_s=0.5, build_s=0.05, clock=clock)
     loader, test_loader = side_by_side.peer_loaders(airbench, "94")
     assert (loader.batch_size, loader.aug, loader.altflip, test_loader.train) == (1024, {"flip": True, "translate": 2},
                                                                                   True, False)
     r = side_by_side.time_peer(airbench, "94", loader=loader, test_loader=test_loader, sync=lambda: None)
-    assert 0.05 <= r["time"] < 0.5 and r["final_acc"] == 0.9401
+    assert r["time"] == pytest.approx(0.05, abs=1e-9) and r["final_acc"] == 0.9401
     (_, trained_on, tested_on, verbose), evaluation = calls
     assert trained_on is loader and tested_on is test_loader and not verbose
     assert evaluation == ("evaluate", "model", test_loader, 2)               # its own default TTA level
