@@ -15,6 +15,7 @@ import math
 import multiprocessing
 import os
 import tempfile
+import warnings
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -272,10 +273,11 @@ TOP, LEFT, HEIGHT, WIDTH, IMAGE_H, IMAGE_W, FLIP, LABEL, PIXEL_ROW = range(9)   
 CONSTANTS = np.array([MEAN, STD, (0.299, 0.587, 0.114)], np.float32)          # normalisation, and grey's weights
 
 
-def batch_index(data, draws, idx):
+def batch_index(data, draws, idx, shapes):
     """The small host arrays of the batch of positions idx: an int64 (9, n) index (TOP ... PIXEL_ROW: its box, its
-    image's shape, flip, label, row of pixels) and, with jitter, its float32 (3, n) factors."""
-    h, w = data.shapes("train")
+    image's shape, flip, label, row of pixels) and, with jitter, its float32 (3, n) factors. shapes:
+    data.shapes("train"), read once an epoch (a gather over every training row)."""
+    h, w = shapes
     pixel = idx if data.pixel_rows is None else data.pixel_rows[idx]
     index = np.stack([*draws.boxes[idx].T, h[idx], w[idx], draws.flips[idx], data.train_y[idx], pixel])
     return (index,) if draws.factors is None else (index, np.ascontiguousarray(draws.factors[idx].T))
@@ -312,7 +314,6 @@ def crop_resize_images(images, boxes, res, *, dtype=torch.float32):
     width on the images' device) resized to res x res with F.interpolate's (and PIL's) antialiased bilinear filter,
     as float NCHW. The images are padded into one batch (a nested tensor), and the filter's separable weights
     (filter_matrix) make the crop and resize two batched matrix products in `dtype` (devices.resize_dtype)."""
-    import warnings
     with warnings.catch_warnings():     # nested tensors of two ragged dimensions are a prototype: only this layout
         warnings.simplefilter("ignore", UserWarning)
         x = torch.nested.nested_tensor(images).to(dtype).to_padded_tensor(0.0)
@@ -475,7 +476,8 @@ def train_batches(data, augment, draws, *, res, batch_size, device, dtype):
     throughput benchmark reads the same batches."""
     bs, memory_format = batch_size, devices.memory_format(device)
     order = [draws.perm[i * bs:(i + 1) * bs] for i in range(len(draws.perm) // bs)]
-    smalls = [batch_index(data, draws, idx) for idx in order]
+    shapes = data.shapes("train")
+    smalls = [batch_index(data, draws, idx, shapes) for idx in order]
     constants = devices.to_device(CONSTANTS, device)
     if data.store.format == "raw":
         batches = ((crop_resize(xb.permute(0, 3, 1, 2).float(), small[0], res), small)

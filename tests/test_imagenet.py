@@ -660,7 +660,7 @@ def test_streamed_batches_equal_indexed_batches(raw_store):
     data = idt.place(ims.open_store(raw_store), torch.device("cuda"), where="host")
     draws = idt.draw_epoch(data, inf.recipe("tiny").augment, torch.Generator().manual_seed(0))
     order = [draws.perm[i:i + 16] for i in range(0, len(draws.perm) - 15, 16)]
-    smalls = [idt.batch_index(data, draws, idx) for idx in order]
+    smalls = [idt.batch_index(data, draws, idx, data.shapes("train")) for idx in order]
     for idx, (x, small) in zip(order, idt.gathered(data, smalls, device=torch.device("cuda"))):
         assert torch.equal(x.cpu(), data.pixels[idx]) and np.array_equal(small[0][idt.LABEL].cpu(), data.train_y[idx])
 
@@ -789,8 +789,9 @@ def test_a_rank_reads_only_its_share_of_a_raw_store_in_place(raw_store, monkeypa
     assert np.shares_memory(data.pixels.numpy(), s.train.data) and len(data.train_rows) == 24
     assert data.val_rows.tolist() == list(range(8, 16))
     draws = idt.draw_epoch(data, inf.recipe("tiny").augment, torch.Generator().manual_seed(0))
-    batches = list(idt.gathered(data, [idt.batch_index(data, draws, draws.perm[i:i + 8]) for i in range(0, 24, 8)],
-                                device=torch.device("cpu")))
+    shapes = data.shapes("train")
+    smalls = [idt.batch_index(data, draws, draws.perm[i:i + 8], shapes) for i in range(0, 24, 8)]
+    batches = list(idt.gathered(data, smalls, device=torch.device("cpu")))
     rows = data.train_rows[draws.perm]
     assert torch.equal(torch.cat([x for x, _ in batches]), torch.from_numpy(s.train_pixels()[rows]))
     assert torch.equal(torch.cat([small[0][idt.LABEL] for _, small in batches]), torch.from_numpy(s.train.labels[rows]))
