@@ -494,11 +494,8 @@ def device_data(arrays, r, ctx, device, *, dtype, stats):
 
 def network(r, device, *, compile_mode=None, ctx=None, num_classes=10):
     """(net, forward) built once a process, re-initialised by every run: forward is net in DDP under torchrun, and
-    torch.compile'd with compile_mode (with r.compile_step, as WithLoss); (None, None) when neither applies (each
-    run builds its own)."""
+    torch.compile'd with compile_mode (with r.compile_step, as WithLoss)."""
     distributed = ctx is not None and ctx.distributed
-    if not (compile_mode or distributed):
-        return None, None
     net = tb.build_model(r, device, memory_format=devices.memory_format(device), num_classes=num_classes)
     forward = D.register_comm_hook(D.wrap_ddp(net, ctx, ctx.bucket_mb), ctx.hook) if distributed else net
     if compile_mode:
@@ -682,7 +679,8 @@ def build(r, arrays, o, *, ctx, stats=None):
     dtype = devices.compute_dtype(device, o.precision)
     data = {**device_data(arrays, r, ctx, device, dtype=dtype, stats=stats), "stats": stats}
     flops = tb.count_flops(r, {**data, "train_labels": torch.empty(len(arrays["train_labels"]))})
-    net, forward = network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data.get("num_classes", 10))
+    net, forward = (network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data.get("num_classes", 10))
+                    if o.compile or ctx.distributed else (None, None))      # otherwise each run builds its own
     if not devices.is_cpu(device) or o.compile:
         devices.autotune(device)
         what = "compiling every graph the runs meet (torch.compile)" if o.compile else "cuDNN's autotuning"

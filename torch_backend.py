@@ -16,14 +16,14 @@ from cifar_data import low_resolution, pair, run_steps
 # ---------------------------------------------------------------------------------------------
 
 class BatchNorm(nn.BatchNorm2d):
-    """Batch norm with Myrtle's frozen scale (only the bias learns) and ghost batches: training statistics over
-    groups of ghost_batch images (image i in group i mod n/ghost_batch: a view, as random as contiguous groups of
-    shuffled data), the running statistics their average."""
+    """Batch norm of c channels with the settings bn (cifar10_fast.BatchNorm): Myrtle's frozen scale (only the bias
+    learns) and ghost batches: training statistics over groups of ghost_batch images (image i in group i mod
+    n/ghost_batch: a view, as random as contiguous groups of shuffled data), the running statistics their average."""
 
-    def __init__(self, c, *, freeze_scale=False, ghost_batch=0, momentum=0.1, eps=1e-5):
-        super().__init__(c, eps=eps, momentum=momentum)
-        self.ghost_batch = ghost_batch
-        self.weight.requires_grad_(not freeze_scale)
+    def __init__(self, c, bn):
+        super().__init__(c, eps=bn.eps, momentum=bn.momentum)
+        self.ghost_batch = bn.ghost_batch
+        self.weight.requires_grad_(not bn.freeze_scale)
 
     def forward(self, x):
         g, n = self.ghost_batch, len(x)
@@ -45,11 +45,6 @@ class BatchNorm(nn.BatchNorm2d):
             self.running_mean.lerp_(mean.float().mean((0, 1)).flatten(), self.momentum)
             self.running_var.lerp_(var.float().mean((0, 1)).flatten() * count / (count - 1), self.momentum)
         return torch.addcmul(shift.to(x.dtype), xs, scale.to(x.dtype)).flatten(0, 1)
-
-
-def batch_norm(c, bn):
-    """BatchNorm of c channels with the settings bn (cifar10_fast.BatchNorm)."""
-    return BatchNorm(c, freeze_scale=bn.freeze_scale, ghost_batch=bn.ghost_batch, momentum=bn.momentum, eps=bn.eps)
 
 
 ACTIVATIONS = {"relu": lambda net: nn.ReLU(inplace=True), "celu": lambda net: nn.CELU(net.celu_alpha),
@@ -76,7 +71,7 @@ def conv(c_in, c_out, net, kernel=3):
 def conv_bn(c_in, c_out, r, *, pool=False, kernel=3):
     """conv -> batch norm -> activation, with an optional 2x2 max-pool after it, or moved to straight after the conv
     (net.pool_first), which does the same maths on 4x fewer pixels."""
-    layers = [conv(c_in, c_out, r.network, kernel), batch_norm(c_out, r.batch_norm), activation(r.network)]
+    layers = [conv(c_in, c_out, r.network, kernel), BatchNorm(c_out, r.batch_norm), activation(r.network)]
     if pool:
         layers.insert(1 if r.network.pool_first else 3, nn.MaxPool2d(2))
     return nn.Sequential(*layers)
@@ -153,12 +148,6 @@ class Whitening(nn.Conv2d):
         self.weight.copy_(filters.to(self.weight))
 
 
-def first_layer(w):
-    """The input layer: patch whitening with the settings w; with none, an ordinary trainable convolution of
-    fastnet's shape (2x2, 24 channels, a bias)."""
-    return nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True) if w is None else Whitening(w)
-
-
 def widths(net, base):
     return [max(1, round(c * net.width)) for c in base]
 
@@ -179,7 +168,7 @@ def resnet9(r, num_classes=10):
     whitening layer and a 1x1 conv (Myrtle)."""
     c0, c1, c2, c3 = widths(r.network, (64, 128, 256, 512))
     if r.whitening:
-        white = first_layer(r.whitening)
+        white = Whitening(r.whitening)
         prep = nn.Sequential(white, conv_bn(white.out_channels, c0, r, kernel=1))
     else:
         prep = conv_bn(3, c0, r)
@@ -200,8 +189,8 @@ def conv_group(c_in, c_out, r):
     second conv-BN-act and a third conv-BN form a residual branch added before the last activation:
     x <- act(x + BN(conv(act(BN(conv(x))))))."""
     net, bn = r.network, r.batch_norm
-    first = [conv(c_in, c_out, net), nn.MaxPool2d(2), batch_norm(c_out, bn), activation(net)]
-    unit = lambda: [conv(c_out, c_out, net), batch_norm(c_out, bn)]
+    first = [conv(c_in, c_out, net), nn.MaxPool2d(2), BatchNorm(c_out, bn), activation(net)]
+    unit = lambda: [conv(c_out, c_out, net), BatchNorm(c_out, bn)]
     if net.block_depth == 2:
         return nn.Sequential(*first, *unit(), activation(net))
     if net.block_depth == 3:
@@ -212,7 +201,8 @@ def conv_group(c_in, c_out, r):
 def fastnet(r, num_classes=10):
     """The three-block network of Jordan (2024): patch whitening and its activation, three conv groups of
     block_widths channels (each halves the resolution), global max-pool, linear, logits x output_scale."""
-    white = first_layer(r.whitening)
+    # without whitening: a trainable convolution of the whitening layer's shape (2x2 filters, 24 channels)
+    white = Whitening(r.whitening) if r.whitening else nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True)
     layers, c = [white, activation(r.network, r.whitening.act if r.whitening else "")], white.out_channels
     for w in widths(r.network, r.network.block_widths):
         layers.append(conv_group(c, w, r))
@@ -227,7 +217,7 @@ class PreActBlock(nn.Module):
 
     def __init__(self, c_in, c_out, stride, r):
         super().__init__()
-        self.bn1, self.bn2 = batch_norm(c_in, r.batch_norm), batch_norm(c_out, r.batch_norm)
+        self.bn1, self.bn2 = BatchNorm(c_in, r.batch_norm), BatchNorm(c_out, r.batch_norm)
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.act = activation(r.network)
@@ -291,21 +281,18 @@ def fit_whitening(model, train_images, size):
 # ---------------------------------------------------------------------------------------------
 
 def tta_views(x, mode, weights="airbench"):
-    """(weight, view) pairs whose weighted logits make the prediction: flip, the image and its mirror at 1/2;
-    flip_translate (Jordan 2024), those at 1/4 and the image shifted a pixel up-left and down-right (reflect-padded)
-    with their mirrors at 1/8; weights="equal", every view alike (the 2-second record)."""
-    if mode == "none":
-        views = [(1.0, x)]
-    elif mode == "flip":
-        views = [(0.5, x), (0.5, x.flip(3))]
-    elif mode == "flip_translate":
+    """(weight, view) pairs whose weighted logits make the prediction: flip, the image and its mirror; flip_translate
+    (Jordan 2024), also the image shifted a pixel up-left and down-right (reflect-padded) and their mirrors. Weights
+    "airbench": the image and its mirror count twice each shifted view; "equal" (the 2-second record): alike."""
+    if mode not in ("none", "flip", "flip_translate"):
+        raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
+    views = [x] if mode == "none" else [x, x.flip(3)]
+    if mode == "flip_translate":
         h, w = x.shape[-2:]
         padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
-        shifted = [padded[..., :h, :w], padded[..., 2:, 2:]]
-        views = [(0.25, x), (0.25, x.flip(3))] + [(0.125, v) for s in shifted for v in (s, s.flip(3))]
-    else:
-        raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
-    return [(1 / len(views), v) for _, v in views] if weights == "equal" else views
+        views += [v for shifted in (padded[..., :h, :w], padded[..., 2:, 2:]) for v in (shifted, shifted.flip(3))]
+    counts = [2 if i < 2 and weights == "airbench" else 1 for i in range(len(views))]
+    return [(c / sum(counts), v) for c, v in zip(counts, views)]
 
 
 def logits_of(model, x, memory_format=torch.contiguous_format):

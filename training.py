@@ -115,18 +115,16 @@ class LookaheadAverage:
         self.momentum, self.every = momentum, every
 
     @torch.no_grad()
-    def update(self, model, step, total_steps, decay=None):
-        if decay is None:
-            if step % self.every:
-                return
-            decay = self.momentum ** self.every * (step / total_steps) ** 3
-        fast = float_state(model)
-        torch._foreach_lerp_(self.slow, fast, 1 - decay)
-        torch._foreach_copy_(fast, self.slow)
+    def update(self, model, step, total_steps):
+        if step % self.every == 0:
+            fast = float_state(model)
+            torch._foreach_lerp_(self.slow, fast, 1 - self.momentum ** self.every * (step / total_steps) ** 3)
+            torch._foreach_copy_(fast, self.slow)
 
+    @torch.no_grad()
     def finish(self, model):
-        """The hand-over, after the last scheduled update (airbench94)."""
-        self.update(model, 0, 1, decay=1.0)
+        """The hand-over, after the last scheduled update (airbench94): the slow weights end the run."""
+        torch._foreach_copy_(float_state(model), self.slow)
 
     def state_dict(self):
         return self.slow

@@ -73,7 +73,7 @@ def test_bf16_and_float32_paths_agree():
 
 def test_ghost_batch_norm_uses_per_group_statistics():
     torch.manual_seed(0)
-    bn = tb.BatchNorm(4, ghost_batch=8)
+    bn = tb.BatchNorm(4, cf.BatchNorm(ghost_batch=8))
     x = torch.randn(32, 4, 5, 5) * 3 + 1
     y = bn(x)
     s = 32 // 8
@@ -92,7 +92,7 @@ def test_ghost_batch_norm_makes_no_copy_of_a_channels_last_batch():
     """On a GPU batches are channels_last; a reshape to (g, s·c, h, w) would copy them (and back)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     torch.manual_seed(0)
-    bn = tb.BatchNorm(4, ghost_batch=8)
+    bn = tb.BatchNorm(4, cf.BatchNorm(ghost_batch=8))
     twin = copy.deepcopy(bn)
     x = (torch.randn(32, 4, 5, 5) * 3 + 1).requires_grad_()
     last = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()

@@ -117,8 +117,8 @@ def test_lookahead_matches_its_formula():
     fast = model.weight.detach().clone()
     la.update(model, 4, 10)                                               # not a multiple of every: nothing
     torch.testing.assert_close(la.slow[0], slow)
-    la.update(model, 5, 10, decay=0.7)
-    expected = slow + 0.3 * (fast - slow)
+    la.update(model, 5, 10)                                               # decay 0.95^5 x (5 / 10)^3
+    expected = slow + (1 - 0.95 ** 5 / 8) * (fast - slow)
     torch.testing.assert_close(la.slow[0], expected)
     torch.testing.assert_close(model.weight.detach(), expected)           # fast weights restart from slow
     with torch.no_grad():
@@ -226,10 +226,14 @@ def test_lookahead_runs_its_last_scheduled_update_before_the_hand_over(monkeypat
     decays = []
 
     class Recording(T.LookaheadAverage):
-        def update(self, model, step, total_steps, decay=None):
-            if decay is not None or step % self.every == 0:
-                decays.append(decay if decay is not None else self.momentum ** self.every * (step / total_steps) ** 3)
-            super().update(model, step, total_steps, decay)
+        def update(self, model, step, total_steps):
+            if step % self.every == 0:
+                decays.append(self.momentum ** self.every * (step / total_steps) ** 3)
+            super().update(model, step, total_steps)
+
+        def finish(self, model):
+            decays.append(1.0)
+            super().finish(model)
     monkeypatch.setattr(T, "LookaheadAverage", Recording)
     r = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=2)      # 5 steps an epoch, 10 in all
     train_once(r, tiny_data(80), target=2.0)
