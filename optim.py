@@ -176,7 +176,7 @@ class LARS(torch.optim.Optimizer):
 
 def alpha_sgd(epoch, beta_center, beta_period):
     """Akiba et al. 2017 sec. 3.1: the share of SGD in the RMSprop-to-SGD update at a (fractional) epoch e, an
-    ELU-shaped curve (c = beta_center, p = beta_period; our reading of the paper's description):
+    ELU-shaped curve (c = beta_center, p = beta_period; our reading of the paper, not checked against its text):
         alpha = 1/2 * exp(2 * (e - c) / p)    e < c
         alpha = 1/2 + (e - c) / p             c <= e < c + p/2
         alpha = 1                             otherwise
