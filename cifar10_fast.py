@@ -523,11 +523,9 @@ class WithLoss(torch.nn.Module):
 
 
 def warmup(r, data, *, device, dtype, ctx, net=None, forward=None):
-    """Runs, before any clock, what a timed run meets, so that cuDNN's autotuning, kernel and library loading and
-    torch.compile happen outside it: the whitening fit, a step at every training resolution with the whitening bias
-    trained and detached, and every evaluation (plain, and with the recipe's TTA) in both states of the bias; on
-    `net` (which every run re-initialises) or a throwaway network, with generators of its own, at a rate that moves
-    nothing measurable. Under torchrun the bias is never detached (train_run)."""
+    """Runs off the clock what a timed run meets (cuDNN autotuning, library loading, torch.compile): the whitening
+    fit, a step at each training resolution and every evaluation (plain, TTA) with the whitening bias trained and
+    detached (under torchrun never detached), on `net` or a throwaway network at a rate that moves nothing."""
     memory_format = devices.memory_format(device)
     net = net if net is not None else tb.build_model(r, device, memory_format=memory_format,
                                                       num_classes=data.get("num_classes", 10))
@@ -535,7 +533,7 @@ def warmup(r, data, *, device, dtype, ctx, net=None, forward=None):
     tb.fit_whitening(net, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # cuSOLVER
     opts = make_optimizers(net, r, 1, ctx.world_size)
     set_lr(opts, 1e-9)
-    gen = devices.generator(device, 0)
+    gen = devices.generator(device, 0)  # a generator of its own: the runs' random streams stay as they were
     flip_base = cd.flip_bits(len(data["train_labels"]), gen, device)
     states = (True, False) if tb.whitening_biases(net) and not ctx.distributed else (True,)
     for epoch in dict.fromkeys((0, r.augment.low_res_epochs if r.augment.low_res else 0)):    # each resolution

@@ -173,9 +173,7 @@ def num_classes(arrays):
 
 def channel_stats(images, chunk=1 << 20):
     """Per-channel mean and standard deviation (0..255 scale) of uint8 (N, H, W, C) images, from each channel's
-    histogram (a fraction of a second for CIFAR-10, and no float copy of the images), rounded to 0.001: the
-    precision of CIFAR-10's constants MEAN and STD, which its statistics then equal exactly, so that CIFAR-10
-    trains bit for bit as it did with them."""
+    histogram (no float copy of the images), rounded to 0.001."""
     pixels = images.reshape(-1, images.shape[-1])
     counts = np.zeros((pixels.shape[1], 256))
     for i in range(0, len(pixels), chunk):
@@ -184,6 +182,7 @@ def channel_stats(images, chunk=1 << 20):
     values, n = np.arange(256.0), counts.sum(1)
     mean = counts @ values / n
     std = np.sqrt(counts @ values ** 2 / n - mean ** 2)
+    # 0.001: the precision of CIFAR-10's MEAN and STD, which its statistics then equal exactly (bit-for-bit training)
     return tuple(np.round(mean, 3).tolist()), tuple(np.round(std, 3).tolist())
 
 
@@ -201,17 +200,9 @@ def write_cache(path, d):
 
 
 def load(path="data", dataset=None, *, download_ok=True, archive=None, url=None, progress=True):
-    """A dataset as four numpy arrays (images uint8 NHWC, labels uint8 or int64).
-
-    `path` is a .npz file with train_images/train_labels/test_images/test_labels (any image classification data:
-    see check_arrays), an unpacked folder of the official pickles (`cifar-10-batches-py/`, `cifar-100-python/`),
-    or a data folder. In a data folder the dataset's cache file is used if present; otherwise its official
-    archive is read (downloaded first if absent), verified, and the arrays are cached there as one uncompressed
-    .npz. `dataset` (cifar10, cifar100) says which one a folder holds (cifar10 when None) and, for a .npz, that it
-    is that dataset, checked as such (labels, image size); a .npz without it is data of one's own, whose labels
-    say how many classes there are. `archive` and `url` replace its archive's name, size and md5, and its
-    address (for tests).
-    """
+    """Four numpy arrays (images uint8 NHWC, labels uint8 or int64) from `path`: a .npz (check_arrays), a folder of
+    the official pickles, or a data folder (its cache, else its official archive, downloaded if absent). `dataset`: a
+    folder's (None: cifar10) or what a .npz must be (None: one's own); `archive`, `url`: for tests."""
     p = Path(path)
     if p.suffix == ".npz":
         if not p.is_file():

@@ -15,12 +15,8 @@ import time
 
 
 class Timer:
-    """Wall-clock timer with an optional device synchronise, called before every reading.
-
-    `timer()` returns the seconds since the previous call; `include=True` also adds them to
-    `timer.total`, so work between readings that must not count (evaluation) is left out by
-    calling `timer(include=False)` after it.
-    """
+    """Wall-clock timer that synchronises the device before every reading: timer() returns the seconds since the
+    previous call and adds them to timer.total unless include=False (work that must not count, such as evaluation)."""
 
     def __init__(self, synchronize=None):
         self.synchronize = synchronize or (lambda: None)
@@ -44,10 +40,9 @@ def square_grid(world):
 
 
 class Progress:
-    """The steps of one epoch on stderr, once the epoch looks long: after each step the epoch's time is projected from
-    the steps so far, and from the first projection above after_s seconds on it is shown, as tqdm's bar on a
-    terminal or elsewhere (a log file, a pipe) a line at most every `every_s` seconds in tqdm's format (steps,
-    elapsed<left, rate). It counts steps on the host, so it never waits for the device."""
+    """The steps of one epoch on stderr once the epoch's projected time passes after_s seconds: tqdm's bar on a
+    terminal, elsewhere a line in tqdm's format at most every `every_s` seconds. It counts steps on the host, never
+    waiting on the device."""
     every_s = 30.0
 
     def __init__(self, total, desc, after_s=5.0, file=None):
@@ -200,10 +195,9 @@ class UsageError(ValueError):
 
 
 def die_with_parent(parent, ignore_interrupt=False):
-    """In a child process: end when the process `parent` (its pid, read by the parent: a parent killed before the
-    child runs this leaves the child another parent) ends, even by SIGKILL, which leaves it no chance to stop its
-    children (Linux's PR_SET_PDEATHSIG; elsewhere a thread that watches the parent's pid). ignore_interrupt: Ctrl-C
-    is the parent's to handle (a worker's traceback would only bury its one line)."""
+    """In a child process: end when the process `parent` ends, even by SIGKILL (Linux's PR_SET_PDEATHSIG; elsewhere a
+    thread that watches its pid); its pid is read by the parent, since the child's parent may by then be another.
+    ignore_interrupt: Ctrl-C is the parent's to handle."""
     if ignore_interrupt:
         import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -52,15 +52,9 @@ class Context:
 
 
 def init_from_env(device=None, backend=None, timeout_minutes=None):
-    """The Context of this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK, joining the process group.
-
-    Without those variables (plain `python script.py`) it is one process and no process group, so the same
-    script runs unchanged; but several SLURM tasks without them are `srun python script.py`, N independent
-    full runs writing the same files, and stop here with the command to use. nccl for CUDA devices, gloo
-    otherwise; MASTER_ADDR / MASTER_PORT come from torchrun. "cuda" means this rank's GPU, cuda:LOCAL_RANK.
-    timeout_minutes bounds every collective (the default is torch's; raise it for slow starts, e.g. ranks that
-    first copy the store to a local disk).
-    """
+    """The Context of this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK, joining the process group (nccl
+    for CUDA, else gloo); without them, one process and no group (several SLURM tasks stop with the command to use).
+    "cuda" means cuda:LOCAL_RANK; timeout_minutes bounds every collective (None: torch's default)."""
     if "RANK" not in os.environ:
         tasks = int(os.environ.get("SLURM_NTASKS", "1"))
         if tasks > 1:
@@ -84,14 +78,9 @@ def init_from_env(device=None, backend=None, timeout_minutes=None):
 
 
 def attempt_store(rank, timeout):
-    """The store of this attempt's process group, fresh for every attempt of a torchrun job.
-
-    torchrun's agent shares its rendezvous store with the workers it starts, and keeps it across restarts: workers
-    restarted by --max-restarts would read the killed attempt's addresses from it and fail to connect (PyTorch issue
-    135712). So rank 0 serves a new store of its own, on a free port, and leaves its address in the agent's store;
-    the other ranks read it there and connect. An address left by an earlier attempt points at a rank 0 that is gone
-    (torchrun stops every worker before it restarts any), so connecting to it fails and they read again.
-    """
+    """The store of this attempt's process group, fresh for every attempt of a torchrun job: rank 0 serves it and
+    leaves its address in the agent's store, whose own addresses go stale across --max-restarts (PyTorch issue
+    135712); an address left by an earlier attempt fails to connect, and is read again."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent = dist.TCPStore(host, port, is_master=False, timeout=timeout)
     key = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/group_store"
@@ -161,11 +150,8 @@ def leave_together(ctx):
 
 
 def shard(n, rank, world):
-    """The index range of rank's contiguous shard of n items (a device-resident dataset, or one global batch).
-
-    The n % world leftover items are dropped, so that every rank runs the same number of steps: a rank with
-    one more batch would wait forever in DDP's allreduce.
-    """
+    """The index range of rank's contiguous shard of n items (a device-resident dataset, or one global batch); the
+    n % world left over are dropped, as a rank with one more batch would wait forever in DDP's allreduce."""
     per = n // world
     return range(rank * per, (rank + 1) * per)
 
@@ -177,14 +163,9 @@ def part(n, rank, world):
 
 
 def stratified_share(labels, rank, world, seed=0):
-    """The sorted indices of rank's share of a training set whose items have these labels: a seeded random
-    partition into world disjoint shares of n // world items, stratified by class, so every rank holds every
-    class in proportion (±1 item), whatever order the set is stored in (our store is in class order).
-
-    A raw store's shares are fixed for a run, so that each can live in its rank's memory (on its GPU); a JPEG
-    store's are drawn anew each epoch (seed: the run's and the epoch's). Each rank draws its own order of its
-    share. The classes, one after another, each in a random order, are dealt round-robin; the n % world items left
-    over are dropped, so every rank runs the same number of steps."""
+    """The sorted indices of rank's share of a training set with these labels: a seeded partition into world shares
+    of n // world items, classes dealt round-robin in a random order, so every rank holds every class in proportion
+    (±1) whatever the stored order; the n % world left over are dropped, so all ranks run the same steps."""
     labels = np.asarray(labels)
     order = np.random.default_rng(seed).permutation(len(labels))
     order = order[np.argsort(labels[order], kind="stable")]
@@ -192,12 +173,9 @@ def stratified_share(labels, rank, world, seed=0):
 
 
 def wrap_ddp(model, ctx, bucket_mb=25.0, **kwargs):
-    """DistributedDataParallel with a configurable bucket size and gradient_as_bucket_view.
-
-    Gradients are all-reduced in buckets of bucket_mb MB while backward is still running (Goyal et al. sec. 4:
-    overlap communication with the backward pass); gradient_as_bucket_view makes .grad a view into the bucket,
-    saving one gradient-sized copy. Without a process group the model is returned as it is.
-    """
+    """DistributedDataParallel all-reducing buckets of bucket_mb MB while backward runs (Goyal et al. sec. 4), with
+    gradient_as_bucket_view (.grad a view into the bucket: one gradient copy fewer); the model itself without a
+    group."""
     if not ctx.distributed:
         return model
     return DistributedDataParallel(model, device_ids=devices.ddp_device_ids(ctx.device), bucket_cap_mb=bucket_mb,
@@ -205,21 +183,16 @@ def wrap_ddp(model, ctx, bucket_mb=25.0, **kwargs):
 
 
 def rehearse_backward(ddp_model, example):
-    """One forward and backward of `example` through a new DDP model, the gradients then dropped, so that
-    its buckets are laid out as in a model that has trained. After its first backward DDP regroups the
-    gradients into buckets in the order they arrived, and where an element sits in its bucket sets the order
-    in which the ranks' values of it are summed (a ring starts each segment at another rank): with more than
-    two ranks, a resumed run whose first step used the initial layout would drift from the uninterrupted run
-    by rounding. The forward moves batch-norm statistics: the caller loads its state afterwards."""
+    """One forward and backward of `example` through a new DDP model, gradients dropped, so its buckets are laid out
+    as in a trained model: the layout sets the order of the ranks' sums, so a resumed run (beyond two ranks) would
+    drift by rounding. It moves batch-norm statistics: load the state afterwards."""
     ddp_model(example).float().sum().backward()
     ddp_model.zero_grad(set_to_none=True)
 
 
 def save_checkpoint(path, state, ctx):
-    """Rank 0 writes state to path atomically; then every rank waits, so nobody reads a half-written file.
-
-    A crash mid-write leaves the previous checkpoint intact for the elastic restart to resume from.
-    """
+    """Rank 0 writes state to path atomically (a crash mid-write leaves the previous checkpoint); then every rank
+    waits, so nobody reads a half-written file."""
     if ctx.is_main:
         write_atomic(path, lambda tmp: torch.save(state, tmp))
     if ctx.distributed:
@@ -227,19 +200,14 @@ def save_checkpoint(path, state, ctx):
 
 
 def load_checkpoint(path, ctx=None):
-    """The state saved by save_checkpoint, or None if there is none yet (a fresh run).
-
-    Rank 0 alone reads the file and sends it to every rank (broadcast_object_list), so nodes need no shared
-    disk and every rank agrees whether there is a checkpoint; the cost is one pickled copy of the state in
-    every rank's host memory (a few hundred MB for ResNet-50 with momentum and EMA; a model of many GB would
-    want torch.distributed.checkpoint instead). Tensors come back on the CPU whatever device they were saved
-    from: random states must, and load_state_dict moves the rest where it belongs. A file that cannot be
-    read is a DataError of one line, the same on every rank.
-    """
+    """The state saved by save_checkpoint (tensors on the CPU), or None if there is none yet: rank 0 alone reads it
+    and broadcasts it, so nodes need no shared disk and agree whether there is one, at one pickled copy in each
+    rank's host memory. A file that cannot be read is a DataError of one line, the same on every rank."""
     state = error = None
     if ctx is None or ctx.is_main:
         if os.path.exists(path):
             try:
+                # CPU: random states must be there, and load_state_dict moves the rest where it belongs
                 state = torch.load(path, map_location="cpu", weights_only=True)
             except Exception as e:  # whatever reading it raises, the file is no checkpoint
                 error = f"{path}: not a readable checkpoint ({type(e).__name__}: {first_sentence(e)})"
@@ -283,16 +251,10 @@ def use_last_batch_stats(model):
 
 
 def sync_batch_norm_stats(model, ctx, counted=None):
-    """Before validation: every BN's running mean and variance become those of the whole global minibatch.
-
-    Each rank's running stats hold its own last minibatch (use_last_batch_stats). All ranks have the same
-    count n per channel, so the all_reduce mean of the per-rank mean and of E[x^2] = var * (n - 1) / n + mean^2
-    are the global batch's; the global variance is E[x^2] - mean^2, stored unbiased (times N / (N - 1),
-    N = n * world) as PyTorch does. One all_reduce carries every layer's statistics.
-    Exact for each layer's input as the ranks computed it; below the first BN those inputs were normalised
-    with each rank's own batch statistics during training (plain BN, not SyncBatchNorm), as the model trained.
-    `counted` is the model whose training steps counted n, for a copy that never runs them: an EMA of the
-    model, whose statistics (each rank's average of its own last batches) are pooled over ranks the same way.
+    """Before validation: every BN's running mean and variance become those of the global minibatch, pooled in one
+    all_reduce from each rank's last batch (use_last_batch_stats); `counted` is the model whose steps counted n, for a
+    copy that never runs them (an EMA). With n per channel on each rank, N = n * world, and means over the ranks:
+        E[x^2] = var * (n - 1) / n + mean^2,    global var = (E[x^2] - mean^2) * N / (N - 1)
     """
     bns = _batch_norms(model)
     if not ctx.distributed or not bns:
@@ -319,10 +281,9 @@ def sync_batch_norm_stats(model, ctx, counted=None):
 # Communication hooks
 
 def torus_grid(grid, world, local_world=None):
-    """(rows, cols) of the 2D torus over world ranks: grid as given (validated), or by default one row per
-    node (cols = local_world, the node's GPUs, torchrun's LOCAL_WORLD_SIZE), so that each row's
-    reduce-scatter and all-gather stay on the node's own links and only the columns' all-reduce crosses the
-    network; the most square grid when nodes differ in size."""
+    """(rows, cols) of the 2D torus over world ranks: grid as given (validated), else one row per node
+    (cols = local_world, torchrun's LOCAL_WORLD_SIZE), so only the columns' all-reduce crosses the network; the most
+    square grid when nodes differ in size."""
     if grid is None:
         local = local_world or world
         return (world // local, local) if world % local == 0 else square_grid(world)
@@ -350,25 +311,9 @@ class TorusState:
 
 
 def torus_allreduce_hook(state, bucket):
-    """2D-torus all-reduce (Mikami et al. 2018), as a DDP communication hook returning the averaged bucket.
-
-    1. reduce-scatter within the row: each of the cols ranks of a row gets the row's sum of 1/cols of the bucket
-    2. all-reduce along the column: that chunk summed over all rows (messages are 1/cols the size)
-    3. all-gather within the row: every rank gets the whole summed bucket
-    Same bytes per rank as a ring, but 2 (rows + cols - 2) sequential steps instead of 2 (world - 1): the
-    latency term that dominates at thousands of GPUs. The bucket is padded to a multiple of cols, and travels
-    in state.dtype (fp16 or bf16 halve the bytes, as Sony's run did). The reduce-scatter is an all-to-all
-    (chunk j to the row's rank j) and a local sum of the chunks received: the same bytes, and unlike gloo's
-    reduce-scatter it gives a future to chain on.
-
-    Asynchronous: the hook starts the chain and returns its future at once, so backward goes on computing the
-    next buckets; each collective is started (async_op) from the callback of the one before, as PyTorch's
-    PowerSGD hook chains its collectives. Unlike PowerSGD's callbacks, none waits: a waiting callback would
-    hold one of gloo's few worker threads. And each bucket's chain starts after the previous bucket's has
-    finished, so every rank issues the collectives of each group in the same order (gloo completes them in
-    worker threads, in no fixed order; NCCL completes a future as soon as the kernel is queued, so there the
-    whole chain is queued at once and the GPU streams keep the order).
-    """
+    """2D-torus all-reduce (Mikami et al. 2018), an asynchronous DDP communication hook returning the averaged bucket
+    in state.dtype: reduce-scatter along the row, all-reduce down the column, all-gather along the row; a ring's
+    bytes in 2 (rows + cols - 2) sequential steps, not 2 (world - 1)."""
     buf = bucket.buffer()
     n, cols, device = buf.numel(), state.cols, buf.device
     chunk = -(-n // cols)
@@ -380,6 +325,7 @@ def torus_allreduce_hook(state, bucket):
 
     def scatter():
         devices.wait(ready, device)
+        # reduce-scatter as all-to-all plus a local sum: unlike gloo's reduce-scatter, it gives a future to chain on
         return dist.all_to_all_single(received, flat, group=state.row, async_op=True)
 
     def used_here(*tensors):
@@ -398,6 +344,7 @@ def torus_allreduce_hook(state, bucket):
         done.set_result(buf)
 
     along_the_row = lambda: dist.all_gather_into_tensor(flat, part, group=state.row, async_op=True)
+    # after the previous bucket's chain: every rank issues each group's collectives in the same order
     _chain(state.last, [scatter, down_the_column, along_the_row], unpack, done)
     state.last = done
     return done
@@ -410,6 +357,7 @@ def _chain(after, launches, finish, done):
         try:
             fut.value()                     # raises the previous step's error
             if i < len(launches):
+                # chained, not waited on: a waiting callback would hold one of gloo's few worker threads
                 launches[i]().get_future().add_done_callback(lambda f: step(f, i + 1))
             else:
                 finish()
@@ -439,10 +387,9 @@ def comm_hook(name, grid, ctx):
 
 
 def register_comm_hook(ddp_model, hook, grid=None):
-    """Install a gradient communication hook (a name or a CommHook) on a DDP model: none (plain allreduce in
-    fp32), fp16 / bf16 (torch's built-in compression: half the bytes on the wire, as in the ImageNet-in-minutes
-    runs), or torus / torus_fp16 / torus_bf16 (2D-torus all-reduce over a rows x cols grid, default one row
-    per node, gradients in fp32 or compressed)."""
+    """The DDP model with a gradient communication hook (a name or a CommHook) installed: none (fp32 allreduce),
+    fp16 / bf16 (torch's compression: half the bytes), or torus / torus_fp16 / torus_bf16 (torus_allreduce_hook over
+    a rows x cols grid, by default one row per node)."""
     if hook is None:
         return ddp_model
     if isinstance(hook, CommHook):

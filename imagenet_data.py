@@ -40,9 +40,8 @@ STD = (58.395, 57.12, 57.375)
 
 def crop_boxes(heights, widths, *, scale, ratio, generator, tries=10):
     """torchvision's RandomResizedCrop.get_params for n images at once: (n, 4) int64 boxes (top, left, height, width)
-    in each image's pixels. Per image: target area = its area x U(scale), aspect = exp(U(log ratio)); width and
-    height rounded to whole pixels; the first of `tries` draws with 0 < w <= W and 0 < h <= H is placed at a uniform
-    whole-pixel offset; if none fits, the largest centred crop whose aspect is clamped into `ratio`."""
+    in each image's pixels, of area x U(scale) and aspect exp(U(log ratio)): the first of `tries` that fits, at a
+    uniform offset, else the largest centred crop with its aspect clamped into `ratio`."""
     H, W = torch.as_tensor(heights, dtype=torch.int64), torch.as_tensor(widths, dtype=torch.int64)
     n = len(H)
     area = (H * W).double()[:, None] * torch.empty(n, tries, dtype=torch.float64).uniform_(*scale, generator=generator)
@@ -66,10 +65,9 @@ def crop_boxes(heights, widths, *, scale, ratio, generator, tries=10):
 
 
 def val_view(height, width, *, res, crop, max_aspect=2.0):
-    """What validation sees of an image: (box (top, left, height, width) in its pixels, output (height, width)).
-    crop > 0: the centred square of side crop x the shorter side, resized to res x res (FFCV's and torchvision's
-    "resize to res / crop, centre-crop res"); crop 0: the whole image, shorter side res, the longer rounded to a
-    multiple of res // 8 and capped at max_aspect x res (so few shapes exist), orientation kept."""
+    """What validation sees of an image: (box (top, left, height, width) in its pixels, output (height, width));
+    crop > 0: the centred square of side crop x the shorter side at res x res (FFCV, torchvision); crop 0: the whole
+    image at shorter side res, the longer rounded and capped at max_aspect x res (val_shape)."""
     if crop:
         side = crop * min(height, width)
         return ((height - side) / 2, (width - side) / 2, side, side), (res, res)
@@ -85,9 +83,8 @@ def val_view(height, width, *, res, crop, max_aspect=2.0):
 
 def decode_crop(record, *, box, shape, raw_shape=None):
     """The box (top, left, height, width) of one record resized to shape (height, width) with PIL's antialiased
-    bilinear filter: uint8 HWC. A JPEG record is decoded by simplejpeg (libjpeg-turbo) at the smallest of the DCT
-    scales 1, 1/2, 1/4, 1/8 that keeps the box at least as large as the output (as PIL's draft chooses; 4-64x fewer
-    pixels for small crops); raw_shape (h, w) marks a raw record of those pixels."""
+    bilinear filter: uint8 HWC. A JPEG is decoded by simplejpeg at the smallest DCT scale that keeps the box at least
+    as large as the output (as PIL's draft); raw_shape (h, w) marks a raw record of those pixels."""
     top, left, bh, bw = (float(v) for v in box)
     oh, ow = shape
     if raw_shape is not None:
@@ -162,10 +159,9 @@ def staging(data, slot, nbytes):
 
 @dataclass(kw_only=True)
 class Data:
-    """What this process trains and validates on. train_rows / val_rows index the store's splits; under torchrun a
-    raw store's train_rows are this rank's share for the run, a JPEG store's the whole split, of which each epoch
-    deals this rank a new share (shares: (rank, world)). pixels, for a raw store, holds the training squares of
-    train_rows (on the device, in pinned host memory, or the memory-mapped file itself)."""
+    """What this process trains and validates on: train_rows / val_rows index the store's splits (under torchrun a
+    raw store's train_rows are this rank's share, a JPEG store's the whole split, dealt each epoch by shares, its
+    (rank, world)); pixels: a raw store's training squares (on the device, pinned, or memory-mapped)."""
     store: object
     train_rows: np.ndarray
     val_rows: np.ndarray
@@ -190,12 +186,9 @@ class Data:
 
 
 def place(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", workers=None, training=0):
-    """This process's Data: one process takes the whole store. Under torchrun (ctx.distributed) a rank takes its
-    contiguous part of the validation set and, of a raw store, the training images of D.stratified_share (every class
-    in proportion; seeded, fixed for the run, so that they can live on its GPU); of a JPEG store, which stays the
-    memory-mapped file, each epoch's draw deals it a new share (draw_epoch). A raw store's training squares go to the
-    device when asked or when they fit beside `training` bytes (devices.store_place), else stay the memory-mapped
-    file, from which each batch is gathered into pinned buffers."""
+    """This process's Data: the whole store, or under torchrun its part of the validation set and, of a raw store,
+    its fixed D.stratified_share of training images (a JPEG store's is dealt each epoch). Raw training squares go to
+    the device when asked or when they fit beside `training` bytes (devices.store_place), else stay mapped."""
     ctx = ctx or D.Context()
     fixed = ctx.distributed and store.format == "raw"
     train = (D.stratified_share(store.train.labels, ctx.rank, ctx.world_size, seed) if fixed
@@ -312,8 +305,7 @@ def filter_matrix(start, length, size, res):
 def crop_resize_images(images, boxes, res, *, dtype=torch.float32):
     """The GPU decoder's crops, all at once: each CHW uint8 image's box (an int64 (4, n) tensor of top, left, height,
     width on the images' device) resized to res x res with F.interpolate's (and PIL's) antialiased bilinear filter,
-    as float NCHW. The images are padded into one batch (a nested tensor), and the filter's separable weights
-    (filter_matrix) make the crop and resize two batched matrix products in `dtype` (devices.resize_dtype)."""
+    as float NCHW, by two batched matrix products (filter_matrix) in `dtype` over the images padded into one batch."""
     with warnings.catch_warnings():     # nested tensors of two ragged dimensions are a prototype: only this layout
         warnings.simplefilter("ignore", UserWarning)
         x = torch.nested.nested_tensor(images).to(dtype).to_padded_tensor(0.0)
@@ -360,10 +352,9 @@ def handed_over(done, device, tensors):
 
 
 def gathered(data, smalls, *, device):
-    """(uint8 NHWC squares, the batch's small tensors) on the device for each batch's small host arrays (batch_index),
-    from a raw store's pixels: gathered there when they are on the device; from host memory on a GPU, the next batch
-    is gathered into one of two pinned buffers and copied with its small arrays on a side stream while the current
-    one computes."""
+    """(uint8 NHWC squares, the batch's small tensors) on the device for each batch's small host arrays
+    (batch_index), from a raw store's pixels: gathered there when they are on the device; from host memory to a GPU,
+    into two alternating pinned buffers, copied on a side stream while the current batch computes."""
     x = data.pixels
     if devices.same(x.device, device) or not devices.overlaps(device):
         for arrays in smalls:
@@ -396,10 +387,8 @@ def gathered(data, smalls, *, device):
 
 def decoded(data, split, jobs, *, device):
     """(uint8 NHWC batch, its small tensors) on the device for each job (store rows, boxes, output shape, small host
-    arrays), decoded by the worker processes (decoding_pool) into one of STAGED shared staging buffers, the next
-    STAGED - 1 batches while the caller works on this one. On a GPU the batch is copied into one of two pinned buffers
-    and from there, with its small arrays, on a side stream; a buffer is refilled only once its last copy has left
-    it."""
+    arrays), decoded by the worker processes (decoding_pool) into STAGED shared buffers, STAGED - 1 batches ahead; on
+    a GPU copied through two pinned buffers on a side stream, a buffer refilled only once its last copy has left it."""
     pool, side, jobs = decoding_pool(data), devices.side_stream(device), list(jobs)
     pinned, copied, pending = [None, None], [None, None], {}
 
@@ -440,15 +429,14 @@ def decoded(data, split, jobs, *, device):
 
 def gpu_decoded(data, jobs, *, device):
     """(float NCHW crops, the batch's small tensors) on the device for each job (store rows, output side, small host
-    arrays): a batch's whole images nvJPEG-decoded (devices.decode_jpeg) in a thread of their own while the training
-    thread queues the step before (torchvision's batched decode holds its calling thread until the decode ends), then
-    cropped and resized at once (crop_resize_images) on a side stream that the training stream waits for. nvJPEG
-    writes from a stream of its own that waits on nothing (torchvision pull request 9606), so the side stream's work
-    is drained first: nothing queued there can still read the memory it is given."""
+    arrays): the images nvJPEG-decoded (devices.decode_jpeg) in a thread while the training thread queues the step
+    before, then cropped and resized (crop_resize_images) on a side stream the training stream waits for."""
     side, jobs = devices.side_stream(device), list(jobs)
+    # a thread of its own: torchvision's batched decode holds its calling thread until the decode ends
     reader = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
 
     def decode(rows):
+        # nvJPEG's own stream waits on nothing (torchvision pull request 9606): side's queued reads must end first
         devices.drain(side)
         with devices.on_stream(side):
             return devices.decode_jpeg([data.store.train.record(r) for r in rows], device)
@@ -470,10 +458,9 @@ def gpu_decoded(data, jobs, *, device):
 
 
 def train_batches(data, augment, draws, *, res, batch_size, device, dtype):
-    """The training batches of one epoch in the order of draws.perm, each image cropped at its box, resized to res,
-    flipped, jittered and normalised on the device; the last partial batch is dropped. Each batch's small tensors
-    (boxes, flips, labels, jitter factors) come from pinned memory and nothing in it waits for the device. The
-    throughput benchmark reads the same batches."""
+    """The training batches of one epoch in the order of draws.perm (the last partial batch dropped), each image
+    cropped at its box, resized to res, flipped, jittered and normalised on the device; the small tensors come from
+    pinned memory, so nothing waits for the device. The throughput benchmark reads the same batches."""
     bs, memory_format = batch_size, devices.memory_format(device)
     order = [draws.perm[i * bs:(i + 1) * bs] for i in range(len(draws.perm) // bs)]
     shapes = data.shapes("train")

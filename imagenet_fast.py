@@ -81,10 +81,9 @@ def resnet_tiny(num_classes, width, norm=nn.BatchNorm2d):
 
 # Ours, not torch_backend.BatchNorm (CIFAR's): its groups interleave, which micro-batches cannot reproduce
 class GhostBatchNorm(nn.BatchNorm2d):
-    """Batch norm whose training statistics come from consecutive groups of `group` images (ghost batch norm, Hoffer
-    et al. 2017): each group is normalised as one GPU of a many-GPU run normalises its own batch, so a micro-batch
-    of whole groups is normalised as in the one large batch it is part of. The running statistics move towards the
-    groups' average. group 0, or the whole batch: plain batch norm."""
+    """Batch norm with training statistics from consecutive groups of `group` images (ghost batch norm, Hoffer et al.
+    2017), so a micro-batch of whole groups is normalised as in the many-GPU batch it is part of; the running
+    statistics move towards the groups' average. group 0, or the whole batch: plain batch norm."""
     group = 0
 
     def forward(self, x):
@@ -419,9 +418,7 @@ def mikami(name, doc, *, gpus, per_gpu, **changes):
 def fastai(name, doc, *, machines, rows):
     """fast.ai and DIU's run on `machines` AWS machines of 8 V100s (cybertronai/imagenet18, train.py): its phase
     table, rows of (start epoch, end epoch, size, batch per GPU, lr at start, lr at end, smallest crop scale,
-    rectangular validation), each phase validated at its size; torchvision's ResNet-50 with each block's last batch
-    norm at 0, no weight decay on batch norm, no label smoothing, batch norm over each GPU's batch; top-5 93% their
-    target."""
+    rectangular validation), each phase validated at its size; else GOYAL_8K, with batch norm over each GPU's batch."""
     gpus = 8 * machines
     table = sum(((a, b, size, per_gpu * gpus, lr0, lr1, crop, size, rect)
                  for a, b, size, per_gpu, lr0, lr1, crop, rect in rows), ())

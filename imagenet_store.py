@@ -74,12 +74,8 @@ def check_prepare(settings, *, workers=None, shard_size=1000, max_shards=None):
 # ---------------------------------------------------------------------------------------------
 
 def list_split(src, split, classes=None):
-    """(classes, [(path, label)], empty class names) of src/split/<class>/<image>.
-
-    Classes come from train/ (sorted names, as torchvision's ImageFolder numbers them); val/ may
-    lack some of them but must not add new ones. An empty class folder keeps its class index
-    with 0 images (the caller warns), so labels stay the same as in every other tool.
-    """
+    """(classes, [(path, label)], empty class names) of src/split/<class>/<image>: classes are train/'s sorted names,
+    as torchvision's ImageFolder numbers them, which val/ may lack but not add to; an empty class keeps its index."""
     d = Path(src) / split
     if not d.is_dir():
         raise DataError(f"{d}: no such folder (expected {Path(src) / split}/<class>/<image>)")
@@ -218,12 +214,8 @@ def split_key(split, items, settings):
 
 def write_split(dst, split, items, settings, *, workers, shard_size, max_shards, log):
     """Writes dst/<split>.store; returns ((rows, errors) or None when stopped by max_shards, shards written now).
-
-    Shards of shard_size images are encoded in parallel and appended in order to <split>.store.partial, their index
-    rows to <split>.rows.partial; after each, <split>.journal.json records how far the two files are good, so that a
-    run stopped anywhere resumes after the last whole shard (the files are cut back to it). At the end the index
-    and footer are appended and the file renamed: one copy of the data, written once.
-    """
+    Shards are encoded in parallel and appended in order, a journal recording after each how far the files are good,
+    so a stopped run resumes after the last whole shard; the index and footer come last."""
     data_p, rows_p, journal_p = (dst / f"{split}.{suffix}" for suffix in ("store.partial", "rows.partial",
                                                                           "journal.json"))
     key = split_key(split, items, settings)
@@ -280,11 +272,8 @@ def write_split(dst, split, items, settings, *, workers, shard_size, max_shards,
 
 
 def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max_shards=None, log=print):
-    """Builds the store; returns its index dict, or None when stopped by max_shards.
-
-    Bad settings raise UsageError (check_prepare) before anything is written; an interrupted run resumes where it
-    stopped (write_split); the encoding workers end with this process, however it ends.
-    """
+    """Builds the store; returns its index dict, or None when stopped by max_shards. Bad settings raise UsageError
+    before anything is written; an interrupted run resumes (write_split); the workers end with this process."""
     check_prepare(settings, workers=workers, shard_size=shard_size, max_shards=max_shards)
     src, dst = Path(src), Path(dst)
     if not src.is_dir():

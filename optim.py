@@ -25,11 +25,9 @@ MUON_COEFFS = (3.4445, -4.7750, 2.0315)      # Jordan et al. 2024; the 2-second 
 
 
 def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, eps=1e-7, dtype=torch.bfloat16):
-    """Approximately the orthogonal factor U Vᵀ of g = U S Vᵀ (all singular values pushed towards 1),
-    by a quintic Newton–Schulz iteration in `dtype`. The coefficients (Jordan et al. 2024, Muon) trade
-    exactness for speed: five steps leave singular values roughly in [0.7, 1.2].
-    g may be a batch of matrices (..., m, n), each normalised by its own Frobenius norm. Zero rows and
-    columns stay zero through the iteration, so a zero-padded matrix gives the padded result of the matrix."""
+    """Approximately the orthogonal factor U Vᵀ of g = U S Vᵀ, or of each matrix of a batch (..., m, n), by a quintic
+    Newton–Schulz iteration in `dtype` (Jordan et al. 2024: five steps leave singular values roughly in [0.7, 1.2]).
+    Zero rows and columns stay zero, so a zero-padded matrix gives the padded result."""
     a, b, c = coeffs
     x = g.to(dtype)
     tall = x.shape[-2] > x.shape[-1]
@@ -58,9 +56,8 @@ _COMPILED = {}
 
 def compiled(fn, backend="inductor"):
     """fn torch.compile'd once per process and backend, so every Muon of every run shares its graphs. dynamic=False:
-    a graph per set of matrix shapes (one batched, or one per distinct filter bank shape: 4 in fast94_muon, 6 in
-    fast96 with Muon, under dynamo's limit of 8 for one function), all met in the untimed warm-up; dynamic shapes would
-    compile again inside a timed run."""
+    a graph per set of matrix shapes (a few, under dynamo's limit of 8), all met in the untimed warm-up; dynamic
+    shapes would compile again inside a timed run."""
     if (fn, backend) not in _COMPILED:
         _COMPILED[fn, backend] = torch.compile(fn, backend=backend, dynamic=False)
     return _COMPILED[fn, backend]
@@ -68,20 +65,9 @@ def compiled(fn, backend="inductor"):
 
 # Ours: torch.optim.Muon is absent from torch 2.4 (which we support), takes 2-D weights only and averages momentum
 class Muon(torch.optim.Optimizer):
-    """Muon (Jordan et al. 2024): SGD momentum whose update for each weight matrix (a conv filter
-    bank flattened to out × in·k·k) is orthogonalised by newton_schulz, so every direction of the
-    update moves at the same rate. Scaled by sqrt(max(1, rows/cols)) as in the original.
-
-    Options from airbench94_muon and the 2-second record, off by default:
-    - renorm_every (k0, k1): before the update, every k steps, each filter bank is scaled back to the norm
-      sqrt(out channels) (airbench94_muon: every step, k0 = k1 = 1); k grows linearly from k0 to k1 over
-      total_steps (the record: 2 to 17), since late updates are small and the norms drift slowly; 0: never.
-    - weight_decay: decoupled, w ← w·(1 − lr·weight_decay) after the update.
-    - momentum_dtype: the momentum buffer's dtype (fp16 or bf16 halves its memory traffic).
-    - batched: all filter banks orthogonalised in one newton_schulz_padded call.
-    - compile: Newton–Schulz torch.compile'd with compile_backend; None: where devices.compiles_helpers says so
-      (CUDA), eager elsewhere.
-    """
+    """Muon (Jordan et al. 2024): SGD momentum whose update of each weight matrix (a conv bank as out × in·k·k) is
+    orthogonalised by newton_schulz and scaled by sqrt(max(1, rows/cols)); decoupled weight_decay. renorm_every
+    (k0, k1; airbench94_muon): each bank back to norm sqrt(out) every k steps, k linear from k0 to k1 (0: never)."""
 
     def __init__(self, params, lr, *, momentum=0.9, nesterov=True, ns_steps=5, ns_coeffs=MUON_COEFFS,
                  renorm_every=(0, 0), total_steps=1, weight_decay=0.0, momentum_dtype=None, batched=False,
@@ -121,6 +107,7 @@ class Muon(torch.optim.Optimizer):
             else:
                 updates = [ns(u, group["ns_steps"], group["ns_coeffs"]) for u in updates]
             k0, k1 = group["renorm_every"]
+            # k grows: late updates are small and the norms drift slowly
             every = k0 + int((k1 - k0) * group["step"] / group["total_steps"])
             if k0 and group["step"] - group["last_renorm"] >= every:
                 group["last_renorm"] = group["step"]
@@ -145,16 +132,12 @@ def _closure_loss(closure):
 
 # Ours, not timm's Lars: as in You et al., lr goes inside the momentum and 1-D tensors are never adapted (timm: by group)
 class LARS(torch.optim.Optimizer):
-    """Layer-wise Adaptive Rate Scaling, You et al. 2017 (Algorithm 1), with momentum and weight decay.
-
-    For every weight tensor w with gradient g (lr = the global rate gamma, eta = trust_coefficient,
-    beta = weight_decay, m = momentum):
+    """Layer-wise Adaptive Rate Scaling, You et al. 2017 (Algorithm 1): each weight tensor's step is a fraction eta
+    (trust_coefficient) of its norm whatever its gradient's scale, so large batches train at high rates; 1-D tensors
+    (batch-norm, biases) get neither adaptation nor decay. With beta = weight_decay, m = momentum:
         local_lr = eta * ||w|| / (||g|| + beta * ||w||)        (1 where ||w|| or ||g|| is 0)
         v = m * v + lr * local_lr * (g + beta * w)
         w = w - v
-    Each layer's step is then a fixed fraction eta of its weight norm, whatever its gradient's scale: the
-    reason large batches (8K-32K) train at high rates. 1-D tensors (batch-norm scales and shifts, biases) get
-    neither adaptation nor decay (v = m * v + lr * g), as is usual since their norms mean nothing as a scale.
     """
 
     def __init__(self, params, lr, *, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=0.0):
@@ -192,15 +175,11 @@ class LARS(torch.optim.Optimizer):
 
 
 def alpha_sgd(epoch, beta_center, beta_period):
-    """Akiba et al. 2017 sec. 3.1: the share of SGD in the RMSprop-to-SGD update at a (fractional) epoch.
-
-    An ELU-shaped curve: exponential rise to 1/2 at beta_center, then a straight line of slope 1/beta_period
-    up to 1 at beta_center + beta_period / 2, then 1 (pure momentum SGD):
+    """Akiba et al. 2017 sec. 3.1: the share of SGD in the RMSprop-to-SGD update at a (fractional) epoch e, an
+    ELU-shaped curve (c = beta_center, p = beta_period; our reading of the paper, not checked against its text):
         alpha = 1/2 * exp(2 * (e - c) / p)    e < c
         alpha = 1/2 + (e - c) / p             c <= e < c + p/2
         alpha = 1                             otherwise
-    Both pieces meet at c with value 1/2 and slope 1/p, as ELU's do at 0. This is our reading of the paper's
-    description, not yet checked against its text (arXiv:1711.04325 sec. 3.1).
     """
     if epoch < beta_center:
         return 0.5 * math.exp(2 * (epoch - beta_center) / beta_period)
@@ -210,24 +189,13 @@ def alpha_sgd(epoch, beta_center, beta_period):
 
 
 class RMSpropToSGD(torch.optim.Optimizer):
-    """RMSprop warm-up, Akiba et al. 2017 (Preferred Networks, ResNet-50 on ImageNet in 15 minutes, 32K batch).
-
-    Starts as RMSprop, which copes with the early large-batch phase, and slides into momentum SGD, which
-    generalises better, along alpha_sgd(epoch). With g the gradient (+ weight_decay * w), for each element:
-        m = mu2 * m + (1 - mu2) * g^2                                   (RMSprop's mean square)
+    """RMSprop warm-up (Akiba et al. 2017; defaults ours): RMSprop, which copes with the early large batch, slides into
+    momentum SGD along alpha_sgd of the fractional `epoch` set_lr puts in each group; lr_rmsprop is RMSprop's own rate
+    (its steps are about lr an element). Per element, g the gradient + weight_decay * w:
+        m = rms_decay * m + (1 - rms_decay) * g^2
         a = alpha_sgd(epoch, beta_center, beta_period)
-        v = mu1 * v + (lr * a + lr_rmsprop * (1 - a) / (sqrt(m) + eps)) * g
+        v = momentum * v + (lr * a + lr_rmsprop * (1 - a) / (sqrt(m) + eps)) * g
         w = w - v
-    which is the paper's  d = mu1 * d - (a_SGD + a_RMSprop / (sqrt(m) + eps)) * g,  w = w + lr * d  with
-    a_SGD = a and a_RMSprop = (1 - a) * lr_rmsprop / lr, written so that each step's rates go into the buffer
-    with it: when the schedule changes lr, what is already in v keeps the rates it was added with (rescaling
-    it by lr_new / lr_old would, during a warm-up from a small lr, multiply every past RMSprop step). The
-    RMSprop part has its own rate lr_rmsprop because RMSprop's steps are about lr in size per element,
-    whatever the gradient's scale, and the scaled SGD rate (e.g. 0.1 * 32K / 256 = 12.8) would be far too
-    large for it. `epoch` is the training loop's clock, set in each parameter group before every step as a
-    fractional epoch (set_lr does it), so the hand-over stays on time when the batch size, and with it the
-    number of steps per epoch, changes during training. Defaults mu1 = 0.9, mu2 = 0.99, eps = 1e-8,
-    beta_center = 10, beta_period = 5 are our choices, not numbers taken from the paper.
     """
 
     def __init__(self, params, lr, *, lr_rmsprop=1e-3, momentum=0.9, rms_decay=0.99, eps=1e-8, weight_decay=0.0,
@@ -262,6 +230,7 @@ class RMSpropToSGD(torch.optim.Optimizer):
             torch._foreach_mul_(rate, rms)
             torch._foreach_add_(rate, sgd)
             torch._foreach_mul_(v, group["momentum"])
+            # rates enter v with each step, not the paper's lr * d: a change of lr leaves past steps as they were
             torch._foreach_add_(v, torch._foreach_mul(grads, rate))
             torch._foreach_sub_(params, v)
         return loss
@@ -282,12 +251,12 @@ MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def make_optimizers(model, r, steps_per_epoch=1, world=1):
-    """The optimisers of a run of recipe r (set_lr sets their steps from the schedule's lr): SGD on the summed loss
-    of b images a rank of `world`, each group at lr x unit x scale, with units by r.sgd.lr_units (docs/cifar10.md),
-    and Muon (r.muon) for the conv filters at muon.lr x lr / peak:
-        unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum);  decay per step
-        lr x unit x wd x b (myrtle), / peak otherwise;  scale = bias_lr_mult (batch-norm biases), the whitening
-        bias's lr_mult (until its last step: linear to 0 with decay "linear"), 1 (the rest)"""
+    """The optimisers of a run of recipe r (set_lr sets their steps from the schedule's lr): SGD on the summed loss of b
+    images a rank of `world`, in units by r.sgd.lr_units (docs/cifar10.md), and Muon (r.muon) for the conv filters:
+        SGD lr = lr x unit x scale,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
+        decay per step = lr x unit x wd x b (myrtle), / peak otherwise;  Muon lr = muon.lr x lr / peak
+        scale = bias_lr_mult (batch-norm biases), the whitening bias's lr_mult to its last step (to 0 if "linear"), 1
+    """
     sgd = r.sgd
     bs, m, wd, peak = r.batch_size // world, sgd.momentum, sgd.weight_decay, max(r.lr.values)
     unit = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - m))), "sum": world}[sgd.lr_units]

@@ -49,21 +49,10 @@ class Links:
 
 def simulate(gpus, links, *, step_time_s, model_bytes, algorithm="ring", buckets=4, batch_per_gpu=32,
              backward_fraction=2 / 3):
-    """Projected step time, images/s and scaling efficiency of data-parallel training on each GPU count.
-
-    Weak scaling: every GPU keeps batch_per_gpu, so compute stays step_time_s (one GPU's measured or given
-    step) and the gradient all-reduce is added. Backward is the last backward_fraction of compute; the
-    gradient is split into `buckets` equal buckets, bucket i (1..k) is ready at F + i B / k (F forward,
-    B backward) and the buckets are all-reduced one after the other, each taking c = allreduce_time(n / k).
-    The last bucket then finishes at
-        step = F + max(B + c, B / k + k c)
-    (the first term: communication hides behind backward except the last bucket's; the second: communication
-    is the bottleneck and only the first bucket's wait for backward shows). Efficiency = step_time_s / step.
-    Runs that fit in one node (gpus <= links.gpus_per_node) use intra_gbps / intra_latency_us (NVLink); larger
-    runs use link_gbps / latency_us, the bandwidth of the slowest link a ring or tree crosses: a node's network
-    bandwidth, since with ranks placed node by node each node boundary carries one stream (NCCL's rings and
-    trees, and the torus's columns, which split that stream between the node's GPUs). Ignored: the optimizer
-    step, stragglers, congestion, I/O, and the per-message overheads that real libraries add.
+    """Projected step time, images/s and scaling efficiency (step_time_s / step) of weak-scaling data-parallel training
+    on each GPU count, the gradient all-reduced in `buckets` equal buckets in turn as backward frees them, at intra_gbps
+    within a node, else link_gbps (a node's network bandwidth); optimizer, stragglers, congestion and I/O ignored.
+        step = F + max(B + c, B / k + k c)    (F, B: forward, backward; k buckets of c = allreduce_time each)
     """
     rows = []
     n = links

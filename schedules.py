@@ -46,13 +46,9 @@ def slow_start_lr(epoch, peak_lr, epochs=90):
 
 
 def lr_at(r, t):
-    """Learning rate at t epochs of an ImageNet recipe r (its .schedule), per lr_scale_base images or as the optimiser
-    takes it (step_lr): its phase's, linear from the phase's start to its end, when r has a phase table; else a linear
-    warm-up
-    over warmup_epochs from warmup_start x the schedule's rate there (0: from zero; Goyal et al. start from the rate
-    of one 256-image worker) up to it, then the schedule: linear to 0 at the end, cosine to 0, x0.1 at each of
-    step_epochs, or slow_start (Akiba et al.'s 90-epoch schedule stretched to the run: 0.5 x lr for the first 40/90
-    while RMSprop-to-SGD hands over, then 0.075, 0.01 and 0.001 x lr)."""
+    """Learning rate at t epochs of ImageNet recipe r, per lr_scale_base images or as the optimiser takes it
+    (step_lr): linear across its phase when r has a phase table; else a linear warm-up over warmup_epochs from
+    warmup_start x the rate there (0: from zero), then the schedule's decay (decayed_lr)."""
     if r.schedule.phases:
         ph = phase_at(r, t)
         return ph.lr_start + (ph.lr_end - ph.lr_start) * (t - ph.start) / (ph.end - ph.start)
@@ -80,10 +76,8 @@ def decayed_lr(r, t):
 
 
 def res_at(r, epoch):
-    """Training resolution of an epoch (0-based) of an ImageNet recipe r: its phase's, or (its .resolution) min_res
-    until
-    res_start_epoch, linear to max_res at res_end_epoch, rounded to a multiple of res_step (FFCV's progressive
-    resizing)."""
+    """Training resolution of an epoch (0-based) of ImageNet recipe r: its phase's, or min_res until res_start_epoch,
+    linear to max_res at res_end_epoch, rounded to a multiple of res_step (FFCV's progressive resizing)."""
     if r.schedule.phases:
         return phase_at(r, epoch).res
     s = r.resolution
@@ -102,12 +96,9 @@ def batch_at(batch, s, res):
 
 
 class BatchSizeSchedule:
-    """Batch-size control, Mikami et al. 2018 (Sony): the global batch grows during training, per epoch.
-
-    A small batch early keeps accuracy; a large batch later (when the loss landscape is flatter) gives fewer,
-    cheaper-to-synchronise steps. knots = [(0, 16384), (30, 32768), ...]: from each epoch on, that batch size.
-    The learning rate is scaled along with the batch (Goyal's linear rule): lr_scale = batch / first batch.
-    """
+    """Batch-size control (Mikami et al. 2018): knots [(epoch, global batch), ...] from epoch 0, small early to keep
+    accuracy, large later for fewer steps to synchronise; the learning rate scales with the batch (Goyal's linear
+    rule)."""
 
     def __init__(self, knots):
         knots = [(int(e), int(b)) for e, b in knots]
@@ -132,10 +123,9 @@ class BatchSizeSchedule:
 
 
 def batch_for(r, epoch, world=1):
-    """This rank's batch in an epoch of an ImageNet recipe r: its share of the phase's global batch when r has a phase
-    table, else of the batch-size schedule's (Mikami et al. 2018: the global batch grows during training; flattened
-    (epoch, global batch) pairs) if there is one, else batch_at of this rank's share of batch_size, or of batch_size
-    itself with per_gpu_batch (FFCV: each GPU's batch, the global batch growing with the GPUs)."""
+    """This rank's batch in an epoch of ImageNet recipe r: its share of the phase table's global batch, else of the
+    batch-size schedule's (BatchSizeSchedule's knots, flattened), else batch_at of its share of batch_size, or of
+    batch_size itself with per_gpu_batch (FFCV: each GPU's batch)."""
     if r.schedule.phases:
         return per_rank_batch(phase_at(r, epoch).batch, world)
     pairs = r.resolution.batch_schedule

@@ -326,10 +326,9 @@ def tta_logits(model, x, tta, plain=None, *, weights="airbench", memory_format=t
 
 def selective_tta_logits(model, images, tta, fraction, *, batch_size=1000, memory_format=torch.contiguous_format,
                          weights="airbench"):
-    """Selective test-time augmentation (the 2-second record): one plain pass over every image, then the views
-    only for the `fraction` of images the plain pass is least sure of (the lowest top softmax probability);
-    the others keep their plain logits. The plain logits stand for the first view, so the views cost
-    1 + fraction × (views - 1) passes an image, and fraction 1 is full TTA."""
+    """Logits under selective test-time augmentation (the 2-second record): a plain pass, then the views only for the
+    `fraction` of images it is least sure of (lowest top softmax), whose plain logits stand for the first view:
+    1 + fraction × (views - 1) passes an image; fraction 1 is full TTA."""
     plain = batched(lambda x: logits_of(model, x, memory_format), batch_size, images)
     unsure = plain.softmax(1).amax(1).topk(round(fraction * len(images)), largest=False).indices
     logits = plain.clone()
@@ -383,9 +382,8 @@ def set_bias_grad(net, trained):
 
 def count_flops(r, data, *, batch=2):
     """FLOPs of one run of recipe r: every training step (forward and backward, at low_res for the first
-    low_res_epochs) and the final test-time-augmented evaluation (selective: the plain pass and the other views of
-    tta.fraction of the images), counted by torch.utils.flop_counter (convolutions and matmuls) on a small batch and
-    scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
+    low_res_epochs) and the final selective-TTA evaluation, counted by torch.utils.flop_counter (convolutions,
+    matmuls) on a small batch and scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
     from torch.utils.flop_counter import FlopCounterMode
     device = data["test_images"].device
     model = build_model(r, device, num_classes=data.get("num_classes", 10))

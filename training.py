@@ -19,10 +19,9 @@ INTERRUPTED = 75      # EX_TEMPFAIL: stopped on purpose after a checkpoint, resu
 
 
 def run_seeds(seed, rank=0):
-    """The seeds of a run's independent random streams, from numpy's SeedSequence of (seed, stream[, rank]), so that
-    no draw of one depends on another: "init" for the network (torch's global generator; the same on every rank),
-    "order" of the data and its "augment"ation (each rank its own), and "shares", the epochs' shares of the data among
-    the ranks (the same on every rank)."""
+    """The seeds of a run's independent random streams, from numpy's SeedSequence of (seed, stream[, rank]): "init"
+    (the network, torch's global generator) and "shares" (the epochs' shares of the data among the ranks), the same
+    on every rank, and the data's "order" and "augment"ation, each rank its own."""
     draw = lambda *key: int(np.random.SeedSequence([seed, *key]).generate_state(1, np.uint64)[0] >> 1)
     return {"init": draw(0), "order": draw(1, rank), "augment": draw(2, rank), "shares": draw(3)}
 
