@@ -7,7 +7,6 @@ Bad data raises core.DataError with one line naming the file and what is wrong.
 """
 import contextlib
 import io
-import math
 import os
 import pickle
 import sys
@@ -344,21 +343,6 @@ def augment_images(images, r, size, cutout):
 def low_resolution(x, res):
     """x resized to res × res (bilinear, antialiased: each output pixel averages the input it covers)."""
     return F.interpolate(x.float(), size=(res, res), mode="bilinear", antialias=True, align_corners=False).to(x.dtype)
-
-
-def epoch_steps(epochs, steps_per_epoch):
-    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476); epochs may be
-    fractional. Less a hair, so that a product that should be whole (1.1 × 10 = 11.000000000000002) stays so."""
-    return math.ceil(epochs * steps_per_epoch - 1e-9)
-
-
-def run_steps(n_train, batch, epochs):
-    """(steps per epoch, total steps) of a run of `epochs` (fractional: the last epoch is cut short) over n_train
-    images in batches of `batch`; the last partial batch of an epoch is dropped."""
-    steps_per_epoch = n_train // batch
-    if steps_per_epoch == 0:
-        raise ValueError(f"batch size {batch} is larger than the {n_train} training images")
-    return steps_per_epoch, max(1, epoch_steps(epochs, steps_per_epoch))
 
 
 def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import devices
-from cifar_data import epoch_steps
+from training import epoch_steps
 
 
 # ----------------------------------------------------------------------------------------------------------

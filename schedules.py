@@ -2,7 +2,7 @@
 training resolution and batch size of each epoch (progressive resizing, batch-size control) and a batch's share per
 rank, and the phase tables (fast.ai's: epoch ranges, each with its size, batch, rate or ramp, crop scale and
 validation) that every ImageNet schedule is read as, one row per epoch (plan). CIFAR-10's rate is its recipe's own
-(cifar10_fast.LR.at), its steps are its data's (cifar_data.run_steps).
+(cifar10_fast.LR.at), its steps are its data's (training.run_steps).
 
 Nothing here imports torch: each schedule is plain arithmetic on epochs and steps, tested on its own.
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import devices
-from cifar_data import low_resolution, pair, run_steps
+from cifar_data import low_resolution, pair
+from training import run_steps
 
 # ---------------------------------------------------------------------------------------------
 # Models

@@ -1,9 +1,10 @@
 """The parts of a training loop that both scripts share, each loop written out in its own script
-(cifar10_fast.train_run, imagenet_fast.train_run): a run's independent random streams, the step, weight averaging
-(EMA, lookahead), a compiled run's strictness, and the checkpoint an interrupted run resumes from exactly. The clock
-is devices.timer; batch-norm statistics over ranks are distributed.py's.
+(cifar10_fast.train_run, imagenet_fast.train_run): a run's independent random streams and its steps, the step,
+weight averaging (EMA, lookahead), a compiled run's strictness, and the checkpoint an interrupted run resumes from
+exactly. The clock is devices.timer; batch-norm statistics over ranks are distributed.py's.
 """
 import copy
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,21 @@ def run_seeds(seed, rank=0):
     on every rank, and the data's "order" and "augment"ation, each rank its own."""
     draw = lambda *key: int(np.random.SeedSequence([seed, *key]).generate_state(1, np.uint64)[0] >> 1)
     return {"init": draw(0), "order": draw(1, rank), "augment": draw(2, rank), "shares": draw(3)}
+
+
+def epoch_steps(epochs, steps_per_epoch):
+    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476); epochs may be
+    fractional. Less a hair, so that a product that should be whole (1.1 × 10 = 11.000000000000002) stays so."""
+    return math.ceil(epochs * steps_per_epoch - 1e-9)
+
+
+def run_steps(n_train, batch, epochs):
+    """(steps per epoch, total steps) of a run of `epochs` (fractional: the last epoch is cut short) over n_train
+    images in batches of `batch`; the last partial batch of an epoch is dropped."""
+    steps_per_epoch = n_train // batch
+    if steps_per_epoch == 0:
+        raise ValueError(f"batch size {batch} is larger than the {n_train} training images")
+    return steps_per_epoch, max(1, epoch_steps(epochs, steps_per_epoch))
 
 
 @dataclass(kw_only=True)

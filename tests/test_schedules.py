@@ -5,9 +5,9 @@ import re
 import pytest
 
 import cifar10_fast as cf
-import cifar_data
 import imagenet_fast as inf
 import schedules
+import training
 import settings
 from conftest import ROOT
 from core import UsageError
@@ -122,10 +122,10 @@ def test_a_warm_up_may_start_from_a_rate_of_its_own():
 
 
 def test_fractional_epochs_count_their_steps_as_airbench():
-    assert cifar_data.epoch_steps(9.9, 48) == 476 and cifar_data.epoch_steps(1.1, 10) == 11
-    assert cifar_data.run_steps(50000, 1024, 9.9) == (48, 476)
+    assert training.epoch_steps(9.9, 48) == 476 and training.epoch_steps(1.1, 10) == 11
+    assert training.run_steps(50000, 1024, 9.9) == (48, 476)
     with pytest.raises(ValueError, match="batch size 64 is larger than the 32 training images"):
-        cifar_data.run_steps(32, 64, 1)
+        training.run_steps(32, 64, 1)
     assert schedules.per_rank_batch(1024, 4) == 256
     with pytest.raises(ValueError, match="global batch size 63 is not divisible by the world size 2"):
         schedules.per_rank_batch(63, 2)
