@@ -276,6 +276,22 @@ def t_cpu_loaders(results):
                   "n (images × repeats)"], rows) + ["", f"Command: {', '.join(cmds)}."]
 
 
+def t_op_counts(results, part):
+    """The aten operations of a ResNet-50 step (part "optimisers") or of its forward and backward by BlurPool."""
+    rs = results.get("op_counts", [])
+    if not rs:
+        return [f"Operation counts: {NM}."]
+    n = lambda v: "–" if v is None else f"{v:,}"
+    if part == "optimisers":
+        rows = [[device(r), row["step"], n(row["loop"]), n(row["ours"])] for r in rs for row in r["optimisers"]]
+        header = ["machine", "step", "per-tensor loop", "foreach (optim.py)"]
+    else:
+        rows = [[device(r), row["blurpool"], n(row["operations"])] for r in rs for row in r["blurpool"]]
+        header = ["machine", "BlurPool", "operations (forward and backward)"]
+    return table(header, rows) + ["", f"Command: {', '.join(sorted({code(r['command']) for r in rs}))} (a count of "
+                                      "operations, not a timing)."]
+
+
 def t_compile_cache(results):
     rows = []
     for r in results.get("compile_cache", []):
@@ -427,7 +443,8 @@ TABLES = {"tests": t_tests, "coverage": t_coverage, "env": t_env, "install": t_i
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
           "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "compile_cache": t_compile_cache,
-          "torchrun": t_torchrun, "floor": t_floor}
+          "torchrun": t_torchrun, "floor": t_floor, "op_counts": lambda r: t_op_counts(r, "optimisers"),
+          "blurpool_ops": lambda r: t_op_counts(r, "blurpool")}
 
 
 def fill_outcomes(block, results):

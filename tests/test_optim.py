@@ -1,10 +1,15 @@
 """The optimisers of optim.py, one step at a time against their formulas, on the CPU."""
 import math
+import sys
 
 import pytest
 import torch
 
 import optim
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from op_counts import LoopLARS, LoopRMSpropToSGD, fused_sgd, step_operations  # noqa: E402
 
 
 def test_lars_one_step_by_hand():
@@ -168,50 +173,6 @@ def test_sgd_takes_the_options_of_its_parameters_device(monkeypatch):
 # LARS and RMSprop-to-SGD with foreach operations: the numbers of the per-tensor loops they replaced, and the
 # operations a ResNet-50 step takes
 
-class LoopLARS(optim.LARS):
-    """optim.LARS's step as it was, a loop over the parameters: the reference."""
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                if p.ndim > 1:
-                    w_norm, g_norm = p.norm(), g.norm()
-                    local = group["trust_coefficient"] * w_norm / (g_norm + group["weight_decay"] * w_norm + group["eps"])
-                    local = torch.where((w_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
-                    g = (g + group["weight_decay"] * p) * local
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                v = state["momentum_buffer"]
-                v.mul_(group["momentum"]).add_(g, alpha=group["lr"])
-                p.sub_(v)
-
-
-class LoopRMSpropToSGD(optim.RMSpropToSGD):
-    """optim.RMSpropToSGD's step as it was, a loop over the parameters: the reference."""
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            a = optim.alpha_sgd(group["epoch"], group["beta_center"], group["beta_period"])
-            sgd, rms = group["lr"] * a, group["lr_rmsprop"] * (1 - a)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else p.grad
-                state = self.state[p]
-                if not state:
-                    state["square_avg"], state["momentum_buffer"] = torch.zeros_like(p), torch.zeros_like(p)
-                m, v = state["square_avg"], state["momentum_buffer"]
-                m.mul_(group["rms_decay"]).addcmul_(g, g, value=1 - group["rms_decay"])
-                v.mul_(group["momentum"]).add_(g * (sgd + rms / (m.sqrt() + group["eps"])))
-                p.sub_(v)
-
-
 def tensors_of_a_network(seed):
     """Parameters of the shapes a ResNet holds (filters, a matrix, 1-D scales and biases; one all zero, so its trust
     ratio falls back to 1), two groups (with and without decay) as imagenet_fast makes them."""
@@ -246,43 +207,12 @@ def test_the_foreach_optimisers_step_as_their_loops_did(ours, reference, options
             torch.testing.assert_close(ours.state[a][key], ref.state[b][key], rtol=0, atol=0)
 
 
-def resnet50_step_operations(recipe, make=None, **changes):
-    """The aten operations of a ResNet-50 training step on the CPU (forward and backward at 2 images of 32 px: the
-    count does not depend on the size) and of its optimiser's step, counted by a dispatch mode after a first step has
-    made the optimiser's state: (forward and backward, the whole step)."""
-    import imagenet_fast as inf
-    import torch.nn.functional as F
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-    torch.manual_seed(0)
-    r = inf.recipe(recipe, **changes)
-    model = inf.build_model(r, 10)
-    opt = (make or inf.make_optimizer)(model, r)
-    x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 1])
-    for _ in range(2):
-        Count.n = 0
-        with Count():
-            F.cross_entropy(model(x), y).backward()
-            backward = Count.n
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return backward, Count.n
-
-
 def test_lars_and_rmsprop_to_sgd_add_a_few_operations_to_a_resnet50_step_not_several_per_tensor():
-    """Counted on the CPU (ResNet-50 without BlurPool, as the cluster recipes train it): forward and backward take 731
-    operations, fused SGD 6 more; LARS took 1,297 more and RMSprop-to-SGD 1,829 as per-tensor loops (161 tensors),
-    and as foreach operations take a few dozen whatever the number of tensors."""
-    fused = lambda model, r: torch.optim.SGD(optim.param_groups_no_decay_1d(model, 1e-4), lr=0.1, momentum=0.9,
-                                             fused=True)
-    backward, sgd = resnet50_step_operations("goyal_8k", fused)
-    _, lars = resnet50_step_operations("goyal_8k", lars=True)
-    _, rmsprop = resnet50_step_operations("goyal_8k", rmsprop=True)
+    """Counted on the CPU (ResNet-50 without BlurPool, as the cluster recipes train it; benchmarks/op_counts.py
+    writes the counts): as foreach operations, LARS and RMSprop-to-SGD add a few dozen operations to a step whatever
+    the number of tensors, as fused SGD adds a few; the per-tensor loops they replaced added several a tensor."""
+    backward, sgd = step_operations("goyal_8k", fused_sgd)
+    _, lars = step_operations("goyal_8k", lars=True)
+    _, rmsprop = step_operations("goyal_8k", rmsprop=True)
     assert sgd - backward <= 10 and lars - backward <= 30 and rmsprop - backward <= 30, (backward, sgd, lars, rmsprop)
     assert lars <= 770 and rmsprop <= 770
