@@ -5,7 +5,7 @@ step; and of those lines, how many are code (not blank, a comment or a docstring
 settings.py, cli.py, core.py, check*, the FLOP count, the summary), joining torchrun's ranks (distributed.py's set-up,
 called for one process too) and devices.py's decisions (a line or two each, named for what they decide).
 
-    python benchmarks/reading_path.py --recipe fast94
+    python benchmarks/reading_path.py --recipe fast94,fast94_next,myrtle24 --out results/<machine>/reading_path.json
 """
 import argparse
 import ast
@@ -20,7 +20,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
-from core import Parser  # noqa: E402
+from core import Parser, write_json  # noqa: E402
 
 SKIPPABLE_MODULES = {"settings.py", "cli.py", "core.py"}       # flags, checks, tables, progress, records
 SKIPPABLE = ("main", "parse_args", "check", "loaded", "warmup", "say_estimate", "count_flops", "compile_counts",
@@ -154,20 +154,31 @@ def count(recipe):
 
 def main(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="fast94", help="a cifar10_fast recipe (default fast94)")
+    p.add_argument("--recipe", default="fast94", help="cifar10_fast recipes, comma-separated (default fast94)")
     p.add_argument("--list", action="store_true", help="also print every function and type counted")
+    p.add_argument("--out", default=None, help="write the counts as JSON (a results/ file for benchmarks/report.py)")
     args = p.parse_args(argv)
     import cifar10_fast as cf
-    if args.recipe not in cf.RECIPES:
-        p.error(f"--recipe {args.recipe}: unknown; choose from {', '.join(cf.RECIPES)}")
-    c = count(args.recipe)
-    if args.list:
-        print("\n".join(c["functions"]))
-    print(f"{args.recipe}: {c['path_lines']} lines ({c['path_code_lines']} of code) in {c['path_files']} files to read "
-          f"({', '.join(f'{f} {n}' for f, n in sorted(c['path'].items()))}); besides, {c['devices_lines']} of "
-          f"devices.py's decisions, {c.get('ranks_lines', 0)} of joining ranks and {c['skippable_lines']} of flags, "
-          f"checks, warm-up and records; main reaches the step in {len(c['calls_to_step']) - 1} calls: "
-          f"{' -> '.join(c['calls_to_step'])}")
+    names = args.recipe.split(",")
+    for name in names:
+        if name not in cf.RECIPES:
+            p.error(f"--recipe {name}: unknown; choose from {', '.join(cf.RECIPES)}")
+    counts = []
+    for name in names:
+        c = count(name)
+        if args.list:
+            print("\n".join(c["functions"]))
+        print(f"{name}: {c['path_lines']} lines ({c['path_code_lines']} of code) in {c['path_files']} files to read "
+              f"({', '.join(f'{f} {n}' for f, n in sorted(c['path'].items()))}); besides, {c['devices_lines']} of "
+              f"devices.py's decisions, {c.get('ranks_lines', 0)} of joining ranks and {c['skippable_lines']} of "
+              f"flags, checks, warm-up and records; main reaches the step in {len(c['calls_to_step']) - 1} calls: "
+              f"{' -> '.join(c['calls_to_step'])}", flush=True)
+        counts.append(c)
+    if args.out:
+        import machine
+        import torch
+        write_json(args.out, {"piece": "reading_path", "recipes": counts, "fingerprint": machine.fingerprint(
+            torch.device("cpu"), True), "command": f"python benchmarks/reading_path.py --recipe {args.recipe}"})
     return 0
 
 

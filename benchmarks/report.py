@@ -292,6 +292,19 @@ def t_op_counts(results, part):
                                       "operations, not a timing)."]
 
 
+def t_reading_path(results):
+    """What a reader follows to learn what a recipe computes (benchmarks/reading_path.py)."""
+    rs = results.get("reading_path", [])
+    if not rs:
+        return [f"The reading path: {NM}."]
+    rows = [[f"`{c['recipe']}`", f"{c['path_lines']} ({c['path_code_lines']})", c["path_files"],
+             len(c["calls_to_step"]) - 1, c["skippable_lines"]] for r in rs for c in r["recipes"]]
+    return table(["recipe", "lines to read (of code)", "files", "calls from main to the step",
+                  "lines a reader may skip (flags, checks, warm-up, records)"], rows) + [
+        "", f"Command: {', '.join(sorted({code(r['command']) for r in rs}))}: every function a short run calls, "
+            "each whole and once, with the recipe's definition and its setting types (a count, not a timing)."]
+
+
 def t_compile_cache(results):
     rows = []
     for r in results.get("compile_cache", []):
@@ -444,7 +457,7 @@ TABLES = {"tests": t_tests, "coverage": t_coverage, "env": t_env, "install": t_i
           else [f"CPU demonstration: {NM}."],
           "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "compile_cache": t_compile_cache,
           "torchrun": t_torchrun, "floor": t_floor, "op_counts": lambda r: t_op_counts(r, "optimisers"),
-          "blurpool_ops": lambda r: t_op_counts(r, "blurpool")}
+          "blurpool_ops": lambda r: t_op_counts(r, "blurpool"), "reading_path": t_reading_path}
 
 
 def fill_outcomes(block, results):
