@@ -503,9 +503,13 @@ def test_learns_above_chance(store):
     assert r["time_to_target"] is not None and r["rows"][-1]["train_loss"] < r["rows"][0]["train_loss"]
 
 
-def test_resume_after_interrupted_epoch_is_exact(store, tmp_path, monkeypatch):
+@pytest.mark.parametrize("averaging", [dict(ema_momentum=0.9, ema_every=5),
+                                       dict(lookahead_momentum=0.9, lookahead_every=5)], ids=["ema", "lookahead"])
+def test_resume_after_interrupted_epoch_is_exact(store, tmp_path, monkeypatch, averaging):
+    """Stopped inside the last of three epochs and resumed: the weights, their average (the EMA model, or lookahead's
+    slow weights, which end the run) and every epoch's accuracy as in the run that was never stopped."""
     data = place(store)
-    r = tiny_recipe(ema_momentum=0.9, ema_every=5, jitter=0.2)
+    r = tiny_recipe(**averaging, jitter=0.2)
     full = train(r, data, seed=1, checkpoint=tmp_path / "a.pt")
 
     real, seen = inf.train_batches, [0]
@@ -523,7 +527,7 @@ def test_resume_after_interrupted_epoch_is_exact(store, tmp_path, monkeypatch):
     assert saved(tmp_path / "b.pt")["progress"]["epoch"] == 2
     resumed = train(r, data, seed=1, checkpoint=tmp_path / "b.pt", resume=True)
     a, b = saved(tmp_path / "a.pt"), saved(tmp_path / "b.pt")
-    assert same_tensors(a["averaging"], b["averaging"])  # the EMA model, exactly
+    assert same_tensors(a["averaging"], b["averaging"])  # the EMA model or the slow weights, exactly
     assert same_tensors(a["model"], b["model"])
     assert [row["top1"] for row in full["rows"]] == [row["top1"] for row in resumed["rows"]]
     with pytest.raises(inf.DataError, match="written with other settings \\(lr\\); cannot resume"):
