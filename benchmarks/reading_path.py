@@ -1,11 +1,14 @@
 """How much code a reader follows to learn what a recipe computes: every function of the product's modules that a
-short run of `cifar10_fast.py --recipe NAME` calls, with the recipe's own definition and the setting types it
-uses, in lines (each function's whole span, once) and files; and how many calls `main` makes to reach the training
-step; and of those lines, how many are code (not blank, a comment or a docstring). Counted apart, as what a reader may skip: the flags, checks, warm-up and records (the command line,
-settings.py, cli.py, core.py, check*, the FLOP count, the summary), joining torchrun's ranks (distributed.py's set-up,
-called for one process too) and devices.py's decisions (a line or two each, named for what they decide).
+short run of `cifar10_fast.py --recipe NAME` calls, with the recipe's own definition and the setting types it uses,
+in lines (each function's whole span, once) and files, and of those lines how many are code (not blank, a comment or
+a docstring); and how many calls `main` makes to reach the training step. Counted apart, as what a reader may skip:
+the flags, checks, warm-up and records (the command line, settings.py, cli.py, core.py, check* and the setting types'
+check methods, the FLOP count, the summary), joining torchrun's ranks (distributed.py's set-up, called for one
+process too) and devices.py's decisions (a line or two each, named for what they decide). A reference script given
+with --peer is counted whole, as its reader reads it.
 
-    python benchmarks/reading_path.py --recipe fast94,fast94_next,myrtle24 --out results/<machine>/reading_path.json
+    python benchmarks/reading_path.py --recipe fast94,fast94_next,myrtle24 --peer airbench94.py --peer \
+        airbench94_muon.py --out results/<machine>/reading_path.json        # airbench's scripts, fetched
 """
 import argparse
 import ast
@@ -156,6 +159,8 @@ def main(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="fast94", help="cifar10_fast recipes, comma-separated (default fast94)")
     p.add_argument("--list", action="store_true", help="also print every function and type counted")
+    p.add_argument("--peer", action="append", default=[], metavar="FILE",
+                   help="a reference script whose whole file is its path (airbench94.py), counted beside ours")
     p.add_argument("--out", default=None, help="write the counts as JSON (a results/ file for benchmarks/report.py)")
     args = p.parse_args(argv)
     import cifar10_fast as cf
@@ -174,11 +179,18 @@ def main(argv=None):
               f"flags, checks, warm-up and records; main reaches the step in {len(c['calls_to_step']) - 1} calls: "
               f"{' -> '.join(c['calls_to_step'])}", flush=True)
         counts.append(c)
+    peers = []
+    for path in args.peer:
+        lines = Path(path).read_text().splitlines(keepends=True)
+        peers.append({"file": Path(path).name, "lines": len(lines), "code_lines": code_lines(lines)})
+        print(f"{Path(path).name}: {len(lines)} lines ({code_lines(lines)} of code) in 1 file", flush=True)
     if args.out:
         import machine
         import torch
-        write_json(args.out, {"piece": "reading_path", "recipes": counts, "fingerprint": machine.fingerprint(
-            torch.device("cpu"), True), "command": f"python benchmarks/reading_path.py --recipe {args.recipe}"})
+        command = " ".join(["python benchmarks/reading_path.py --recipe", args.recipe,
+                            *(f"--peer {Path(p).name}" for p in args.peer)])
+        write_json(args.out, {"piece": "reading_path", "recipes": counts, "peers": peers, "command": command,
+                              "fingerprint": machine.fingerprint(torch.device("cpu"), True)})
     return 0
 
 

@@ -299,6 +299,8 @@ def t_reading_path(results):
         return [f"The reading path: {NM}."]
     rows = [[f"`{c['recipe']}`", f"{c['path_lines']} ({c['path_code_lines']})", c["path_files"],
              len(c["calls_to_step"]) - 1, c["skippable_lines"]] for r in rs for c in r["recipes"]]
+    rows += [[f"{p['file']} (a reference; the whole file)", f"{p['lines']} ({p['code_lines']})", 1, "–", "–"]
+             for r in rs for p in r.get("peers", [])]
     return table(["recipe", "lines to read (of code)", "files", "calls from main to the step",
                   "lines a reader may skip (flags, checks, warm-up, records)"], rows) + [
         "", f"Command: {', '.join(sorted({code(r['command']) for r in rs}))}: every function a short run calls, "
