@@ -37,7 +37,7 @@ DATASETS = {
                      folder="cifar-100-python", train=("train",), test=("test",), labels=b"fine_labels",
                      cache="cifar100_uint8.npz", classes=100),
 }
-CIFAR10_URL, CIFAR10_ARCHIVE, CACHE_NAME = (DATASETS["cifar10"][k] for k in ("url", "archive", "cache"))
+CACHE_NAME = DATASETS["cifar10"]["cache"]
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 KEYS = ("train_images", "train_labels", "test_images", "test_labels")
 # Per-channel statistics of CIFAR-10's 50,000 training images (0..255 scale), as channel_stats computes them.

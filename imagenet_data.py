@@ -392,7 +392,7 @@ def decoded(data, split, jobs, *, device):
     pool, side, jobs = decoding_pool(data), devices.side_stream(device), list(jobs)
     pinned, copied, pending = [None, None], [None, None], {}
 
-    def start(k):
+    def submit_batch(k):
         rows, boxes, (oh, ow), _ = jobs[k]
         shape = (len(rows), oh, ow, 3)
         path, buffer = staging(data, k % STAGED, math.prod(shape))
@@ -402,10 +402,10 @@ def decoded(data, split, jobs, *, device):
 
     try:
         for k in range(min(STAGED - 1, len(jobs))):
-            start(k)
+            submit_batch(k)
         for k in range(len(jobs)):
             if k + STAGED - 1 < len(jobs):
-                start(k + STAGED - 1)          # into the buffer of batch k - 1, which the caller is done with
+                submit_batch(k + STAGED - 1)          # into the buffer of batch k - 1, which the caller is done with
             (shape, buffer, futures), b = pending.pop(k), k % 2
             for f in futures:
                 f.result()
