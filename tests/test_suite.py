@@ -294,3 +294,18 @@ def test_the_test_time_sentence_names_the_counts_and_each_failed_test():
     [line] = report.t_tests({"test_time": [record]})
     assert "took 481 s wall and 609 CPU s (n = 1; 1 failed, 480 passed; exit status 1)" in line
     assert line.endswith("Failed: `tests/test_cli.py::test_a`.")
+
+
+@pytest.mark.parametrize("accuracies, verdict", [
+    ([0.9381], "mean is below 94% here (n = 1: too few runs to say more)."),
+    ([0.9381, 0.9412, 0.94, 0.939, 0.9402], "mean is below 94% here, not significantly (p = 0.3 for a mean below 94%"),
+    ([0.935, 0.936, 0.934, 0.937, 0.935], "mean is below 94% here, significantly (p = 0.00042 for a mean below 94%"),
+    ([0.941, 0.942, 0.9405], "mean is above 94% but not yet significantly (n = 3)")])
+def test_cpu_accuracy_says_whether_a_mean_below_94_is_significant_by_the_other_side_of_its_t_test(accuracies,
+                                                                                                   verdict):
+    from core import one_sided_p
+    side = {"runs": [{"seed": i} for i in range(len(accuracies))], "n_wanted": 13, "command": "python x.py",
+            "stats": {"accuracy": {"mean": sum(accuracies) / len(accuracies), "std": 0.001, "n": len(accuracies)},
+                      "p_mean_above_target": one_sided_p(accuracies, 0.94), "time": {"mean": 1.0}}}
+    results = {"cpu_accuracy": [{"fingerprint": {"device_name": "CPU"}, "sides": {"fast94_next": side}}]}
+    assert f"`fast94_next`'s {verdict}" in report.t_cpu_accuracy(results)[-1]
