@@ -405,7 +405,7 @@ def decoded(data, split, jobs, *, device):
             submit_batch(k)
         for k in range(len(jobs)):
             if k + STAGED - 1 < len(jobs):
-                submit_batch(k + STAGED - 1)          # into the buffer of batch k - 1, which the caller is done with
+                submit_batch(k + STAGED - 1)   # into the buffer of batch k - 1, which the caller is done with
             (shape, buffer, futures), b = pending.pop(k), k % 2
             for f in futures:
                 f.result()

@@ -119,7 +119,7 @@ class Whitening(nn.Conv2d):
     def __init__(self, w):
         super().__init__(3, 3 * w.size ** 2 * (2 if w.both_signs else 1), w.size, padding=w.pad,
                          bias=w.bias is not None)
-        self.w, self.images = w, w.fit.images
+        self.w = w
         self.bias_grad = True           # the run detaches the bias once it has trained (airbench94_muon)
         self.weight.requires_grad_(False)
         if w.bias and w.bias.init == "zero":
@@ -132,7 +132,7 @@ class Whitening(nn.Conv2d):
     @torch.no_grad()
     def fit(self, images):
         k, fit = self.w.size, self.w.fit
-        patches = images[:self.images].float().unfold(2, k, 1).unfold(3, k, 1)          # N,3,H',W',k,k
+        patches = images[:self.w.fit.images].float().unfold(2, k, 1).unfold(3, k, 1)          # N,3,H',W',k,k
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
         if fit.centre:
             patches = patches - patches.mean(0)
@@ -272,7 +272,7 @@ def fit_whitening(model, train_images, size):
     if layers:
         h, w = pair(size)
         pad = (train_images.shape[-1] - w) // 2
-        x = train_images[:max(m.images for m in layers), :, pad:pad + h, pad:pad + w]
+        x = train_images[:max(m.w.fit.images for m in layers), :, pad:pad + h, pad:pad + w]
         for m in layers:
             m.fit(x)
 

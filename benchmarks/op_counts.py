@@ -91,13 +91,11 @@ def fused_sgd(model, r):
                            fused=True)
 
 
-def loop(cls):
-    """An optimiser maker: imagenet_fast.make_optimizer's choice, its class swapped for the loop `cls`."""
-    def make(model, r):
-        opt = inf.make_optimizer(model, r)
-        opt.__class__ = cls
-        return opt
-    return make
+def loop_optimizer(model, r):
+    """imagenet_fast.make_optimizer's LARS or RMSprop-to-SGD, stepping as the per-tensor loop it replaced."""
+    opt = inf.make_optimizer(model, r)
+    opt.__class__ = {optim.LARS: LoopLARS, optim.RMSpropToSGD: LoopRMSpropToSGD}[type(opt)]
+    return opt
 
 
 def step_operations(recipe, make=None, **changes):
@@ -136,9 +134,9 @@ def measure():
     backward, sgd = step_operations("goyal_8k", fused_sgd)
     rows = [{"step": "forward and backward alone", "ours": backward, "loop": None},
             {"step": "SGD, fused=True (what CUDA runs)", "ours": sgd, "loop": None}]
-    for name, option, cls in (("LARS", "lars", LoopLARS), ("RMSprop-to-SGD", "rmsprop", LoopRMSpropToSGD)):
+    for name, option in (("LARS", "lars"), ("RMSprop-to-SGD", "rmsprop")):
         rows.append({"step": name, "ours": step_operations("goyal_8k", **{option: True})[1],
-                     "loop": step_operations("goyal_8k", loop(cls), **{option: True})[1]})
+                     "loop": step_operations("goyal_8k", loop_optimizer, **{option: True})[1]})
     blur = [{"blurpool": "zero-padded depthwise convolution (FFCV's, imagenet_fast.BlurPool)",
              "operations": blurpool_operations()},
             {"blurpool": "reflection pad, then an unpadded convolution (the one it replaced)",
