@@ -442,7 +442,9 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
         if last or (o.eval_every and (epoch + 1) % o.eval_every == 0):
             evaluated = T.evaluated(model if ctx.distributed else step_with, average)
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
-                metrics = evaluation(r, evaluated, data, dtype=dtype, final=last)
+                loss, acc = tb.evaluate(evaluated, data["test_images"], data["test_labels"], dtype=dtype,
+                                        tta=r.tta if last else None, memory_format=devices.memory_format(device))
+            metrics = {"test_loss": loss, "test_acc": acc}
             final_eval_time = clock(include=False)
             if time_to_target is None and metrics["test_acc"] >= o.target:
                 time_to_target = clock.total
@@ -454,15 +456,6 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     return {"seed": seed, "rows": rows, "final_acc": rows[-1]["test_acc"], "train_time": clock.total,
             "final_eval_time": final_eval_time, "time": clock.total + final_eval_time, "time_to_target": time_to_target,
             "model": T.evaluated(model, average), "recompiles": graphs, "eager_fallbacks": fallbacks}
-
-
-def evaluation(r, model, data, *, dtype, final):
-    """{"test_loss", "test_acc"} of the model on the test set; the final one with the recipe's test-time
-    augmentation, the others plain."""
-    tta = r.tta if final else None
-    loss, acc = tb.evaluate(model, data["test_images"], data["test_labels"], tta=tta, dtype=dtype,
-                            memory_format=devices.memory_format(data["test_images"].device))
-    return {"test_loss": loss, "test_acc": acc}
 
 
 def compile_counts():
@@ -543,8 +536,9 @@ def warmup(r, data, *, device, dtype, ctx, net=None, forward=None):
             T.train_step(forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
     for state in states:
         tb.set_bias_grad(net, state)
-        for final in (False, True):
-            evaluation(r, net if ctx.distributed else forward, data, dtype=dtype, final=final)
+        for tta in (None, r.tta):
+            tb.evaluate(net if ctx.distributed else forward, data["test_images"], data["test_labels"], tta=tta,
+                        dtype=dtype, memory_format=memory_format)
     tb.set_bias_grad(net, True)
     devices.synchronize(device)
 

@@ -315,55 +315,42 @@ def batched(fn, batch_size, *tensors):
     return torch.cat(out)
 
 
-def tta_logits(model, x, tta, plain=None, *, weights="airbench", memory_format=torch.contiguous_format):
-    """The weighted logits of x's test-time-augmented views (tta_views); `plain`, model(x) when it is already
-    known, stands for the first view (the image itself)."""
-    (w0, v0), *views = tta_views(x, tta, weights)
-    logits = w0 * (logits_of(model, v0, memory_format) if plain is None else plain)
-    for w, v in views:
-        logits = logits + w * logits_of(model, v, memory_format)
+def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.contiguous_format):
+    """float32 logits of images, in batches: of the plain images, then with tta (cifar10_fast.TTA) of its views for
+    the `fraction` of images the plain pass is least sure of (the 2-second record's selective TTA; 1: every image):
+    1 + fraction × (views - 1) passes an image."""
+    forward = lambda x: logits_of(model, x, memory_format)
+    logits = batched(forward, batch_size, images)
+    n = round(tta.fraction * len(images)) if tta else 0
+    if n:
+        some = slice(None) if n == len(images) else logits.softmax(1).amax(1).topk(n, largest=False).indices
+        logits[some] = batched(lambda x, plain: views_logits(forward, x, plain, tta), batch_size, images[some],
+                               logits[some])
     return logits
 
 
-def selective_tta_logits(model, images, tta, fraction, *, batch_size=1000, memory_format=torch.contiguous_format,
-                         weights="airbench"):
-    """Logits under selective test-time augmentation (the 2-second record): a plain pass, then the views only for the
-    `fraction` of images it is least sure of (lowest top softmax), whose plain logits stand for the first view:
-    1 + fraction × (views - 1) passes an image; fraction 1 is full TTA."""
-    plain = batched(lambda x: logits_of(model, x, memory_format), batch_size, images)
-    unsure = plain.softmax(1).amax(1).topk(round(fraction * len(images)), largest=False).indices
-    logits = plain.clone()
-    if len(unsure):
-        logits[unsure] = batched(lambda x, p: tta_logits(model, x, tta, p, weights=weights,
-                                                         memory_format=memory_format), batch_size, images[unsure],
-                                 plain[unsure])
+def views_logits(forward, x, plain, tta):
+    """The weighted sum of forward's logits of x's views (tta_views), `plain` (forward(x)) standing for the first."""
+    (w, _), *views = tta_views(x, tta.views, tta.weights)
+    logits = w * plain
+    for w, view in views:
+        logits = logits + w * forward(view)
     return logits
 
 
 @torch.no_grad()
-def evaluation_sums(model, images, labels, *, tta=None, dtype=torch.float32, batch_size=1000,
-                    memory_format=torch.contiguous_format):
-    """The summed loss and the number of correct predictions, with test-time augmentation tta (cifar10_fast.TTA: its
-    views for every image, or with fraction < 1 selective_tta_logits; None: the plain images), as one tensor on the
-    images' device: nothing waits for it."""
+def evaluate(model, images, labels, *, tta=None, dtype=torch.float32, batch_size=1000,
+             memory_format=torch.contiguous_format):
+    """Mean loss and accuracy of the model on images with test-time augmentation tta (tta_logits; None: plain), read
+    once, at the end."""
     was_training = model.training
     model.eval()
-    batch_size = min(batch_size, len(images))      # every batch this size, the selective views' too
-    views, weights = (tta.views, tta.weights) if tta else ("none", "airbench")
     with devices.autocast(images.device, dtype):
-        if tta and tta.fraction < 1:
-            logits = selective_tta_logits(model, images, views, tta.fraction, batch_size=batch_size,
-                                          memory_format=memory_format, weights=weights)
-        else:
-            logits = batched(lambda x: tta_logits(model, x, views, weights=weights, memory_format=memory_format),
-                             batch_size, images)
+        # every batch this size, the views' too: one compiled graph
+        logits = tta_logits(model, images, tta, batch_size=min(batch_size, len(images)), memory_format=memory_format)
     model.train(was_training)
-    return torch.stack([F.cross_entropy(logits, labels, reduction="sum"), (logits.argmax(1) == labels).sum().float()])
-
-
-def evaluate(model, images, labels, **options):
-    """Mean loss and accuracy (evaluation_sums, with its options, read once)."""
-    loss, correct = evaluation_sums(model, images, labels, **options).tolist()
+    loss, correct = torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
+                                 (logits.argmax(1) == labels).sum().float()]).tolist()
     return loss / len(images), correct / len(images)
 
 

@@ -174,8 +174,8 @@ def test_in_float32_the_selective_views_read_no_output_a_cuda_graph_has_overwrit
         net = tb.build_model(r, "cuda", memory_format=torch.channels_last)
         graphed = torch.compile(net, mode="reduce-overhead", backend="eager", dynamic=False)
         options = dict(tta=r.tta, batch_size=100, memory_format=torch.channels_last)       # selective: a quarter
-        eager = tb.evaluation_sums(net, data["test_images"], data["test_labels"], **options)
-        assert torch.equal(tb.evaluation_sums(graphed, data["test_images"], data["test_labels"], **options), eager)
+        eager = tb.evaluate(net, data["test_images"], data["test_labels"], **options)
+        assert tb.evaluate(graphed, data["test_images"], data["test_labels"], **options) == eager
 
 
 def cifar_standin_command(*args, gpus=2, memory=80 << 30):

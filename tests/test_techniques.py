@@ -441,17 +441,19 @@ def test_low_resolution_epochs_and_their_flops():
 
 
 def test_selective_tta():
-    """The record's selective TTA: fraction 1 is full TTA, 0 the plain pass; in between the views change only
-    the least confident images."""
+    """The record's selective TTA: fraction 1 is full TTA (the weighted sum of every view's logits), a fraction so
+    small it selects no image the plain pass; in between the views change only the least confident images."""
     torch.manual_seed(0)
     model = tb.build_model(cf.recipe("fast94", width=1 / 16), CPU).eval()
     x = torch.randn(40, 3, 16, 16)
+    tta = lambda fraction: cf.TTA(views="flip_translate", fraction=fraction)
     with torch.no_grad():
         plain = model(x)
-        full = tb.tta_logits(model, x, "flip_translate")
-        half = tb.selective_tta_logits(model, x, "flip_translate", 0.5, batch_size=16)
-        torch.testing.assert_close(tb.selective_tta_logits(model, x, "flip_translate", 1.0, batch_size=16), full)
-        torch.testing.assert_close(tb.selective_tta_logits(model, x, "flip_translate", 0.0, batch_size=16), plain)
+        full = sum(w * model(v) for w, v in tb.tta_views(x, "flip_translate"))
+        half = tb.tta_logits(model, x, tta(0.5), batch_size=16)
+        torch.testing.assert_close(tb.tta_logits(model, x, tta(1.0), batch_size=16), full)
+        torch.testing.assert_close(tb.tta_logits(model, x, tta(0.01), batch_size=16), plain)
+        torch.testing.assert_close(tb.tta_logits(model, x, None, batch_size=16), plain)
     confidence = plain.softmax(1).amax(1)
     unsure = confidence.argsort()[:20]
     sure = confidence.argsort()[20:]
@@ -524,7 +526,7 @@ def test_the_records_test_time_augmentation_weighs_its_six_views_equally():
     model = tb.build_model(cf.recipe("fast94", width=1 / 16), CPU).eval()
     with torch.no_grad():
         views = [model(v) for _, v in tb.tta_views(x, "flip_translate")]
-        torch.testing.assert_close(tb.tta_logits(model, x, "flip_translate", weights="equal"),
+        torch.testing.assert_close(tb.tta_logits(model, x, cf.TTA(views="flip_translate", weights="equal")),
                                    torch.stack(views).mean(0))
 
 
