@@ -138,8 +138,9 @@ def tiny_npz(folder):
 def count(recipe):
     """{"path": {file: lines}, "skippable": {file: lines}, "calls_to_step": [...], "functions": [...]}"""
     with tempfile.TemporaryDirectory() as tmp:
+        # small, so that a test can count again: which functions run does not depend on the sizes
         argv = ["--recipe", recipe, "--data-dir", str(tiny_npz(tmp)), "--device", "cpu", "--epochs", "2",
-                "--width", "0.125", "--quiet", "--eval-every", "0"]
+                "--subset", "512", "--batch-size", "128", "--width", "0.0625", "--quiet", "--eval-every", "0"]
         calls, chain = traced_calls(argv)
     types = recipe_definition(recipe)
     # a setting type's span holds its methods: each line once

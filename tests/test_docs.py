@@ -1,5 +1,6 @@
 """What the prose names exists: every `module.name` that README, docs/, the notebook, and the modules' comments and
-docstrings mention resolves to something the module has (a renamed or deleted function leaves no stale name)."""
+docstrings mention resolves to something the module has (a renamed or deleted function leaves no stale name); and
+the reading path on record in results/ is the code's as it stands."""
 import importlib
 import io
 import json
@@ -61,3 +62,14 @@ def test_every_module_name_the_prose_mentions_exists():
                                          ("cifar10_fast.py and results.json", 0)])
 def test_the_mentions_are_found(text, found):
     assert len(list(mentions(text, MODULES + list(ALIASES)))) == found
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "results").glob("*/reading_path.json")), ids=lambda p: p.parent.name)
+def test_the_reading_path_on_record_is_the_codes_as_it_stands(path):
+    """README's reading-path table comes from results/: counted again now, every recipe's path has the lines, files
+    and calls on record (after a change to the code: benchmarks/reading_path.py ... --out, then report.py)."""
+    import reading_path
+    fields = ("path_lines", "path_code_lines", "path_files", "skippable_lines", "calls_to_step")
+    for recorded in json.loads(path.read_text())["recipes"]:
+        now = reading_path.count(recorded["recipe"])
+        assert {k: now[k] for k in fields} == {k: recorded[k] for k in fields}, recorded["recipe"]
