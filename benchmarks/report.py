@@ -44,10 +44,14 @@ def load_results(folder, smoke=False):
 # ----------------------------------------------------------------------------------------------
 # Formatting
 
-def pct(s):
+def pct(s, target=None):
+    """A mean (and spread) in percent to 0.01, or to as many digits as show on which side of `target` it lies."""
     if not s or s.get("mean") is None:
         return NM
-    return f"{100 * s['mean']:.2f}%" + (f" ± {100 * s['std']:.2f}" if s["n"] > 1 else "")     # no spread of one run
+    digits, show = 2, lambda v, d: f"{100 * v:.{d}f}"
+    while target is not None and s["mean"] != target and show(s["mean"], digits) == show(target, digits) and digits < 6:
+        digits += 1
+    return f"{show(s['mean'], digits)}%" + (f" ± {100 * s['std']:.2f}" if s["n"] > 1 else "")  # no spread of one run
 
 
 def secs(s, std=True):
@@ -145,7 +149,7 @@ def t_plain(results, pieces, target=0.94, cpu=False):
         found = sides(results, piece, recipe)
         for r, s in found:
             st = s["stats"]
-            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"]),
+            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"], 0.94),
                          pval(st["p_mean_above_target"]), timed(st), secs(st["time_to_target"], std=False),
                          f"{100 * st['fraction_reaching_target']:.0f}%"])
         if not found and not cpu:
@@ -161,7 +165,7 @@ def t_fast(results):
         found = sides(results, recipe, recipe)
         for r, s in found:
             st = s["stats"]
-            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"]),
+            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"], 0.94),
                          pval(st["p_mean_above_target"]), timed(st), pflop(st.get("flops_per_run")),
                          f"{st['tflops_per_s']:.0f}" if st.get("tflops_per_s") else "–"])
         if not found:
@@ -383,7 +387,7 @@ def t_cpu_accuracy(results):
         found = sides(results, "cpu_accuracy", recipe)
         for r, s in found:
             st = s["stats"]
-            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"]),
+            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"], 0.94),
                          pval(st["p_mean_above_target"]), secs(st["time"], std=False)])
             n, mean, p = len(s["runs"]), st["accuracy"]["mean"], st["p_mean_above_target"]
             if mean is None:

@@ -309,3 +309,13 @@ def test_cpu_accuracy_says_whether_a_mean_below_94_is_significant_by_the_other_s
                       "p_mean_above_target": one_sided_p(accuracies, 0.94), "time": {"mean": 1.0}}}
     results = {"cpu_accuracy": [{"fingerprint": {"device_name": "CPU"}, "sides": {"fast94_next": side}}]}
     assert f"`fast94_next`'s {verdict}" in report.t_cpu_accuracy(results)[-1]
+
+
+@pytest.mark.parametrize("mean, shown", [(0.9399571, "93.996% ± 0.11"), (0.94003, "94.003% ± 0.11"),
+                                         (0.94, "94.00% ± 0.11"), (0.9381, "93.81% ± 0.11")])
+def test_cpu_accuracy_shows_a_mean_near_94_with_the_digits_that_say_which_side_it_is_on(mean, shown):
+    side = {"runs": [{"seed": i} for i in range(7)], "n_wanted": 13, "command": "python x.py",
+            "stats": {"accuracy": {"mean": mean, "std": 0.0011, "n": 7}, "p_mean_above_target": 0.5,
+                      "time": {"mean": 1.0}}}
+    results = {"cpu_accuracy": [{"fingerprint": {"device_name": "CPU"}, "sides": {"fast94_next": side}}]}
+    assert f"| {shown} |" in report.t_cpu_accuracy(results)[2]
