@@ -149,7 +149,7 @@ def t_plain(results, pieces, target=0.94, cpu=False):
         found = sides(results, piece, recipe)
         for r, s in found:
             st = s["stats"]
-            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"], 0.94),
+            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"], target),
                          pval(st["p_mean_above_target"]), timed(st), secs(st["time_to_target"], std=False),
                          f"{100 * st['fraction_reaching_target']:.0f}%"])
         if not found and not cpu:
