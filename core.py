@@ -146,6 +146,19 @@ def one_sided_p(values, target):
     return float(ttest_1samp([float(x) for x in values if x is not None], target, alternative="greater").pvalue)
 
 
+def detectable_gap(std, n, *, alpha=0.05, power=0.8):
+    """The smallest gap between a true mean and the target that one_sided_p of n runs of this std finds (p < alpha)
+    with probability `power`: d = nc·std/√n, where P(T'(n - 1, nc) > t(1 - alpha, n - 1)) = power, T' noncentral t.
+    None for fewer than two runs or no spread."""
+    if n < 2 or not std:
+        return None
+    from scipy.optimize import brentq
+    from scipy.stats import nct, t
+    critical = t.ppf(1 - alpha, n - 1)
+    nc = brentq(lambda nc: nct.sf(critical, n - 1, nc) - power, 0.0, 100.0)
+    return nc * std / math.sqrt(n)
+
+
 def fmt_stats(name, s, scale=1.0, unit=""):
     """One line of summarize()'s statistics: name: mean, std, min, max (n)."""
     if not s["n"]:

@@ -6,10 +6,11 @@ import stat
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
-from core import Table, Timer, one_sided_p, ratio_ci, summarize, write_atomic, write_json
+from core import Table, Timer, detectable_gap, one_sided_p, ratio_ci, summarize, write_atomic, write_json
 
 
 def test_table_prints_header_once_and_each_row_as_it_arrives():
@@ -46,6 +47,21 @@ def test_one_sided_t_test_against_known_quantiles():
     assert one_sided_p(accs + [None], 0.94) == one_sided_p(accs, 0.94)               # missing runs are dropped
     assert one_sided_p(accs, 0.94) < 0.05 < one_sided_p(accs, 0.9411)
     assert one_sided_p([0.94], 0.94) is None and one_sided_p([0.94, 0.94], 0.9) is None
+
+
+@pytest.mark.parametrize("n", [3, 8, 13])
+def test_the_detectable_gap_is_found_four_times_in_five_by_simulated_runs(n):
+    from scipy.stats import ttest_1samp
+    std = 0.0012
+    gap = detectable_gap(std, n)
+    draws = np.random.default_rng(n).normal(0.94 - gap, std, size=(20000, n))
+    found = ttest_1samp(draws, 0.94, axis=1, alternative="less").pvalue < 0.05
+    assert found.mean() == pytest.approx(0.8, abs=0.01)        # binomial sd 0.0028
+    half = ttest_1samp(draws + gap / 2, 0.94, axis=1, alternative="less").pvalue < 0.05
+    assert half.mean() < 0.5                                     # half the gap is missed more often than found
+    assert detectable_gap(std, n, power=0.5) < gap < detectable_gap(std, n, power=0.9)
+    assert detectable_gap(2 * std, n) == pytest.approx(2 * gap)
+    assert detectable_gap(std, 1) is None and detectable_gap(0.0, n) is None
 
 
 def test_timer_excludes_what_it_is_told_to():
