@@ -280,6 +280,30 @@ def t_cpu_loaders(results):
                   "n (images × repeats)"], rows) + ["", f"Command: {', '.join(cmds)}."]
 
 
+def t_cpu_layout(results):
+    """Each recipe's step and evaluation forward on the CPU in both layouts (benchmarks/cpu_layout.py)."""
+    rows = []
+    for r in results.get("cpu_layout", []):
+        by = {(row["recipe"], row["layout"]): row for row in r["rows"]}
+        for name in dict.fromkeys(row["recipe"] for row in r["rows"]):
+            a, b = by[name, "contiguous"], by[name, "channels_last"]
+            rows.append([device(r), f"{r['fingerprint']['load_average_1min']:.1f}", r["threads"], f"`{name}`",
+                         f"{a['batch']:,}", f"{a['step s']:.2f}", f"{b['step s']:.2f}",
+                         f"{b['step s'] / a['step s']:.2f}",
+                         f"{a['eval s']:.3f}", f"{b['eval s']:.3f}", f"{b['eval s'] / a['eval s']:.2f}",
+                         f"{a['batch_norm_error']:.1e}", f"{b['batch_norm_error']:.1e}", a["n"]])
+    if not rows:
+        return [f"The CPU's layouts side by side: {NM}."]
+    cmds = sorted({code(r["command"]) for r in results.get("cpu_layout", [])})
+    evals = sorted({f"{r['eval_batch']:,}" for r in results.get("cpu_layout", [])})
+    return table(["machine", "load (1 min)", "threads", "recipe", "batch", "step s, contiguous",
+                  "step s, channels_last", "ratio", f"eval s ({'/'.join(evals)} images), contiguous", "eval s, channels_last", "ratio",
+                  "batch norm's error, contiguous", "batch norm's error, channels_last", "n (medians of)"], rows) + [
+        "", f"Command: {', '.join(cmds)}. Times are medians; batch norm's error is the largest of its output's and "
+        "gradients' errors in float32 against float64, relative to the largest float64 value (a (batch, 64, 32, 32) "
+        "activation, forward and backward)."]
+
+
 def t_op_counts(results, part):
     """The aten operations of a ResNet-50 step (part "optimisers") or of its forward and backward by BlurPool."""
     rs = results.get("op_counts", [])
@@ -470,7 +494,7 @@ TABLES = {"tests": t_tests, "coverage": t_coverage, "env": t_env, "install": t_i
           "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
-          "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "compile_cache": t_compile_cache,
+          "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "cpu_layout": t_cpu_layout, "compile_cache": t_compile_cache,
           "torchrun": t_torchrun, "floor": t_floor, "op_counts": lambda r: t_op_counts(r, "optimisers"),
           "blurpool_ops": lambda r: t_op_counts(r, "blurpool"), "reading_path": t_reading_path}
 

@@ -321,3 +321,23 @@ def test_cpu_accuracy_shows_a_mean_near_94_with_the_digits_that_say_which_side_i
                       "time": {"mean": 1.0}}}
     results = {"cpu_accuracy": [{"fingerprint": {"device_name": "CPU"}, "sides": {"fast94_next": side}}]}
     assert f"| {shown} |" in report.t_cpu_accuracy(results)[2]
+
+
+def test_cpu_layout_benchmark_times_both_layouts_and_the_report_shows_them(tmp_path, capsys):
+    import cpu_layout
+    out = tmp_path / "cpu" / "cpu_layout.json"
+    assert cpu_layout.main(["--recipes", "fast94,myrtle24", "--batch-size", "8", "--repeats", "2", "--eval-batch", "4",
+                            "--threads", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert [(row["recipe"], row["layout"]) for row in r["rows"]] == [
+        (name, layout) for name in ("fast94", "myrtle24") for layout in ("contiguous", "channels_last")]
+    for row in r["rows"]:
+        assert row["batch"] == 8 and row["n"] == 2 and [len(v) for v in row["runs"].values()] == [2, 2]
+        assert row["step s"] > 0 and row["eval s"] > 0 and 0 < row["batch_norm_error"] < 1e-3
+    text = "\n".join(report.t_cpu_layout(report.load_results(tmp_path)))
+    assert "| 1 | `fast94` | 8 |" in text and "| `myrtle24` |" in text and "--recipes fast94,myrtle24" in text
+    for bad, message in ((["--recipes", "fast94,nope"], "no recipe nope (choose from myrtle24, "),
+                         (["--batch-size", "0"], "error: --batch-size 0: must be positive")):
+        with pytest.raises(SystemExit):
+            cpu_layout.main(bad)
+        assert message in capsys.readouterr().err
