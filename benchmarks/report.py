@@ -407,8 +407,9 @@ def t_cpu_accuracy(results):
     """The record recipes' accuracy at full size on the CPU (the suite's cpu_accuracy piece): n so far, mean ± std,
     the one-sided p of "mean > 94%", and the mean time of a run on the CPU (not a speed figure)."""
     from core import detectable_gap
+    from suite import CPU_ACCURACY
     rows, verdicts = [], []
-    for recipe in ("fast94_next", "fast94_next_lowres", "fast94"):
+    for recipe in CPU_ACCURACY:                 # the tier's order
         found = sides(results, "cpu_accuracy", recipe)
         for r, s in found:
             st = s["stats"]

@@ -341,3 +341,14 @@ def test_cpu_layout_benchmark_times_both_layouts_and_the_report_shows_them(tmp_p
         with pytest.raises(SystemExit):
             cpu_layout.main(bad)
         assert message in capsys.readouterr().err
+
+
+def test_cpu_accuracy_has_a_row_for_every_recipe_of_the_tier_in_its_order():
+    side = lambda n: {"runs": [{"seed": i} for i in range(n)], "n_wanted": 5, "command": f"python x.py --runs {n}",
+                      "stats": {"accuracy": {"mean": 0.94, "std": 0.001, "n": n}, "p_mean_above_target": 0.5,
+                                "time": {"mean": 1.0}}}
+    results = {"cpu_accuracy": [{"fingerprint": {"device_name": "CPU"},
+                                 "sides": {"fast94_next": side(13), "fast94": side(2), "fast94_muon": side(3)}}]}
+    rows = [line.split(" | ") for line in report.t_cpu_accuracy(results)[2:] if line.startswith("| ")]
+    assert [row[0].strip("| ") for row in rows] == list(suite.CPU_ACCURACY)
+    assert [row[3] for row in rows] == ["13", "2 (partial, of 5)", "3 (partial, of 5)", "–"]
