@@ -72,8 +72,8 @@ def timed(fn):
 
 
 def measure(name, *, repeats, eval_batch, batch_size=None):
-    """(batch size, {layout: {"step": [s...], "eval": [s...]}}) of recipe `name` (at its batch size unless given),
-    the layouts taking turns."""
+    """(batch size, {layout: {"step": [s...], "eval": [s...]}}, {layout: batch_norm_error}) of recipe `name` (at its
+    batch size unless given), the layouts taking turns."""
     r = cf.recipe(name, **({"batch_size": batch_size} if batch_size else {}))
     built = {k: setup(r, v, eval_batch=eval_batch) for k, v in LAYOUTS.items()}
     for step, evaluate in built.values():
@@ -83,9 +83,7 @@ def measure(name, *, repeats, eval_batch, batch_size=None):
         for k, (step, evaluate) in built.items():
             seen[k]["step"].append(timed(step))
             seen[k]["eval"].append(timed(evaluate))
-    for k, v in LAYOUTS.items():
-        seen[k]["batch_norm_error"] = batch_norm_error(r.batch_size, v)
-    return r.batch_size, seen
+    return r.batch_size, seen, {k: batch_norm_error(r.batch_size, v) for k, v in LAYOUTS.items()}
 
 
 def main(argv=None):
@@ -109,11 +107,11 @@ def main(argv=None):
     rows, table = [], Table(["recipe", "batch", "layout", "step s", "eval s", "batch_norm_error"], width=17,
                             formats={"step s": ".3f", "eval s": ".3f", "batch_norm_error": ".1e"})
     for name in names:
-        batch, seen = measure(name, repeats=args.repeats, eval_batch=args.eval_batch, batch_size=args.batch_size)
+        batch, seen, errors = measure(name, repeats=args.repeats, eval_batch=args.eval_batch, batch_size=args.batch_size)
         for layout, runs in seen.items():
             rows.append({"recipe": name, "batch": batch, "layout": layout, "step s": statistics.median(runs["step"]),
                          "eval s": statistics.median(runs["eval"]), "n": args.repeats,
-                         "batch_norm_error": runs.pop("batch_norm_error"), "runs": runs})
+                         "batch_norm_error": errors[layout], "runs": runs})
             table.append(rows[-1])
     if args.out:
         import machine
