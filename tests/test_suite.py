@@ -352,3 +352,8 @@ def test_cpu_accuracy_has_a_row_for_every_recipe_of_the_tier_in_its_order():
     rows = [line.split(" | ") for line in report.t_cpu_accuracy(results)[2:] if line.startswith("| ")]
     assert [row[0].strip("| ") for row in rows] == list(suite.CPU_ACCURACY)
     assert [row[3] for row in rows] == ["13", "2 (partial, of 5)", "3 (partial, of 5)", "–"]
+
+
+def test_measuring_md_gives_the_cpu_accuracy_tiers_recipes_and_n_as_the_suite_has_them():
+    text = " ".join((ROOT / "docs" / "measuring.md").read_text().split())
+    assert ", ".join(f"`{name}` {n}" for name, n in suite.CPU_ACCURACY.items()) in text
