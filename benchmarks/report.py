@@ -297,7 +297,8 @@ def t_cpu_layout(results):
     cmds = sorted({code(r["command"]) for r in results.get("cpu_layout", [])})
     evals = sorted({f"{r['eval_batch']:,}" for r in results.get("cpu_layout", [])})
     return table(["machine", "load (1 min)", "threads", "recipe", "batch", "step s, contiguous",
-                  "step s, channels_last", "ratio", f"eval s ({'/'.join(evals)} images), contiguous", "eval s, channels_last", "ratio",
+                  "step s, channels_last", "ratio", f"eval s ({'/'.join(evals)} images), contiguous",
+                  "eval s, channels_last", "ratio",
                   "batch norm's error, contiguous", "batch norm's error, channels_last", "n (medians of)"], rows) + [
         "", f"Command: {', '.join(cmds)}. Times are medians; batch norm's error is the largest of its output's and "
         "gradients' errors in float32 against float64, relative to the largest float64 value (a (batch, 64, 32, 32) "
