@@ -183,8 +183,8 @@ def t_side_by_side(results):
             a, b = r["sides"][recipe], r["sides"][peer]
             ratio = r.get("time_ratio")
             rows.append([f"{recipe} / {peer}", device(r), f"{n_of(a)} / {n_of(b)}",
-                         f"{pct(a['stats']['accuracy'])} (p {pval(a['stats']['p_mean_above_target'])})",
-                         f"{pct(b['stats']['accuracy'])} (p {pval(b['stats']['p_mean_above_target'])})"
+                         f"{pct(a['stats']['accuracy'], a.get('target'))} (p {pval(a['stats']['p_mean_above_target'])})",
+                         f"{pct(b['stats']['accuracy'], b.get('target'))} (p {pval(b['stats']['p_mean_above_target'])})"
                          if b["runs"] else "not run (needs `pip install airbench` and a GPU)",
                          f"{timed(a['stats'], False)} / {timed(b['stats'], False)}",
                          f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]" if ratio else "–"])
@@ -204,7 +204,7 @@ def t_journey(results):
         for r in found:
             s = r["sides"].get(name)
             if s and s["runs"]:
-                ours.append(f"{secs(s['stats']['time'], False)}, {pct(s['stats']['accuracy'])} "
+                ours.append(f"{secs(s['stats']['time'], False)}, {pct(s['stats']['accuracy'], s.get('target'))} "
                             f"(n={len(s['runs'])}, {device(r)})")
         rows.append([f"`{name}`", stage["doc"], f"{stage['published_v100_s']} s", "; ".join(ours) or NM])
     return table(["stage", "changes from the stage before (Myrtle's numbers)", "published V100 time",
@@ -388,8 +388,8 @@ def outcome(results, ref):
     found = sides(results, piece, side or piece)
     if not found:
         return NM
-    return "; ".join(f"{device(r)}: {secs(s['stats']['time'])}, {pct(s['stats']['accuracy'])} (n={len(s['runs'])})"
-                     for r, s in found)
+    return "; ".join(f"{device(r)}: {secs(s['stats']['time'])}, {pct(s['stats']['accuracy'], s.get('target'))} "
+                     f"(n={len(s['runs'])})" for r, s in found)
 
 
 def t_scaling(results):

@@ -357,3 +357,15 @@ def test_cpu_accuracy_has_a_row_for_every_recipe_of_the_tier_in_its_order():
 def test_measuring_md_gives_the_cpu_accuracy_tiers_recipes_and_n_as_the_suite_has_them():
     text = " ".join((ROOT / "docs" / "measuring.md").read_text().split())
     assert ", ".join(f"`{name}` {n}" for name, n in suite.CPU_ACCURACY.items()) in text
+
+
+def test_side_by_side_and_outcomes_show_a_mean_near_its_target_with_the_digits_that_say_which_side_it_is_on():
+    def side(mean):
+        return {"runs": [{"seed": i} for i in range(25)], "n_wanted": 25, "target": 0.94,
+                "stats": {"accuracy": {"mean": mean, "std": 0.0013, "n": 25}, "p_mean_above_target": 0.5,
+                          "time": {"mean": 1.5, "std": 0.01}}}
+    results = {"fast94": [{"fingerprint": {"device_name": "NVIDIA H200"},
+                           "sides": {"fast94": side(0.9399921), "airbench94": side(0.94003)}}]}
+    row = next(line for line in report.t_side_by_side(results) if line.startswith("| fast94 / airbench94"))
+    assert "| 93.999% ± 0.13 (p 0.5) | 94.003% ± 0.13 (p 0.5) |" in row
+    assert "93.999% ± 0.13 (n=25)" in report.outcome(results, "`fast94`")
