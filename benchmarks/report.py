@@ -349,6 +349,25 @@ def t_compile_cache(results):
         "", f"Command: {', '.join(cmds)} (each run a fresh process)."]
 
 
+def t_gpu_chunks(results):
+    """Every chunk the suite ran on a GPU, oldest first: where a lease's seconds went."""
+    rows = []
+    for piece, found in results.items():
+        for r in found:
+            if r.get("fingerprint", {}).get("device") != "cuda":
+                continue
+            for c in r.get("chunks", []):
+                setup = "–" if c.get("setup_s") is None else f"{c['setup_s']:.0f} s"
+                rows.append([c["date"], device(r), f"`{piece}`", c["runs_added"], f"{c['seconds']:.0f} s",
+                             f"{c['estimated_s']:.0f} s", setup])
+    if not rows:
+        return [f"The suite's chunks on a GPU: {NM}."]
+    return table(["finished", "device", "piece", "runs added (all sides)", "the chunk's time", "estimated",
+                  "outside the runs' clocks (start, data, warm-ups, compiling)"], sorted(rows)) + [
+        "", "Each row is one command of the suite, n = 1; its command line is the chunk's `argv` in "
+            "results/<device>/<piece>.json."]
+
+
 def t_torchrun(results):
     rows = []
     for piece, what in (("torchrun_fast94", "fast94"), ("torchrun_imagenet_tiny", "ImageNet `tiny`")):
@@ -497,6 +516,7 @@ TABLES = {"tests": t_tests, "coverage": t_coverage, "env": t_env, "install": t_i
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
           "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "cpu_layout": t_cpu_layout, "compile_cache": t_compile_cache,
+          "gpu_chunks": t_gpu_chunks,
           "torchrun": t_torchrun, "floor": t_floor, "op_counts": lambda r: t_op_counts(r, "optimisers"),
           "blurpool_ops": lambda r: t_op_counts(r, "blurpool"), "reading_path": t_reading_path}
 

@@ -21,9 +21,10 @@ finished piece written at once as JSON under results/<device>/ (the only source 
 Each piece runs the project's own command lines (recorded in its result) in a fresh process, with --out
 rewritten after every run. An interrupted piece keeps the runs it finished: the suite merges them into
 its result while it runs, and the next call goes on from them (seeds continue). --budget-s never starts
-work whose estimate (earlier chunks on this device, else counted FLOPs over the measured matmul rate)
-would overrun it: a piece that does not fit whole runs a chunk of the runs that fit, and the suite stops
-a command that is still running at the deadline. One line per piece.
+work whose estimate (the piece's earlier chunks on this device, else what the device's other pieces of its
+kind measured, else counted FLOPs over the measured matmul rate) would overrun it: a piece that does not
+fit whole runs a chunk of the runs that fit, and the suite stops a command that is still running at the
+deadline. One line per piece.
 """
 import argparse
 import contextlib
@@ -35,6 +36,7 @@ import math
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -353,13 +355,50 @@ def merge(result, base, got, flops):
 # ---------------------------------------------------------------------------------------------------
 # Planning
 
-def per_run_s(piece, side, result, *, fp, flops):
-    """Seconds one more run of a side should take: its mean wall time so far, else FLOPs over the rate."""
+def mean_wall(runs):
+    return sum(r.get("wall_s", r["time"]) for r in runs) / len(runs)
+
+
+def measured_elsewhere(folder, piece, flops, *, smoke=False):
+    """What the device's other pieces of the same kind measured: {"walls": {side: mean wall s a run}, "s_per_flop":
+    the median of our recipes' mean wall s over their counted FLOPs, "setup_s": the slowest start of those that
+    compile as this one does (None without one)}."""
+    walls, per_flop, setups = {}, [], []
+    compiles = {p.name: p.compile for p in pieces()}
+    for path in sorted(Path(folder).glob("*.json")):
+        r = load(path)
+        if not r or path.stem == piece.name or r.get("kind") != piece.kind or r.get("smoke", False) != smoke:
+            continue
+        if compiles.get(path.stem, "?") == piece.compile:
+            setups += [c["setup_s"] for c in r.get("chunks", []) if c.get("setup_s") is not None]
+        for name, side in r["sides"].items():
+            if side.get("runs") and "time" in side["runs"][0]:
+                walls.setdefault(name, mean_wall(side["runs"]))
+                if name in flops:
+                    per_flop.append(walls[name] / run_flops(name, flops[name]))
+    return {"walls": walls, "s_per_flop": statistics.median(per_flop) if per_flop else None,
+            "setup_s": max(setups, default=None)}
+
+
+def run_flops(recipe, f):
+    """Counted FLOPs of one run of a recipe, an evaluation pass at the end of every epoch included."""
+    import cifar10_fast as cf
+    return f["train"] + math.ceil(cf.recipe(recipe).epochs) * f["final_eval"]
+
+
+def per_run_s(piece, side, result, *, fp, flops, elsewhere=None):
+    """Seconds one more run of a side should take: its mean wall time so far; else the same side's in another
+    piece on this device; else its counted FLOPs at the rate the device's measured recipes reached; else at the
+    measured matmul rate times ASSUMED_EFFICIENCY."""
     runs = result["sides"][side]["runs"]
-    walls = [r.get("wall_s", r["time"]) for r in runs]
-    if walls:
-        return sum(walls) / len(walls)
+    if runs:
+        return mean_wall(runs)
     recipe = piece.recipes.get(side)
+    elsewhere = elsewhere or {"walls": {}, "s_per_flop": None}
+    if side in elsewhere["walls"]:
+        return elsewhere["walls"][side]
+    if recipe in flops and recipe == side and elsewhere["s_per_flop"]:
+        return run_flops(recipe, flops[recipe]) * elsewhere["s_per_flop"]
     for other in result["sides"].values():          # the peer: as long as ours, until it has run
         if other["runs"] and piece.recipes.get(other["name"]) == recipe:
             return sum(r.get("wall_s", r["time"]) for r in other["runs"]) / len(other["runs"])
@@ -367,25 +406,28 @@ def per_run_s(piece, side, result, *, fp, flops):
     rate = fp.get("matmul_tflops")
     if not f or not rate:
         return 60.0
-    import cifar10_fast as cf
-    epochs = math.ceil(cf.recipe(recipe).epochs)      # every epoch ends with an evaluation pass
-    return (f["train"] + epochs * f["final_eval"]) / (rate * 1e12 * ASSUMED_EFFICIENCY)
+    return run_flops(recipe, f) / (rate * 1e12 * ASSUMED_EFFICIENCY)
 
 
-def setup_s(piece, result):
-    """Seconds before a command's first run: the slowest earlier chunk's, else a guess."""
+def setup_s(piece, result, elsewhere=None):
+    """Seconds before a command's first run: the slowest earlier chunk's, else the slowest of the device's other
+    pieces that compile alike (measured_elsewhere), else a guess."""
     seen = [c["setup_s"] for c in result["chunks"] if c.get("setup_s") is not None]
-    return max(seen) if seen else SETUP_GUESS_S.get(piece.compile, SETUP_GUESS_S[None])
+    if seen:
+        return max(seen)
+    if elsewhere and elsewhere.get("setup_s") is not None:
+        return elsewhere["setup_s"]
+    return SETUP_GUESS_S.get(piece.compile, SETUP_GUESS_S[None])
 
 
-def plan(piece, result, *, fp, flops, left_s):
+def plan(piece, result, *, fp, flops, left_s, elsewhere=None):
     """(runs per side for the next command, its estimated seconds, estimated seconds of all the rest).
     The runs are what fits in left_s seconds (None: no limit), the sides of one command in proportion;
-    {} when not even one run fits."""
+    {} when not even one run fits. elsewhere: measured_elsewhere's, for sides not yet run in this piece."""
     order = [*piece.sides, *(s for s in result["sides"] if s not in piece.sides)]      # the piece's order first
     left = {s: result["sides"][s]["n_wanted"] - len(result["sides"][s]["runs"]) for s in order}
-    per = {s: per_run_s(piece, s, result, fp=fp, flops=flops) for s in left if left[s] > 0}
-    setup = setup_s(piece, result)
+    per = {s: per_run_s(piece, s, result, fp=fp, flops=flops, elsewhere=elsewhere) for s in left if left[s] > 0}
+    setup = setup_s(piece, result, elsewhere)
     commands = 1 if piece.kind in TOGETHER else sum(left.values()) if piece.one_run_at_a_time else len(per)
     rest = commands * setup + sum(left[s] * per[s] for s in per)
     if piece.one_run_at_a_time:            # one run of the first side (in the piece's order) still short of its n
@@ -447,6 +489,7 @@ def run_piece(piece, ctx, *, fp, flops, deadline, say, note=""):
     if finish(result, fp)["complete"] and piece.kind != "throughput":
         say(f"{piece.name}: already complete ({describe(result)})")
         return
+    elsewhere = measured_elsewhere(ctx["results"], piece, flops, smoke=ctx["smoke"])
     start, estimated = time.time(), 0.0
     while True:
         left_s = None if deadline is None else deadline - time.time()
@@ -454,7 +497,7 @@ def run_piece(piece, ctx, *, fp, flops, deadline, say, note=""):
             est = max([c["seconds"] for c in result["chunks"]] or [SETUP_GUESS_S[None] + 240.0])
             want, rest = ({"rows": 1} if left_s is None or est <= left_s else {}), est
         else:
-            want, est, rest = plan(piece, result, fp=fp, flops=flops, left_s=left_s)
+            want, est, rest = plan(piece, result, fp=fp, flops=flops, left_s=left_s, elsewhere=elsewhere)
         if not want:
             say(f"{piece.name}: {'not started' if not estimated else 'stopped'}: about {rest:.0f} s of work left, "
                 f"{left_s:.0f} s of the budget left" + (f"; kept {describe(result)}" if estimated else ""))

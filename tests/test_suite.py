@@ -369,3 +369,41 @@ def test_side_by_side_and_outcomes_show_a_mean_near_its_target_with_the_digits_t
     row = next(line for line in report.t_side_by_side(results) if line.startswith("| fast94 / airbench94"))
     assert "| 93.999% ± 0.13 (p 0.5) | 94.003% ± 0.13 (p 0.5) |" in row
     assert "93.999% ± 0.13 (n=25)" in report.outcome(results, "`fast94`")
+
+
+def test_a_piece_not_yet_run_on_a_device_estimates_its_runs_from_the_pieces_that_ran_there(tmp_path):
+    fast94, fast94_next = suite.pieces()[1:3]
+    flops = {"fast94": {"train": 0.34e15, "final_eval": 0.014e15}, "fast94_next": {"train": 0.26e15,
+                                                                                   "final_eval": 0.005e15}}
+    done = fake_result([1.6] * 8, 100, setup=200.0)
+    done["sides"]["airbench94"]["runs"] = [{"seed": 0, "final_acc": 0.94, "time": 2.2}] * 2
+    (tmp_path / "fast94.json").write_text(json.dumps({**done, "kind": "side_by_side", "smoke": False}))
+    (tmp_path / "cpu_demo.json").write_text(json.dumps({**fake_result([99.0], 4), "kind": "cifar", "smoke": False}))
+    elsewhere = suite.measured_elsewhere(tmp_path, fast94_next, flops)
+    assert elsewhere["walls"] == pytest.approx({"fast94": 1.6, "airbench94": 2.2})   # not another kind of piece
+    assert suite.setup_s(fast94_next, {"chunks": []}, elsewhere) == 200.0              # compiled alike: its start
+    empty = {"sides": {"fast94_next": {"name": "fast94_next", "n_wanted": 100, "runs": []},
+                       "airbench94": {"name": "airbench94", "n_wanted": 25, "runs": []}}, "chunks": []}
+    per = {s: suite.per_run_s(fast94_next, s, empty, fp={"matmul_tflops": 800.0}, flops=flops, elsewhere=elsewhere)
+           for s in ("fast94_next", "airbench94")}
+    # our recipe at fast94's measured seconds per counted FLOP (10 and 8 epochs, each with an evaluation pass)
+    assert per == pytest.approx({"fast94_next": 1.6 * (0.26e15 + 8 * 0.005e15) / (0.34e15 + 10 * 0.014e15),
+                                 "airbench94": 2.2})
+    plan = lambda known: suite.plan(fast94_next, empty, fp={"matmul_tflops": 800.0}, flops=flops, left_s=480.0,
+                                    elsewhere=known)[0]
+    assert plan(elsewhere) == {"fast94_next": 100, "airbench94": 25}     # it all fits at the rate the device reached
+    assert plan(None) == {"fast94_next": 57, "airbench94": 14}           # at the assumed efficiency, half of it
+    assert suite.measured_elsewhere(tmp_path, fast94, flops) == {"walls": {}, "s_per_flop": None, "setup_s": None}
+
+
+def test_the_gpu_chunks_table_lists_every_chunk_run_on_a_gpu_oldest_first_and_no_cpu_chunk():
+    chunk = lambda date, setup: {"date": date, "runs_added": 5, "seconds": 300.4, "estimated_s": 350.0,
+                                 "setup_s": setup, "argv": "python x.py"}
+    gpu = {"device_name": "NVIDIA H200", "device": "cuda"}
+    results = {"fast94": [{"fingerprint": gpu, "chunks": [chunk("2026-01-02T00:00:00", 220.2)]},
+                          {"fingerprint": {"device_name": "CPU", "device": "cpu"}, "chunks": [chunk("2026", 9.0)]}],
+               "fast94_next": [{"fingerprint": gpu, "chunks": [chunk("2026-01-01T00:00:00", None)]}]}
+    lines = report.t_gpu_chunks(results)
+    assert lines[2:4] == ["| 2026-01-01T00:00:00 | NVIDIA H200 | `fast94_next` | 5 | 300 s | 350 s | – |",
+                          "| 2026-01-02T00:00:00 | NVIDIA H200 | `fast94` | 5 | 300 s | 350 s | 220 s |"]
+    assert len(lines) == 6 and report.t_gpu_chunks({}) == ["The suite's chunks on a GPU: not measured."]
