@@ -397,11 +397,11 @@ def per_run_s(piece, side, result, *, fp, flops, elsewhere=None):
     elsewhere = elsewhere or {"walls": {}, "s_per_flop": None}
     if side in elsewhere["walls"]:
         return elsewhere["walls"][side]
-    if recipe in flops and recipe == side and elsewhere["s_per_flop"]:
+    if side == recipe and recipe in flops and elsewhere["s_per_flop"]:
         return run_flops(recipe, flops[recipe]) * elsewhere["s_per_flop"]
     for other in result["sides"].values():          # the peer: as long as ours, until it has run
         if other["runs"] and piece.recipes.get(other["name"]) == recipe:
-            return sum(r.get("wall_s", r["time"]) for r in other["runs"]) / len(other["runs"])
+            return mean_wall(other["runs"])
     f = flops.get(recipe) if recipe else None
     rate = fp.get("matmul_tflops")
     if not f or not rate:
