@@ -392,7 +392,7 @@ def test_a_piece_not_yet_run_on_a_device_estimates_its_runs_from_the_pieces_that
     plan = lambda known: suite.plan(fast94_next, empty, fp={"matmul_tflops": 800.0}, flops=flops, left_s=480.0,
                                     elsewhere=known)[0]
     assert plan(elsewhere) == {"fast94_next": 100, "airbench94": 25}     # it all fits at the rate the device reached
-    assert plan(None) == {"fast94_next": 57, "airbench94": 14}           # at the assumed efficiency, half of it
+    assert plan(None) == {"fast94_next": 57, "airbench94": 14}           # at the assumed efficiency, 57% of it
     assert suite.measured_elsewhere(tmp_path, fast94, flops) == {"walls": {}, "s_per_flop": None, "setup_s": None}
 
 
