@@ -399,16 +399,18 @@ def t_floor(results):
                   "measured mean time", "time ÷ floor"], rows)
 
 
-def outcome(results, ref):
-    """The outcome cell of a perf-notes row measured by piece:side (or '-')."""
+def outcome(results, ref, change=None):
+    """The outcome cell of a perf-notes row measured by piece:side (or '-'); a change that does not name its piece
+    is one switch of that piece's recipe, so its cell says the result is the whole recipe's."""
     if ref in ("", "-", "–"):
         return "–"
     piece, _, side = ref.strip("`").partition(":")
     found = sides(results, piece, side or piece)
     if not found:
         return NM
-    return "; ".join(f"{device(r)}: {secs(s['stats']['time'])}, {pct(s['stats']['accuracy'], s.get('target'))} "
+    cell = "; ".join(f"{device(r)}: {secs(s['stats']['time'])}, {pct(s['stats']['accuracy'], s.get('target'))} "
                      f"(n={len(s['runs'])})" for r, s in found)
+    return cell if change is None or f"`{piece}`" in change else f"not alone, only in the whole {ref}: {cell}"
 
 
 def t_scaling(results):
@@ -526,11 +528,11 @@ def fill_outcomes(block, results):
     from the piece:side named in the 'measured by' column."""
     lines = block.split("\n")
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    by, out = header.index("measured by"), header.index("outcome")
+    change, by, out = header.index("change"), header.index("measured by"), header.index("outcome")
     rows = []
     for line in lines[2:]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        cells[out] = outcome(results, cells[by])
+        cells[out] = outcome(results, cells[by], cells[change])
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines[:2] + rows)
 

@@ -371,6 +371,21 @@ def test_side_by_side_and_outcomes_show_a_mean_near_its_target_with_the_digits_t
     assert "93.999% ± 0.13 (n=25)" in report.outcome(results, "`fast94`")
 
 
+def test_an_outcome_says_when_a_change_is_measured_only_inside_its_whole_recipe():
+    side = {"runs": [{"seed": i} for i in range(17)], "n_wanted": 100, "target": 0.94,
+            "stats": {"accuracy": {"mean": 0.9402, "std": 0.0014, "n": 17}, "p_mean_above_target": 0.24,
+                      "time": {"mean": 1.15, "std": 0.03}}}
+    results = {"fast94_next": [{"fingerprint": {"device_name": "NVIDIA H200"}, "sides": {"fast94_next": side}}]}
+    whole = "NVIDIA H200: 1.15 s ± 0.03, 94.02% ± 0.14 (n=17)"
+    block = "\n".join(["| change | prediction | measured by | outcome |", "| --- | --- | --- | --- |",
+                       "| `fast94_next`: the record's configuration | p | `fast94_next` | x |",
+                       "| `--act silu` | p | `fast94_next` | x |", "| `--muon-x` | p | `fast94_none` | x |"])
+    rows = report.fill_outcomes(block, results).split("\n")[2:]
+    assert rows[0].endswith(f"| {whole} |")
+    assert rows[1].endswith(f"| not alone, only in the whole `fast94_next`: {whole} |")
+    assert rows[2].endswith("| not measured |")
+
+
 def test_a_piece_not_yet_run_on_a_device_estimates_its_runs_from_the_pieces_that_ran_there(tmp_path):
     fast94, fast94_next = suite.pieces()[1:3]
     flops = {"fast94": {"train": 0.34e15, "final_eval": 0.014e15}, "fast94_next": {"train": 0.26e15,
