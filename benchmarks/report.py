@@ -181,17 +181,25 @@ def t_side_by_side(results):
         found = [r for r in results.get(recipe, []) if r["sides"][recipe]["runs"]]
         for r in found:
             a, b = r["sides"][recipe], r["sides"][peer]
-            ratio = r.get("time_ratio")
+            ratio, after = r.get("time_ratio"), r.get("time_ratio_after_construction")
             rows.append([f"{recipe} / {peer}", device(r), f"{n_of(a)} / {n_of(b)}",
                          f"{pct(a['stats']['accuracy'], a.get('target'))} (p {pval(a['stats']['p_mean_above_target'])})",
                          f"{pct(b['stats']['accuracy'], b.get('target'))} (p {pval(b['stats']['p_mean_above_target'])})"
                          if b["runs"] else "not run (needs `pip install airbench` and a GPU)",
                          f"{timed(a['stats'], False)} / {timed(b['stats'], False)}",
-                         f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]" if ratio else "–"])
+                         interval(ratio) if ratio else "–", interval(after, n_of=len(b["runs"])) if after else NM])
         if not found:
-            rows.append([f"{recipe} / {peer}", "GPU", "–", NM, NM, NM, NM])
+            rows.append([f"{recipe} / {peer}", "GPU", "–", NM, NM, NM, NM, NM])
     return table(["ours / peer", "device", "n (ours / peer)", "our accuracy (p: mean > target)",
-                  "peer's accuracy (p: mean > target)", "mean time (ours / peer)", "time ratio [95% CI]"], rows)
+                  "peer's accuracy (p: mean > target)", "mean time (ours / peer)", "time ratio [95% CI]",
+                  "time ratio, the peer's model construction left out as ours is [95% CI]"], rows)
+
+
+def interval(ratio, *, n_of=None):
+    """A ratio with its confidence interval, and the n of its denominator's runs where fewer than n_of counted."""
+    fewer = n_of is not None and ratio.get("n_to", n_of) < n_of
+    return f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}]" + (
+        f" (the peer's n = {ratio['n_to']})" if fewer else "")
 
 
 def t_journey(results):

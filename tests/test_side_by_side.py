@@ -80,23 +80,28 @@ def fake_airbench(load_s, build_s, clock):
             clock.sleep(0 if train else load_s)
             self.train, self.batch_size, self.aug, self.altflip = train, batch_size, aug, altflip
 
-    def train(train_loader, verbose=True):
-        test_loader = utils.CifarLoader("cifar10", train=False, batch_size=2000)
+    def make_net94():
         clock.sleep(build_s)
-        calls.append(("train", train_loader, test_loader, verbose))
         return "model"
+
+    def train(train_loader, verbose=True, make_net=make_net94):
+        test_loader = utils.CifarLoader("cifar10", train=False, batch_size=2000)
+        model = make_net()
+        clock.sleep(0.25)                           # the whitening fit and the training steps
+        calls.append(("train", train_loader, test_loader, verbose))
+        return model
 
     def evaluate(model, loader, tta_level=0):
         calls.append(("evaluate", model, loader, tta_level))
         return 0.9401
     utils = types.SimpleNamespace(CifarLoader=CifarLoader, train=train)
     lib = types.SimpleNamespace(hyp={"opt": {"batch_size": 1024}, "aug": {"flip": True, "translate": 2},
-                                     "net": {"tta_level": 2}})
+                                     "net": {"tta_level": 2}}, make_net94=make_net94)
     return types.SimpleNamespace(utils=utils, CifarLoader=CifarLoader, train94=train, lib_airbench94=lib,
                                  evaluate=evaluate), calls
 
 
-def test_the_peers_clock_holds_its_model_construction_but_not_its_test_set_load(monkeypatch):
+def test_the_peers_clock_holds_its_model_construction_timed_apart_but_not_its_test_set_load(monkeypatch):
     clock = VirtualClock()
     monkeypatch.setattr(side_by_side, "time", clock)
     airbench, calls = fake_airbench(load_s=0.5, build_s=0.05, clock=clock)
@@ -104,11 +109,30 @@ def test_the_peers_clock_holds_its_model_construction_but_not_its_test_set_load(
     assert (loader.batch_size, loader.aug, loader.altflip, test_loader.train) == (1024, {"flip": True, "translate": 2},
                                                                                   True, False)
     r = side_by_side.time_peer(airbench, "94", loader=loader, test_loader=test_loader, sync=lambda: None)
-    assert r["time"] == pytest.approx(0.05, abs=1e-9) and r["final_acc"] == 0.9401
+    assert r["time"] == pytest.approx(0.30, abs=1e-9) and r["final_acc"] == 0.9401
+    assert r["construct_s"] == pytest.approx(0.05, abs=1e-9)              # ours leaves it out: it is told apart
     (_, trained_on, tested_on, verbose), evaluation = calls
     assert trained_on is loader and tested_on is test_loader and not verbose
     assert evaluation == ("evaluate", "model", test_loader, 2)               # its own default TTA level
     assert airbench.utils.CifarLoader("cifar10", train=False).train is False   # put back after the run
+
+
+def test_the_airbench_peer_runs_beside_ours_on_a_gpu_with_its_model_construction_timed_apart(tmp_path, capsys,
+                                                                                             monkeypatch):
+    from cuda_standin import StandIn
+    clock = VirtualClock()
+    monkeypatch.setattr(side_by_side, "time", clock)
+    airbench, calls = fake_airbench(load_s=0.5, build_s=0.05, clock=clock)
+    monkeypatch.setitem(sys.modules, "airbench", airbench)
+    npz, out = tmp_path / "synth.npz", tmp_path / "sbs.json"
+    np.savez(npz, **synthetic_arrays(256, 64))
+    with StandIn():
+        assert side_by_side.main(["--data-dir", str(npz), "--recipes", "fast94", "--runs", "2", "--peer-runs", "2",
+                                  "--epochs", "1", "--width", "0.0625", "--batch-size", "64", "--out", str(out)]) == 0
+    assert "fast94 peer run 2/2: airbench94 0.9401 in 0.300 s (its model construction 0.050 s)" in capsys.readouterr().out
+    peer = json.loads(out.read_text())["recipes"]["fast94"]["peer"]
+    assert [(r["time"], r["construct_s"]) for r in peer] == [pytest.approx((0.30, 0.05))] * 2
+    assert [c[0] for c in calls] == ["train", "evaluate"] * 3              # an untimed warm-up run first
 
 
 def test_ours_gets_the_convolution_autotuning_the_command_line_gives_it(tmp_path, monkeypatch):

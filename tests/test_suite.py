@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import core  # noqa: E402
 import report  # noqa: E402
 import suite  # noqa: E402
 
@@ -369,6 +370,40 @@ def test_side_by_side_and_outcomes_show_a_mean_near_its_target_with_the_digits_t
     row = next(line for line in report.t_side_by_side(results) if line.startswith("| fast94 / airbench94"))
     assert "| 93.999% ± 0.13 (p 0.5) | 94.003% ± 0.13 (p 0.5) |" in row
     assert "93.999% ± 0.13 (n=25)" in report.outcome(results, "`fast94`")
+
+
+def test_the_time_ratio_after_the_peers_model_construction_takes_the_peer_runs_that_timed_it():
+    ours = [{"seed": i, "final_acc": 0.94, "time": t} for i, t in enumerate([1.5, 1.6, 1.7])]
+    theirs = [{"seed": i, "final_acc": 0.94, "time": t, "construct_s": c}
+              for i, (t, c) in enumerate([(2.1, 0.1), (2.3, 0.2), (2.0, 0.1)])]
+    result = {"kind": "side_by_side", "sides": {
+        "fast94": {"name": "fast94", "n_wanted": 3, "target": 0.94, "runs": ours},
+        "airbench94": {"name": "airbench94", "n_wanted": 3, "target": 0.94, "runs": theirs}}}
+    r = suite.finish(result, {})
+    after = core.ratio_ci([1.5, 1.6, 1.7], [2.0, 2.1, 1.9])
+    assert r["time_ratio_after_construction"] == pytest.approx({"of": "fast94", "to": "airbench94", "n_to": 3, **after})
+    assert r["time_ratio"]["ratio"] == pytest.approx(1.6 / 2.1333333)          # the clock as it ran, beside it
+    del theirs[1]["construct_s"]                    # a run from before its construction was timed apart
+    after = core.ratio_ci([1.5, 1.6, 1.7], [2.0, 1.9])
+    assert suite.finish(result, {})["time_ratio_after_construction"] == pytest.approx(
+        {"of": "fast94", "to": "airbench94", "n_to": 2, **after})
+    del theirs[0]["construct_s"]
+    assert suite.finish(result, {})["time_ratio_after_construction"] is None
+
+
+def test_the_side_by_side_table_gives_the_ratio_after_the_peers_model_construction_where_it_was_timed():
+    side = {"runs": [{"seed": 0}, {"seed": 1}], "n_wanted": 2, "target": 0.94,
+            "stats": {"accuracy": {"mean": 0.94, "std": 0.001, "n": 2}, "p_mean_above_target": 0.5,
+                      "time": {"mean": 1.5, "std": 0.01}}}
+    result = {"fingerprint": {"device_name": "NVIDIA H200"}, "sides": {"fast94": side, "airbench94": side},
+              "time_ratio": {"ratio": 0.7, "low": 0.69, "high": 0.71}}
+    def row(r):
+        return next(line for line in report.t_side_by_side({"fast94": [r]}) if line.startswith("| fast94 / airbench94"))
+    assert row(result).endswith("| 0.700 [0.690, 0.710] | not measured |")
+    timed = {**result, "time_ratio_after_construction": {"ratio": 0.72, "low": 0.715, "high": 0.725, "n_to": 2}}
+    assert row(timed).endswith("| 0.700 [0.690, 0.710] | 0.720 [0.715, 0.725] |")
+    timed["time_ratio_after_construction"]["n_to"] = 1          # of the peer's 2 runs, 1 timed its construction
+    assert row(timed).endswith("| 0.700 [0.690, 0.710] | 0.720 [0.715, 0.725] (the peer's n = 1) |")
 
 
 def test_an_outcome_says_when_a_change_is_measured_only_inside_its_whole_recipe():
