@@ -448,16 +448,16 @@ def t_cpu_accuracy(results):
             n, mean, p = len(s["runs"]), st["accuracy"]["mean"], st["p_mean_above_target"]
             if mean is None:
                 continue
-            below = mean < 0.94     # then the other side of the same t-test: p of a sample mean this low at 94%
-            side_p = None if p is None else 1 - p if below else p
-            if side_p is None:
-                verdicts.append(f"`{recipe}`'s mean is {'below' if below else 'above'} 94% here (n = {n}: too few "
-                                "runs to say more).")
-                continue
-            verdicts.append(f"`{recipe}`'s mean is {'below' if below else 'above'} 94% here, "
-                            f"{'' if side_p < 0.05 else 'not '}significantly (p = {side_p:.2g} for a mean "
-                            f"{'below' if below else 'above'} 94%, n = {n}).")
-            if side_p >= 0.05:
+            where = "below" if mean < 0.94 - 1e-9 else "above" if mean > 0.94 + 1e-9 else None   # to rounding
+            # below: the other side of the same t-test, the p of a sample mean this low at a true 94%
+            side_p = None if p is None else 1 - p if where == "below" else p
+            if side_p is None or where is None:
+                verdicts.append(f"`{recipe}`'s mean is " + (f"{where} 94% here" if where else "94% here, on neither side")
+                                + (f" (n = {n}: too few runs to say more)." if side_p is None else f" (n = {n})."))
+            else:
+                verdicts.append(f"`{recipe}`'s mean is {where} 94% here, {'' if side_p < 0.05 else 'not '}significantly "
+                                f"(p = {side_p:.2g} for a mean {where} 94%, n = {n}).")
+            if side_p is not None and side_p >= 0.05:
                 gap = detectable_gap(st["accuracy"]["std"], n)
                 verdicts[-1] += (f" At this spread, n = {n} finds a true mean {100 * gap:.2f} points or more from "
                                  "94% (p < 0.05, four times in five), a smaller gap not reliably.")

@@ -303,7 +303,9 @@ def test_the_test_time_sentence_names_the_counts_and_each_failed_test():
     ([0.935, 0.936, 0.934, 0.937, 0.935], "mean is below 94% here, significantly (p = 0.00042 for a mean below 94%"),
     ([0.941, 0.942, 0.9405], "mean is above 94% here, not significantly (p = 0.059 for a mean above 94%, n = 3). "
                              "At this spread, n = 3 finds a true mean 0.23 points or more from 94%"),
-    ([0.942, 0.943, 0.9425], "mean is above 94% here, significantly (p = 0.0065 for a mean above 94%, n = 3).")])
+    ([0.942, 0.943, 0.9425], "mean is above 94% here, significantly (p = 0.0065 for a mean above 94%, n = 3)."),
+    ([0.9392, 0.9408], "mean is 94% here, on neither side (n = 2). At this spread, n = 2 finds a true mean"),
+    ([0.94], "mean is 94% here, on neither side (n = 1: too few runs to say more).")])
 def test_cpu_accuracy_says_whether_a_mean_below_94_is_significant_by_the_other_side_of_its_t_test(accuracies,
                                                                                                    verdict):
     from core import one_sided_p
