@@ -194,7 +194,8 @@ def loaded_test_set(airbench, test_loader):
 def time_peer(airbench, suffix, *, loader, test_loader, sync):
     """One peer run on our clock: its train function with its defaults (model construction, whitening,
     training) plus the evaluation at its own default TTA level; construct_s is its own make_net's share of that
-    time, which ours leaves out (the host's clock, unsynchronised: the few kernels it queues are not waited for)."""
+    time, which ours leaves out (the host's clock, unsynchronised: the few kernels it queues are not waited for),
+    eval_s the evaluation's (train() returns synchronised)."""
     train, lib = getattr(airbench, f"train{suffix}"), getattr(airbench, f"lib_airbench{suffix}")
     construct_s = []
 
@@ -207,9 +208,11 @@ def time_peer(airbench, suffix, *, loader, test_loader, sync):
     t0 = time.perf_counter()
     with loaded_test_set(airbench, test_loader):
         model = train(loader, make_net=make_net, verbose=False)
+    t1 = time.perf_counter()
     acc = airbench.evaluate(model, test_loader, tta_level=lib.hyp["net"]["tta_level"])
     sync()
-    return {"final_acc": acc, "time": time.perf_counter() - t0, "construct_s": sum(construct_s)}
+    t2 = time.perf_counter()
+    return {"final_acc": acc, "time": t2 - t0, "construct_s": sum(construct_s), "eval_s": t2 - t1}
 
 
 def alternation(n_ours, n_peer):

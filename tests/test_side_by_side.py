@@ -92,6 +92,7 @@ def fake_airbench(load_s, build_s, clock):
         return model
 
     def evaluate(model, loader, tta_level=0):
+        clock.sleep(0.02)
         calls.append(("evaluate", model, loader, tta_level))
         return 0.9401
     utils = types.SimpleNamespace(CifarLoader=CifarLoader, train=train)
@@ -109,8 +110,9 @@ def test_the_peers_clock_holds_its_model_construction_timed_apart_but_not_its_te
     assert (loader.batch_size, loader.aug, loader.altflip, test_loader.train) == (1024, {"flip": True, "translate": 2},
                                                                                   True, False)
     r = side_by_side.time_peer(airbench, "94", loader=loader, test_loader=test_loader, sync=lambda: None)
-    assert r["time"] == pytest.approx(0.30, abs=1e-9) and r["final_acc"] == 0.9401
+    assert r["time"] == pytest.approx(0.32, abs=1e-9) and r["final_acc"] == 0.9401
     assert r["construct_s"] == pytest.approx(0.05, abs=1e-9)              # ours leaves it out: it is told apart
+    assert r["eval_s"] == pytest.approx(0.02, abs=1e-9)                   # as ours records its final evaluation
     (_, trained_on, tested_on, verbose), evaluation = calls
     assert trained_on is loader and tested_on is test_loader and not verbose
     assert evaluation == ("evaluate", "model", test_loader, 2)               # its own default TTA level
@@ -129,9 +131,9 @@ def test_the_airbench_peer_runs_beside_ours_on_a_gpu_with_its_model_construction
     with StandIn():
         assert side_by_side.main(["--data-dir", str(npz), "--recipes", "fast94", "--runs", "2", "--peer-runs", "2",
                                   "--epochs", "1", "--width", "0.0625", "--batch-size", "64", "--out", str(out)]) == 0
-    assert "fast94 peer run 2/2: airbench94 0.9401 in 0.300 s (its model construction 0.050 s)" in capsys.readouterr().out
+    assert "fast94 peer run 2/2: airbench94 0.9401 in 0.320 s (its model construction 0.050 s)" in capsys.readouterr().out
     peer = json.loads(out.read_text())["recipes"]["fast94"]["peer"]
-    assert [(r["time"], r["construct_s"]) for r in peer] == [pytest.approx((0.30, 0.05))] * 2
+    assert [(r["time"], r["construct_s"], r["eval_s"]) for r in peer] == [pytest.approx((0.32, 0.05, 0.02))] * 2
     assert [c[0] for c in calls] == ["train", "evaluate"] * 3              # an untimed warm-up run first
 
 
