@@ -451,12 +451,12 @@ def t_cpu_accuracy(results):
             where = "below" if mean < 0.94 - 1e-9 else "above" if mean > 0.94 + 1e-9 else None   # to rounding
             # below: the other side of the same t-test, the p of a sample mean this low at a true 94%
             side_p = None if p is None else 1 - p if where == "below" else p
+            said = f"`{recipe}`'s mean is " + (f"{where} 94% here" if where else "94% here, on neither side")
             if side_p is None or where is None:
-                verdicts.append(f"`{recipe}`'s mean is " + (f"{where} 94% here" if where else "94% here, on neither side")
-                                + (f" (n = {n}: too few runs to say more)." if side_p is None else f" (n = {n})."))
+                verdicts.append(said + (f" (n = {n}: too few runs to say more)." if side_p is None else f" (n = {n})."))
             else:
-                verdicts.append(f"`{recipe}`'s mean is {where} 94% here, {'' if side_p < 0.05 else 'not '}significantly "
-                                f"(p = {side_p:.2g} for a mean {where} 94%, n = {n}).")
+                verdicts.append(f"{said}, {'' if side_p < 0.05 else 'not '}significantly (p = {side_p:.2g} for a mean "
+                                f"{where} 94%, n = {n}).")
             if side_p is not None and side_p >= 0.05:
                 gap = detectable_gap(st["accuracy"]["std"], n)
                 verdicts[-1] += (f" At this spread, n = {n} finds a true mean {100 * gap:.2f} points or more from "

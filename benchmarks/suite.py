@@ -320,10 +320,11 @@ def finish(result, fp):
         a, b = sides
         ci = ratio_ci([r["time"] for r in a["runs"]], [r["time"] for r in b["runs"]])
         result["time_ratio"] = ci and {"of": a["name"], "to": b["name"], **ci}
-        if result["kind"] == "side_by_side":    # the peer's clock from its model built, as ours, over the runs that timed it
+        if result["kind"] == "side_by_side":    # the peer's clock from its model built, as ours: the runs that timed it
             built = [r["time"] - r["construct_s"] for r in b["runs"] if "construct_s" in r]
             ci = ratio_ci([r["time"] for r in a["runs"]], built)
-            result["time_ratio_after_construction"] = ci and {"of": a["name"], "to": b["name"], "n_to": len(built), **ci}
+            result["time_ratio_after_construction"] = ci and {"of": a["name"], "to": b["name"], "n_to": len(built),
+                                                              **ci}
     result["complete"] = all(s["n_wanted"] <= len(s["runs"]) for s in sides) and result.get("ran", True)
     return result
 
