@@ -287,7 +287,7 @@ def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max
         raise DataError(f"{src / 'val'}: no images (extensions {sorted(EXTENSIONS)})")
     index_path = dst / "index.json"
     if index_path.is_file():
-        old = json.loads(index_path.read_text())
+        old = read_index(index_path, "delete it, or choose another --dst")
         if old.get("settings") == asdict(settings) and old.get("source") == str(src.resolve()):
             log(f"{dst}: already prepared ({old['train']['count']} train, {old['val']['count']} val images)")
             return old
@@ -407,15 +407,32 @@ class Store:
         return self.train.data[:n * s * s * 3].reshape(n, s, s, 3)
 
 
+INDEX_KEYS = {"settings": dict, "classes": list, "train": dict, "val": dict}      # what readers take from index.json
+
+
+def read_index(path, remedy):
+    """index.json's dict; a DataError naming the file where it is not JSON (a disk filled, a copy cut short)."""
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: not readable ({type(e).__name__}: {e}); {remedy}") from e
+    if not isinstance(index, dict):
+        raise DataError(f"{path}: not readable (a JSON {type(index).__name__}, not an object); {remedy}")
+    return index
+
+
 def open_store(path):
     """Memory-maps a prepared store (nothing is read until used)."""
     path = Path(path)
     if not (path / "index.json").is_file():
         raise DataError(f"{path}: not a prepared store (no index.json); run `imagenet_fast.py prepare` first")
-    index = json.loads((path / "index.json").read_text())
+    index = read_index(path / "index.json", "prepare it again")
     if index.get("version") != STORE_VERSION:
         raise DataError(f"{path / 'index.json'}: store version {index.get('version')}, expected {STORE_VERSION}; "
                         f"prepare it again")
+    missing = [k for k, kind in INDEX_KEYS.items() if not isinstance(index.get(k), kind)]
+    if missing:
+        raise DataError(f"{path / 'index.json'}: not a whole store index (no {', '.join(missing)}); prepare it again")
     splits = {}
     for split in ("train", "val"):
         try:

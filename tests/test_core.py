@@ -161,3 +161,26 @@ def test_no_public_function_takes_more_than_four_positional_parameters():
                 if len(positional) > 4:
                     crowded.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert crowded == []
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_on_a_terminal_is_tqdms_bar_and_a_short_epoch_shows_nothing():
+    from core import Progress
+    term = Terminal()
+    bar = Progress(4, "epoch 1", after_s=0.0, file=term)
+    for _ in range(3):
+        bar.update()
+    drawn = term.getvalue()
+    assert drawn.startswith("\repoch 1:  25%|##5       | 1/4 ") and bar.bar.n == 3     # tqdm redraws at its pace
+    bar.close()
+    assert term.getvalue()[len(drawn):].replace(" ", "") == "\r\r"      # the bar's line cleared: nothing left
+    quiet = Terminal()
+    short = Progress(4, "epoch 1", after_s=1e9, file=quiet)
+    for _ in range(4):
+        short.update()
+    short.close()
+    assert short.bar is None and quiet.getvalue() == ""

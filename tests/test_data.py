@@ -3,6 +3,7 @@ import hashlib
 import http.server
 import io
 import pickle
+import re
 import socket
 import tarfile
 import threading
@@ -16,9 +17,10 @@ import cifar_data as cd
 from conftest import synthetic_arrays
 
 
-def make_archive(path, n=6, dataset="cifar10"):
+def make_archive(path, n=6, dataset="cifar10", tamper=None):
     """A tiny cifar-10-python.tar.gz (or cifar-100-python.tar.gz) in the official layout: pickled dicts with
-    b'data' (N, 3072) CHW rows and the labels (CIFAR-100: fine and coarse)."""
+    b'data' (N, 3072) CHW rows and the labels (CIFAR-100: fine and coarse); tamper: {member: its bytes, or None
+    to leave it out}."""
     spec, classes = cd.DATASETS[dataset], 10 if dataset == "cifar10" else 100
     rng = np.random.default_rng(1)
     expected = {k: [] for k in cd.KEYS}
@@ -29,6 +31,10 @@ def make_archive(path, n=6, dataset="cifar10"):
                 y = rng.integers(0, classes, n).tolist()
                 blob = pickle.dumps({b"data": x.transpose(0, 3, 1, 2).reshape(n, 3072), spec["labels"]: y,
                                      b"coarse_labels": [label // 5 for label in y], b"batch_label": name.encode()})
+                if tamper and name in tamper:
+                    if tamper[name] is None:
+                        continue
+                    blob = tamper[name]
                 info = tarfile.TarInfo(f"{spec['folder']}/{name}")
                 info.size = len(blob)
                 tar.addfile(info, io.BytesIO(blob))
@@ -98,6 +104,52 @@ def test_missing_archive_without_download(tmp_path):
         cd.load_cifar10(tmp_path, download_ok=False)
 
 
+@pytest.mark.parametrize("tamper, message", [
+    ({"data_batch_3": None}, ": data_batch_3 missing from the archive"),
+    ({"test_batch": b"not a pickle"}, r"/test_batch: not a CIFAR-10 batch \(UnpicklingError: "),
+    ({"data_batch_2": pickle.dumps({b"data": []})}, r"/data_batch_2: not a CIFAR-10 batch \(KeyError: b'labels'\)"),
+    ({"data_batch_1": pickle.dumps({b"data": np.zeros((4, 3071), np.uint8), b"labels": [0] * 4})},
+     r"/data_batch_1: wrong shapes \(data \(4, 3071\), labels \(4,\)\); expected \(N, 3072\) and \(N,\)"),
+])
+def test_a_bad_archive_member_is_named_and_leaves_no_cache(tmp_path, tamper, message):
+    tgz = tmp_path / "cifar-10-python.tar.gz"
+    make_archive(tgz, tamper=tamper)
+    with pytest.raises(cd.DataError, match=rf"^{re.escape(str(tgz))}{message}"):
+        cd.load_cifar10(tmp_path, download_ok=False, archive=spec_of(tgz))
+    assert leftovers(tmp_path) == []
+
+
+def test_an_unpacked_folder_missing_a_batch_is_named(tmp_path):
+    tgz = tmp_path / "cifar-10-python.tar.gz"
+    make_archive(tgz)
+    with tarfile.open(tgz) as tar:
+        tar.extractall(tmp_path / "x", filter="data")
+    batches = tmp_path / "x" / "cifar-10-batches-py"
+    (batches / "data_batch_4").unlink()
+    with pytest.raises(cd.DataError, match=rf"^{re.escape(str(batches / 'data_batch_4'))}: missing$"):
+        cd.load_cifar10(tmp_path / "x", download_ok=False)
+    assert not (tmp_path / "x" / cd.CACHE_NAME).exists()
+
+
+def test_a_data_dir_that_is_neither_a_folder_nor_an_npz_is_named(tmp_path):
+    with pytest.raises(cd.DataError, match=rf"^{re.escape(str(tmp_path / 'absent.npz'))}: no such file$"):
+        cd.load_cifar10(tmp_path / "absent.npz")
+    (tmp_path / "data.tar").write_bytes(b"x")
+    with pytest.raises(cd.DataError, match=rf"^{re.escape(str(tmp_path / 'data.tar'))}: expected a .npz file or a "
+                                           "folder$"):
+        cd.load_cifar10(tmp_path / "data.tar")
+
+
+def test_a_preset_refuses_images_of_another_size(tmp_path):
+    d = synthetic_arrays(16, 8)
+    d = {**d, "train_images": d["train_images"][:, :28, :28], "test_images": d["test_images"][:, :28, :28]}
+    np.savez(tmp_path / "small.npz", **d)
+    with pytest.raises(cd.DataError, match=r"small.npz: train_images are 28x28 pixels; CIFAR-10's are 32x32 "
+                                           r"\(leave out --dataset to train on your own data\)$"):
+        cd.load_cifar10(tmp_path / "small.npz")
+    assert cd.load(tmp_path / "small.npz")["train_images"].shape == (16, 28, 28, 3)     # own data: any size
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda d: d.update(train_images=d["train_images"][:, :, :31]),
      "train_images are 32x31 pixels but test_images 32x32; expected the same size"),
@@ -110,6 +162,8 @@ def test_missing_archive_without_download(tmp_path):
     (lambda d: d.update(test_labels=d["test_labels"].astype(np.int16) - 1),
      r"test_labels out of range \(-1..8\), expected integers from 0"),
     (lambda d: d.pop("test_labels"), r"missing arrays \['test_labels'\]"),
+    (lambda d: d.update(train_labels=d["train_labels"].astype(np.float32)),
+     "train_labels has dtype float32, expected integers"),
 ])
 def test_bad_npz_is_named_and_explained(tmp_path, change, message):
     d = synthetic_arrays()

@@ -364,3 +364,45 @@ def test_launch_flags_are_checked_in_one_line(script, flags, message, capsys, tm
             else ["--data-dir", str(tmp_path), *args])
     rc = __import__(script).main(args)
     assert rc == 2 and capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
+
+
+class Launched:
+    """What an async collective returns: a work whose future is already complete (or failed)."""
+
+    def __init__(self, error=None):
+        self.future = torch.futures.Future()
+        self.future.set_exception(error) if error else self.future.set_result(None)
+
+    def get_future(self):
+        return self.future
+
+
+def test_the_torus_chain_runs_its_steps_in_order_and_an_error_anywhere_fails_the_bucket_instead_of_hanging():
+    done_before = torch.futures.Future()
+    order, done = [], torch.futures.Future()
+    launch = lambda name, error=None: lambda: order.append(name) or Launched(error)
+    D._chain(done_before, [launch("scatter"), launch("column"), launch("row")], lambda: done.set_result("ok"), done)
+    assert order == [] and not done.done()             # nothing starts before the previous bucket's chain ends
+    done_before.set_result(None)
+    assert order == ["scatter", "column", "row"] and done.wait() == "ok"
+
+    for broken in range(3):                            # a collective that fails: the steps after it never start
+        order, done, after = [], torch.futures.Future(), torch.futures.Future()
+        steps = [launch(n, RuntimeError(f"{n} failed") if i == broken else None)
+                 for i, n in enumerate(("scatter", "column", "row"))]
+        D._chain(after, steps, lambda: pytest.fail("finished after an error"), done)
+        after.set_result(None)
+        assert order == ["scatter", "column", "row"][:broken + 1]
+        with pytest.raises(RuntimeError, match=f"{('scatter', 'column', 'row')[broken]} failed"):
+            done.wait()
+    failed_before, done = torch.futures.Future(), torch.futures.Future()
+    D._chain(failed_before, [launch("scatter")], lambda: pytest.fail("finished"), done)
+    failed_before.set_exception(RuntimeError("the previous bucket failed"))
+    with pytest.raises(RuntimeError, match="the previous bucket failed"):
+        done.wait()
+    broken_launch = lambda: 1 / 0                        # a launch that raises before it returns a work
+    done, ready = torch.futures.Future(), torch.futures.Future()
+    ready.set_result(None)
+    D._chain(ready, [broken_launch], lambda: pytest.fail("finished"), done)
+    with pytest.raises(ZeroDivisionError):
+        done.wait()

@@ -4,6 +4,7 @@ import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -1065,3 +1066,65 @@ def test_train_help_says_how_each_recipe_counts_its_batch(capsys):
     assert ("FFCV's recipes (rn50_*, rn18_*), which train FFCV's batch on each GPU (512; 1024 for ResNet-18) at FFCV's "
             "rate (1.7; 0.5) whatever the number of GPUs, as FFCV's train_imagenet.py does") in text
     assert "--per-gpu-batch PER_GPU_BATCH --batch-size is each GPU's batch" in text
+
+
+def damage(path, how):
+    """Spoils one part of a copied store the way a full disk, an interrupted copy or another version would."""
+    index = json.loads((path / "index.json").read_text())
+    if how == "index not json":
+        (path / "index.json").write_text((path / "index.json").read_text()[:40])
+    elif how == "other version":
+        (path / "index.json").write_text(json.dumps({**index, "version": 1}))
+    elif how == "count":
+        (path / "index.json").write_text(json.dumps({**index, "val": {**index["val"], "count": 7}}))
+    elif how == "index without settings":
+        (path / "index.json").write_text(json.dumps({k: v for k, v in index.items() if k != "settings"}))
+    elif how == "index a list":
+        (path / "index.json").write_text("[]")
+    elif how == "store too short":
+        (path / "val.store").write_bytes(b"0123")
+    elif how == "no footer":
+        with open(path / "train.store", "r+b") as f:
+            f.truncate(f.seek(0, os.SEEK_END) - 3)
+    elif how == "records cut":
+        data = (path / "train.store").read_bytes()
+        (path / "train.store").write_bytes(data[:100] + data[-16:])      # the footer kept, the records and rows not
+    elif how == "rows spoilt":
+        data = bytearray((path / "val.store").read_bytes())
+        end = int(np.frombuffer(bytes(data[-8:]), "<u8")[0])
+        data[end:end + 6] = b"spoilt"                                     # the rows' own .npy header
+        (path / "val.store").write_bytes(bytes(data))
+    elif how == "store missing":
+        (path / "val.store").unlink()
+
+
+@pytest.mark.parametrize("how, message", [
+    ("index not json", r"index.json: not readable \(JSONDecodeError: .*\); prepare it again"),
+    ("other version", r"index.json: store version 1, expected \d+; prepare it again"),
+    ("count", r": image counts disagree with index.json; prepare it again"),
+    ("index without settings", r"index.json: not a whole store index \(no settings\); prepare it again"),
+    ("index a list", r"index.json: not readable \(a JSON list, not an object\); prepare it again"),
+    ("store too short", r"val.store: too short to be a store file"),
+    ("no footer", r"train.store: not a store file of version \d+ \(no footer\); prepare it again"),
+    ("records cut", r": unreadable store file \(.*\)|train.store: its index does not match its records; prepare"),
+    ("rows spoilt", r": unreadable store file \(.*\)"),
+    ("store missing", r": unreadable store file \(\[Errno 2\] No such file or directory: .*val.store'\)"),
+])
+def test_a_damaged_store_is_one_line_naming_what_to_do(store, tmp_path, capsys, how, message):
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    damage(copy, how)
+    rc, _, err = run_main(capsys, "train", "--store", copy, "--device", "cpu", "--epochs", "1")
+    assert rc == 1 and "Traceback" not in err, err
+    assert re.fullmatch(rf"error: {re.escape(str(copy))}/?(\S*){message}", err.strip().splitlines()[-1]), err
+
+
+def test_prepare_into_a_folder_with_a_spoilt_index_is_one_line_and_touches_nothing(folder, tmp_path, capsys):
+    dst = tmp_path / "store"
+    dst.mkdir()
+    (dst / "index.json").write_text('{"version": ')
+    rc, _, err = run_main(capsys, "prepare", "--src", folder, "--dst", dst)
+    assert rc == 1 and err.strip().splitlines()[-1] == (
+        f"error: {dst / 'index.json'}: not readable (JSONDecodeError: Expecting value: line 1 column 13 (char 12)); "
+        "delete it, or choose another --dst")
+    assert sorted(p.name for p in dst.iterdir()) == ["index.json"]
