@@ -615,6 +615,7 @@ def main(argv=None):
         return 2
     if args.smoke:      # tiny networks gain nothing from a second thread, and a busy machine stalls its barrier
         torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"         # and so for the commands it starts (torchrun's ranks)
     tiers = (args.tiers or ("0,1,2,3,4,cpu" if args.smoke else "0,1,2,3,4" if device.type == "cuda" else "0,cpu")).split(",")
     bad = [t for t in tiers if t not in TIERS]
     names = args.pieces.split(",") if args.pieces else None
@@ -696,7 +697,7 @@ def smoke_runs(piece):
 
 
 def skip_reason(piece, device, smoke, peer):
-    if "nccl" in piece.needs and device.type != "cuda":
+    if "nccl" in piece.needs and device.type != "cuda" and not smoke:      # the smoke pass: torchrun over gloo
         return "needs a GPU (torchrun with NCCL)"
     if "gpu" in piece.needs and device.type != "cuda" and not smoke:
         return "needs a GPU at full size (use --smoke for a tiny CPU pass)"
