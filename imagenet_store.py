@@ -440,7 +440,7 @@ def open_store(path):
             # mmap "c" (copy-on-write) gives writable arrays, so torch.from_numpy shares them without a copy
             data = np.memmap(path / f"{split}.store", np.uint8, mode="c", shape=(end,)) if end else np.zeros(0, np.uint8)
         except (OSError, ValueError) as e:
-            raise DataError(f"{path}: unreadable store file ({e})") from e
+            raise DataError(f"{path / f'{split}.store'}: unreadable ({e}); prepare it again") from e
         if len(rows) != index[split]["count"]:
             raise DataError(f"{path}: image counts disagree with index.json; prepare it again")
         splits[split] = Split(rows=rows, data=data)
