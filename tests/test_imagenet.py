@@ -1107,9 +1107,10 @@ def damage(path, how):
     ("store too short", r"val.store: too short to be a store file"),
     ("no footer", r"train.store: not a store file of version \d+ \(no footer\); prepare it again"),
     ("records cut", r"train.store: unreadable \(EOF: reading magic string, expected 8 bytes got 0\); prepare it again"),
-    ("rows spoilt", r"val.store: unreadable \(the magic string is not correct; expected b'\\x93NUMPY', got b'spoilt'\); "
-                    "prepare it again"),
-    ("store missing", r"val.store: unreadable \(\[Errno 2\] No such file or directory: .*val.store'\); prepare it again"),
+    ("rows spoilt", r"val.store: unreadable \(the magic string is not correct; expected b'\\x93NUMPY', "
+                    r"got b'spoilt'\); prepare it again"),
+    ("store missing", r"val.store: unreadable \(\[Errno 2\] No such file or directory: .*val.store'\); "
+                      "prepare it again"),
 ])
 def test_a_damaged_store_is_one_line_naming_what_to_do(store, tmp_path, capsys, how, message):
     copy = tmp_path / "store"
