@@ -638,7 +638,7 @@ def main(argv=None):
         results.mkdir(parents=True, exist_ok=True)
         copy_to = Path(args.copy_to) if args.copy_to else None
         try:
-            import airbench  # noqa: F401
+            importlib.import_module("airbench")        # installed and importable: the peer can run
             peer = device.type == "cuda"
         except ImportError:
             peer = False
