@@ -408,8 +408,8 @@ def t_floor(results):
 
 
 def outcome(results, ref, change=None):
-    """The outcome cell of a perf-notes row measured by piece:side (or '-'); a change that does not name its piece
-    is one switch of that piece's recipe, so its cell says the result is the whole recipe's."""
+    """The outcome cell of a perf-notes row measured by piece:side (or '-'); a change that names neither its piece nor
+    its side is one switch of that piece's recipe, so its cell says the result is the whole recipe's."""
     if ref in ("", "-", "–"):
         return "–"
     piece, _, side = ref.strip("`").partition(":")
@@ -418,7 +418,8 @@ def outcome(results, ref, change=None):
         return NM
     cell = "; ".join(f"{device(r)}: {secs(s['stats']['time'])}, {pct(s['stats']['accuracy'], s.get('target'))} "
                      f"(n={len(s['runs'])})" for r, s in found)
-    return cell if change is None or f"`{piece}`" in change else f"not alone, only in the whole {ref}: {cell}"
+    alone = change is None or f"`{piece}`" in change or (side and f"`{side}`" in change)
+    return cell if alone else f"not alone, only in the whole {ref}: {cell}"
 
 
 def t_scaling(results):

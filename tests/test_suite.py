@@ -52,6 +52,10 @@ def test_smoke_runs_every_piece(smoke):
         assert under["command"].startswith(f"torchrun --standalone --nproc_per_node=1 {what} --runs 2")
         assert [run["final_acc"] for run in under["runs"]] == [run["final_acc"] for run in plain["runs"]]
         assert [run["seed"] for run in under["runs"]] == [0, 1]
+    # a side that is a recipe and its flags, run with them
+    side = json.loads((device / "cpu_accuracy.json").read_text())["sides"]["fast94_next_lowres --epochs 7.89"]
+    assert side["command"].startswith("python cifar10_fast.py --recipe fast94_next_lowres --epochs 7.89 --runs 1")
+    assert [run["seed"] for run in side["runs"]] == [0]
 
 
 def test_every_result_holds_command_runs_statistics_flops_and_the_fingerprint(smoke):
@@ -278,19 +282,35 @@ def test_the_pieces_share_one_compile_cache_under_the_results(tmp_path, monkeypa
 
 
 def test_the_cpu_accuracy_tier_fills_its_recipes_in_order_one_run_at_a_time():
-    """fast94_next to its n first, then fast94, fast94_muon and fast94_next_lowres, whatever order an earlier
-    result file lists them in."""
+    """fast94_next to its n first, then fast94, fast94_muon, fast94_next_lowres and its candidate, whatever order an
+    earlier result file lists them in (an older file may lack the candidate)."""
     piece = next(pc for pc in suite.pieces() if pc.name == "cpu_accuracy")
-    assert list(piece.sides) == ["fast94_next", "fast94", "fast94_muon", "fast94_next_lowres"]
+    candidate = "fast94_next_lowres --epochs 7.89"
+    assert list(piece.sides) == ["fast94_next", "fast94", "fast94_muon", "fast94_next_lowres", candidate]
     assert piece.sides["fast94_next"] >= 13 and min(piece.sides.values()) >= 5
     runs = lambda n: [{"seed": i, "final_acc": 0.94, "time": 1.0, "wall_s": 1.0} for i in range(n)]
     sides = lambda done: {s: {"name": s, "n_wanted": piece.sides[s], "runs": runs(done.get(s, 0))}
-                          for s in ("fast94_next_lowres", "fast94", "fast94_muon", "fast94_next")}
+                          for s in ("fast94_next_lowres", "fast94", "fast94_muon", "fast94_next", candidate)}
     plan = lambda done: suite.plan(piece, {"sides": sides(done), "chunks": []}, fp={}, flops={}, left_s=None)[0]
     assert plan({"fast94_next_lowres": 1}) == {"fast94_next": 1}
     assert plan({"fast94_next": piece.sides["fast94_next"]}) == {"fast94": 1}
     assert plan({"fast94_next": 99, "fast94": 5}) == {"fast94_muon": 1}
     assert plan({"fast94_next": 99, "fast94": 5, "fast94_muon": 5}) == {"fast94_next_lowres": 1}
+    assert plan({"fast94_next": 99, "fast94": 5, "fast94_muon": 5, "fast94_next_lowres": 5}) == {candidate: 1}
+
+
+def test_a_cpu_accuracy_side_runs_its_recipe_with_its_own_flags_and_goes_on_from_its_own_seeds():
+    """The side's flags follow the recipe's name, so the piece's and the smoke's settings still win over them."""
+    piece = next(pc for pc in suite.pieces() if pc.name == "cpu_accuracy")
+    ctx = {"out": "o.json", "device": "cpu", "smoke": False, "data": "c.npz"}
+    argv = lambda side, done: suite.chunk_for(piece, {side: 1}, {side: done}, ctx).argv
+    assert argv("fast94_next_lowres --epochs 7.89", 2) == [
+        "python", "cifar10_fast.py", "--recipe", "fast94_next_lowres", "--epochs", "7.89", "--runs", "1", "--seed",
+        "2", "--data-dir", "c.npz", "--eval-every", "0", "--device", "cpu", "--out", "o.json"]
+    assert argv("fast94_next_lowres", 0)[:6] == ["python", "cifar10_fast.py", "--recipe", "fast94_next_lowres",
+                                                 "--runs", "1"]
+    smoke = suite.chunk_for(piece, {"fast94_next_lowres --epochs 7.89": 1}, {}, {**ctx, "smoke": True}).argv
+    assert [smoke[i + 1] for i, a in enumerate(smoke) if a == "--epochs"] == ["7.89", "1"]   # argparse keeps the last
 
 
 def test_the_test_time_sentence_names_the_counts_and_each_failed_test():
@@ -363,7 +383,7 @@ def test_cpu_accuracy_has_a_row_for_every_recipe_of_the_tier_in_its_order():
                                  "sides": {"fast94_next": side(13), "fast94": side(2), "fast94_muon": side(3)}}]}
     rows = [line.split(" | ") for line in report.t_cpu_accuracy(results)[2:] if line.startswith("| ")]
     assert [row[0].strip("| ") for row in rows] == list(suite.CPU_ACCURACY)
-    assert [row[3] for row in rows] == ["13", "2 (partial, of 5)", "3 (partial, of 5)", "–"]
+    assert [row[3] for row in rows] == ["13", "2 (partial, of 5)", "3 (partial, of 5)", "–", "–"]
 
 
 def test_measuring_md_gives_the_cpu_accuracy_tiers_recipes_and_n_as_the_suite_has_them():
@@ -425,11 +445,16 @@ def test_an_outcome_says_when_a_change_is_measured_only_inside_its_whole_recipe(
     whole = "NVIDIA H200: 1.15 s ± 0.03, 94.02% ± 0.14 (n=17)"
     block = "\n".join(["| change | prediction | measured by | outcome |", "| --- | --- | --- | --- |",
                        "| `fast94_next`: the record's configuration | p | `fast94_next` | x |",
-                       "| `--act silu` | p | `fast94_next` | x |", "| `--muon-x` | p | `fast94_none` | x |"])
+                       "| `--act silu` | p | `fast94_next` | x |", "| `--muon-x` | p | `fast94_none` | x |",
+                       "| `r --epochs 8`: more | p | `cpu:r --epochs 8` | x |",     # a side of its own, named
+                       "| `--epochs 8` | p | `cpu:r --epochs 8` | x |"])
+    results["cpu"] = [{"fingerprint": {"device_name": "CPU"}, "sides": {"r --epochs 8": side}}]
     rows = report.fill_outcomes(block, results).split("\n")[2:]
     assert rows[0].endswith(f"| {whole} |")
     assert rows[1].endswith(f"| not alone, only in the whole `fast94_next`: {whole} |")
     assert rows[2].endswith("| not measured |")
+    cpu = whole.replace("NVIDIA H200", "CPU")
+    assert rows[3].endswith(f"| {cpu} |") and rows[4].endswith(f"| not alone, only in the whole `cpu:r --epochs 8`: {cpu} |")
 
 
 def test_a_piece_not_yet_run_on_a_device_estimates_its_runs_from_the_pieces_that_ran_there(tmp_path):
