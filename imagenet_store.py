@@ -418,6 +418,9 @@ def read_index(path, remedy):
         raise DataError(f"{path}: not readable ({type(e).__name__}: {e}); {remedy}") from e
     if not isinstance(index, dict):
         raise DataError(f"{path}: not readable (a JSON {type(index).__name__}, not an object); {remedy}")
+    missing = [k for k, kind in INDEX_KEYS.items() if not isinstance(index.get(k), kind)]
+    if missing and index.get("version") == STORE_VERSION:      # another version's keys may differ: its own error
+        raise DataError(f"{path}: not a whole store index (no {', '.join(missing)}); {remedy}")
     return index
 
 
@@ -430,9 +433,6 @@ def open_store(path):
     if index.get("version") != STORE_VERSION:
         raise DataError(f"{path / 'index.json'}: store version {index.get('version')}, expected {STORE_VERSION}; "
                         f"prepare it again")
-    missing = [k for k, kind in INDEX_KEYS.items() if not isinstance(index.get(k), kind)]
-    if missing:
-        raise DataError(f"{path / 'index.json'}: not a whole store index (no {', '.join(missing)}); prepare it again")
     splits = {}
     for split in ("train", "val"):
         try:

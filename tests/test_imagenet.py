@@ -1130,3 +1130,18 @@ def test_prepare_into_a_folder_with_a_spoilt_index_is_one_line_and_touches_nothi
         f"error: {dst / 'index.json'}: not readable (JSONDecodeError: Expecting value: line 1 column 13 (char 12)); "
         "delete it, or choose another --dst")
     assert sorted(p.name for p in dst.iterdir()) == ["index.json"]
+
+
+def test_prepare_into_its_own_store_with_a_partial_index_is_one_line_and_touches_nothing(folder, store, tmp_path,
+                                                                                         capsys):
+    """The settings match, so prepare would take the store as done; its index lacks a split, so it is not."""
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    index = json.loads((copy / "index.json").read_text())
+    del index["train"]
+    (copy / "index.json").write_text(json.dumps(index))
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    rc, _, err = run_main(capsys, "prepare", "--src", folder, "--dst", copy)
+    assert rc == 1 and err.strip().splitlines()[-1] == (
+        f"error: {copy / 'index.json'}: not a whole store index (no train); delete it, or choose another --dst")
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
