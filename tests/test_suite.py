@@ -345,6 +345,12 @@ def test_cpu_accuracy_says_whether_a_mean_below_94_is_significant_by_the_other_s
     assert f"`fast94_next`'s {verdict}" in report.t_cpu_accuracy(results)[-1]
 
 
+@pytest.mark.parametrize("p, shown", [(0.17234, "0.17"), (0.0046, "0.0046"), (0.98, "0.98"), (0.99538, "0.9954"),
+                                      (0.9990, "0.999"), (0.99996, "> 0.9999"), (3e-5, "< 1e-4"), (None, "–")])
+def test_a_p_value_near_1_never_reads_1(p, shown):
+    assert report.pval(p) == shown
+
+
 @pytest.mark.parametrize("mean, shown", [(0.9399571, "93.996% ± 0.11"), (0.94003, "94.003% ± 0.11"),
                                          (0.94, "94.00% ± 0.11"), (0.9381, "93.81% ± 0.11")])
 def test_cpu_accuracy_shows_a_mean_near_94_with_the_digits_that_say_which_side_it_is_on(mean, shown):
