@@ -57,7 +57,7 @@ def pct(s, target=None):
 def secs(s, std=True):
     if not s or s.get("mean") is None:
         return "–"
-    return f"{s['mean']:.2f} s" + (f" ± {s['std']:.2f}" if std else "")
+    return f"{s['mean']:.2f} s" + (f" ± {s['std']:.2f}" if std and s.get("n", 2) > 1 else "")   # no spread of one run
 
 
 def timed(st, std=True):

@@ -261,7 +261,7 @@ def test_a_run_that_compiled_inside_its_clock_is_flagged_in_the_line_and_the_tab
     result = {"kind": "cifar", "sides": {"fast94": {"name": "fast94", "n_wanted": 2, "runs": runs, "stats": st}}}
     assert "COMPILED INSIDE THE CLOCK in 1 runs" in suite.describe(result)
     assert report.timed(st) == "2.50 s ± 0.71 (compiled inside the clock in 1 run)"
-    assert report.timed(suite.side_stats(runs[1:], 0.94, None, None)) == "2.00 s ± 0.00"
+    assert report.timed(suite.side_stats(runs[1:], 0.94, None, None)) == "2.00 s"          # one run: no spread
 
 
 def test_the_pieces_share_one_compile_cache_under_the_results(tmp_path, monkeypatch):
@@ -349,6 +349,11 @@ def test_cpu_accuracy_says_whether_a_mean_below_94_is_significant_by_the_other_s
                                       (0.9990, "0.999"), (0.99996, "> 0.9999"), (3e-5, "< 1e-4"), (None, "–")])
 def test_a_p_value_near_1_never_reads_1(p, shown):
     assert report.pval(p) == shown
+
+
+def test_a_time_has_a_spread_only_over_two_runs_or_more():
+    assert report.secs({"n": 1, "mean": 2044.79, "std": 0.0}) == "2044.79 s"
+    assert report.secs({"n": 2, "mean": 2.5, "std": 0.5}) == "2.50 s ± 0.50"
 
 
 @pytest.mark.parametrize("mean, shown", [(0.9399571, "93.996% ± 0.11"), (0.94003, "94.003% ± 0.11"),
