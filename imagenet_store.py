@@ -411,7 +411,8 @@ INDEX_KEYS = {"settings": dict, "classes": list, "train": dict, "val": dict}    
 
 
 def read_index(path, remedy):
-    """index.json's dict; a DataError naming the file where it is not JSON (a disk filled, a copy cut short)."""
+    """index.json's dict; a DataError naming the file where it is not JSON (a disk filled, a copy cut short) or,
+    at this version, lacks what readers take from it."""
     try:
         index = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
