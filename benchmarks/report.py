@@ -70,8 +70,10 @@ def pval(p):
     """p to two digits; near 1 to the digits that keep it from reading 1 (a mean far on the other side)."""
     if p is None:
         return "–"
-    if p < 1e-4 or p > 1 - 1e-4:
-        return "< 1e-4" if p < 1e-4 else "> 0.9999"
+    if p < 1e-4:
+        return "< 1e-4"
+    if p > 1 - 1e-4:
+        return "> 0.9999"
     return f"{p:.2g}" if p < 0.99 else f"{p:.4f}".rstrip("0")
 
 
