@@ -24,6 +24,7 @@ import contextlib
 import threading
 import weakref
 from collections import Counter
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -130,11 +131,12 @@ ACTIVE = []          # the stand-ins entered, innermost last
 
 class StandIn(TorchFunctionMode):
     """The stand-in for `gpus` CUDA devices, each reporting `memory` bytes in all and whatever the tensors on it
-    leave of that free. A context manager: inside it, torch.cuda answers as a machine with these GPUs would."""
+    leave of that free, and `sms` multiprocessors. A context manager: inside it, torch.cuda answers as a machine with
+    these GPUs would."""
 
-    def __init__(self, gpus=1, *, memory=80 << 30, name="NVIDIA stand-in (CPU)", float64=True):
+    def __init__(self, gpus=1, *, memory=80 << 30, name="NVIDIA stand-in (CPU)", float64=True, sms=132):
         super().__init__()
-        self.gpus, self.memory, self.name, self.float64 = gpus, memory, name, float64
+        self.gpus, self.memory, self.name, self.float64, self.sms = gpus, memory, name, float64, sms
         self.on = WeakTensorKeyDictionary()         # tensor -> the index of the GPU it is on
         self.pinned = {}                            # data_ptr of pinned host memory -> a weak reference to its owner
         self.counts = Counter()
@@ -411,6 +413,8 @@ class StandIn(TorchFunctionMode):
         patch(cuda, "current_device", self.current_device)
         patch(cuda, "set_device", lambda d: setattr(self.local, "device", self.index(d)))
         patch(cuda, "get_device_name", lambda d=None: self.name)
+        patch(cuda, "get_device_properties", lambda d=None: SimpleNamespace(
+            name=self.name, total_memory=self.memory, multi_processor_count=self.sms))
         patch(cuda, "mem_get_info", lambda d=None: (self.memory - self.allocated(self.index(d)), self.memory))
         patch(cuda, "synchronize", lambda d=None: self.host_wait("torch.cuda.synchronize"))
         patch(cuda, "Stream", lambda device=None, priority=0, **k: Stream(self, device, priority))

@@ -58,6 +58,40 @@ def test_smoke_runs_every_piece(smoke):
     assert [run["seed"] for run in side["runs"]] == [0]
 
 
+def fake_nvidia_smi(folder, script):
+    """A program named nvidia-smi in folder that runs the shell script; its folder, to put first on PATH."""
+    (folder / "nvidia-smi").write_text(f"#!/bin/sh\n{script}\n")
+    (folder / "nvidia-smi").chmod(0o755)
+    return str(folder)
+
+
+def test_a_gpus_fingerprint_holds_its_properties_nvidia_smis_clocks_and_rates_measured_at_full_size(tmp_path,
+                                                                                                 monkeypatch):
+    import torch
+    import machine
+    from cuda_standin import StandIn
+    idle = 'case "$1" in *driver_version*) echo "580.65.06, 345, 1980, 700.00, 2619";; *) echo "1980";; esac'
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi(tmp_path, idle)}{os.pathsep}{os.environ['PATH']}")
+    asked = []
+    monkeypatch.setattr(machine, "measure_rates", lambda device, size, nbytes: asked.append((device, size, nbytes))
+                        or {"matmul_tflops": 1.0})
+    with StandIn(memory=80 << 30, sms=132):
+        fp = machine.fingerprint(torch.device("cuda"), smoke=False)
+    assert asked == [(torch.device("cuda"), 8192, 2 ** 30)] and fp["matmul_tflops"] == 1.0
+    assert (fp["device_name"], fp["slug"]) == ("NVIDIA stand-in (CPU)", "nvidia-stand-in-cpu")
+    assert (fp["sm_count"], fp["memory_gib"], fp["cuda"]) == (132, 80.0, torch.version.cuda)
+    assert [fp[k] for k in ("driver", "sm_clock_mhz", "max_sm_clock_mhz", "power_limit_w", "mem_clock_mhz",
+                            "sm_clock_after_matmul_mhz")] == ["580.65.06", "345", "1980", "700.00", "2619", "1980"]
+    assert "threads" not in fp                                  # a CPU's
+
+
+@pytest.mark.parametrize("script", ["exit 9", "echo 'NVIDIA-SMI has failed' >&2; exit 9", None])
+def test_nvidia_smi_that_fails_prints_nothing_or_is_absent_leaves_its_fields_out(tmp_path, monkeypatch, script):
+    import machine
+    monkeypatch.setenv("PATH", fake_nvidia_smi(tmp_path, script) if script else str(tmp_path))
+    assert machine.nvidia_smi("driver_version", "clocks.sm") == {}
+
+
 def test_every_result_holds_command_runs_statistics_flops_and_the_fingerprint(smoke):
     folder, _ = smoke
     (device,) = folder.iterdir()
