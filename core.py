@@ -146,6 +146,16 @@ def one_sided_p(values, target):
     return float(ttest_1samp([float(x) for x in values if x is not None], target, alternative="greater").pvalue)
 
 
+def one_sided_welch_p(values, others):
+    """Welch's two-sample, one-sided t-test: the probability of mean(values) - mean(others) at least this large if
+    the two true means were equal. None where either side has fewer than two values or both have no spread."""
+    xs, ys = ([float(v) for v in vs if v is not None] for vs in (values, others))
+    if len(xs) < 2 or len(ys) < 2 or summarize(xs)["std"] == summarize(ys)["std"] == 0:
+        return None
+    from scipy.stats import ttest_ind
+    return float(ttest_ind(xs, ys, equal_var=False, alternative="greater").pvalue)
+
+
 def detectable_gap(std, n, *, alpha=0.05, power=0.8):
     """The smallest gap between a true mean and the target that one_sided_p of n runs of this std finds (p < alpha)
     with probability `power`: d = nc·std/√n, where P(T'(n - 1, nc) > t(1 - alpha, n - 1)) = power, T' noncentral t.

@@ -469,10 +469,27 @@ def t_cpu_accuracy(results):
                 gap = detectable_gap(st["accuracy"]["std"], n)
                 verdicts[-1] += (f" At this spread, n = {n} finds a true mean {100 * gap:.2f} points or more from "
                                  "94% (p < 0.05, four times in five), a smaller gap not reliably.")
+            base = recipe.split()[0]
+            if base != recipe and r["sides"].get(base, {}).get("runs"):       # a recipe with flags: against its own
+                verdicts.append(against(recipe, s["runs"], base, r["sides"][base]["runs"]))
         if not found:
             rows.append([recipe, "CPU", "see docs/measuring.md", "–", NM, NM, NM])
     return table(["recipe", "device", "command", "n", "final test accuracy (mean ± std)", "p (mean > 94%)",
                   "time of a run on this CPU (mean)"], rows) + ([""] + [" ".join(verdicts)] if verdicts else [])
+
+
+def against(name, runs, base, base_runs):
+    """One sentence: a side's mean final accuracy against another's on the same device, with the p of a one-sided
+    Welch t-test in the direction the means differ."""
+    from core import one_sided_welch_p, summarize
+    xs, ys = [r["final_acc"] for r in runs], [r["final_acc"] for r in base_runs]
+    gap = summarize(xs)["mean"] - summarize(ys)["mean"]
+    p = one_sided_welch_p(xs, ys) if gap >= 0 else one_sided_welch_p(ys, xs)
+    said, n = f"`{name}`'s mean is {100 * abs(gap):.2f} points {'above' if gap >= 0 else 'below'} `{base}`'s", \
+        f"n = {len(xs)} and {len(ys)}"
+    if p is None:
+        return f"{said} ({n}: too few runs to say more)."
+    return f"{said}, {'' if p < 0.05 else 'not '}significantly (p = {p:.2g}, a one-sided Welch t-test, {n})."
 
 
 def t_install(results):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from core import Table, Timer, detectable_gap, one_sided_p, ratio_ci, summarize, write_atomic, write_json
+from core import (Table, Timer, detectable_gap, one_sided_p, one_sided_welch_p, ratio_ci, summarize, write_atomic,
+                  write_json)
 
 
 def test_table_prints_header_once_and_each_row_as_it_arrives():
@@ -47,6 +48,16 @@ def test_one_sided_t_test_against_known_quantiles():
     assert one_sided_p(accs + [None], 0.94) == one_sided_p(accs, 0.94)               # missing runs are dropped
     assert one_sided_p(accs, 0.94) < 0.05 < one_sided_p(accs, 0.9411)
     assert one_sided_p([0.94], 0.94) is None and one_sided_p([0.94, 0.94], 0.9) is None
+
+
+def test_welchs_two_sample_test_against_its_closed_form_at_two_degrees_of_freedom():
+    # means 2 and 0, each variance of the mean 1: t = 2 / sqrt(2), Welch's d.o.f. (1 + 1)² / (1 + 1) = 2,
+    # and at 2 d.o.f. P(T > x) = 1/2 - x / (2 sqrt(x² + 2))
+    assert one_sided_welch_p([1, 3], [-1, 1]) == pytest.approx(0.5 - math.sqrt(2) / 4, abs=1e-12)
+    a, b = [0.9386, 0.9393, 0.9425, 0.9420, 0.9411], [0.9394, 0.9386, 0.9389, 0.9390]
+    assert one_sided_welch_p(a, b) + one_sided_welch_p(b, a) == pytest.approx(1)      # the two directions
+    assert one_sided_welch_p(a + [None], b) == one_sided_welch_p(a, b)
+    assert one_sided_welch_p([0.94], b) is None and one_sided_welch_p([0.94, 0.94], [0.93, 0.93]) is None
 
 
 @pytest.mark.parametrize("n", [3, 8, 13])

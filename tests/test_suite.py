@@ -382,6 +382,26 @@ def test_cpu_accuracy_says_whether_a_mean_below_94_is_significant_by_the_other_s
     assert f"`fast94_next`'s {verdict}" in report.t_cpu_accuracy(results)[-1]
 
 
+@pytest.mark.parametrize("flagged, said", [
+    ([0.9406, 0.9412, 0.9409], "0.20 points above `fast94_next_lowres`'s, significantly (p = 0.00037, a one-sided "
+                               "Welch t-test, n = 3 and 4)."),
+    ([0.9380, 0.9395, 0.9375], "0.06 points below `fast94_next_lowres`'s, not significantly (p = 0.22, a one-sided "
+                               "Welch t-test, n = 3 and 4)."),
+    ([0.9410], "0.21 points above `fast94_next_lowres`'s (n = 1 and 4: too few runs to say more).")])
+def test_cpu_accuracy_sets_a_recipe_with_flags_against_its_own_recipe_by_welchs_test(flagged, said):
+    from core import summarize
+    def side(accs):
+        return {"runs": [{"seed": i, "final_acc": a} for i, a in enumerate(accs)], "n_wanted": 5, "command": "x",
+                "stats": {"accuracy": summarize(accs), "p_mean_above_target": None, "time": {"mean": 1.0}}}
+    bare = [0.9388, 0.9392, 0.9386, 0.9390]
+    results = {"cpu_accuracy": [{"fingerprint": {"device_name": "CPU"},
+                                 "sides": {"fast94_next_lowres": side(bare),
+                                           "fast94_next_lowres --epochs 7.89": side(flagged)}}]}
+    verdicts = report.t_cpu_accuracy(results)[-1]
+    assert verdicts.endswith(f"`fast94_next_lowres --epochs 7.89`'s mean is {said}")
+    assert verdicts.count("Welch") <= 1                         # the bare recipe is set against nothing
+
+
 @pytest.mark.parametrize("p, shown", [(0.17234, "0.17"), (0.0046, "0.0046"), (0.98, "0.98"), (0.99538, "0.9954"),
                                       (0.9990, "0.999"), (0.99996, "> 0.9999"), (3e-5, "< 1e-4"), (None, "–")])
 def test_a_p_value_near_1_never_reads_1(p, shown):
