@@ -317,11 +317,11 @@ def test_the_pieces_share_one_compile_cache_under_the_results(tmp_path, monkeypa
 
 def test_the_cpu_accuracy_tier_fills_its_recipes_in_order_one_run_at_a_time():
     """fast94_next to its n first, then fast94, fast94_muon, fast94_next_lowres and its candidate, whatever order an
-    earlier result file lists them in; the candidate to fast94_next's n."""
+    earlier result file lists them in; the record recipes and the candidate to fast94_next's n."""
     piece = next(pc for pc in suite.pieces() if pc.name == "cpu_accuracy")
     candidate = "fast94_next_lowres --epochs 7.89"
     assert list(piece.sides) == ["fast94_next", "fast94", "fast94_muon", "fast94_next_lowres", candidate]
-    assert piece.sides[candidate] == piece.sides["fast94_next"]
+    assert piece.sides[candidate] == piece.sides["fast94"] == piece.sides["fast94_muon"] == piece.sides["fast94_next"]
     assert piece.sides["fast94_next"] >= 13 and min(piece.sides.values()) >= 5
     runs = lambda n: [{"seed": i, "final_acc": 0.94, "time": 1.0, "wall_s": 1.0} for i in range(n)]
     sides = lambda done: {s: {"name": s, "n_wanted": piece.sides[s], "runs": runs(done.get(s, 0))}
@@ -329,10 +329,11 @@ def test_the_cpu_accuracy_tier_fills_its_recipes_in_order_one_run_at_a_time():
     plan = lambda done: suite.plan(piece, {"sides": sides(done), "chunks": []}, fp={}, flops={}, left_s=None)[0]
     assert plan({"fast94_next_lowres": 1}) == {"fast94_next": 1}
     assert plan({"fast94_next": piece.sides["fast94_next"]}) == {"fast94": 1}
-    assert plan({"fast94_next": 99, "fast94": 5}) == {"fast94_muon": 1}
-    assert plan({"fast94_next": 99, "fast94": 5, "fast94_muon": 5}) == {"fast94_next_lowres": 1}
-    assert plan({"fast94_next": 99, "fast94": 5, "fast94_muon": 5, "fast94_next_lowres": 5}) == {candidate: 1}
-    assert plan({"fast94_next": 99, "fast94": 5, "fast94_muon": 5, "fast94_next_lowres": 5,
+    assert plan({"fast94_next": 99, "fast94": 5, "fast94_next_lowres": 5, candidate: 13}) == {"fast94": 1}
+    assert plan({"fast94_next": 99, "fast94": 13, "fast94_muon": 5}) == {"fast94_muon": 1}
+    assert plan({"fast94_next": 99, "fast94": 13, "fast94_muon": 13}) == {"fast94_next_lowres": 1}
+    assert plan({"fast94_next": 99, "fast94": 13, "fast94_muon": 13, "fast94_next_lowres": 5}) == {candidate: 1}
+    assert plan({"fast94_next": 99, "fast94": 13, "fast94_muon": 13, "fast94_next_lowres": 5,
                  candidate: 5}) == {candidate: 1}
 
 
