@@ -511,7 +511,8 @@ class WithLoss(torch.nn.Module):
         logits = self.net(x)
         if y is None:
             return logits
-        return logits, F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing, reduction="sum")
+        return logits, F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=self.label_smoothing,
+                                       reduction="sum")
 
 
 def warmup(r, data, *, device, dtype, ctx, net=None, forward=None):
@@ -584,7 +585,7 @@ def train(recipe_or_name, data=None, *, subset=None, dataset=None, ctx=None, **c
     o = Options(**{k: changes.pop(k) for k in list(changes) if k in Options.__dataclass_fields__})
     r, arrays, stats, ctx = loaded(recipe_or_name, data, o, subset=subset, dataset=dataset, ctx=ctx, changes=changes)
     device, results = torch.device(ctx.device), []
-    with T.strict_compile():
+    with T.strict_compile(), devices.parameters_dtype(devices.compute_dtype(device, o.precision)):
         built = build(r, arrays, o, ctx=ctx, stats=stats)
         for k in range(o.runs):
             if o.verbose and o.runs > 1:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import devices
 from core import DataError, made_folder, write_atomic, writable_folder
 
 # ---------------------------------------------------------------------------------------------
@@ -245,9 +246,10 @@ def load_cifar10(path="data", **kwargs):
 
 def normalise(x, device, *, dtype, stats, pad=0):
     """uint8 NHWC images uploaded, normalised by stats (per-channel mean and std, see channel_stats) and
-    reflect-padded by pad pixels on the device, NCHW in dtype."""
-    x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).float()
-    mean, std = (torch.tensor(v, device=device, dtype=torch.float32).view(1, -1, 1, 1) for v in stats)
+    reflect-padded by pad pixels on the device, NCHW in dtype (computed in float32, or float64 for a float64 run)."""
+    wide = devices.wide_dtype(dtype)
+    x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).to(wide)
+    mean, std = (torch.tensor(v, device=device, dtype=wide).view(1, -1, 1, 1) for v in stats)
     x = (x - mean) / std
     return (F.pad(x, (pad,) * 4, mode="reflect") if pad else x).to(dtype)
 
@@ -342,7 +344,8 @@ def augment_images(images, r, size, cutout):
 
 def low_resolution(x, res):
     """x resized to res × res (bilinear, antialiased: each output pixel averages the input it covers)."""
-    return F.interpolate(x.float(), size=(res, res), mode="bilinear", antialias=True, align_corners=False).to(x.dtype)
+    return F.interpolate(devices.float32_or_wider(x), size=(res, res), mode="bilinear", antialias=True,
+                         align_corners=False).to(x.dtype)
 
 
 def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):

@@ -44,8 +44,9 @@ def add_run_flags(p, *, comm_hook=False):
     p.add_argument("--runs", type=int, default=1, help="train this many fresh networks (seeds seed..seed+runs-1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps, ... (default: cuda if available)")
-    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                   help="autocast dtype (default: bf16 on a CUDA GPU, fp32 elsewhere)")
+    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp64"],
+                   help="autocast dtype (default: bf16 on a CUDA GPU, fp32 elsewhere); fp64: the whole computation in "
+                        "float64, the recipe's lower-precision settings too (the algorithm without rounding; slow)")
     p.add_argument("--eval-every", type=int, default=1, metavar="N",
                    help="evaluate every N epochs on the plain test images (0: none), and after the last with the "
                         "recipe's test-time augmentation (default 1)")

@@ -9,7 +9,7 @@ run the CUDA path under a stand-in for the GPU that answers torch.cuda's calls (
 """
 import os
 import platform
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -212,12 +212,38 @@ def resize_dtype(device):
     return torch.float16 if torch.device(device).type == "cuda" else torch.float32
 
 
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
+
+
 def compute_dtype(device, precision="auto"):
     """The autocast dtype --precision names; auto: bf16 on a CUDA GPU, float32 on other devices (the weights and
-    batch-norm statistics stay float32 either way)."""
+    batch-norm statistics stay float32 either way, but for fp64: the whole computation in float64)."""
     if precision == "auto":
         precision = "bf16" if torch.device(device).type == "cuda" else "fp32"
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    return PRECISIONS[precision]
+
+
+def wide_dtype(dtype):
+    """The dtype of sums, statistics and losses in a run of compute dtype `dtype`: float64 in a float64 run,
+    float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def float32_or_wider(t):
+    """t upcast for sums and statistics: a half-precision tensor in float32, a float64 one as it is."""
+    return t.to(wide_dtype(t.dtype))
+
+
+@contextmanager
+def parameters_dtype(dtype):
+    """While inside, new parameters and buffers are float64 in a float64 run (built so from their first draw, not
+    rounded from float32), float32 otherwise."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(wide_dtype(dtype))
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def has_float64(device):
@@ -242,8 +268,8 @@ def memory_format(device):
 
 
 def autocast(device, dtype):
-    """Mixed precision in dtype on the device; nothing to do in float32."""
-    if dtype == torch.float32:
+    """Mixed precision in dtype on the device; nothing to do in float32 or float64."""
+    if dtype in (torch.float32, torch.float64):
         return nullcontext()
     return torch.autocast(torch.device(device).type, dtype=dtype)
 

@@ -467,13 +467,15 @@ def train_batches(data, augment, draws, *, res, batch_size, device, dtype):
     smalls = [batch_index(data, draws, idx, shapes) for idx in order]
     constants = devices.to_device(CONSTANTS, device)
     if data.store.format == "raw":
-        batches = ((crop_resize(xb.permute(0, 3, 1, 2).float(), small[0], res), small)
+        wide = devices.wide_dtype(dtype)
+        batches = ((crop_resize(xb.permute(0, 3, 1, 2).to(wide), small[0], res), small)
                    for xb, small in gathered(data, smalls, device=device))
     elif data.decoder == "gpu":
         batches = gpu_decoded(data, [(data.train_rows[idx], res, s) for idx, s in zip(order, smalls)], device=device)
     else:
         jobs = [(data.train_rows[idx], draws.boxes[idx], (res, res), s) for idx, s in zip(order, smalls)]
-        batches = ((xb.permute(0, 3, 1, 2).float(), small) for xb, small in decoded(data, "train", jobs, device=device))
+        batches = ((xb.permute(0, 3, 1, 2).to(devices.wide_dtype(dtype)), small)
+                   for xb, small in decoded(data, "train", jobs, device=device))
     for x, small in batches:
         x = torch.where(small[0][FLIP].bool().view(-1, 1, 1, 1), x.flip(3), x)
         yield (finish(x, small[1] if len(small) > 1 else None, constants, dtype=dtype, memory_format=memory_format),
@@ -513,11 +515,12 @@ def validation_sums(model, data, val, *, tta, device, dtype, batch_size=256):
     constants = devices.to_device(CONSTANTS, device)
     jobs = [(r, b, s, (data.val_y[pos],)) for pos, r, b, s in val_jobs(data, val, batch_size)]
     for xb, (y,) in decoded(data, "val", jobs, device=device):
-        x = normalize(xb.permute(0, 3, 1, 2).float(), constants).to(dtype).contiguous(memory_format=memory_format)
+        x = normalize(xb.permute(0, 3, 1, 2).to(devices.wide_dtype(dtype)), constants).to(dtype).contiguous(
+            memory_format=memory_format)
         with devices.autocast(device, dtype):
-            logits = model(x).float()
+            logits = devices.float32_or_wider(model(x))
             if tta == "flip":
-                logits = (logits + model(x.flip(3)).float()) / 2
+                logits = (logits + devices.float32_or_wider(model(x.flip(3)))) / 2
         top = logits.topk(min(5, logits.shape[1]), 1).indices
         totals[:3] += torch.stack([F.cross_entropy(logits, y, reduction="sum"), (top[:, 0] == y).sum(),
                                    (top == y[:, None]).any(1).sum()]).to(totals.dtype)

@@ -91,14 +91,16 @@ class GhostBatchNorm(nn.BatchNorm2d):
         if not (self.training and 0 < g < n):
             return super().forward(x)
         xs = x.unflatten(0, (n // g, g))                            # a view in any memory format
-        var, mean = torch.var_mean(xs, (1, 3, 4), correction=0, keepdim=True)
-        scale = self.weight.view(1, 1, c, 1, 1) * torch.rsqrt(var.float() + self.eps)
-        shift = self.bias.view(1, 1, c, 1, 1) - mean.float() * scale
+        # the statistics in float32 (float64 in a float64 run): var_mean is not on autocast's float32 list, and in
+        # bf16 it rounds each group's variance to 8 bits
+        var, mean = torch.var_mean(devices.float32_or_wider(xs), (1, 3, 4), correction=0, keepdim=True)
+        scale = self.weight.view(1, 1, c, 1, 1) * torch.rsqrt(var + self.eps)
+        shift = self.bias.view(1, 1, c, 1, 1) - mean * scale
         with torch.no_grad():
             count = g * x.shape[2] * x.shape[3]
             self.num_batches_tracked.add_(1)
-            self.running_mean.lerp_(mean.float().mean(0).flatten(), self.momentum)
-            self.running_var.lerp_(var.float().mean(0).flatten() * count / (count - 1), self.momentum)
+            self.running_mean.lerp_(mean.mean(0).flatten(), self.momentum)
+            self.running_var.lerp_(var.mean(0).flatten() * count / (count - 1), self.momentum)
         return torch.addcmul(shift.to(x.dtype), xs, scale.to(x.dtype)).flatten(0, 1)
 
 
@@ -608,7 +610,8 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     seeds = T.run_seeds(seed, ctx.rank)          # the network, the data's order and its augmentation: 3 streams
     torch.manual_seed(seeds["init"])
     order, augment = (torch.Generator().manual_seed(seeds[k]) for k in ("order", "augment"))
-    model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
+    with devices.parameters_dtype(dtype):
+        model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
     opt = make_optimizer(model, r)
     forward = D.register_comm_hook(D.wrap_ddp(model, ctx, ctx.bucket_mb), ctx.hook) if ctx.distributed else model
     clock = devices.timer(device)                # starts once the network is built, as the references' does
@@ -681,7 +684,7 @@ def accumulated_step(forward, opt, batch, *, ctx, label_smoothing, dtype):
         with forward.no_sync() if ctx.distributed and i < k - 1 else contextlib.nullcontext():
             with devices.autocast(x.device, dtype):
                 logits = forward(x)
-                loss = F.cross_entropy(logits.float(), y, label_smoothing=label_smoothing)
+                loss = F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=label_smoothing)
             (loss / k if k > 1 else loss).backward()
         hits, total = hits + (logits.argmax(1) == y).sum(), total + loss.detach() * len(y)
     opt.step()
@@ -725,7 +728,8 @@ def warmup(r, data, *, device, dtype, world=1):
     """Two steps at every (resolution, micro-batch, batch-norm group) of the schedule on a throwaway model, so that
     cuDNN's autotuning for each new shape happens before the clock starts."""
     memory_format = devices.memory_format(device)
-    model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
+    with devices.parameters_dtype(dtype):
+        model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
     opt = make_optimizer(model, r)
     gen = torch.Generator().manual_seed(0)
     n = data.per_epoch()
@@ -735,7 +739,7 @@ def warmup(r, data, *, device, dtype, world=1):
         draws.perm = draws.perm[np.arange(2 * bs) % n]
         for x, y in train_batches(data, r.augment, draws, res=res, batch_size=bs, device=device, dtype=dtype):
             with devices.autocast(device, dtype):
-                F.cross_entropy(model(x).float(), y).backward()
+                F.cross_entropy(devices.float32_or_wider(model(x)), y).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
     devices.synchronize(device)

@@ -93,19 +93,22 @@ class Muon(torch.optim.Optimizer):
             # the step count lives in the group, so state_dict() carries it
             group["step"] += 1
             m = group["momentum"]
+            # a float64 run (--precision fp64) keeps every tensor in float64: the low precisions are lifted
+            exact = params[0].dtype == torch.float64
             updates = []
             for p in params:
                 state = self.state[p]
                 if "momentum" not in state:     # not setdefault: its argument would allocate zeros every step
-                    state["momentum"] = torch.zeros_like(p.grad, dtype=group["momentum_dtype"])
+                    state["momentum"] = torch.zeros_like(p.grad, dtype=None if exact else group["momentum_dtype"])
                 buf = state["momentum"]
                 buf.mul_(m).add_(p.grad)
                 updates.append((p.grad.add(buf, alpha=m) if group["nesterov"] else buf).reshape(len(p), -1))
             ns = self.orthogonaliser(group["batched"], params[0].device)
+            dtype = torch.float64 if exact else torch.bfloat16
             if group["batched"]:
-                updates = ns(updates, group["ns_steps"], group["ns_coeffs"])
+                updates = ns(updates, group["ns_steps"], group["ns_coeffs"], dtype=dtype)
             else:
-                updates = [ns(u, group["ns_steps"], group["ns_coeffs"]) for u in updates]
+                updates = [ns(u, group["ns_steps"], group["ns_coeffs"], dtype=dtype) for u in updates]
             k0, k1 = group["renorm_every"]
             # k grows: late updates are small and the norms drift slowly
             every = k0 + int((k1 - k0) * group["step"] / group["total_steps"])

@@ -39,12 +39,13 @@ class BatchNorm(nn.BatchNorm2d):
         xs = x.unflatten(0, (g, n // g))                                     # g, s, c, h, w
         # in the activations' dtype (on a GPU var_mean accumulates bf16 in float32, then rounds: 2^-9 relative)
         var, mean = torch.var_mean(xs, (0, 3, 4), correction=0, keepdim=True)
-        scale = self.weight.view(1, 1, c, 1, 1) * torch.rsqrt(var.float() + self.eps)
-        shift = self.bias.view(1, 1, c, 1, 1) - mean.float() * scale
+        var, mean = devices.float32_or_wider(var), devices.float32_or_wider(mean)
+        scale = self.weight.view(1, 1, c, 1, 1) * torch.rsqrt(var + self.eps)
+        shift = self.bias.view(1, 1, c, 1, 1) - mean * scale
         with torch.no_grad():
             count = g * h * w
-            self.running_mean.lerp_(mean.float().mean((0, 1)).flatten(), self.momentum)
-            self.running_var.lerp_(var.float().mean((0, 1)).flatten() * count / (count - 1), self.momentum)
+            self.running_mean.lerp_(mean.mean((0, 1)).flatten(), self.momentum)
+            self.running_var.lerp_(var.mean((0, 1)).flatten() * count / (count - 1), self.momentum)
         return torch.addcmul(shift.to(x.dtype), xs, scale.to(x.dtype)).flatten(0, 1)
 
 
@@ -132,7 +133,7 @@ class Whitening(nn.Conv2d):
     @torch.no_grad()
     def fit(self, images):
         k, fit = self.w.size, self.w.fit
-        patches = images[:self.w.fit.images].float().unfold(2, k, 1).unfold(3, k, 1)          # N,3,H',W',k,k
+        patches = devices.float32_or_wider(images[:self.w.fit.images]).unfold(2, k, 1).unfold(3, k, 1)  # N,3,H',W',k,k
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
         if fit.centre:
             patches = patches - patches.mean(0)
@@ -297,9 +298,10 @@ def tta_views(x, mode, weights="airbench"):
 
 
 def logits_of(model, x, memory_format=torch.contiguous_format):
-    """The model's float32 logits of x, laid out in memory_format first (every view alike: one compiled graph), as a
-    copy of their own (a CUDA graph's next replay overwrites its outputs)."""
-    return model(x.contiguous(memory_format=memory_format)).to(torch.float32, copy=True)
+    """The model's float32 (float64 in a float64 run) logits of x, laid out in memory_format first (every view alike:
+    one compiled graph), as a copy of their own (a CUDA graph's next replay overwrites its outputs)."""
+    logits = model(x.contiguous(memory_format=memory_format))
+    return logits.to(devices.wide_dtype(logits.dtype), copy=True)
 
 
 def batched(fn, batch_size, *tensors):
@@ -377,7 +379,7 @@ def count_flops(r, data, *, batch=2):
     model = build_model(r, device, num_classes=data.get("num_classes", 10))
     # contiguous: on one CPU thread, torch 2.14.1 crashed in the backward of the pre-activation ResNet-18
     # given this slice's channels-last strides (the training step always gets a contiguous batch)
-    x, y = data["test_images"][:batch].float().contiguous(), data["test_labels"][:batch]
+    x, y = devices.float32_or_wider(data["test_images"][:batch]).contiguous(), data["test_labels"][:batch]
 
     def per_train_image(x):
         with FlopCounterMode(display=False) as counter:

@@ -61,7 +61,8 @@ def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
             logits, loss = forward(x, y)
         else:
             logits = forward(x)
-            loss = F.cross_entropy(logits.float(), y, label_smoothing=label_smoothing, reduction="sum")
+            loss = F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=label_smoothing,
+                                   reduction="sum")
     loss.backward()
     for opt in optimizers:
         opt.step()

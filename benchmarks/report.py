@@ -520,7 +520,9 @@ def t_tests(results):
     counts = ", ".join(f"{n} {word}" for word, n in r["counts"].items())
     return [f"Measured on {device(r)} as a whole process, the load average {r['load_average_at_start']:.2f} at its "
             f"start: {code(r['command'])} took {r['wall_s']:.0f} s wall and {r['cpu_s']:.0f} CPU s (n = 1; {counts}; "
-            f"exit status {r['exit_status']}), timed by {code('python benchmarks/test_time.py')}."
+            f"exit status {r['exit_status']}), timed by {code('python benchmarks/test_time.py')}"
+            + (f"{' in a fresh virtual environment' if r.get('fresh_environment') else ''}, with "
+               f"{r['versions']}." if r.get("versions") else ".")
             + "".join(f" Failed: {code(t)}." for t in r.get("failed", []))]
 
 

@@ -24,6 +24,16 @@ def outcome_counts(tail):
     return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed)", tail)}
 
 
+def versions(stdout):
+    """The versions pytest's header names: Python's and pytest's, and torch's, torchvision's and numpy's (conftest's
+    header line), as one phrase."""
+    python = re.search(r"Python (\S+), pytest-(\S+?),", stdout)
+    ours = re.search(r"^torch (\S+), torchvision (\S+), numpy (\S+)$", stdout, re.M)
+    if not (python and ours):
+        return None
+    return (f"Python {python[1]}, pytest {python[2]}, torch {ours[1]}, torchvision {ours[2]} and numpy {ours[3]}")
+
+
 def failed_tests(stdout):
     """The node ids of pytest's FAILED and ERROR summary lines."""
     return re.findall(r"^(?:FAILED|ERROR) (\S+)", stdout, re.M)
@@ -32,6 +42,8 @@ def failed_tests(stdout):
 def main(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write the measurement as JSON (a results/ file for report.py)")
+    p.add_argument("--fresh-environment", action="store_true",
+                   help="say that this Python is a fresh virtual environment set up by README's command alone")
     args = p.parse_args(argv)
     import torch
     import machine
@@ -50,6 +62,7 @@ def main(argv=None):
     if args.out:
         write_json(args.out, {"piece": "test_time", "command": " ".join(COMMAND), "exit_status": proc.returncode,
                               "wall_s": wall, "cpu_s": cpu, "counts": counts, "failed": failed, "load_average_at_start": load,
+                              "versions": versions(proc.stdout), "fresh_environment": args.fresh_environment,
                               "fingerprint": machine.fingerprint(torch.device("cpu"), True)})
     return proc.returncode
 

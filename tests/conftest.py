@@ -12,6 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = ROOT.parent / "shared" / "data" / "cifar10" / "parts"
 
 
+def pytest_report_header(config):
+    """The versions a run used, in pytest's header beside its own and Python's."""
+    import torchvision
+    return f"torch {torch.__version__}, torchvision {torchvision.__version__}, numpy {np.__version__}"
+
+
 @pytest.fixture
 def one_thread():
     """Tiny networks gain nothing from a second thread, and one thread keeps their timing steady on a shared
@@ -20,6 +26,30 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def compile_settings():
+    """torch.compile's settings (dynamo's and Inductor's), a copy. Their modules serve settings through __getattr__,
+    which pytest's monkeypatch cannot restore (since pytest 9.2 its undo deletes them): change them with
+    torch._dynamo.config.patch(...) or torch._inductor.config.patch(...), which restore them."""
+    import torch._dynamo.config
+    import torch._inductor.config
+    return {m.__name__: m.get_config_copy() for m in (torch._dynamo.config, torch._inductor.config)}
+
+
+def changed_settings(before, after):
+    """The names of the settings that differ between two compile_settings() copies (a missing one counts)."""
+    return sorted(f"{module}.{name}" for module in before for name in set(before[module]) | set(after[module])
+                  if before[module].get(name, KeyError) != after[module].get(name, KeyError))
+
+
+@pytest.fixture(autouse=True)
+def compile_settings_kept():
+    """Every test leaves torch.compile's settings as it found them: one that does not fails, naming them."""
+    before = compile_settings()
+    yield
+    changed = changed_settings(before, compile_settings())
+    assert not changed, f"the test left torch.compile's settings changed: {', '.join(changed)}"
 
 
 def ctrl_c_heard():

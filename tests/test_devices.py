@@ -76,6 +76,18 @@ def test_what_each_device_computes_in(gpus, name, dtype, layout, backend, ids, o
     assert devices.backend(name) == backend and devices.ddp_device_ids(name) == ids
     assert devices.overlaps(name) is overlaps
     assert isinstance(devices.autocast(name, torch.float32), nullcontext)
+    assert devices.compute_dtype(name, "fp64") == torch.float64 and isinstance(devices.autocast(name, torch.float64),
+                                                                             nullcontext)
+
+
+@pytest.mark.parametrize("dtype, wide", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                         (torch.float32, torch.float32), (torch.float64, torch.float64)])
+def test_sums_and_statistics_are_float32_but_in_a_float64_run(dtype, wide):
+    assert devices.wide_dtype(dtype) == wide and devices.float32_or_wider(torch.ones(2, dtype=dtype)).dtype == wide
+    before = torch.get_default_dtype()
+    with devices.parameters_dtype(dtype):
+        assert torch.nn.Linear(2, 2).weight.dtype == wide
+    assert torch.get_default_dtype() == before
 
 
 def test_where_a_store_lives(gpus, monkeypatch):

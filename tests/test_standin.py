@@ -146,11 +146,11 @@ def test_compiled_fast94_next_at_the_full_test_set_compiles_nothing_and_falls_ba
     assert [(r["recompiles"], r["eager_fallbacks"]) for r in json.loads(out.read_text())["runs"]] == [(0, 0)]
 
 
-def test_a_compiled_run_past_dynamos_limit_of_graphs_stops_instead_of_falling_back_to_eager(npz, monkeypatch,
-                                                                                             aot_eager):
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)    # the warm-up's second graph is one too many
+def test_a_compiled_run_past_dynamos_limit_of_graphs_stops_instead_of_falling_back_to_eager(npz, aot_eager):
     torch._dynamo.reset()
-    with StandIn(), pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+    # the warm-up's second graph is one too many
+    with torch._dynamo.config.patch(recompile_limit=1), StandIn(), \
+            pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
         cf.main(["--recipe", "fast94", "--data-dir", str(npz), *TINY, "--compile", "default"])
     assert not torch._dynamo.config.fail_on_recompile_limit_hit         # only while cifar10_fast trains
 

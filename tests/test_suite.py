@@ -364,6 +364,20 @@ def test_the_test_time_sentence_names_the_counts_and_each_failed_test():
     assert line.endswith("Failed: `tests/test_cli.py::test_a`.")
 
 
+def test_the_test_time_sentence_names_the_versions_pytests_header_printed():
+    import test_time
+    header = ("platform linux -- Python 3.11.7, pytest-9.2.0, pluggy-1.6.0\n"
+              "torch 2.14.1+cu130, torchvision 0.29.1+cu130, numpy 2.4.6\nrootdir: /x\n")
+    versions = test_time.versions(header)
+    assert versions == "Python 3.11.7, pytest 9.2.0, torch 2.14.1+cu130, torchvision 0.29.1+cu130 and numpy 2.4.6"
+    record = {"command": "python -m pytest", "exit_status": 0, "wall_s": 500, "cpu_s": 600, "counts": {"passed": 9},
+              "failed": [], "load_average_at_start": 0.1, "fingerprint": {"device_name": "a CPU", "device": "cpu"},
+              "versions": versions, "fresh_environment": True}
+    [line] = report.t_tests({"test_time": [record]})
+    assert line.endswith(f"timed by `python benchmarks/test_time.py` in a fresh virtual environment, with {versions}.")
+    assert test_time.versions("no header") is None
+
+
 @pytest.mark.parametrize("accuracies, verdict", [
     ([0.9381], "mean is below 94% here (n = 1: too few runs to say more)."),
     ([0.9381, 0.9412, 0.94, 0.939, 0.9402], "mean is below 94% here, not significantly (p = 0.3 for a mean below 94%"),

@@ -362,6 +362,23 @@ def test_muon_low_precision_momentum():
     torch.testing.assert_close(out[torch.float16], out[None], atol=5e-3, rtol=0)
 
 
+@pytest.mark.parametrize("weights, momentum, orthogonalised", [(torch.float32, torch.float16, torch.bfloat16),
+                                                                (torch.float64, torch.float64, torch.float64)])
+def test_muon_keeps_its_low_precisions_on_float32_weights_and_lifts_them_in_a_float64_run(
+        weights, momentum, orthogonalised, monkeypatch):
+    """The record's settings (fp16 momentum, Newton-Schulz in bf16) on float32 weights; all float64 on float64
+    weights (--precision fp64)."""
+    seen = []
+    real = optim.newton_schulz_padded
+    monkeypatch.setattr(optim, "newton_schulz_padded", lambda *a, dtype, **k: seen.append(dtype) or real(*a, dtype=dtype,
+                                                                                                        **k))
+    p = torch.nn.Parameter(torch.randn(16, 8, 3, 3, dtype=weights))
+    opt = optim.Muon([p], lr=0.1, momentum_dtype=torch.float16, batched=True, compile=False)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert (opt.state[p]["momentum"].dtype, seen, p.dtype) == (momentum, [orthogonalised], weights)
+
+
 def test_sum_units_and_the_whitening_bias_falling_to_zero():
     """airbench94_muon: SGD's lr as written on the summed loss (head 0.67, biases 0.053), decay per step
     2e-6 × batch × the schedule's factor; the whitening bias's rate falls from 0.053 to 0 over 3 epochs, Muon's
