@@ -17,7 +17,7 @@ figures written to --out (JSON, rewritten after every check) as soon as it ends,
   sync      torch.cuda.set_sync_debug_mode("warn") over 20 steps of decoder and step together: the host waits
 
 Beside each decoder's figures, the hardware/software decode counts where this version of devices.py keeps them
-(devices.decode_counts; otherwise "not counted").
+(a function decode_counts() there; otherwise "not counted").
 
 Device time on one H100 or H200, estimated (not measured): a minute of start-up and writing 25,000 images on 16
 cores, about 30 s to prepare, 1 min for the decoders, step and together (4 x 13 batches of 512 at each size), 2 min
