@@ -138,8 +138,9 @@ def peak_memory(device, smoke):
     return None if smoke else torch.cuda.max_memory_allocated(device)
 
 
-def check_decoders(store, r, cfg, *, device, dtype, workers, rows, save):
+def check_decoders(store, r, cfg, *, device, dtype, workers):
     """Each decoder alone at each size: a row each (images/s, or why it did not run)."""
+    rows = []
     timing = dict(device=device, warmup=cfg["warmup"], steps=cfg["steps"], batch_size=cfg["batch_size"])
     for decoder in DECODERS:
         data, why = placed(store, device, decoder, workers)
@@ -152,11 +153,13 @@ def check_decoders(store, r, cfg, *, device, dtype, workers, rows, save):
                                                    dtype=dtype), lambda x, y: None, **timing)
                 row["decode_counts"] = decode_counts()
             rows.append(row)
-            save()
+    return rows
 
 
-def check_step_and_together(store, r, cfg, *, device, dtype, workers, classes, smoke, rows, save):
-    """The step alone on device tensors at each size (its images/s and peak memory), then each GPU decoder with it."""
+def check_step_and_together(store, r, cfg, *, device, dtype, workers, classes, smoke):
+    """The step alone on device tensors at each size (its images/s and peak memory), then each GPU decoder with it:
+    a row each."""
+    rows = []
     timing = dict(device=device, warmup=cfg["warmup"], steps=cfg["steps"], batch_size=cfg["batch_size"])
     bs, fmt = cfg["batch_size"], devices.memory_format(device)
     alone = {}
@@ -170,7 +173,6 @@ def check_step_and_together(store, r, cfg, *, device, dtype, workers, classes, s
                           **timing)
         rows.append({"check": "step", "res": res, "batch": bs, "images_per_s": alone[res],
                      "peak_memory_bytes": peak_memory(device, smoke)})
-        save()
     for decoder in ("gpu", "nvimgcodec"):
         data, why = placed(store, device, decoder, workers)
         for res in cfg["sizes"]:
@@ -184,7 +186,7 @@ def check_step_and_together(store, r, cfg, *, device, dtype, workers, classes, s
                 row["of_step_alone"] = row["images_per_s"] / alone[res]
                 row["decode_counts"] = decode_counts()
             rows.append(row)
-            save()
+    return rows
 
 
 def checksums(data, r, *, res, batch_size, n, device, dtype, load=None):
@@ -203,8 +205,9 @@ def checksums(data, r, *, res, batch_size, n, device, dtype, load=None):
     return [float(s) for s in torch.stack(sums).tolist()]
 
 
-def check_race(store, r, cfg, *, device, dtype, workers, classes, smoke, rows, save):
-    """The same seed decoded quiet and under load, for each GPU decoder: whether the batches are equal."""
+def check_race(store, r, cfg, *, device, dtype, workers, classes, smoke):
+    """The same seed decoded quiet and under load, for each GPU decoder: a row each, whether the batches are equal."""
+    rows = []
     res, bs, n = cfg["sizes"][0], cfg["batch_size"], cfg["steps"]
     for decoder in ("gpu", "nvimgcodec"):
         data, why = placed(store, device, decoder, workers)
@@ -219,18 +222,17 @@ def check_race(store, r, cfg, *, device, dtype, workers, classes, smoke, rows, s
                                load=(net, opt, matrix))
             row.update(equal=quiet == loaded, differing=sum(a != b for a, b in zip(quiet, loaded)))
         rows.append(row)
-        save()
+    return rows
 
 
-def check_sync(store, r, cfg, *, device, dtype, workers, classes, standin, rows, save):
+def check_sync(store, r, cfg, *, device, dtype, workers, classes, standin):
     """Decoder and step together for `steps` steps with torch's sync debug mode at "warn" (under the stand-in: its
-    count of host waits): how many times the host waited."""
+    count of the training thread's host waits): a row of how many times the host waited."""
     data, why = placed(store, device, "gpu", workers)
     steps = cfg["sync_steps"]
     row = {"check": "sync", "decoder": "gpu", "res": cfg["sizes"][0], "steps": steps}
     if data is None:
-        rows.append({**row, "error": why})
-        return save()
+        return [{**row, "error": why}]
     net, opt = model(r, classes, device)
     feed = batches(data, r, res=cfg["sizes"][0], batch_size=cfg["batch_size"], device=device, dtype=dtype)
     step(net, opt, *next(feed), device=device, dtype=dtype)          # the first: buffers and streams set up
@@ -251,8 +253,7 @@ def check_sync(store, r, cfg, *, device, dtype, workers, classes, standin, rows,
                  if c[0] == "host_wait" and t == main]
     else:
         waits = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
-    rows.append({**row, "host_waits": len(waits), "first_waits": waits[:5]})
-    save()
+    return [{**row, "host_waits": len(waits), "first_waits": waits[:5]}]
 
 
 def train_args(store, cfg, epochs, *, smoke):
@@ -298,18 +299,17 @@ def interrupted_and_resumed(args, folder):
     return out
 
 
-def check_train(store, n_train, cfg, *, folder, smoke, rows, save, timeout=240):
+def check_train(store, n_train, cfg, *, folder, smoke, timeout=240):
     """imagenet_fast.py train for about cfg["train_steps"] steps, killed by SIGKILL once the first epoch's checkpoint
-    is written, then the same command with --resume: each command's exit status and seconds."""
+    is written, then the same command with --resume: a row of each command's exit status and seconds."""
     epochs = max(2, round(cfg["train_steps"] / (n_train // cfg["batch_size"])))
     folder.mkdir(parents=True, exist_ok=True)
     args = train_args(store, cfg, epochs, smoke=smoke)
     first, resumed = interrupted_and_resumed(args, folder) if smoke else killed_and_resumed(args, folder, timeout)
     resumed["resumed_line"] = next((line for line in resumed["output"].splitlines()
                                     if line.startswith("resumed from")), None)
-    rows.append({"check": "train", "recipe": cfg["recipe"], "epochs": epochs,
-                 "steps": epochs * (n_train // cfg["batch_size"]), "first": first, "resumed": resumed})
-    save()
+    return [{"check": "train", "recipe": cfg["recipe"], "epochs": epochs,
+             "steps": epochs * (n_train // cfg["batch_size"]), "first": first, "resumed": resumed}]
 
 
 def summary(row):
@@ -371,7 +371,6 @@ def run(args, cfg, *, tmp, workers, standin, argv):
     if not smoke:
         result["fingerprint"] = machine.fingerprint(device, False)
         devices.autotune(device)
-    save = lambda: args.out and write_json(args.out, result)
     t = time.time()
     src = write_images(tmp / "src", images=cfg["images"], classes=cfg["classes"], side=cfg["side"], workers=workers)
     rows.append({"check": "images", "images": cfg["images"], "classes": cfg["classes"], "seconds": time.time() - t})
@@ -379,20 +378,28 @@ def run(args, cfg, *, tmp, workers, standin, argv):
     ims.prepare(src, tmp / "store", workers=workers, log=lambda s: None)
     store = ims.open_store(tmp / "store")
     rows.append({"check": "prepare", "seconds": time.time() - t, "bytes": int(store.index["train"]["bytes"])})
-    save()
-    r, classes = inf.recipe(cfg["recipe"]), len(store.index["classes"])
-    if smoke:
-        r = inf.recipe(cfg["recipe"], width=8)
-    common = dict(device=device, dtype=dtype, workers=workers, rows=rows, save=save)
-    check_decoders(store, r, cfg, **common)
-    check_step_and_together(store, r, cfg, classes=classes, smoke=smoke, **common)
-    check_train(tmp / "store", len(store.train), cfg, folder=tmp / "train", smoke=smoke, rows=rows, save=save)
-    check_race(store, r, cfg, classes=classes, smoke=smoke, **common)
-    check_sync(store, r, cfg, classes=classes, standin=standin, **common)
+    save(args.out, result)
+    r, classes = inf.recipe(cfg["recipe"], **({"width": 8} if smoke else {})), len(store.index["classes"])
+    common = dict(device=device, dtype=dtype, workers=workers)
+    rows += check_decoders(store, r, cfg, **common)
+    save(args.out, result)                          # after each check, so a cut-off run keeps what finished
+    rows += check_step_and_together(store, r, cfg, classes=classes, smoke=smoke, **common)
+    save(args.out, result)
+    rows += check_train(tmp / "store", len(store.train), cfg, folder=tmp / "train", smoke=smoke)
+    save(args.out, result)
+    rows += check_race(store, r, cfg, classes=classes, smoke=smoke, **common)
+    save(args.out, result)
+    rows += check_sync(store, r, cfg, classes=classes, standin=standin, **common)
+    save(args.out, result)
     for row in rows:
         print(summary(row))
-    save()
     return 0
+
+
+def save(out, result):
+    """Writes the result to out (if given), whole, replacing what an earlier check wrote."""
+    if out:
+        write_json(out, result)
 
 
 if __name__ == "__main__":
