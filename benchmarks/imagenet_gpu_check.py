@@ -268,12 +268,15 @@ def killed_and_resumed(args, folder, timeout):
     """(first, resumed): `python imagenet_fast.py ARGS` killed by SIGKILL once its first checkpoint is written, then
     relaunched with --resume, in folder: each {"returncode", "seconds", "output"} (its last lines)."""
     cmd, t0 = [sys.executable, str(ROOT / "imagenet_fast.py"), *args], time.time()
-    proc = subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    while proc.poll() is None and not (folder / "ckpt.pt").exists() and time.time() - t0 < timeout:
-        time.sleep(0.05)
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGKILL)
-    first = {"returncode": proc.wait(), "seconds": time.time() - t0, "output": proc.stdout.read()[-1500:]}
+    with open(folder / "first.log", "w") as log:       # a file, not a pipe that a long run could fill
+        proc = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None and not (folder / "ckpt.pt").exists() and time.time() - t0 < timeout:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+        returncode = proc.wait()
+    first = {"returncode": returncode, "seconds": time.time() - t0,
+             "output": (folder / "first.log").read_text()[-1500:]}
     t1 = time.time()
     again = subprocess.run([*cmd, "--resume"], cwd=folder, capture_output=True, text=True, timeout=2 * timeout)
     return first, {"returncode": again.returncode, "seconds": time.time() - t1,
