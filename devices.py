@@ -418,7 +418,7 @@ class NvImageCodec:
             return stream
         top, left, h, w = (int(v) for v in box)
         region = self.nv.Region(top, left, top + h, left + w)
-        if hasattr(stream, "get_sub_code_stream"):           # nvImageCodec 0.6 on; DecodeSource before
+        if hasattr(stream, "get_sub_code_stream"):           # newer versions; older ones take a DecodeSource
             return stream.get_sub_code_stream(region=region)
         return self.nv.DecodeSource(stream, region)
 
