@@ -45,14 +45,22 @@ class FakeNvImgCodec(ModuleType):
         def __init__(self, start_y, start_x, end_y, end_x):
             self.start, self.end = (start_y, start_x), (end_y, end_x)
 
+    class Decoder:
+        def __init__(self, device_id):
+            self.device_id = device_id
+
+        def decode(self, sources, params, cuda_stream):
+            return sys.modules["nvidia.nvimgcodec"].decoded(self.device_id, sources, params, cuda_stream)
+
     def __init__(self, gpu, *, fail_at=None):
         super().__init__("nvidia.nvimgcodec")
         self.gpu, self.fail_at, self.decodes = gpu, fail_at, []
-        self.DecodeParams = lambda color_spec: SimpleNamespace(color_spec=color_spec)
-        self.Decoder = lambda device_id: SimpleNamespace(decode=lambda sources, params, cuda_stream: self.decode(
-            device_id, sources, params, cuda_stream))
 
-    def decode(self, device_id, sources, params, cuda_stream):
+    @staticmethod
+    def DecodeParams(color_spec):
+        return SimpleNamespace(color_spec=color_spec)
+
+    def decoded(self, device_id, sources, params, cuda_stream):
         assert params.color_spec == "rgb"
         self.decodes.append({"stream": cuda_stream, "thread": threading.current_thread().name,
                              "regions": [(*s.region.start, *s.region.end) if s.region else None for s in sources]})

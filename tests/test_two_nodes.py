@@ -101,15 +101,22 @@ def marked(job):
 
 @pytest.fixture
 def jobs():
-    """A new job name on each call; every process of them that is still alive at the end is killed."""
+    """The names of the jobs a test starts (new_job adds one); every process of them still alive at the end is
+    killed."""
     names = []
-    yield lambda: names.append(uuid.uuid4().hex[:12]) or names[-1]
+    yield names
     for job in names:
         for pid, _ in marked(job):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def new_job(jobs):
+    """A new job's name, kept in jobs."""
+    jobs.append(uuid.uuid4().hex[:12])
+    return jobs[-1]
 
 
 def nodes(root, data):
@@ -160,7 +167,7 @@ def test_two_nodes_killed_and_resumed_train_imagenet_as_one_node_uninterrupted(s
     args = ["train", "--store", "store", *TINY, "--epochs", str(EPOCHS), "--checkpoint", "ckpt.pt", "--out",
             "run.json", "--dist-timeout", "2"]
     two, one = nodes(tmp_path / "two", store), nodes(tmp_path / "one", store)[:1]
-    reference, job = one_agent(one[0], "imagenet_fast.py", args, job=jobs()), jobs()
+    reference, job = one_agent(one[0], "imagenet_fast.py", args, job=new_job(jobs)), new_job(jobs)
     doomed = two_agents(two, "imagenet_fast.py", args, job=job)
     assert kill_node_1_after_checkpoint(doomed, two[0] / "ckpt.pt"), "the run ended before node 1 could be killed"
     try:        # node 1's worker ends with its agent, so node 0's loses its peer at once and its agent ends
@@ -176,7 +183,7 @@ def test_two_nodes_killed_and_resumed_train_imagenet_as_one_node_uninterrupted(s
     assert not (two[1] / "ckpt.pt").exists()                                         # rank 0's disk alone
 
     # the same job relaunched with --resume: rank 0 (node 0) reads its checkpoint and sends it to node 1
-    results = finished(two_agents(two, "imagenet_fast.py", [*args, "--resume"], job=jobs()))
+    results = finished(two_agents(two, "imagenet_fast.py", [*args, "--resume"], job=new_job(jobs)))
     check_ok(results)
     assert "2 ranks of 8 images per step" in results[0][1]
     assert f"resumed from epoch {epoch} of ckpt.pt" in results[0][1], results[0][1][-2000:]
@@ -196,8 +203,8 @@ def test_two_nodes_train_cifar10_as_one_node(synth_npz, tmp_path, jobs):
     args = ["--data-dir", synth_npz.name, "--device", "cpu", "--epochs", "2", "--width", "0.125", "--batch-size",
             "64", "--out", "run.json"]
     two, one = nodes(tmp_path / "two", synth_npz), nodes(tmp_path / "one", synth_npz)[:1]
-    results = finished(two_agents(two, "cifar10_fast.py", args, job=jobs()) +
-                       one_agent(one[0], "cifar10_fast.py", args, job=jobs()))
+    results = finished(two_agents(two, "cifar10_fast.py", args, job=new_job(jobs)) +
+                       one_agent(one[0], "cifar10_fast.py", args, job=new_job(jobs)))
     check_ok(results)
     assert "2 ranks of 32 images per step" in results[0][1]
     assert not (two[1] / "run.json").exists()
