@@ -51,7 +51,8 @@ def free_port():
 
 
 def environment(job):
-    return {**os.environ, "OMP_NUM_THREADS": "1", MARK: job, "PYTHONPATH": str(ROOT)}
+    # gloo on the loopback interface, not the one the host name resolves to
+    return {**os.environ, "OMP_NUM_THREADS": "1", MARK: job, "PYTHONPATH": str(ROOT), "GLOO_SOCKET_IFNAME": "lo"}
 
 
 def two_agents(folders, script, args, *, job):
