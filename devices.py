@@ -363,26 +363,101 @@ def keep_alive(tensor, device):
         tensor.record_stream(torch.cuda.current_stream(device))
 
 
-DECODERS = ("auto", "cpu", "gpu")
+DECODERS = ("auto", "cpu", "gpu", "nvimgcodec")
+GPU_DECODERS = {"gpu": "nvJPEG", "nvimgcodec": "nvImageCodec"}     # batched on the device: what each runs
 
 
 def jpeg_decoder(device, choice="auto"):
     """Where JPEG records are decoded: "gpu" (nvJPEG, batched, through torchvision) on a CUDA device, else "cpu"
-    (simplejpeg in worker processes). A choice not in DECODERS, or "gpu" on another device, is a ValueError of one
-    line."""
+    (simplejpeg in worker processes); "nvimgcodec" (NVIDIA's nvImageCodec, batched) when asked. A choice not in
+    DECODERS, a GPU decoder on another device, or nvImageCodec not installed is a ValueError of one line."""
     if choice not in DECODERS:
         raise ValueError(f"--decoder {choice}: choose from {', '.join(DECODERS)}")
     cuda = torch.device(device).type == "cuda"
-    if choice == "gpu" and not cuda:
-        raise ValueError(f"--decoder gpu needs a CUDA device (nvJPEG); this run is on {device}")
+    if choice in GPU_DECODERS and not cuda:
+        raise ValueError(f"--decoder {choice} needs a CUDA device ({GPU_DECODERS[choice]}); this run is on {device}")
+    if choice == "nvimgcodec":
+        nvimgcodec_module()
     return ("gpu" if cuda else "cpu") if choice == "auto" else choice
 
 
-def decode_jpeg(records, device):
-    """nvJPEG through torchvision: a list of encoded JPEGs (uint8 numpy arrays) -> a list of CHW uint8 RGB images on
-    device, decoded in one batched call (torchvision's own GPU decoder: no extra install; docs/perf-notes.md)."""
+def nvimgcodec_package():
+    """The pip package of nvImageCodec built for torch's CUDA: nvidia-nvimgcodec-cu12 or nvidia-nvimgcodec-cu13."""
+    return f"nvidia-nvimgcodec-cu{(torch.version.cuda or '12').split('.')[0]}"
+
+
+def nvimgcodec_module():
+    """nvImageCodec's Python module, imported on first use (an optional install); a UsageError of one line naming
+    its pip package when it is missing."""
+    try:
+        from nvidia import nvimgcodec
+    except ImportError:
+        raise UsageError(f"--decoder nvimgcodec needs nvImageCodec: pip install {nvimgcodec_package()}") from None
+    return nvimgcodec
+
+
+def decodes_crops(decoder):
+    """Whether the decoder decodes just each image's crop box (nvImageCodec's region-of-interest decode) rather
+    than the whole image."""
+    return decoder == "nvimgcodec"
+
+
+def decode_jpeg(records, device, *, decoder="gpu", boxes=None):
+    """A list of encoded JPEGs (uint8 numpy arrays) -> a list of CHW uint8 RGB images on device, in their order,
+    decoded in one batched call on the current stream: "gpu": nvJPEG through torchvision (no extra install;
+    docs/perf-notes.md), whole images; "nvimgcodec": nvImageCodec, each image just its box of boxes (n, 4)."""
+    if decoder == "nvimgcodec":
+        return nvimgcodec_decoder(device).decode(records, boxes)
     import warnings
     from torchvision.io import ImageReadMode, decode_jpeg as decode
     with warnings.catch_warnings():     # deprecated in torchvision 0.29 for TorchCodec's, which needs torch >= 2.11
         warnings.simplefilter("ignore", DeprecationWarning)
         return decode([torch.from_numpy(np.asarray(r)) for r in records], mode=ImageReadMode.RGB, device=device)
+
+
+NVIMGCODEC = {}     # device index -> its NvImageCodec, made on first use
+
+
+def nvimgcodec_decoder(device):
+    """This process's NvImageCodec for the CUDA device (one a GPU, kept: making one sets up nvJPEG's state)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in NVIMGCODEC:
+        NVIMGCODEC[index] = NvImageCodec(index)
+    return NVIMGCODEC[index]
+
+
+class NvImageCodec:
+    """nvImageCodec's batched decoder on one GPU. Its images live in nvImageCodec's memory, not torch's caching
+    allocator, so record_stream cannot keep them: each batch is held until the next call, by which time the caller
+    has drained the stream that read it (imagenet_data.gpu_decoded drains before every decode)."""
+
+    def __init__(self, index):
+        self.nv, self.index, self.held = nvimgcodec_module(), index, []
+        self.decoder = self.nv.Decoder(device_id=index)
+        self.params = self.nv.DecodeParams(color_spec=self.nv.ColorSpec.RGB)
+
+    def source(self, record, box):
+        """What to decode of one record: the whole code stream, or its region (top, left, height, width)."""
+        stream = self.nv.CodeStream(np.ascontiguousarray(record))
+        if box is None:
+            return stream
+        top, left, h, w = (int(v) for v in box)
+        region = self.nv.Region(top, left, top + h, left + w)
+        if hasattr(stream, "get_sub_code_stream"):           # newer versions; older ones take a DecodeSource
+            return stream.get_sub_code_stream(region=region)
+        return self.nv.DecodeSource(stream, region)
+
+    def decode(self, records, boxes=None):
+        """The records (each just its box when boxes are given) as CHW uint8 tensors on this GPU, decoded on the
+        current stream, which the tensors are ordered after (DLPack's stream handshake)."""
+        boxes = [None] * len(records) if boxes is None else boxes
+        stream = torch.cuda.current_stream(self.index)
+        images = self.decoder.decode([self.source(r, b) for r, b in zip(records, boxes)], params=self.params,
+                                     cuda_stream=stream.cuda_stream)
+        failed = [i for i, image in enumerate(images) if image is None]
+        if failed:
+            raise RuntimeError(f"nvImageCodec could not decode {len(failed)} of the batch's {len(images)} JPEGs "
+                               f"(the first at position {failed[0]})")
+        self.held = images
+        return [torch.from_dlpack(image).permute(2, 0, 1) for image in images]

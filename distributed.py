@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 import devices
-from core import DataError, square_grid, write_atomic
+from core import DataError, die_with_parent, square_grid, write_atomic
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -54,7 +54,8 @@ class Context:
 def init_from_env(device=None, backend=None, timeout_minutes=None):
     """The Context of this process from torchrun's RANK / WORLD_SIZE / LOCAL_RANK, joining the process group (nccl
     for CUDA, else gloo); without them, one process and no group (several SLURM tasks stop with the command to use).
-    "cuda" means cuda:LOCAL_RANK; timeout_minutes bounds every collective (None: torch's default)."""
+    "cuda" means cuda:LOCAL_RANK; timeout_minutes bounds every collective (None: torch's default). A worker of
+    torchrun's agent ends with its agent."""
     if "RANK" not in os.environ:
         tasks = int(os.environ.get("SLURM_NTASKS", "1"))
         if tasks > 1:
@@ -65,6 +66,10 @@ def init_from_env(device=None, backend=None, timeout_minutes=None):
                 f"--rdzv-endpoint=$(hostname):29500 {shlex.join(sys.argv)}")
         return Context(device=str(devices.resolve(device)))
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun starts each worker in a session of its own: without this, a worker whose agent is killed trains
+        # on unwatched, and would write rank 0's checkpoint beside the relaunched job's
+        die_with_parent(os.getppid())
     device = devices.for_rank(device, local)
     devices.bind(device)
     if not dist.is_initialized():

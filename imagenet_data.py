@@ -170,7 +170,8 @@ class Data:
     pixels: torch.Tensor = None
     pixel_rows: np.ndarray = None     # the row of pixels of each of train_rows (None: the same position)
     where: str = "host"
-    decoder: str = "cpu"              # "cpu": simplejpeg in `workers` processes; "gpu": nvJPEG through torchvision
+    decoder: str = "cpu"              # "cpu": simplejpeg in `workers` processes; "gpu": nvJPEG through torchvision;
+    #                                   "nvimgcodec": nvImageCodec, decoding each crop box alone
     workers: int = 1
     shares: tuple = None              # (rank, world): each epoch deals this rank a new share of train_rows
     pool: ProcessPoolExecutor = field(default=None, repr=False)
@@ -435,22 +436,28 @@ def gpu_decoded(data, jobs, *, device):
     # a thread of its own: torchvision's batched decode holds its calling thread until the decode ends
     reader = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
 
-    def decode(rows):
+    cropped = devices.decodes_crops(data.decoder)      # each image decoded just at its box: boxes from (0, 0)
+
+    def decode(rows, arrays):
         # nvJPEG's own stream waits on nothing (torchvision pull request 9606): side's queued reads must end first
         devices.drain(side)
         with devices.on_stream(side):
-            return devices.decode_jpeg([data.store.train.record(r) for r in rows], device)
+            return devices.decode_jpeg([data.store.train.record(r) for r in rows], device, decoder=data.decoder,
+                                       boxes=arrays[0][TOP:WIDTH + 1].T if cropped else None)
     try:
-        pending = reader.submit(decode, jobs[0][0]) if jobs else None
+        pending = reader.submit(decode, jobs[0][0], jobs[0][2]) if jobs else None
         for k, (_, res, arrays) in enumerate(jobs):
             images = pending.result()
             with devices.on_stream(side):
                 small = on_device(arrays, device)
-                crops = crop_resize_images(images, small[0][TOP:WIDTH + 1], res, dtype=devices.resize_dtype(device))
+                boxes = small[0][TOP:WIDTH + 1]
+                if cropped:
+                    boxes = torch.cat([torch.zeros_like(boxes[:2]), boxes[2:]])
+                crops = crop_resize_images(images, boxes, res, dtype=devices.resize_dtype(device))
                 done = devices.record(side)
             del images
             if k + 1 < len(jobs):
-                pending = reader.submit(decode, jobs[k + 1][0])
+                pending = reader.submit(decode, jobs[k + 1][0], jobs[k + 1][2])
             handed_over(done, device, (crops, *small))
             yield crops, small
     finally:
@@ -470,7 +477,7 @@ def train_batches(data, augment, draws, *, res, batch_size, device, dtype):
         wide = devices.wide_dtype(dtype)
         batches = ((crop_resize(xb.permute(0, 3, 1, 2).to(wide), small[0], res), small)
                    for xb, small in gathered(data, smalls, device=device))
-    elif data.decoder == "gpu":
+    elif data.decoder in devices.GPU_DECODERS:
         batches = gpu_decoded(data, [(data.train_rows[idx], res, s) for idx, s in zip(order, smalls)], device=device)
     else:
         jobs = [(data.train_rows[idx], draws.boxes[idx], (res, res), s) for idx, s in zip(order, smalls)]

@@ -785,7 +785,9 @@ def parse_args(argv=None):
     tp.add_argument("--data-on", default="auto", choices=["auto", "device", "host"],
                     help="where a raw store lives (auto: on the device if it fits beside training)")
     tp.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
-                    help="where a JPEG store is decoded (auto: nvJPEG on a CUDA GPU, else the CPU's worker processes)")
+                    help="where a JPEG store is decoded (auto: nvJPEG on a CUDA GPU, else the CPU's worker processes; "
+                         "nvimgcodec: nvImageCodec on the GPU, decoding just each crop, pip install "
+                         "nvidia-nvimgcodec-cu12 or -cu13)")
     tp.add_argument("--loader-workers", type=int, default=None,
                     help="CPU decoding processes per training process (default: CPU count / processes on the node)")
     tp.add_argument("--target", type=float, default=None,
@@ -893,7 +895,8 @@ def run(args, r, *, ctx, argv):
         (print if isinstance(e, DataError) else say)(f"error: {e}", file=sys.stderr)   # every rank: its own store
         return 1 if isinstance(e, DataError) else 2
     dtype = devices.compute_dtype(device, args.precision)
-    held = (("jpeg store, decoded on the GPU (nvJPEG)" if decoder == "gpu" else
+    on_gpu = devices.GPU_DECODERS.get(decoder)
+    held = ((f"jpeg store, decoded on the GPU ({on_gpu})" if on_gpu else
              f"jpeg store, decoded by {data.workers} CPU processes") if store.format == "jpeg"
             else f"raw store of size {store.size} in {data.where} memory")
     say(f"recipe {r.name} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {len(store.train)} train and "

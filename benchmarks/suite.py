@@ -14,8 +14,10 @@ finished piece written at once as JSON under results/<device>/ (the only source 
   tier 2    fast94_muon beside airbench94 (100 / 25); fast94_next_lowres, our idea, compiled as fast94_next
             is (50); fast95 beside airbench95 (25 / 10); myrtle24 (5); myrtle10 (10)
   tier 3    fast96 beside airbench96 (10 / 5); the journey stages (3 each)
-  tier 4    ResNet-50 images/s at 128-224 px (model alone, our store, ImageFolder); the torchrun
-            --nproc_per_node=1 (NCCL) overhead for fast94 and an ImageNet tiny run
+  tier 4    ResNet-50 images/s at 128-224 px (model alone, our store, ImageFolder); the first ImageNet run's
+            checks (benchmarks/imagenet_gpu_check.py: each decoder, the step, both together, train killed and
+            resumed, the stream race, host waits); the torchrun --nproc_per_node=1 (NCCL) overhead for fast94 and
+            an ImageNet tiny run
   tier cpu  the CPU demonstration README quotes
 
 Each piece runs the project's own command lines (recorded in its result) in a fresh process, with --out
@@ -71,7 +73,8 @@ class Piece:
     name: str
     tier: str
     title: str
-    kind: str                        # fingerprint | cifar | side_by_side | torchrun_cifar | torchrun_imagenet | throughput
+    kind: str                        # fingerprint | cifar | side_by_side | torchrun_cifar | torchrun_imagenet |
+    #                                  throughput | gpu_check (the last two: one command, its rows)
     sides: dict = field(default_factory=dict)
     recipes: dict = field(default_factory=dict)
     targets: dict = field(default_factory=dict)
@@ -118,6 +121,9 @@ def pieces():
               {s: s for s in stages}, {s: 0.94 for s in stages}, needs=("gpu",)),
         Piece("imagenet_throughput", "4", "ResNet-50 as rn50_16ep trains it: loader, ceiling and together, images/s at "
               "160-224 px", "throughput", needs=("gpu",), extra=["--sizes", "160,192,224"]),
+        Piece("imagenet_gpu_check", "4", "the first ImageNet run: each decoder, the ResNet-50 step and both "
+              "together at 160 and 192 px, train killed and resumed, the stream race, host waits", "gpu_check",
+              needs=("gpu",)),
         Piece("torchrun_fast94", "4", "fast94 under torchrun --nproc_per_node=1 (NCCL) against a plain run",
               "torchrun_cifar", {"plain": 10, "torchrun": 10}, {"plain": "fast94", "torchrun": "fast94"},
               {"plain": 0.94, "torchrun": 0.94}, needs=("gpu", "nccl")),
@@ -162,6 +168,7 @@ class Chunk:
 
 
 TOGETHER = ("side_by_side",)     # kinds whose sides run in one command (alternating); the others: one side a command
+ONE_COMMAND = ("throughput", "gpu_check")     # kinds measured by one command whose result is its rows
 
 
 def cifar_runs(out):
@@ -205,6 +212,14 @@ def chunk_for(piece, want, done, ctx, *, whole=False):
                 "--runs", str(want[side]), *seed, *device, *out]
         return Chunk(argv, lambda o: {side: imagenet_runs(o)})
     raise ValueError(f"no commands for a {piece.kind} piece")
+
+
+def one_command_argv(piece, ctx, whole=False):
+    """The command of a ONE_COMMAND piece (whole=True: as its result records it, without --out)."""
+    if piece.kind == "gpu_check":
+        return ["python", "benchmarks/imagenet_gpu_check.py", *(["--smoke"] if ctx["smoke"] else []),
+                *([] if whole else ["--out", ctx["out"]])]
+    return throughput_argv(piece, ctx, whole)
 
 
 def throughput_argv(piece, ctx, whole=False):
@@ -495,14 +510,14 @@ def run_piece(piece, ctx, *, fp, flops, deadline, say, note=""):
         write_json(path, finish(result, fp))
         if ctx["copy_to"]:
             write_json(ctx["copy_to"] / fp["slug"] / path.name, result)
-    if finish(result, fp)["complete"] and piece.kind != "throughput":
+    if finish(result, fp)["complete"] and piece.kind not in ONE_COMMAND:
         say(f"{piece.name}: already complete ({describe(result)})")
         return
     elsewhere = measured_elsewhere(ctx["results"], piece, flops, smoke=ctx["smoke"])
     start, estimated = time.time(), 0.0
     while True:
         left_s = None if deadline is None else deadline - time.time()
-        if piece.kind == "throughput":
+        if piece.kind in ONE_COMMAND:
             est = max([c["seconds"] for c in result["chunks"]] or [SETUP_GUESS_S[None] + 240.0])
             want, rest = ({"rows": 1} if left_s is None or est <= left_s else {}), est
         else:
@@ -515,7 +530,7 @@ def run_piece(piece, ctx, *, fp, flops, deadline, say, note=""):
         if piece.kind == "torchrun_imagenet" and not ctx.get("store"):
             ctx["store"] = synthetic_store(ctx["tmp"], ctx["smoke"])
         done = {s: len(side["runs"]) for s, side in result["sides"].items()}
-        chunk = (Chunk(throughput_argv(piece, ctx), lambda o: {}) if piece.kind == "throughput"
+        chunk = (Chunk(one_command_argv(piece, ctx), lambda o: {}) if piece.kind in ONE_COMMAND
                  else chunk_for(piece, want, done, ctx))
         base = {s: list(side["runs"]) for s, side in result["sides"].items()}
         out, log, t0 = Path(ctx["out"]), Path(ctx["tmp"]) / f"{piece.name}.log", time.time()
@@ -533,8 +548,8 @@ def run_piece(piece, ctx, *, fp, flops, deadline, say, note=""):
             raise
         got = load(out) or {}
         merge(result, base, chunk.parse(got), chunk.flops(got))
-        if piece.kind == "throughput":
-            result.update(rows=got.get("rows", []), command=shlex.join(throughput_argv(piece, ctx, whole=True)),
+        if piece.kind in ONE_COMMAND:
+            result.update(rows=got.get("rows", []), command=shlex.join(one_command_argv(piece, ctx, whole=True)),
                           ran=rc == 0)
         new = [r for s in base for r in result["sides"][s]["runs"][len(base[s]):]]
         result["chunks"].append({
@@ -550,7 +565,7 @@ def run_piece(piece, ctx, *, fp, flops, deadline, say, note=""):
             say(f"{piece.name}: {why} after {time.time() - start:.0f} s; kept {describe(result)}"
                 + ("" if rc is None else "".join("\n    " + line for line in tail)))
             return
-        if result["complete"] or piece.kind == "throughput":
+        if result["complete"] or piece.kind in ONE_COMMAND:
             break
     say(f"{piece.name}: {'complete' if result['complete'] else 'partial'} in {time.time() - start:.0f} s"
         + (f" (estimated {estimated:.0f} s)" if deadline else "") + f": {describe(result)}{note}")

@@ -198,7 +198,7 @@ def test_where_jpeg_records_are_decoded(name, choice, decoder):
 @pytest.mark.parametrize("name, choice, message", [
     ("cpu", "gpu", "--decoder gpu needs a CUDA device (nvJPEG); this run is on cpu"),
     ("mps", "gpu", "--decoder gpu needs a CUDA device (nvJPEG); this run is on mps"),
-    ("cuda", "nvjpeg", "--decoder nvjpeg: choose from auto, cpu, gpu")])
+    ("cuda", "nvjpeg", "--decoder nvjpeg: choose from auto, cpu, gpu, nvimgcodec")])
 def test_a_decoder_the_device_cannot_run_is_one_line(name, choice, message):
     with pytest.raises(ValueError) as e:
         devices.jpeg_decoder(name, choice)

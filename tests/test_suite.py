@@ -14,6 +14,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import core  # noqa: E402
+import devices  # noqa: E402
 import report  # noqa: E402
 import suite  # noqa: E402
 
@@ -576,3 +577,41 @@ def test_the_gpu_chunks_table_lists_every_chunk_run_on_a_gpu_oldest_first_and_no
     assert lines[2:4] == ["| 2026-01-01T00:00:00 | NVIDIA H200 | `fast94_next` | 5 | 300 s | 350 s | – |",
                           "| 2026-01-02T00:00:00 | NVIDIA H200 | `fast94` | 5 | 300 s | 350 s | 220 s |"]
     assert len(lines) == 6 and report.t_gpu_chunks({}) == ["The suite's chunks on a GPU: not measured."]
+
+
+def test_the_gpu_check_runs_every_check_in_the_smoke_pass(smoke):
+    """benchmarks/imagenet_gpu_check.py --smoke, as the suite's tier 4 runs it, under the CUDA stand-in: a row for
+    each decoder at each size (nvImageCodec's saying which package it needs where it is not installed), the step alone
+    and with each GPU decoder, the training killed and resumed, the race and the host waits."""
+    folder, out = smoke
+    (device,) = folder.iterdir()
+    result = json.loads((device / "imagenet_gpu_check.json").read_text())
+    assert result["command"] == "python benchmarks/imagenet_gpu_check.py --smoke"
+    rows = result["rows"]
+    by = lambda check, **match: [r for r in rows if r["check"] == check and all(r[k] == v for k, v in match.items())]
+    assert [r["check"] for r in rows[:2]] == ["images", "prepare"]
+    sizes = [24, 32]
+    for decoder in ("gpu", "cpu"):
+        assert [r["res"] for r in by("decoder", decoder=decoder)] == sizes
+        assert all(r["images_per_s"] > 0 for r in by("decoder", decoder=decoder))
+    try:
+        import nvidia.nvimgcodec  # noqa: F401
+    except ImportError:
+        assert {r["error"] for r in by("decoder", decoder="nvimgcodec") + by("together", decoder="nvimgcodec")} == {
+            f"--decoder nvimgcodec needs nvImageCodec: pip install {devices.nvimgcodec_package()}"}
+    assert [r["res"] for r in by("step")] == sizes and all(r["images_per_s"] > 0 for r in by("step"))
+    assert all(r["of_step_alone"] > 0 for r in by("together", decoder="gpu"))
+    (train,) = by("train")
+    assert (train["first"]["returncode"], train["resumed"]["returncode"]) == (75, 0)
+    assert train["resumed"]["resumed_line"] == "resumed from epoch 1 of ckpt.pt"
+    assert by("race", decoder="gpu")[0]["equal"] is True
+    assert by("sync")[0]["host_waits"] == 0                     # the training thread never waited
+
+
+def test_the_gpu_check_is_one_command_whose_rows_are_its_result():
+    piece = next(pc for pc in suite.pieces() if pc.name == "imagenet_gpu_check")
+    assert piece.tier == "4" and piece.kind in suite.ONE_COMMAND and piece.needs == ("gpu",)
+    ctx = {"smoke": False, "out": "o.json"}
+    assert suite.one_command_argv(piece, ctx) == ["python", "benchmarks/imagenet_gpu_check.py", "--out", "o.json"]
+    assert suite.one_command_argv(piece, {**ctx, "smoke": True}, whole=True) == [
+        "python", "benchmarks/imagenet_gpu_check.py", "--smoke"]

@@ -114,7 +114,8 @@ def test_an_output_in_folders_not_yet_there_is_fine(npz, tmp_path, capsys):
     (["train", "--store", "S", "--device", "gpu"], "error: --device gpu: not a device; use cpu, cuda, cuda:N, mps, ..."),
     (["train", "--store", "S", "--val-crop", "1.5"], "error: --val-crop 1.5: must be between 0 and 1"),
     (["train", "--store", "S", "--loader-workers", "0"], "error: --loader-workers must be positive"),
-    (["train", "--store", "S", "--decoder", "nvjpeg"], "error: argument --decoder: 'nvjpeg' is not one of auto, cpu, gpu"),
+    (["train", "--store", "S", "--decoder", "nvjpeg"],
+     "error: argument --decoder: 'nvjpeg' is not one of auto, cpu, gpu, nvimgcodec"),
     (["simulate", "--gpus", "0"], "error: argument --gpus: '0': expected GPU counts of 1 or more separated by commas, "
                                   "e.g. 8,64"),
     (["simulate", "--gpus", "a,b"], "error: argument --gpus: 'a,b': expected GPU counts of 1 or more separated by "
