@@ -53,6 +53,7 @@ rewritten after every run (a peer script's rows hold the text it matched and the
 import argparse
 import contextlib
 import hashlib
+import math
 import os
 import re
 import shlex
@@ -295,6 +296,16 @@ def alternation(n_ours, n_peer):
     return order + ["peer"] * (n_peer - order.count("peer"))
 
 
+def centred(n_ours, n_turns):
+    """The order of ours and the peer's turns (a record process each), each turn in the middle of its share of
+    ours: the k-th after run ceil(n_ours (2k + 1) / (2 n_turns)) of ours (13 of 25, the record's, then 12)."""
+    after = [math.ceil(n_ours * (2 * k + 1) / (2 * n_turns)) for k in range(n_turns)]
+    order = []
+    for i in range(n_ours + 1):
+        order += ["peer"] * after.count(i) + ["ours"] * (i < n_ours)
+    return order
+
+
 def stats_row(name, results, target, reference=None):
     acc = summarize([r["final_acc"] for r in results])
     t = summarize([r["time"] for r in results])
@@ -516,7 +527,8 @@ def compare(name, args, c, *, arrays, record, save):
     if c["record"] is not None:         # which script ran, and how it was edited, process by process
         record[name]["record"] = {"source": str(c["record"]["folder"] / RECORD_SCRIPT),
                                   "sha256": c["record"]["sha256"], "processes": []}
-    for turn, side in enumerate(alternation(args.runs, len(blocks))):
+    order = alternation(args.runs, len(blocks)) if c["record"] is None else centred(args.runs, len(blocks))
+    for turn, side in enumerate(order):
         if side == "ours":
             ours.append(our_run(r, built, options, ctx=ctx, seed=args.seed + len(ours)))
             print(f"  {name} run {len(ours)}/{args.runs}: ours {ours[-1]['final_acc']:.4f} in {ours[-1]['time']:.3f} s",
@@ -527,8 +539,9 @@ def compare(name, args, c, *, arrays, record, save):
             except DataError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
-            if process is not None:
+            if process is not None:          # each run says which script ran and its one edit (the suite keeps runs)
                 record[name]["record"]["processes"].append(process)
+                got = [{**run, "edit": process["edit"], "script_sha256": c["record"]["sha256"]} for run in got]
             for run in got:
                 theirs.append(run)
                 construct_s = run.get("construct_s")

@@ -55,6 +55,10 @@ def test_alternation_spreads_the_peer_runs_evenly():
     assert order.count("ours") == 100 and order.count("peer") == 25
     assert order[:10] == ["ours"] * 4 + ["peer"] + ["ours"] * 4 + ["peer"]
     assert side_by_side.alternation(0, 2) == ["peer", "peer"] and side_by_side.alternation(2, 0) == ["ours", "ours"]
+    # the record's processes: each in the middle of its share of ours
+    assert side_by_side.centred(25, 1) == ["ours"] * 13 + ["peer"] + ["ours"] * 12
+    assert side_by_side.centred(25, 2) == ["ours"] * 7 + ["peer"] + ["ours"] * 12 + ["peer"] + ["ours"] * 6
+    assert side_by_side.centred(0, 2) == ["peer", "peer"] and side_by_side.centred(2, 2) == ["ours", "peer"] * 2
 
 
 class VirtualClock:
