@@ -3,8 +3,9 @@ writes, counted on the CPU at the recipe's shapes (width 1, 32 px, bf16 autocast
 one graph as --compile-step does): bytes per image, which do not depend on the batch (every tensor here is the batch
 times a per-image size), so a small --batch counts what batch 1,536 moves.
 
-    python benchmarks/fusion_bytes.py --batch 32                       # saved tensors and kernels, as compiled
-    python benchmarks/fusion_bytes.py --batch 32 --setting functorch.activation_memory_budget=0.5
+    python benchmarks/fusion_bytes.py                      # batch 13: the saved tensors and kernels, as compiled
+    python benchmarks/fusion_bytes.py --setting inductor.realize_reads_threshold=64 \
+        --setting inductor.realize_opusers_threshold=64   # Inductor's settings changed while compiling
 
 1. The saved-for-backward tensors: AOTAutograd's partition with Inductor's own partitioner
    (min_cut_rematerialization_partition), each with the forward operation that makes it, its dtype and its bytes per
@@ -28,6 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cifar10_fast as cf  # noqa: E402
 import torch_backend as tb  # noqa: E402
+
+
+# Inductor realises (writes out) a pointwise result read often by thresholds that differ on a CPU: the GPU's values
+# here (its _realize_*_threshold_default), so that the CPU decides what a GPU's compile would
+GPU_THRESHOLDS = {("inductor", "realize_opcount_threshold"): 30, ("inductor", "realize_acc_reads_threshold"): 8}
 
 
 def settings_of(texts):
@@ -74,7 +80,7 @@ def step(model, x, y):
     loss.backward()
 
 
-def saved_tensors(batch, settings):
+def saved_tensors(batch, settings, *, width=1.0):
     """[(name, the forward operation that makes it, dtype, shape, bytes)] of the tensors the partition saves for the
     backward (the backward graph's inputs other than its incoming gradients), with Inductor's decompositions."""
     from torch._dynamo.backends.common import aot_autograd
@@ -85,7 +91,7 @@ def saved_tensors(batch, settings):
     keep = lambda gm, inputs: graphs.append(gm) or gm.forward
     backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, decompositions=select_decomp_table(),
                            partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
-    model, x, y = model_and_batch(batch)
+    model, x, y = model_and_batch(batch, width=width)
     with configured(settings):
         step(torch.compile(model, backend=backend, dynamic=False), x, y)
     forward, backward = graphs
@@ -133,25 +139,25 @@ def fused_kernels(batch, settings):
 
 
 def split_bytes(node, batch, *, reads):
-    """(bytes an image, bytes a step) that a scheduler node reads (or writes): Inductor's own count of each buffer's
-    accesses, a buffer whose first dimension is the batch counted per image, any other (weights, statistics) per step."""
-    from torch._inductor.virtualized import V
+    """(bytes an image, bytes a step) that a scheduler node reads (or writes), by Inductor's own count of each
+    buffer's accesses: a count the batch divides is per image (the batch is a prime that divides none of the network's
+    other sizes, so weights and statistics never are; flattened buffers are still told apart), any other per step."""
     per_image = per_step = 0.0
-    for name, nbytes in node.get_read_write_buffer_accesses(include_reads=reads, include_writes=not reads).items():
-        try:
-            size = V.graph.get_buffer(name).get_size()
-        except (AttributeError, NotImplementedError):      # no single buffer behind it (an extern kernel's tuple)
-            size = ()
-        if len(size) and size[0] == batch:
+    for nbytes in node.get_read_write_buffer_accesses(include_reads=reads, include_writes=not reads).values():
+        if nbytes % batch == 0:
             per_image += nbytes / batch
         else:
             per_step += nbytes
     return per_image, per_step
 
 
+RECIPE_BATCH = 1536         # fast94_next's
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batch", type=int, default=32, help="images a step (bytes per image do not depend on it)")
+    p.add_argument("--batch", type=int, default=13, help="images a step (bytes per image do not depend on it): a "
+                   "prime that divides none of the network's sizes (its channels and sides: 2, 3, 7, 31), as 13 or 17")
     p.add_argument("--setting", action="append", default=[], help="functorch.NAME=VALUE or inductor.NAME=VALUE, "
                    "set while compiling (repeatable)")
     p.add_argument("--saved-only", action="store_true", help="the saved tensors alone (no Inductor compile)")
@@ -161,9 +167,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        if args.batch < 1:
-            raise ValueError(f"--batch {args.batch}: must be at least 1")
-        settings = settings_of(args.setting)
+        if args.batch < 11 or args.batch == 31 or any(args.batch % k == 0 for k in range(2, args.batch)):
+            raise ValueError(f"--batch {args.batch}: a prime from 11 up, not 31 (13, 17, 19, ...)")
+        settings = {**GPU_THRESHOLDS, **settings_of(args.setting)}
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -184,6 +190,11 @@ def main(argv=None):
         print(f"{graph}: {len(rows)} kernels ({sum(r[0] == 'extern' for r in rows)} extern); an image: "
               f"{total[0] / 1e3:.1f} kB read, {total[2] / 1e3:.1f} kB written; a step besides: {total[1] / 1e3:.1f} "
               f"kB read, {total[3] / 1e3:.1f} kB written")
+        for kind in ("extern", "fused"):
+            mine = [r for r in rows if r[0] == kind]
+            image, step_ = sum(r[2] + r[4] for r in mine), sum(r[3] + r[5] for r in mine)
+            print(f"  {kind} kernels: {image / 1e3:.1f} kB an image read and written, {step_ / 1e3:.1f} kB a step "
+                  f"besides: {(RECIPE_BATCH * image + step_) / 1e9:.2f} GB a step at batch {RECIPE_BATCH}")
         for kind, ops, r_image, r_step, w_image, w_step in rows:
             print(f"  {kind:6s} an image {r_image / 1e3:7.1f} kB read {w_image / 1e3:7.1f} kB written; a step "
                   f"{r_step / 1e3:7.1f} / {w_step / 1e3:7.1f} kB  {', '.join(ops)[:100]}")

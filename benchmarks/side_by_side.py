@@ -7,6 +7,8 @@ fresh process, on its own clock, as its output says).
     python benchmarks/side_by_side.py --recipes fast94 --runs 100 --peer-runs 25 --compile max-autotune --out sbs.json
     python benchmarks/side_by_side.py --recipes fast94_next --runs 25 --compile max-autotune \
         --peer-script airbench94_muon.py --peer-pattern airbench-table --out sbs.json
+    python benchmarks/side_by_side.py --recipes fast94_next --runs 25 --peer-runs 25 --compile max-autotune \
+        --peer record --out sbs.json                 # the record's own script, fetched into peers/cifar10-speedrun/
 
 Ours, in both modes. Every run trains one network and evaluates it once, at its end, with the recipe's test-time
 augmentation (eval_every=0: no per-epoch evaluation inside a timed comparison). Its time is the recipe's own `time`
@@ -44,6 +46,22 @@ evaluations left out; airbench94_muon.py nearly does, its loader's normalising a
 nothing here can check, so the table is headed "time as each reports it". A bad flag stops it before anything
 runs, with one line (exit status 2); a peer run that exits non-zero, prints no match, or matches something that is
 not an accuracy and a time stops the comparison with one line (exit status 1).
+
+The 2-second record (--peer record: hiverge/cifar10-speedrun's own cifar10_speedrun.py, fetched into the git-ignored
+peers/cifar10-speedrun/ or --record-dir, never committed; its run.sh, which sets the GPU's clocks, is never run). Its
+process trains a warm-up and then a run count in one loop, `for run in range(200):`, the one line edited (to the runs
+of its turn; the edit and the script's sha256 go with every run), in a temporary folder holding our data as
+./cifar10/{train,test}.pt, where it loads it. Its runs are --peer-runs in --record-processes processes (default 1),
+each in the middle of its share of ours (centred: 13 of ours, the record's 25, 12 of ours), because each process
+compiles max-autotune and warms up again, off its clock. Each run's accuracy (tta_val_acc, as its summary averages)
+and time (its CUDA events from its model reset and optimisers built to the end of its TTA evaluation, as ours times
+from the network built) are read from the last row of that run in its printed table (epoch "eval"; the warm-up's
+left out), and each process's own summary means and its wall time on our clock are kept beside them. Before each run
+it spins the GPU for 6e9 cycles (about 3 s), outside its clock; ours does not. An absent script is one line (exit
+status 1); a process that fails or prints a table without its runs 1 to N stops the comparison with one line.
+
+--alternate (with --peer none) builds every --recipes recipe once in this process and runs them in turn (A, B, A, B,
+...), each row's time ratio over the first recipe's: fast94_fastest and its ablations beside fast94_next.
 
 Runs alternate (ours, peer, ours, peer, ...; with fewer peer runs, each follows the run of ours it is due after) so
 that clock and thermal drift fall on both alike. The table gives n, mean accuracy ± std, the one-sided p-value of

@@ -9,9 +9,11 @@ finished piece written at once as JSON under results/<device>/ (the only source 
   tier 0    the machine: GPU, SMs, memory, driver, CUDA, torch, clocks, power limit (nvidia-smi), measured
             bf16 matmul rate (8192^3, mean of 10 after warm-up), device-to-device copy bandwidth, and the
             counted FLOPs of every recipe; every other result embeds this fingerprint
-  tier 1    fast94 (n=100, --compile max-autotune) alternating with airbench's train94 (n=25); then our
-            best 94% attempt, fast94_next, the same way
-  tier 2    fast94_muon beside airbench94 (100 / 25); fast94_next_lowres, our idea, compiled as fast94_next
+  tier 1    fast94_next (n=100, --compile max-autotune) beside the 2-second record's own cifar10_speedrun.py
+            (n=50; fetched into peers/cifar10-speedrun/, only its run count edited); then fast94 (n=100)
+            alternating with airbench's train94 (n=25)
+  tier 2    fast94_fastest and its ablations in turn with fast94_next in one process (50 each); fast94_next
+            and fast94_muon beside airbench94 (100 / 25); fast94_next_lowres, our idea, compiled as fast94_next
             is (50); fast95 beside airbench95 (25 / 10); myrtle24 (5); myrtle10 (10)
   tier 3    fast96 beside airbench96 (10 / 5); the journey stages (3 each)
   tier 4    ResNet-50 images/s at 128-224 px (model alone, our store, ImageFolder); the torchrun
@@ -120,13 +122,13 @@ def pieces():
               {s: s for s in FASTEST_SIDES}, {s: 0.94 for s in FASTEST_SIDES}, "max-autotune", ("gpu",)),
         fast("fast94_next", "fast94_next", 100, "airbench94", 25, 0.94, "2"),     # the record's configuration
         fast("fast94_muon", "fast94_muon", 100, "airbench94", 25, 0.94, "2"),
-        Piece("fast94_next_lowres", "2", "fast94_next_lowres (n=50), compiled max-autotune, beside tier 1's "
-              "fast94_next", "cifar", {"fast94_next_lowres": 50}, {"fast94_next_lowres": "fast94_next_lowres"},
+        Piece("fast94_next_lowres", "2", "fast94_next_lowres (n=50), compiled max-autotune, beside fast94_next's "
+              "pieces", "cifar", {"fast94_next_lowres": 50}, {"fast94_next_lowres": "fast94_next_lowres"},
               {"fast94_next_lowres": 0.94}, "max-autotune", ("gpu",)),
         # the references train in float16; the recipes under bf16 autocast (weights, batch norm and SGD's momentum in
-        # float32 either way; docs/cifar10.md, Precision): an ablation measured beside tier 1's fast94_next
-        Piece("fast94_next_fp16", "2", "fast94_next in float16 as the record trains (n=50), compiled as tier 1's "
-              "fast94_next is: the precision ablation", "cifar", {"fast94_next_fp16": 50},
+        # float32 either way; docs/cifar10.md, Precision): an ablation measured beside fast94_next's pieces
+        Piece("fast94_next_fp16", "2", "fast94_next in float16 as the record trains (n=50), compiled as "
+              "fast94_next's pieces are: the precision ablation", "cifar", {"fast94_next_fp16": 50},
               {"fast94_next_fp16": "fast94_next"}, {"fast94_next_fp16": 0.94}, "max-autotune", ("gpu",),
               extra=["--precision", "fp16"]),
         fast("fast95", "fast95", 25, "airbench95", 10, 0.95, "2"),
