@@ -132,9 +132,10 @@ RECORD_DIR = Path(__file__).resolve().parents[1] / "peers" / "cifar10-speedrun"
 RECORD_SCRIPT = "cifar10_speedrun.py"
 RECORD_LOOP = re.compile(r"^(?P<indent>[ \t]*)for run in range\((?P<runs>\d+)\):", re.M)
 # a run's final row of its table: run, "eval", train_acc, val_acc, tta_val_acc, time_seconds (its CUDA events)
-RECORD_ROW = re.compile(r"\|\s*(?P<run>\w+)\s*\|\s*eval\s*\|\s*(?P<train_acc>\d+\.\d+)\s*\|\s*(?P<val_acc>\d+\.\d+)\s*\|"
-                        r"\s*(?P<acc>\d+\.\d+)\s*\|\s*(?P<time>\d+\.\d+)\s*\|")
-RECORD_SUMMARY = re.compile(r"Accuracies: Mean: (?P<acc>\d+\.\d+)\s+Std: \S+\s*\n\s*Times \(s\):\s+Mean: (?P<time>\d+\.\d+)")
+RECORD_ROW = re.compile(r"\|\s*(?P<run>\w+)\s*\|\s*eval\s*\|\s*(?P<train_acc>\d+\.\d+)\s*\|"
+                        r"\s*(?P<val_acc>\d+\.\d+)\s*\|\s*(?P<acc>\d+\.\d+)\s*\|\s*(?P<time>\d+\.\d+)\s*\|")
+RECORD_SUMMARY = re.compile(r"Accuracies: Mean: (?P<acc>\d+\.\d+)\s+Std: \S+\s*\n"
+                            r"\s*Times \(s\):\s+Mean: (?P<time>\d+\.\d+)")
 
 
 def record_source(folder):
@@ -183,8 +184,10 @@ def run_record(source, runs, *, cwd, env, process):
     proc = subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True)
     wall_s = time.perf_counter() - t0
     if proc.returncode:
+        how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
+               else f"exited with status {proc.returncode}")
         tail = " ".join(proc.stderr.strip().splitlines()[-3:])[-200:] or "(nothing on stderr)"
-        raise DataError(f"{RECORD_SCRIPT} exited with status {proc.returncode}: {tail}")
+        raise DataError(f"{RECORD_SCRIPT} {how}: {tail}")
     rows, summary = read_record_output(proc.stdout, runs)
     return [{**r, "process": process} for r in rows], {"runs": runs, "edit": edit, "wall_s": wall_s,
                                                       "summary": summary}
@@ -382,8 +385,8 @@ def parse_args(argv=None):
                    help=f"the folder holding the record's {RECORD_SCRIPT} (default: peers/cifar10-speedrun/, "
                         "git-ignored)")
     p.add_argument("--record-processes", type=int, default=None,
-                   help="the record's runs in this many processes, each after its share of ours (default 1: each "
-                        "process compiles and warms up again, off its clock)")
+                   help="the record's runs in this many processes, each in the middle of its share of ours "
+                        "(default 1: each process compiles and warms up again, off its clock)")
     p.add_argument("--alternate", action="store_true",
                    help="with --peer none: our recipes' runs in turn (A, B, A, B, ...) in one process, each recipe's "
                         "time over the first's")
@@ -444,8 +447,8 @@ def checked(args):
 
 
 def record_flags(args, peer_runs):
-    """--peer record's flags, checked: {"folder", "source", "processes"}, or None for another peer; Refused in one
-    line for a bad flag (status 2) or an absent script (status 1)."""
+    """--peer record's flags, checked: {"folder", "source", "processes", "sha256"} (of the source), or None for another
+    peer; Refused in one line for a bad flag (status 2) or an absent script (status 1)."""
     if args.peer != "record":
         given = [f for f, v in (("--record-dir", args.record_dir), ("--record-processes", args.record_processes))
                  if v is not None]

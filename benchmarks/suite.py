@@ -112,7 +112,8 @@ def pieces():
         Piece("env", "0", "environment fingerprint and counted FLOPs", "fingerprint"),
         # the record's own script beside the recipe of its configuration: the comparison that names the project
         Piece("fast94_next_record", "1", f"fast94_next (n=100) beside the 2-second record's own {RECORD_SCRIPT} "
-              "(n=50; its run count edited), compiled max-autotune", "beside_record", {"fast94_next": 100, "record": 50},
+              "(n=50; its run count edited), compiled max-autotune", "beside_record",
+              {"fast94_next": 100, "record": 50},
               {"fast94_next": "fast94_next", "record": "fast94_next"}, {"fast94_next": 0.94, "record": 0.94},
               "max-autotune", ("gpu", "record")),
         fast("fast94", "fast94", 100, "airbench94", 25, 0.94, "1"),
