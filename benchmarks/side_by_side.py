@@ -7,6 +7,8 @@ fresh process, on its own clock, as its output says).
     python benchmarks/side_by_side.py --recipes fast94 --runs 100 --peer-runs 25 --compile max-autotune --out sbs.json
     python benchmarks/side_by_side.py --recipes fast94_next --runs 25 --compile max-autotune \
         --peer-script airbench94_muon.py --peer-pattern airbench-table --out sbs.json
+    python benchmarks/side_by_side.py --recipes fast94_next --runs 25 --peer-runs 25 --compile max-autotune \
+        --peer record --out sbs.json                 # the record's own script, fetched into peers/cifar10-speedrun/
 
 Ours, in both modes. Every run trains one network and evaluates it once, at its end, with the recipe's test-time
 augmentation (eval_every=0: no per-epoch evaluation inside a timed comparison). Its time is the recipe's own `time`
@@ -45,6 +47,22 @@ nothing here can check, so the table is headed "time as each reports it". A bad 
 runs, with one line (exit status 2); a peer run that exits non-zero, prints no match, or matches something that is
 not an accuracy and a time stops the comparison with one line (exit status 1).
 
+The 2-second record (--peer record: hiverge/cifar10-speedrun's own cifar10_speedrun.py, fetched into the git-ignored
+peers/cifar10-speedrun/ or --record-dir, never committed; its run.sh, which sets the GPU's clocks, is never run). Its
+process trains a warm-up and then a run count in one loop, `for run in range(200):`, the one line edited (to the runs
+of its turn; the edit and the script's sha256 go with every run), in a temporary folder holding our data as
+./cifar10/{train,test}.pt, where it loads it. Its runs are --peer-runs in --record-processes processes (default 1),
+each in the middle of its share of ours (centred: 13 of ours, the record's 25, 12 of ours), because each process
+compiles max-autotune and warms up again, off its clock. Each run's accuracy (tta_val_acc, as its summary averages)
+and time (its CUDA events from its model reset and optimisers built to the end of its TTA evaluation, as ours times
+from the network built) are read from the last row of that run in its printed table (epoch "eval"; the warm-up's
+left out), and each process's own summary means and its wall time on our clock are kept beside them. Before each run
+it spins the GPU for 6e9 cycles (about 3 s), outside its clock; ours does not. An absent script is one line (exit
+status 1); a process that fails or prints a table without its runs 1 to N stops the comparison with one line.
+
+--alternate (with --peer none) builds every --recipes recipe once in this process and runs them in turn (A, B, A, B,
+...), each row's time ratio over the first recipe's: fast94_fastest and its ablations beside fast94_next.
+
 Runs alternate (ours, peer, ours, peer, ...; with fewer peer runs, each follows the run of ours it is due after) so
 that clock and thermal drift fall on both alike. The table gives n, mean accuracy ± std, the one-sided p-value of
 "mean > target", the mean time ± std and our mean time over the peer's with its 95% confidence interval. `--out` is
@@ -52,6 +70,8 @@ rewritten after every run (a peer script's rows hold the text it matched and the
 """
 import argparse
 import contextlib
+import hashlib
+import math
 import os
 import re
 import shlex
@@ -104,6 +124,78 @@ def peer_pattern(text):
         raise ValueError(f"--peer-pattern {text!r}: needs the named groups acc and time (missing: "
                          f"{', '.join(sorted(missing))})")
     return pattern
+
+
+# The 2-second record (hiverge/cifar10-speedrun): its own script, fetched into this git-ignored folder and never
+# committed; each process runs it with one edit, its run count. Its run.sh sets the GPU's clocks and is never run.
+RECORD_DIR = Path(__file__).resolve().parents[1] / "peers" / "cifar10-speedrun"
+RECORD_SCRIPT = "cifar10_speedrun.py"
+RECORD_LOOP = re.compile(r"^(?P<indent>[ \t]*)for run in range\((?P<runs>\d+)\):", re.M)
+# a run's final row of its table: run, "eval", train_acc, val_acc, tta_val_acc, time_seconds (its CUDA events)
+RECORD_ROW = re.compile(r"\|\s*(?P<run>\w+)\s*\|\s*eval\s*\|\s*(?P<train_acc>\d+\.\d+)\s*\|"
+                        r"\s*(?P<val_acc>\d+\.\d+)\s*\|\s*(?P<acc>\d+\.\d+)\s*\|\s*(?P<time>\d+\.\d+)\s*\|")
+RECORD_SUMMARY = re.compile(r"Accuracies: Mean: (?P<acc>\d+\.\d+)\s+Std: \S+\s*\n"
+                            r"\s*Times \(s\):\s+Mean: (?P<time>\d+\.\d+)")
+
+
+def record_source(folder):
+    """The record's script in folder, as text; UsageError in one line where it is absent."""
+    path = Path(folder) / RECORD_SCRIPT
+    if not path.is_file():
+        raise UsageError(f"the record's script is not at {path}: fetch github.com/hiverge/cifar10-speedrun's "
+                         f"{RECORD_SCRIPT} into {Path(folder)} (git-ignored; its run.sh is never run)")
+    return path.read_text()
+
+
+def with_run_count(source, runs):
+    """(the record's source with its run loop cut to `runs`, the edit in words); DataError where its loop is not
+    found exactly once (the script changed: nothing is run that was not read)."""
+    loops = list(RECORD_LOOP.finditer(source))
+    if len(loops) != 1:
+        raise DataError(f"{RECORD_SCRIPT}: {len(loops)} lines 'for run in range(N):' where its run count should be "
+                        f"one: it is not the script this harness reads")
+    m = loops[0]
+    edited = f"{m['indent']}for run in range({runs}):"
+    return source[:m.start()] + edited + source[m.end():], f"{m.group(0).strip()} -> {edited.strip()}"
+
+
+def read_record_output(output, runs):
+    """The runs of one record process from its printed table: each run's last row (epoch "eval"; its warm-up's left
+    out) as {"run", "final_acc" (tta_val_acc, which its summary averages), "time" (its own clock), "val_acc",
+    "train_acc"}, and its summary's means; DataError, in one line, where the table does not hold runs 1..runs."""
+    rows = [m for m in RECORD_ROW.finditer(output) if m["run"] != "warmup"]
+    if [m["run"] for m in rows] != [str(k) for k in range(1, runs + 1)]:
+        raise DataError(f"{RECORD_SCRIPT}: its table holds the runs {[m['run'] for m in rows]}, not 1 to {runs}; "
+                        f"its output ends {output[-200:]!r}")
+    summary = RECORD_SUMMARY.search(output)
+    return ([{"run": int(m["run"]), "final_acc": float(m["acc"]), "time": float(m["time"]),
+              "val_acc": float(m["val_acc"]), "train_acc": float(m["train_acc"])} for m in rows],
+            summary and {"mean_acc": float(summary["acc"]), "mean_time": float(summary["time"])})
+
+
+def run_record(source, runs, *, cwd, env, process):
+    """One process of the record's script, its run count edited to `runs`, in cwd (our data as ./cifar10/): its runs
+    (read_record_output), each marked with the process, and the process's own line {"runs", "edit", "wall_s",
+    "summary"}. A process that fails, or whose table is not whole, raises DataError in one line."""
+    edited, edit = with_run_count(source, runs)
+    script = Path(cwd) / RECORD_SCRIPT
+    script.write_text(edited)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True)
+    wall_s = time.perf_counter() - t0
+    if proc.returncode:
+        how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
+               else f"exited with status {proc.returncode}")
+        tail = " ".join(proc.stderr.strip().splitlines()[-3:])[-200:] or "(nothing on stderr)"
+        raise DataError(f"{RECORD_SCRIPT} {how}: {tail}")
+    rows, summary = read_record_output(proc.stdout, runs)
+    return [{**r, "process": process} for r in rows], {"runs": runs, "edit": edit, "wall_s": wall_s,
+                                                      "summary": summary}
+
+
+def split_runs(n, parts):
+    """n runs in `parts` processes, as even as can be, the larger first."""
+    return [n // parts + (i < n % parts) for i in range(parts)]
 
 
 def peer_environment(device, environ):
@@ -225,6 +317,16 @@ def alternation(n_ours, n_peer):
     return order + ["peer"] * (n_peer - order.count("peer"))
 
 
+def centred(n_ours, n_turns):
+    """The order of ours and the peer's turns (a record process each), each turn in the middle of its share of
+    ours: the k-th after run ceil(n_ours (2k + 1) / (2 n_turns)) of ours (13 of 25, the record's, then 12)."""
+    after = [math.ceil(n_ours * (2 * k + 1) / (2 * n_turns)) for k in range(n_turns)]
+    order = []
+    for i in range(n_ours + 1):
+        order += ["peer"] * after.count(i) + ["ours"] * (i < n_ours)
+    return order
+
+
 def stats_row(name, results, target, reference=None):
     acc = summarize([r["final_acc"] for r in results])
     t = summarize([r["time"] for r in results])
@@ -243,6 +345,8 @@ def peer_script_flags(args):
     arguments, the folder it runs in or None for a temporary one), or Nones without --peer-script; ValueError in one
     line for a bad flag."""
     given = [f"--peer-{k}" for k in ("args", "pattern", "cwd") if getattr(args, f"peer_{k}") is not None]
+    if args.peer == "record" and (args.peer_script or given):
+        raise ValueError(f"--peer record and {args.peer_script and '--peer-script' or given[0]}: choose one")
     if not args.peer_script:
         if given:
             raise ValueError(f"{' and '.join(given)}: only with --peer-script")
@@ -274,8 +378,18 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", default="data", help="as for cifar10_fast.py")
     p.add_argument("--device", default=None)
     p.add_argument("--compile", default=None, choices=["default", "max-autotune", "reduce-overhead"])
-    p.add_argument("--peer", default="airbench", choices=["airbench", "none"],
-                   help="'none' runs ours alone (e.g. to try the script on a CPU)")
+    p.add_argument("--peer", default="airbench", choices=["airbench", "record", "none"],
+                   help="'record': the 2-second record's own cifar10_speedrun.py (fetched into --record-dir); 'none' "
+                        "runs ours alone (e.g. to try the script on a CPU)")
+    p.add_argument("--record-dir", default=None,
+                   help=f"the folder holding the record's {RECORD_SCRIPT} (default: peers/cifar10-speedrun/, "
+                        "git-ignored)")
+    p.add_argument("--record-processes", type=int, default=None,
+                   help="the record's runs in this many processes, each in the middle of its share of ours "
+                        "(default 1: each process compiles and warms up again, off its clock)")
+    p.add_argument("--alternate", action="store_true",
+                   help="with --peer none: our recipes' runs in turn (A, B, A, B, ...) in one process, each recipe's "
+                        "time over the first's")
     p.add_argument("--subset", type=int, default=None, help="first N training images (smoke tests only)")
     p.add_argument("--epochs", type=float, default=None, help="override our recipes' epochs (smoke tests only)")
     p.add_argument("--width", type=float, default=None, help="override our recipes' width (smoke tests only)")
@@ -309,6 +423,9 @@ def checked(args):
         raise Refused("--runs and --peer-runs must not be negative, and not both 0", 2)
     if script is not None and peer_runs < 1:
         raise Refused(f"--peer-runs {peer_runs}: a --peer-script needs at least one run", 2)
+    if args.alternate and (args.peer != "none" or len(args.recipes.split(",")) < 2):
+        raise Refused("--alternate: with --peer none and two recipes or more (ours against ours)", 2)
+    record = record_flags(args, peer_runs)
     airbench = None
     if args.peer == "airbench" and script is None:
         airbench = import_airbench()
@@ -326,7 +443,30 @@ def checked(args):
     if unknown:
         raise Refused(f"unknown recipes {unknown}; choose from {', '.join(cf.RECIPES)}", 2)
     return dict(script=script, pattern=pattern, peer_args=peer_args, peer_cwd=peer_cwd, peer_runs=peer_runs,
-                airbench=airbench, device=device, names=names)
+                airbench=airbench, device=device, names=names, record=record)
+
+
+def record_flags(args, peer_runs):
+    """--peer record's flags, checked: {"folder", "source", "processes", "sha256"} (of the source), or None for another
+    peer; Refused in one line for a bad flag (status 2) or an absent script (status 1)."""
+    if args.peer != "record":
+        given = [f for f, v in (("--record-dir", args.record_dir), ("--record-processes", args.record_processes))
+                 if v is not None]
+        if given:
+            raise Refused(f"{' and '.join(given)}: only with --peer record", 2)
+        return None
+    processes = 1 if args.record_processes is None else args.record_processes
+    if peer_runs < 1 or not 1 <= processes <= peer_runs:
+        raise Refused(f"--peer-runs {peer_runs} and --record-processes {processes}: the record needs a run, and "
+                      f"every process one at least", 2)
+    folder = Path(args.record_dir).resolve() if args.record_dir else RECORD_DIR
+    try:
+        source = record_source(folder)
+        with_run_count(source, 1)
+    except (UsageError, DataError) as e:
+        raise Refused(str(e), 1)
+    return {"folder": folder, "source": source, "processes": processes,
+            "sha256": hashlib.sha256(source.encode()).hexdigest()}
 
 
 class Refused(Exception):
@@ -341,11 +481,13 @@ def main(argv=None):
     except (Refused, DataError) as e:
         print(f"error: {e.args[0]}", file=sys.stderr)
         return e.args[1] if isinstance(e, Refused) else 1
-    device, script, airbench = c["device"], c["script"], c["airbench"]
+    device, script, airbench, rec = c["device"], c["script"], c["airbench"], c["record"]
     devices.autotune(device)                 # as cifar10_fast.py does (importing airbench also does it, for both sides)
     env = environment(device)
     print(f"side by side on {env['device_name']}, torch {env['torch']}, {args.runs} runs of ours"
-          + (f" and {c['peer_runs']} of the peer" if airbench or script else "") + " per recipe", flush=True)
+          + (f" and {c['peer_runs']} of the peer" if airbench or script or rec else "") + " per recipe"
+          + (f" (the record's in {rec['processes']} process{'es' * (rec['processes'] > 1)}, its run count edited)"
+             if rec else ""), flush=True)
     table = Table(["recipe", "n", "mean_acc", "std_acc", "p_above_target", "mean_time", "std_time", "time_ratio",
                    "ratio_lo95", "ratio_hi95"], width=15,
                   formats={"p_above_target": ".3g", "mean_time": ".3f", "std_time": ".3f", "time_ratio": ".3f",
@@ -353,6 +495,9 @@ def main(argv=None):
     # the time column: one clock for ours and the airbench package; a script's is its own (module docstring)
     clocks = (f"time as each reports it: ours, the recipe's own (from the network built to the end of its final "
               f"evaluation); {script.name}, as its output says" if script is not None else
+              f"time as each times itself: ours, the recipe's own (from the network built to the end of its final "
+              f"evaluation); the record's, its CUDA events as its table prints them (from its model reset and "
+              f"optimisers built to the end of its TTA evaluation)" if rec is not None else
               "time: ours, the recipe's own; the airbench package's, around its train() and evaluation (its "
               "model construction inside, timed apart as construct_s)"
               if airbench is not None else "time: the recipe's own")
@@ -364,14 +509,20 @@ def main(argv=None):
         home = os.getcwd()
         if airbench is not None:
             os.chdir(write_airbench_layout(arrays, tmp))      # airbench reads ./cifar10/{train,test}.pt
-        elif script is not None and c["peer_cwd"] is None:
+        elif (script is not None or rec is not None) and c["peer_cwd"] is None:
             c["peer_cwd"] = write_airbench_layout(arrays, tmp)     # so do airbench-style scripts, from their cwd
         try:
-            for name in c["names"]:
+            if args.alternate:
+                compare_alternating(c["names"], args, c, arrays=arrays, record=everything["recipes"], save=save)
+                first = everything["recipes"][c["names"][0]]["ours"]
+                for name in c["names"]:
+                    table.append(stats_row(name, everything["recipes"][name]["ours"],
+                                           everything["recipes"][name]["target"], first))
+            for name in [] if args.alternate else c["names"]:
                 if compare(name, args, c, arrays=arrays, record=everything["recipes"], save=save) is not None:
                     return 1
                 ours, theirs = everything["recipes"][name]["ours"], everything["recipes"][name]["peer"]
-                if not table.rows and script is not None:
+                if not table.rows and (script is not None or rec is not None):
                     print(clocks, flush=True)
                 target = everything["recipes"][name]["target"]
                 table.append(stats_row(name, ours, target, theirs))
@@ -389,49 +540,97 @@ def main(argv=None):
 def compare(name, args, c, *, arrays, record, save):
     """Our recipe `name` and its peer, runs alternating (alternation), each appended to record[name] and saved as it
     ends; None, or 1 when the peer's output could not be read (said in one line)."""
-    device, script, airbench = c["device"], c["script"], c["airbench"]
-    overrides = {k: v for k, v in (("epochs", args.epochs), ("width", args.width), ("batch_size", args.batch_size))
-                 if v is not None}
-    r = cf.recipe(name, **overrides)
-    suffix, target = PEERS.get(name, (None, 0.94))
-    options = cf.Options(target=target, eval_every=0, compile=args.compile)     # the end's evaluation alone
-    ctx = D.Context(device=str(device))
-    with T.strict_compile():
-        built = cf.build(r, arrays, options, ctx=ctx)
-    peer, peer_name = None, None
-    if script is not None:          # a fresh process each run: it warms up inside, off its own clock
-        peer_name, peer_env = script.name, peer_environment(device, os.environ)
-        peer = lambda: run_peer_script(script, args=c["peer_args"], cwd=c["peer_cwd"], pattern=c["pattern"],
-                                       env=peer_env)
-    elif airbench is not None and suffix:
-        peer_name = f"airbench{suffix}"
-        loader, test_loader = peer_loaders(airbench, suffix)
-        sync = lambda: devices.synchronize(device)
-        peer = lambda: time_peer(airbench, suffix, loader=loader, test_loader=test_loader, sync=sync)
-        peer()                                      # the peer's untimed warm-up run
+    r, options, ctx, built = built_recipe(name, args, c, arrays)
+    peer_name, peer, blocks = peer_runner(name, c)
     ours, theirs = [], []
-    record[name] = {"settings": flat(r), "target": target, "ours": ours, "peer_name": peer_name, "peer": theirs,
-                    "flops": built.flops}
-    for side in alternation(args.runs, c["peer_runs"] if peer else 0):
+    record[name] = {"settings": flat(r), "target": options.target, "ours": ours, "peer_name": peer_name,
+                    "peer": theirs, "flops": built.flops}
+    if c["record"] is not None:         # which script ran, and how it was edited, process by process
+        record[name]["record"] = {"source": str(c["record"]["folder"] / RECORD_SCRIPT),
+                                  "sha256": c["record"]["sha256"], "processes": []}
+    order = alternation(args.runs, len(blocks)) if c["record"] is None else centred(args.runs, len(blocks))
+    for turn, side in enumerate(order):
         if side == "ours":
-            with T.strict_compile():
-                run = cf.train_run(r, built, options, ctx=ctx, seed=args.seed + len(ours))
-            run.pop("model")
-            ours.append(run)
-            print(f"  {name} run {len(ours)}/{args.runs}: ours {run['final_acc']:.4f} in {run['time']:.3f} s",
+            ours.append(our_run(r, built, options, ctx=ctx, seed=args.seed + len(ours)))
+            print(f"  {name} run {len(ours)}/{args.runs}: ours {ours[-1]['final_acc']:.4f} in {ours[-1]['time']:.3f} s",
                   flush=True)
         else:
             try:
-                theirs.append(peer())
+                got, process = peer(blocks[turn - len(ours)], turn - len(ours) + 1)
             except DataError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
-            construct_s = theirs[-1].get("construct_s")
-            print(f"  {name} peer run {len(theirs)}/{c['peer_runs']}: {peer_name} {theirs[-1]['final_acc']:.4f} in "
-                  f"{theirs[-1]['time']:.3f} s" + ("" if construct_s is None else
-                                                   f" (its model construction {construct_s:.3f} s)"), flush=True)
+            if process is not None:          # each run says which script ran and its one edit (the suite keeps runs)
+                record[name]["record"]["processes"].append(process)
+                got = [{**run, "edit": process["edit"], "script_sha256": c["record"]["sha256"]} for run in got]
+            for run in got:
+                theirs.append(run)
+                construct_s = run.get("construct_s")
+                print(f"  {name} peer run {len(theirs)}/{c['peer_runs']}: {peer_name} {run['final_acc']:.4f} in "
+                      f"{run['time']:.3f} s" + ("" if construct_s is None else
+                                                 f" (its model construction {construct_s:.3f} s)"), flush=True)
         save()
     return None
+
+
+def built_recipe(name, args, c, arrays):
+    """(our recipe with the smoke-test overrides, its Options, the Context, the Built network) for recipe `name`."""
+    overrides = {k: v for k, v in (("epochs", args.epochs), ("width", args.width), ("batch_size", args.batch_size))
+                 if v is not None}
+    r = cf.recipe(name, **overrides)
+    options = cf.Options(target=PEERS.get(name, (None, 0.94))[1], eval_every=0, compile=args.compile)  # the end's alone
+    ctx = D.Context(device=str(c["device"]))
+    with T.strict_compile():
+        built = cf.build(r, arrays, options, ctx=ctx)
+    return r, options, ctx, built
+
+
+def our_run(r, built, options, *, ctx, seed):
+    """One timed run of ours, its model dropped."""
+    with T.strict_compile():
+        run = cf.train_run(r, built, options, ctx=ctx, seed=seed)
+    run.pop("model")
+    return run
+
+
+def peer_runner(name, c):
+    """(the peer's name, a function of (k, its turn from 1) that runs k peer runs and returns (their results, the
+    record's process line or None), the runs of each turn the peer takes); (None, None, []) with no peer."""
+    device, script, airbench = c["device"], c["script"], c["airbench"]
+    if c["record"] is not None:          # a process a turn: it compiles and warms up inside, off its own clock
+        env, source = peer_environment(device, os.environ), c["record"]["source"]
+        run = lambda k, turn: run_record(source, k, cwd=c["peer_cwd"], env=env, process=turn)
+        return RECORD_SCRIPT, run, split_runs(c["peer_runs"], c["record"]["processes"])
+    if script is not None:          # a fresh process each run: it warms up inside, off its own clock
+        env = peer_environment(device, os.environ)
+        run = lambda k, turn: ([run_peer_script(script, args=c["peer_args"], cwd=c["peer_cwd"], pattern=c["pattern"],
+                                                env=env)], None)
+        return script.name, run, [1] * c["peer_runs"]
+    suffix = PEERS.get(name, (None,))[0]
+    if airbench is not None and suffix:
+        loader, test_loader = peer_loaders(airbench, suffix)
+        sync = lambda: devices.synchronize(device)
+        run = lambda k, turn: ([time_peer(airbench, suffix, loader=loader, test_loader=test_loader, sync=sync)],
+                               None)
+        run(1, 0)                                    # the peer's untimed warm-up run
+        return f"airbench{suffix}", run, [1] * c["peer_runs"]
+    return None, None, []
+
+
+def compare_alternating(names, args, c, *, arrays, record, save):
+    """Our recipes `names`, built once each in this process, their runs in turn (A, B, A, B, ...), each appended to
+    record[name] and saved as it ends."""
+    builds = {name: built_recipe(name, args, c, arrays) for name in names}
+    for name, (r, options, _, built) in builds.items():
+        record[name] = {"settings": flat(r), "target": options.target, "ours": [], "peer_name": None, "peer": [],
+                        "flops": built.flops}
+    for k in range(args.runs):
+        for name, (r, options, ctx, built) in builds.items():
+            ours = record[name]["ours"]
+            ours.append(our_run(r, built, options, ctx=ctx, seed=args.seed + k))
+            print(f"  {name} run {len(ours)}/{args.runs}: ours {ours[-1]['final_acc']:.4f} in {ours[-1]['time']:.3f} s",
+                  flush=True)
+            save()
 
 
 if __name__ == "__main__":

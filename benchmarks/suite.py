@@ -9,9 +9,11 @@ finished piece written at once as JSON under results/<device>/ (the only source 
   tier 0    the machine: GPU, SMs, memory, driver, CUDA, torch, clocks, power limit (nvidia-smi), measured
             bf16 matmul rate (8192^3, mean of 10 after warm-up), device-to-device copy bandwidth, and the
             counted FLOPs of every recipe; every other result embeds this fingerprint
-  tier 1    fast94 (n=100, --compile max-autotune) alternating with airbench's train94 (n=25); then our
-            best 94% attempt, fast94_next, the same way
-  tier 2    fast94_muon beside airbench94 (100 / 25); fast94_next_lowres, our idea, compiled as fast94_next
+  tier 1    fast94_next (n=100, --compile max-autotune) beside the 2-second record's own cifar10_speedrun.py
+            (n=50; fetched into peers/cifar10-speedrun/, only its run count edited); then fast94 (n=100)
+            alternating with airbench's train94 (n=25)
+  tier 2    fast94_fastest and its ablations in turn with fast94_next in one process (50 each); fast94_next
+            and fast94_muon beside airbench94 (100 / 25); fast94_next_lowres, our idea, compiled as fast94_next
             is (50); fast95 beside airbench95 (25 / 10); myrtle24 (5); myrtle10 (10)
   tier 3    fast96 beside airbench96 (10 / 5); the journey stages (3 each)
   tier 4    ResNet-50 images/s at 128-224 px (model alone, our store, ImageFolder); the first ImageNet run's
@@ -64,6 +66,16 @@ SETUP_GUESS_S = {None: 40.0, "max-autotune": 300.0}
 CPU_ACCURACY = {"fast94_next": 13, "fast94": 13, "fast94_muon": 13, "fast94_next_lowres": 5,
                 "fast94_next_lowres --epochs 7.89": 13}
 SMOKE_CIFAR = ["--subset", "256", "--epochs", "1", "--width", "0.0625", "--batch-size", "64"]
+# fast94_fastest's piece: fast94_next, then fast94_fastest, then each ablation (fast94_fastest with one switch left out,
+# a recipe of its own), all in turn in one process. Its one switch so far is the lower-FLOP schedule, whose ablation
+# is fast94_next itself.
+FASTEST_SIDES = ("fast94_next", "fast94_fastest")
+# The record's script (benchmarks/side_by_side.py --peer record) and, for planning only, what each of its runs costs
+# beyond its clock: its GPU spin of 6e9 cycles before each run (about 3 s at 2 GHz) and loading its data (estimated)
+RECORD_SCRIPT = "cifar10_speedrun.py"
+RECORD_DIR = ROOT / "peers" / "cifar10-speedrun"
+RECORD_STANDIN = ROOT / "tests" / "record_standin"      # the smoke pass's stand-in for it, on the CPU
+RECORD_EXTRA_S = 3.5
 
 
 @dataclass
@@ -101,16 +113,26 @@ def pieces():
     stages = journey_stages()
     return [
         Piece("env", "0", "environment fingerprint and counted FLOPs", "fingerprint"),
+        # the record's own script beside the recipe of its configuration: the comparison that names the project
+        Piece("fast94_next_record", "1", f"fast94_next (n=100) beside the 2-second record's own {RECORD_SCRIPT} "
+              "(n=50; its run count edited), compiled max-autotune", "beside_record",
+              {"fast94_next": 100, "record": 50},
+              {"fast94_next": "fast94_next", "record": "fast94_next"}, {"fast94_next": 0.94, "record": 0.94},
+              "max-autotune", ("gpu", "record")),
         fast("fast94", "fast94", 100, "airbench94", 25, 0.94, "1"),
-        fast("fast94_next", "fast94_next", 100, "airbench94", 25, 0.94, "1"),     # our best 94% attempt
+        # our fastest attempt and each of its switches left out, in turn with fast94_next in one process
+        Piece("fast94_fastest", "2", "fast94_fastest and each switch's ablation in turn with fast94_next in one "
+              "process (n=50 each), compiled max-autotune", "alternating", {s: 50 for s in FASTEST_SIDES},
+              {s: s for s in FASTEST_SIDES}, {s: 0.94 for s in FASTEST_SIDES}, "max-autotune", ("gpu",)),
+        fast("fast94_next", "fast94_next", 100, "airbench94", 25, 0.94, "2"),     # the record's configuration
         fast("fast94_muon", "fast94_muon", 100, "airbench94", 25, 0.94, "2"),
-        Piece("fast94_next_lowres", "2", "fast94_next_lowres (n=50), compiled max-autotune, beside tier 1's "
-              "fast94_next", "cifar", {"fast94_next_lowres": 50}, {"fast94_next_lowres": "fast94_next_lowres"},
+        Piece("fast94_next_lowres", "2", "fast94_next_lowres (n=50), compiled max-autotune, beside fast94_next's "
+              "pieces", "cifar", {"fast94_next_lowres": 50}, {"fast94_next_lowres": "fast94_next_lowres"},
               {"fast94_next_lowres": 0.94}, "max-autotune", ("gpu",)),
         # the references train in float16; the recipes under bf16 autocast (weights, batch norm and SGD's momentum in
-        # float32 either way; docs/cifar10.md, Precision): an ablation measured beside tier 1's fast94_next
-        Piece("fast94_next_fp16", "2", "fast94_next in float16 as the record trains (n=50), compiled as tier 1's "
-              "fast94_next is: the precision ablation", "cifar", {"fast94_next_fp16": 50},
+        # float32 either way; docs/cifar10.md, Precision): an ablation measured beside fast94_next's pieces
+        Piece("fast94_next_fp16", "2", "fast94_next in float16 as the record trains (n=50), compiled as "
+              "fast94_next's pieces are: the precision ablation", "cifar", {"fast94_next_fp16": 50},
               {"fast94_next_fp16": "fast94_next"}, {"fast94_next_fp16": 0.94}, "max-autotune", ("gpu",),
               extra=["--precision", "fp16"]),
         fast("fast95", "fast95", 25, "airbench95", 10, 0.95, "2"),
@@ -167,8 +189,10 @@ class Chunk:
     flops: object = lambda out: {}     # its --out JSON -> {side: counted FLOPs per run}
 
 
-TOGETHER = ("side_by_side",)     # kinds whose sides run in one command (alternating); the others: one side a command
+# kinds whose sides run in one command (alternating); the others: one side a command
+TOGETHER = ("side_by_side", "beside_record", "alternating")
 ONE_COMMAND = ("throughput", "gpu_check")     # kinds measured by one command whose result is its rows
+PAIRED = ("side_by_side", "beside_record", "torchrun_cifar", "torchrun_imagenet")     # ratio of the first to the second
 
 
 def cifar_runs(out):
@@ -192,16 +216,25 @@ def chunk_for(piece, want, done, ctx, *, whole=False):
         argv = ["python", "cifar10_fast.py", "--recipe", piece.recipes[side], *piece.flags.get(side, []), "--runs",
                 str(want[side]), *seed, "--data-dir", ctx["data"], *compile_, *(smoke or piece.extra), *device, *out]
         return Chunk(argv, lambda o: {side: cifar_runs(o)}, lambda o: {side: o.get("flops", {}).get("total")})
-    if piece.kind == "side_by_side":
+    if piece.kind in ("side_by_side", "beside_record"):
         ours, peer = list(piece.sides)
         seed = ["--seed", str(done[ours])] if done.get(ours) else []
+        record = (["--peer", "record"] + (["--record-dir", str(ctx["record_dir"])] if ctx.get("record_dir") else [])
+                  if piece.kind == "beside_record" else [])
         argv = ["python", "benchmarks/side_by_side.py", "--recipes", piece.recipes[ours], "--runs",
                 str(want.get(ours, 0)), "--peer-runs", str(want.get(peer, 0)), *seed, "--data-dir", ctx["data"],
-                *compile_, *([] if want.get(peer) else ["--peer", "none"]), *smoke, *device, *out]
+                *compile_, *(record if want.get(peer) else ["--peer", "none"]), *smoke, *device, *out]
         r = piece.recipes[ours]
         mine = lambda o: o.get("recipes", {}).get(r, {})
         return Chunk(argv, lambda o: {ours: mine(o).get("ours", []), peer: mine(o).get("peer", [])},
                      lambda o: {ours: mine(o).get("flops", {}).get("total")})
+    if piece.kind == "alternating":            # every side the same runs, seeds going on from the first's
+        names = [piece.recipes[s] for s in piece.sides]
+        argv = ["python", "benchmarks/side_by_side.py", "--recipes", ",".join(names), "--alternate", "--peer", "none",
+                "--runs", str(want[side]), *seed, "--data-dir", ctx["data"], *compile_, *smoke, *device, *out]
+        mine = lambda o, s: o.get("recipes", {}).get(piece.recipes[s], {})
+        return Chunk(argv, lambda o: {s: mine(o, s).get("ours", []) for s in piece.sides},
+                     lambda o: {s: mine(o, s).get("flops", {}).get("total") for s in piece.sides})
     launcher = ["python"] if side == "plain" else ["torchrun", "--standalone", "--nproc_per_node=1"]
     if piece.kind == "torchrun_cifar":
         argv = [*launcher, "cifar10_fast.py", "--recipe", piece.recipes[side], "--runs", str(want[side]), *seed,
@@ -335,7 +368,11 @@ def finish(result, fp):
     for name, side in result.get("sides", {}).items():
         side["stats"] = side_stats(side["runs"], side["target"], side.get("flops_per_run"), rate)
     sides = list(result.get("sides", {}).values())
-    if result["kind"] in ("side_by_side", "torchrun_cifar", "torchrun_imagenet") and len(sides) == 2:
+    if result["kind"] == "alternating" and sides:         # each side's time over the first's, run in turn with it
+        times = lambda side: [r["time"] for r in side["runs"]]
+        ratios = {s["name"]: ratio_ci(times(s), times(sides[0])) for s in sides[1:]}
+        result["time_ratios"] = {n: ci and {"of": n, "to": sides[0]["name"], **ci} for n, ci in ratios.items()}
+    if result["kind"] in PAIRED and len(sides) == 2:
         a, b = sides
         ci = ratio_ci([r["time"] for r in a["runs"]], [r["time"] for r in b["runs"]])
         result["time_ratio"] = ci and {"of": a["name"], "to": b["name"], **ci}
@@ -411,9 +448,14 @@ def run_flops(recipe, f):
 
 
 def per_run_s(piece, side, result, *, fp, flops, elsewhere=None):
-    """Seconds one more run of a side should take: its mean wall time so far; else the same side's in another
-    piece on this device; else its counted FLOPs at the rate the device's measured recipes reached; else at the
-    measured matmul rate times ASSUMED_EFFICIENCY."""
+    """Seconds one more run of a side should take (the record's with RECORD_EXTRA_S more): run_s's."""
+    return run_s(piece, side, result, fp=fp, flops=flops, elsewhere=elsewhere) + RECORD_EXTRA_S * (side == "record")
+
+
+def run_s(piece, side, result, *, fp, flops, elsewhere=None):
+    """Seconds one more run of a side should take on its clock: its mean wall time so far; else the same side's in
+    another piece on this device; else its counted FLOPs at the rate the device's measured recipes reached; else at
+    the measured matmul rate times ASSUMED_EFFICIENCY."""
     runs = result["sides"][side]["runs"]
     if runs:
         return mean_wall(runs)
@@ -606,14 +648,16 @@ def parse_args(argv=None):
     p.add_argument("--copy-to", default=None, help="also write each result into DIR/<device>/ (remote collection)")
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--smoke", action="store_true",
-                   help="everything on the CPU with tiny settings and n=2, in this process, into a temporary folder")
+                   help="everything with tiny settings and n=2, in this process, into a temporary folder; on the CPU "
+                        "unless --device says otherwise (benchmarks/gpu_check.py --smoke: CUDA's CPU stand-in)")
     p.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the commands inside this process rather than each in a new one (default: with --smoke)")
     p.add_argument("--list", action="store_true", help="print the pieces and exit")
     return p.parse_args(argv)
 
 
-def main(argv=None):
+def main(argv=None, *, n=None):
+    """The suite's command line; n: {piece: {side: runs}} where a caller (benchmarks/gpu_check.py) sets them."""
     args = parse_args(argv)
     all_pieces = pieces()
     if args.list:
@@ -624,9 +668,6 @@ def main(argv=None):
     import torch
     import devices
     from core import UsageError
-    if args.smoke and args.device not in (None, "cpu"):
-        print("error: --smoke runs on the CPU; leave out --device", file=sys.stderr)
-        return 2
     try:
         device = devices.resolve(args.device or ("cpu" if args.smoke else None))
     except UsageError as e:
@@ -664,7 +705,9 @@ def main(argv=None):
         ctx = {"smoke": args.smoke, "data": data, "device": "cpu" if device.type == "cpu" else None, "peer": peer,
                "results": results, "copy_to": copy_to, "tmp": tmp, "out": str(Path(tmp) / "out.json"),
                "in_process": args.smoke if args.in_process is None else args.in_process, "torch_device": device,
-               "fingerprint": fp, "deadline": deadline}
+               "fingerprint": fp, "deadline": deadline, "n": n or {},
+               "record_dir": RECORD_STANDIN.relative_to(ROOT) if args.smoke else None,   # None: side_by_side's default
+               "record": ((RECORD_STANDIN if args.smoke else RECORD_DIR) / RECORD_SCRIPT).is_file()}
         say(f"suite on {fp['device_name']} (torch {fp['torch']}): results in {results}"
             + (f", budget {args.budget_s:.0f} s" if deadline else "") + ("; SMOKE (tiny settings)" if args.smoke else ""))
         try:
@@ -679,7 +722,7 @@ def main(argv=None):
 
 def run_tiers(args, ctx, chosen, say):
     """Runs the chosen pieces in order (the fingerprint's piece counts every recipe's FLOPs)."""
-    fp, deadline, device, peer = ctx["fingerprint"], ctx["deadline"], ctx["torch_device"], ctx["peer"]
+    fp, deadline, device = ctx["fingerprint"], ctx["deadline"], ctx["torch_device"]
     fp_path = ctx["results"] / "env.json"
     flops = {}
     for piece in chosen:
@@ -694,19 +737,31 @@ def run_tiers(args, ctx, chosen, say):
             say(f"env: {fp['device_name']}, {fp['matmul_dtype']} matmul {fp['matmul_tflops']:.1f} TFLOP/s, "
                 f"copy {fp['copy_gbps']:.0f} GB/s; FLOPs of {len(flops)} recipes counted")
             continue
-        reason = skip_reason(piece, device, args.smoke, peer)
+        reason = skip_reason(piece, device, args.smoke, ctx["peer"])
         if reason:
             say(f"{piece.name}: skipped: {reason}")
             continue
-        scaled, note = scale(piece, smoke_runs(piece) if args.smoke else None, args.runs_scale), ""
-        if not peer and "peer" in piece.needs:
-            note = "; the peer's side skipped: " + ("airbench runs only on a CUDA GPU" if device.type != "cuda"
-                                                    else "run `pip install airbench`")
-            scaled.sides = {s: (0 if s.startswith("airbench") else n) for s, n in scaled.sides.items()}
+        scaled, note = sized(piece, args, ctx)
         if not flops and deadline is not None:
             flops = (load(fp_path) or {}).get("counted_flops") or counted_flops(sorted(set(piece.recipes.values())))
         ctx["piece"] = piece.name
         run_piece(scaled, ctx, fp=fp, flops=flops, deadline=deadline, say=say, note=note)
+
+
+def sized(piece, args, ctx):
+    """(the piece with the runs this call wants of each side, a note for its line): scaled (scale), set where
+    ctx["n"] names its sides, and with a side that cannot run here at 0 runs, said in the note."""
+    scaled, note = scale(piece, smoke_runs(piece) if args.smoke else None, args.runs_scale), ""
+    if not args.smoke:
+        scaled.sides = {**scaled.sides, **ctx.get("n", {}).get(piece.name, {})}
+    if not ctx["peer"] and "peer" in piece.needs:
+        note = "; the peer's side skipped: " + ("airbench runs only on a CUDA GPU" if ctx["torch_device"].type != "cuda"
+                                                else "run `pip install airbench`")
+        scaled.sides = {s: (0 if s.startswith("airbench") else n) for s, n in scaled.sides.items()}
+    if not ctx["record"] and "record" in piece.needs:
+        note += f"; the record's side skipped: fetch its {RECORD_SCRIPT} into {RECORD_DIR.relative_to(ROOT)}/"
+        scaled.sides = {s: (0 if s == "record" else n) for s, n in scaled.sides.items()}
+    return scaled, note
 
 
 def smoke_runs(piece):

@@ -55,6 +55,10 @@ def test_alternation_spreads_the_peer_runs_evenly():
     assert order.count("ours") == 100 and order.count("peer") == 25
     assert order[:10] == ["ours"] * 4 + ["peer"] + ["ours"] * 4 + ["peer"]
     assert side_by_side.alternation(0, 2) == ["peer", "peer"] and side_by_side.alternation(2, 0) == ["ours", "ours"]
+    # the record's processes: each in the middle of its share of ours
+    assert side_by_side.centred(25, 1) == ["ours"] * 13 + ["peer"] + ["ours"] * 12
+    assert side_by_side.centred(25, 2) == ["ours"] * 7 + ["peer"] + ["ours"] * 12 + ["peer"] + ["ours"] * 6
+    assert side_by_side.centred(0, 2) == ["peer", "peer"] and side_by_side.centred(2, 2) == ["ours", "peer"] * 2
 
 
 class VirtualClock:
@@ -314,3 +318,92 @@ def test_a_missing_script_a_failing_one_and_one_without_a_match_are_one_line_eac
                             "--peer-script", str(tmp_path / "stand_in.py")])
     err = capsys.readouterr().err.strip()
     assert rc == 1 and err == f"error: {tmp_path / 'stand_in.py'} was killed by signal 9: (nothing on stderr)"
+
+
+# ---- the 2-second record's own script as the peer (tests/record_standin/ stands in for it on the CPU) ----
+
+RECORD_STANDIN = ROOT / "tests" / "record_standin"
+
+
+def test_the_records_run_count_is_its_one_edit_and_a_changed_script_is_refused():
+    source = (RECORD_STANDIN / side_by_side.RECORD_SCRIPT).read_text()
+    edited, edit = side_by_side.with_run_count(source, 7)
+    assert edit == "for run in range(200): -> for run in range(7):"
+    changed = [(a, b) for a, b in zip(source.splitlines(), edited.splitlines()) if a != b]
+    assert changed == [("for run in range(200):", "for run in range(7):")] and len(edited.splitlines()) == len(
+        source.splitlines())
+    for bad in (source.replace("for run in range(200):", "for run in range(runs):"),
+                source + "\nfor run in range(3):\n    pass\n"):
+        with pytest.raises(side_by_side.DataError, match="lines 'for run in range"):
+            side_by_side.with_run_count(bad, 7)
+
+
+RECORD_TABLE = """|  run     |  epoch  |  train_acc  |  val_acc  |  tta_val_acc  |  time_seconds  |
+|  warmup  |   eval  |     0.1016  |   0.1000  |       0.1000  |        9.8765  |
+|       1  |   eval  |     0.9600  |   0.9350  |       0.9401  |        2.0150  |
+Mean accuracy after 1 runs: 0.940100 | Mean time: 2.015000s\r|       2  |   eval  |     0.9610  |   0.9360  |       0.9411  |        2.0170  |
+Mean accuracy after 2 runs: 0.940600 | Mean time: 2.016000s
+Accuracies: Mean: 0.940600    Std: 0.000707
+Times (s):  Mean: 2.016000    Std: 0.001414
+"""
+
+
+def test_the_records_table_gives_each_runs_tta_accuracy_and_its_own_time_and_its_summary():
+    runs, summary = side_by_side.read_record_output(RECORD_TABLE, 2)
+    assert [(r["run"], r["final_acc"], r["time"], r["val_acc"], r["train_acc"]) for r in runs] == [
+        (1, 0.9401, 2.015, 0.935, 0.96), (2, 0.9411, 2.017, 0.936, 0.961)]          # the warm-up's row left out
+    assert summary == {"mean_acc": 0.9406, "mean_time": 2.016}
+    with pytest.raises(side_by_side.DataError, match=r"its table holds the runs \['1', '2'\], not 1 to 3"):
+        side_by_side.read_record_output(RECORD_TABLE, 3)
+
+
+def test_the_record_runs_beside_ours_a_process_a_turn_on_our_data_timed_by_its_table(tmp_path, capsys):
+    npz, out = tmp_path / "synth.npz", tmp_path / "sbs.json"
+    np.savez(npz, **synthetic_arrays(128, 32))
+    rc = side_by_side.main(["--device", "cpu", "--data-dir", str(npz), "--recipes", "fast94_next", "--runs", "2",
+                            "--peer-runs", "3", "--epochs", "1", "--width", "0.0625", "--batch-size", "64",
+                            "--peer", "record", "--record-dir", str(RECORD_STANDIN), "--record-processes", "2",
+                            "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    ours_and_peer = [l.strip() for l in captured.out.splitlines() if l.strip().startswith("fast94_next ")]
+    lines = [l.split(":")[0] for l in ours_and_peer if ":" in l]
+    assert lines == ["fast94_next run 1/2", "fast94_next peer run 1/3", "fast94_next peer run 2/3",
+                     "fast94_next run 2/2", "fast94_next peer run 3/3"]            # 2 runs, then 1, each after ours
+    r = json.loads(out.read_text())["recipes"]["fast94_next"]
+    assert r["peer_name"] == "cifar10_speedrun.py"
+    assert [(p["process"], p["run"], p["final_acc"], p["time"]) for p in r["peer"]] == [
+        (1, 1, 0.9401, 2.01), (1, 2, 0.9402, 2.02), (2, 1, 0.9401, 2.01)]
+    processes = r["record"]["processes"]
+    assert [(p["runs"], p["edit"], p["summary"]) for p in processes] == [
+        (2, "for run in range(200): -> for run in range(2):", {"mean_acc": 0.94015, "mean_time": 2.015}),
+        (1, "for run in range(200): -> for run in range(1):", {"mean_acc": 0.9401, "mean_time": 2.01})]
+    assert all(p["wall_s"] > 0 for p in processes)
+    assert r["record"]["source"] == str(RECORD_STANDIN / "cifar10_speedrun.py") and len(r["record"]["sha256"]) == 64
+    assert "the record's, its CUDA events as its table prints them" in captured.out
+
+
+def test_an_absent_record_and_bad_record_flags_stop_before_anything_runs(tmp_path, capsys):
+    rc = side_by_side.main(["--device", "cpu", "--peer", "record", "--record-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: the record's script is not at {tmp_path / 'cifar10_speedrun.py'}: fetch "
+                          "github.com/hiverge/cifar10-speedrun's cifar10_speedrun.py into")
+    for flags, message in ((["--record-processes", "2"], "--record-processes: only with --peer record"),
+                           (["--peer", "record", "--record-dir", str(RECORD_STANDIN), "--peer-runs", "2",
+                             "--record-processes", "3"], "--peer-runs 2 and --record-processes 3: the record needs"),
+                           (["--peer", "record", "--peer-script", __file__], "--peer record and --peer-script: "),
+                           (["--alternate", "--recipes", "fast94,fast94_next"], "--alternate: with --peer none")):
+        assert side_by_side.main(["--device", "cpu", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+
+
+def test_a_record_process_that_fails_or_prints_a_short_table_is_one_line(tmp_path):
+    side_by_side.write_airbench_layout(synthetic_arrays(16, 8), tmp_path)
+    failing = "import sys\nfor run in range(200):\n    pass\nsys.exit('no GPU here')\n"
+    with pytest.raises(side_by_side.DataError, match="^cifar10_speedrun.py exited with status 1: no GPU here$"):
+        side_by_side.run_record(failing, 2, cwd=tmp_path, env=None, process=1)
+    short = "for run in range(200):\n    pass\nprint('|  1  |  eval  |  0.9  |  0.9  |  0.9400  |  2.0000  |')\n"
+    with pytest.raises(side_by_side.DataError, match=r"its table holds the runs \['1'\], not 1 to 2"):
+        side_by_side.run_record(short, 2, cwd=tmp_path, env=None, process=1)

@@ -173,7 +173,7 @@ def fake_result(walls, n_wanted, setup=None):
 
 
 def test_a_budget_runs_only_what_fits():
-    piece = suite.pieces()[1]                                   # fast94 beside airbench94
+    piece = next(pc for pc in suite.pieces() if pc.name == "fast94")     # fast94 beside airbench94
     result = fake_result([4.0] * 10, 100, setup=60)            # 90 + 25 runs of about 4 s left, 60 s to start
     want, est, rest = suite.plan(piece, result, fp={}, flops={}, left_s=None)
     assert want == {"fast94": 90, "airbench94": 25} and rest == pytest.approx(60 + 115 * 4.0)
@@ -205,7 +205,8 @@ def test_bad_arguments_are_one_line():
     r = run_suite("--pieces", "nope", "--smoke")
     assert r.returncode == 2 and "unknown pieces ['nope'] (see --list)" in r.stderr
     r = run_suite("--list")
-    assert r.returncode == 0 and r.stdout.splitlines()[1].split()[:3] == ["tier", "1", "fast94"]
+    assert r.returncode == 0 and [line.split()[:3] for line in r.stdout.splitlines()[1:3]] == [
+        ["tier", "1", "fast94_next_record"], ["tier", "1", "fast94"]]          # beside the record first
 
 
 def test_the_torchrun_pieces_run_the_same_command_with_and_without_torchrun():
@@ -266,7 +267,9 @@ def stopped_suite(tmp_path, *args, started):
 def test_sigterm_ends_the_suite_in_process_keeping_what_finished(tmp_path):
     rc, out, err = stopped_suite(tmp_path, "--smoke", "--results", tmp_path / "r", started=lambda o: "\nfast94: " in o)
     assert rc == 143, out + err
-    assert out.strip().splitlines()[-1].startswith("stopped by SIGTERM in fast94_next; the finished runs are kept in ")
+    # the piece after fast94 (tier 1's last), the first of tier 2, was running
+    assert out.strip().splitlines()[-1].startswith("stopped by SIGTERM in fast94_fastest; the finished runs are kept "
+                                                   "in ")
     assert "fast94_muon:" not in out and "journey:" not in out                  # no piece after the signal
     (device,) = (tmp_path / "r").iterdir()
     assert json.loads((device / "fast94.json").read_text())["complete"]
@@ -542,7 +545,7 @@ def test_an_outcome_says_when_a_change_is_measured_only_inside_its_whole_recipe(
 
 
 def test_a_piece_not_yet_run_on_a_device_estimates_its_runs_from_the_pieces_that_ran_there(tmp_path):
-    fast94, fast94_next = suite.pieces()[1:3]
+    fast94, fast94_next = (next(pc for pc in suite.pieces() if pc.name == n) for n in ("fast94", "fast94_next"))
     flops = {"fast94": {"train": 0.34e15, "final_eval": 0.014e15}, "fast94_next": {"train": 0.26e15,
                                                                                    "final_eval": 0.005e15}}
     done = fake_result([1.6] * 8, 100, setup=200.0)
@@ -615,3 +618,42 @@ def test_the_gpu_check_is_one_command_whose_rows_are_its_result():
     assert suite.one_command_argv(piece, ctx) == ["python", "benchmarks/imagenet_gpu_check.py", "--out", "o.json"]
     assert suite.one_command_argv(piece, {**ctx, "smoke": True}, whole=True) == [
         "python", "benchmarks/imagenet_gpu_check.py", "--smoke"]
+
+
+def test_the_record_beside_fast94_next_is_one_command_planned_with_the_records_spin_before_each_run():
+    piece = next(pc for pc in suite.pieces() if pc.name == "fast94_next_record")
+    assert (piece.tier, piece.kind, piece.sides) == ("1", "beside_record", {"fast94_next": 100, "record": 50})
+    ours = [{"seed": i, "final_acc": 0.94, "time": 1.1, "wall_s": 1.2} for i in range(4)]
+    theirs = [{"run": k, "final_acc": 0.94, "time": 2.0} for k in (1, 2)]
+    result = {"sides": {"fast94_next": {"name": "fast94_next", "n_wanted": 100, "runs": ours},
+                        "record": {"name": "record", "n_wanted": 50, "runs": theirs}}, "chunks": [{"setup_s": 100.0}]}
+    want, est, rest = suite.plan(piece, result, fp={}, flops={}, left_s=None)
+    assert want == {"fast94_next": 96, "record": 48}
+    assert rest == pytest.approx(100 + 96 * 1.2 + 48 * (2.0 + suite.RECORD_EXTRA_S))      # its clock, its spin
+    ctx = {"out": "o.json", "device": None, "smoke": False, "data": "c.npz", "record_dir": None}
+    argv = suite.chunk_for(piece, {"fast94_next": 13, "record": 25}, {"fast94_next": 4, "record": 2}, ctx).argv
+    assert argv == ["python", "benchmarks/side_by_side.py", "--recipes", "fast94_next", "--runs", "13", "--peer-runs",
+                    "25", "--seed", "4", "--data-dir", "c.npz", "--compile", "max-autotune", "--peer", "record", "--out",
+                    "o.json"]
+    alone = suite.chunk_for(piece, {"fast94_next": 3, "record": 0}, {}, ctx).argv
+    assert alone[alone.index("--peer") + 1] == "none"                      # the record's side done: ours alone
+
+
+def test_fast94_fastest_and_its_ablations_run_in_turn_in_one_command_each_side_its_own_runs_and_ratio():
+    piece = next(pc for pc in suite.pieces() if pc.name == "fast94_fastest")
+    assert list(piece.sides) == ["fast94_next", "fast94_fastest"] and piece.kind == "alternating"
+    ctx = {"out": "o.json", "device": None, "smoke": False, "data": "c.npz"}
+    chunk = suite.chunk_for(piece, {"fast94_next": 10, "fast94_fastest": 10}, {"fast94_next": 5}, ctx)
+    assert chunk.argv[:10] == ["python", "benchmarks/side_by_side.py", "--recipes", "fast94_next,fast94_fastest",
+                               "--alternate", "--peer", "none", "--runs", "10", "--seed"] and chunk.argv[10] == "5"
+    out = {"recipes": {"fast94_next": {"ours": [{"time": 1.0}], "flops": {"total": 2.0}},
+                       "fast94_fastest": {"ours": [{"time": 0.9}], "flops": {"total": 1.0}}}}
+    assert chunk.parse(out) == {"fast94_next": [{"time": 1.0}], "fast94_fastest": [{"time": 0.9}]}
+    assert chunk.flops(out) == {"fast94_next": 2.0, "fast94_fastest": 1.0}
+    runs = lambda times: [{"seed": i, "final_acc": 0.94, "time": t} for i, t in enumerate(times)]
+    result = {"kind": "alternating", "sides": {
+        "fast94_next": {"name": "fast94_next", "target": 0.94, "n_wanted": 3, "runs": runs([1.0, 1.1, 1.2])},
+        "fast94_fastest": {"name": "fast94_fastest", "target": 0.94, "n_wanted": 3, "runs": runs([0.9, 1.0, 1.1])}}}
+    ratio = suite.finish(result, {})["time_ratios"]["fast94_fastest"]
+    assert (ratio["of"], ratio["to"]) == ("fast94_fastest", "fast94_next") and ratio["ratio"] == pytest.approx(1.0 / 1.1)
+    assert result["complete"]
