@@ -413,7 +413,8 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     clock = devices.timer(device)                # starts once the network is built, as the references' does
     tb.fit_whitening(model, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # timed
     average = T.averaging(model, ema=r.ema, lookahead=r.lookahead)
-    rows, time_to_target, step, final_eval_time = [], None, 0, 0.0
+    rows, pending, time_to_target, step, final_eval_time = [], [], None, 0, 0.0
+    hint = f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         losses, correct, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
         bar = Progress(min(steps_per_epoch, total_steps - step), f"epoch {epoch + 1}", PROGRESS_AFTER_S) \
@@ -437,25 +438,43 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
         bar and bar.close()
         if r.lookahead and step == total_steps:
             average.finish(model)                # lookahead: the slow weights end the run
-        epoch_time, last = clock(), step == total_steps
-        metrics = {"test_loss": None, "test_acc": None}
+        last = step == total_steps
+        # the epoch's end as an event and its sums on the device, read where the host waits anyway
+        pending.append({"epoch": epoch + 1, "lr": lr, "sums": torch.stack([losses, correct]), "seen": seen,
+                        "mark": clock.mark(), "test_loss": None, "test_acc": None})
         if last or (o.eval_every and (epoch + 1) % o.eval_every == 0):
             evaluated = T.evaluated(model if ctx.distributed else step_with, average)
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
                 loss, acc = tb.evaluate(evaluated, data["test_images"], data["test_labels"], dtype=dtype,
                                         tta=r.tta if last else None, memory_format=devices.memory_format(device))
-            metrics = {"test_loss": loss, "test_acc": acc}
-            final_eval_time = clock(include=False)
-            if time_to_target is None and metrics["test_acc"] >= o.target:
-                time_to_target = clock.total
-        rows.append({"epoch": epoch + 1, "lr": lr, "train_loss": losses.item() / seen, "train_acc": correct.item() / seen,
-                     **metrics, "epoch_time": epoch_time, "total_time": clock.total})
-        on_epoch and on_epoch(rows[-1])
-        clock(include=False)
+            pending[-1].update(test_loss=loss, test_acc=acc, eval_mark=clock.mark(include=False))
+        if pending[-1]["test_acc"] is None and clock.reads_later:
+            continue
+        readings = clock.read()
+        for row in epoch_rows(pending, readings):
+            T.check_finite_loss(row["train_loss"], epoch=row["epoch"], hint=hint)
+            rows.append(row)
+            on_epoch and on_epoch(row)
+        if "eval_mark" in pending[-1]:
+            final_eval_time = readings[pending[-1]["eval_mark"]][0]
+            if time_to_target is None and rows[-1]["test_acc"] >= o.target:
+                time_to_target = rows[-1]["total_time"]
+        pending = []
+        if not last:
+            clock.mark(include=False)            # the host's reading and printing, off the clock
     graphs, fallbacks = (now - before for now, before in zip(compile_counts(), compiled_before))
     return {"seed": seed, "rows": rows, "final_acc": rows[-1]["test_acc"], "train_time": clock.total,
             "final_eval_time": final_eval_time, "time": clock.total + final_eval_time, "time_to_target": time_to_target,
             "model": T.evaluated(model, average), "recompiles": graphs, "eager_fallbacks": fallbacks}
+
+
+def epoch_rows(pending, readings):
+    """The table's rows of the epochs `pending` holds: their sums read from the device in one copy, their times from
+    the clock's readings (devices.EventTimer.read)."""
+    sums = torch.stack([p["sums"] for p in pending]).tolist()
+    return [{"epoch": p["epoch"], "lr": p["lr"], "train_loss": loss / p["seen"], "train_acc": correct / p["seen"],
+             "test_loss": p["test_loss"], "test_acc": p["test_acc"], "epoch_time": readings[p["mark"]][0],
+             "total_time": readings[p["mark"]][1]} for p, (loss, correct) in zip(pending, sums)]
 
 
 def compile_counts():

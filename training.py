@@ -70,6 +70,12 @@ def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
     return logits.detach(), loss.detach()
 
 
+def check_finite_loss(mean_loss, *, epoch, hint):
+    """Raises DataError (one line: the epoch, the loss, `hint` at the likely setting) unless mean_loss is finite."""
+    if not math.isfinite(mean_loss):
+        raise DataError(f"epoch {epoch}: the training loss is {mean_loss}; {hint}")
+
+
 def strict_compile():
     """While inside, a compiled function past dynamo's limit of graphs stops the run (it would otherwise run eagerly
     from then on, silently, inside the timed runs)."""
