@@ -534,10 +534,11 @@ class WithLoss(torch.nn.Module):
                                        reduction="sum")
 
 
-def warmup(r, data, *, device, dtype, ctx, net=None, forward=None):
-    """Runs off the clock what a timed run meets (cuDNN autotuning, library loading, torch.compile): the whitening
-    fit, a step at each training resolution and every evaluation (plain, TTA) with the whitening bias trained and
-    detached (under torchrun never detached), on `net` or a throwaway network at a rate that moves nothing."""
+def warmup(r, data, *, device, dtype, ctx, net=None, forward=None, calls=1):
+    """Runs off the clock what a timed run meets (cuDNN autotuning, library loading, torch.compile, CUDA graphs): the
+    whitening fit, `calls` steps at each training resolution and every evaluation (plain, TTA) `calls` times, with
+    the whitening bias trained and detached (under torchrun never detached), on `net` or a throwaway network at a rate
+    that moves nothing. calls: training.warmup_calls(the compile mode)."""
     memory_format = devices.memory_format(device)
     net = net if net is not None else tb.build_model(r, device, memory_format=memory_format,
                                                       num_classes=data.get("num_classes", 10))
@@ -550,15 +551,17 @@ def warmup(r, data, *, device, dtype, ctx, net=None, forward=None):
     states = (True, False) if tb.whitening_biases(net) and not ctx.distributed else (True,)
     for epoch in dict.fromkeys((0, r.augment.low_res_epochs if r.augment.low_res else 0)):    # each resolution
         for state in states:
-            x, y = next(cd.epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
-                                         flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
             tb.set_bias_grad(net, state)
-            T.train_step(forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
+            for _ in range(calls):
+                x, y = next(cd.epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
+                                             flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
+                T.train_step(forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
     for state in states:
         tb.set_bias_grad(net, state)
         for tta in (None, r.tta):
-            tb.evaluate(net if ctx.distributed else forward, data["test_images"], data["test_labels"], tta=tta,
-                        dtype=dtype, memory_format=memory_format)
+            for _ in range(calls):
+                tb.evaluate(net if ctx.distributed else forward, data["test_images"], data["test_labels"], tta=tta,
+                            dtype=dtype, memory_format=memory_format)
     tb.set_bias_grad(net, True)
     devices.synchronize(device)
 
@@ -696,7 +699,8 @@ def build(r, arrays, o, *, ctx, stats=None):
         devices.autotune(device)
         what = "compiling every graph the runs meet (torch.compile)" if o.compile else "cuDNN's autotuning"
         with Heartbeat(f"warm-up: {what}", on=o.progress):
-            warmup(r, data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward)
+            warmup(r, data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward,
+                   calls=T.warmup_calls(o.compile))
     return Built(data=data, net=net, forward=forward, flops=flops)
 
 

@@ -1,13 +1,18 @@
 """What a timed CIFAR-10 run does besides training: it stops on a loss that is not finite, in one line naming the
-epoch, keeping the runs before."""
+epoch, keeping the runs before; and its untimed warm-up calls every compiled path the run meets as often as
+CUDA-graph trees need to record it."""
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 import cifar10_fast as cf
+import distributed as D
+import torch_backend as tb
 import training as T
-from conftest import synthetic_arrays
+from conftest import synthetic_arrays, train_once
 from core import DataError
 
 TINY = ["--width", "0.0625", "--batch-size", "32", "--epochs", "3"]
@@ -41,3 +46,41 @@ def test_a_diverging_run_exits_1_in_one_line_and_the_runs_before_it_are_kept(npz
                      "(--lr-values peaks at 1e+30)" for loss in ("nan", "inf"))
     saved = json.loads(out.read_text())
     assert [run["seed"] for run in saved["runs"]] == [0] and saved["complete"] is False
+
+
+class Paths(torch.nn.Module):
+    """The network, counting its calls by path: (input shape, training or not, the whitening bias trained or not)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net, self.calls = net, Counter()
+
+    def forward(self, x):
+        bias = [m.bias_grad for m in tb.whitening_biases(self.net)]
+        self.calls[tuple(x.shape), torch.is_grad_enabled(), *bias] += 1
+        return self.net(x)
+
+
+def test_the_warm_up_calls_each_path_three_times_where_torch_compile_captures_cuda_graphs_else_once():
+    assert [T.warmup_calls(mode) for mode in (None, "default", "reduce-overhead", "max-autotune")] == [1, 1, 3, 3]
+
+
+def test_the_warm_up_calls_every_path_a_timed_run_meets_as_often_as_cuda_graph_trees_need(one_thread):
+    """Each resolution and state of the whitening bias in training, each evaluation batch (plain, selective views):
+    every one met in the warm-up reduce-overhead's 3 times or more, a training step exactly 3 times."""
+    r = cf.recipe("fast94_next_lowres", width=1 / 16, batch_size=32, epochs=3, low_res=16, low_res_epochs=1,
+                  whiten_bias_epochs=1.5)
+    arrays, ctx, device = synthetic_arrays(n_train=128, n_test=64), D.Context(device="cpu"), torch.device("cpu")
+    data = cf.device_data(arrays, r, ctx, device, dtype=torch.float32, stats=cf.cd.channel_stats(arrays["train_images"]))
+    torch.manual_seed(0)
+    net = tb.build_model(r, device)
+    forward = Paths(net)
+    calls = T.warmup_calls("reduce-overhead")
+    cf.warmup(r, data, device=device, dtype=torch.float32, ctx=ctx, net=net, forward=forward, calls=calls)
+    warm, forward.calls = forward.calls, Counter()
+    train_once(r, data, net=net, forward=forward, eval_every=1)
+    met = set(forward.calls)
+    training = {path for path in met if path[1]}
+    assert {path[0][-1] for path in training} == {16, 32} and {path[2] for path in training} == {True, False}
+    assert met <= set(warm) and min(warm[path] for path in met) >= calls
+    assert {warm[path] for path in training} == {calls}
