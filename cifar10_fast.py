@@ -156,6 +156,8 @@ class Muon:
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
     momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"))
     batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call (the record)")
+    foreach: bool = knob(True, doc="momentum, update, renormalisation and decay as foreach operations over the "
+                                    "banks: the same numbers in a few launches")
 
 
 @dataclass(frozen=True, kw_only=True)
