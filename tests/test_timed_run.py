@@ -71,7 +71,8 @@ def test_the_warm_up_calls_every_path_a_timed_run_meets_as_often_as_cuda_graph_t
     r = cf.recipe("fast94_next_lowres", width=1 / 16, batch_size=32, epochs=3, low_res=16, low_res_epochs=1,
                   whiten_bias_epochs=1.5)
     arrays, ctx, device = synthetic_arrays(n_train=128, n_test=64), D.Context(device="cpu"), torch.device("cpu")
-    data = cf.device_data(arrays, r, ctx, device, dtype=torch.float32, stats=cf.cd.channel_stats(arrays["train_images"]))
+    stats = cf.cd.channel_stats(arrays["train_images"])
+    data = cf.device_data(arrays, r, ctx, device, dtype=torch.float32, stats=stats)
     torch.manual_seed(0)
     net = tb.build_model(r, device)
     forward = Paths(net)
