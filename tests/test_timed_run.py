@@ -1,6 +1,6 @@
-"""What a timed CIFAR-10 run does besides training: it stops on a loss that is not finite, in one line naming the
-epoch, keeping the runs before; and its untimed warm-up calls every compiled path the run meets as often as
-CUDA-graph trees need to record it."""
+"""What a timed CIFAR-10 run does besides training: its GPU clock marks epochs without waiting and is read once; it
+stops on a loss that is not finite, in one line naming the epoch, keeping the runs before; and its untimed warm-up
+calls every compiled path the run meets as often as CUDA-graph trees need to record it."""
 import json
 from collections import Counter
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import cifar10_fast as cf
+import devices
 import distributed as D
 import torch_backend as tb
 import training as T
@@ -85,3 +86,34 @@ def test_the_warm_up_calls_every_path_a_timed_run_meets_as_often_as_cuda_graph_t
     assert {path[0][-1] for path in training} == {16, 32} and {path[2] for path in training} == {True, False}
     assert met <= set(warm) and min(warm[path] for path in met) >= calls
     assert {warm[path] for path in training} == {calls}
+
+
+def test_the_gpu_clock_marks_without_waiting_and_reads_every_mark_waiting_for_the_last_alone(monkeypatch):
+    """mark() records an event and returns; read() waits for the last event only, and gives each mark's seconds
+    since the one before and the total then (an excluded mark adds nothing to it)."""
+    made = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at, self.waited = None, False
+            made.append(self)
+
+        def record(self, stream=None):
+            self.at = [0.0, 1.0, 3.0, 3.5, 7.5][len(made) - 1]       # milliseconds on the GPU
+
+        def synchronize(self):
+            self.waited = True
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    clock = devices.timer("cuda:0")
+    keys = [clock.mark(), clock.mark(), clock.mark(include=False)]
+    assert not any(e.waited for e in made) and clock.reads_later
+    readings = clock.read()
+    assert [e.waited for e in made] == [False, False, False, True]
+    assert readings == {keys[0]: (1e-3, 1e-3), keys[1]: (2e-3, 3e-3), keys[2]: (0.5e-3, 3e-3)}
+    assert clock() == pytest.approx(4e-3) and clock.total == pytest.approx(7e-3) and clock.read() == {}
+    assert not devices.timer("cpu").reads_later
