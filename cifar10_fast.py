@@ -156,6 +156,8 @@ class Muon:
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
     momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"))
     batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call (the record)")
+    foreach: bool = knob(True, doc="momentum, update, renormalisation and decay as foreach operations over the "
+                                    "banks: the same numbers in a few launches")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -420,7 +422,8 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     clock = devices.timer(device)                # starts once the network is built, as the references' does
     tb.fit_whitening(model, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # timed
     average = T.averaging(model, ema=r.ema, lookahead=r.lookahead)
-    rows, time_to_target, step, final_eval_time = [], None, 0, 0.0
+    rows, pending, time_to_target, step, final_eval_time = [], [], None, 0, 0.0
+    hint = f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         losses, correct, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
         bar = Progress(min(steps_per_epoch, total_steps - step), f"epoch {epoch + 1}", PROGRESS_AFTER_S) \
@@ -444,25 +447,43 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
         bar and bar.close()
         if r.lookahead and step == total_steps:
             average.finish(model)                # lookahead: the slow weights end the run
-        epoch_time, last = clock(), step == total_steps
-        metrics = {"test_loss": None, "test_acc": None}
+        last = step == total_steps
+        # the epoch's end as an event and its sums on the device, read where the host waits anyway
+        pending.append({"epoch": epoch + 1, "lr": lr, "sums": torch.stack([losses, correct]), "seen": seen,
+                        "mark": clock.mark(), "test_loss": None, "test_acc": None})
         if last or (o.eval_every and (epoch + 1) % o.eval_every == 0):
             evaluated = T.evaluated(model if ctx.distributed else step_with, average)
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
                 loss, acc = tb.evaluate(evaluated, data["test_images"], data["test_labels"], dtype=dtype,
                                         tta=r.tta if last else None, memory_format=devices.memory_format(device))
-            metrics = {"test_loss": loss, "test_acc": acc}
-            final_eval_time = clock(include=False)
-            if time_to_target is None and metrics["test_acc"] >= o.target:
-                time_to_target = clock.total
-        rows.append({"epoch": epoch + 1, "lr": lr, "train_loss": losses.item() / seen, "train_acc": correct.item() / seen,
-                     **metrics, "epoch_time": epoch_time, "total_time": clock.total})
-        on_epoch and on_epoch(rows[-1])
-        clock(include=False)
+            pending[-1].update(test_loss=loss, test_acc=acc, eval_mark=clock.mark(include=False))
+        if pending[-1]["test_acc"] is None and clock.reads_later:
+            continue
+        readings = clock.read()
+        for row in epoch_rows(pending, readings):
+            T.check_finite_loss(row["train_loss"], epoch=row["epoch"], hint=hint)
+            rows.append(row)
+            on_epoch and on_epoch(row)
+        if "eval_mark" in pending[-1]:
+            final_eval_time = readings[pending[-1]["eval_mark"]][0]
+            if time_to_target is None and rows[-1]["test_acc"] >= o.target:
+                time_to_target = rows[-1]["total_time"]
+        pending = []
+        if not last:
+            clock.mark(include=False)            # the host's reading and printing, off the clock
     graphs, fallbacks = (now - before for now, before in zip(compile_counts(), compiled_before))
     return {"seed": seed, "rows": rows, "final_acc": rows[-1]["test_acc"], "train_time": clock.total,
             "final_eval_time": final_eval_time, "time": clock.total + final_eval_time, "time_to_target": time_to_target,
             "model": T.evaluated(model, average), "recompiles": graphs, "eager_fallbacks": fallbacks}
+
+
+def epoch_rows(pending, readings):
+    """The table's rows of the epochs `pending` holds: their sums read from the device in one copy, their times from
+    the clock's readings (devices.EventTimer.read)."""
+    sums = torch.stack([p["sums"] for p in pending]).tolist()
+    return [{"epoch": p["epoch"], "lr": p["lr"], "train_loss": loss / p["seen"], "train_acc": correct / p["seen"],
+             "test_loss": p["test_loss"], "test_acc": p["test_acc"], "epoch_time": readings[p["mark"]][0],
+             "total_time": readings[p["mark"]][1]} for p, (loss, correct) in zip(pending, sums)]
 
 
 def compile_counts():
@@ -522,10 +543,11 @@ class WithLoss(torch.nn.Module):
                                        reduction="sum")
 
 
-def warmup(r, data, *, device, dtype, ctx, net=None, forward=None):
-    """Runs off the clock what a timed run meets (cuDNN autotuning, library loading, torch.compile): the whitening
-    fit, a step at each training resolution and every evaluation (plain, TTA) with the whitening bias trained and
-    detached (under torchrun never detached), on `net` or a throwaway network at a rate that moves nothing."""
+def warmup(r, data, *, device, dtype, ctx, net=None, forward=None, calls=1):
+    """Runs off the clock what a timed run meets (cuDNN autotuning, library loading, torch.compile, CUDA graphs): the
+    whitening fit, `calls` steps at each training resolution and every evaluation (plain, TTA) `calls` times, with
+    the whitening bias trained and detached (under torchrun never detached), on `net` or a throwaway network at a rate
+    that moves nothing. calls: training.warmup_calls(the compile mode)."""
     memory_format = devices.memory_format(device)
     net = net if net is not None else tb.build_model(r, device, memory_format=memory_format,
                                                       num_classes=data.get("num_classes", 10))
@@ -538,15 +560,17 @@ def warmup(r, data, *, device, dtype, ctx, net=None, forward=None):
     states = (True, False) if tb.whitening_biases(net) and not ctx.distributed else (True,)
     for epoch in dict.fromkeys((0, r.augment.low_res_epochs if r.augment.low_res else 0)):    # each resolution
         for state in states:
-            x, y = next(cd.epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
-                                         flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
             tb.set_bias_grad(net, state)
-            T.train_step(forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
+            for _ in range(calls):
+                x, y = next(cd.epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
+                                             flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
+                T.train_step(forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
     for state in states:
         tb.set_bias_grad(net, state)
         for tta in (None, r.tta):
-            tb.evaluate(net if ctx.distributed else forward, data["test_images"], data["test_labels"], tta=tta,
-                        dtype=dtype, memory_format=memory_format)
+            for _ in range(calls):
+                tb.evaluate(net if ctx.distributed else forward, data["test_images"], data["test_labels"], tta=tta,
+                            dtype=dtype, memory_format=memory_format)
     tb.set_bias_grad(net, True)
     devices.synchronize(device)
 
@@ -684,7 +708,8 @@ def build(r, arrays, o, *, ctx, stats=None):
         devices.autotune(device)
         what = "compiling every graph the runs meet (torch.compile)" if o.compile else "cuDNN's autotuning"
         with Heartbeat(f"warm-up: {what}", on=o.progress):
-            warmup(r, data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward)
+            warmup(r, data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward,
+                   calls=T.warmup_calls(o.compile))
     return Built(data=data, net=net, forward=forward, flops=flops)
 
 

@@ -122,33 +122,72 @@ def synchronize(device):
 
 
 def timer(device):
-    """A core.Timer that waits for the device before every reading; on a CUDA GPU one that reads CUDA events
-    (EventTimer), as airbench and the speedrun records time."""
+    """The run's clock: on a CUDA GPU an EventTimer (CUDA events, as airbench and the speedrun records time, read
+    after the run without waiting inside it); elsewhere a HostTimer that waits for the device at every mark."""
     if torch.device(device).type == "cuda":
         return EventTimer(device)
-    return Timer(lambda: synchronize(device))
+    return HostTimer(lambda: synchronize(device))
+
+
+class HostTimer(Timer):
+    """core.Timer with EventTimer's marks: each read at once, the host waiting for the device there (nothing to
+    wait for on the CPU)."""
+    reads_later = False
+
+    def __init__(self, synchronize=None):
+        super().__init__(synchronize)
+        self.readings, self.marks = {}, 0
+
+    def mark(self, include=True):
+        """A key for read(): the seconds since the previous mark, taken now."""
+        self.readings[self.marks] = (self(include), self.total)
+        self.marks += 1
+        return self.marks - 1
+
+    def read(self):
+        """{key: (seconds since the mark before, the clock's total then)} of the marks since the last read."""
+        readings, self.readings = self.readings, {}
+        return readings
 
 
 class EventTimer:
-    """core.Timer's readings from CUDA events recorded on the device's current stream: the GPU's time between
-    readings, waited for at each (so host work after a reading, before the next kernel, is not counted)."""
+    """The GPU's time between CUDA events recorded on the device's current stream: mark() records one and returns at
+    once; read() waits for the last and reads them all, so a run waits for its clock once, at its end. Calling it
+    marks and reads (core.Timer's reading: seconds since the previous one, added to total unless include=False)."""
+    reads_later = True
 
     def __init__(self, device):
         self.device, self.total = device, 0.0
-        self.last = self.record()
+        self.last, self.pending, self.marks = self.record(), [], 0
 
     def record(self):
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def mark(self, include=True):
+        """A key for read(): the device's progress now, recorded as an event, not waited for."""
+        self.pending.append((self.record(), include))
+        self.marks += 1
+        return self.marks - 1
+
+    def read(self):
+        """{key: (seconds since the mark before, the clock's total then)} of the marks since the last read: the host
+        waits for the last event alone (the device reached the others before it)."""
+        if not self.pending:
+            return {}
+        self.pending[-1][0].synchronize()
+        readings, first = {}, self.marks - len(self.pending)
+        for key, (event, include) in enumerate(self.pending, first):
+            dt, self.last = self.last.elapsed_time(event) / 1e3, event
+            self.total += dt if include else 0.0
+            readings[key] = (dt, self.total)
+        self.pending = []
+        return readings
+
     def __call__(self, include=True):
-        now = self.record()
-        now.synchronize()
-        dt, self.last = self.last.elapsed_time(now) / 1e3, now
-        if include:
-            self.total += dt
-        return dt
+        key = self.mark(include)
+        return self.read()[key][0]
 
 
 def free_memory(device):

@@ -71,11 +71,12 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, lr, *, momentum=0.9, nesterov=True, ns_steps=5, ns_coeffs=MUON_COEFFS,
                  renorm_every=(0, 0), total_steps=1, weight_decay=0.0, momentum_dtype=None, batched=False,
-                 compile=None, compile_backend="inductor"):
+                 foreach=False, compile=None, compile_backend="inductor"):
         super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                                       ns_coeffs=tuple(ns_coeffs), renorm_every=tuple(renorm_every),
                                       total_steps=total_steps, weight_decay=weight_decay,
-                                      momentum_dtype=momentum_dtype, batched=batched, step=0, last_renorm=0))
+                                      momentum_dtype=momentum_dtype, batched=batched, foreach=foreach, step=0,
+                                      last_renorm=0))
         self.compile, self.compile_backend = compile, compile_backend
 
     def orthogonaliser(self, batched, device):
@@ -92,17 +93,15 @@ class Muon(torch.optim.Optimizer):
                 continue
             # the step count lives in the group, so state_dict() carries it
             group["step"] += 1
-            m = group["momentum"]
             # a float64 run (--precision fp64) keeps every tensor in float64: the low precisions are lifted
             exact = params[0].dtype == torch.float64
-            updates = []
             for p in params:
-                state = self.state[p]
-                if "momentum" not in state:     # not setdefault: its argument would allocate zeros every step
-                    state["momentum"] = torch.zeros_like(p.grad, dtype=None if exact else group["momentum_dtype"])
-                buf = state["momentum"]
-                buf.mul_(m).add_(p.grad)
-                updates.append((p.grad.add(buf, alpha=m) if group["nesterov"] else buf).reshape(len(p), -1))
+                if "momentum" not in self.state[p]:     # not setdefault: its argument would allocate every step
+                    self.state[p]["momentum"] = torch.zeros_like(p.grad, dtype=None if exact
+                                                                 else group["momentum_dtype"])
+            buffers = [self.state[p]["momentum"] for p in params]
+            updates = (self.foreach_updates if group.get("foreach") else self.updates)(params, buffers, group)
+            updates = [u.reshape(len(p), -1) for u, p in zip(updates, params)]
             ns = self.orthogonaliser(group["batched"], params[0].device)
             dtype = torch.float64 if exact else torch.bfloat16
             if group["batched"]:
@@ -112,14 +111,56 @@ class Muon(torch.optim.Optimizer):
             k0, k1 = group["renorm_every"]
             # k grows: late updates are small and the norms drift slowly
             every = k0 + int((k1 - k0) * group["step"] / group["total_steps"])
-            if k0 and group["step"] - group["last_renorm"] >= every:
+            renorm = k0 and group["step"] - group["last_renorm"] >= every
+            if renorm:
                 group["last_renorm"] = group["step"]
-                for p in params:
-                    p.mul_(len(p) ** 0.5 / p.norm())
-            for p, u in zip(params, updates):
-                p.add_(u.view_as(p), alpha=-group["lr"] * max(1.0, u.shape[0] / u.shape[1]) ** 0.5)
-                if group["weight_decay"]:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
+            (self.foreach_apply if group.get("foreach") else self.apply)(params, updates, group, renorm=renorm)
+
+    @staticmethod
+    def updates(params, buffers, group):
+        """Each bank's momentum buffer updated in place; its update (Nesterov's or the buffer), one tensor at a time."""
+        m, updates = group["momentum"], []
+        for p, buf in zip(params, buffers):
+            buf.mul_(m).add_(p.grad)
+            updates.append(p.grad.add(buf, alpha=m) if group["nesterov"] else buf)
+        return updates
+
+    @staticmethod
+    def foreach_updates(params, buffers, group):
+        """updates() as foreach operations over every bank at once: the same numbers, a few launches."""
+        grads, m = [p.grad for p in params], group["momentum"]
+        if buffers[0].dtype in (torch.float16, torch.bfloat16):   # a Python scalar would be rounded to their dtype
+            m = torch.full((), m, dtype=torch.float32, device=buffers[0].device)
+        torch._foreach_mul_(buffers, m)
+        torch._foreach_add_(buffers, grads)
+        return torch._foreach_add(grads, buffers, alpha=group["momentum"]) if group["nesterov"] else buffers
+
+    @staticmethod
+    def apply(params, updates, group, *, renorm):
+        """Each bank back to norm sqrt(rows) (renorm), then its orthogonalised update and decay, one at a time."""
+        if renorm:
+            for p in params:
+                p.mul_(len(p) ** 0.5 / p.norm())
+        for p, u in zip(params, updates):
+            p.add_(u.view_as(p), alpha=-group["lr"] * max(1.0, u.shape[0] / u.shape[1]) ** 0.5)
+            if group["weight_decay"]:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+
+    @staticmethod
+    def foreach_apply(params, updates, group, *, renorm):
+        """apply() as foreach operations, the banks of each update scale together: the same numbers, a few
+        launches (sqrt(rows) / norm is norm's reciprocal times sqrt(rows), as Python's float / tensor computes it)."""
+        if renorm:
+            scales = torch._foreach_reciprocal(torch._foreach_norm(params))
+            torch._foreach_mul_(scales, [len(p) ** 0.5 for p in params])
+            torch._foreach_mul_(params, scales)
+        by_scale = {}
+        for p, u in zip(params, updates):
+            by_scale.setdefault(max(1.0, u.shape[0] / u.shape[1]) ** 0.5, []).append((p, u.view_as(p)))
+        for scale, pairs in by_scale.items():
+            torch._foreach_add_([p for p, _ in pairs], [u for _, u in pairs], alpha=-group["lr"] * scale)
+        if group["weight_decay"]:
+            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -295,7 +336,7 @@ def muon_for(filters, r, *, steps_per_epoch, world):
                 lr=0.0, momentum=muon.momentum, nesterov=r.sgd.nesterov, ns_steps=muon.ns_steps,
                 ns_coeffs=muon.ns_coeffs, renorm_every=muon.renorm_every,
                 total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)), weight_decay=muon.weight_decay * bs * world,
-                momentum_dtype=MOMENTUM_DTYPES[muon.momentum_dtype], batched=muon.batched)
+                momentum_dtype=MOMENTUM_DTYPES[muon.momentum_dtype], batched=muon.batched, foreach=muon.foreach)
 
 
 def set_lr(opts, lr, step=0, epoch=0.0):

@@ -70,6 +70,21 @@ def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
     return logits.detach(), loss.detach()
 
 
+def check_finite_loss(mean_loss, *, epoch, hint):
+    """Raises DataError (one line: the epoch, the loss, `hint` at the likely setting) unless mean_loss is finite."""
+    if not math.isfinite(mean_loss):
+        raise DataError(f"epoch {epoch}: the training loss is {mean_loss}; {hint}")
+
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")     # torch.compile's modes that capture CUDA graphs
+
+
+def warmup_calls(compile_mode):
+    """How often an untimed warm-up calls each compiled path: 3 where compile_mode captures CUDA graphs (CUDA-graph
+    trees run a new function eagerly, record it on a later call and replay it from the next), else 1."""
+    return 3 if compile_mode in CUDA_GRAPH_MODES else 1
+
+
 def strict_compile():
     """While inside, a compiled function past dynamo's limit of graphs stops the run (it would otherwise run eagerly
     from then on, silently, inside the timed runs)."""

@@ -6,32 +6,40 @@ CPU, counted by a dispatch mode (the count depends on neither the batch nor the 
               optim.py has it (foreach operations) and as the per-tensor loops it replaced (kept below as references)
   blurpool    forward and backward of rn50_16ep's ResNet-50 with BlurPool as imagenet_fast builds it (one zero-padded
               depthwise convolution, as FFCV's) and with the reflection-padded BlurPool it replaced (re-created below)
+  cifar10     one opt.step() of each CIFAR-10 optimiser of fast94, fast94_muon and fast94_next (full width): SGD as
+              the CPU runs it and fused (as CUDA runs it), Muon eager as a loop over the filter banks and as foreach
+              operations (--muon-foreach), and the Newton–Schulz share of Muon's (compiled on CUDA)
 
     python benchmarks/op_counts.py --out results/<machine>/op_counts.json
 """
 import argparse
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import cifar10_fast as cf  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
 import optim  # noqa: E402
+import torch_backend as tb  # noqa: E402
 from core import Parser, write_json  # noqa: E402
 
 
 class Count(TorchDispatchMode):
-    """Counts the aten operations run inside it."""
+    """Counts the aten operations run inside it (n), and those of them that launch a kernel on a GPU (launches: not
+    views of their inputs, nor the profiler's markers)."""
 
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.n = self.launches = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
+        self.launches += not (func.is_view or "record_function" in func.__name__)
         return func(*args, **(kwargs or {}))
 
 
@@ -129,6 +137,48 @@ def blurpool_operations(blur=inf.BlurPool):
     return count.n
 
 
+def counted(fn, counts):
+    """fn, appending the Count of each call to `counts`."""
+    def call(*args, **kwargs):
+        with Count() as count:
+            out = fn(*args, **kwargs)
+        counts.append(count)
+        return out
+    return call
+
+
+CIFAR_RECIPES = ("fast94", "fast94_muon", "fast94_next")
+
+
+def cifar_step_operations(name, *, fused, step=3, **changes):
+    """{"sgd", "muon", "newton_schulz"} and each's "_launches": the aten operations of recipe `name`'s opt.step() at
+    `step` (its state made at the first; fast94_next renormalises at the second, not the third), random gradients,
+    SGD fused (as on CUDA) or not (the CPU's), Muon eager with its Newton–Schulz share (compiled on CUDA)."""
+    r = cf.recipe(name, **changes)
+    torch.manual_seed(0)
+    model = tb.build_model(r, "cpu")
+    tb.fit_whitening(model, torch.randn(64, 3, 32, 32), 32)
+    with mock.patch.object(optim.devices, "sgd_options", lambda device: {"fused": True} if fused else {}):
+        opts = optim.make_optimizers(model, r, steps_per_epoch=32)
+    ns = []
+    for k in range(step):
+        optim.set_lr(opts, max(r.lr.values), k)
+        for p in model.parameters():
+            p.grad = torch.randn_like(p) if p.requires_grad else None
+        ns.clear()
+        counts = []
+        batched = "newton_schulz_padded" if r.muon and r.muon.batched else "newton_schulz"
+        with mock.patch.object(optim, batched, counted(getattr(optim, batched), ns)):
+            for opt in opts:
+                with Count() as count:
+                    opt.step()
+                counts.append(count)
+    muon = counts[1] if len(counts) > 1 else None
+    return {"sgd": counts[0].n, "sgd_launches": counts[0].launches, "muon": muon and muon.n,
+            "muon_launches": muon and muon.launches, "newton_schulz": muon and sum(c.n for c in ns),
+            "newton_schulz_launches": muon and sum(c.launches for c in ns)}
+
+
 def measure():
     """{"optimisers": [rows], "blurpool": [rows]} of operation counts."""
     backward, sgd = step_operations("goyal_8k", fused_sgd)
@@ -141,7 +191,12 @@ def measure():
              "operations": blurpool_operations()},
             {"blurpool": "reflection pad, then an unpadded convolution (the one it replaced)",
              "operations": blurpool_operations(ReflectBlurPool)}]
-    return {"optimisers": rows, "blurpool": blur}
+    cifar = [{"recipe": name, "fused_sgd": fused, "muon_foreach": False,
+              **cifar_step_operations(name, fused=fused, **({"muon_foreach": False} if name != "fast94" else {}))}
+             for name in CIFAR_RECIPES for fused in (False, True)]
+    cifar += [{"recipe": name, "fused_sgd": True, "muon_foreach": True,
+               **cifar_step_operations(name, fused=True, muon_foreach=True)} for name in CIFAR_RECIPES[1:]]
+    return {"optimisers": rows, "blurpool": blur, "cifar10": cifar}
 
 
 def main(argv=None):
@@ -153,6 +208,12 @@ def main(argv=None):
         print(f"{row['step']:34s} {row['ours']:6d}" + (f"  (as a loop: {row['loop']})" if row["loop"] else ""))
     for row in result["blurpool"]:
         print(f"BlurPool, {row['blurpool']}: {row['operations']}")
+    print("one opt.step() of each CIFAR-10 optimiser: aten operations (of which kernel launches)")
+    for row in result["cifar10"]:
+        print(f"{row['recipe']:12s} SGD{' fused' if row['fused_sgd'] else ''} {row['sgd']} ({row['sgd_launches']})"
+              + (f"; Muon{' foreach' if row['muon_foreach'] else ''} {row['muon']} ({row['muon_launches']}), "
+                 f"Newton–Schulz {row['newton_schulz']} ({row['newton_schulz_launches']}) of them"
+                 if row["muon"] else ""))
     if args.out:
         import machine
         write_json(args.out, {"piece": "op_counts", **result, "command": "python benchmarks/op_counts.py",

@@ -216,3 +216,52 @@ def test_lars_and_rmsprop_to_sgd_add_a_few_operations_to_a_resnet50_step_not_sev
     _, rmsprop = step_operations("goyal_8k", rmsprop=True)
     assert sgd - backward <= 10 and lars - backward <= 30 and rmsprop - backward <= 30, (backward, sgd, lars, rmsprop)
     assert lars <= 770 and rmsprop <= 770
+
+
+@pytest.mark.parametrize("recipe", ["fast94_muon", "fast94_next"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_muon_as_foreach_operations_steps_exactly_as_its_loop(recipe, dtype, one_thread):
+    """Momentum (fp16 in fast94_next in float32; float64 runs lift it to float64), Nesterov, the renormalisation
+    (every step in fast94_muon; every 2 steps at first in fast94_next), the update at each bank's scale and the decay:
+    the same numbers bit for bit (the recipes' default, --muon-foreach, against the loop it replaced,
+    --muon-foreach false), in float64 and in float32."""
+    import copy
+
+    import cifar10_fast as cf
+    import torch_backend as tb
+    r = cf.recipe(recipe, width=1 / 16)
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(0)
+        net = tb.build_model(r, "cpu")
+        twin = copy.deepcopy(net)
+        loop = optim.make_optimizers(net, cf.changed(r, muon_foreach=False), steps_per_epoch=100)[1]
+        foreach = optim.make_optimizers(twin, r, steps_per_epoch=100)[1]
+        assert not loop.param_groups[0]["foreach"] and foreach.param_groups[0]["foreach"]
+        for step in range(5):
+            optim.set_lr([loop, foreach], 0.3 - 0.05 * step, step)
+            for p, q in zip(net.parameters(), twin.parameters()):
+                p.grad = torch.randn_like(p) if p.ndim == 4 else None
+                q.grad = None if p.grad is None else p.grad.clone()
+            loop.step()
+            foreach.step()
+        momentum = {torch.float64: torch.float64, torch.float32: loop.param_groups[0]["momentum_dtype"] or dtype}
+        for p, q in zip(net.parameters(), twin.parameters()):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+            if p in loop.state:
+                assert foreach.state[q]["momentum"].dtype == momentum[dtype]
+                torch.testing.assert_close(foreach.state[q]["momentum"], loop.state[p]["momentum"], rtol=0, atol=0)
+        assert loop.param_groups[0]["last_renorm"] == foreach.param_groups[0]["last_renorm"] > 0
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_muon_as_foreach_operations_launches_a_few_kernels_a_step_beside_newton_schulz_not_several_a_bank(one_thread):
+    """Counted on the CPU (benchmarks/op_counts.py prints the counts): outside Newton–Schulz, fast94_next's Muon step
+    launches 30 kernels as a loop over its 6 filter banks (5 a bank), 6 as foreach operations; fused SGD 3."""
+    from op_counts import cifar_step_operations
+    loop = cifar_step_operations("fast94_next", fused=True, muon_foreach=False)
+    foreach = cifar_step_operations("fast94_next", fused=True)          # the recipe's default
+    outside = lambda c: c["muon_launches"] - c["newton_schulz_launches"]
+    assert (outside(loop), outside(foreach), foreach["sgd_launches"]) == (30, 6, 3)
+    assert foreach["newton_schulz_launches"] == loop["newton_schulz_launches"]

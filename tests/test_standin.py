@@ -21,7 +21,7 @@ import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
 import torch_backend as tb
-from conftest import ROOT, synthetic_arrays
+from conftest import ROOT, synthetic_arrays, train_once
 from cuda_standin import StandIn
 
 TINY = ["--width", "0.0625", "--batch-size", "32", "--epochs", "3"]
@@ -161,6 +161,35 @@ def test_the_warm_up_fits_the_whitening_so_no_timed_run_loads_the_linear_algebra
     with StandIn() as gpu:
         cf.build(r, arrays, cf.Options(), ctx=D.Context(device="cuda"))
     assert gpu.ops["linalg_svd"] >= 1      # the record's decomposition, on the GPU, before any clock
+
+
+def test_a_timed_run_never_waits_for_the_gpu_before_its_final_evaluation_and_reads_its_clock_and_sums_once(
+        npz, monkeypatch, one_thread):
+    """From the clock's start to the final evaluation: no host wait and no blocking copy (events mark the epochs,
+    the losses and counts are summed on the GPU). Then the evaluation's one read, and after the clock one wait for
+    the last event and one copy of every epoch's sums."""
+    snaps, real_timer, real_evaluate = [], devices.timer, tb.evaluate
+
+    def timer(device):
+        snaps.append(("clock", dict(gpu.counts)))
+        return real_timer(device)
+
+    def evaluate(*args, **kwargs):
+        snaps.append(("evaluation", dict(gpu.counts)))
+        return real_evaluate(*args, **kwargs)
+    monkeypatch.setattr(devices, "timer", timer)
+    monkeypatch.setattr(tb, "evaluate", evaluate)
+    r = cf.recipe("fast94_next", width=1 / 16, batch_size=32, epochs=3)     # Muon, whitening, selective views
+    with StandIn() as gpu:
+        data = cf.cd.to_device(dict(np.load(npz)), torch.device("cuda"), dtype=torch.float32, pad=r.augment.crop_pad)
+        result = train_once(r, data, device="cuda", precision="fp32", eval_every=0)
+        snaps.append(("end", dict(gpu.counts)))
+    assert [what for what, _ in snaps] == ["clock", "evaluation", "end"]
+    (_, start), (_, final), (_, end) = snaps
+    waits = lambda a, b: {k: b.get(k, 0) - a.get(k, 0) for k in ("host_waits", "blocking")}
+    assert waits(start, final) == {"host_waits": 0, "blocking": 0}
+    assert waits(final, end) == {"host_waits": 1, "blocking": 2}
+    assert [row["epoch"] for row in result["rows"]] == [1, 2, 3] and result["rows"][-1]["test_acc"] is not None
 
 
 def test_in_float32_the_selective_views_read_no_output_a_cuda_graph_has_overwritten(npz):

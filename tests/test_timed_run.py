@@ -1,0 +1,119 @@
+"""What a timed CIFAR-10 run does besides training: its GPU clock marks epochs without waiting and is read once; it
+stops on a loss that is not finite, in one line naming the epoch, keeping the runs before; and its untimed warm-up
+calls every compiled path the run meets as often as CUDA-graph trees need to record it."""
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import cifar10_fast as cf
+import devices
+import distributed as D
+import torch_backend as tb
+import training as T
+from conftest import synthetic_arrays, train_once
+from core import DataError
+
+TINY = ["--width", "0.0625", "--batch-size", "32", "--epochs", "3"]
+
+
+@pytest.fixture(scope="module")
+def npz(tmp_path_factory):
+    p = tmp_path_factory.mktemp("synth") / "synth.npz"
+    np.savez(p, **synthetic_arrays(n_train=128, n_test=64))
+    return p
+
+
+def test_a_loss_that_is_not_finite_is_a_data_error_naming_the_epoch_and_the_likely_setting():
+    T.check_finite_loss(2.3, epoch=1, hint="unused")
+    for loss in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(DataError, match=rf"^epoch 4: the training loss is {loss}; lower --lr$"):
+            T.check_finite_loss(loss, epoch=4, hint="lower --lr")
+
+
+def test_a_diverging_run_exits_1_in_one_line_and_the_runs_before_it_are_kept(npz, tmp_path, monkeypatch, capsys,
+                                                                             one_thread):
+    real = cf.train_run
+
+    def second_diverges(r, built, o, *, seed, **kwargs):
+        return real(cf.changed(r, lr_values=(0, 1e30, 0)) if seed == 1 else r, built, o, seed=seed, **kwargs)
+    monkeypatch.setattr(cf, "train_run", second_diverges)
+    out = tmp_path / "r.json"
+    assert cf.main(["--recipe", "fast94", "--data-dir", str(npz), *TINY, "--runs", "2", "--out", str(out)]) == 1
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error in (f"error: epoch 1: the training loss is {loss}; the learning rate is the likely cause "
+                     "(--lr-values peaks at 1e+30)" for loss in ("nan", "inf"))
+    saved = json.loads(out.read_text())
+    assert [run["seed"] for run in saved["runs"]] == [0] and saved["complete"] is False
+
+
+class Paths(torch.nn.Module):
+    """The network, counting its calls by path: (input shape, training or not, the whitening bias trained or not)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net, self.calls = net, Counter()
+
+    def forward(self, x):
+        bias = [m.bias_grad for m in tb.whitening_biases(self.net)]
+        self.calls[tuple(x.shape), torch.is_grad_enabled(), *bias] += 1
+        return self.net(x)
+
+
+def test_the_warm_up_calls_each_path_three_times_where_torch_compile_captures_cuda_graphs_else_once():
+    assert [T.warmup_calls(mode) for mode in (None, "default", "reduce-overhead", "max-autotune")] == [1, 1, 3, 3]
+
+
+def test_the_warm_up_calls_every_path_a_timed_run_meets_as_often_as_cuda_graph_trees_need(one_thread):
+    """Each resolution and state of the whitening bias in training, each evaluation batch (plain, selective views):
+    every one met in the warm-up reduce-overhead's 3 times or more, a training step exactly 3 times."""
+    r = cf.recipe("fast94_next_lowres", width=1 / 16, batch_size=32, epochs=3, low_res=16, low_res_epochs=1,
+                  whiten_bias_epochs=1.5)
+    arrays, ctx, device = synthetic_arrays(n_train=128, n_test=64), D.Context(device="cpu"), torch.device("cpu")
+    stats = cf.cd.channel_stats(arrays["train_images"])
+    data = cf.device_data(arrays, r, ctx, device, dtype=torch.float32, stats=stats)
+    torch.manual_seed(0)
+    net = tb.build_model(r, device)
+    forward = Paths(net)
+    calls = T.warmup_calls("reduce-overhead")
+    cf.warmup(r, data, device=device, dtype=torch.float32, ctx=ctx, net=net, forward=forward, calls=calls)
+    warm, forward.calls = forward.calls, Counter()
+    train_once(r, data, net=net, forward=forward, eval_every=1)
+    met = set(forward.calls)
+    training = {path for path in met if path[1]}
+    assert {path[0][-1] for path in training} == {16, 32} and {path[2] for path in training} == {True, False}
+    assert met <= set(warm) and min(warm[path] for path in met) >= calls
+    assert {warm[path] for path in training} == {calls}
+
+
+def test_the_gpu_clock_marks_without_waiting_and_reads_every_mark_waiting_for_the_last_alone(monkeypatch):
+    """mark() records an event and returns; read() waits for the last event only, and gives each mark's seconds
+    since the one before and the total then (an excluded mark adds nothing to it)."""
+    made = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at, self.waited = None, False
+            made.append(self)
+
+        def record(self, stream=None):
+            self.at = [0.0, 1.0, 3.0, 3.5, 7.5][len(made) - 1]       # milliseconds on the GPU
+
+        def synchronize(self):
+            self.waited = True
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    clock = devices.timer("cuda:0")
+    keys = [clock.mark(), clock.mark(), clock.mark(include=False)]
+    assert not any(e.waited for e in made) and clock.reads_later
+    readings = clock.read()
+    assert [e.waited for e in made] == [False, False, False, True]
+    assert readings == {keys[0]: (1e-3, 1e-3), keys[1]: (2e-3, 3e-3), keys[2]: (0.5e-3, 3e-3)}
+    assert clock() == pytest.approx(4e-3) and clock.total == pytest.approx(7e-3) and clock.read() == {}
+    assert not devices.timer("cpu").reads_later
