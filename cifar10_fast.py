@@ -31,9 +31,10 @@ from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, pri
                   write_json)
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch
-from settings import add_flags, changed, changes_from, check, component, flag_error, knob, one_of, part
+from settings import add_flags, changed, changes_from, check, component, flag_error, knob, numbers, one_of, part
 
 ACTIVATIONS = tuple(tb.ACTIVATIONS)
+MAX_EPOCHS = 1000         # beyond it a typo (--epochs 1e12), not a run: its rate would round to 0 at every step
 
 # ---------------------------------------------------------------------------------------------
 # The settings: one component per technique
@@ -46,7 +47,7 @@ class Network:
     PREFIX = ""
     model: str = knob("resnet9", choices=tuple(tb.MODELS))
     width: float = knob(1.0, above=0, doc="every layer's channels x this")
-    block_widths: tuple = knob((64, 256, 256), above=0, whole=True, doc="fastnet's three blocks' channels")
+    block_widths: tuple = numbers((64, 256, 256), above=0, whole=True, doc="fastnet's three blocks' channels")
     block_depth: int = knob(2, choices=(2, 3), doc="fastnet's convolutions per block (3: airbench96's residual)")
     act: str = knob("relu", choices=ACTIVATIONS)
     celu_alpha: float = knob(0.3, above=0)
@@ -150,8 +151,9 @@ class Muon:
     lr: float = knob(0.24, low=0, doc="at the schedule's peak")
     momentum: float = knob(0.6, low=0, high=1)
     ns_steps: int = knob(3, low=0, whole=True)
-    ns_coeffs: tuple = knob((3.4445, -4.7750, 2.0315))
-    renorm_every: tuple = knob((1, 1), low=0, whole=True, doc="every k steps, k growing from the first to the "
+    ns_coeffs: tuple = numbers((3.4445, -4.7750, 2.0315), doc="Newton-Schulz's a, b, c: X <- aX + bAX + "
+                            "cA²X, A = XXᵀ")
+    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="every k steps, k growing from the first to the "
                                "second over the run, the filters back to their norm (0: never)")
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
     momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"))
@@ -189,7 +191,7 @@ class Recipe:
     """What a run computes. Settings left out (None) are techniques the recipe does not use."""
     name: str = "custom"
     doc: str = ""
-    epochs: float = knob(24, above=0, doc="fractional: the last epoch cut short")
+    epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="fractional: the last epoch cut short")
     batch_size: int = knob(512, above=0, whole=True)
     label_smoothing: float = knob(0.0, low=0, high=1)
     network: Network = part(Network())
@@ -732,6 +734,8 @@ def check_data(r, arrays, ctx, say=None):
         raise flag_error("cutout", r.augment.cutout, f"larger than the {h}x{w} images")
     if r.augment.low_res and h != w:
         raise flag_error("low_res", r.augment.low_res, f"needs square images, not {h}x{w}")
+    if r.augment.low_res >= min(h, w):
+        raise flag_error("low_res", r.augment.low_res, f"must be smaller than the {h}x{w} images")
     try:        # on the meta device: shapes only, no memory, no arithmetic
         tb.build_model(r, "meta")(torch.empty(2, 3, h, w, device="meta"))
     except RuntimeError:

@@ -5,6 +5,7 @@ their settings (settings.py).
 """
 import dataclasses
 import datetime
+import math
 import platform
 import sys
 
@@ -70,8 +71,10 @@ def join_ranks(args, hook=None):
     """This process's distributed.Context: --deterministic's settings first (before CUDA starts), then torchrun's
     process group joined (if any), with the communication hook (hook, or --comm-hook) and --torus-grid checked
     against its world. A bad value is a UsageError of one line (the group left again)."""
-    if args.dist_timeout is not None and args.dist_timeout <= 0:
+    if args.dist_timeout is not None and not (math.isfinite(args.dist_timeout) and args.dist_timeout > 0):
         raise UsageError("--dist-timeout must be positive (minutes)")
+    if not (math.isfinite(args.bucket_mb) and args.bucket_mb > 0):
+        raise flag_error("bucket_mb", args.bucket_mb, "must be a positive number of MB")
     if args.deterministic:
         devices.set_deterministic()
     try:

@@ -36,7 +36,8 @@ from imagenet_data import draw_epoch, evaluate, place, train_batches
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
 from schedules import batch_for, phases, plan, res_at, step_lr
-from settings import add_flags, changed, changes_from, check, component, flag_error, flat, knob, one_of, part
+from settings import (add_flags, changed, changes_from, check, component, flag_error, flat, knob, numbers, one_of,
+                      part)
 
 # ---------------------------------------------------------------------------------------------
 # Models
@@ -109,6 +110,7 @@ def set_ghost_groups(model, group):
             m.group = group
 
 
+MAX_EPOCHS = 1000         # beyond it a typo, not a run (every epoch is planned before the first)
 MODELS = ("resnet_tiny", "resnet18", "resnet34", "resnet50", "resnet101")
 
 
@@ -254,8 +256,8 @@ class Augment:
     """torchvision's random-resized crops of the whole image (their area and aspect ratio ranges), a random flip,
     and brightness, contrast and saturation jitter of +- jitter."""
     PREFIX = ""
-    crop_scale: tuple = knob((0.08, 1.0), above=0, high=1)
-    crop_ratio: tuple = knob((3 / 4, 4 / 3), above=0)
+    crop_scale: tuple = numbers((0.08, 1.0), above=0, high=1)
+    crop_ratio: tuple = numbers((3 / 4, 4 / 3), above=0)
     flip: bool = knob(True)
     jitter: float = knob(0.0, low=0)
 
@@ -309,7 +311,7 @@ class Recipe:
     name: str = "custom"
     doc: str = ""
     notes: tuple = ()           # what a setting given changed in another, said before training
-    epochs: int = knob(16, above=0, whole=True)
+    epochs: int = knob(16, above=0, high=MAX_EPOCHS, whole=True)
     batch_size: int = knob(512, above=0, whole=True, doc="the global batch, split over the ranks (with "
                            "--per-gpu-batch true: each GPU's)")
     per_gpu_batch: bool = knob(False, doc="--batch-size is each GPU's batch, so the global batch grows with the GPUs "

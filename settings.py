@@ -10,16 +10,23 @@ an absent component on, from its defaults. No torch here.
 """
 import argparse
 import dataclasses
+import math
 
 from core import UsageError
 
 
 def knob(default, *, choices=None, low=None, high=None, above=None, whole=False, flag=None, doc=None):
     """A setting's default and what it may take: one of `choices` (a tuple, or a dict of named presets whose flag
-    takes the name), or a number in [low, high], above `above`, a whole number with whole; `flag` names its flag
-    when its component's prefix alone is the natural name (the TTA's views: --tta)."""
+    takes the name), or a finite number (or a tuple of them) in [low, high], above `above`, whole with whole; `flag`
+    names its flag when its component's prefix alone is the natural name (the TTA's views: --tta)."""
     meta = {"choices": choices, "low": low, "high": high, "above": above, "whole": whole, "flag": flag, "doc": doc}
     return dataclasses.field(default=default, metadata=meta)
+
+
+def numbers(default, **limits):
+    """A knob (with knob's keywords) holding a tuple of exactly as many numbers as its default has."""
+    f = knob(default, **limits)
+    return dataclasses.field(default=default, metadata={**f.metadata, "length": len(default)})
 
 
 def component(cls, default=None):
@@ -133,21 +140,31 @@ def check(tree, prefix=()):
             if value not in allowed:
                 raise flag_error(name, value, f"must be one of {', '.join(map(show, m['choices']))}")
             continue
-        items = value if isinstance(value, tuple) else (value,)
-        for v in items:
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                continue
-            if m.get("whole") and not float(v).is_integer():
-                raise flag_error(name, value, "must be a whole number")
-            low, high, above = m.get("low"), m.get("high"), m.get("above")
-            if above is not None and not v > above:
-                raise flag_error(name, value, "must be positive" if above == 0 else f"must be above {show(above)}")
-            if low is not None and v < low or high is not None and v > high:
-                raise flag_error(name, value, f"must be between {show(low if low is not None else above)} and "
-                                 f"{show(high)}" if high is not None else "must not be negative" if low == 0
-                                 else f"must be at least {show(low)}")
+        number_error(name, value, m)
     if hasattr(tree, "check"):
         tree.check()
+
+
+def number_error(name, value, m):
+    """Raises flag_error unless value (a number, or a tuple of them) is what the knob's metadata m allows: each item
+    finite, whole, above and within its bounds, the tuple of its length."""
+    items = value if isinstance(value, tuple) else (value,)
+    if m.get("length") is not None and len(items) != m["length"]:
+        raise flag_error(name, value, f"must be {m['length']} numbers separated by commas")
+    for v in items:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        if not math.isfinite(v):            # NaN passes every comparison below
+            raise flag_error(name, value, "must be a finite number")
+        if m.get("whole") and not float(v).is_integer():
+            raise flag_error(name, value, "must be a whole number")
+        low, high, above = m.get("low"), m.get("high"), m.get("above")
+        if above is not None and not v > above:
+            raise flag_error(name, value, "must be positive" if above == 0 else f"must be above {show(above)}")
+        if low is not None and v < low or high is not None and v > high:
+            raise flag_error(name, value, f"must be between {show(low if low is not None else above)} and "
+                             f"{show(high)}" if high is not None else "must not be negative" if low == 0
+                             else f"must be at least {show(low)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,6 +178,11 @@ def number(s):
     return float(s)
 
 
+def whole(x):
+    """x as an int when it is a whole number, else as it is (1.5, NaN, inf), for the check to name what is wrong."""
+    return int(x) if float(x).is_integer() else float(x)
+
+
 def converter(f):
     """The function from a flag's text to the value of field f (named after the type, for argparse's errors)."""
     default, choices = f.default, f.metadata.get("choices")
@@ -169,10 +191,10 @@ def converter(f):
     elif isinstance(default, bool):
         convert = lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
     elif isinstance(default, tuple):
-        item = int if default and all(isinstance(v, int) for v in default) else float
+        item = whole if default and all(isinstance(v, int) for v in default) else float
         convert = lambda s: tuple(item(number(v)) for v in s.split(","))
     elif isinstance(default, int):        # an integer unless written as a fraction: --epochs 9.9
-        convert = lambda s: int(number(s)) if float(number(s)).is_integer() else float(number(s))
+        convert = lambda s: whole(number(s))
     elif isinstance(default, float):
         convert = lambda s: float(number(s))
     else:
