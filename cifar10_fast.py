@@ -26,9 +26,9 @@ import devices
 import distributed as D
 import torch_backend as tb
 import training as T
-from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, run_record
-from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, print_summary, summarize_runs,
-                  write_json)
+from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
+from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, close_progress, print_summary,
+                  summarize_runs, write_json)
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch
 from settings import add_flags, changed, changes_from, check, component, flag_error, knob, numbers, one_of, part
@@ -774,6 +774,11 @@ def parse_args(argv=None):
     return args, changes_from(args, Recipe)
 
 
+# what train() does before a run's first epoch, by function: what Ctrl-C stopped there
+BEFORE_TRAINING = {"loaded": "loading the data", "build": "putting the data on the device and building the network",
+                   "warmup": "warming up (cuDNN's autotuning, or torch.compile compiling)"}
+
+
 def main(argv=None):
     """The command line: the recipe and every flag checked, this process's place among torchrun's ranks joined, the
     runs trained (train()), their summary printed and --out written after every run; the exit status."""
@@ -814,8 +819,10 @@ def main(argv=None):
     except (UsageError, DataError) as e:
         D.print0(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
-    except KeyboardInterrupt:
-        D.print0(interrupted(where["epoch"], where["run"], where["finished"], out=args.out), file=sys.stderr)
+    except KeyboardInterrupt as e:
+        close_progress()
+        D.print0(interrupted(where["epoch"], where["run"], where["finished"], out=args.out,
+                             during=phase_of(e, BEFORE_TRAINING)), file=sys.stderr)
         return 130
     except RuntimeError as e:
         return lost_peer(e, ctx)

@@ -102,10 +102,12 @@ class Heartbeat:
 
 
 class Table:
-    """Prints one row per call as soon as it arrives, header first, fixed-width columns."""
+    """Prints one row per call as soon as it arrives, header first, right-aligned columns at least `width` wide; a
+    column widens from the row whose value needs more, so neighbours never run together."""
 
     def __init__(self, columns, width=10, file=None, formats=None):
-        self.columns, self.width = list(columns), width
+        self.columns = list(columns)
+        self.widths = {c: max(width, len(c) + 1) for c in self.columns}
         self.file = file or sys.stdout
         self.formats = formats or {}
         self.rows = []
@@ -115,13 +117,23 @@ class Table:
             value = "-"
         elif isinstance(value, float):
             value = format(value, self.formats.get(key, ".4f"))
-        return str(value).rjust(self.width)
+        self.widths[key] = max(self.widths[key], len(str(value)) + 1)
+        return str(value).rjust(self.widths[key])
 
     def append(self, row):
         if not self.rows:
-            print("".join(c.rjust(self.width) for c in self.columns), file=self.file, flush=True)
+            print("".join(c.rjust(self.widths[c]) for c in self.columns), file=self.file, flush=True)
         self.rows.append(dict(row))
         print("".join(self._fmt(c, row.get(c, "")) for c in self.columns), file=self.file, flush=True)
+
+
+def close_progress():
+    """Closes every progress bar left open (by a Ctrl-C inside an epoch), so that the next line starts on a line of
+    its own."""
+    if "tqdm" in sys.modules:
+        from tqdm import tqdm
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
 
 
 def summarize(values):
@@ -260,9 +272,9 @@ def made_folder(folder):
         raise
 
 
-def writable_folder(folder, what, remedy):
+def writable_folder(folder, what, remedy, *, prefix="tmp"):
     """Raises DataError (one line: the folder, why `what` cannot be written there, `remedy`) unless folder is, or
-    can be made, a folder this process can create files in; leaves nothing behind that it made."""
+    can be made, a folder this process can write a file in (one named prefix..., tried); leaves nothing it made."""
     from pathlib import Path
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
@@ -273,7 +285,9 @@ def writable_folder(folder, what, remedy):
             if not d.exists():
                 d.mkdir()
                 made.append(d)
-        tempfile.TemporaryFile(dir=folder).close()
+        fd, tried = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
+        os.close(fd)
+        os.remove(tried)
     except OSError as e:
         raise DataError(f"{folder}: cannot write {what} there ({e.strerror or e}); {remedy}") from None
     finally:
@@ -282,8 +296,9 @@ def writable_folder(folder, what, remedy):
 
 
 def check_output(path, flag):
-    """Raises UsageError unless a file can be written at path: not a folder, and its folder either exists and is
-    writable or can be created. Checked before training, so that a mistyped path costs nothing."""
+    """Raises UsageError unless a file can be written at path: not a folder, and write_atomic's temporary file written
+    (and removed) in its folder, made for the trial where missing. Checked before training, so that a mistyped path
+    costs nothing and a finished run is never lost to its file."""
     if path is None:
         return
     p = os.path.abspath(os.fspath(path))
@@ -296,6 +311,11 @@ def check_output(path, flag):
         raise UsageError(f"{flag} {path}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: cannot write in {parent}")
+    try:        # permissions are not the whole story (root in /proc, a read-only mount): write_atomic's file, tried
+        writable_folder(os.path.dirname(p), f"{flag}'s file", "give a path in a folder you can write in",
+                        prefix="." + os.path.basename(p) + ".")
+    except DataError as e:
+        raise UsageError(f"{flag} {path}: {e}") from None
 
 
 def default_file_mode():

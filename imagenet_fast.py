@@ -14,7 +14,9 @@ models, the recipes, the training loop (train_run) and the command line.
 """
 import argparse
 import contextlib
+import hashlib
 import io
+import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,9 +31,9 @@ import devices
 import distributed as D
 import scaling
 import training as T
-from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, run_record
-from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, print_summary,
-                  summarize_runs, write_json)
+from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
+from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, close_progress,
+                  print_summary, summarize_runs, write_json)
 from imagenet_data import draw_epoch, evaluate, place, train_batches
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
@@ -554,6 +556,7 @@ class Options(T.Options):
     checkpoint: str = None
     resume: bool = False
     interrupt_after: int = None
+    store: dict = None          # store_identity(): a checkpoint records it, and resumes only on that store
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -627,6 +630,8 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
         if r.lookahead and p.epoch == r.epochs - 1:
             average.finish(model)                # lookahead: the slow weights end the run
         epoch_time, last = clock(), p.epoch == r.epochs - 1
+        T.check_finite_loss(epoch_loss(losses, ctx) / (seen * ctx.world_size), epoch=p.epoch + 1,
+                            hint=divergence_hint(r))
         metrics = dict.fromkeys(("val_loss", "top1", "top5"))
         if last or (o.eval_every and (p.epoch + 1) % o.eval_every == 0):
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {p.epoch + 1}", on=o.progress):
@@ -634,19 +639,39 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
             final_eval_time = clock(include=False)
             if time_to_target is None and metrics["top5" if r.target_top5 else "top1"] >= o.target:
                 time_to_target = clock.total
-        rows.append({"epoch": p.epoch + 1, "res": p.res, "batch": p.batch, "lr": lr, "train_loss": losses.item() / seen,
+        rows.append({"epoch": p.epoch + 1, "res": p.res, "batch": p.batch * ctx.world_size, "lr": lr, "train_loss": losses.item() / seen,
                      "train_acc": correct.item() / seen, **metrics, "epoch_time": epoch_time, "total_time": clock.total})
         if o.checkpoint:
-            T.save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, progress={
+            T.save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, store=o.store, progress={
                 "epoch": p.epoch + 1, "rows": rows, "train_time": clock.total, "time_to_target": time_to_target})
-            if o.interrupt_after == p.epoch + 1:
-                D.leave_together(ctx)
-                raise SystemExit(T.INTERRUPTED)
         on_epoch and on_epoch(rows[-1])
+        if o.checkpoint and o.interrupt_after == p.epoch + 1:
+            D.print0(f"stopped after epoch {p.epoch + 1} (--interrupt-after-epoch), exit status {T.INTERRUPTED}; "
+                     f"its checkpoint is {o.checkpoint}: the same command with --resume continues from it",
+                     file=sys.stderr)
+            D.leave_together(ctx)
+            raise SystemExit(T.INTERRUPTED)
         clock(include=False)
     return {"seed": seed, "rows": rows, "final_top1": rows[-1]["top1"], "final_top5": rows[-1]["top5"],
             "train_time": clock.total, "final_eval_time": final_eval_time, "time": clock.total + final_eval_time,
             "time_to_target": time_to_target}
+
+
+def epoch_loss(losses, ctx):
+    """The epoch's summed training loss over every rank (under torchrun one all-reduce an epoch, after its steps), so
+    that a loss diverged on any rank stops every rank alike."""
+    total = losses.detach().clone()
+    if ctx.distributed:
+        torch.distributed.all_reduce(total)
+    return total.item()
+
+
+def divergence_hint(r):
+    """The setting most likely behind a training loss gone NaN or infinite: the rate, as the recipe sets it."""
+    if r.schedule.phases:
+        return "lower the phase table's rates (--phases)"
+    return (f"lower --lr (here {r.schedule.lr:g}) or warm up longer (--warmup-epochs, here "
+            f"{r.schedule.warmup_epochs:g})")
 
 
 def train_epoch(r, run, data, p, *, forward, ctx, o, shares):
@@ -694,7 +719,8 @@ def accumulated_step(forward, opt, batch, *, ctx, label_smoothing, dtype):
 def resumed(r, run, o, *, forward, plans, ctx, on_epoch):
     """Where a run starts: epoch 0, or (with o.resume) where its checkpoint left it, its state loaded into run and
     its rows replayed to on_epoch."""
-    state = T.read_checkpoint(o.checkpoint, settings=flat(r), ctx=ctx) if o.resume and o.checkpoint else None
+    state = (T.read_checkpoint(o.checkpoint, settings=flat(r), ctx=ctx, store=o.store) if o.resume and o.checkpoint
+             else None)
     if state is None:
         return {"epoch": 0, "rows": [], "train_time": 0.0, "time_to_target": None}
     if ctx.distributed:     # DDP's buckets as the uninterrupted run has them, so that its sums round the same
@@ -804,6 +830,7 @@ def parse_args(argv=None):
 
 
 def main_prepare(args):
+    finished = (Path(args.dst) / "index.json").is_file()       # then prepare says "already prepared" and writes nothing
     try:
         settings = Settings(format=args.format, size=args.size, max_side=args.max_side, quality=args.quality,
                             max_aspect=args.max_aspect)
@@ -817,6 +844,8 @@ def main_prepare(args):
         return 130
     if index is None:
         return 3
+    if finished:
+        return 0
     shape = (f"longer side <= {args.max_side}" if args.format == "jpeg" else f"size {args.size}")
     gb = (index["train"]["bytes"] + index["val"]["bytes"]) / 1e9
     print(f"wrote {args.dst}: {len(index['classes'])} classes, {index['train']['count']} train and "
@@ -849,6 +878,11 @@ def goal(r, target):
     return r.target_top5 or (0.75 if target is None else target)
 
 
+# what run() does before the first run, by function: what Ctrl-C stopped there
+BEFORE_TRAINING = {"open_store": "opening the store", "placed": "placing the store",
+                   "warmup": "warming up (cuDNN's autotuning at every resolution)"}
+
+
 def main_train(args, changes, argv):
     if args.list_recipes:
         print("\n".join(f"{name:12s} {r.doc}" for name, r in RECIPES.items()))
@@ -863,6 +897,11 @@ def main_train(args, changes, argv):
         return 2
     try:
         return run(args, r, ctx=ctx, argv=argv)
+    except KeyboardInterrupt as e:       # before the runs (train_runs says where a run stopped)
+        close_progress()
+        D.print0(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint,
+                             during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"), file=sys.stderr)
+        return 130
     except RuntimeError as e:
         return lost_peer(e, ctx)
     finally:
@@ -886,13 +925,14 @@ def run(args, r, *, ctx, argv):
         plans = epoch_plans(r, ctx.world_size)   # a schedule that does not divide over the ranks fails here
         decoder = devices.jpeg_decoder(device, args.decoder)
         store = open_store(args.store)
+        check_batch(r, world=ctx.world_size, n_train=len(store.train))
         data = placed(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
     except (ValueError, DataError) as e:         # UsageError is a ValueError
         (print if isinstance(e, DataError) else say)(f"error: {e}", file=sys.stderr)   # every rank: its own store
         return 1 if isinstance(e, DataError) else 2
     dtype = devices.compute_dtype(device, args.precision)
     held = (("jpeg store, decoded on the GPU (nvJPEG)" if decoder == "gpu" else
-             f"jpeg store, decoded by {data.workers} CPU processes") if store.format == "jpeg"
+             f"jpeg store, decoded by {data.workers} CPU process{'es' * (data.workers != 1)}") if store.format == "jpeg"
             else f"raw store of size {store.size} in {data.where} memory")
     say(f"recipe {r.name} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {len(store.train)} train and "
         f"{len(store.val)} val images, {len(store.index['classes'])} classes, {held}"
@@ -904,6 +944,21 @@ def run(args, r, *, ctx, argv):
         with Heartbeat("warm-up: cuDNN's autotuning at every resolution and batch", on=progress):
             warmup(r, data, device=device, dtype=dtype, world=ctx.world_size)
     return train_runs(args, r, data, ctx=ctx, argv=argv, store=store)
+
+
+def check_batch(r, *, world, n_train):
+    """Raises UsageError (one line, naming the flag that sets it) when an epoch's global batch is larger than the
+    store's n_train training images, as CIFAR's check_data does: a rank's batch is never silently shrunk."""
+    for row in plan(r, world):
+        if row["batch"] <= n_train:
+            continue
+        if r.schedule.phases or r.resolution.batch_schedule or r.resolution.batch_scale:
+            flag = "--phases" if r.schedule.phases else "--batch-schedule" if r.resolution.batch_schedule else \
+                "--batch-scale"
+            raise UsageError(f"{flag}: the global batch of epoch {row['epoch']}, {row['batch']} images, is larger "
+                             f"than the store's {n_train} training images")
+        raise flag_error("batch_size", r.batch_size, f"larger than the {n_train} training images" + (
+            f" ({r.batch_size} on each of {world} GPU{'s' * (world != 1)}, --per-gpu-batch)" if r.per_gpu_batch else ""))
 
 
 def schedule_text(r, plans, *, world):
@@ -941,11 +996,19 @@ def placed(r, store, args, *, ctx, decoder, progress):
                      workers=args.loader_workers, training=training)     # under torchrun, this rank's share alone
 
 
+def store_identity(store, name):
+    """What a checkpoint records of the store it was written on: the digest of its index (its settings, source,
+    classes and every count; the same store prepared again has the same) and its name (the folder given)."""
+    index = json.dumps(store.index, sort_keys=True).encode()
+    return {"digest": hashlib.sha1(index).hexdigest()[:12], "name": str(name)}
+
+
 def train_runs(args, r, data, *, ctx, argv, store):
     """The runs of the command line (seeds --seed, +1, ...), each its table, its line and --out rewritten after it;
     the exit status."""
-    o = Options(target=args.target, eval_every=args.eval_every, precision=args.precision,
-                interrupt_after=args.interrupt_after_epoch, resume=args.resume, progress=ctx.is_main and not args.quiet)
+    o = Options(target=args.target, eval_every=args.eval_every, precision=args.precision, store=store_identity(store,
+                args.store), interrupt_after=args.interrupt_after_epoch, resume=args.resume,
+                progress=ctx.is_main and not args.quiet)
     aim = f"{args.target:.2%}" + (" top-5" if r.target_top5 else "")
     accuracy = "final_top5" if r.target_top5 else "final_top1"       # the first label: the t-test's
     labels = {k: (f"final top-{k[-1]}", "") for k in (accuracy, "final_top1", "final_top5")}
@@ -973,6 +1036,7 @@ def train_runs(args, r, data, *, ctx, argv, store):
             D.print0(f"error: {e}", file=sys.stderr)      # the checkpoint's errors: the same on every rank
             return 1
         except KeyboardInterrupt:
+            close_progress()
             D.print0(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out, checkpoint=checkpoint),
                      file=sys.stderr)
             return 130
