@@ -27,8 +27,8 @@ import distributed as D
 import torch_backend as tb
 import training as T
 from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
-from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, close_progress, print_summary,
-                  summarize_runs, write_json)
+from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, close_progress, end_torchrun,
+                  print_summary, summarize_runs, write_json)
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch
 from settings import add_flags, changed, changes_from, check, component, flag_error, knob, numbers, one_of, part
@@ -794,6 +794,7 @@ def main(argv=None):
         ctx = join_ranks(args)
     except UsageError as e:
         D.print0(f"error: {e}", file=sys.stderr)
+        end_torchrun()
         return 2
     device, where = torch.device(ctx.device), {"run": 1, "epoch": 1, "finished": 0}
     if devices.is_cpu(device) and ctx.is_main:
@@ -818,11 +819,13 @@ def main(argv=None):
         D.barrier()                 # leave together
     except (UsageError, DataError) as e:
         D.print0(f"error: {e}", file=sys.stderr)
+        end_torchrun()
         return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt as e:
         close_progress()
         D.print0(interrupted(where["epoch"], where["run"], where["finished"], out=args.out,
                              during=phase_of(e, BEFORE_TRAINING)), file=sys.stderr)
+        end_torchrun(others_wait=False)
         return 130
     except RuntimeError as e:
         return lost_peer(e, ctx)

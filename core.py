@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -213,12 +214,41 @@ def print_summary(name, s, target, labels):
 
 class Parser(argparse.ArgumentParser):
     """argparse, with an error as one line (`error: argument --tta: ...`) and exit status 2. Under torchrun rank 0
-    alone prints it (parsing comes before the process group exists, so it reads torchrun's RANK)."""
+    alone prints it (parsing comes before the process group exists, so it reads torchrun's RANK), and the job ends
+    there (end_torchrun)."""
 
     def error(self, message):
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
             print(f"error: {message}", file=sys.stderr, flush=True)
+        end_torchrun()
         self.exit(2)
+
+
+def end_torchrun(*, others_wait=True):
+    """Under torchrun, once this process has said why in its one line, ends the job without restarts: torchrun restarts
+    after every failed exit status, and a bad flag or bad data would only fail again, each time followed by
+    torchrun's report. Local rank 0 stops its torchrun (SIGKILL: its only ending that is neither a restart nor a
+    traceback); with others_wait the other local ranks wait for it to go, lest torchrun restart them first."""
+    agent = os.getppid()
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not started_by_torchrun(agent):
+        return
+    if os.environ.get("LOCAL_RANK") == "0":
+        os.kill(agent, signal.SIGKILL)
+        return
+    deadline = time.monotonic() + 30.0
+    while others_wait and os.getppid() == agent and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def started_by_torchrun(pid):
+    """Whether process pid is torchrun (python -m torch.distributed.run, or its torchrun script): read from Linux's
+    /proc; False where it cannot be read, so that nothing else is ever stopped."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return "torch.distributed.run" in command or any(os.path.basename(part) == "torchrun" for part in command[:2])
 
 
 class DataError(Exception):

@@ -33,7 +33,7 @@ import scaling
 import training as T
 from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
 from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, close_progress,
-                  print_summary, summarize_runs, write_json)
+                  end_torchrun, print_summary, summarize_runs, write_json)
 from imagenet_data import draw_epoch, evaluate, place, train_batches
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
@@ -894,6 +894,7 @@ def main_train(args, changes, argv):
         ctx = join_ranks(args, r.comm_hook)
     except UsageError as e:
         D.print0(f"error: {e}", file=sys.stderr)
+        end_torchrun()
         return 2
     try:
         return run(args, r, ctx=ctx, argv=argv)
@@ -901,6 +902,7 @@ def main_train(args, changes, argv):
         close_progress()
         D.print0(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint,
                              during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"), file=sys.stderr)
+        end_torchrun(others_wait=False)
         return 130
     except RuntimeError as e:
         return lost_peer(e, ctx)
@@ -929,6 +931,7 @@ def run(args, r, *, ctx, argv):
         data = placed(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
     except (ValueError, DataError) as e:         # UsageError is a ValueError
         (print if isinstance(e, DataError) else say)(f"error: {e}", file=sys.stderr)   # every rank: its own store
+        end_torchrun()
         return 1 if isinstance(e, DataError) else 2
     dtype = devices.compute_dtype(device, args.precision)
     held = (("jpeg store, decoded on the GPU (nvJPEG)" if decoder == "gpu" else
@@ -1033,12 +1036,14 @@ def train_runs(args, r, data, *, ctx, argv, store):
             result = train_run(r, data, replace(o, checkpoint=checkpoint), ctx=ctx, seed=seed,
                                on_epoch=lambda row: (table.append(row), epochs.append(row["epoch"])))
         except DataError as e:
-            D.print0(f"error: {e}", file=sys.stderr)      # the checkpoint's errors: the same on every rank
+            D.print0(f"error: {e}", file=sys.stderr)      # the checkpoint's, the loss's: the same on every rank
+            end_torchrun()
             return 1
         except KeyboardInterrupt:
             close_progress()
             D.print0(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out, checkpoint=checkpoint),
                      file=sys.stderr)
+            end_torchrun(others_wait=False)
             return 130
         runs.append(result)
         save(complete=False)
