@@ -31,7 +31,8 @@ from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, clo
                   print_summary, summarize_runs, write_json)
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch
-from settings import add_flags, changed, changes_from, check, component, flag_error, knob, numbers, one_of, part
+from settings import (add_flags, as_flags, changed, changes_from, check, command_text, component, flag_error, knob,
+                      numbers, one_of, part)
 
 ACTIVATIONS = tuple(tb.ACTIVATIONS)
 MAX_EPOCHS = 1000         # beyond it a typo (--epochs 1e12), not a run: its rate would round to 0 at every step
@@ -755,6 +756,9 @@ def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="myrtle24", help="recipe name (default myrtle24; see --list-recipes)")
     p.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
+    p.add_argument("--print-recipe", action="store_true",
+                   help="print the recipe's every setting (with the flags given) as the command that trains it, and "
+                        "exit")
     p.add_argument("--dataset", default=None, type=one_of(cd.DATASETS),
                    help="what a data folder holds, downloaded there if missing (default cifar10); for a .npz, that it "
                         f"is that dataset, checked as such (without it, a .npz is your own data) (one of "
@@ -769,7 +773,7 @@ def parse_args(argv=None):
                    help="torch.compile the network with this mode (compiled once, in the untimed warm-up); "
                         "reduce-overhead also captures CUDA graphs")
     add_run_flags(p, comm_hook=True)
-    add_flags(p, Recipe)
+    add_flags(p, Recipe, recipe=MYRTLE24)
     args = p.parse_args(argv)
     return args, changes_from(args, Recipe)
 
@@ -789,6 +793,10 @@ def main(argv=None):
         return 0
     try:            # every flag, before any data is loaded (what depends on the data: in train(), before training)
         r = recipe(args.recipe, **changes)
+        if args.print_recipe:
+            print(f"# {r.name}: {r.doc}\n" + command_text(["python", "cifar10_fast.py", "--recipe", args.recipe],
+                                                          as_flags(r)))
+            return 0
         check_subset(args.subset)
         check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
         ctx = join_ranks(args)

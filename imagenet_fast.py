@@ -38,8 +38,8 @@ from imagenet_data import draw_epoch, evaluate, place, train_batches
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
 from schedules import batch_for, phases, plan, res_at, step_lr
-from settings import (add_flags, changed, changes_from, check, component, flag_error, flat, knob, numbers, one_of,
-                      part)
+from settings import (add_flags, as_flags, changed, changes_from, check, command_text, component, flag_error, flat,
+                      knob, numbers, one_of, part)
 
 # ---------------------------------------------------------------------------------------------
 # Models
@@ -806,6 +806,9 @@ def parse_args(argv=None):
     tp.add_argument("--store", help="a folder written by prepare")
     tp.add_argument("--recipe", default="rn50_16ep", help="recipe name (default rn50_16ep; see --list-recipes)")
     tp.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
+    tp.add_argument("--print-recipe", action="store_true",
+                    help="print the recipe's every setting (with the flags given) as the command that trains it, and "
+                         "exit")
     tp.add_argument("--data-on", default="auto", choices=["auto", "device", "host"],
                     help="where a raw store lives (auto: on the device if it fits beside training)")
     tp.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
@@ -822,7 +825,7 @@ def parse_args(argv=None):
                     help=f"exit with status {T.INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
                          "would; a restart with --resume (or torchrun --max-restarts) continues from it")
     add_run_flags(tp)
-    add_flags(tp, Recipe)
+    add_flags(tp, Recipe, recipe=RN50_16EP)
     sub.add_parser("simulate", add_help=False,
                    help="project step time and scaling efficiency over many GPUs (as python scaling.py)")
     args = p.parse_args(argv)
@@ -883,12 +886,25 @@ BEFORE_TRAINING = {"open_store": "opening the store", "placed": "placing the sto
                    "warmup": "warming up (cuDNN's autotuning at every resolution)"}
 
 
+def recipe_command(r, name):
+    """Recipe r as the command that trains it from recipe `name`: its every setting a flag (a phase table's recipe
+    without those the table sets, which its flags refuse), after a line of its name and what it is."""
+    table = phases(r.schedule.phases) if r.schedule.phases else []
+    skip = PHASED + (("val_res",) if any(ph.val_res for ph in table) else ()) if table else ()
+    return (f"# {r.name}: {r.doc}" + ("; the phase table sets the epochs, batches, rates and resolutions" if skip
+                                      else "") + "\n" + command_text(["python", "imagenet_fast.py", "train",
+                                                                       "--recipe", name], as_flags(r, skip=skip)))
+
+
 def main_train(args, changes, argv):
     if args.list_recipes:
         print("\n".join(f"{name:12s} {r.doc}" for name, r in RECIPES.items()))
         return 0
     try:
         r = recipe(args.recipe, **changes)
+        if args.print_recipe:
+            print(recipe_command(r, args.recipe))
+            return 0
         args.target = goal(r, args.target)
         check_train(args)
         ctx = join_ranks(args, r.comm_hook)

@@ -87,6 +87,20 @@ def show(value):
     return f"{value:g}" if isinstance(value, float) else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def one_of_text(choices):
+    """The values a flag may take, as typed, for a help or an error: "'', relu, celu" ('' for the empty word)."""
+    return ", ".join(show(c) or "''" for c in choices)
+
+
+def exact(value):
+    """A value as a flag takes it, exactly: show()'s form where it reads back the same number, else every digit."""
+    if isinstance(value, tuple):
+        return ",".join(map(exact, value))
+    if isinstance(value, float) and float(show(value)) != value:
+        return repr(value)
+    return show(value)
+
+
 def flag_error(name, value, why):
     return UsageError(f"--{name.replace('_', '-')} {show(value)}: {why}")
 
@@ -138,7 +152,7 @@ def check(tree, prefix=()):
         if m.get("choices") is not None:
             allowed = tuple(m["choices"].values()) if isinstance(m["choices"], dict) else m["choices"]
             if value not in allowed:
-                raise flag_error(name, value, f"must be one of {', '.join(map(show, m['choices']))}")
+                raise flag_error(name, value, f"must be one of {one_of_text(m['choices'])}")
             continue
         number_error(name, value, m)
     if hasattr(tree, "check"):
@@ -192,7 +206,7 @@ def converter(f):
         convert = lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
     elif isinstance(default, tuple):
         item = whole if default and all(isinstance(v, int) for v in default) else float
-        convert = lambda s: tuple(item(number(v)) for v in s.split(","))
+        convert = lambda s: tuple(item(number(v)) for v in s.split(",")) if s else ()
     elif isinstance(default, int):        # an integer unless written as a fraction: --epochs 9.9
         convert = lambda s: whole(number(s))
     elif isinstance(default, float):
@@ -216,11 +230,11 @@ def checked(convert, choices):
             value = convert(s)
         except (KeyError, ValueError, ZeroDivisionError):
             if choices:
-                raise argparse.ArgumentTypeError(f"{s!r} is not one of {', '.join(map(show, choices))}")
+                raise argparse.ArgumentTypeError(f"{s!r} is not one of {one_of_text(choices)}")
             raise argparse.ArgumentTypeError(f"{s!r} is not {KINDS.get(convert.__name__, convert.__name__)}")
         allowed = tuple(choices.values()) if isinstance(choices, dict) else choices
         if choices is not None and value not in allowed:
-            raise argparse.ArgumentTypeError(f"{s!r} is not one of {', '.join(map(show, choices))}")
+            raise argparse.ArgumentTypeError(f"{s!r} is not one of {one_of_text(choices)}")
         return value
     check.__name__ = convert.__name__
     return check
@@ -231,8 +245,9 @@ def one_of(choices):
     return checked(str, tuple(choices))
 
 
-def add_flags(parser, recipe_class, title="settings (change the recipe's)"):
-    """One flag per setting of recipe_class (--whiten-eps for whiten_eps); a switch takes true or false."""
+def add_flags(parser, recipe_class, title="settings (change the recipe's)", *, recipe=None):
+    """One flag per setting of recipe_class (--whiten-eps for whiten_eps); a switch takes true or false. Each help
+    says what the flag takes and the value of `recipe` (the default recipe), or that it leaves the technique out."""
     group = parser.add_argument_group(title)
     for leaf in leaves(recipe_class):
         f, choices = leaf.field, leaf.field.metadata.get("choices")
@@ -240,11 +255,50 @@ def add_flags(parser, recipe_class, title="settings (change the recipe's)"):
             convert, help_ = converter(dataclasses.field(default=True)), "switch this technique on or off"
         else:
             convert = converter(f)
-            help_ = f.metadata.get("doc") or ""
+            help_ = f.metadata.get("doc") or ("" if choices is not None else KINDS.get(convert.__name__, ""))
             if choices is not None:
-                help_ += f" (one of {', '.join(map(show, choices))})"
+                help_ += f" (one of {one_of_text(choices)})"
+            elif isinstance(f.default, tuple) and f.metadata.get("doc"):
+                help_ += " (numbers separated by commas)"
         group.add_argument("--" + leaf.name.replace("_", "-"), dest=leaf.name, default=None,
-                           type=checked(convert, choices if "component" not in f.metadata else None), help=help_)
+                           type=checked(convert, choices if "component" not in f.metadata else None),
+                           help=help_ + (f" [{recipe_value(recipe, leaf)}]" if recipe is not None else ""))
+
+
+def recipe_value(recipe, leaf):
+    """A setting's value in recipe, for a flag's help: "myrtle24: 0,0.4,0", or where the recipe leaves its technique
+    out "myrtle24: off; on: 0.01" (the value it takes when turned on)."""
+    value, switch = get(recipe, leaf.path), "component" in leaf.field.metadata
+    if switch:
+        return f"{recipe.name}: {'off' if value is None else 'on'}"
+    if get(recipe, leaf.path[:-1]) is None:
+        return f"{recipe.name}: off; on: {exact(leaf.field.default) or repr('')}"
+    return f"{recipe.name}: {exact(value) or repr('')}"
+
+
+def as_flags(tree, *, skip=()):
+    """[(flag, value as typed)] that set every setting of tree (a recipe) as it holds it, whatever recipe they are
+    given to: a technique left out by its switch or OFF value, numbers exact; settings named in skip left out."""
+    out = []
+    for leaf in leaves(type(tree)):
+        owner, flag = get(tree, leaf.path[:-1]), "--" + leaf.name.replace("_", "-")
+        off = getattr(leaf.owners[-1], "OFF", None)
+        if leaf.name in skip:
+            continue
+        if owner is None:               # a technique left out: its OFF value, once (its other settings mean nothing)
+            if off and leaf.path[-1] == off[0] and get(tree, leaf.path[:-2]) is not None:
+                out.append((flag, exact(off[1])))
+        elif "component" in leaf.field.metadata:
+            out.append((flag, "false" if get(tree, leaf.path) is None else "true"))
+        else:
+            out.append((flag, exact(get(tree, leaf.path))))
+    return out
+
+
+def command_text(words, flags):
+    """A shell command of words then flags (as_flags), one flag a line: what --print-recipe prints."""
+    import shlex
+    return " \\\n  ".join([shlex.join(words), *(f"{flag} {shlex.quote(value)}" for flag, value in flags)])
 
 
 def changes_from(args, recipe_class):
