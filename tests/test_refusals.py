@@ -160,3 +160,57 @@ def test_prepare_on_a_finished_store_says_so_once(stores, capsys):
     src = stores[0].parent / "src_a"
     rc, stdout, err = run(capsys, "prepare", "--src", src, "--dst", stores[0], "--format", "raw", "--size", SIZE)
     assert rc == 0 and stdout.splitlines() == [f"{stores[0]}: already prepared (24 train, 8 val images)"], stdout
+
+
+# --- CIFAR-10's command line ---------------------------------------------------------------------------------------
+
+def cifar(capsys, *args):
+    """(exit status, stderr lines) of cifar10_fast.main(args) in this process, the CPU's warning left out."""
+    import cifar10_fast as cf
+    try:
+        rc = cf.main([str(a) for a in args])
+    except SystemExit as e:
+        rc = e.code
+    return rc, [line for line in capsys.readouterr().err.strip().splitlines()
+                if not line.startswith("warning: no GPU")]
+
+
+def test_ctrl_c_while_loading_says_so_not_epoch_1(tmp_path, capsys, monkeypatch):
+    import cifar_data as cd
+    monkeypatch.setattr(cd, "load", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    out = tmp_path / "r.json"
+    rc, err = cifar(capsys, "--data-dir", tmp_path / "x.npz", "--device", "cpu", "--out", out)
+    assert rc == 130 and err == [f"interrupted while loading the data; no run finished, so nothing was written to "
+                                 f"{out}"]
+
+
+def test_a_file_that_is_no_npz_and_one_without_the_arrays_are_named_in_one_line(tmp_path, capsys):
+    import numpy as np
+    text, other = tmp_path / "text.npz", tmp_path / "other.npz"
+    text.write_text("train_images,train_labels\n")
+    np.savez(other, images=np.zeros((2, 32, 32, 3), np.uint8), train_labels=np.zeros(2, np.uint8))
+    rc, err = cifar(capsys, "--data-dir", text, "--device", "cpu")
+    assert rc == 1 and err == [f"error: {text}: not a readable .npz (not a zip archive of arrays, as numpy.savez "
+                               "writes)"]
+    rc, err = cifar(capsys, "--data-dir", other, "--device", "cpu")
+    assert rc == 1 and err == [f"error: {other}: missing arrays ['train_images', 'test_images', 'test_labels']; it "
+                               "holds ['images', 'train_labels'], expected ['train_images', 'train_labels', "
+                               "'test_images', 'test_labels']"]
+
+
+def test_close_progress_ends_a_bar_left_open():
+    import io
+    from tqdm import tqdm
+    bar = tqdm(total=10, file=io.StringIO())
+    bar.update(3)
+    core.close_progress()
+    assert bar not in tqdm._instances and bar.disable
+
+
+@pytest.mark.skipif(not os.path.isfile("/proc/cpuinfo"), reason="Linux's CPU model")
+def test_the_cpu_is_named_by_its_model_not_its_architecture():
+    import platform
+    import devices
+    with open("/proc/cpuinfo") as f:
+        models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    assert devices.name("cpu") == (models[0] if models else platform.processor() or platform.machine())
