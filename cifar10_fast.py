@@ -28,7 +28,7 @@ import torch_backend as tb
 import training as T
 from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
 from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, close_progress, end_torchrun,
-                  print_summary, summarize_runs, write_json)
+                  exit_now, print_summary, summarize_runs, write_json)
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch
 from settings import (add_flags, as_flags, changed, changes_from, check, command_text, component, flag_error, knob,
@@ -850,4 +850,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 130:
+        exit_now(status)        # Ctrl-C: at once, not seconds later (torch.compile's state finalised)
+    sys.exit(status)

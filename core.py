@@ -251,6 +251,14 @@ def started_by_torchrun(pid):
     return "torch.distributed.run" in command or any(os.path.basename(part) == "torchrun" for part in command[:2])
 
 
+def exit_now(status):
+    """Ends this process at once with `status`, its output flushed and nothing more run: after Ctrl-C, whose line is
+    printed and whose files are written, Python's finalisation of torch.compile's state holds the exit for seconds."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 class DataError(Exception):
     """Bad or missing data: the message names the file and what is wrong."""
 

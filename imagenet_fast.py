@@ -33,7 +33,7 @@ import scaling
 import training as T
 from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
 from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, close_progress,
-                  end_torchrun, print_summary, summarize_runs, write_json)
+                  end_torchrun, exit_now, print_summary, summarize_runs, write_json)
 from imagenet_data import draw_epoch, evaluate, place, train_batches
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
@@ -1087,4 +1087,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 130:
+        exit_now(status)        # Ctrl-C: at once, not seconds later (torch.compile's state finalised)
+    sys.exit(status)

@@ -214,3 +214,15 @@ def test_the_cpu_is_named_by_its_model_not_its_architecture():
     with open("/proc/cpuinfo") as f:
         models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     assert devices.name("cpu") == (models[0] if models else platform.processor() or platform.machine())
+
+
+def test_exit_now_flushes_the_output_and_runs_nothing_more(tmp_path):
+    """After Ctrl-C the scripts leave by core.exit_now: the line printed, the status kept, and none of the
+    interpreter's finalisation (here an atexit handler that would write a file) run after it."""
+    import subprocess
+    late = tmp_path / "late"
+    code = (f"import atexit, sys, core; atexit.register(open, {str(late)!r}, 'w'); print('kept', end=''); "
+            "print('line', file=sys.stderr, end=''); core.exit_now(130)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.path.dirname(core.__file__)})
+    assert (r.returncode, r.stdout, r.stderr) == (130, "kept", "line") and not late.exists()
