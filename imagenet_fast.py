@@ -639,8 +639,9 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
             final_eval_time = clock(include=False)
             if time_to_target is None and metrics["top5" if r.target_top5 else "top1"] >= o.target:
                 time_to_target = clock.total
-        rows.append({"epoch": p.epoch + 1, "res": p.res, "batch": p.batch * ctx.world_size, "lr": lr, "train_loss": losses.item() / seen,
-                     "train_acc": correct.item() / seen, **metrics, "epoch_time": epoch_time, "total_time": clock.total})
+        rows.append({"epoch": p.epoch + 1, "res": p.res, "batch": p.batch * ctx.world_size, "lr": lr,   # global
+                     "train_loss": losses.item() / seen, "train_acc": correct.item() / seen, **metrics,
+                     "epoch_time": epoch_time, "total_time": clock.total})
         if o.checkpoint:
             T.save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, store=o.store, progress={
                 "epoch": p.epoch + 1, "rows": rows, "train_time": clock.total, "time_to_target": time_to_target})
@@ -891,9 +892,8 @@ def recipe_command(r, name):
     without those the table sets, which its flags refuse), after a line of its name and what it is."""
     table = phases(r.schedule.phases) if r.schedule.phases else []
     skip = PHASED + (("val_res",) if any(ph.val_res for ph in table) else ()) if table else ()
-    return (f"# {r.name}: {r.doc}" + ("; the phase table sets the epochs, batches, rates and resolutions" if skip
-                                      else "") + "\n" + command_text(["python", "imagenet_fast.py", "train",
-                                                                       "--recipe", name], as_flags(r, skip=skip)))
+    head = f"# {r.name}: {r.doc}" + ("; its phase table sets the epochs, batches, rates, resolutions" if skip else "")
+    return head + "\n" + command_text(["python", "imagenet_fast.py", "train", "--recipe", name], as_flags(r, skip=skip))
 
 
 def main_train(args, changes, argv):
@@ -950,9 +950,9 @@ def run(args, r, *, ctx, argv):
         end_torchrun()
         return 1 if isinstance(e, DataError) else 2
     dtype = devices.compute_dtype(device, args.precision)
-    held = (("jpeg store, decoded on the GPU (nvJPEG)" if decoder == "gpu" else
-             f"jpeg store, decoded by {data.workers} CPU process{'es' * (data.workers != 1)}") if store.format == "jpeg"
-            else f"raw store of size {store.size} in {data.where} memory")
+    cpus = f"{data.workers} CPU process{'es' * (data.workers != 1)}"
+    held = (("jpeg store, decoded on the GPU (nvJPEG)" if decoder == "gpu" else f"jpeg store, decoded by {cpus}")
+            if store.format == "jpeg" else f"raw store of size {store.size} in {data.where} memory")
     say(f"recipe {r.name} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {len(store.train)} train and "
         f"{len(store.val)} val images, {len(store.index['classes'])} classes, {held}"
         + (f", {ctx.world_size} ranks of {plans[0].batch} images per step, each training on {data.per_epoch()} "
@@ -976,8 +976,9 @@ def check_batch(r, *, world, n_train):
                 "--batch-scale"
             raise UsageError(f"{flag}: the global batch of epoch {row['epoch']}, {row['batch']} images, is larger "
                              f"than the store's {n_train} training images")
-        raise flag_error("batch_size", r.batch_size, f"larger than the {n_train} training images" + (
-            f" ({r.batch_size} on each of {world} GPU{'s' * (world != 1)}, --per-gpu-batch)" if r.per_gpu_batch else ""))
+        per_gpu = f" ({r.batch_size} on each of {world} GPU{'s' * (world != 1)}, --per-gpu-batch)"
+        raise flag_error("batch_size", r.batch_size, f"larger than the {n_train} training images"
+                         + (per_gpu if r.per_gpu_batch else ""))
 
 
 def schedule_text(r, plans, *, world):
