@@ -943,8 +943,8 @@ def run(args, r, *, ctx, argv):
         plans = epoch_plans(r, ctx.world_size)   # a schedule that does not divide over the ranks fails here
         decoder = devices.jpeg_decoder(device, args.decoder)
         store = open_store(args.store)
-        check_batch(r, world=ctx.world_size, n_train=len(store.train))
         data = placed(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
+        check_batch(r, world=ctx.world_size, n_train=len(store.train))    # placed first: only a tiny store fails it
     except (ValueError, DataError) as e:         # UsageError is a ValueError
         (print if isinstance(e, DataError) else say)(f"error: {e}", file=sys.stderr)   # every rank: its own store
         end_torchrun()
