@@ -58,3 +58,15 @@ def test_ctrl_c_under_torchrun_leaves_the_projects_line_and_no_report(tmp_path):
     rc, out, err = ended(proc)
     assert err[-1].startswith("interrupted in epoch ") and err[-1].endswith(" of run 1"), err
     assert not any("Traceback" in line or "ChildFailedError" in line for line in err), err
+
+
+def test_nothing_is_stopped_but_the_torchrun_that_started_this_process(monkeypatch):
+    """Without torchrun's variables, or with them but a parent that is not torchrun, end_torchrun stops nothing."""
+    import core
+    monkeypatch.setattr(os, "kill", lambda *a: pytest.fail(f"stopped {a}"))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    core.end_torchrun()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    core.end_torchrun()                                    # this process's parent runs pytest, not torchrun
+    assert not core.started_by_torchrun(os.getppid()) and not core.started_by_torchrun(-1)
