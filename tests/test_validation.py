@@ -56,6 +56,7 @@ NO_DATA = [
     (["--bucket-mb=-1"], "error: --bucket-mb -1: must be a positive number of MB"),
     (["--bucket-mb", "nan"], "error: --bucket-mb nan: must be a positive number of MB"),
     (["--dist-timeout", "inf"], "error: --dist-timeout must be positive (minutes)"),
+    (["--target", "nan"], "error: --target nan: must be in (0, 1]"),
 ]
 DATA = [
     (["--batch-size", "512"], "error: --batch-size 512: larger than the 256 training images"),
