@@ -946,7 +946,8 @@ def run(args, r, *, ctx, argv):
         data = placed(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
         check_batch(r, world=ctx.world_size, n_train=len(store.train))    # placed first: only a tiny store fails it
     except (ValueError, DataError) as e:         # UsageError is a ValueError
-        (print if isinstance(e, DataError) else say)(f"error: {e}", file=sys.stderr)   # every rank: its own store
+        if ctx.is_main or isinstance(e, DataError) and ctx.local_rank == 0:     # bad data: each node's own store
+            print(f"error: {e}", file=sys.stderr, flush=True)
         end_torchrun()
         return 1 if isinstance(e, DataError) else 2
     dtype = devices.compute_dtype(device, args.precision)

@@ -12,12 +12,12 @@ import pytest
 from conftest import ROOT, synthetic_arrays
 
 
-def torchrun(*args, restarts=3):
-    """The Popen of torchrun --max-restarts `restarts` running cifar10_fast.py on 2 CPU processes, in a session of its
-    own (as a terminal's foreground job is)."""
+def torchrun(*args, restarts=3, script=("cifar10_fast.py",)):
+    """The Popen of torchrun --max-restarts `restarts` running script (cifar10_fast.py) on 2 CPU processes, in a
+    session of its own (as a terminal's foreground job is)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             f"--max-restarts={restarts}", str(ROOT / "cifar10_fast.py"), "--device", "cpu",
+                             f"--max-restarts={restarts}", str(ROOT / script[0]), *script[1:], "--device", "cpu",
                              *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=env, start_new_session=True)
 
@@ -42,6 +42,14 @@ def test_a_data_error_under_torchrun_with_restarts_ends_the_job_once_in_one_line
     bad.write_text("not an archive")
     rc, out, err = ended(torchrun("--data-dir", bad))
     assert len(err) == 2 and err[0].startswith("warning: no GPU in use") and err[1].startswith(f"error: {bad}: "), err
+    assert rc == -signal.SIGKILL
+
+
+def test_imagenet_without_its_store_under_torchrun_ends_the_job_once_in_one_line(tmp_path):
+    rc, out, err = ended(torchrun("--store", tmp_path / "none", "--recipe", "tiny",
+                                  script=("imagenet_fast.py", "train")))
+    assert err[-1] == (f"error: {tmp_path / 'none'}: not a prepared store (no index.json); run `imagenet_fast.py "
+                       "prepare` first") and sum(line.startswith("error:") for line in err) == 1, err
     assert rc == -signal.SIGKILL
 
 
