@@ -26,14 +26,16 @@ import devices
 import distributed as D
 import torch_backend as tb
 import training as T
-from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, run_record
-from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, print_summary, summarize_runs,
-                  write_json)
+from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
+from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, close_progress, end_torchrun,
+                  exit_now, print_summary, summarize_runs, write_json)
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch
-from settings import add_flags, changed, changes_from, check, component, flag_error, knob, one_of, part
+from settings import (add_flags, as_flags, changed, changes_from, check, command_text, component, flag_error, knob,
+                      numbers, one_of, part)
 
 ACTIVATIONS = tuple(tb.ACTIVATIONS)
+MAX_EPOCHS = 1000         # beyond it a typo (--epochs 1e12), not a run: its rate would round to 0 at every step
 
 # ---------------------------------------------------------------------------------------------
 # The settings: one component per technique
@@ -46,7 +48,7 @@ class Network:
     PREFIX = ""
     model: str = knob("resnet9", choices=tuple(tb.MODELS))
     width: float = knob(1.0, above=0, doc="every layer's channels x this")
-    block_widths: tuple = knob((64, 256, 256), above=0, whole=True, doc="fastnet's three blocks' channels")
+    block_widths: tuple = numbers((64, 256, 256), above=0, whole=True, doc="fastnet's three blocks' channels")
     block_depth: int = knob(2, choices=(2, 3), doc="fastnet's convolutions per block (3: airbench96's residual)")
     act: str = knob("relu", choices=ACTIVATIONS)
     celu_alpha: float = knob(0.3, above=0)
@@ -150,8 +152,9 @@ class Muon:
     lr: float = knob(0.24, low=0, doc="at the schedule's peak")
     momentum: float = knob(0.6, low=0, high=1)
     ns_steps: int = knob(3, low=0, whole=True)
-    ns_coeffs: tuple = knob((3.4445, -4.7750, 2.0315))
-    renorm_every: tuple = knob((1, 1), low=0, whole=True, doc="every k steps, k growing from the first to the "
+    ns_coeffs: tuple = numbers((3.4445, -4.7750, 2.0315), doc="Newton-Schulz's a, b, c: X <- aX + bAX + "
+                            "cA²X, A = XXᵀ")
+    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="every k steps, k growing from the first to the "
                                "second over the run, the filters back to their norm (0: never)")
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
     momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"))
@@ -191,7 +194,7 @@ class Recipe:
     """What a run computes. Settings left out (None) are techniques the recipe does not use."""
     name: str = "custom"
     doc: str = ""
-    epochs: float = knob(24, above=0, doc="fractional: the last epoch cut short")
+    epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="fractional: the last epoch cut short")
     batch_size: int = knob(512, above=0, whole=True)
     label_smoothing: float = knob(0.0, low=0, high=1)
     network: Network = part(Network())
@@ -765,6 +768,8 @@ def check_data(r, arrays, ctx, say=None):
         raise flag_error("cutout", r.augment.cutout, f"larger than the {h}x{w} images")
     if r.augment.low_res and h != w:
         raise flag_error("low_res", r.augment.low_res, f"needs square images, not {h}x{w}")
+    if r.augment.low_res >= min(h, w):
+        raise flag_error("low_res", r.augment.low_res, f"must be smaller than the {h}x{w} images")
     try:        # on the meta device: shapes only, no memory, no arithmetic
         tb.build_model(r, "meta")(torch.empty(2, 3, h, w, device="meta"))
     except RuntimeError:
@@ -784,6 +789,9 @@ def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="myrtle24", help="recipe name (default myrtle24; see --list-recipes)")
     p.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
+    p.add_argument("--print-recipe", action="store_true",
+                   help="print the recipe's every setting (with the flags given) as the command that trains it, and "
+                        "exit")
     p.add_argument("--dataset", default=None, type=one_of(cd.DATASETS),
                    help="what a data folder holds, downloaded there if missing (default cifar10); for a .npz, that it "
                         f"is that dataset, checked as such (without it, a .npz is your own data) (one of "
@@ -798,9 +806,14 @@ def parse_args(argv=None):
                    help="torch.compile the network with this mode (compiled once, in the untimed warm-up); "
                         "reduce-overhead also captures CUDA graphs")
     add_run_flags(p, comm_hook=True)
-    add_flags(p, Recipe)
+    add_flags(p, Recipe, recipe=MYRTLE24)
     args = p.parse_args(argv)
     return args, changes_from(args, Recipe)
+
+
+# what train() does before a run's first epoch, by function: what Ctrl-C stopped there
+BEFORE_TRAINING = {"loaded": "loading the data", "build": "putting the data on the device and building the network",
+                   "warmup": "warming up (cuDNN's autotuning, or torch.compile compiling)"}
 
 
 def main(argv=None):
@@ -813,11 +826,16 @@ def main(argv=None):
         return 0
     try:            # every flag, before any data is loaded (what depends on the data: in train(), before training)
         r = recipe(args.recipe, **changes)
+        if args.print_recipe:
+            print(f"# {r.name}: {r.doc}\n" + command_text(["python", "cifar10_fast.py", "--recipe", args.recipe],
+                                                          as_flags(r)))
+            return 0
         check_subset(args.subset)
         check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
         ctx = join_ranks(args)
     except UsageError as e:
         D.print0(f"error: {e}", file=sys.stderr)
+        end_torchrun()
         return 2
     device, where = torch.device(ctx.device), {"run": 1, "epoch": 1, "finished": 0}
     if devices.is_cpu(device) and ctx.is_main:
@@ -842,9 +860,13 @@ def main(argv=None):
         D.barrier()                 # leave together
     except (UsageError, DataError) as e:
         D.print0(f"error: {e}", file=sys.stderr)
+        end_torchrun()
         return 2 if isinstance(e, UsageError) else 1
-    except KeyboardInterrupt:
-        D.print0(interrupted(where["epoch"], where["run"], where["finished"], out=args.out), file=sys.stderr)
+    except KeyboardInterrupt as e:
+        close_progress()
+        D.print0(interrupted(where["epoch"], where["run"], where["finished"], out=args.out,
+                             during=phase_of(e, BEFORE_TRAINING)), file=sys.stderr)
+        end_torchrun(others_wait=False)
         return 130
     except RuntimeError as e:
         return lost_peer(e, ctx)
@@ -861,4 +883,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 130:
+        exit_now(status)        # Ctrl-C: at once, not seconds later (torch.compile's state finalised)
+    sys.exit(status)

@@ -11,6 +11,7 @@ import os
 import pickle
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -122,9 +123,18 @@ def read_batches_dir(folder, spec=DATASETS["cifar10"]):
 
 
 def read_npz(path):
+    """The four arrays of a .npz; a DataError naming the file where it is not a .npz (numpy would read any other
+    file as a pickle) or lacks one of them (naming the arrays it holds)."""
+    if not zipfile.is_zipfile(path):
+        raise DataError(f"{path}: not a readable .npz (not a zip archive of arrays, as numpy.savez writes)")
     try:
         with np.load(path) as z:
-            return {k: z[k] for k in KEYS if k in z.files}
+            missing = [k for k in KEYS if k not in z.files]
+            if missing:
+                raise DataError(f"{path}: missing arrays {missing}; it holds {sorted(z.files)}, expected {list(KEYS)}")
+            return {k: z[k] for k in KEYS}
+    except DataError:
+        raise
     except Exception as e:
         raise DataError(f"{path}: not a readable .npz ({type(e).__name__}: {e})") from e
 

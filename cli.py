@@ -5,8 +5,10 @@ their settings (settings.py).
 """
 import dataclasses
 import datetime
+import math
 import platform
 import sys
+import traceback
 
 import torch
 
@@ -71,8 +73,10 @@ def join_ranks(args, hook=None):
     """This process's distributed.Context: --deterministic's settings first (before CUDA starts), then torchrun's
     process group joined (if any), with the communication hook (hook, or --comm-hook) and --torus-grid checked
     against its world. A bad value is a UsageError of one line (the group left again)."""
-    if args.dist_timeout is not None and args.dist_timeout <= 0:
+    if args.dist_timeout is not None and not (math.isfinite(args.dist_timeout) and args.dist_timeout > 0):
         raise UsageError("--dist-timeout must be positive (minutes)")
+    if not (math.isfinite(args.bucket_mb) and args.bucket_mb > 0):
+        raise flag_error("bucket_mb", args.bucket_mb, "must be a positive number of MB")
     if args.deterministic:
         devices.set_deterministic()
     try:
@@ -99,9 +103,17 @@ def lost_peer(error, ctx):
     return 1
 
 
-def interrupted(epoch, run, finished, *, out=None, checkpoint=None):
-    """The line Ctrl-C leaves: where the work stopped and what of it is kept (only what was written)."""
-    line = f"interrupted in epoch {epoch} of run {run}"
+def phase_of(error, phases):
+    """What the work was doing when `error` (a KeyboardInterrupt) stopped it: phases[name] of the innermost function
+    of that name the interrupt came through ({"loaded": "loading the data"}), or None (inside an epoch)."""
+    names = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+    return next((phases[name] for name in reversed(names) if name in phases), None)
+
+
+def interrupted(epoch, run, finished, *, out=None, checkpoint=None, during=None):
+    """The line Ctrl-C leaves: where the work stopped (in an epoch, or `during` what before the first) and what of it
+    is kept (only what was written)."""
+    line = f"interrupted while {during}" if during else f"interrupted in epoch {epoch} of run {run}"
     if checkpoint:
         line += (f"; the checkpoint of epoch {epoch - 1} is kept in {checkpoint} (--resume continues from it)"
                  if epoch > 1 else "; no epoch finished, so no checkpoint was written")

@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -102,10 +103,12 @@ class Heartbeat:
 
 
 class Table:
-    """Prints one row per call as soon as it arrives, header first, fixed-width columns."""
+    """Prints one row per call as soon as it arrives, header first, right-aligned columns at least `width` wide; a
+    column widens from the row whose value needs more, so neighbours never run together."""
 
     def __init__(self, columns, width=10, file=None, formats=None):
-        self.columns, self.width = list(columns), width
+        self.columns = list(columns)
+        self.widths = {c: max(width, len(c) + 1) for c in self.columns}
         self.file = file or sys.stdout
         self.formats = formats or {}
         self.rows = []
@@ -115,13 +118,23 @@ class Table:
             value = "-"
         elif isinstance(value, float):
             value = format(value, self.formats.get(key, ".4f"))
-        return str(value).rjust(self.width)
+        self.widths[key] = max(self.widths[key], len(str(value)) + 1)
+        return str(value).rjust(self.widths[key])
 
     def append(self, row):
         if not self.rows:
-            print("".join(c.rjust(self.width) for c in self.columns), file=self.file, flush=True)
+            print("".join(c.rjust(self.widths[c]) for c in self.columns), file=self.file, flush=True)
         self.rows.append(dict(row))
         print("".join(self._fmt(c, row.get(c, "")) for c in self.columns), file=self.file, flush=True)
+
+
+def close_progress():
+    """Closes every progress bar left open (by a Ctrl-C inside an epoch), so that the next line starts on a line of
+    its own."""
+    if "tqdm" in sys.modules:
+        from tqdm import tqdm
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
 
 
 def summarize(values):
@@ -201,12 +214,49 @@ def print_summary(name, s, target, labels):
 
 class Parser(argparse.ArgumentParser):
     """argparse, with an error as one line (`error: argument --tta: ...`) and exit status 2. Under torchrun rank 0
-    alone prints it (parsing comes before the process group exists, so it reads torchrun's RANK)."""
+    alone prints it (parsing comes before the process group exists, so it reads torchrun's RANK), and the job ends
+    there (end_torchrun)."""
 
     def error(self, message):
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
             print(f"error: {message}", file=sys.stderr, flush=True)
+        end_torchrun()
         self.exit(2)
+
+
+def end_torchrun(*, others_wait=True):
+    """Under torchrun, once this process has said why in its one line, ends the job without restarts: torchrun restarts
+    after every failed exit status, and a bad flag or bad data would only fail again, each time followed by
+    torchrun's report. Local rank 0 stops its torchrun (SIGKILL: its only ending that is neither a restart nor a
+    traceback); with others_wait the other local ranks wait for it to go, lest torchrun restart them first."""
+    agent = os.getppid()
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not started_by_torchrun(agent):
+        return
+    if os.environ.get("LOCAL_RANK") == "0":
+        os.kill(agent, signal.SIGKILL)
+        return
+    deadline = time.monotonic() + 30.0
+    while others_wait and os.getppid() == agent and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def started_by_torchrun(pid):
+    """Whether process pid is torchrun (python -m torch.distributed.run, or its torchrun script): read from Linux's
+    /proc; False where it cannot be read, so that nothing else is ever stopped."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return False
+    return "torch.distributed.run" in command or any(os.path.basename(part) == "torchrun" for part in command[:2])
+
+
+def exit_now(status):
+    """Ends this process at once with `status`, its output flushed and nothing more run: after Ctrl-C, whose line is
+    printed and whose files are written, Python's finalisation of torch.compile's state holds the exit for seconds."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 class DataError(Exception):
@@ -260,9 +310,9 @@ def made_folder(folder):
         raise
 
 
-def writable_folder(folder, what, remedy):
+def writable_folder(folder, what, remedy, *, prefix="tmp"):
     """Raises DataError (one line: the folder, why `what` cannot be written there, `remedy`) unless folder is, or
-    can be made, a folder this process can create files in; leaves nothing behind that it made."""
+    can be made, a folder this process can write a file in (one named prefix..., tried); leaves nothing it made."""
     from pathlib import Path
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
@@ -273,7 +323,9 @@ def writable_folder(folder, what, remedy):
             if not d.exists():
                 d.mkdir()
                 made.append(d)
-        tempfile.TemporaryFile(dir=folder).close()
+        fd, tried = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
+        os.close(fd)
+        os.remove(tried)
     except OSError as e:
         raise DataError(f"{folder}: cannot write {what} there ({e.strerror or e}); {remedy}") from None
     finally:
@@ -282,8 +334,9 @@ def writable_folder(folder, what, remedy):
 
 
 def check_output(path, flag):
-    """Raises UsageError unless a file can be written at path: not a folder, and its folder either exists and is
-    writable or can be created. Checked before training, so that a mistyped path costs nothing."""
+    """Raises UsageError unless a file can be written at path: not a folder, and write_atomic's temporary file written
+    (and removed) in its folder, made for the trial where missing. Checked before training, so that a mistyped path
+    costs nothing and a finished run is never lost to its file."""
     if path is None:
         return
     p = os.path.abspath(os.fspath(path))
@@ -296,6 +349,11 @@ def check_output(path, flag):
         raise UsageError(f"{flag} {path}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {path}: cannot write in {parent}")
+    try:        # permissions are not the whole story (root in /proc, a read-only mount): write_atomic's file, tried
+        writable_folder(os.path.dirname(p), f"{flag}'s file", "give a path in a folder you can write in",
+                        prefix="." + os.path.basename(p) + ".")
+    except DataError as e:
+        raise UsageError(f"{flag} {path}: {e}") from None
 
 
 def default_file_mode():

@@ -91,9 +91,19 @@ def is_cpu(device):
 
 
 def name(device):
-    """The accelerator's name (torch.cuda.get_device_name and its like), or the CPU's."""
+    """The accelerator's name (torch.cuda.get_device_name and its like), or the CPU's (cpu_name)."""
     get = getattr(accelerator(device), "get_device_name", None)
-    return get(device) if get else platform.processor() or platform.machine()
+    return get(device) if get else cpu_name()
+
+
+def cpu_name():
+    """The CPU's model as Linux names it ("AMD EPYC 7R13 Processor"); elsewhere what platform knows (its
+    architecture at least)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def backend(device):

@@ -14,7 +14,9 @@ models, the recipes, the training loop (train_run) and the command line.
 """
 import argparse
 import contextlib
+import hashlib
 import io
+import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,14 +31,15 @@ import devices
 import distributed as D
 import scaling
 import training as T
-from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, run_record
-from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, print_summary,
-                  summarize_runs, write_json)
+from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
+from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, close_progress,
+                  end_torchrun, exit_now, print_summary, summarize_runs, write_json)
 from imagenet_data import draw_epoch, evaluate, place, train_batches
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
 from schedules import batch_for, phases, plan, res_at, step_lr
-from settings import add_flags, changed, changes_from, check, component, flag_error, flat, knob, one_of, part
+from settings import (add_flags, as_flags, changed, changes_from, check, command_text, component, flag_error, flat,
+                      knob, numbers, one_of, part)
 
 # ---------------------------------------------------------------------------------------------
 # Models
@@ -111,6 +114,7 @@ def set_ghost_groups(model, group):
             m.group = group
 
 
+MAX_EPOCHS = 1000         # beyond it a typo, not a run (every epoch is planned before the first)
 MODELS = ("resnet_tiny", "resnet18", "resnet34", "resnet50", "resnet101")
 
 
@@ -256,8 +260,8 @@ class Augment:
     """torchvision's random-resized crops of the whole image (their area and aspect ratio ranges), a random flip,
     and brightness, contrast and saturation jitter of +- jitter."""
     PREFIX = ""
-    crop_scale: tuple = knob((0.08, 1.0), above=0, high=1)
-    crop_ratio: tuple = knob((3 / 4, 4 / 3), above=0)
+    crop_scale: tuple = numbers((0.08, 1.0), above=0, high=1)
+    crop_ratio: tuple = numbers((3 / 4, 4 / 3), above=0)
     flip: bool = knob(True)
     jitter: float = knob(0.0, low=0)
 
@@ -311,7 +315,7 @@ class Recipe:
     name: str = "custom"
     doc: str = ""
     notes: tuple = ()           # what a setting given changed in another, said before training
-    epochs: int = knob(16, above=0, whole=True)
+    epochs: int = knob(16, above=0, high=MAX_EPOCHS, whole=True)
     batch_size: int = knob(512, above=0, whole=True, doc="the global batch, split over the ranks (with "
                            "--per-gpu-batch true: each GPU's)")
     per_gpu_batch: bool = knob(False, doc="--batch-size is each GPU's batch, so the global batch grows with the GPUs "
@@ -554,6 +558,7 @@ class Options(T.Options):
     checkpoint: str = None
     resume: bool = False
     interrupt_after: int = None
+    store: dict = None          # store_identity(): a checkpoint records it, and resumes only on that store
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -628,6 +633,8 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
         if r.lookahead and p.epoch == r.epochs - 1:
             average.finish(model)                # lookahead: the slow weights end the run
         epoch_time, last = clock(), p.epoch == r.epochs - 1
+        T.check_finite_loss(epoch_loss(losses, ctx) / (seen * ctx.world_size), epoch=p.epoch + 1,
+                            hint=divergence_hint(r))
         metrics = dict.fromkeys(("val_loss", "top1", "top5"))
         if last or (o.eval_every and (p.epoch + 1) % o.eval_every == 0):
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {p.epoch + 1}", on=o.progress):
@@ -635,19 +642,40 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
             final_eval_time = clock(include=False)
             if time_to_target is None and metrics["top5" if r.target_top5 else "top1"] >= o.target:
                 time_to_target = clock.total
-        rows.append({"epoch": p.epoch + 1, "res": p.res, "batch": p.batch, "lr": lr, "train_loss": losses.item() / seen,
-                     "train_acc": correct.item() / seen, **metrics, "epoch_time": epoch_time, "total_time": clock.total})
+        rows.append({"epoch": p.epoch + 1, "res": p.res, "batch": p.batch * ctx.world_size, "lr": lr,   # global
+                     "train_loss": losses.item() / seen, "train_acc": correct.item() / seen, **metrics,
+                     "epoch_time": epoch_time, "total_time": clock.total})
         if o.checkpoint:
-            T.save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, progress={
+            T.save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, store=o.store, progress={
                 "epoch": p.epoch + 1, "rows": rows, "train_time": clock.total, "time_to_target": time_to_target})
-            if o.interrupt_after == p.epoch + 1:
-                D.leave_together(ctx)
-                raise SystemExit(T.INTERRUPTED)
         on_epoch and on_epoch(rows[-1])
+        if o.checkpoint and o.interrupt_after == p.epoch + 1:
+            D.print0(f"stopped after epoch {p.epoch + 1} (--interrupt-after-epoch), exit status {T.INTERRUPTED}; "
+                     f"its checkpoint is {o.checkpoint}: the same command with --resume continues from it",
+                     file=sys.stderr)
+            D.leave_together(ctx)
+            raise SystemExit(T.INTERRUPTED)
         clock(include=False)
     return {"seed": seed, "rows": rows, "final_top1": rows[-1]["top1"], "final_top5": rows[-1]["top5"],
             "train_time": clock.total, "final_eval_time": final_eval_time, "time": clock.total + final_eval_time,
             "time_to_target": time_to_target}
+
+
+def epoch_loss(losses, ctx):
+    """The epoch's summed training loss over every rank (under torchrun one all-reduce an epoch, after its steps), so
+    that a loss diverged on any rank stops every rank alike."""
+    total = losses.detach().clone()
+    if ctx.distributed:
+        torch.distributed.all_reduce(total)
+    return total.item()
+
+
+def divergence_hint(r):
+    """The setting most likely behind a training loss gone NaN or infinite: the rate, as the recipe sets it."""
+    if r.schedule.phases:
+        return "lower the phase table's rates (--phases)"
+    return (f"lower --lr (here {r.schedule.lr:g}) or warm up longer (--warmup-epochs, here "
+            f"{r.schedule.warmup_epochs:g})")
 
 
 def train_epoch(r, run, data, p, *, forward, ctx, o, shares):
@@ -695,7 +723,8 @@ def accumulated_step(forward, opt, batch, *, ctx, label_smoothing, dtype):
 def resumed(r, run, o, *, forward, plans, ctx, on_epoch):
     """Where a run starts: epoch 0, or (with o.resume) where its checkpoint left it, its state loaded into run and
     its rows replayed to on_epoch."""
-    state = T.read_checkpoint(o.checkpoint, settings=flat(r), ctx=ctx) if o.resume and o.checkpoint else None
+    state = (T.read_checkpoint(o.checkpoint, settings=flat(r), ctx=ctx, store=o.store) if o.resume and o.checkpoint
+             else None)
     if state is None:
         return {"epoch": 0, "rows": [], "train_time": 0.0, "time_to_target": None}
     if ctx.distributed:     # DDP's buckets as the uninterrupted run has them, so that its sums round the same
@@ -782,6 +811,9 @@ def parse_args(argv=None):
     tp.add_argument("--store", help="a folder written by prepare")
     tp.add_argument("--recipe", default="rn50_16ep", help="recipe name (default rn50_16ep; see --list-recipes)")
     tp.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
+    tp.add_argument("--print-recipe", action="store_true",
+                    help="print the recipe's every setting (with the flags given) as the command that trains it, and "
+                         "exit")
     tp.add_argument("--data-on", default="auto", choices=["auto", "device", "host"],
                     help="where a raw store lives (auto: on the device if it fits beside training)")
     tp.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
@@ -800,7 +832,7 @@ def parse_args(argv=None):
                     help=f"exit with status {T.INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
                          "would; a restart with --resume (or torchrun --max-restarts) continues from it")
     add_run_flags(tp)
-    add_flags(tp, Recipe)
+    add_flags(tp, Recipe, recipe=RN50_16EP)
     sub.add_parser("simulate", add_help=False,
                    help="project step time and scaling efficiency over many GPUs (as python scaling.py)")
     args = p.parse_args(argv)
@@ -808,6 +840,7 @@ def parse_args(argv=None):
 
 
 def main_prepare(args):
+    finished = (Path(args.dst) / "index.json").is_file()       # then prepare says "already prepared" and writes nothing
     try:
         settings = Settings(format=args.format, size=args.size, max_side=args.max_side, quality=args.quality,
                             max_aspect=args.max_aspect)
@@ -821,6 +854,8 @@ def main_prepare(args):
         return 130
     if index is None:
         return 3
+    if finished:
+        return 0
     shape = (f"longer side <= {args.max_side}" if args.format == "jpeg" else f"size {args.size}")
     gb = (index["train"]["bytes"] + index["val"]["bytes"]) / 1e9
     print(f"wrote {args.dst}: {len(index['classes'])} classes, {index['train']['count']} train and "
@@ -853,20 +888,44 @@ def goal(r, target):
     return r.target_top5 or (0.75 if target is None else target)
 
 
+# what run() does before the first run, by function: what Ctrl-C stopped there
+BEFORE_TRAINING = {"open_store": "opening the store", "placed": "placing the store",
+                   "warmup": "warming up (cuDNN's autotuning at every resolution)"}
+
+
+def recipe_command(r, name):
+    """Recipe r as the command that trains it from recipe `name`: its every setting a flag (a phase table's recipe
+    without those the table sets, which its flags refuse), after a line of its name and what it is."""
+    table = phases(r.schedule.phases) if r.schedule.phases else []
+    skip = PHASED + (("val_res",) if any(ph.val_res for ph in table) else ()) if table else ()
+    head = f"# {r.name}: {r.doc}" + ("; its phase table sets the epochs, batches, rates, resolutions" if skip else "")
+    return head + "\n" + command_text(["python", "imagenet_fast.py", "train", "--recipe", name], as_flags(r, skip=skip))
+
+
 def main_train(args, changes, argv):
     if args.list_recipes:
         print("\n".join(f"{name:12s} {r.doc}" for name, r in RECIPES.items()))
         return 0
     try:
         r = recipe(args.recipe, **changes)
+        if args.print_recipe:
+            print(recipe_command(r, args.recipe))
+            return 0
         args.target = goal(r, args.target)
         check_train(args)
         ctx = join_ranks(args, r.comm_hook)
     except UsageError as e:
         D.print0(f"error: {e}", file=sys.stderr)
+        end_torchrun()
         return 2
     try:
         return run(args, r, ctx=ctx, argv=argv)
+    except KeyboardInterrupt as e:       # before the runs (train_runs says where a run stopped)
+        close_progress()
+        D.print0(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint,
+                             during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"), file=sys.stderr)
+        end_torchrun(others_wait=False)
+        return 130
     except RuntimeError as e:
         return lost_peer(e, ctx)
     finally:
@@ -891,14 +950,17 @@ def run(args, r, *, ctx, argv):
         decoder = devices.jpeg_decoder(device, args.decoder)
         store = open_store(args.store)
         data = placed(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
+        check_batch(r, world=ctx.world_size, n_train=len(store.train))    # placed first: only a tiny store fails it
     except (ValueError, DataError) as e:         # UsageError is a ValueError
-        (print if isinstance(e, DataError) else say)(f"error: {e}", file=sys.stderr)   # every rank: its own store
+        if ctx.is_main or isinstance(e, DataError) and ctx.local_rank == 0:     # bad data: each node's own store
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        end_torchrun()
         return 1 if isinstance(e, DataError) else 2
     dtype = devices.compute_dtype(device, args.precision)
     on_gpu = devices.GPU_DECODERS.get(decoder)
-    held = ((f"jpeg store, decoded on the GPU ({on_gpu})" if on_gpu else
-             f"jpeg store, decoded by {data.workers} CPU processes") if store.format == "jpeg"
-            else f"raw store of size {store.size} in {data.where} memory")
+    cpus = f"{data.workers} CPU process{'es' * (data.workers != 1)}"
+    held = ((f"jpeg store, decoded on the GPU ({on_gpu})" if on_gpu else f"jpeg store, decoded by {cpus}")
+            if store.format == "jpeg" else f"raw store of size {store.size} in {data.where} memory")
     say(f"recipe {r.name} on {devices.name(device)} ({device}, {str(dtype)[6:]}), {len(store.train)} train and "
         f"{len(store.val)} val images, {len(store.index['classes'])} classes, {held}"
         + (f", {ctx.world_size} ranks of {plans[0].batch} images per step, each training on {data.per_epoch()} "
@@ -909,6 +971,22 @@ def run(args, r, *, ctx, argv):
         with Heartbeat("warm-up: cuDNN's autotuning at every resolution and batch", on=progress):
             warmup(r, data, device=device, dtype=dtype, world=ctx.world_size)
     return train_runs(args, r, data, ctx=ctx, argv=argv, store=store)
+
+
+def check_batch(r, *, world, n_train):
+    """Raises UsageError (one line, naming the flag that sets it) when an epoch's global batch is larger than the
+    store's n_train training images, as CIFAR's check_data does: a rank's batch is never silently shrunk."""
+    for row in plan(r, world):
+        if row["batch"] <= n_train:
+            continue
+        if r.schedule.phases or r.resolution.batch_schedule or r.resolution.batch_scale:
+            flag = "--phases" if r.schedule.phases else "--batch-schedule" if r.resolution.batch_schedule else \
+                "--batch-scale"
+            raise UsageError(f"{flag}: the global batch of epoch {row['epoch']}, {row['batch']} images, is larger "
+                             f"than the store's {n_train} training images")
+        per_gpu = f" ({r.batch_size} on each of {world} GPU{'s' * (world != 1)}, --per-gpu-batch)"
+        raise flag_error("batch_size", r.batch_size, f"larger than the {n_train} training images"
+                         + (per_gpu if r.per_gpu_batch else ""))
 
 
 def schedule_text(r, plans, *, world):
@@ -946,11 +1024,19 @@ def placed(r, store, args, *, ctx, decoder, progress):
                      workers=args.loader_workers, training=training)     # under torchrun, this rank's share alone
 
 
+def store_identity(store, name):
+    """What a checkpoint records of the store it was written on: the digest of its index (its settings, source,
+    classes and every count; the same store prepared again has the same) and its name (the folder given)."""
+    index = json.dumps(store.index, sort_keys=True).encode()
+    return {"digest": hashlib.sha1(index).hexdigest()[:12], "name": str(name)}
+
+
 def train_runs(args, r, data, *, ctx, argv, store):
     """The runs of the command line (seeds --seed, +1, ...), each its table, its line and --out rewritten after it;
     the exit status."""
-    o = Options(target=args.target, eval_every=args.eval_every, precision=args.precision,
-                interrupt_after=args.interrupt_after_epoch, resume=args.resume, progress=ctx.is_main and not args.quiet)
+    o = Options(target=args.target, eval_every=args.eval_every, precision=args.precision, store=store_identity(store,
+                args.store), interrupt_after=args.interrupt_after_epoch, resume=args.resume,
+                progress=ctx.is_main and not args.quiet)
     aim = f"{args.target:.2%}" + (" top-5" if r.target_top5 else "")
     accuracy = "final_top5" if r.target_top5 else "final_top1"       # the first label: the t-test's
     labels = {k: (f"final top-{k[-1]}", "") for k in (accuracy, "final_top1", "final_top5")}
@@ -975,11 +1061,14 @@ def train_runs(args, r, data, *, ctx, argv, store):
             result = train_run(r, data, replace(o, checkpoint=checkpoint), ctx=ctx, seed=seed,
                                on_epoch=lambda row: (table.append(row), epochs.append(row["epoch"])))
         except DataError as e:
-            D.print0(f"error: {e}", file=sys.stderr)      # the checkpoint's errors: the same on every rank
+            D.print0(f"error: {e}", file=sys.stderr)      # the checkpoint's, the loss's: the same on every rank
+            end_torchrun()
             return 1
         except KeyboardInterrupt:
+            close_progress()
             D.print0(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out, checkpoint=checkpoint),
                      file=sys.stderr)
+            end_torchrun(others_wait=False)
             return 130
         runs.append(result)
         save(complete=False)
@@ -1007,4 +1096,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 130:
+        exit_now(status)        # Ctrl-C: at once, not seconds later (torch.compile's state finalised)
+    sys.exit(status)

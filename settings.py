@@ -10,16 +10,23 @@ an absent component on, from its defaults. No torch here.
 """
 import argparse
 import dataclasses
+import math
 
 from core import UsageError
 
 
 def knob(default, *, choices=None, low=None, high=None, above=None, whole=False, flag=None, doc=None):
     """A setting's default and what it may take: one of `choices` (a tuple, or a dict of named presets whose flag
-    takes the name), or a number in [low, high], above `above`, a whole number with whole; `flag` names its flag
-    when its component's prefix alone is the natural name (the TTA's views: --tta)."""
+    takes the name), or a finite number (or a tuple of them) in [low, high], above `above`, whole with whole; `flag`
+    names its flag when its component's prefix alone is the natural name (the TTA's views: --tta)."""
     meta = {"choices": choices, "low": low, "high": high, "above": above, "whole": whole, "flag": flag, "doc": doc}
     return dataclasses.field(default=default, metadata=meta)
+
+
+def numbers(default, **limits):
+    """A knob (with knob's keywords) holding a tuple of exactly as many numbers as its default has."""
+    f = knob(default, **limits)
+    return dataclasses.field(default=default, metadata={**f.metadata, "length": len(default)})
 
 
 def component(cls, default=None):
@@ -80,6 +87,20 @@ def show(value):
     return f"{value:g}" if isinstance(value, float) else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def one_of_text(choices):
+    """The values a flag may take, as typed, for a help or an error: "'', relu, celu" ('' for the empty word)."""
+    return ", ".join(show(c) or "''" for c in choices)
+
+
+def exact(value):
+    """A value as a flag takes it, exactly: show()'s form where it reads back the same number, else every digit."""
+    if isinstance(value, tuple):
+        return ",".join(map(exact, value))
+    if isinstance(value, float) and float(show(value)) != value:
+        return repr(value)
+    return show(value)
+
+
 def flag_error(name, value, why):
     return UsageError(f"--{name.replace('_', '-')} {show(value)}: {why}")
 
@@ -131,23 +152,33 @@ def check(tree, prefix=()):
         if m.get("choices") is not None:
             allowed = tuple(m["choices"].values()) if isinstance(m["choices"], dict) else m["choices"]
             if value not in allowed:
-                raise flag_error(name, value, f"must be one of {', '.join(map(show, m['choices']))}")
+                raise flag_error(name, value, f"must be one of {one_of_text(m['choices'])}")
             continue
-        items = value if isinstance(value, tuple) else (value,)
-        for v in items:
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                continue
-            if m.get("whole") and not float(v).is_integer():
-                raise flag_error(name, value, "must be a whole number")
-            low, high, above = m.get("low"), m.get("high"), m.get("above")
-            if above is not None and not v > above:
-                raise flag_error(name, value, "must be positive" if above == 0 else f"must be above {show(above)}")
-            if low is not None and v < low or high is not None and v > high:
-                raise flag_error(name, value, f"must be between {show(low if low is not None else above)} and "
-                                 f"{show(high)}" if high is not None else "must not be negative" if low == 0
-                                 else f"must be at least {show(low)}")
+        number_error(name, value, m)
     if hasattr(tree, "check"):
         tree.check()
+
+
+def number_error(name, value, m):
+    """Raises flag_error unless value (a number, or a tuple of them) is what the knob's metadata m allows: each item
+    finite, whole, above and within its bounds, the tuple of its length."""
+    items = value if isinstance(value, tuple) else (value,)
+    if m.get("length") is not None and len(items) != m["length"]:
+        raise flag_error(name, value, f"must be {m['length']} numbers separated by commas")
+    for v in items:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        if not math.isfinite(v):            # NaN passes every comparison below
+            raise flag_error(name, value, "must be a finite number")
+        if m.get("whole") and not float(v).is_integer():
+            raise flag_error(name, value, "must be a whole number")
+        low, high, above = m.get("low"), m.get("high"), m.get("above")
+        if above is not None and not v > above:
+            raise flag_error(name, value, "must be positive" if above == 0 else f"must be above {show(above)}")
+        if low is not None and v < low or high is not None and v > high:
+            raise flag_error(name, value, f"must be between {show(low if low is not None else above)} and "
+                             f"{show(high)}" if high is not None else "must not be negative" if low == 0
+                             else f"must be at least {show(low)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,6 +192,11 @@ def number(s):
     return float(s)
 
 
+def whole(x):
+    """x as an int when it is a whole number, else as it is (1.5, NaN, inf), for the check to name what is wrong."""
+    return int(x) if float(x).is_integer() else float(x)
+
+
 def converter(f):
     """The function from a flag's text to the value of field f (named after the type, for argparse's errors)."""
     default, choices = f.default, f.metadata.get("choices")
@@ -169,10 +205,10 @@ def converter(f):
     elif isinstance(default, bool):
         convert = lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
     elif isinstance(default, tuple):
-        item = int if default and all(isinstance(v, int) for v in default) else float
-        convert = lambda s: tuple(item(number(v)) for v in s.split(","))
+        item = whole if default and all(isinstance(v, int) for v in default) else float
+        convert = lambda s: tuple(item(number(v)) for v in s.split(",")) if s else ()
     elif isinstance(default, int):        # an integer unless written as a fraction: --epochs 9.9
-        convert = lambda s: int(number(s)) if float(number(s)).is_integer() else float(number(s))
+        convert = lambda s: whole(number(s))
     elif isinstance(default, float):
         convert = lambda s: float(number(s))
     else:
@@ -194,11 +230,11 @@ def checked(convert, choices):
             value = convert(s)
         except (KeyError, ValueError, ZeroDivisionError):
             if choices:
-                raise argparse.ArgumentTypeError(f"{s!r} is not one of {', '.join(map(show, choices))}")
+                raise argparse.ArgumentTypeError(f"{s!r} is not one of {one_of_text(choices)}")
             raise argparse.ArgumentTypeError(f"{s!r} is not {KINDS.get(convert.__name__, convert.__name__)}")
         allowed = tuple(choices.values()) if isinstance(choices, dict) else choices
         if choices is not None and value not in allowed:
-            raise argparse.ArgumentTypeError(f"{s!r} is not one of {', '.join(map(show, choices))}")
+            raise argparse.ArgumentTypeError(f"{s!r} is not one of {one_of_text(choices)}")
         return value
     check.__name__ = convert.__name__
     return check
@@ -209,8 +245,9 @@ def one_of(choices):
     return checked(str, tuple(choices))
 
 
-def add_flags(parser, recipe_class, title="settings (change the recipe's)"):
-    """One flag per setting of recipe_class (--whiten-eps for whiten_eps); a switch takes true or false."""
+def add_flags(parser, recipe_class, title="settings (change the recipe's)", *, recipe=None):
+    """One flag per setting of recipe_class (--whiten-eps for whiten_eps); a switch takes true or false. Each help
+    says what the flag takes and the value of `recipe` (the default recipe), or that it leaves the technique out."""
     group = parser.add_argument_group(title)
     for leaf in leaves(recipe_class):
         f, choices = leaf.field, leaf.field.metadata.get("choices")
@@ -218,11 +255,50 @@ def add_flags(parser, recipe_class, title="settings (change the recipe's)"):
             convert, help_ = converter(dataclasses.field(default=True)), "switch this technique on or off"
         else:
             convert = converter(f)
-            help_ = f.metadata.get("doc") or ""
+            help_ = f.metadata.get("doc") or ("" if choices is not None else KINDS.get(convert.__name__, ""))
             if choices is not None:
-                help_ += f" (one of {', '.join(map(show, choices))})"
+                help_ += f" (one of {one_of_text(choices)})"
+            elif isinstance(f.default, tuple) and f.metadata.get("doc"):
+                help_ += " (numbers separated by commas)"
         group.add_argument("--" + leaf.name.replace("_", "-"), dest=leaf.name, default=None,
-                           type=checked(convert, choices if "component" not in f.metadata else None), help=help_)
+                           type=checked(convert, choices if "component" not in f.metadata else None),
+                           help=help_ + (f" [{recipe_value(recipe, leaf)}]" if recipe is not None else ""))
+
+
+def recipe_value(recipe, leaf):
+    """A setting's value in recipe, for a flag's help: "myrtle24: 0,0.4,0", or where the recipe leaves its technique
+    out "myrtle24: off; on: 0.01" (the value it takes when turned on)."""
+    value, switch = get(recipe, leaf.path), "component" in leaf.field.metadata
+    if switch:
+        return f"{recipe.name}: {'off' if value is None else 'on'}"
+    if get(recipe, leaf.path[:-1]) is None:
+        return f"{recipe.name}: off; on: {exact(leaf.field.default) or repr('')}"
+    return f"{recipe.name}: {exact(value) or repr('')}"
+
+
+def as_flags(tree, *, skip=()):
+    """[(flag, value as typed)] that set every setting of tree (a recipe) as it holds it, whatever recipe they are
+    given to: a technique left out by its switch or OFF value, numbers exact; settings named in skip left out."""
+    out = []
+    for leaf in leaves(type(tree)):
+        owner, flag = get(tree, leaf.path[:-1]), "--" + leaf.name.replace("_", "-")
+        off = getattr(leaf.owners[-1], "OFF", None)
+        if leaf.name in skip:
+            continue
+        if owner is None:               # a technique left out: its OFF value, once (its other settings mean nothing)
+            if off and leaf.path[-1] == off[0] and get(tree, leaf.path[:-2]) is not None:
+                out.append((flag, exact(off[1])))
+        elif "component" in leaf.field.metadata:
+            out.append((flag, "false" if get(tree, leaf.path) is None else "true"))
+        else:
+            out.append((flag, exact(get(tree, leaf.path))))
+    return out
+
+
+def command_text(words, flags):
+    """A shell command of words then flags (as_flags), one flag a line: what --print-recipe prints."""
+    import shlex
+    return " \\\n  ".join([shlex.join(words), *(f"{flag} {shlex.quote(value)}" for flag, value in flags)])
 
 
 def changes_from(args, recipe_class):

@@ -192,13 +192,20 @@ class Trainable:
     generators: list
 
 
-CHECKPOINT_KEYS = {"model", "optimizers", "averaging", "rng", "progress", "settings", "world"}
+CHECKPOINT_KEYS = {"model", "optimizers", "averaging", "rng", "progress", "settings", "world", "store"}
 
 
-def save_checkpoint(path, run, *, progress, settings, ctx):
+def check_finite_loss(mean_loss, *, epoch, hint):
+    """Raises DataError (one line: the epoch, what diverged, `hint`: the likely setting) unless the epoch's mean
+    training loss is finite."""
+    if not math.isfinite(mean_loss):
+        raise DataError(f"the training loss of epoch {epoch} is {mean_loss}: the run diverged; {hint}")
+
+
+def save_checkpoint(path, run, *, progress, settings, ctx, store=None):
     """Writes everything a resumed run needs (rank 0, atomically; every rank waits): the Trainable run, `progress`
-    (the epoch reached, its rows, its clock, ...), the settings, and the random states of every rank gathered to all,
-    so that each rank resumes its own streams exactly."""
+    (the epoch reached, its rows, its clock, ...), the settings, the data's identity (`store`: {"digest", "name"}),
+    and the random states of every rank gathered to all, so that each rank resumes its own streams exactly."""
     rng = [torch.get_rng_state(), *(g.get_state() for g in run.generators)]
     every = [rng]
     if torch.distributed.is_initialized():
@@ -207,12 +214,12 @@ def save_checkpoint(path, run, *, progress, settings, ctx):
     D.save_checkpoint(path, {
         "model": run.model.state_dict(), "optimizers": [o.state_dict() for o in run.optimizers],
         "averaging": run.average.state_dict() if run.average else None, "rng": every, "progress": progress,
-        "settings": settings, "world": ctx.world_size}, ctx)
+        "settings": settings, "world": ctx.world_size, "store": store}, ctx)
 
 
-def read_checkpoint(path, *, settings, ctx):
+def read_checkpoint(path, *, settings, ctx, store=None):
     """The state save_checkpoint left at path (rank 0 reads, every rank receives), or None when there is none yet. A
-    checkpoint of another run (other settings, another number of ranks) is a DataError of one line."""
+    checkpoint of another run (other settings, another number of ranks, another store) is a DataError of one line."""
     state = D.load_checkpoint(path, ctx)
     if state is None:
         return None
@@ -222,6 +229,11 @@ def read_checkpoint(path, *, settings, ctx):
     if state["world"] != ctx.world_size:
         raise DataError(f"{path}: written by {state['world']} rank{'s' * (state['world'] > 1)}, resumed by "
                         f"{ctx.world_size}; cannot resume")
+    saved = state["store"] or {}
+    if store and saved.get("digest") != store["digest"]:
+        raise DataError(f"{path}: written on another store ({saved.get('name')}, index {saved.get('digest')}), "
+                        f"resumed on {store['name']} (index {store['digest']}); resume on that store, or start "
+                        "afresh without --resume")
     if state["settings"] != settings:
         diff = sorted(k for k in settings if state["settings"].get(k) != settings[k])
         raise DataError(f"{path}: written with other settings ({', '.join(diff)}); cannot resume")

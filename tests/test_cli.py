@@ -127,3 +127,36 @@ def test_ctrl_c_is_one_line_and_keeps_the_finished_runs(synth_npz, tmp_path):
                         err.strip().splitlines()[-1]), err
     res = json.loads(out.read_text())
     assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0]
+
+
+def printed_recipe(script, args, capsys):
+    """The tokens of the command --print-recipe prints (its first line, the recipe's name and what it is, left out)."""
+    import shlex
+    assert script.main([*args, "--print-recipe"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# ")
+    return [t for t in shlex.split("\n".join(lines[1:])) if t != "\n"]
+
+
+@pytest.mark.parametrize("script, prefix, other", [("cifar10_fast", [], "fast94_next"),
+                                                    ("imagenet_fast", ["train"], "tiny")])
+def test_print_recipe_prints_the_flags_that_rebuild_every_recipe(script, prefix, other, capsys):
+    """Every recipe, as printed, rebuilds itself from its own name and, but for a phase table's recipe (whose table
+    sets what its flags cannot), from another recipe's: the printed flags hold every setting, exactly."""
+    import settings
+    module = __import__(script)
+    for name, r in module.RECIPES.items():
+        tokens = printed_recipe(module, [*prefix, "--recipe", name], capsys)
+        assert tokens[:2 + len(prefix)] == ["python", f"{script}.py", *prefix]
+        args, changes = module.parse_args(tokens[2:])
+        assert settings.flat(module.recipe(args.recipe, **changes)) == settings.flat(module.recipe(name)), name
+        if script == "cifar10_fast" or not r.schedule.phases:
+            args, changes = module.parse_args([*prefix, "--recipe", other, *tokens[4 + len(prefix):]])
+            assert settings.flat(module.recipe(other, **changes)) == settings.flat(module.recipe(name)), name
+
+
+def test_print_recipe_prints_the_flags_given_too(capsys):
+    import cifar10_fast as cf
+    tokens = printed_recipe(cf, ["--recipe", "fast94", "--epochs", "5", "--lookahead-momentum", "0"], capsys)
+    assert tokens[tokens.index("--epochs") + 1] == "5" and tokens[tokens.index("--lookahead-momentum") + 1] == "0"
+    assert "--lookahead-every" not in tokens

@@ -24,6 +24,17 @@ def test_table_prints_header_once_and_each_row_as_it_arrives():
     assert len(t.rows) == 2
 
 
+def test_a_table_widens_a_column_for_a_value_too_wide_for_it():
+    out = io.StringIO()
+    t = Table(["epoch", "loss", "time"], width=6, file=out, formats={"loss": ".4f"})
+    t.append({"epoch": 1, "loss": 123456.5, "time": 3})
+    t.append({"epoch": 2, "loss": 1.5, "time": 100000000})
+    assert out.getvalue().splitlines() == [" epoch  loss  time", "     1 123456.5000     3",
+                                           "     2      1.5000 100000000"]
+    assert [line.split() for line in out.getvalue().splitlines()[1:]] == [["1", "123456.5000", "3"],
+                                                                         ["2", "1.5000", "100000000"]]
+
+
 def test_summarize():
     s = summarize([0.93, 0.94, 0.95, None])
     assert s["n"] == 3 and s["mean"] == pytest.approx(0.94)

@@ -332,10 +332,11 @@ def recipe_of(res):
 
 
 def last_step_rates(res):
-    """Each epoch's last rate, as the loop computes it (the global batch: 2 ranks'), and as the run recorded it."""
+    """Each epoch's last rate, as the loop computes it (a row's batch: the global batch, 2 ranks'), and as the run
+    recorded it."""
     r, rows = recipe_of(res), res["runs"][0]["rows"]
-    return [schedules.step_lr(r, e + (s - 1) / s, row["batch"] * 2)
-            for e, row in enumerate(rows) for s in [48 // row["batch"]]], [row["lr"] for row in rows]
+    return [schedules.step_lr(r, e + (s - 1) / s, row["batch"])
+            for e, row in enumerate(rows) for s in [48 // (row["batch"] // 2)]], [row["lr"] for row in rows]
 
 
 def test_goyal_warms_up_from_the_small_batch_rate_and_steps_down(presets):
@@ -365,7 +366,7 @@ def test_mikami_grows_the_batch_and_reduces_over_a_torus(presets):
     ranks, results = presets
     res = results["mikami_68k"]
     rows = res["runs"][0]["rows"]
-    assert [r["batch"] for r in rows] == [8, 8, 16, 16]                # each rank's share of 16, then of 32
+    assert [r["batch"] for r in rows] == [16, 16, 32, 32]              # the global batch (each rank: 8, then 16)
     want, got = last_step_rates(res)
     assert got == pytest.approx(want)
     phase = NAMES.index("mikami_68k")
@@ -378,7 +379,7 @@ def test_micro_batches_all_reduce_once_a_step(presets):
     its one bucket goes over the torus once a step, after the second micro-batch (DDP's no_sync before)."""
     ranks, results = presets
     phase = NAMES.index("mikami_122s")
-    assert [r["batch"] for r in results["mikami_122s"]["runs"][0]["rows"]] == [8, 16]
+    assert [r["batch"] for r in results["mikami_122s"]["runs"][0]["rows"]] == [16, 32]       # global
     assert [rec["torus"][phase] for rec in ranks] == [6 + 3] * 2
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import cifar10_fast as cf
+import distributed as D
 import imagenet_fast as inf
 import scaling
 from conftest import synthetic_arrays
@@ -48,12 +49,21 @@ NO_DATA = [
     (["--runs", "0"], "error: --runs 0: must be at least 1"),
     (["--label-smoothing", "2"], "error: --label-smoothing 2: must be between 0 and 1"),
     (["--dataset", "mnist"], "error: argument --dataset: 'mnist' is not one of cifar10, cifar100"),
+    (["--epochs", "1e12"], "error: --epochs 1000000000000: must be between 0 and 1000"),
+    (["--lr-values", "0,nan,0"], "error: --lr-values 0,nan,0: must be a finite number"),
+    (["--muon-ns-coeffs", "1,2"], "error: --muon-ns-coeffs 1,2: must be 3 numbers separated by commas"),
+    (["--block-widths", "64,256"], "error: --block-widths 64,256: must be 3 numbers separated by commas"),
+    (["--bucket-mb=-1"], "error: --bucket-mb -1: must be a positive number of MB"),
+    (["--bucket-mb", "nan"], "error: --bucket-mb nan: must be a positive number of MB"),
+    (["--dist-timeout", "inf"], "error: --dist-timeout must be positive (minutes)"),
+    (["--target", "nan"], "error: --target nan: must be in (0, 1]"),
 ]
 DATA = [
     (["--batch-size", "512"], "error: --batch-size 512: larger than the 256 training images"),
     (["--subset", "100", "--batch-size", "128"], "error: --batch-size 128: larger than the 100 training images"),
     (["--subset", "1000"], "error: --subset 1000: larger than the 256 training images"),
     (["--cutout", "40", "--batch-size", "64"], "error: --cutout 40: larger than the 32x32 images"),
+    (["--low-res", "64", "--batch-size", "64"], "error: --low-res 64: must be smaller than the 32x32 images"),
 ]
 
 
@@ -137,8 +147,17 @@ def test_help_lists_the_allowed_values(capsys):
     out = " ".join(capsys.readouterr().out.split())         # argparse wraps the help's lines
     assert e.value.code == 0
     for choices in ("(one of none, flip, flip_translate)", "(one of none, random, alternate)",
-                    "(one of relu, celu, gelu, silu)", "(one of cifar10, cifar100)"):
+                    "(one of relu, celu, gelu, silu)", "(one of cifar10, cifar100)",
+                    "(one of '', relu, celu, gelu, silu)"):
         assert choices in out
+    # every setting says what it takes and its value in the default recipe (or the value it takes when turned on)
+    import settings
+    assert out.count("[myrtle24: ") == len(settings.leaves(cf.Recipe))
+    for shown in ("fastnet's three blocks' channels (numbers separated by commas) [myrtle24: 64,256,256]",
+                  "--lr-knots LR_KNOTS numbers separated by commas [myrtle24: 0,0.20833333333333334,1]",
+                  "--bn-eps BN_EPS a number [myrtle24: 1e-05]", "added to each eigenvalue [myrtle24: off; on: 0.01]",
+                  "--whiten WHITEN switch this technique on or off [myrtle24: off]"):
+        assert shown in out, shown
 
 
 def test_under_torchrun_only_rank_0_prints_the_error(tmp_path, capsys, monkeypatch):
@@ -165,3 +184,55 @@ def test_prepare_flags_are_checked_before_anything_is_written(flags, message, tm
     rc, err = run(inf.main, ["prepare", "--src", src, "--dst", tmp_path / "store", *flags], capsys)
     assert (rc, err) == (2, [message])
     assert not (tmp_path / "store").exists()
+
+
+def numeric_knobs(recipe_class):
+    """Every setting of recipe_class that takes a number or numbers (not a switch, a choice or a preset)."""
+    import settings
+    return [leaf for leaf in settings.leaves(recipe_class) if "component" not in leaf.field.metadata
+            and leaf.field.metadata.get("choices") is None and not isinstance(leaf.field.default, bool)]
+
+
+def non_finite_cases(leaf):
+    """(flag text, the error line) of each non-finite value the setting's flag can be given: NaN, +inf and -inf, in
+    a tuple the first of its numbers."""
+    import settings
+    flag, default = "--" + leaf.name.replace("_", "-"), leaf.field.default
+    for bad in ("nan", "inf", "-inf"):
+        text = ",".join([bad, *map(settings.show, default[1:])]) if isinstance(default, tuple) else bad
+        yield f"{flag}={text}", f"error: {flag} {text}: must be a finite number"
+
+
+SCRIPTS = {"cifar10_fast": (cf.main, cf.Recipe, ["--data-dir", "none", "--device", "cpu"]),
+           "imagenet_fast": (inf.main, inf.Recipe, ["train", "--store", "none", "--device", "cpu"])}
+KNOBS = [(script, leaf) for script, (_, cls, _) in SCRIPTS.items() for leaf in numeric_knobs(cls)]
+
+
+@pytest.mark.parametrize("script, leaf", KNOBS, ids=[f"{s} {leaf.name}" for s, leaf in KNOBS])
+def test_every_setting_refuses_nan_and_infinity(script, leaf, capsys, monkeypatch):
+    main, _, args = SCRIPTS[script]
+    monkeypatch.setattr(D, "init_from_env", lambda *a, **k: pytest.fail("the flags passed"))
+    for flag, message in non_finite_cases(leaf):
+        assert run(main, [*args, flag], capsys) == (2, [message]), flag
+
+
+LENGTHS = [(script, leaf) for script, leaf in KNOBS if leaf.field.metadata.get("length")]
+
+
+@pytest.mark.parametrize("script, leaf", LENGTHS, ids=[f"{s} {leaf.name}" for s, leaf in LENGTHS])
+def test_every_tuple_setting_refuses_the_wrong_length(script, leaf, capsys, monkeypatch):
+    import settings
+    main, _, args = SCRIPTS[script]
+    monkeypatch.setattr(D, "init_from_env", lambda *a, **k: pytest.fail("the flags passed"))
+    flag, default, n = "--" + leaf.name.replace("_", "-"), leaf.field.default, leaf.field.metadata["length"]
+    for value in (default[:-1], default + default[-1:]):
+        text = settings.show(value)
+        assert run(main, [*args, f"{flag}={text}"], capsys) == (
+            2, [f"error: {flag} {text}: must be {n} numbers separated by commas"]), text
+
+
+def test_the_lengths_the_components_need_are_declared():
+    assert {(s, leaf.name): leaf.field.metadata["length"] for s, leaf in LENGTHS} == {
+        ("cifar10_fast", "block_widths"): 3, ("cifar10_fast", "muon_ns_coeffs"): 3,
+        ("cifar10_fast", "muon_renorm_every"): 2, ("imagenet_fast", "crop_scale"): 2,
+        ("imagenet_fast", "crop_ratio"): 2}
