@@ -195,13 +195,6 @@ class Trainable:
 CHECKPOINT_KEYS = {"model", "optimizers", "averaging", "rng", "progress", "settings", "world", "store"}
 
 
-def check_finite_loss(mean_loss, *, epoch, hint):
-    """Raises DataError (one line: the epoch, what diverged, `hint`: the likely setting) unless the epoch's mean
-    training loss is finite."""
-    if not math.isfinite(mean_loss):
-        raise DataError(f"the training loss of epoch {epoch} is {mean_loss}: the run diverged; {hint}")
-
-
 def save_checkpoint(path, run, *, progress, settings, ctx, store=None):
     """Writes everything a resumed run needs (rank 0, atomically; every rank waits): the Trainable run, `progress`
     (the epoch reached, its rows, its clock, ...), the settings, the data's identity (`store`: {"digest", "name"}),

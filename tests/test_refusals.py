@@ -51,7 +51,7 @@ def run(capsys, *args):
 def test_a_diverging_run_stops_at_the_end_of_its_epoch_with_one_line_and_exit_1(stores, tmp_path, capsys):
     out = tmp_path / "r.json"
     rc, stdout, err = run(capsys, "train", "--store", stores[0], *TINY, "--epochs", "3", "--lr", "1e30", "--out", out)
-    assert rc == 1 and err == ["error: the training loss of epoch 1 is nan: the run diverged; lower --lr (here "
+    assert rc == 1 and err == ["error: epoch 1: the training loss is nan; lower --lr (here "
                                "1e+30) or warm up longer (--warmup-epochs, here 0)"], err
     assert "final top-1" not in stdout and not out.exists()
 
@@ -65,7 +65,7 @@ def test_a_run_that_diverges_keeps_the_runs_before_it(stores, tmp_path, capsys, 
     monkeypatch.setattr(inf, "epoch_loss", third_epoch_infinite)
     out = tmp_path / "r.json"
     rc, _, err = run(capsys, "train", "--store", stores[0], *TINY, "--epochs", "2", "--runs", "2", "--out", out)
-    assert rc == 1 and err[-1].startswith("error: the training loss of epoch 1 is inf: the run diverged; "), err
+    assert rc == 1 and err[-1].startswith("error: epoch 1: the training loss is inf; "), err
     res = json.loads(out.read_text())
     assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0]
 
@@ -76,7 +76,7 @@ def test_check_finite_loss_names_the_epoch_and_the_hint():
     for bad in (float("nan"), float("inf"), float("-inf")):
         with pytest.raises(core.DataError) as e:
             T.check_finite_loss(bad, epoch=3, hint="lower --lr")
-        assert str(e.value) == f"the training loss of epoch 3 is {bad}: the run diverged; lower --lr"
+        assert str(e.value) == f"epoch 3: the training loss is {bad}; lower --lr"
 
 
 def test_a_checkpoint_resumes_only_on_the_store_it_was_written_on(stores, tmp_path, capsys):
