@@ -15,7 +15,8 @@ finished piece written at once as JSON under results/<device>/ (the only source 
   tier 2    fast94_fastest and its ablations in turn with fast94_next in one process (50 each); fast94_next
             and fast94_muon beside airbench94 (100 / 25); fast94_next_lowres, our idea, compiled as fast94_next
             is (50); fast95 beside airbench95 (25 / 10); myrtle24 (5); myrtle10 (10)
-  tier 3    fast96 beside airbench96 (10 / 5); the journey stages (3 each)
+  tier 3    fast96 beside airbench96 (10 / 5); the journey stages (3 each); fast94 with each of its tricks
+            switched off in turn (10 each, uncompiled)
   tier 4    ResNet-50 images/s at 128-224 px (model alone, our store, ImageFolder); the first ImageNet run's
             checks (benchmarks/imagenet_gpu_check.py: each decoder, the step, both together, train killed and
             resumed, the stream race, host waits); the torchrun --nproc_per_node=1 (NCCL) overhead for fast94 and
@@ -76,6 +77,12 @@ RECORD_SCRIPT = "cifar10_speedrun.py"
 RECORD_DIR = ROOT / "peers" / "cifar10-speedrun"
 RECORD_STANDIN = ROOT / "tests" / "record_standin"      # the smoke pass's stand-in for it, on the CPU
 RECORD_EXTRA_S = 3.5
+# fast94 with each trick switched off in turn, as settings by flag name (cf.recipe("fast94", **changes)): what the
+# ablation piece runs and experiments.ipynb trains; the first is fast94 itself, the one each drop is measured from
+ABLATIONS = {"fast94": {}, "no whitening": {"whiten": False}, "no whitening bias": {"whiten_bias": False},
+             "no lookahead": {"lookahead_momentum": 0.0}, "random flip": {"flip": "random"},
+             "no TTA": {"tta": "none"}, "no label smoothing": {"label_smoothing": 0.0},
+             "no dirac init": {"dirac_init": False}}
 
 
 @dataclass
@@ -100,6 +107,12 @@ class Piece:
 def journey_stages():
     import cifar10_fast as cf
     return [s["name"] for s in cf.JOURNEY]
+
+
+def flags_of(changes):
+    """The command-line flags that make `changes` (settings by flag name): {"whiten": False} -> --whiten false."""
+    from settings import show
+    return [arg for name, value in changes.items() for arg in (f"--{name.replace('_', '-')}", show(value))]
 
 
 def pieces():
@@ -141,6 +154,10 @@ def pieces():
         fast("fast96", "fast96", 10, "airbench96", 5, 0.96, "3"),
         Piece("journey", "3", "the journey stages (n=3 each)", "cifar", {s: 3 for s in stages},
               {s: s for s in stages}, {s: 0.94 for s in stages}, needs=("gpu",)),
+        # uncompiled, as experiments.ipynb trains it: eight commands of one recipe, each would pay its own compile
+        Piece("ablation", "3", "fast94 with each trick switched off in turn (n=10 each), uncompiled", "cifar",
+              {s: 10 for s in ABLATIONS}, {s: "fast94" for s in ABLATIONS}, {s: 0.94 for s in ABLATIONS},
+              needs=("gpu",), flags={s: flags_of(changes) for s, changes in ABLATIONS.items()}),
         Piece("imagenet_throughput", "4", "ResNet-50 as rn50_16ep trains it: loader, ceiling and together, images/s at "
               "160-224 px", "throughput", needs=("gpu",), extra=["--sizes", "160,192,224"]),
         Piece("imagenet_gpu_check", "4", "the first ImageNet run: each decoder, the ResNet-50 step and both "

@@ -62,3 +62,21 @@ def test_train_trains_every_run_and_summarize_runs_summarises():
     assert "model" not in runs[0] and result.summary["final_acc"] == summary["final_acc"]
     assert summary["final_acc"]["n"] == 2 and summary["fraction_reaching_target"] == 1.0
     assert summary["train_time"]["mean"] == pytest.approx(sum(r["train_time"] for r in runs) / 2)
+
+
+def test_the_ablation_piece_switches_off_one_trick_of_fast94_a_side_as_the_notebook_does():
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import suite
+    (piece,) = [pc for pc in suite.pieces() if pc.name == "ablation"]
+    assert list(piece.sides) == list(suite.ABLATIONS) and set(piece.recipes.values()) == {"fast94"}
+    off = {}
+    for side, changes in suite.ABLATIONS.items():
+        args, flags = cf.parse_args(["--recipe", "fast94", *piece.flags[side]])
+        assert flags == changes                                            # the command trains the notebook's recipe
+        r = cf.recipe("fast94", **flags)
+        off[side] = (r.whitening is None, bool(r.whitening) and r.whitening.bias is None, r.lookahead is None,
+                     r.augment.flip == "random", r.tta is None, r.label_smoothing == 0, not r.network.dirac_init)
+    assert off.pop("fast94") == (False,) * 7
+    assert [sum(v) for v in off.values()] == [1] * 7 and sorted(off.values(), reverse=True) == list(off.values())

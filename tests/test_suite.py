@@ -114,6 +114,10 @@ def test_every_result_holds_command_runs_statistics_flops_and_the_fingerprint(sm
     journey = json.loads((device / "journey.json").read_text())
     assert len(journey["sides"]) == 15 and all(len(s["runs"]) == 1 for s in journey["sides"].values())
     assert journey["sides"]["whitening"]["command"].startswith("python cifar10_fast.py --recipe whitening --runs 1")
+    ablation = json.loads((device / "ablation.json").read_text())
+    assert list(ablation["sides"]) == list(suite.ABLATIONS) and all(len(s["runs"]) == 1
+                                                                    for s in ablation["sides"].values())
+    assert ablation["sides"]["no TTA"]["command"].startswith("python cifar10_fast.py --recipe fast94 --tta none --runs 1")
     rows = json.loads((device / "imagenet_throughput.json").read_text())["rows"]
     assert rows[0]["res"] == 32 and rows[0]["ceiling"] > 0
 
