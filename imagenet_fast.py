@@ -789,7 +789,8 @@ def parse_args(argv=None):
                          "nvimgcodec: nvImageCodec on the GPU, decoding just each crop, pip install "
                          "nvidia-nvimgcodec-cu12 or -cu13)")
     tp.add_argument("--loader-workers", type=int, default=None,
-                    help="CPU decoding processes per training process (default: CPU count / processes on the node)")
+                    help="CPU decoding processes per training process (default: its share of the node's cores, less one "
+                         "for the training thread and one for the reader thread; at least 1)")
     tp.add_argument("--target", type=float, default=None,
                     help="top-1 whose first epoch stops the clock (default 0.75; a recipe with a --target-top5 stops "
                          "it at that top-5 instead)")

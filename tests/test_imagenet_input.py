@@ -1,0 +1,156 @@
+"""ImageNet's input on a GPU as the stand-in sees it (tests/cuda_standin.py): a command that runs without simplejpeg
+on the GPU decoder, no host wait in a GPU-decoded training batch, validation decoded where training decodes, the
+decoding workers' start and number, the epochs' draws made ahead, and which of nvJPEG's paths decoded each image."""
+import io
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import devices
+import imagenet_data as idt
+import imagenet_fast as inf
+import imagenet_store as ims
+from conftest import ROOT
+from cuda_standin import StandIn
+
+TINY = ["--recipe", "tiny", "--epochs", "2", "--batch-size", "8", "--width", "8", "--min-res", "24", "--max-res", "24",
+        "--val-res", "24"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("in")
+    ims.synthetic_imagefolder(root / "src", 4, 12, 4, sizes=(20, 40))
+    ims.prepare(root / "src", root / "jpeg", ims.Settings(format="jpeg"), workers=1, log=lambda s: None)
+    return root / "jpeg"
+
+
+WITHOUT_SIMPLEJPEG = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import imagenet_fast as inf
+from cuda_standin import StandIn
+try:
+    inf.main(["--help"])
+except SystemExit as e:
+    print("help exit", e.code)
+with StandIn():
+    print("gpu exit", inf.main(["train", "--store", {store!r}, *{tiny!r}, "--decoder", "gpu"]))
+print("cpu exit", inf.main(["train", "--store", {store!r}, *{tiny!r}, "--device", "cpu"]))
+print("simplejpeg" in sys.modules and sys.modules["simplejpeg"] is not None)
+"""
+
+
+def test_imagenet_imports_and_trains_on_the_gpu_decoder_without_simplejpeg(store, tmp_path):
+    """simplejpeg made unimportable (a module of that name that raises ImportError, first on the path): --help and a
+    GPU-decoded run (its validation too) under the stand-in exit 0; the CPU decoder stops in one line naming the
+    install."""
+    (tmp_path / "simplejpeg.py").write_text("raise ImportError(\"No module named 'simplejpeg'\")\n")
+    code = WITHOUT_SIMPLEJPEG.format(root=str(ROOT), tests=str(ROOT / "tests"), store=str(store), tiny=TINY)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert "help exit 0" in lines and "gpu exit 0" in lines and "cpu exit 2" in lines and lines[-1] == "False"
+    assert "decoded on the GPU (nvJPEG)" in r.stdout
+    assert r.stderr.strip().splitlines()[-1] == ("error: --decoder cpu decodes JPEGs with simplejpeg, which is not "
+                                                 "installed: pip install simplejpeg (or --decoder gpu on a CUDA GPU)")
+
+
+def main_thread_waits(gpu, since):
+    """The host waits and blocking copies of the calling thread since gpu.calls[since] (and the blocking count)."""
+    me = threading.current_thread().name
+    return [c for c, t in zip(gpu.calls[since:], gpu.threads[since:]) if t == me and c[0] == "host_wait"]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_gpu_decoded_training_batch_makes_the_training_thread_wait_for_nothing(store):
+    """Each batch of the GPU decoder, and a step on it: no host wait and no blocking copy in the training thread (the
+    reader thread waits for nvJPEG, by design). The stand-in counts the wait inside a GPU nested tensor's
+    to_padded_tensor (its sizes copied from pageable memory), which the decoder padded its images with before."""
+    with StandIn() as gpu:
+        data = idt.place(ims.open_store(store), torch.device("cuda"), decoder="gpu")
+        r = inf.recipe("tiny", batch_size=8, width=8, jitter=0.2)
+        model = inf.build_model(r, 5).to("cuda")
+        opt = inf.make_optimizer(model, r)
+        gen = torch.Generator().manual_seed(0)
+        batches = idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=24, batch_size=8,
+                                    device=torch.device("cuda"), dtype=torch.bfloat16)
+        seen = 0
+        while True:
+            since, blocking = len(gpu.calls), gpu.counts["blocking"]
+            try:
+                x, y = next(batches)
+            except StopIteration:
+                break
+            inf.accumulated_step(model, opt, [(x, y)], ctx=inf.D.Context(), label_smoothing=0.1,
+                                 dtype=torch.bfloat16)
+            assert main_thread_waits(gpu, since) == [] and gpu.counts["blocking"] == blocking
+            seen += 1
+        assert seen == len(data.train_rows) // 8 == sum(c[0] == "nvjpeg" for c in gpu.calls)
+        nested = torch.nested.nested_tensor([torch.zeros(3, 4, 5, device="cuda"), torch.zeros(3, 6, 2, device="cuda")])
+        since = len(gpu.calls)
+        nested.to_padded_tensor(0.0)
+        assert main_thread_waits(gpu, since) == [("host_wait", "to_padded_tensor")]
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_the_padded_batch_holds_each_image_at_its_corner_and_zeros_beyond():
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8) for h, w in ((4, 7), (6, 3), (2, 2))]
+    x = idt.padded(images, torch.float16)
+    assert x.shape == (3, 3, 6, 7) and x.dtype == torch.float16
+    for im, xi in zip(images, x):
+        assert torch.equal(xi[:, :im.shape[1], :im.shape[2]], im.half())
+        assert xi.double().sum() == im.double().sum()                     # nothing else in it
+    nested = torch.nested.nested_tensor(images).to(torch.float16).to_padded_tensor(0.0)
+    assert torch.equal(nested, x)
+
+
+def test_validation_decodes_on_the_gpu_when_training_does_and_sees_what_the_cpu_decoder_sees(store):
+    """--decoder gpu: validation's images come from nvJPEG (no worker process started), cropped and resized on the
+    device, rectangular ones too; within JPEG's and the filters' rounding of the CPU decoder's (PIL's resize)."""
+    s = ims.open_store(store)
+    for crop in (0.875, 0.0):
+        val = inf.Validation(res=24, crop=crop)
+        cpu = idt.place(s, torch.device("cpu"))
+        want = list(idt.val_batches(cpu, val, 5, device=torch.device("cpu")))
+        with StandIn() as gpu:
+            data = idt.place(s, torch.device("cuda"), decoder="gpu")
+            got = list(idt.val_batches(data, val, 5, device=torch.device("cuda")))
+            assert all(x.device.type == "cuda" for x, _ in got) and data.pool is None
+        assert sum(1 for c in gpu.calls if c[0] == "nvjpeg") == len(want)
+        for (x, y), (wx, wy) in zip(got, want):
+            assert x.shape == wx.shape and torch.equal(y, wy)
+            assert (x - wx).abs().mean() < 4, (crop, (x - wx).abs().mean())
+
+
+def test_the_default_workers_leave_a_core_to_the_training_thread_and_one_to_the_reader(monkeypatch):
+    for cores, processes, workers in ((16, 1, 14), (16, 8, 1), (4, 1, 2), (2, 1, 1), (1, 1, 1), (64, 4, 14)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+        assert idt.default_workers(processes) == workers
+
+
+def decode_first_batch(data):
+    rows = data.train_rows[:4]
+    boxes = np.array([[0, 0, 10, 10]] * 4)
+    (x, _), = idt.decoded(data, "train", [(rows, boxes, (8, 8), (np.zeros(4),))], device=torch.device("cpu"))
+    return x.clone()
+
+
+def test_the_decoding_workers_are_forked_before_cuda_starts_and_spawned_after(store, monkeypatch):
+    s = ims.open_store(store)
+    forked = idt.place(s, torch.device("cpu"), workers=1)
+    want = decode_first_batch(forked)
+    assert forked.pool._mp_context.get_start_method() == "fork"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    spawned = idt.place(s, torch.device("cpu"), workers=1)
+    assert torch.equal(decode_first_batch(spawned), want)           # the store opened from its folder
+    assert spawned.pool._mp_context.get_start_method() == "spawn"
+    for data in (forked, spawned):
+        data.pool.shutdown()
