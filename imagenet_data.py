@@ -375,6 +375,18 @@ def finish(x, factors, constants, *, dtype, memory_format):
     return normalize(x, constants).to(dtype).contiguous(memory_format=memory_format)
 
 
+def decode_text(counts):
+    """How an epoch's images were decoded, in a table's column (counts: the change in Data.decoded over it): "cpu",
+    nvJPEG's "<hardware>h/<software>s" ("?" for hardware-decodable images where nvjpeg_hardware cannot tell), or "-"
+    (a raw store's, nothing to decode)."""
+    if counts.get("cpu"):
+        return "cpu"
+    if not any(counts.get(k) for k in ("hardware", "software", "unknown")):
+        return "-"
+    hardware = f"{counts['unknown']}?" if counts.get("unknown") else f"{counts.get('hardware', 0)}h"
+    return f"{hardware}/{counts.get('software', 0)}s"
+
+
 def on_device(arrays, device):
     """A batch's small host arrays on the device (devices.to_device: nothing waits)."""
     return tuple(devices.to_device(a, device) for a in arrays)
@@ -424,7 +436,8 @@ def gathered(data, smalls, *, device):
 
 def decoded(data, split, jobs, *, device):
     """(uint8 NHWC batch, its small tensors) on the device for each job (store rows, boxes, output shape, small host
-    arrays), decoded by the worker processes (decoding_pool) into STAGED shared buffers, STAGED - 1 batches ahead; on
+    arrays), decoded by the worker processes (decoding_pool) into STAGED shared buffers, STAGED - 1 batches ahead (and
+    counted in data.decoded, as "cpu", or "raw" for a raw store's validation); on
     a GPU copied through two pinned buffers on a side stream, a buffer refilled only once its last copy has left it."""
     pool, side, jobs = decoding_pool(data), devices.side_stream(device), list(jobs)
     pinned, copied, pending = [None, None], [None, None], {}
@@ -432,6 +445,7 @@ def decoded(data, split, jobs, *, device):
     def submit_batch(k):
         rows, boxes, (oh, ow), _ = jobs[k]
         shape = (len(rows), oh, ow, 3)
+        data.decoded["cpu" if data.store.format == "jpeg" else "raw"] += len(rows)
         path, buffer = staging(data, k % STAGED, math.prod(shape))
         edges = np.linspace(0, len(rows), min(data.workers, len(rows)) + 1).astype(int)
         pending[k] = shape, buffer, [pool.submit(decode_part, split, path, shape=shape, start=a, rows=rows[a:z],
@@ -516,14 +530,29 @@ def gpu_decode(records, side, counts, *, device, decoder="gpu", boxes=None):
         return devices.decode_jpeg(records, device, decoder=decoder, boxes=boxes)
 
 
-def train_batches(data, augment, draws, *, res, batch_size, device, dtype):
+def batch_indices(data, draws, batch_size):
+    """batch_index's small host arrays of each whole batch of draws.perm, in order."""
+    bs, shapes = batch_size, data.shapes("train")
+    return [batch_index(data, draws, draws.perm[i * bs:(i + 1) * bs], shapes) for i in range(len(draws.perm) // bs)]
+
+
+@dataclass(kw_only=True)
+class EpochWork:
+    """An epoch's host work, done before it starts: its Draws (cut to its whole batches), each batch's small host
+    arrays (batch_indices) and the states of the run's generators (order, augmentation) once they are drawn."""
+    draws: Draws
+    smalls: list
+    states: list
+
+
+def train_batches(data, augment, draws, *, res, batch_size, device, dtype, smalls=None):
     """The training batches of one epoch in the order of draws.perm (the last partial batch dropped), each image
     cropped at its box, resized to res, flipped, jittered and normalised on the device; the small tensors come from
-    pinned memory, so nothing waits for the device. The throughput benchmark reads the same batches."""
+    pinned memory, so nothing waits for the device (smalls: batch_indices's, when made ahead). The throughput
+    benchmark reads the same batches."""
     bs, memory_format = batch_size, devices.memory_format(device)
     order = [draws.perm[i * bs:(i + 1) * bs] for i in range(len(draws.perm) // bs)]
-    shapes = data.shapes("train")
-    smalls = [batch_index(data, draws, idx, shapes) for idx in order]
+    smalls = batch_indices(data, draws, bs) if smalls is None else smalls
     constants = devices.to_device(CONSTANTS, device)
     if data.store.format == "raw":
         wide = devices.wide_dtype(dtype)

@@ -16,6 +16,8 @@ import argparse
 import contextlib
 import io
 import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,7 +34,7 @@ import training as T
 from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, run_record
 from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, print_summary,
                   summarize_runs, write_json)
-from imagenet_data import draw_epoch, evaluate, place, train_batches
+from imagenet_data import EpochWork, batch_indices, decode_text, draw_epoch, evaluate, place, train_batches
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
 from schedules import batch_for, phases, plan, res_at, step_lr
@@ -541,7 +543,7 @@ def phased(r, changes):
 # ---------------------------------------------------------------------------------------------
 
 COLUMNS = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
-           "total_time"]
+           "total_time", "decode"]      # decode: imagenet_data.decode_text, which of nvJPEG's paths took the images
 PROGRESS_AFTER_S = 5.0    # an epoch that looks longer shows its steps on stderr
 
 
@@ -622,9 +624,10 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     done = resumed(r, run, o, forward=forward, plans=plans, ctx=ctx, on_epoch=on_epoch)
     rows, time_to_target, clock.total = done["rows"], done["time_to_target"], done["train_time"]
     final_eval_time = 0.0
-    for p in plans[done["epoch"]:]:
-        losses, correct, seen, lr = train_epoch(r, run, data, p, forward=forward, ctx=ctx, o=o,
-                                                shares=seeds["shares"])
+    for p, work in epochs_ahead(data, plans[done["epoch"]:], run.generators, shares=seeds["shares"]):
+        decoded = Counter(data.decoded)
+        losses, correct, seen, lr = train_epoch(r, run, data, p, work, forward=forward, ctx=ctx, o=o)
+        decoded = decode_text(data.decoded - decoded)
         if r.lookahead and p.epoch == r.epochs - 1:
             average.finish(model)                # lookahead: the slow weights end the run
         epoch_time, last = clock(), p.epoch == r.epochs - 1
@@ -636,7 +639,8 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
             if time_to_target is None and metrics["top5" if r.target_top5 else "top1"] >= o.target:
                 time_to_target = clock.total
         rows.append({"epoch": p.epoch + 1, "res": p.res, "batch": p.batch, "lr": lr, "train_loss": losses.item() / seen,
-                     "train_acc": correct.item() / seen, **metrics, "epoch_time": epoch_time, "total_time": clock.total})
+                     "train_acc": correct.item() / seen, **metrics, "epoch_time": epoch_time, "total_time": clock.total,
+                     "decode": decoded})
         if o.checkpoint:
             T.save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, progress={
                 "epoch": p.epoch + 1, "rows": rows, "train_time": clock.total, "time_to_target": time_to_target})
@@ -650,16 +654,44 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
             "time_to_target": time_to_target}
 
 
-def train_epoch(r, run, data, p, *, forward, ctx, o, shares):
-    """The steps of one epoch (EpochPlan p): each a step of this rank's batch, in p.micro-image micro-batches
-    normalised in groups of p.group (accumulated_step), at the rate of its fractional epoch. Returns the summed
-    loss, the correct predictions, the images seen (on the device, unread) and the last rate."""
-    device, (order, augment), (opt,) = torch.device(ctx.device), run.generators, run.optimizers
-    dtype = devices.compute_dtype(device, o.precision)
-    set_ghost_groups(run.model, p.group)
+def epochs_ahead(data, plans, generators, *, shares):
+    """(EpochPlan, its EpochWork) for each of plans in turn, drawn from the run's generators (order, augmentation),
+    which are then set where the epoch's draws leave them (so a checkpoint after it resumes the next draws); each
+    epoch's work is done in a thread of its own while the epoch before trains, off the training thread's path."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="draws")
+    try:
+        pending = pool.submit(epoch_work, data, plans[0], [g.get_state() for g in generators], shares) if plans else None
+        for i, p in enumerate(plans):
+            work = pending.result()
+            for g, state in zip(generators, work.states):
+                g.set_state(state)
+            if i + 1 < len(plans):
+                pending = pool.submit(epoch_work, data, plans[i + 1], work.states, shares)
+            yield p, work
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def epoch_work(data, p, states, shares):
+    """The EpochWork of epoch p (an EpochPlan) drawn as draw_epoch draws it, from copies of the run's generators at
+    `states` (so that the run's own stay where a checkpoint expects them while the next epoch is drawn)."""
+    order, augment = (torch.Generator().set_state(s) for s in states)
     draws = draw_epoch(data, p.augment, augment, order=order, epoch_seed=[shares, p.epoch])   # a JPEG store's share
     draws.perm = draws.perm[:p.steps * p.batch]          # the epoch's whole batches; the rest is dropped
-    micro = train_batches(data, p.augment, draws, res=p.res, batch_size=p.micro, device=device, dtype=dtype)
+    return EpochWork(draws=draws, smalls=batch_indices(data, draws, p.micro),
+                     states=[order.get_state(), augment.get_state()])
+
+
+def train_epoch(r, run, data, p, work, *, forward, ctx, o):
+    """The steps of one epoch (EpochPlan p, its EpochWork drawn ahead): each a step of this rank's batch, in
+    p.micro-image micro-batches normalised in groups of p.group (accumulated_step), at the rate of its fractional
+    epoch. Returns the summed loss, the correct predictions, the images seen (on the device, unread) and the last
+    rate."""
+    device, (opt,) = torch.device(ctx.device), run.optimizers
+    dtype = devices.compute_dtype(device, o.precision)
+    set_ghost_groups(run.model, p.group)
+    micro = train_batches(data, p.augment, work.draws, res=p.res, batch_size=p.micro, device=device, dtype=dtype,
+                          smalls=work.smalls)
     losses, correct, lr = torch.zeros((), device=device), torch.zeros((), device=device), 0.0
     bar = Progress(p.steps, f"epoch {p.epoch + 1}", PROGRESS_AFTER_S) if o.progress else None
     for i, batch in enumerate(zip(*[micro] * r.accumulate)):       # r.accumulate micro-batches at a time

@@ -548,9 +548,10 @@ def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
     assert lines[3:5] == [f"    1    {SIZE}      32 {lr[0]:>10.5g} {lr[2]:>10.5g}   0.35  32 px, whole image",
                           f"    2    {SIZE}      32 {lr[1]:>10.5g} {lr[3]:>10.5g}   0.35  32 px, whole image"]
     assert lines[5].split() == ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5",
-                                "epoch_time", "total_time"]
+                                "epoch_time", "total_time", "decode"]
     rows = [l.split() for l in lines[6:8]]
     assert [row[:3] for row in rows] == [["1", str(SIZE), "32"], ["2", str(SIZE), "32"]]
+    assert [row[-1] for row in rows] == ["cpu", "cpu"]                 # the CPU's workers decoded every image
     res = json.loads(out.read_text())
     assert res["settings"]["width"] == 4 and res["store_format"] == "jpeg" and res["decoder"] == "cpu"
     assert float(rows[1][7]) == pytest.approx(res["runs"][0]["rows"][1]["top1"], abs=1e-4)

@@ -19,6 +19,8 @@ import imagenet_store as ims
 from conftest import ROOT
 from cuda_standin import StandIn
 
+pytestmark = pytest.mark.usefixtures("one_thread")     # conftest's: tiny networks on a shared 2-core machine
+
 TINY = ["--recipe", "tiny", "--epochs", "2", "--batch-size", "8", "--width", "8", "--min-res", "24", "--max-res", "24",
         "--val-res", "24"]
 
@@ -154,3 +156,87 @@ def test_the_decoding_workers_are_forked_before_cuda_starts_and_spawned_after(st
     assert spawned.pool._mp_context.get_start_method() == "spawn"
     for data in (forked, spawned):
         data.pool.shutdown()
+
+
+def test_each_epoch_is_drawn_ahead_in_a_thread_while_the_epoch_before_trains_and_draws_what_it_drew_before(
+        store, monkeypatch):
+    """The epochs' orders and crop boxes are those drawn in turn, at each epoch's start, from the run's seeds (as
+    before they were drawn ahead); epoch e + 1's are drawn in the "draws" thread while epoch e trains (its draw
+    waits for epoch e's training to start, and epoch e's training waits, at its end, for the draw to have run)."""
+    r = inf.recipe("tiny", epochs=3, batch_size=8, width=4, min_res=16, max_res=16, val_res=16)
+    data = idt.place(ims.open_store(store), torch.device("cpu"))
+    started, ended, drawn = ([threading.Event() for _ in range(3)] for _ in range(3))
+    seen = []
+    real_draw, real_train = inf.draw_epoch, inf.train_epoch
+
+    def draw(data, augment, generator, *, order, epoch_seed):
+        e = epoch_seed[1]
+        if e > 0:
+            assert started[e - 1].wait(30)
+        seen.append((e, threading.current_thread().name, e > 0 and started[e - 1].is_set() and not ended[e - 1].is_set()))
+        out = real_draw(data, augment, generator, order=order, epoch_seed=epoch_seed)
+        seen[-1] += (out.perm.copy(), out.boxes.copy())
+        drawn[e].set()
+        return out
+
+    def train(r, run, data, p, work, **kwargs):
+        started[p.epoch].set()
+        out = real_train(r, run, data, p, work, **kwargs)
+        if p.epoch + 1 < 3:
+            assert drawn[p.epoch + 1].wait(30)      # the next epoch was drawn while this one trained
+        ended[p.epoch].set()
+        return out
+    monkeypatch.setattr(inf, "draw_epoch", draw)
+    monkeypatch.setattr(inf, "train_epoch", train)
+    inf.train_run(r, data, inf.Options(eval_every=0), ctx=inf.D.Context(), seed=3)
+    assert [e for e, *_ in seen] == [0, 1, 2]
+    assert all(thread.startswith("draws") for _, thread, *_ in seen) and [w for _, _, w, *_ in seen] == [False, True, True]
+    seeds = inf.T.run_seeds(3)
+    order, augment = (torch.Generator().manual_seed(seeds[k]) for k in ("order", "augment"))
+    for p, (_, _, _, perm, boxes) in zip(inf.epoch_plans(r, 1, data.per_epoch()), seen):
+        want = real_draw(data, p.augment, augment, order=order, epoch_seed=[seeds["shares"], p.epoch])
+        assert np.array_equal(perm, want.perm) and np.array_equal(boxes, want.boxes)
+
+
+def test_the_epoch_line_says_which_of_nvjpegs_paths_decoded_the_images(store, tmp_path, capsys):
+    """Under the stand-in (the CPU's decode in nvJPEG's place: its software path), every training image of an epoch
+    counted as software-decoded, in the table and the JSON; a CPU-decoded run says "cpu"."""
+    out = tmp_path / "r.json"
+    with StandIn():
+        assert inf.main(["train", "--store", str(store), *TINY, "--decoder", "gpu", "--out", str(out)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(table) if line.split()[:2] == ["epoch", "res"])
+    assert table[header].split()[-1] == "decode" and [line.split()[-1] for line in table[header + 1:header + 3]] == \
+        ["0h/48s", "0h/48s"]
+    assert [row["decode"] for row in __import__("json").loads(out.read_text())["runs"][0]["rows"]] == ["0h/48s"] * 2
+
+
+def baseline_and_progressive(subsampling):
+    im = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8))
+    out = []
+    for progressive in (False, True):
+        buf = io.BytesIO()
+        im.save(buf, "JPEG", quality=90, progressive=progressive, subsampling=subsampling)
+        out.append(np.frombuffer(buf.getvalue(), np.uint8))
+    grey = io.BytesIO()
+    im.convert("L").save(grey, "JPEG", quality=90)
+    return out + [np.frombuffer(grey.getvalue(), np.uint8)]
+
+
+@pytest.mark.parametrize("subsampling, luma", [(0, (1, 1)), (1, (2, 1)), (2, (2, 2))])
+def test_nvjpegs_paths_are_counted_from_each_jpegs_frame_header(subsampling, luma, monkeypatch):
+    """Baseline JPEGs (4:4:4, 4:2:2, 4:2:0, grey) go to the hardware decoder where the device has one, progressive
+    ones to the software path; where the hardware cannot be asked, the baseline ones are "unknown"."""
+    baseline, progressive, grey = baseline_and_progressive(subsampling)
+    assert devices.jpeg_frame(baseline) == (0xC0, 8, [luma, (1, 1), (1, 1)])
+    assert devices.jpeg_frame(progressive)[0] == 0xC2 and devices.jpeg_frame(grey) == (0xC0, 8, [(1, 1)])
+    assert devices.jpeg_frame(np.frombuffer(b"\xff\xd8not a jpeg", np.uint8)) is None
+    records = [baseline, progressive, grey, baseline]
+    for hardware, want in ((True, dict(hardware=3, software=1, unknown=0)),
+                           (False, dict(hardware=0, software=4, unknown=0)),
+                           (None, dict(hardware=0, software=1, unknown=3))):
+        monkeypatch.setattr(devices, "nvjpeg_hardware", lambda device, h=hardware: h)
+        counts = devices.nvjpeg_paths(records, "cuda")
+        assert counts == want
+        assert idt.decode_text(counts) == {True: "3h/1s", False: "0h/4s", None: "3?/1s"}[hardware]
+    assert idt.decode_text({"cpu": 5}) == "cpu" and idt.decode_text({}) == "-"
