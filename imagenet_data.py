@@ -331,11 +331,11 @@ def padded(images, dtype):
     into a zeroed batch of the largest height and width. Their sizes are the host's already (a GPU tensor's shape
     is host metadata), so nothing waits for the device, where a nested tensor's to_padded_tensor copies its sizes
     to the GPU from pageable memory and waits for it."""
-    n, c = len(images), images[0].shape[0]
-    height, width = max(im.shape[1] for im in images), max(im.shape[2] for im in images)
-    out = torch.zeros(n, c, height, width, dtype=dtype, device=images[0].device)
-    for i, im in enumerate(images):
-        out[i, :, :im.shape[1], :im.shape[2]].copy_(im)
+    sizes = [im.size() for im in images]
+    height, width = max(c for _, c, _ in sizes), max(c for _, _, c in sizes)
+    out = torch.zeros(len(images), sizes[0][0], height, width, dtype=dtype, device=images[0].device)
+    for i, (im, (_, h, w)) in enumerate(zip(images, sizes)):
+        out[i, :, :h, :w].copy_(im)
     return out
 
 
