@@ -620,7 +620,9 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     if r.bn_stats == "last_batch":               # no moving averages: the last batch's, pooled over ranks (Akiba)
         D.use_last_batch_stats(model)
     average = T.averaging(model, ema=r.ema, lookahead=r.lookahead)
-    run = T.Trainable(model=model, optimizers=[opt], average=average, generators=[order, augment])
+    scaler = T.loss_scaler(device, dtype)        # fp16: the mean loss's gradients need it; saved with the optimiser
+    run = T.Trainable(model=model, optimizers=[opt, scaler] if scaler else [opt], average=average,
+                      generators=[order, augment])
     done = resumed(r, run, o, forward=forward, plans=plans, ctx=ctx, on_epoch=on_epoch)
     rows, time_to_target, clock.total = done["rows"], done["time_to_target"], done["train_time"]
     final_eval_time = 0.0
@@ -687,7 +689,7 @@ def train_epoch(r, run, data, p, work, *, forward, ctx, o):
     p.micro-image micro-batches normalised in groups of p.group (accumulated_step), at the rate of its fractional
     epoch. Returns the summed loss, the correct predictions, the images seen (on the device, unread) and the last
     rate."""
-    device, (opt,) = torch.device(ctx.device), run.optimizers
+    device, (opt, *scaler) = torch.device(ctx.device), run.optimizers      # a GradScaler beside it in fp16
     dtype = devices.compute_dtype(device, o.precision)
     set_ghost_groups(run.model, p.group)
     micro = train_batches(data, p.augment, work.draws, res=p.res, batch_size=p.micro, device=device, dtype=dtype,
@@ -698,7 +700,8 @@ def train_epoch(r, run, data, p, work, *, forward, ctx, o):
         t = p.epoch + i / p.steps                # the fractional epoch: the schedule's and RMSprop-to-SGD's clock
         lr = step_lr(r, t, p.batch * ctx.world_size)
         set_lr([opt], lr, p.first_step + i, t)
-        hits, loss = accumulated_step(forward, opt, batch, ctx=ctx, label_smoothing=r.sgd.label_smoothing, dtype=dtype)
+        hits, loss = accumulated_step(forward, opt, batch, ctx=ctx, label_smoothing=r.sgd.label_smoothing, dtype=dtype,
+                                      scaler=scaler[0] if scaler else None)
         if run.average:
             run.average.update(run.model, p.first_step + i + 1, p.total_steps)
         losses, correct = losses + loss, correct + hits
@@ -707,19 +710,25 @@ def train_epoch(r, run, data, p, work, *, forward, ctx, o):
     return losses, correct, p.steps * p.batch, lr
 
 
-def accumulated_step(forward, opt, batch, *, ctx, label_smoothing, dtype):
+def accumulated_step(forward, opt, batch, *, ctx, label_smoothing, dtype, scaler=None):
     """One update from the micro-batches [(x, y), ...] of this rank's batch: the gradients of each one's mean loss /
-    their number added up (under DDP, all-reduced after the last alone: no_sync before), then the optimiser's step.
-    Returns the correct predictions and the summed loss, on the device."""
+    their number added up (under DDP, all-reduced after the last alone: no_sync before), then the optimiser's step
+    (with a GradScaler, T.loss_scaler: of the scaled loss, unscaled, skipped on overflow). Returns the correct
+    predictions and the summed loss, on the device."""
     k, hits, total = len(batch), 0, 0
     for i, (x, y) in enumerate(batch):
         with forward.no_sync() if ctx.distributed and i < k - 1 else contextlib.nullcontext():
             with devices.autocast(x.device, dtype):
                 logits = forward(x)
                 loss = F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=label_smoothing)
-            (loss / k if k > 1 else loss).backward()
+            part = loss / k if k > 1 else loss
+            (scaler.scale(part) if scaler else part).backward()
         hits, total = hits + (logits.argmax(1) == y).sum(), total + loss.detach() * len(y)
-    opt.step()
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
     opt.zero_grad(set_to_none=True)
     return hits, total
 

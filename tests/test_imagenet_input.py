@@ -240,3 +240,67 @@ def test_nvjpegs_paths_are_counted_from_each_jpegs_frame_header(subsampling, lum
         assert counts == want
         assert idt.decode_text(counts) == {True: "3h/1s", False: "0h/4s", None: "3?/1s"}[hardware]
     assert idt.decode_text({"cpu": 5}) == "cpu" and idt.decode_text({}) == "-"
+
+
+def fp16_update(scaler, *, step=None):
+    """The change a step in fp16 autocast (CPU) makes to a linear layer's weights at lr 1, with or without a
+    GradScaler (or by `step`, CIFAR's training.train_step), and float32's: the layer's outputs pass through a fixed x 1e-4, so that the mean loss of a batch of
+    512 sends them gradients near 1e-7 (a few of fp16's subnormal steps of 2^-24)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(512, 64), torch.randint(0, 4, (512,))
+    first, shrink = torch.nn.Linear(64, 4), torch.nn.Linear(4, 4, bias=False).requires_grad_(False)
+    torch.nn.init.zeros_(first.weight)          # the update is then the gradient itself, not rounded into a weight
+    shrink.weight.copy_(1e-4 * torch.eye(4))
+    out = []
+    for dtype, s in ((torch.float32, None), (torch.float16, scaler)):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 4), shrink)
+        model[0].load_state_dict(first.state_dict())
+        opt = torch.optim.SGD(model[0].parameters(), lr=1.0)
+        if step is None:
+            inf.accumulated_step(model, opt, [(x, y)], ctx=inf.D.Context(), label_smoothing=0.0, dtype=dtype, scaler=s)
+        else:
+            step(model, [opt], x, y, label_smoothing=0.0, dtype=dtype)
+        out.append(model[0].weight.detach().clone())
+    return out
+
+
+def test_imagenet_steps_in_fp16_through_a_grad_scaler_that_keeps_the_mean_losss_small_gradients():
+    """fp16's mean-loss gradients near 1e-7 round to a few subnormal steps of 2^-24; scaled by the GradScaler
+    (T.loss_scaler, fp16 alone) they keep float32's update to 1% (unscaled: 18% off, as measured here)."""
+    assert inf.T.loss_scaler("cpu", torch.bfloat16) is None and inf.T.loss_scaler("cpu", torch.float32) is None
+    want, unscaled = fp16_update(None)
+    _, scaled = fp16_update(inf.T.loss_scaler("cpu", torch.float16))
+    top = want.abs().max()
+    assert (scaled - want).abs().max() < 0.01 * top < 0.1 * top < (unscaled - want).abs().max()
+
+
+def test_an_fp16_run_saves_its_loss_scale_with_the_optimiser_and_resumes_exactly(store, tmp_path):
+    r = inf.recipe("tiny", epochs=2, batch_size=8, width=4, min_res=16, max_res=16, val_res=16)
+    data = idt.place(ims.open_store(store), torch.device("cpu"))
+    o = inf.Options(eval_every=0, precision="fp16")
+    inf.train_run(r, data, inf.replace(o, checkpoint=str(tmp_path / "a.pt")), ctx=inf.D.Context(), seed=0)
+    with pytest.raises(SystemExit):
+        inf.train_run(r, data, inf.replace(o, checkpoint=str(tmp_path / "b.pt"), interrupt_after=1),
+                      ctx=inf.D.Context(), seed=0)
+    inf.train_run(r, data, inf.replace(o, checkpoint=str(tmp_path / "b.pt"), resume=True), ctx=inf.D.Context(), seed=0)
+    a, b = (torch.load(tmp_path / f"{k}.pt", weights_only=False) for k in "ab")
+    assert a["optimizers"][1]["scale"] == b["optimizers"][1]["scale"] > 1            # the GradScaler's state
+    assert a["optimizers"][1]["_growth_tracker"] == b["optimizers"][1]["_growth_tracker"] > 0
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_cifars_summed_loss_keeps_those_gradients_in_fp16_without_a_scaler():
+    """CIFAR-10 steps on the batch's summed loss (training.train_step), 512 times the mean's gradients: the same layer
+    in fp16 without a scaler keeps float32's update to 1%, which is why CIFAR's fp16 takes none (as airbench's)."""
+    want, got = fp16_update(None, step=inf.T.train_step)
+    assert (got - want).abs().max() < 0.01 * want.abs().max()
+
+
+def test_the_gradient_count_gives_the_shares_below_fp16s_normal_and_subnormal_range():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fp16_gradients
+    g = [torch.tensor([2.0 ** -30, 2.0 ** -20, 0.0]), torch.tensor([[1.0, -2.0 ** -15]])]
+    shares = fp16_gradients.below(g)
+    assert shares["n"] == 4 and shares["<2^-14"] == 0.75 and shares["<2^-24"] == 0.25
+    assert shares["mass <2^-24"] == pytest.approx(2.0 ** -30 / (2.0 ** -30 + 2.0 ** -20 + 1 + 2.0 ** -15))
+    assert fp16_gradients.below(g, 2.0 ** -10)["<2^-24"] == 0.75        # all but the 1, now 2^-10
