@@ -1,8 +1,8 @@
 """A CPU stand-in for CUDA GPUs: every tensor computes in CPU memory, but the ones the program put on the GPU say
 they are on `cuda:N`, and every operation is checked as CUDA checks it. Whole commands run under it as they run
-on a GPU: `devices.py` sees GPUs, its streams, events, pinned buffers, clocks and nvJPEG are stood in, autocast
-runs in the same dtype, `torch.compile` compiles, nested tensors stay on their GPU, and torchrun's ranks join over
-gloo.
+on a GPU: `devices.py` sees GPUs, its streams, events, pinned buffers, clocks and nvJPEG are stood in (nvJPEG by
+the CPU's decode, which devices.nvjpeg_hardware is told is its software path), autocast runs in the same dtype,
+`torch.compile` compiles, nested tensors stay on their GPU, and torchrun's ranks join over gloo.
 
 What it checks, as CUDA does: no operation mixes a tensor on the GPU with one in host memory (but for a 0-dim
 host tensor, a scalar), host indices into a GPU tensor are fine and GPU indices into a host tensor are not,
@@ -11,10 +11,12 @@ host tensor, a scalar), host indices into a GPU tensor are fine and GPU indices 
 to and from it (and which of them block the host: pageable memory, host data made into a GPU tensor by torch.tensor
 and its like, reading a value), host waits (and the operators known to wait inside, WAITING_INSIDE).
 
-What it cannot see: kernel speed; a host wait inside a C++ operator not in WAITING_INSIDE; races between streams (each stream's work runs at once, in order: the tests of
-stream order read the calls it records); memory limits beyond the free memory it is told to report; device mixes
-inside a compiled graph (dynamo traces the CPU tensors; the same code runs eagerly under it elsewhere); CUDA's
-random numbers (a GPU generator here draws the CPU's).
+What it cannot see: kernel speed; a host wait inside a C++ operator not in WAITING_INSIDE; a C++ operator that
+groups tensors by their real device (the fused optimisers': a GradScaler's scale is moved "to the CPU" there, a
+blocking copy here that a GPU does not make); races between streams (each stream's work runs at once, in order:
+the tests of stream order read the calls it records); memory limits beyond the free memory it is told to report;
+device mixes inside a compiled graph (dynamo traces the CPU tensors; the same code runs eagerly under it
+elsewhere); CUDA's random numbers (a GPU generator here draws the CPU's).
 
     with StandIn(gpus=2) as gpu:     # or: python tests/standin_main.py cifar10_fast.py --recipe ...
         cifar10_fast.main([...])
