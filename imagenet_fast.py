@@ -662,7 +662,8 @@ def epochs_ahead(data, plans, generators, *, shares):
     epoch's work is done in a thread of its own while the epoch before trains, off the training thread's path."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="draws")
     try:
-        pending = pool.submit(epoch_work, data, plans[0], [g.get_state() for g in generators], shares) if plans else None
+        states = [g.get_state() for g in generators]
+        pending = pool.submit(epoch_work, data, plans[0], states, shares) if plans else None
         for i, p in enumerate(plans):
             work = pending.result()
             for g, state in zip(generators, work.states):
@@ -830,8 +831,8 @@ def parse_args(argv=None):
                          "nvimgcodec: nvImageCodec on the GPU, decoding just each crop, pip install "
                          "nvidia-nvimgcodec-cu12 or -cu13)")
     tp.add_argument("--loader-workers", type=int, default=None,
-                    help="CPU decoding processes per training process (default: its share of the node's cores, less one "
-                         "for the training thread and one for the reader thread; at least 1)")
+                    help="CPU decoding processes per training process (default: its share of the node's cores, "
+                         "less one for the training thread and one for the reader thread; at least 1)")
     tp.add_argument("--target", type=float, default=None,
                     help="top-1 whose first epoch stops the clock (default 0.75; a recipe with a --target-top5 stops "
                          "it at that top-5 instead)")

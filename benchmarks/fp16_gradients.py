@@ -21,7 +21,7 @@ import cifar10_fast as cf  # noqa: E402
 import cifar_data as cd  # noqa: E402
 import torch_backend as tb  # noqa: E402
 import training as T  # noqa: E402
-from core import Parser, Table, write_json  # noqa: E402
+from core import DataError, Parser, Table, UsageError, write_json  # noqa: E402
 from optim import make_optimizers, set_lr  # noqa: E402
 
 NORMAL, SUBNORMAL = 2.0 ** -14, 2.0 ** -24
@@ -54,8 +54,8 @@ def counted(step, outputs, params, *, mean_batch):
     return row
 
 
-COLUMNS = ["step"] + [f"{name} {k}" for name in ("out", "param")
-                      for k in ("n", "<2^-14", "<2^-24", "mass <2^-24", "mean <2^-14", "mean <2^-24", "mean mass <2^-24")]
+SHARES = ("n", "<2^-14", "<2^-24", "mass <2^-24", "mean <2^-14", "mean <2^-24", "mean mass <2^-24")
+COLUMNS = ["step"] + [f"{name} {k}" for name in ("out", "param") for k in SHARES]
 
 
 def main(argv=None):
@@ -67,9 +67,20 @@ def main(argv=None):
     p.add_argument("--mean-batch", type=int, default=512, help="the batch of the mean loss's columns (default 512)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    steps = sorted(int(s) for s in args.steps.split(","))
+    try:
+        steps = sorted(int(s) for s in args.steps.split(","))
+    except ValueError:
+        p.error(f"--steps {args.steps}: must be whole numbers, comma-separated")
+    for flag, value, bad in (("steps", args.steps, min(steps) < 0), ("batch-size", args.batch_size, args.batch_size < 1),
+                             ("mean-batch", args.mean_batch, args.mean_batch < 1)):
+        if bad:
+            p.error(f"--{flag} {value}: must be {'positive' if flag != 'steps' else 'at least 0'}")
     torch.manual_seed(0)
-    r, arrays = cf.recipe(args.recipe), cd.read_npz(args.data)
+    try:
+        r, arrays = cf.recipe(args.recipe), cd.read_npz(args.data)
+    except (DataError, UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
     data = cd.to_device(arrays, "cpu", dtype=torch.float32, pad=r.augment.crop_pad,
                         stats=cd.channel_stats(arrays["train_images"]))
     model = tb.build_model(r, "cpu", num_classes=10)

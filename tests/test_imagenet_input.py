@@ -173,7 +173,8 @@ def test_each_epoch_is_drawn_ahead_in_a_thread_while_the_epoch_before_trains_and
         e = epoch_seed[1]
         if e > 0:
             assert started[e - 1].wait(30)
-        seen.append((e, threading.current_thread().name, e > 0 and started[e - 1].is_set() and not ended[e - 1].is_set()))
+        during = e > 0 and started[e - 1].is_set() and not ended[e - 1].is_set()     # epoch e - 1 trains
+        seen.append((e, threading.current_thread().name, during))
         out = real_draw(data, augment, generator, order=order, epoch_seed=epoch_seed)
         seen[-1] += (out.perm.copy(), out.boxes.copy())
         drawn[e].set()
@@ -190,7 +191,8 @@ def test_each_epoch_is_drawn_ahead_in_a_thread_while_the_epoch_before_trains_and
     monkeypatch.setattr(inf, "train_epoch", train)
     inf.train_run(r, data, inf.Options(eval_every=0), ctx=inf.D.Context(), seed=3)
     assert [e for e, *_ in seen] == [0, 1, 2]
-    assert all(thread.startswith("draws") for _, thread, *_ in seen) and [w for _, _, w, *_ in seen] == [False, True, True]
+    assert all(thread.startswith("draws") for _, thread, *_ in seen)
+    assert [during for _, _, during, *_ in seen] == [False, True, True]
     seeds = inf.T.run_seeds(3)
     order, augment = (torch.Generator().manual_seed(seeds[k]) for k in ("order", "augment"))
     for p, (_, _, _, perm, boxes) in zip(inf.epoch_plans(r, 1, data.per_epoch()), seen):
@@ -244,8 +246,9 @@ def test_nvjpegs_paths_are_counted_from_each_jpegs_frame_header(subsampling, lum
 
 def fp16_update(scaler, *, step=None):
     """The change a step in fp16 autocast (CPU) makes to a linear layer's weights at lr 1, with or without a
-    GradScaler (or by `step`, CIFAR's training.train_step), and float32's: the layer's outputs pass through a fixed x 1e-4, so that the mean loss of a batch of
-    512 sends them gradients near 1e-7 (a few of fp16's subnormal steps of 2^-24)."""
+    GradScaler (or by `step`, CIFAR's training.train_step), and float32's: the layer's outputs pass through a fixed
+    x 1e-4, so that the mean loss of a batch of 512 sends them gradients near 1e-7 (a few of fp16's subnormal steps
+    of 2^-24)."""
     torch.manual_seed(0)
     x, y = torch.randn(512, 64), torch.randint(0, 4, (512,))
     first, shrink = torch.nn.Linear(64, 4), torch.nn.Linear(4, 4, bias=False).requires_grad_(False)
@@ -296,7 +299,7 @@ def test_cifars_summed_loss_keeps_those_gradients_in_fp16_without_a_scaler():
     assert (got - want).abs().max() < 0.01 * want.abs().max()
 
 
-def test_the_gradient_count_gives_the_shares_below_fp16s_normal_and_subnormal_range():
+def test_the_gradient_count_gives_the_shares_below_fp16s_normal_and_subnormal_range(tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import fp16_gradients
     g = [torch.tensor([2.0 ** -30, 2.0 ** -20, 0.0]), torch.tensor([[1.0, -2.0 ** -15]])]
@@ -304,3 +307,11 @@ def test_the_gradient_count_gives_the_shares_below_fp16s_normal_and_subnormal_ra
     assert shares["n"] == 4 and shares["<2^-14"] == 0.75 and shares["<2^-24"] == 0.25
     assert shares["mass <2^-24"] == pytest.approx(2.0 ** -30 / (2.0 ** -30 + 2.0 ** -20 + 1 + 2.0 ** -15))
     assert fp16_gradients.below(g, 2.0 ** -10)["<2^-24"] == 0.75        # all but the 1, now 2^-10
+    for argv, message in ((["--steps", "a,1"], "error: --steps a,1: must be whole numbers, comma-separated"),
+                          (["--batch-size", "0"], "error: --batch-size 0: must be positive"),
+                          (["--steps", "-1"], "error: --steps -1: must be at least 0")):
+        with pytest.raises(SystemExit):
+            fp16_gradients.main(["--data", "x.npz", *argv])
+        assert capsys.readouterr().err.strip().splitlines()[-1] == message
+    assert fp16_gradients.main(["--data", str(tmp_path / "none.npz")]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'none.npz'}: not a readable .npz")
