@@ -43,7 +43,7 @@ try:
 except SystemExit as e:
     print("help exit", e.code)
 with StandIn():
-    print("gpu exit", inf.main(["train", "--store", {store!r}, *{tiny!r}, "--decoder", "gpu"]))
+    print("gpu exit", inf.main(["train", "--store", {store!r}, *{tiny!r}, "--epochs", "1", "--decoder", "gpu"]))
 print("cpu exit", inf.main(["train", "--store", {store!r}, *{tiny!r}, "--device", "cpu"]))
 print("simplejpeg" in sys.modules and sys.modules["simplejpeg"] is not None)
 """
