@@ -620,7 +620,7 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     if r.bn_stats == "last_batch":               # no moving averages: the last batch's, pooled over ranks (Akiba)
         D.use_last_batch_stats(model)
     average = T.averaging(model, ema=r.ema, lookahead=r.lookahead)
-    scaler = T.loss_scaler(device, dtype)        # fp16: the mean loss's gradients need it; saved with the optimiser
+    scaler = loss_scaler(device, dtype)          # fp16: the mean loss's gradients need it; saved with the optimiser
     run = T.Trainable(model=model, optimizers=[opt, scaler] if scaler else [opt], average=average,
                       generators=[order, augment])
     done = resumed(r, run, o, forward=forward, plans=plans, ctx=ctx, on_epoch=on_epoch)
@@ -711,10 +711,17 @@ def train_epoch(r, run, data, p, work, *, forward, ctx, o):
     return losses, correct, p.steps * p.batch, lr
 
 
+def loss_scaler(device, dtype):
+    """torch.amp.GradScaler for steps in fp16 on the device, whose 5 exponent bits flush the small gradients of a mean
+    loss to 0 (docs/perf-notes.md counts them; CIFAR-10's summed loss needs none); None in another dtype (bf16 has
+    float32's range). A step scales the loss, unscales the gradients, and skips an update whose gradients overflowed."""
+    return torch.amp.GradScaler(torch.device(device).type) if dtype == torch.float16 else None
+
+
 def accumulated_step(forward, opt, batch, *, ctx, label_smoothing, dtype, scaler=None):
     """One update from the micro-batches [(x, y), ...] of this rank's batch: the gradients of each one's mean loss /
     their number added up (under DDP, all-reduced after the last alone: no_sync before), then the optimiser's step
-    (with a GradScaler, T.loss_scaler: of the scaled loss, unscaled, skipped on overflow). Returns the correct
+    (with a GradScaler, loss_scaler: of the scaled loss, unscaled, skipped on overflow). Returns the correct
     predictions and the summed loss, on the device."""
     k, hits, total = len(batch), 0, 0
     for i, (x, y) in enumerate(batch):

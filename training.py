@@ -52,13 +52,6 @@ class Options:
     progress: bool = False
 
 
-def loss_scaler(device, dtype):
-    """torch.amp.GradScaler for steps in fp16 on the device, whose 5 exponent bits flush the small gradients of a mean
-    loss to 0 (docs/perf-notes.md counts them); None in another dtype (bf16 has float32's range). A step scales the
-    loss, unscales the gradients, and skips an update whose gradients overflowed."""
-    return torch.amp.GradScaler(torch.device(device).type) if dtype == torch.float16 else None
-
-
 def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
     """One step on the batch-summed loss (CIFAR-10's; ImageNet's is imagenet_fast.accumulated_step): forward (with its
     loss, when forward computes it: cifar10_fast.WithLoss), backward, every optimiser. Returns the logits and the

@@ -269,10 +269,10 @@ def fp16_update(scaler, *, step=None):
 
 def test_imagenet_steps_in_fp16_through_a_grad_scaler_that_keeps_the_mean_losss_small_gradients():
     """fp16's mean-loss gradients near 1e-7 round to a few subnormal steps of 2^-24; scaled by the GradScaler
-    (T.loss_scaler, fp16 alone) they keep float32's update to 1% (unscaled: 18% off, as measured here)."""
-    assert inf.T.loss_scaler("cpu", torch.bfloat16) is None and inf.T.loss_scaler("cpu", torch.float32) is None
+    (imagenet_fast.loss_scaler, fp16 alone) they keep float32's update to 1% (unscaled: 18% off, as measured here)."""
+    assert inf.loss_scaler("cpu", torch.bfloat16) is None and inf.loss_scaler("cpu", torch.float32) is None
     want, unscaled = fp16_update(None)
-    _, scaled = fp16_update(inf.T.loss_scaler("cpu", torch.float16))
+    _, scaled = fp16_update(inf.loss_scaler("cpu", torch.float16))
     top = want.abs().max()
     assert (scaled - want).abs().max() < 0.01 * top < 0.1 * top < (unscaled - want).abs().max()
 
