@@ -377,10 +377,11 @@ def finish(x, factors, constants, *, dtype, memory_format):
 
 def decode_text(counts):
     """How an epoch's images were decoded, in a table's column (counts: the change in Data.decoded over it): "cpu",
-    nvJPEG's "<hardware>h/<software>s" ("?" for hardware-decodable images where nvjpeg_hardware cannot tell), or "-"
-    (a raw store's, nothing to decode)."""
-    if counts.get("cpu"):
-        return "cpu"
+    "nvimgcodec", nvJPEG's "<hardware>h/<software>s" ("?" for hardware-decodable images where nvjpeg_hardware cannot
+    tell), or "-" (a raw store's, nothing to decode)."""
+    for name in ("cpu", "nvimgcodec"):
+        if counts.get(name):
+            return name
     if not any(counts.get(k) for k in ("hardware", "software", "unknown")):
         return "-"
     hardware = f"{counts['unknown']}?" if counts.get("unknown") else f"{counts.get('hardware', 0)}h"

@@ -241,7 +241,8 @@ def test_nvjpegs_paths_are_counted_from_each_jpegs_frame_header(subsampling, lum
         counts = devices.nvjpeg_paths(records, "cuda")
         assert counts == want
         assert idt.decode_text(counts) == {True: "3h/1s", False: "0h/4s", None: "3?/1s"}[hardware]
-    assert idt.decode_text({"cpu": 5}) == "cpu" and idt.decode_text({}) == "-"
+    assert idt.decode_text({"cpu": 5}) == "cpu" and idt.decode_text({"nvimgcodec": 5}) == "nvimgcodec"
+    assert idt.decode_text({}) == "-"
 
 
 def fp16_update(scaler, *, step=None):
