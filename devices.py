@@ -510,3 +510,82 @@ class NvImageCodec:
                                f"(the first at position {failed[0]})")
         self.held = images
         return [torch.from_dlpack(image).permute(2, 0, 1) for image in images]
+
+
+NVJPEG_BACKEND_HARDWARE = 3     # nvjpegBackend_t, nvjpeg.h
+
+
+def nvjpeg_hardware(device):
+    """Whether nvJPEG has its hardware decoder on this CUDA device (A100, H100, ...), as torchvision's batched decode
+    asks it: a handle of NVJPEG_BACKEND_HARDWARE made by the nvJPEG library torchvision loaded (ctypes, ours: torch
+    and torchvision do not tell); None where that library cannot be found or asked."""
+    index = torch.device(device).index
+    if index not in NVJPEG_HARDWARE:
+        NVJPEG_HARDWARE[index] = ask_nvjpeg_hardware(device)
+    return NVJPEG_HARDWARE[index]
+
+
+NVJPEG_HARDWARE = {}        # device index -> nvjpeg_hardware's answer, asked once
+
+
+def ask_nvjpeg_hardware(device):
+    import ctypes
+    import torchvision.io.image  # noqa: F401  (loads torchvision's image library, and with it nvJPEG's)
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libnvjpeg" in line), None)
+        if path is None:
+            return None
+        lib, handle = ctypes.CDLL(path), ctypes.c_void_p()
+        with torch.cuda.device(torch.device(device)):
+            status = lib.nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, None, None, 0, ctypes.byref(handle))
+        if status == 0:
+            lib.nvjpegDestroy(handle)
+        return status == 0
+    except (OSError, AttributeError):
+        return None
+
+
+HARDWARE_SAMPLING = {(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (4, 2)}     # luma's factors over chroma's (1, 1)
+
+
+def jpeg_frame(record):
+    """(the SOFn marker, sample precision, each component's (horizontal, vertical) sampling factors) of an encoded
+    JPEG, from its markers; None where its frame header cannot be found."""
+    i = 2
+    while i + 10 <= len(record):
+        if record[i] != 0xFF:
+            return None
+        marker = int(record[i + 1])
+        if marker == 0xFF:                  # a fill byte
+            i += 1
+            continue
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            n = int(record[i + 9])
+            factors = [(int(record[i + 11 + 3 * k]) >> 4, int(record[i + 11 + 3 * k]) & 15) for k in range(n)
+                       if i + 11 + 3 * k < len(record)]
+            return marker, int(record[i + 4]), factors
+        i += 2 + (int(record[i + 2]) << 8 | int(record[i + 3]))
+    return None
+
+
+def hardware_decodable(record):
+    """Whether nvJPEG's hardware decoder takes this JPEG (as its nvjpegDecodeBatchedSupported does, to our reading
+    of nvJPEG's documentation): baseline Huffman, 8 bits, grey or three components with full-resolution chroma
+    beside luma at one of HARDWARE_SAMPLING. Progressive JPEGs, among others, go to its software path."""
+    frame = jpeg_frame(record)
+    if frame is None or frame[0] != 0xC0 or frame[1] != 8 or len(frame[2]) not in (1, 3):
+        return False
+    return len(frame[2]) == 1 or (frame[2][0] in HARDWARE_SAMPLING and frame[2][1] == frame[2][2] == (1, 1))
+
+
+def nvjpeg_paths(records, device):
+    """How many of the encoded JPEGs torchvision's batched nvJPEG decode sends down each path on device: "hardware"
+    (its hardware decoder: hardware_decodable records where nvjpeg_hardware), "software" (the rest, decoded one by
+    one), or "unknown" for the hardware-decodable ones where nvjpeg_hardware cannot tell."""
+    hardware = nvjpeg_hardware(device)
+    counts = {"hardware": 0, "software": 0, "unknown": 0}
+    for r in records:
+        eligible = hardware is not False and hardware_decodable(r)
+        counts["software" if not eligible else "hardware" if hardware else "unknown"] += 1
+    return counts

@@ -15,20 +15,19 @@ import math
 import multiprocessing
 import os
 import tempfile
-import warnings
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
-import simplejpeg
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
 import devices
 import distributed as D
-from core import die_with_parent
-from imagenet_store import val_shape
+from core import UsageError, die_with_parent
+from imagenet_store import open_store, val_shape
 
 MEAN = (123.675, 116.28, 103.53)  # the usual ImageNet statistics, 0..255 scale
 STD = (58.395, 57.12, 57.375)
@@ -90,6 +89,7 @@ def decode_crop(record, *, box, shape, raw_shape=None):
     if raw_shape is not None:
         pixels = np.asarray(record).reshape(*raw_shape, 3)
     else:
+        import simplejpeg       # here, not at the top: the GPU decoder and raw stores run without it
         H, W, _, _ = simplejpeg.decode_jpeg_header(record)
         room = min(W // math.ceil(W * ow / bw), H // math.ceil(H * oh / bh))
         f = next(f for f in (8, 4, 2, 1) if f <= max(room, 1))     # libjpeg's eighths in between decode slower
@@ -100,6 +100,15 @@ def decode_crop(record, *, box, shape, raw_shape=None):
     return np.asarray(im.resize((ow, oh), Image.BILINEAR, box=(left, top, left + bw, top + bh)))
 
 
+def check_cpu_decoder():
+    """Raises UsageError (one line) when the CPU decoder's simplejpeg cannot be imported."""
+    try:
+        import simplejpeg  # noqa: F401
+    except ImportError:
+        raise UsageError("--decoder cpu decodes JPEGs with simplejpeg, which is not installed: pip install simplejpeg "
+                         "(or --decoder gpu on a CUDA GPU)") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # The decoding workers: processes (no lock shared between them) writing into shared memory
 # ---------------------------------------------------------------------------------------------
@@ -108,11 +117,18 @@ WORKER = {}     # in a decoding worker: the store it inherited and the staging b
 STAGED = 3      # staging buffers: the batch the caller works on and the two decoding meanwhile
 
 
+def default_workers(processes_on_node=1):
+    """How many decoding processes a training process starts: its share of the cores this process may run on, less
+    one for the training thread and one for the reader thread, at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, processes_on_node) - 2)
+
+
 def worker_start(parent, store):
     """A decoding worker's set-up: it ends with its parent and leaves Ctrl-C to it, and keeps the store it inherited
-    (forked: the memory-mapped file itself, nothing copied)."""
+    (forked: the memory-mapped file itself, nothing copied) or opens it from its folder (spawned)."""
     die_with_parent(parent, True)
-    WORKER.update(store=store, buffers={})
+    WORKER.update(store=open_store(store) if isinstance(store, str) else store, buffers={})
 
 
 def decode_part(split, path, *, shape, start, rows, boxes):
@@ -132,11 +148,14 @@ def decode_part(split, path, *, shape, start, rows, boxes):
 
 
 def decoding_pool(data):
-    """data's decoding workers, started on first use: `data.workers` processes forked from this one (so they share
-    its memory-mapped store) that end with it."""
+    """data's decoding workers, started on first use: `data.workers` processes that end with this one, forked from it
+    (so they share its memory-mapped store) while it has not started CUDA, else spawned (a fork would copy CUDA's
+    threads and driver state half-made), each opening the store from its folder."""
     if data.pool is None:
-        data.pool = ProcessPoolExecutor(data.workers, mp_context=multiprocessing.get_context("fork"),
-                                        initializer=worker_start, initargs=(os.getpid(), data.store))
+        forked = not torch.cuda.is_initialized()
+        store = data.store if forked else os.path.dirname(data.store.train.data.filename)
+        data.pool = ProcessPoolExecutor(data.workers, mp_context=multiprocessing.get_context(
+            "fork" if forked else "spawn"), initializer=worker_start, initargs=(os.getpid(), store))
     return data.pool
 
 
@@ -174,6 +193,7 @@ class Data:
     #                                   "nvimgcodec": nvImageCodec, decoding each crop box alone
     workers: int = 1
     shares: tuple = None              # (rank, world): each epoch deals this rank a new share of train_rows
+    decoded: Counter = field(default_factory=Counter)    # images decoded so far by each path (devices.nvjpeg_paths)
     pool: ProcessPoolExecutor = field(default=None, repr=False)
     staging: dict = field(default_factory=dict, repr=False)
 
@@ -196,7 +216,9 @@ def place(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", worke
              else np.arange(len(store.train)))
     part = D.part(len(store.val), ctx.rank, ctx.world_size)
     val = np.arange(part.start, part.stop)
-    workers = workers or max(1, (os.cpu_count() or 1) // max(1, ctx.local_world_size))
+    if store.format == "jpeg" and decoder == "cpu":
+        check_cpu_decoder()
+    workers = workers or default_workers(ctx.local_world_size)
     data = Data(store=store, train_rows=np.asarray(train, np.int64), val_rows=val, train_y=store.train.labels[train],
                 val_y=store.val.labels[val], decoder=decoder, workers=workers,
                 shares=(ctx.rank, ctx.world_size) if ctx.distributed and not fixed else None)
@@ -292,27 +314,41 @@ def crop_resize(x, index, res):
 def filter_matrix(start, length, size, res):
     """(n, res, size) float32: row i of image k holds the weights of the input pixels start[k] ... start[k] +
     length[k] - 1 (of `size`) in output pixel i, as F.interpolate's antialiased bilinear filter (and PIL's) weighs
-    them: w(j) = max(0, 1 - |j + 1/2 - c_i| / s) normalised over j, c_i = (i + 1/2) s, s = max(1, length / res)."""
+    them: w(j) = max(0, 1 - |j + 1/2 - c_i| / s) normalised over the pixels j that overlap the box (a fractional
+    start: a validation view's), c_i = (i + 1/2) s, s = max(1, length / res)."""
     n, device = len(start), start.device
     length = length.to(torch.float32).view(n, 1, 1)
     scale = length / res
     support = scale.clamp(min=1)
     j = torch.arange(size, device=device, dtype=torch.float32).view(1, 1, size) - start.to(torch.float32).view(n, 1, 1)
     centre = scale * (torch.arange(res, device=device, dtype=torch.float32).view(1, res, 1) + 0.5)
-    weights = (1 - ((j + 0.5 - centre) / support).abs()).clamp(min=0) * ((j >= 0) & (j < length))
+    weights = (1 - ((j + 0.5 - centre) / support).abs()).clamp(min=0) * ((j > -1) & (j < length))
     return weights / weights.sum(2, keepdim=True)
 
 
+def padded(images, dtype):
+    """CHW images of different sizes as one (n, C, H, W) batch in dtype, zero beyond each image: one copy an image
+    into a zeroed batch of the largest height and width. Their sizes are the host's already (a GPU tensor's shape
+    is host metadata), so nothing waits for the device, where a nested tensor's to_padded_tensor copies its sizes
+    to the GPU from pageable memory and waits for it."""
+    sizes = [im.size() for im in images]
+    height, width = max(c for _, c, _ in sizes), max(c for _, _, c in sizes)
+    out = torch.zeros(len(images), sizes[0][0], height, width, dtype=dtype, device=images[0].device)
+    for i, (im, (_, h, w)) in enumerate(zip(images, sizes)):
+        out[i, :, :h, :w].copy_(im)
+    return out
+
+
 def crop_resize_images(images, boxes, res, *, dtype=torch.float32):
-    """The GPU decoder's crops, all at once: each CHW uint8 image's box (an int64 (4, n) tensor of top, left, height,
-    width on the images' device) resized to res x res with F.interpolate's (and PIL's) antialiased bilinear filter,
-    as float NCHW, by two batched matrix products (filter_matrix) in `dtype` over the images padded into one batch."""
-    with warnings.catch_warnings():     # nested tensors of two ragged dimensions are a prototype: only this layout
-        warnings.simplefilter("ignore", UserWarning)
-        x = torch.nested.nested_tensor(images).to(dtype).to_padded_tensor(0.0)
+    """The GPU decoder's crops, all at once: each CHW uint8 image's box (a (4, n) tensor of top, left, height, width
+    on the images' device, whole or fractional pixels) resized to res x res (or res = (height, width)) with
+    F.interpolate's (and PIL's) antialiased bilinear filter, as float NCHW, by two batched matrix products
+    (filter_matrix) in `dtype` over the images padded into one batch (padded)."""
+    oh, ow = (res, res) if isinstance(res, int) else res
+    x = padded(images, dtype)
     top, left, h, w = boxes.unbind(0)
-    rows = filter_matrix(top, h, x.shape[2], res).to(dtype)
-    cols = filter_matrix(left, w, x.shape[3], res).to(dtype)
+    rows = filter_matrix(top, h, x.shape[2], oh).to(dtype)
+    cols = filter_matrix(left, w, x.shape[3], ow).to(dtype)
     return (rows.unsqueeze(1) @ x @ cols.transpose(1, 2).unsqueeze(1)).float()
 
 
@@ -337,6 +373,19 @@ def finish(x, factors, constants, *, dtype, memory_format):
     if factors is not None:
         x = jitter(x, factors, constants[2])
     return normalize(x, constants).to(dtype).contiguous(memory_format=memory_format)
+
+
+def decode_text(counts):
+    """How an epoch's images were decoded, in a table's column (counts: the change in Data.decoded over it): "cpu",
+    "nvimgcodec", nvJPEG's "<hardware>h/<software>s" ("?" for hardware-decodable images where nvjpeg_hardware cannot
+    tell), or "-" (a raw store's, nothing to decode)."""
+    for name in ("cpu", "nvimgcodec"):
+        if counts.get(name):
+            return name
+    if not any(counts.get(k) for k in ("hardware", "software", "unknown")):
+        return "-"
+    hardware = f"{counts['unknown']}?" if counts.get("unknown") else f"{counts.get('hardware', 0)}h"
+    return f"{hardware}/{counts.get('software', 0)}s"
 
 
 def on_device(arrays, device):
@@ -388,7 +437,8 @@ def gathered(data, smalls, *, device):
 
 def decoded(data, split, jobs, *, device):
     """(uint8 NHWC batch, its small tensors) on the device for each job (store rows, boxes, output shape, small host
-    arrays), decoded by the worker processes (decoding_pool) into STAGED shared buffers, STAGED - 1 batches ahead; on
+    arrays), decoded by the worker processes (decoding_pool) into STAGED shared buffers, STAGED - 1 batches ahead (and
+    counted in data.decoded, as "cpu", or "raw" for a raw store's validation); on
     a GPU copied through two pinned buffers on a side stream, a buffer refilled only once its last copy has left it."""
     pool, side, jobs = decoding_pool(data), devices.side_stream(device), list(jobs)
     pinned, copied, pending = [None, None], [None, None], {}
@@ -396,6 +446,7 @@ def decoded(data, split, jobs, *, device):
     def submit_batch(k):
         rows, boxes, (oh, ow), _ = jobs[k]
         shape = (len(rows), oh, ow, 3)
+        data.decoded["cpu" if data.store.format == "jpeg" else "raw"] += len(rows)
         path, buffer = staging(data, k % STAGED, math.prod(shape))
         edges = np.linspace(0, len(rows), min(data.workers, len(rows)) + 1).astype(int)
         pending[k] = shape, buffer, [pool.submit(decode_part, split, path, shape=shape, start=a, rows=rows[a:z],
@@ -428,57 +479,89 @@ def decoded(data, split, jobs, *, device):
         wait(futures)
 
 
-def gpu_decoded(data, jobs, *, device):
-    """(float NCHW crops, the batch's small tensors) on the device for each job (store rows, output side, small host
-    arrays): the images nvJPEG-decoded (devices.decode_jpeg) in a thread while the training thread queues the step
-    before, then cropped and resized (crop_resize_images) on a side stream the training stream waits for."""
+def gpu_decoded(data, split, jobs, *, device):
+    """(float NCHW crops, the batch's small tensors) on the device for each job (store rows of split, output side or
+    (height, width), small host arrays: the first holds the boxes, at rows TOP ... WIDTH of a training batch's index,
+    or as float32 (4, n) of a validation batch's): the images nvJPEG-decoded (devices.decode_jpeg) in a thread while
+    the training thread queues the step before, then cropped and resized (crop_resize_images) on a side stream the
+    training stream waits for; with nvImageCodec (devices.decodes_crops) each training image just its crop box.
+    Which of nvJPEG's paths took each image is added to data.decoded (gpu_decode)."""
     side, jobs = devices.side_stream(device), list(jobs)
+    records = data.store.train if split == "train" else data.store.val
     # a thread of its own: torchvision's batched decode holds its calling thread until the decode ends
     reader = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
-
-    cropped = devices.decodes_crops(data.decoder)      # each image decoded just at its box: boxes from (0, 0)
-
-    def decode(rows, arrays):
-        # nvJPEG's own stream waits on nothing (torchvision pull request 9606): side's queued reads must end first
-        devices.drain(side)
-        with devices.on_stream(side):
-            return devices.decode_jpeg([data.store.train.record(r) for r in rows], device, decoder=data.decoder,
-                                       boxes=arrays[0][TOP:WIDTH + 1].T if cropped else None)
+    cropped = split == "train" and devices.decodes_crops(data.decoder)     # just each crop: boxes from (0, 0)
     try:
-        pending = reader.submit(decode, jobs[0][0], jobs[0][2]) if jobs else None
+        pending = decode_ahead(reader, data, records, jobs[0], side, device=device, cropped=cropped) if jobs else None
         for k, (_, res, arrays) in enumerate(jobs):
             images = pending.result()
             with devices.on_stream(side):
                 small = on_device(arrays, device)
-                boxes = small[0][TOP:WIDTH + 1]
+                boxes = small[0][TOP:WIDTH + 1] if split == "train" else small[0]
                 if cropped:
                     boxes = torch.cat([torch.zeros_like(boxes[:2]), boxes[2:]])
                 crops = crop_resize_images(images, boxes, res, dtype=devices.resize_dtype(device))
                 done = devices.record(side)
             del images
             if k + 1 < len(jobs):
-                pending = reader.submit(decode, jobs[k + 1][0], jobs[k + 1][2])
+                pending = decode_ahead(reader, data, records, jobs[k + 1], side, device=device, cropped=cropped)
             handed_over(done, device, (crops, *small))
             yield crops, small
     finally:
         reader.shutdown(cancel_futures=True)
 
 
-def train_batches(data, augment, draws, *, res, batch_size, device, dtype):
+def decode_ahead(reader, data, records, job, side, *, device, cropped):
+    """The future of a job's images (gpu_decoded's job: store rows of `records`, output shape, small host arrays)
+    decoded by data.decoder in the reader thread; cropped: each just its box (the training index's)."""
+    rows, _, arrays = job
+    boxes = arrays[0][TOP:WIDTH + 1].T if cropped else None
+    return reader.submit(gpu_decode, [records.record(r) for r in rows], side, data.decoded, device=device,
+                         decoder=data.decoder, boxes=boxes)
+
+
+def gpu_decode(records, side, counts, *, device, decoder="gpu", boxes=None):
+    """In the reader thread: the encoded records decoded on the side stream (devices.decode_jpeg, by `decoder`, each
+    just its box of boxes where given), added to the Counter counts: by nvJPEG's path each took
+    (devices.nvjpeg_paths), or under the decoder's name."""
+    # nvJPEG's own stream waits on nothing (torchvision pull request 9606): side's queued reads must end first
+    devices.drain(side)
+    counts.update(devices.nvjpeg_paths(records, device) if decoder == "gpu" else {decoder: len(records)})
+    with devices.on_stream(side):
+        return devices.decode_jpeg(records, device, decoder=decoder, boxes=boxes)
+
+
+def batch_indices(data, draws, batch_size):
+    """batch_index's small host arrays of each whole batch of draws.perm, in order."""
+    bs, shapes = batch_size, data.shapes("train")
+    return [batch_index(data, draws, draws.perm[i * bs:(i + 1) * bs], shapes) for i in range(len(draws.perm) // bs)]
+
+
+@dataclass(kw_only=True)
+class EpochWork:
+    """An epoch's host work, done before it starts: its Draws (cut to its whole batches), each batch's small host
+    arrays (batch_indices) and the states of the run's generators (order, augmentation) once they are drawn."""
+    draws: Draws
+    smalls: list
+    states: list
+
+
+def train_batches(data, augment, draws, *, res, batch_size, device, dtype, smalls=None):
     """The training batches of one epoch in the order of draws.perm (the last partial batch dropped), each image
     cropped at its box, resized to res, flipped, jittered and normalised on the device; the small tensors come from
-    pinned memory, so nothing waits for the device. The throughput benchmark reads the same batches."""
+    pinned memory, so nothing waits for the device (smalls: batch_indices's, when made ahead). The throughput
+    benchmark reads the same batches."""
     bs, memory_format = batch_size, devices.memory_format(device)
     order = [draws.perm[i * bs:(i + 1) * bs] for i in range(len(draws.perm) // bs)]
-    shapes = data.shapes("train")
-    smalls = [batch_index(data, draws, idx, shapes) for idx in order]
+    smalls = batch_indices(data, draws, bs) if smalls is None else smalls
     constants = devices.to_device(CONSTANTS, device)
     if data.store.format == "raw":
         wide = devices.wide_dtype(dtype)
         batches = ((crop_resize(xb.permute(0, 3, 1, 2).to(wide), small[0], res), small)
                    for xb, small in gathered(data, smalls, device=device))
     elif data.decoder in devices.GPU_DECODERS:
-        batches = gpu_decoded(data, [(data.train_rows[idx], res, s) for idx, s in zip(order, smalls)], device=device)
+        batches = gpu_decoded(data, "train", [(data.train_rows[idx], res, s) for idx, s in zip(order, smalls)],
+                              device=device)
     else:
         jobs = [(data.train_rows[idx], draws.boxes[idx], (res, res), s) for idx, s in zip(order, smalls)]
         batches = ((xb.permute(0, 3, 1, 2).to(devices.wide_dtype(dtype)), small)
@@ -510,6 +593,17 @@ def val_jobs(data, val, batch_size=256):
     return jobs
 
 
+def val_batches(data, val, batch_size, *, device):
+    """(float NCHW images on 0..255, labels) on the device for each validation batch (val_jobs), decoded where
+    training decodes: by nvJPEG with --decoder gpu (a JPEG store), else by the CPU's workers."""
+    jobs = val_jobs(data, val, batch_size)
+    if data.store.format == "jpeg" and data.decoder in devices.GPU_DECODERS:
+        gpu_jobs = [(r, s, (np.asarray(b, np.float32).T.copy(), data.val_y[pos])) for pos, r, b, s in jobs]
+        return ((x, small[1]) for x, small in gpu_decoded(data, "val", gpu_jobs, device=device))
+    cpu_jobs = [(r, b, s, (data.val_y[pos],)) for pos, r, b, s in jobs]
+    return ((xb.permute(0, 3, 1, 2).float(), y) for xb, (y,) in decoded(data, "val", cpu_jobs, device=device))
+
+
 @torch.no_grad()
 def validation_sums(model, data, val, *, tta, device, dtype, batch_size=256):
     """Evaluation of the validation images this process holds, each seen as val_view says. The summed loss, top-1
@@ -520,10 +614,8 @@ def validation_sums(model, data, val, *, tta, device, dtype, batch_size=256):
     totals = torch.zeros(4, dtype=devices.sum_dtype(device), device=device)
     totals[3] = len(data.val_rows)
     constants = devices.to_device(CONSTANTS, device)
-    jobs = [(r, b, s, (data.val_y[pos],)) for pos, r, b, s in val_jobs(data, val, batch_size)]
-    for xb, (y,) in decoded(data, "val", jobs, device=device):
-        x = normalize(xb.permute(0, 3, 1, 2).to(devices.wide_dtype(dtype)), constants).to(dtype).contiguous(
-            memory_format=memory_format)
+    for x, y in val_batches(data, val, batch_size, device=device):
+        x = normalize(x.to(devices.wide_dtype(dtype)), constants).to(dtype).contiguous(memory_format=memory_format)
         with devices.autocast(device, dtype):
             logits = devices.float32_or_wider(model(x))
             if tta == "flip":

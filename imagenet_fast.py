@@ -18,6 +18,8 @@ import hashlib
 import io
 import json
 import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -34,7 +36,7 @@ import training as T
 from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
 from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, close_progress,
                   end_torchrun, exit_now, print_summary, summarize_runs, write_json)
-from imagenet_data import draw_epoch, evaluate, place, train_batches
+from imagenet_data import EpochWork, batch_indices, decode_text, draw_epoch, evaluate, place, train_batches
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
 from schedules import batch_for, phases, plan, res_at, step_lr
@@ -545,7 +547,7 @@ def phased(r, changes):
 # ---------------------------------------------------------------------------------------------
 
 COLUMNS = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
-           "total_time"]
+           "total_time", "decode"]      # decode: imagenet_data.decode_text, which of nvJPEG's paths took the images
 PROGRESS_AFTER_S = 5.0    # an epoch that looks longer shows its steps on stderr
 
 
@@ -623,13 +625,16 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     if r.bn_stats == "last_batch":               # no moving averages: the last batch's, pooled over ranks (Akiba)
         D.use_last_batch_stats(model)
     average = T.averaging(model, ema=r.ema, lookahead=r.lookahead)
-    run = T.Trainable(model=model, optimizers=[opt], average=average, generators=[order, augment])
+    scaler = loss_scaler(device, dtype)          # fp16: the mean loss's gradients need it; saved with the optimiser
+    run = T.Trainable(model=model, optimizers=[opt, scaler] if scaler else [opt], average=average,
+                      generators=[order, augment])
     done = resumed(r, run, o, forward=forward, plans=plans, ctx=ctx, on_epoch=on_epoch)
     rows, time_to_target, clock.total = done["rows"], done["time_to_target"], done["train_time"]
     final_eval_time = 0.0
-    for p in plans[done["epoch"]:]:
-        losses, correct, seen, lr = train_epoch(r, run, data, p, forward=forward, ctx=ctx, o=o,
-                                                shares=seeds["shares"])
+    for p, work in epochs_ahead(data, plans[done["epoch"]:], run.generators, shares=seeds["shares"]):
+        decoded = Counter(data.decoded)
+        losses, correct, seen, lr = train_epoch(r, run, data, p, work, forward=forward, ctx=ctx, o=o)
+        decoded = decode_text(data.decoded - decoded)
         if r.lookahead and p.epoch == r.epochs - 1:
             average.finish(model)                # lookahead: the slow weights end the run
         epoch_time, last = clock(), p.epoch == r.epochs - 1
@@ -644,7 +649,7 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
                 time_to_target = clock.total
         rows.append({"epoch": p.epoch + 1, "res": p.res, "batch": p.batch * ctx.world_size, "lr": lr,   # global
                      "train_loss": losses.item() / seen, "train_acc": correct.item() / seen, **metrics,
-                     "epoch_time": epoch_time, "total_time": clock.total})
+                     "epoch_time": epoch_time, "total_time": clock.total, "decode": decoded})
         if o.checkpoint:
             T.save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, store=o.store, progress={
                 "epoch": p.epoch + 1, "rows": rows, "train_time": clock.total, "time_to_target": time_to_target})
@@ -678,23 +683,53 @@ def divergence_hint(r):
             f"{r.schedule.warmup_epochs:g})")
 
 
-def train_epoch(r, run, data, p, *, forward, ctx, o, shares):
-    """The steps of one epoch (EpochPlan p): each a step of this rank's batch, in p.micro-image micro-batches
-    normalised in groups of p.group (accumulated_step), at the rate of its fractional epoch. Returns the summed
-    loss, the correct predictions, the images seen (on the device, unread) and the last rate."""
-    device, (order, augment), (opt,) = torch.device(ctx.device), run.generators, run.optimizers
-    dtype = devices.compute_dtype(device, o.precision)
-    set_ghost_groups(run.model, p.group)
+def epochs_ahead(data, plans, generators, *, shares):
+    """(EpochPlan, its EpochWork) for each of plans in turn, drawn from the run's generators (order, augmentation),
+    which are then set where the epoch's draws leave them (so a checkpoint after it resumes the next draws); each
+    epoch's work is done in a thread of its own while the epoch before trains, off the training thread's path."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="draws")
+    try:
+        states = [g.get_state() for g in generators]
+        pending = pool.submit(epoch_work, data, plans[0], states, shares) if plans else None
+        for i, p in enumerate(plans):
+            work = pending.result()
+            for g, state in zip(generators, work.states):
+                g.set_state(state)
+            if i + 1 < len(plans):
+                pending = pool.submit(epoch_work, data, plans[i + 1], work.states, shares)
+            yield p, work
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def epoch_work(data, p, states, shares):
+    """The EpochWork of epoch p (an EpochPlan) drawn as draw_epoch draws it, from copies of the run's generators at
+    `states` (so that the run's own stay where a checkpoint expects them while the next epoch is drawn)."""
+    order, augment = (torch.Generator().set_state(s) for s in states)
     draws = draw_epoch(data, p.augment, augment, order=order, epoch_seed=[shares, p.epoch])   # a JPEG store's share
     draws.perm = draws.perm[:p.steps * p.batch]          # the epoch's whole batches; the rest is dropped
-    micro = train_batches(data, p.augment, draws, res=p.res, batch_size=p.micro, device=device, dtype=dtype)
+    return EpochWork(draws=draws, smalls=batch_indices(data, draws, p.micro),
+                     states=[order.get_state(), augment.get_state()])
+
+
+def train_epoch(r, run, data, p, work, *, forward, ctx, o):
+    """The steps of one epoch (EpochPlan p, its EpochWork drawn ahead): each a step of this rank's batch, in
+    p.micro-image micro-batches normalised in groups of p.group (accumulated_step), at the rate of its fractional
+    epoch. Returns the summed loss, the correct predictions, the images seen (on the device, unread) and the last
+    rate."""
+    device, (opt, *scaler) = torch.device(ctx.device), run.optimizers      # a GradScaler beside it in fp16
+    dtype = devices.compute_dtype(device, o.precision)
+    set_ghost_groups(run.model, p.group)
+    micro = train_batches(data, p.augment, work.draws, res=p.res, batch_size=p.micro, device=device, dtype=dtype,
+                          smalls=work.smalls)
     losses, correct, lr = torch.zeros((), device=device), torch.zeros((), device=device), 0.0
     bar = Progress(p.steps, f"epoch {p.epoch + 1}", PROGRESS_AFTER_S) if o.progress else None
     for i, batch in enumerate(zip(*[micro] * r.accumulate)):       # r.accumulate micro-batches at a time
         t = p.epoch + i / p.steps                # the fractional epoch: the schedule's and RMSprop-to-SGD's clock
         lr = step_lr(r, t, p.batch * ctx.world_size)
         set_lr([opt], lr, p.first_step + i, t)
-        hits, loss = accumulated_step(forward, opt, batch, ctx=ctx, label_smoothing=r.sgd.label_smoothing, dtype=dtype)
+        hits, loss = accumulated_step(forward, opt, batch, ctx=ctx, label_smoothing=r.sgd.label_smoothing, dtype=dtype,
+                                      scaler=scaler[0] if scaler else None)
         if run.average:
             run.average.update(run.model, p.first_step + i + 1, p.total_steps)
         losses, correct = losses + loss, correct + hits
@@ -703,19 +738,32 @@ def train_epoch(r, run, data, p, *, forward, ctx, o, shares):
     return losses, correct, p.steps * p.batch, lr
 
 
-def accumulated_step(forward, opt, batch, *, ctx, label_smoothing, dtype):
+def loss_scaler(device, dtype):
+    """torch.amp.GradScaler for steps in fp16 on the device, whose 5 exponent bits flush the small gradients of a mean
+    loss to 0 (docs/perf-notes.md counts them; CIFAR-10's summed loss needs none); None in another dtype (bf16 has
+    float32's range). A step scales the loss, unscales the gradients, and skips an update whose gradients overflowed."""
+    return torch.amp.GradScaler(torch.device(device).type) if dtype == torch.float16 else None
+
+
+def accumulated_step(forward, opt, batch, *, ctx, label_smoothing, dtype, scaler=None):
     """One update from the micro-batches [(x, y), ...] of this rank's batch: the gradients of each one's mean loss /
-    their number added up (under DDP, all-reduced after the last alone: no_sync before), then the optimiser's step.
-    Returns the correct predictions and the summed loss, on the device."""
+    their number added up (under DDP, all-reduced after the last alone: no_sync before), then the optimiser's step
+    (with a GradScaler, loss_scaler: of the scaled loss, unscaled, skipped on overflow). Returns the correct
+    predictions and the summed loss, on the device."""
     k, hits, total = len(batch), 0, 0
     for i, (x, y) in enumerate(batch):
         with forward.no_sync() if ctx.distributed and i < k - 1 else contextlib.nullcontext():
             with devices.autocast(x.device, dtype):
                 logits = forward(x)
                 loss = F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=label_smoothing)
-            (loss / k if k > 1 else loss).backward()
+            part = loss / k if k > 1 else loss
+            (scaler.scale(part) if scaler else part).backward()
         hits, total = hits + (logits.argmax(1) == y).sum(), total + loss.detach() * len(y)
-    opt.step()
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
     opt.zero_grad(set_to_none=True)
     return hits, total
 
@@ -821,7 +869,8 @@ def parse_args(argv=None):
                          "nvimgcodec: nvImageCodec on the GPU, decoding just each crop, pip install "
                          "nvidia-nvimgcodec-cu12 or -cu13)")
     tp.add_argument("--loader-workers", type=int, default=None,
-                    help="CPU decoding processes per training process (default: CPU count / processes on the node)")
+                    help="CPU decoding processes per training process (default: its share of the node's cores, "
+                         "less one for the training thread and one for the reader thread; at least 1)")
     tp.add_argument("--target", type=float, default=None,
                     help="top-1 whose first epoch stops the clock (default 0.75; a recipe with a --target-top5 stops "
                          "it at that top-5 instead)")

@@ -7,6 +7,9 @@ with BlurPool for rn50_16ep), at each resolution in --sizes, in one run:
   pil       torchvision's ImageFolder + RandomResizedCrop + flip in DataLoader workers, decoding the original files
             with PIL (the usual PyTorch pipeline), alone; as many workers as our loader has decoding processes, its
             batches finished as ours are (on the device, normalised, in the compute dtype and layout)
+  decode    how the loader's images (those of loader and together) were decoded: by nvJPEG's hardware decoder and its
+            software path ("<hardware>h/<software>s", imagenet_data.decode_text; the JSON's "decoded" counts them),
+            or "cpu"
 
 and, beside them, what predicts a GPU's speed, counted per step under the CPU stand-in for a CUDA GPU
 (tests/cuda_standin.py) for each store format and place: the operations launched on the GPU and the copies that
@@ -23,6 +26,7 @@ square shapes, longer side 500 px (ImageNet's typical), at least 20,000 of them 
 """
 import argparse
 import os
+from collections import Counter
 import sys
 import tempfile
 import time
@@ -200,7 +204,8 @@ def main(argv=None):
         print(f"{r.network.model}{' + BlurPool' if r.network.blurpool else ''} ({args.recipe}) on {devices.name(device)} "
               f"({device}, {str(dtype)[6:]}), batch {bs}; {store.format} store of {n} images decoded on the {cores}; "
               f"{args.steps} timed batches after {args.warmup}; images/s")
-        table = Table(["res", "loader", "ceiling", "together", "together/ceil", "loader/core", "pil/core"], width=14,
+        table = Table(["res", "loader", "ceiling", "together", "together/ceil", "loader/core", "pil/core", "decode"],
+                      width=14,
                       formats={k: ".1f" for k in ("loader", "ceiling", "together", "loader/core", "pil/core")}
                       | {"together/ceil": ".3f"})
         timing = dict(device=device, warmup=args.warmup, steps=args.steps, batch_size=bs)
@@ -213,11 +218,13 @@ def main(argv=None):
 
             def train(x, y):
                 step(model, opt, x, y, device=device, dtype=dtype)
+            before = Counter(data.decoded)
             loader = rate(forever(epoch), lambda x, y: None, **timing)
             x = torch.randn(bs, 3, res, res, device=device).to(dtype).contiguous(memory_format=fmt)
             y = torch.randint(0, classes, (bs,), device=device)
             ceiling = rate(forever(lambda: [(x, y)]), train, **timing)
             together = rate(forever(epoch), train, **timing)
+            decoded = data.decoded - before         # the images of the loader's and together's batches, by path
             pil = None
             if not args.no_pil:
                 folder.transform.transforms[0].size = (res, res)
@@ -234,7 +241,8 @@ def main(argv=None):
                 pil = rate(forever(pil_batches), lambda x, y: None, **timing) / workers
             table.append({"res": res, "loader": loader, "ceiling": ceiling, "together": together,
                           "together/ceil": together / ceiling,
-                          "loader/core": None if decoder == "gpu" else loader / workers, "pil/core": pil})
+                          "loader/core": None if decoder == "gpu" else loader / workers, "pil/core": pil,
+                          "decode": idt.decode_text(decoded), "decoded": dict(decoded)})
         print("the loader is the bottleneck where loader < ceiling; together/ceil is the share of the model's speed "
               "that training keeps")
         counts = counted(counted_recipe, Path(tmp), batch_size=args.count_batch, classes=classes)

@@ -1,20 +1,22 @@
 """A CPU stand-in for CUDA GPUs: every tensor computes in CPU memory, but the ones the program put on the GPU say
 they are on `cuda:N`, and every operation is checked as CUDA checks it. Whole commands run under it as they run
-on a GPU: `devices.py` sees GPUs, its streams, events, pinned buffers, clocks and nvJPEG are stood in, autocast
-runs in the same dtype, `torch.compile` compiles, nested tensors stay on their GPU, and torchrun's ranks join over
-gloo.
+on a GPU: `devices.py` sees GPUs, its streams, events, pinned buffers, clocks and nvJPEG are stood in (nvJPEG by
+the CPU's decode, which devices.nvjpeg_hardware is told is its software path), autocast runs in the same dtype,
+`torch.compile` compiles, nested tensors stay on their GPU, and torchrun's ranks join over gloo.
 
 What it checks, as CUDA does: no operation mixes a tensor on the GPU with one in host memory (but for a 0-dim
 host tensor, a scalar), host indices into a GPU tensor are fine and GPU indices into a host tensor are not,
 `out=` and a random generator on the operation's device, no numpy view of GPU memory, pinning only host memory,
 `record_stream` only of GPU tensors on a stream of their device. What it counts: operations on the GPU, copies
 to and from it (and which of them block the host: pageable memory, host data made into a GPU tensor by torch.tensor
-and its like, reading a value), host waits.
+and its like, reading a value), host waits (and the operators known to wait inside, WAITING_INSIDE).
 
-What it cannot see: kernel speed; races between streams (each stream's work runs at once, in order: the tests of
-stream order read the calls it records); memory limits beyond the free memory it is told to report; device mixes
-inside a compiled graph (dynamo traces the CPU tensors; the same code runs eagerly under it elsewhere); CUDA's
-random numbers (a GPU generator here draws the CPU's).
+What it cannot see: kernel speed; a host wait inside a C++ operator not in WAITING_INSIDE; a C++ operator that
+groups tensors by their real device (the fused optimisers': a GradScaler's scale is moved "to the CPU" there, a
+blocking copy here that a GPU does not make); races between streams (each stream's work runs at once, in order:
+the tests of stream order read the calls it records); memory limits beyond the free memory it is told to report;
+device mixes inside a compiled graph (dynamo traces the CPU tensors; the same code runs eagerly under it
+elsewhere); CUDA's random numbers (a GPU generator here draws the CPU's).
 
     with StandIn(gpus=2) as gpu:     # or: python tests/standin_main.py cifar10_fast.py --recipe ...
         cifar10_fast.main([...])
@@ -48,6 +50,9 @@ RANDOM = {"rand", "randn", "randint", "randperm", "normal", "uniform_", "normal_
           "multinomial", "random_", "exponential_", "rand_like", "randn_like", "randint_like", "dropout"}
 INDEXING = {"__getitem__", "__setitem__", "index_put_", "index_put"}
 SCALAR_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "__format__"}
+# operators that make the host wait inside their C++ on a GPU (their output's size, or their metadata copied from
+# pageable memory): a host wait each, though no copy or read is seen from Python
+WAITING_INSIDE = {"to_padded_tensor", "nonzero", "masked_select", "unique", "unique_consecutive"}
 
 
 class Generator(torch._C.Generator):
@@ -300,6 +305,8 @@ class StandIn(TorchFunctionMode):
         if out is not None and {self.on.get(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)} != {device}:
             raise RuntimeError(f"Expected out tensor to have device {'cpu' if device is None else f'cuda:{device}'}, "
                                f"but got another instead ({name})")
+        if device is not None and name in WAITING_INSIDE:
+            self.host_wait(name)
         if device is not None and name in SCALAR_READS:
             self.counts["blocking"] += 1                  # the host waits for the value
             self.counts["to_host"] += 1
@@ -435,6 +442,8 @@ class StandIn(TorchFunctionMode):
         real_decode = torchvision.io.decode_jpeg
         patch(torchvision.io, "decode_jpeg", lambda input, *a, device="cpu", **k: self.nvjpeg(
             real_decode, input, *a, device=device, **k))
+        import devices
+        patch(devices, "nvjpeg_hardware", lambda device: False)    # the CPU's decode stands in: software alone
         real_nested = torch.nested.nested_tensor        # a C function the mode does not see: tagged here
         patch(torch.nested, "nested_tensor", lambda tensors, *a, **k: self.tag(
             real_nested(tensors, *a, **k), self.device_of("nested_tensor", (tensors,), {})))

@@ -548,9 +548,10 @@ def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
     assert lines[3:5] == [f"    1    {SIZE}      32 {lr[0]:>10.5g} {lr[2]:>10.5g}   0.35  32 px, whole image",
                           f"    2    {SIZE}      32 {lr[1]:>10.5g} {lr[3]:>10.5g}   0.35  32 px, whole image"]
     assert lines[5].split() == ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5",
-                                "epoch_time", "total_time"]
+                                "epoch_time", "total_time", "decode"]
     rows = [l.split() for l in lines[6:8]]
     assert [row[:3] for row in rows] == [["1", str(SIZE), "32"], ["2", str(SIZE), "32"]]
+    assert [row[-1] for row in rows] == ["cpu", "cpu"]                 # the CPU's workers decoded every image
     res = json.loads(out.read_text())
     assert res["settings"]["width"] == 4 and res["store_format"] == "jpeg" and res["decoder"] == "cpu"
     assert float(rows[1][7]) == pytest.approx(res["runs"][0]["rows"][1]["top1"], abs=1e-4)
@@ -631,6 +632,7 @@ def test_throughput_benchmark_prints_the_loader_per_core_beside_pil(tmp_path):
     assert row["together/ceil"] == pytest.approx(row["together"] / row["ceiling"])
     assert row["loader/core"] == pytest.approx(row["loader"])              # one thread: per core is the whole
     assert res["images"] == 30 and res["decoder"] == "cpu" and res["model"] == "resnet_tiny"
+    assert row["decode"] == "cpu" and row["decoded"]["cpu"] >= 2 * (1 + 2) * 8      # loader's and together's batches
     assert "loader/core" in r.stdout and "pil/core" in r.stdout and "jpeg store of 30 images" in r.stdout
     counts = {(c["store"], c["batch"]): c for c in res["counts"]}       # under the stand-in for a GPU, per step
     assert sorted({store for store, _ in counts}) == ["jpeg, decoder cpu", "jpeg, decoder gpu", "raw, on the device",
@@ -638,7 +640,9 @@ def test_throughput_benchmark_prints_the_loader_per_core_beside_pil(tmp_path):
     for store in {store for store, _ in counts}:
         small, large = counts[store, 2], counts[store, 4]
         assert small["data blocking"] == small["step blocking"] == large["step blocking"] == 0, store
-        assert small["data ops"] == large["data ops"] and small["step ops"] > small["data ops"] > 0, store
+        per_image = 2 if store == "jpeg, decoder gpu" else 0    # a view and a copy an image into the padded batch
+        assert small["data ops"] + 2 * per_image == large["data ops"], store
+        assert small["step ops"] > small["data ops"] > 0, store
     bad = run_cli("--sizes", "a,b", script="benchmarks/imagenet_throughput.py")
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --sizes a,b: must be whole numbers, comma-separated"
 
