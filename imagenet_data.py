@@ -492,7 +492,7 @@ def gpu_decoded(data, split, jobs, *, device):
     reader = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
     cropped = split == "train" and devices.decodes_crops(data.decoder)     # just each crop: boxes from (0, 0)
     try:
-        pending = decode_ahead(reader, data, records, jobs[0], side, device=device, cropped=cropped) if jobs else None
+        pending = decode_ahead(reader, data, records, jobs[0], side=side, device=device, cropped=cropped) if jobs else None
         for k, (_, res, arrays) in enumerate(jobs):
             images = pending.result()
             with devices.on_stream(side):
@@ -504,14 +504,15 @@ def gpu_decoded(data, split, jobs, *, device):
                 done = devices.record(side)
             del images
             if k + 1 < len(jobs):
-                pending = decode_ahead(reader, data, records, jobs[k + 1], side, device=device, cropped=cropped)
+                pending = decode_ahead(reader, data, records, jobs[k + 1], side=side, device=device,
+                                       cropped=cropped)
             handed_over(done, device, (crops, *small))
             yield crops, small
     finally:
         reader.shutdown(cancel_futures=True)
 
 
-def decode_ahead(reader, data, records, job, side, *, device, cropped):
+def decode_ahead(reader, data, records, job, *, side, device, cropped):
     """The future of a job's images (gpu_decoded's job: store rows of `records`, output shape, small host arrays)
     decoded by data.decoder in the reader thread; cropped: each just its box (the training index's)."""
     rows, _, arrays = job

@@ -633,7 +633,7 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     final_eval_time = 0.0
     for p, work in epochs_ahead(data, plans[done["epoch"]:], run.generators, shares=seeds["shares"]):
         decoded = Counter(data.decoded)
-        losses, correct, seen, lr = train_epoch(r, run, data, p, work, forward=forward, ctx=ctx, o=o)
+        losses, correct, seen, lr = train_epoch(r, run, data, p, work=work, forward=forward, ctx=ctx, o=o)
         decoded = decode_text(data.decoded - decoded)
         if r.lookahead and p.epoch == r.epochs - 1:
             average.finish(model)                # lookahead: the slow weights end the run
@@ -712,7 +712,7 @@ def epoch_work(data, p, states, shares):
                      states=[order.get_state(), augment.get_state()])
 
 
-def train_epoch(r, run, data, p, work, *, forward, ctx, o):
+def train_epoch(r, run, data, p, *, work, forward, ctx, o):
     """The steps of one epoch (EpochPlan p, its EpochWork drawn ahead): each a step of this rank's batch, in
     p.micro-image micro-batches normalised in groups of p.group (accumulated_step), at the rate of its fractional
     epoch. Returns the summed loss, the correct predictions, the images seen (on the device, unread) and the last

@@ -174,6 +174,23 @@ def parse_args(argv=None):
     return args
 
 
+def pil_rate(folder, res, *, workers, dtype, memory_format, timing):
+    """Images/s a core of torchvision's ImageFolder with PIL and a DataLoader of `workers` processes, each batch
+    finished as ours is (on the device, normalised, in dtype and memory_format)."""
+    device = timing["device"]
+    folder.transform.transforms[0].size = (res, res)
+    loader = torch.utils.data.DataLoader(folder, timing["batch_size"], shuffle=True, drop_last=True,
+                                         num_workers=workers, pin_memory=devices.overlaps(device))
+    constants = devices.to_device(idt.CONSTANTS, device)
+
+    def batches():
+        for xb, yb in loader:
+            x = xb.to(device, non_blocking=True).float()
+            yield idt.finish(x, None, constants, dtype=dtype, memory_format=memory_format), yb.to(device,
+                                                                                                 non_blocking=True)
+    return rate(forever(batches), lambda x, y: None, **timing) / workers
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = devices.resolve(args.device)
@@ -225,20 +242,8 @@ def main(argv=None):
             ceiling = rate(forever(lambda: [(x, y)]), train, **timing)
             together = rate(forever(epoch), train, **timing)
             decoded = data.decoded - before         # the images of the loader's and together's batches, by path
-            pil = None
-            if not args.no_pil:
-                folder.transform.transforms[0].size = (res, res)
-                pil_loader = torch.utils.data.DataLoader(folder, bs, shuffle=True, drop_last=True, num_workers=workers,
-                                                         pin_memory=devices.overlaps(device))
-
-                constants = devices.to_device(idt.CONSTANTS, device)
-
-                def pil_batches():      # the same finish as ours: on the device, normalised, its dtype and layout
-                    for xb, yb in pil_loader:
-                        x = xb.to(device, non_blocking=True).float()
-                        yield (idt.finish(x, None, constants, dtype=dtype, memory_format=fmt),
-                               yb.to(device, non_blocking=True))
-                pil = rate(forever(pil_batches), lambda x, y: None, **timing) / workers
+            pil = None if args.no_pil else pil_rate(folder, res, workers=workers, dtype=dtype, memory_format=fmt,
+                                                    timing=timing)
             table.append({"res": res, "loader": loader, "ceiling": ceiling, "together": together,
                           "together/ceil": together / ceiling,
                           "loader/core": None if decoder == "gpu" else loader / workers, "pil/core": pil,

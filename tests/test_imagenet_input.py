@@ -180,9 +180,9 @@ def test_each_epoch_is_drawn_ahead_in_a_thread_while_the_epoch_before_trains_and
         drawn[e].set()
         return out
 
-    def train(r, run, data, p, work, **kwargs):
+    def train(r, run, data, p, **kwargs):
         started[p.epoch].set()
-        out = real_train(r, run, data, p, work, **kwargs)
+        out = real_train(r, run, data, p, **kwargs)
         if p.epoch + 1 < 3:
             assert drawn[p.epoch + 1].wait(30)      # the next epoch was drawn while this one trained
         ended[p.epoch].set()
