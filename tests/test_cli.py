@@ -118,7 +118,7 @@ def interrupted(args, after):
 
 def test_ctrl_c_is_one_line_and_keeps_the_finished_runs(synth_npz, tmp_path):
     out = tmp_path / "r.json"
-    rc, stdout, err = interrupted(["--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "40", "--width",
+    rc, stdout, err = interrupted(["--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "20", "--width",
                                    "0.0625", "--batch-size", "64", "--runs", "3", "--out", str(out)],
                                   after=r"run 2/3")
     assert rc == 130, err
