@@ -27,20 +27,10 @@ def nvidia_smi(*fields):
     return {f: v.strip() for f, v in zip(fields, out.split(","))}
 
 
-def cpu_name():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def device_name(device):
     """The accelerator's name (devices.name), or the CPU's model and cores: the results' folder."""
     import devices
-    return f"CPU {os.cpu_count()} cores {cpu_name()}" if devices.is_cpu(device) else devices.name(device)
+    return f"CPU {os.cpu_count()} cores {devices.cpu_name()}" if devices.is_cpu(device) else devices.name(device)
 
 
 def measure_rates(device, size, copy_bytes, reps=10):
@@ -71,9 +61,11 @@ def measure_rates(device, size, copy_bytes, reps=10):
 
 def fingerprint(device, smoke):
     import torch
+
+    import devices
     fp = {"device_name": device_name(device), "device": str(device), "torch": torch.__version__,
           "load_average_1min": os.getloadavg()[0],          # other work on the host slows a CPU (and a GPU's feeder)
-          "python": platform.python_version(), "host_cpu": cpu_name(), "host_cores": os.cpu_count(),
+          "python": platform.python_version(), "host_cpu": devices.cpu_name(), "host_cores": os.cpu_count(),
           "date": datetime.datetime.now().isoformat(timespec="seconds")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
