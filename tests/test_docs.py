@@ -73,3 +73,9 @@ def test_the_reading_path_on_record_is_the_codes_as_it_stands(path):
     for recorded in json.loads(path.read_text())["recipes"]:
         now = reading_path.count(recorded["recipe"])
         assert {k: now[k] for k in fields} == {k: recorded[k] for k in fields}, recorded["recipe"]
+
+
+def test_benchmarks_readme_says_what_each_script_is_once():
+    """benchmarks/README.md: every script of benchmarks/ in one of its tables, once, and no script that is gone."""
+    listed = re.findall(r"^\| `([a-z_0-9]+\.py)` \|", (ROOT / "benchmarks" / "README.md").read_text(), re.M)
+    assert sorted(listed) == sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
