@@ -107,6 +107,22 @@ def synthetic_arrays(n_train=256, n_test=128, seed=0):
     return {"train_images": xtr, "train_labels": ytr, "test_images": xte, "test_labels": yte}
 
 
+def synthetic_npz(tmp_path_factory, n_train, n_test):
+    """A .npz of synthetic_arrays in a fresh temporary folder: the CIFAR-10 scripts' --data-dir."""
+    p = tmp_path_factory.mktemp("synth") / "synth.npz"
+    np.savez(p, **synthetic_arrays(n_train=n_train, n_test=n_test))
+    return p
+
+
+def small_jpeg_store(tmp_path_factory):
+    """A JPEG store of 4 classes (12 training and 4 validation images each, 20 to 40 px) in a fresh folder."""
+    import imagenet_store as ims
+    root = tmp_path_factory.mktemp("in")
+    ims.synthetic_imagefolder(root / "src", 4, 12, 4, sizes=(20, 40))
+    ims.prepare(root / "src", root / "jpeg", ims.Settings(format="jpeg"), workers=1, log=lambda s: None)
+    return root / "jpeg"
+
+
 def pattern_arrays(n_train, n_test, classes=10, size=(32, 32), seed=0):
     """Synthetic images of any number of classes and any size: each class a random 4x4 pattern of colours scaled
     up to the image size, plus noise (learnable whatever the crop, flip or cutout)."""

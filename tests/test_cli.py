@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, ctrl_c_heard, failing_on_call, synthetic_arrays
+from conftest import ROOT, ctrl_c_heard, failing_on_call, synthetic_arrays, synthetic_npz
 
 
 def run_cli(*args):
@@ -19,9 +19,7 @@ def run_cli(*args):
 
 @pytest.fixture(scope="module")
 def synth_npz(tmp_path_factory):
-    p = tmp_path_factory.mktemp("synth") / "synth.npz"
-    np.savez(p, **synthetic_arrays(n_train=256, n_test=128))
-    return p
+    return synthetic_npz(tmp_path_factory, 256, 128)
 
 
 def test_two_runs_print_the_table_and_write_the_json(synth_npz, tmp_path):

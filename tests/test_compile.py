@@ -4,21 +4,18 @@ GPU's path with aot_eager (tests/test_standin.py: dynamo's guards, graph breaks 
 backend compiles the graphs); the slow test here compiles with inductor on the CPU, as the recipes do."""
 import json
 
-import numpy as np
 import pytest
 import torch
 
 import cifar10_fast as cf
-from conftest import synthetic_arrays
+from conftest import synthetic_npz
 
 TINY = ["--device", "cpu", "--width", "0.0625", "--batch-size", "64", "--epochs", "3"]
 
 
 @pytest.fixture(scope="module")
 def npz(tmp_path_factory):
-    p = tmp_path_factory.mktemp("synth") / "synth.npz"
-    np.savez(p, **synthetic_arrays(n_train=256, n_test=96))
-    return p
+    return synthetic_npz(tmp_path_factory, 256, 96)
 
 
 def recompiles(npz, out, recipe, *flags):

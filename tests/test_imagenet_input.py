@@ -16,7 +16,7 @@ import devices
 import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
-from conftest import ROOT
+from conftest import ROOT, small_jpeg_store
 from cuda_standin import StandIn
 
 pytestmark = pytest.mark.usefixtures("one_thread")     # conftest's: tiny networks on a shared 2-core machine
@@ -27,10 +27,7 @@ TINY = ["--recipe", "tiny", "--epochs", "2", "--batch-size", "8", "--width", "8"
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("in")
-    ims.synthetic_imagefolder(root / "src", 4, 12, 4, sizes=(20, 40))
-    ims.prepare(root / "src", root / "jpeg", ims.Settings(format="jpeg"), workers=1, log=lambda s: None)
-    return root / "jpeg"
+    return small_jpeg_store(tmp_path_factory)
 
 
 WITHOUT_SIMPLEJPEG = """

@@ -15,7 +15,7 @@ import cifar10_fast as cf
 import cifar_data as cd
 import core
 import torch_backend as tb
-from conftest import ROOT, pattern_arrays, synthetic_arrays, train_once
+from conftest import ROOT, pattern_arrays, synthetic_arrays, synthetic_npz, train_once
 
 CPU = torch.device("cpu")
 TINY = dict(device="cpu", epochs=1, width=1 / 16, batch_size=64)
@@ -23,9 +23,7 @@ TINY = dict(device="cpu", epochs=1, width=1 / 16, batch_size=64)
 
 @pytest.fixture(scope="module")
 def npz(tmp_path_factory):
-    p = tmp_path_factory.mktemp("synth") / "synth.npz"
-    np.savez(p, **synthetic_arrays(n_train=256, n_test=64))
-    return p
+    return synthetic_npz(tmp_path_factory, 256, 64)
 
 
 def test_the_readme_example_runs_as_written_with_the_checkout_on_the_path(cifar10_npz, tmp_path):

@@ -20,6 +20,7 @@ import devices
 import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
+from conftest import small_jpeg_store
 from cuda_standin import StandIn
 
 PACKAGE = f"nvidia-nvimgcodec-cu{torch.version.cuda.split('.')[0] if torch.version.cuda else 12}"
@@ -103,10 +104,7 @@ def fake(monkeypatch):
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("in")
-    ims.synthetic_imagefolder(root / "src", 4, 12, 4, sizes=(20, 40))
-    ims.prepare(root / "src", root / "jpeg", ims.Settings(format="jpeg"), workers=1, log=lambda s: None)
-    return root / "jpeg"
+    return small_jpeg_store(tmp_path_factory)
 
 
 def test_nvimgcodec_is_chosen_by_name_on_a_cuda_device(fake):

@@ -21,7 +21,7 @@ import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
 import torch_backend as tb
-from conftest import ROOT, synthetic_arrays, train_once
+from conftest import ROOT, synthetic_arrays, synthetic_npz, train_once
 from cuda_standin import StandIn
 
 TINY = ["--width", "0.0625", "--batch-size", "32", "--epochs", "3"]
@@ -29,9 +29,7 @@ TINY = ["--width", "0.0625", "--batch-size", "32", "--epochs", "3"]
 
 @pytest.fixture(scope="module")
 def npz(tmp_path_factory):
-    p = tmp_path_factory.mktemp("synth") / "synth.npz"
-    np.savez(p, **synthetic_arrays(n_train=128, n_test=64))
-    return p
+    return synthetic_npz(tmp_path_factory, 128, 64)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ calls every compiled path the run meets as often as CUDA-graph trees need to rec
 import json
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,7 +12,7 @@ import devices
 import distributed as D
 import torch_backend as tb
 import training as T
-from conftest import synthetic_arrays, train_once
+from conftest import synthetic_arrays, synthetic_npz, train_once
 from core import DataError
 
 TINY = ["--width", "0.0625", "--batch-size", "32", "--epochs", "3"]
@@ -21,9 +20,7 @@ TINY = ["--width", "0.0625", "--batch-size", "32", "--epochs", "3"]
 
 @pytest.fixture(scope="module")
 def npz(tmp_path_factory):
-    p = tmp_path_factory.mktemp("synth") / "synth.npz"
-    np.savez(p, **synthetic_arrays(n_train=128, n_test=64))
-    return p
+    return synthetic_npz(tmp_path_factory, 128, 64)
 
 
 def test_a_loss_that_is_not_finite_is_a_data_error_naming_the_epoch_and_the_likely_setting():

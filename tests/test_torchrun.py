@@ -4,17 +4,14 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from conftest import ROOT, synthetic_arrays
+from conftest import ROOT, synthetic_npz
 
 
 @pytest.fixture(scope="module")
 def synth_npz(tmp_path_factory):
-    p = tmp_path_factory.mktemp("synth") / "synth.npz"
-    np.savez(p, **synthetic_arrays(n_train=256, n_test=64))
-    return p
+    return synthetic_npz(tmp_path_factory, 256, 64)
 
 
 def torchrun(nproc, *args, timeout=600):

@@ -18,12 +18,11 @@ import sys
 import time
 import uuid
 
-import numpy as np
 import pytest
 import torch
 
 import imagenet_store as ims
-from conftest import ROOT, synthetic_arrays
+from conftest import ROOT, synthetic_npz
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="finds the workers in /proc")
 
@@ -195,9 +194,7 @@ def test_two_nodes_killed_and_resumed_train_imagenet_as_one_node_uninterrupted(s
 
 @pytest.fixture(scope="module")
 def synth_npz(tmp_path_factory):
-    p = tmp_path_factory.mktemp("synth") / "synth.npz"
-    np.savez(p, **synthetic_arrays(n_train=256, n_test=64))
-    return p
+    return synthetic_npz(tmp_path_factory, 256, 64)
 
 
 def test_two_nodes_train_cifar10_as_one_node(synth_npz, tmp_path, jobs):

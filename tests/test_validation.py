@@ -1,7 +1,6 @@
 """Every flag is checked before any work: a bad value stops the command with one line on stderr naming the flag,
 what is wrong and what is allowed, and exit status 2, never a traceback. In this process (cf.main, inf.main), so
 each case takes milliseconds."""
-import numpy as np
 import pytest
 import torch
 
@@ -9,14 +8,12 @@ import cifar10_fast as cf
 import distributed as D
 import imagenet_fast as inf
 import scaling
-from conftest import synthetic_arrays
+from conftest import synthetic_npz
 
 
 @pytest.fixture(scope="module")
 def npz(tmp_path_factory):
-    p = tmp_path_factory.mktemp("synth") / "synth.npz"
-    np.savez(p, **synthetic_arrays(n_train=256, n_test=64))
-    return p
+    return synthetic_npz(tmp_path_factory, 256, 64)
 
 
 def run(main, args, capsys):
