@@ -107,6 +107,30 @@ def synthetic_arrays(n_train=256, n_test=128, seed=0):
     return {"train_images": xtr, "train_labels": ytr, "test_images": xte, "test_labels": yte}
 
 
+def fake_cuda_events(monkeypatch, times_ms):
+    """torch.cuda.Event replaced by events whose k-th recorded one stands at times_ms[k] on the GPU; returns the list
+    of events made, each with `waited` (whether the host synchronised on it)."""
+    made = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at, self.waited = None, False
+            made.append(self)
+
+        def record(self, stream=None):
+            self.at = times_ms[len(made) - 1]
+
+        def synchronize(self):
+            self.waited = True
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    return made
+
+
 def synthetic_npz(tmp_path_factory, n_train, n_test):
     """A .npz of synthetic_arrays in a fresh temporary folder: the CIFAR-10 scripts' --data-dir."""
     p = tmp_path_factory.mktemp("synth") / "synth.npz"

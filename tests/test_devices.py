@@ -10,6 +10,7 @@ import torch
 import cli
 import core
 import devices
+from conftest import fake_cuda_events
 
 
 @pytest.fixture
@@ -154,24 +155,7 @@ def test_another_device_type_never_reaches_torch_cuda(monkeypatch):
 def test_the_clock_reads_cuda_events_on_a_gpu_and_waits_on_the_device_elsewhere(monkeypatch):
     """On a CUDA device the run's clock is the GPU's time between CUDA events (as the references time); elsewhere
     the host's clock after a device synchronise."""
-    made = []
-
-    class Event:
-        def __init__(self, enable_timing=False):
-            assert enable_timing
-            self.at, self.waited = None, False
-            made.append(self)
-
-        def record(self, stream=None):
-            self.at = [0.0, 0.25, 1.75, 2.0][len(made) - 1]       # milliseconds on the GPU
-
-        def synchronize(self):
-            self.waited = True
-
-        def elapsed_time(self, other):
-            return other.at - self.at
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    made = fake_cuda_events(monkeypatch, [0.0, 0.25, 1.75, 2.0])       # milliseconds on the GPU
     t = devices.timer("cuda:0")
     assert isinstance(t, devices.EventTimer)
     assert t() == pytest.approx(0.25e-3) and made[1].waited

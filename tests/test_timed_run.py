@@ -12,7 +12,7 @@ import devices
 import distributed as D
 import torch_backend as tb
 import training as T
-from conftest import synthetic_arrays, synthetic_npz, train_once
+from conftest import fake_cuda_events, synthetic_arrays, synthetic_npz, train_once
 from core import DataError
 
 TINY = ["--width", "0.0625", "--batch-size", "32", "--epochs", "3"]
@@ -88,24 +88,7 @@ def test_the_warm_up_calls_every_path_a_timed_run_meets_as_often_as_cuda_graph_t
 def test_the_gpu_clock_marks_without_waiting_and_reads_every_mark_waiting_for_the_last_alone(monkeypatch):
     """mark() records an event and returns; read() waits for the last event only, and gives each mark's seconds
     since the one before and the total then (an excluded mark adds nothing to it)."""
-    made = []
-
-    class Event:
-        def __init__(self, enable_timing=False):
-            assert enable_timing
-            self.at, self.waited = None, False
-            made.append(self)
-
-        def record(self, stream=None):
-            self.at = [0.0, 1.0, 3.0, 3.5, 7.5][len(made) - 1]       # milliseconds on the GPU
-
-        def synchronize(self):
-            self.waited = True
-
-        def elapsed_time(self, other):
-            return other.at - self.at
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    made = fake_cuda_events(monkeypatch, [0.0, 1.0, 3.0, 3.5, 7.5])       # milliseconds on the GPU
     clock = devices.timer("cuda:0")
     keys = [clock.mark(), clock.mark(), clock.mark(include=False)]
     assert not any(e.waited for e in made) and clock.reads_later
