@@ -30,7 +30,7 @@ from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, ph
 from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, close_progress, end_torchrun,
                   exit_now, print_summary, summarize_runs, write_json)
 from optim import make_optimizers, set_lr
-from schedules import per_rank_batch
+from schedules import epoch_steps, per_rank_batch, run_steps
 from settings import (add_flags, as_flags, changed, changes_from, check, command_text, component, flag_error, knob,
                       numbers, one_of, part)
 
@@ -405,7 +405,7 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     data, net, forward = built.data, built.net, built.forward
     device, batch = torch.device(ctx.device), r.batch_size // ctx.world_size
     dtype = devices.compute_dtype(device, o.precision)
-    steps_per_epoch, total_steps = T.run_steps(len(data["train_labels"]), batch, r.epochs)
+    steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), batch, r.epochs)
     seeds = T.run_seeds(seed, ctx.rank)          # the network, the data's order and its augmentation: 3 streams
     torch.manual_seed(seeds["init"])
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
@@ -419,7 +419,7 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     opts = make_optimizers(model, r, steps_per_epoch, ctx.world_size)
     flip_base = cd.flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
     # the whitening bias trains, then is detached (airbench94_muon); not under DDP, which wants every gradient
-    bias_steps = (T.epoch_steps(r.whitening.bias.epochs, steps_per_epoch)
+    bias_steps = (epoch_steps(r.whitening.bias.epochs, steps_per_epoch)
                   if r.whitening and r.whitening.bias and not ctx.distributed else None)
     compiled_before = compile_counts()
     clock = devices.timer(device)                # starts once the network is built, as the references' does
@@ -718,7 +718,7 @@ def build(r, arrays, o, *, ctx, stats=None):
 
 def say_estimate(r, epoch_s, *, runs, n_train):
     """On a CPU, after the first epoch: the time every run's training will take, from that epoch's (on stderr)."""
-    steps_per_epoch, total_steps = T.run_steps(n_train, r.batch_size, r.epochs)
+    steps_per_epoch, total_steps = run_steps(n_train, r.batch_size, r.epochs)
     total = runs * epoch_s * total_steps / steps_per_epoch
     print(f"estimated time: about {f'{total / 60:.0f} min' if total >= 90 else f'{total:.0f} s'} for {runs} run"
           f"{'s' * (runs > 1)} of {r.epochs:g} epoch{'s' * (r.epochs != 1)} on this CPU (from the first epoch, "

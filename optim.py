@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import devices
-from training import epoch_steps
+from schedules import epoch_steps
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """ImageNet's schedules: the learning rate over the run (warm-up then linear, cosine, step or slow-start decay), the
 training resolution and batch size of each epoch (progressive resizing, batch-size control) and a batch's share per
 rank, and the phase tables (fast.ai's: epoch ranges, each with its size, batch, rate or ramp, crop scale and
-validation) that every ImageNet schedule is read as, one row per epoch (plan). CIFAR-10's rate is its recipe's own
-(cifar10_fast.LR.at), its steps are its data's (training.run_steps).
+validation) that every ImageNet schedule is read as, one row per epoch (plan); and a run's steps, as both scripts
+count them (run_steps). CIFAR-10's rate is its recipe's own (cifar10_fast.LR.at).
 
 Nothing here imports torch: each schedule is plain arithmetic on epochs and steps, tested on its own.
 
@@ -16,6 +16,21 @@ Papers:
 import functools
 import math
 from dataclasses import dataclass
+
+
+def epoch_steps(epochs, steps_per_epoch):
+    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476); epochs may be
+    fractional. Less a hair, so that a product that should be whole (1.1 × 10 = 11.000000000000002) stays so."""
+    return math.ceil(epochs * steps_per_epoch - 1e-9)
+
+
+def run_steps(n_train, batch, epochs):
+    """(steps per epoch, total steps) of a run of `epochs` (fractional: the last epoch is cut short) over n_train
+    images in batches of `batch`; the last partial batch of an epoch is dropped."""
+    steps_per_epoch = n_train // batch
+    if steps_per_epoch == 0:
+        raise ValueError(f"batch size {batch} is larger than the {n_train} training images")
+    return steps_per_epoch, max(1, epoch_steps(epochs, steps_per_epoch))
 
 
 def per_rank_batch(global_batch, world):

@@ -10,7 +10,7 @@ from torch import nn
 
 import devices
 from cifar_data import low_resolution, pair
-from training import run_steps
+from schedules import run_steps
 
 # ---------------------------------------------------------------------------------------------
 # Models

@@ -27,21 +27,6 @@ def run_seeds(seed, rank=0):
     return {"init": draw(0), "order": draw(1, rank), "augment": draw(2, rank), "shares": draw(3)}
 
 
-def epoch_steps(epochs, steps_per_epoch):
-    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476); epochs may be
-    fractional. Less a hair, so that a product that should be whole (1.1 × 10 = 11.000000000000002) stays so."""
-    return math.ceil(epochs * steps_per_epoch - 1e-9)
-
-
-def run_steps(n_train, batch, epochs):
-    """(steps per epoch, total steps) of a run of `epochs` (fractional: the last epoch is cut short) over n_train
-    images in batches of `batch`; the last partial batch of an epoch is dropped."""
-    steps_per_epoch = n_train // batch
-    if steps_per_epoch == 0:
-        raise ValueError(f"batch size {batch} is larger than the {n_train} training images")
-    return steps_per_epoch, max(1, epoch_steps(epochs, steps_per_epoch))
-
-
 @dataclass(kw_only=True)
 class Options:
     """How a run runs in either script (not what it computes): the accuracy whose first evaluation stops its clock,

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cifar10_fast as cf  # noqa: E402
 import cifar_data as cd  # noqa: E402
 import torch_backend as tb  # noqa: E402
-import training as T  # noqa: E402
 from core import DataError, Parser, Table, UsageError, write_json  # noqa: E402
 from optim import make_optimizers, set_lr  # noqa: E402
+from schedules import run_steps  # noqa: E402
 
 NORMAL, SUBNORMAL = 2.0 ** -14, 2.0 ** -24
 OUTPUTS = []        # the module outputs of the step being counted, in the order the forward pass made them
@@ -86,7 +86,7 @@ def main(argv=None):
     model = tb.build_model(r, "cpu", num_classes=10)
     tb.fit_whitening(model, data["train_images"], data["test_images"].shape[-2:])
     tb.set_bias_grad(model, True)
-    per_epoch, total = T.run_steps(len(data["train_labels"]), args.batch_size, r.epochs)
+    per_epoch, total = run_steps(len(data["train_labels"]), args.batch_size, r.epochs)
     opts = make_optimizers(model, r, per_epoch, 1)
     params = [q for q in model.parameters() if q.requires_grad]
     leaves = [m for m in model.modules() if not list(m.children())]

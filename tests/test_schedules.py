@@ -7,7 +7,6 @@ import pytest
 import cifar10_fast as cf
 import imagenet_fast as inf
 import schedules
-import training
 import settings
 from conftest import ROOT
 from core import UsageError
@@ -122,10 +121,10 @@ def test_a_warm_up_may_start_from_a_rate_of_its_own():
 
 
 def test_fractional_epochs_count_their_steps_as_airbench():
-    assert training.epoch_steps(9.9, 48) == 476 and training.epoch_steps(1.1, 10) == 11
-    assert training.run_steps(50000, 1024, 9.9) == (48, 476)
+    assert schedules.epoch_steps(9.9, 48) == 476 and schedules.epoch_steps(1.1, 10) == 11
+    assert schedules.run_steps(50000, 1024, 9.9) == (48, 476)
     with pytest.raises(ValueError, match="batch size 64 is larger than the 32 training images"):
-        training.run_steps(32, 64, 1)
+        schedules.run_steps(32, 64, 1)
     assert schedules.per_rank_batch(1024, 4) == 256
     with pytest.raises(ValueError, match="global batch size 63 is not divisible by the world size 2"):
         schedules.per_rank_batch(63, 2)
