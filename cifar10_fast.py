@@ -66,6 +66,8 @@ class BatchNorm:
     momentum: float = knob(0.1, low=0, high=1, doc="PyTorch's convention: the new batch's weight")
     eps: float = knob(1e-5, above=0)
     ghost_batch: int = knob(0, low=0, whole=True, doc="statistics over groups of this many images (0: the batch)")
+    ghost_grouping: str = knob("interleaved", choices=tb.GhostBatchNorm.GROUPINGS, doc="interleaved: image i in "
+                               "group i mod (batch / ghost_batch), as Myrtle's; consecutive: images in order")
     freeze_scale: bool = knob(False, doc="the scales stay 1; only the biases learn")
 
 

@@ -1,7 +1,8 @@
 """The CIFAR-10 networks: ResNet-9, ResNet-18 and the three-block fastnet with their batch-norm and whitening
-options, test-time augmentation and evaluation, and the FLOPs of a run. Each is built from a recipe's settings
-(cifar10_fast.Recipe: its network, batch_norm and whitening); the data and its augmentation are in cifar_data.py,
-the optimisers in optim.py, the loop in cifar10_fast.py, every device decision in devices.py.
+options, test-time augmentation and evaluation, and the FLOPs of a run; and the ghost batch norm ImageNet's networks
+use too. Each is built from a recipe's settings (cifar10_fast.Recipe: its network, batch_norm and whitening); the
+data and its augmentation are in cifar_data.py, the optimisers in optim.py, the loop in cifar10_fast.py, every device
+decision in devices.py.
 """
 
 import torch
@@ -16,37 +17,61 @@ from schedules import run_steps
 # Models
 # ---------------------------------------------------------------------------------------------
 
-class BatchNorm(nn.BatchNorm2d):
-    """Batch norm of c channels with the settings bn (cifar10_fast.BatchNorm): Myrtle's frozen scale (only the bias
-    learns) and ghost batches: training statistics over groups of ghost_batch images (image i in group i mod
-    n/ghost_batch: a view, as random as contiguous groups of shuffled data), the running statistics their average."""
+class GhostBatchNorm(nn.BatchNorm2d):
+    """Batch norm with training statistics from groups of `group` images (ghost batch norm, Hoffer et al. 2017), the
+    running statistics moving towards the groups' average; group 0, or a batch of one group: plain batch norm. Groups
+    "interleaved": image i in group i mod (batch / group) (Myrtle's); "consecutive": images in order, so that a
+    micro-batch of whole groups is normalised as in the batch it is part of. wide_stats: the statistics of a float32
+    (float64 in a float64 run) copy of the batch, not of its bf16, which rounds them to 8 bits."""
+    GROUPINGS = ("interleaved", "consecutive")
 
-    def __init__(self, c, bn):
-        super().__init__(c, eps=bn.eps, momentum=bn.momentum)
-        self.ghost_batch = bn.ghost_batch
-        self.weight.requires_grad_(not bn.freeze_scale)
+    def __init__(self, c, *, group=0, grouping="consecutive", wide_stats=True, **kwargs):
+        super().__init__(c, **kwargs)
+        if grouping not in self.GROUPINGS:
+            raise ValueError(f"grouping must be interleaved or consecutive, not {grouping!r}")
+        self.group, self.grouping, self.wide_stats = group, grouping, wide_stats
 
     def forward(self, x):
-        g, n = self.ghost_batch, len(x)
-        return self.ghost_forward(x) if self.training and g and n > g and n % g == 0 else super().forward(x)
+        g, n = self.group, len(x)
+        return self.ghost_forward(x) if self.training and 0 < g < n and n % g == 0 else super().forward(x)
 
     def ghost_forward(self, x):
-        """Ghost batch norm (Hoffer et al. 2017) over ghost_batch groups, running statistics their mean."""
-        g = self.ghost_batch
-        n, c, h, w = x.shape
-        # Splitting the batch dimension is a view in any memory format; F.batch_norm on a (g, s·c, h, w)
-        # reshape would copy a channels_last batch, and copy the result back.
-        xs = x.unflatten(0, (g, n // g))                                     # g, s, c, h, w
-        # in the activations' dtype (on a GPU var_mean accumulates bf16 in float32, then rounds: 2^-9 relative)
-        var, mean = torch.var_mean(xs, (0, 3, 4), correction=0, keepdim=True)
+        """forward over groups of self.group images, grouped as self.grouping says."""
+        n, g, c = len(x), self.group, x.shape[1]
+        # splitting the batch dimension is a view in any memory format (a reshape to (g, s·c, h, w) would copy a
+        # channels_last batch, and the result back)
+        members = 0 if self.grouping == "interleaved" else 1
+        xs = x.unflatten(0, (g, n // g) if members == 0 else (n // g, g))
+        # on a GPU var_mean accumulates bf16 in float32, then rounds the statistics to bf16 (2^-9 relative)
+        var, mean = torch.var_mean(devices.float32_or_wider(xs) if self.wide_stats else xs, (members, 3, 4),
+                                   correction=0, keepdim=True)
         var, mean = devices.float32_or_wider(var), devices.float32_or_wider(mean)
         scale = self.weight.view(1, 1, c, 1, 1) * torch.rsqrt(var + self.eps)
         shift = self.bias.view(1, 1, c, 1, 1) - mean * scale
         with torch.no_grad():
-            count = g * h * w
+            count = g * x.shape[2] * x.shape[3]
+            self.num_batches_tracked.add_(1)
             self.running_mean.lerp_(mean.mean((0, 1)).flatten(), self.momentum)
             self.running_var.lerp_(var.mean((0, 1)).flatten() * count / (count - 1), self.momentum)
         return torch.addcmul(shift.to(x.dtype), xs, scale.to(x.dtype)).flatten(0, 1)
+
+
+def set_ghost_groups(model, group):
+    """Every GhostBatchNorm of model normalises groups of `group` images from now on."""
+    for m in model.modules():
+        if isinstance(m, GhostBatchNorm):
+            m.group = group
+
+
+class BatchNorm(GhostBatchNorm):
+    """GhostBatchNorm of c channels with the settings bn (cifar10_fast.BatchNorm): ghost batches of bn.ghost_batch
+    images grouped as bn.ghost_grouping says, and Myrtle's frozen scale (only the bias learns)."""
+
+    def __init__(self, c, bn):
+        # the statistics in the activations' dtype: no float32 copy of each batch
+        super().__init__(c, eps=bn.eps, momentum=bn.momentum, group=bn.ghost_batch, grouping=bn.ghost_grouping,
+                         wide_stats=False)
+        self.weight.requires_grad_(not bn.freeze_scale)
 
 
 ACTIVATIONS = {"relu": lambda net: nn.ReLU(inplace=True), "celu": lambda net: nn.CELU(net.celu_alpha),

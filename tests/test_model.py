@@ -88,6 +88,18 @@ def test_ghost_batch_norm_uses_per_group_statistics():
     torch.testing.assert_close(bn(x), F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0, bn.eps))
 
 
+def test_ghost_batch_norm_groups_consecutive_images_when_asked():
+    """ghost_grouping consecutive: images 0-7 one group, 8-15 the next (ImageNet's, which micro-batches reproduce)."""
+    torch.manual_seed(0)
+    bn = tb.BatchNorm(4, cf.BatchNorm(ghost_batch=8, ghost_grouping="consecutive"))
+    x = torch.randn(32, 4, 5, 5) * 3 + 1
+    y = bn(x)
+    for k in range(4):
+        xi = x[8 * k:8 * k + 8]
+        ref = (xi - xi.mean((0, 2, 3), keepdim=True)) / torch.sqrt(xi.var((0, 2, 3), unbiased=False, keepdim=True) + bn.eps)
+        torch.testing.assert_close(y[8 * k:8 * k + 8], ref, atol=1e-5, rtol=1e-5)
+
+
 def test_ghost_batch_norm_makes_no_copy_of_a_channels_last_batch():
     """On a GPU batches are channels_last; a reshape to (g, s·c, h, w) would copy them (and back)."""
     from torch.utils._python_dispatch import TorchDispatchMode
