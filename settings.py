@@ -135,16 +135,16 @@ def put(tree, path, value, f):
     return dataclasses.replace(tree, **{head: put(sub, rest, value, f)})
 
 
-def check(tree, prefix=()):
+def check(tree, prefix=(), *, own=False):
     """Raises flag_error for the first setting of tree outside what its knob allows, then each component's own
-    check() (what depends on several settings at once)."""
+    check() (what depends on several settings at once); with own, tree's own knobs alone (check_own)."""
     for f in dataclasses.fields(tree):
         value = getattr(tree, f.name)
         sub = f.metadata.get("component")
         if f.name in ("name", "doc", "notes"):
             continue
         if sub is not None:
-            if value is not None:
+            if value is not None and not own:
                 check(value, (*prefix, sub.PREFIX) if getattr(sub, "PREFIX", "") else prefix)
             continue
         m = f.metadata
@@ -155,8 +155,14 @@ def check(tree, prefix=()):
                 raise flag_error(name, value, f"must be one of {one_of_text(m['choices'])}")
             continue
         number_error(name, value, m)
-    if hasattr(tree, "check"):
+    if hasattr(tree, "check") and not own:
         tree.check()
+
+
+def check_own(tree):
+    """check() of tree's own knobs, not its components' nor what depends on several settings (a flag changes one at
+    a time): cheap enough for a settings class's __post_init__, so that a bad value fails where it is built."""
+    check(tree, (tree.PREFIX,) if getattr(tree, "PREFIX", "") else (), own=True)
 
 
 def number_error(name, value, m):
