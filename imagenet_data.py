@@ -1,7 +1,7 @@
 """ImageNet batches from the store (imagenet_store.py): this process's share placed (and, of a JPEG store under
 torchrun, dealt anew each epoch), random-resized crops of the whole image drawn as torchvision defines them, decoded
 one batch ahead in the CPU's worker processes or on the GPU, augmented on the device with no wait for the host; and
-the validation views.
+the validation views. The settings they read: Augment and Validation.
 
 Training crops follow torchvision's RandomResizedCrop.get_params exactly (crop_boxes): the area a fraction of the
 image's uniform in `crop_scale`, the log aspect uniform in log `crop_ratio`, whole pixels, the first of 10 draws that
@@ -28,6 +28,7 @@ import devices
 import distributed as D
 from core import UsageError, die_with_parent
 from imagenet_store import open_store, val_shape
+from settings import check_own, flag_error, knob, numbers
 
 MEAN = (123.675, 116.28, 103.53)  # the usual ImageNet statistics, 0..255 scale
 STD = (58.395, 57.12, 57.375)
@@ -36,6 +37,39 @@ STD = (58.395, 57.12, 57.375)
 # ---------------------------------------------------------------------------------------------
 # Where a crop is, and what validation sees
 # ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Augment:
+    """torchvision's random-resized crops of the whole image (their area and aspect ratio ranges), a random flip,
+    and brightness, contrast and saturation jitter of +- jitter."""
+    PREFIX = ""
+    crop_scale: tuple = numbers((0.08, 1.0), above=0, high=1)
+    crop_ratio: tuple = numbers((3 / 4, 4 / 3), above=0)
+    flip: bool = knob(True)
+    jitter: float = knob(0.0, low=0)
+
+    def __post_init__(self):
+        check_own(self)
+
+    def check(self):
+        if self.crop_scale[0] > self.crop_scale[-1] or len(self.crop_scale) != 2:
+            raise flag_error("crop_scale", self.crop_scale, "must be two fractions, 0 < low <= high <= 1")
+        if self.crop_ratio[0] > self.crop_ratio[-1] or len(self.crop_ratio) != 2:
+            raise flag_error("crop_ratio", self.crop_ratio, "must be two aspect ratios, 0 < low <= high")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Validation:
+    """What validation sees (val_view): the centre crop of side crop x the shorter side resized to res
+    (crop 0: the whole image, shorter side res); tta flip adds each image's mirror."""
+    PREFIX = "val"
+    res: int = knob(256, above=0, whole=True)
+    crop: float = knob(0.875, low=0, high=1)
+    tta: str = knob("flip", choices=("none", "flip"), flag="tta")
+
+    def __post_init__(self):
+        check_own(self)
+
 
 def crop_boxes(heights, widths, *, scale, ratio, generator, tries=10):
     """torchvision's RandomResizedCrop.get_params for n images at once: (n, 4) int64 boxes (top, left, height, width)
@@ -260,7 +294,7 @@ class Draws:
 
 
 def draw_epoch(data, augment, generator, *, order=None, epoch_seed=0):
-    """An epoch's Draws as augment says (imagenet_fast.Augment): its order from the generator `order` (by default the
+    """An epoch's Draws as augment says (Augment): its order from the generator `order` (by default the
     same), the rest from generator. With data.shares, this rank's share of the epoch is D.stratified_share of
     epoch_seed (the same on every rank, so that the shares are disjoint and cover the store)."""
     n = len(data.train_rows)

@@ -1,8 +1,9 @@
 """ImageNet's schedules: the learning rate over the run (warm-up then linear, cosine, step or slow-start decay), the
 training resolution and batch size of each epoch (progressive resizing, batch-size control) and a batch's share per
 rank, and the phase tables (fast.ai's: epoch ranges, each with its size, batch, rate or ramp, crop scale and
-validation) that every ImageNet schedule is read as, one row per epoch (plan); and a run's steps, as both scripts
-count them (run_steps). CIFAR-10's rate is its recipe's own (cifar10_fast.LR.at).
+validation) that every ImageNet schedule is read as, one row per epoch (plan), and each epoch on a rank (epoch_plans:
+its micro-batches and batch-norm groups), with the settings they read (Schedule, Resolution); and a run's steps, as
+both scripts count them (run_steps). CIFAR-10's rate is its recipe's own (cifar10_fast.LR.at).
 
 Nothing here imports torch: each schedule is plain arithmetic on epochs and steps, tested on its own.
 
@@ -15,7 +16,9 @@ Papers:
 """
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from settings import check_own, flag_error, knob
 
 
 def epoch_steps(epochs, steps_per_epoch):
@@ -47,6 +50,30 @@ def linear_scaled_lr(base_lr, global_batch, base_batch=256):
 
 # ----------------------------------------------------------------------------------------------------------
 # ImageNet: the rate per lr_scale_base images over (fractional) epochs
+
+@dataclass(frozen=True, kw_only=True)
+class Schedule:
+    """The learning rate per lr_scale_base images of the batch (Goyal et al.'s linear scaling) or as written: a linear
+    warm-up from warmup_start of it, then linear to 0, cosine, x0.1 at each of step_epochs, or Akiba et al.'s slow
+    start; or a phase table (schedules.Phase), which sets each phase's resolution, batch, rate, crops and validation."""
+    PREFIX = ""
+    lr: float = knob(0.10625, low=0)
+    lr_scale_base: int = knob(256, above=0, whole=True)
+    warmup_epochs: float = knob(2.0, low=0)
+    warmup_start: float = knob(0.0, low=0, high=1)
+    schedule: str = knob("linear", choices=("linear", "cosine", "step", "slow_start"))
+    step_epochs: tuple = knob((30.0, 60.0, 80.0), low=0)
+    lr_scaling: str = knob("linear", choices=("linear", "none"), doc="linear: lr is per --lr-scale-base images of the "
+                           "global batch (Goyal et al.); none: lr is the optimiser's rate, whatever the batch and the "
+                           "number of GPUs (FFCV's script, fast.ai's tables)")
+    phases: tuple = knob((), low=0, doc="a phase table instead of the warm-up, decay, resolution and batch settings: "
+                         "rows of start epoch, end epoch, res, global batch, lr at start, lr at end (linear between), "
+                         "smallest crop scale, validation res (0: --val-res), rectangular validation (0 or 1), commas "
+                         "between all (fast.ai's train.py)")
+
+    def __post_init__(self):
+        check_own(self)
+
 
 # Akiba et al. 2017's 90 epochs: (from epoch, fraction of the peak rate)
 SLOW_START = ((0, 0.5), (40, 0.075), (70, 0.01), (85, 0.001))
@@ -88,6 +115,29 @@ def decayed_lr(r, t):
     if s.schedule == "slow_start":
         return slow_start_lr(t, peak, end)
     raise ValueError(f"unknown schedule {s.schedule!r}; choose from linear, cosine, step, slow_start")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolution:
+    """Each epoch's training resolution (FFCV's progressive resizing: min_res to max_res between two epochs, in
+    steps of res_step) and batch (the global batch_size, larger at lower resolutions with batch_scale, or Mikami et
+    al.'s batch-size control: (epoch, global batch) pairs)."""
+    PREFIX = ""
+    min_res: int = knob(160, above=0, whole=True)
+    max_res: int = knob(192, above=0, whole=True)
+    res_start_epoch: int = knob(11, low=0, whole=True)
+    res_end_epoch: int = knob(13, low=0, whole=True)
+    res_step: int = knob(32, above=0, whole=True)
+    batch_scale: bool = knob(False)
+    batch_schedule: tuple = knob((), low=0, whole=True)
+
+    def __post_init__(self):
+        check_own(self)
+
+    def check(self):
+        if round(self.min_res / self.res_step) == 0:
+            raise flag_error("res_step", self.res_step, f"rounds --min-res {self.min_res} to 0 pixels; use at most "
+                                                        f"{self.min_res}")
 
 
 def res_at(r, epoch):
@@ -242,3 +292,50 @@ def plan(r, world=1):
         rows.append({"epoch": e + 1, "res": res_at(r, e), "batch": batch, "lr_start": step_lr(r, e, batch),
                      "lr_end": step_lr(r, e + 1 - 1e-9, batch), "crop_min": crop_at(r, e)[0], "val": val_at(r, e)})
     return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ImageNet: each epoch on this rank
+
+@dataclass(frozen=True, kw_only=True)
+class EpochPlan:
+    """One epoch of a run on this rank (plan's row): its resolution, this rank's batch in micro-batches of `micro`
+    images normalised in groups of `group` (0: whole micro-batches), the steps of the epoch, the run's steps before it
+    and in all, its crops (an imagenet_data.Augment) and what validation after it sees (an imagenet_data.Validation)."""
+    epoch: int
+    res: int
+    batch: int
+    micro: int
+    group: int
+    steps: int
+    first_step: int
+    total_steps: int
+    augment: object
+    validation: object
+
+
+def epoch_plans(r, world, n=None):
+    """Each epoch's EpochPlan of recipe r on world ranks, each holding n training images (None: as many as the
+    batches need): a ValueError of one line, naming the flag, when a rank's batch does not split into --accumulate
+    micro-batches of whole batch-norm groups."""
+    out, first = [], 0
+    for e, row in enumerate(plan(r, world)):
+        batch, k, workers = row["batch"] // world, r.accumulate, r.bn_workers
+        batch = batch if n is None else min(batch, n)
+        if batch % k:
+            raise ValueError(f"--accumulate {k}: the {batch} images of a rank's batch in epoch {e + 1} do not split "
+                             f"into {k} micro-batches")
+        if workers and row["batch"] % workers:
+            raise ValueError(f"--bn-workers {workers}: the global batch of epoch {e + 1}, {row['batch']} images, is "
+                             f"not a multiple of it")
+        if workers and (batch // k) % (row["batch"] // workers):
+            raise ValueError(f"--bn-workers {workers}: batch norm's groups of {row['batch'] // workers} images (the "
+                             f"global batch / {workers}) do not fill micro-batches of {batch // k} images in epoch "
+                             f"{e + 1}; change --accumulate")
+        steps = (batch if n is None else n) // batch
+        out.append(EpochPlan(epoch=e, res=row["res"], batch=batch, micro=batch // k, steps=steps, first_step=first,
+                             group=row["batch"] // workers if workers else 0, total_steps=0,
+                             augment=replace(r.augment, crop_scale=(row["crop_min"], r.augment.crop_scale[1])),
+                             validation=replace(r.validation, res=row["val"][0], crop=row["val"][1])))
+        first += steps
+    return [replace(p, total_steps=first) for p in out]

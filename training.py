@@ -1,7 +1,7 @@
 """The parts of a training loop that both scripts share, each loop written out in its own script
-(cifar10_fast.train_run, imagenet_fast.train_run): a run's independent random streams and its steps, the step,
-weight averaging (EMA, lookahead), a compiled run's strictness, and the checkpoint an interrupted run resumes from
-exactly. The clock is devices.timer; batch-norm statistics over ranks are distributed.py's.
+(cifar10_fast.train_run, imagenet_fast.train_run): a run's independent random streams, the step, weight averaging
+(EMA, lookahead) and a compiled run's strictness. The clock is devices.timer, a run's steps schedules.run_steps,
+batch-norm statistics over ranks distributed.py's, ImageNet's checkpoints imagenet_checkpoints.py's.
 """
 import copy
 import math
@@ -12,11 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import devices
-import distributed as D
 from core import DataError
 from settings import knob
-
-INTERRUPTED = 75      # EX_TEMPFAIL: stopped on purpose after a checkpoint, resumable
 
 
 def run_seeds(seed, rank=0):
@@ -162,73 +159,3 @@ def averaging(model, *, ema=None, lookahead=None):
 def evaluated(model, average):
     """The weights a run evaluates: the EMA's when there is one, else the model's."""
     return average.model if average is not None and average.model is not None else model
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Checkpoints
-
-@dataclass(kw_only=True)
-class Trainable:
-    """What a checkpoint saves of a run in training and a resumed run loads back: the model, its optimisers, its
-    weight averaging (or None) and its random generators (beside torch's global one)."""
-    model: torch.nn.Module
-    optimizers: list
-    average: object
-    generators: list
-
-
-CHECKPOINT_KEYS = {"model", "optimizers", "averaging", "rng", "progress", "settings", "world", "store"}
-
-
-def save_checkpoint(path, run, *, progress, settings, ctx, store=None):
-    """Writes everything a resumed run needs (rank 0, atomically; every rank waits): the Trainable run, `progress`
-    (the epoch reached, its rows, its clock, ...), the settings, the data's identity (`store`: {"digest", "name"}),
-    and the random states of every rank gathered to all, so that each rank resumes its own streams exactly."""
-    rng = [torch.get_rng_state(), *(g.get_state() for g in run.generators)]
-    every = [rng]
-    if torch.distributed.is_initialized():
-        every = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(every, rng)
-    D.save_checkpoint(path, {
-        "model": run.model.state_dict(), "optimizers": [o.state_dict() for o in run.optimizers],
-        "averaging": run.average.state_dict() if run.average else None, "rng": every, "progress": progress,
-        "settings": settings, "world": ctx.world_size, "store": store}, ctx)
-
-
-def read_checkpoint(path, *, settings, ctx, store=None):
-    """The state save_checkpoint left at path (rank 0 reads, every rank receives), or None when there is none yet. A
-    checkpoint of another run (other settings, another number of ranks, another store) is a DataError of one line."""
-    state = D.load_checkpoint(path, ctx)
-    if state is None:
-        return None
-    missing = CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else CHECKPOINT_KEYS
-    if missing:
-        raise DataError(f"{path}: not a readable checkpoint of this version (no {', '.join(sorted(missing))})")
-    if state["world"] != ctx.world_size:
-        raise DataError(f"{path}: written by {state['world']} rank{'s' * (state['world'] > 1)}, resumed by "
-                        f"{ctx.world_size}; cannot resume")
-    saved = state["store"] or {}
-    if store and saved.get("digest") != store["digest"]:
-        raise DataError(f"{path}: written on another store ({saved.get('name')}, index {saved.get('digest')}), "
-                        f"resumed on {store['name']} (index {store['digest']}); resume on that store, or start "
-                        "afresh without --resume")
-    if state["settings"] != settings:
-        diff = sorted(k for k in settings if state["settings"].get(k) != settings[k])
-        raise DataError(f"{path}: written with other settings ({', '.join(diff)}); cannot resume")
-    D.print0(f"resumed from epoch {state['progress']['epoch']} of {path}")
-    return state
-
-
-def load_checkpoint(state, run, *, ctx):
-    """Loads a checkpoint's state (read_checkpoint) into the Trainable run: the model, its optimisers, its averaging
-    and this rank's random streams."""
-    run.model.load_state_dict(state["model"])
-    for opt, saved in zip(run.optimizers, state["optimizers"]):
-        opt.load_state_dict(saved)
-    if run.average:
-        run.average.load_state_dict(state["averaging"])
-    # random states must be CPU bytes, whatever device or form the checkpoint was read into
-    torch_state, *gen_states = (t.to("cpu", torch.uint8) for t in state["rng"][ctx.rank])
-    torch.set_rng_state(torch_state)
-    for g, saved in zip(run.generators, gen_states):
-        g.set_state(saved)

@@ -100,8 +100,7 @@ def batches(method, store, src, *, res, batch_size, workers, seed):
 
 def idt_augment():
     """torchvision's crop ranges (the recipes' Augment)."""
-    import imagenet_fast as inf
-    return inf.Augment()
+    return idt.Augment()
 
 
 def rate(stream, count, batch_size):

@@ -4,7 +4,7 @@ CPU, counted by a dispatch mode (the count depends on neither the batch nor the 
   optimisers  the step of torchvision's ResNet-50 without BlurPool (as the cluster recipes train it, goyal_8k):
               forward and backward alone, then with fused SGD (what CUDA runs), LARS and RMSprop-to-SGD, each as
               optim.py has it (foreach operations) and as the per-tensor loops it replaced (kept below as references)
-  blurpool    forward and backward of rn50_16ep's ResNet-50 with BlurPool as imagenet_fast builds it (one zero-padded
+  blurpool    forward and backward of rn50_16ep's ResNet-50 with BlurPool as imagenet_models builds it (one zero-padded
               depthwise convolution, as FFCV's) and with the reflection-padded BlurPool it replaced (re-created below)
   cifar10     one opt.step() of each CIFAR-10 optimiser of fast94, fast94_muon and fast94_next (full width): SGD as
               the CPU runs it and fused (as CUDA runs it), Muon eager as a loop over the filter banks and as foreach
@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cifar10_fast as cf  # noqa: E402
-import imagenet_fast as inf  # noqa: E402
+import imagenet_models  # noqa: E402
+import imagenet_recipes  # noqa: E402
 import optim  # noqa: E402
 import torch_backend as tb  # noqa: E402
 from core import Parser, write_json  # noqa: E402
@@ -87,8 +88,8 @@ class LoopRMSpropToSGD(optim.RMSpropToSGD):
                 p.sub_(v)
 
 
-class ReflectBlurPool(inf.BlurPool):
-    """imagenet_fast.BlurPool as it was: reflection-padded, then an unpadded depthwise convolution."""
+class ReflectBlurPool(imagenet_models.BlurPool):
+    """imagenet_models.BlurPool as it was: reflection-padded, then an unpadded depthwise convolution."""
 
     def forward(self, x):
         return F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), self.kernel.to(x.dtype), groups=x.shape[1])
@@ -100,19 +101,19 @@ def fused_sgd(model, r):
 
 
 def loop_optimizer(model, r):
-    """imagenet_fast.make_optimizer's LARS or RMSprop-to-SGD, stepping as the per-tensor loop it replaced."""
-    opt = inf.make_optimizer(model, r)
+    """imagenet_models.make_optimizer's LARS or RMSprop-to-SGD, stepping as the per-tensor loop it replaced."""
+    opt = imagenet_models.make_optimizer(model, r)
     opt.__class__ = {optim.LARS: LoopLARS, optim.RMSpropToSGD: LoopRMSpropToSGD}[type(opt)]
     return opt
 
 
 def step_operations(recipe, make=None, **changes):
     """(operations of forward and backward, of the whole step) of recipe's ResNet-50 with the optimiser `make` (by
-    default imagenet_fast.make_optimizer's), counted at the second step (the first makes the optimiser's state)."""
+    default imagenet_models.make_optimizer's), counted at the second step (the first makes the optimiser's state)."""
     torch.manual_seed(0)
-    r = inf.recipe(recipe, **changes)
-    model = inf.build_model(r, 10)
-    opt = (make or inf.make_optimizer)(model, r)
+    r = imagenet_recipes.recipe(recipe, **changes)
+    model = imagenet_models.build_model(r, 10)
+    opt = (make or imagenet_models.make_optimizer)(model, r)
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 1])
     for _ in range(2):
         with Count() as count:
@@ -123,13 +124,13 @@ def step_operations(recipe, make=None, **changes):
     return backward, count.n
 
 
-def blurpool_operations(blur=inf.BlurPool):
+def blurpool_operations(blur=imagenet_models.BlurPool):
     """Operations of rn50_16ep's forward and backward (2 images of 32 px) with its BlurPools of class `blur`."""
     torch.manual_seed(0)
-    model = inf.build_model(inf.recipe("rn50_16ep"), 10)
+    model = imagenet_models.build_model(imagenet_recipes.recipe("rn50_16ep"), 10)
     for m in list(model.modules()):
         for name, child in m.named_children():
-            if isinstance(child, inf.BlurPool):
+            if isinstance(child, imagenet_models.BlurPool):
                 setattr(m, name, blur(child.kernel.shape[0]))
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 1])
     with Count() as count:
@@ -187,7 +188,7 @@ def measure():
     for name, option in (("LARS", "lars"), ("RMSprop-to-SGD", "rmsprop")):
         rows.append({"step": name, "ours": step_operations("goyal_8k", **{option: True})[1],
                      "loop": step_operations("goyal_8k", loop_optimizer, **{option: True})[1]})
-    blur = [{"blurpool": "zero-padded depthwise convolution (FFCV's, imagenet_fast.BlurPool)",
+    blur = [{"blurpool": "zero-padded depthwise convolution (FFCV's, imagenet_models.BlurPool)",
              "operations": blurpool_operations()},
             {"blurpool": "reflection pad, then an unpadded convolution (the one it replaced)",
              "operations": blurpool_operations(ReflectBlurPool)}]

@@ -22,6 +22,7 @@ import devices
 import distributed as D
 import imagenet_data as idt
 import imagenet_fast as inf
+import imagenet_models
 import imagenet_store as ims
 import optim
 import schedules
@@ -423,7 +424,7 @@ def test_validation_views_keep_orientation_and_crop_the_centre():
 def test_validation_batches_are_one_shape_each(store):
     data = idt.place(ims.open_store(store), torch.device("cpu"))
     for crop in (0.0, 0.875):
-        jobs = idt.val_jobs(data, inf.Validation(res=SIZE, crop=crop), batch_size=5)
+        jobs = idt.val_jobs(data, idt.Validation(res=SIZE, crop=crop), batch_size=5)
         assert sorted(i for pos, _, _, _ in jobs for i in pos) == list(range(32))
         assert all(len(pos) <= 5 for pos, _, _, _ in jobs)
         shapes = [shape for _, _, _, shape in jobs]
@@ -435,12 +436,12 @@ def test_validation_batches_are_one_shape_each(store):
 def test_blurpool_models():
     r = inf.recipe("rn50_16ep")
     m = inf.build_model(r, 10)
-    blurs = [mod for mod in m.modules() if isinstance(mod, inf.BlurPool)]
+    blurs = [mod for mod in m.modules() if isinstance(mod, imagenet_models.BlurPool)]
     strided = [mod for mod in m.modules() if isinstance(mod, torch.nn.Conv2d) and max(mod.stride) > 1]
     assert len(strided) == 7 and len(blurs) == 6  # all but the 3-channel stem conv
     assert m(torch.randn(2, 3, 40, 32)).shape == (2, 10)
     const = torch.full((1, 4, 5, 5), 16.0)
-    blurred = inf.BlurPool(4)(const)                      # FFCV's: zeros beyond the edge, inside the convolution
+    blurred = imagenet_models.BlurPool(4)(const)                      # FFCV's: zeros beyond the edge, inside the convolution
     assert torch.equal(blurred[..., 1:-1, 1:-1], const[..., 1:-1, 1:-1])
     assert blurred[0, 0, 0, 0] == 9 and blurred[0, 0, 0, 2] == 12
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -449,11 +450,11 @@ def test_blurpool_models():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             seen.append(str(func))
             return func(*args, **(kwargs or {}))
-    seen, x, blur = [], torch.randn(2, 16, 9, 9).contiguous(memory_format=torch.channels_last), inf.BlurPool(16)
+    seen, x, blur = [], torch.randn(2, 16, 9, 9).contiguous(memory_format=torch.channels_last), imagenet_models.BlurPool(16)
     with Ops():
         out = blur(x)
     assert seen == ["aten.convolution.default"] and out.is_contiguous(memory_format=torch.channels_last)
-    assert not any(isinstance(mod, inf.BlurPool) for mod in inf.build_model(changed(r, blurpool=False), 10).modules())
+    assert not any(isinstance(mod, imagenet_models.BlurPool) for mod in inf.build_model(changed(r, blurpool=False), 10).modules())
     tiny = inf.build_model(inf.recipe("tiny", width=4), 5)
     assert tiny(torch.randn(2, 3, 24, 24)).shape == (2, 5)
 
@@ -793,7 +794,7 @@ def test_a_rank_reads_only_its_share_of_a_raw_store_in_place(raw_store, monkeypa
     pinned whole), and its batches gather only rows of its share."""
     monkeypatch.setattr(idt, "copy_rows", lambda *a: pytest.fail("copied at placement"))
     s = ims.open_store(raw_store)
-    ctx = inf.D.Context(rank=1, world_size=4, distributed=True, is_main=False)
+    ctx = D.Context(rank=1, world_size=4, distributed=True, is_main=False)
     data = idt.place(s, torch.device("cpu"), ctx=ctx)
     assert np.shares_memory(data.pixels.numpy(), s.train.data) and len(data.train_rows) == 24
     assert data.val_rows.tolist() == list(range(8, 16))
@@ -811,7 +812,7 @@ def test_a_jpeg_store_deals_each_epoch_new_shares_to_the_ranks_and_a_raw_store_k
     keeps the ranks' steps equal), differ from the epoch before, and are drawn again alike from the same seed; a raw
     store's rank holds its share for the run."""
     s, augment = ims.open_store(store), inf.recipe("tiny").augment
-    ranks = [idt.place(s, torch.device("cpu"), ctx=inf.D.Context(rank=r, world_size=2, distributed=True))
+    ranks = [idt.place(s, torch.device("cpu"), ctx=D.Context(rank=r, world_size=2, distributed=True))
              for r in range(2)]
     assert [d.shares for d in ranks] == [(0, 2), (1, 2)] and all(len(d.train_rows) == len(s.train) for d in ranks)
 
@@ -822,7 +823,7 @@ def test_a_jpeg_store_deals_each_epoch_new_shares_to_the_ranks_and_a_raw_store_k
     for a, b in (first, second):
         assert not a & b and len(a) == len(b) == len(s.train) // 2
     assert first[0] != second[0] and first == shares(0) and first != shares(0, seed=8)
-    raw = idt.place(ims.open_store(raw_store), torch.device("cpu"), ctx=inf.D.Context(rank=1, world_size=2,
+    raw = idt.place(ims.open_store(raw_store), torch.device("cpu"), ctx=D.Context(rank=1, world_size=2,
                                                                                       distributed=True))
     assert raw.shares is None and raw.per_epoch() == len(raw.train_rows) == len(s.train) // 2
 

@@ -13,9 +13,11 @@ import torch
 from PIL import Image
 
 import devices
+import distributed as D
 import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
+import training
 from conftest import ROOT, small_jpeg_store
 from cuda_standin import StandIn
 
@@ -88,7 +90,7 @@ def test_a_gpu_decoded_training_batch_makes_the_training_thread_wait_for_nothing
                 x, y = next(batches)
             except StopIteration:
                 break
-            inf.accumulated_step(model, opt, [(x, y)], ctx=inf.D.Context(), label_smoothing=0.1,
+            inf.accumulated_step(model, opt, [(x, y)], ctx=D.Context(), label_smoothing=0.1,
                                  dtype=torch.bfloat16)
             assert main_thread_waits(gpu, since) == [] and gpu.counts["blocking"] == blocking
             seen += 1
@@ -116,7 +118,7 @@ def test_validation_decodes_on_the_gpu_when_training_does_and_sees_what_the_cpu_
     device, rectangular ones too; within JPEG's and the filters' rounding of the CPU decoder's (PIL's resize)."""
     s = ims.open_store(store)
     for crop in (0.875, 0.0):
-        val = inf.Validation(res=24, crop=crop)
+        val = idt.Validation(res=24, crop=crop)
         cpu = idt.place(s, torch.device("cpu"))
         want = list(idt.val_batches(cpu, val, 5, device=torch.device("cpu")))
         with StandIn() as gpu:
@@ -186,11 +188,11 @@ def test_each_epoch_is_drawn_ahead_in_a_thread_while_the_epoch_before_trains_and
         return out
     monkeypatch.setattr(inf, "draw_epoch", draw)
     monkeypatch.setattr(inf, "train_epoch", train)
-    inf.train_run(r, data, inf.Options(eval_every=0), ctx=inf.D.Context(), seed=3)
+    inf.train_run(r, data, inf.Options(eval_every=0), ctx=D.Context(), seed=3)
     assert [e for e, *_ in seen] == [0, 1, 2]
     assert all(thread.startswith("draws") for _, thread, *_ in seen)
     assert [during for _, _, during, *_ in seen] == [False, True, True]
-    seeds = inf.T.run_seeds(3)
+    seeds = training.run_seeds(3)
     order, augment = (torch.Generator().manual_seed(seeds[k]) for k in ("order", "augment"))
     for p, (_, _, _, perm, boxes) in zip(inf.epoch_plans(r, 1, data.per_epoch()), seen):
         want = real_draw(data, p.augment, augment, order=order, epoch_seed=[seeds["shares"], p.epoch])
@@ -258,7 +260,7 @@ def fp16_update(scaler, *, step=None):
         model[0].load_state_dict(first.state_dict())
         opt = torch.optim.SGD(model[0].parameters(), lr=1.0)
         if step is None:
-            inf.accumulated_step(model, opt, [(x, y)], ctx=inf.D.Context(), label_smoothing=0.0, dtype=dtype, scaler=s)
+            inf.accumulated_step(model, opt, [(x, y)], ctx=D.Context(), label_smoothing=0.0, dtype=dtype, scaler=s)
         else:
             step(model, [opt], x, y, label_smoothing=0.0, dtype=dtype)
         out.append(model[0].weight.detach().clone())
@@ -279,11 +281,11 @@ def test_an_fp16_run_saves_its_loss_scale_with_the_optimiser_and_resumes_exactly
     r = inf.recipe("tiny", epochs=2, batch_size=8, width=4, min_res=16, max_res=16, val_res=16)
     data = idt.place(ims.open_store(store), torch.device("cpu"))
     o = inf.Options(eval_every=0, precision="fp16")
-    inf.train_run(r, data, inf.replace(o, checkpoint=str(tmp_path / "a.pt")), ctx=inf.D.Context(), seed=0)
+    inf.train_run(r, data, inf.replace(o, checkpoint=str(tmp_path / "a.pt")), ctx=D.Context(), seed=0)
     with pytest.raises(SystemExit):
         inf.train_run(r, data, inf.replace(o, checkpoint=str(tmp_path / "b.pt"), interrupt_after=1),
-                      ctx=inf.D.Context(), seed=0)
-    inf.train_run(r, data, inf.replace(o, checkpoint=str(tmp_path / "b.pt"), resume=True), ctx=inf.D.Context(), seed=0)
+                      ctx=D.Context(), seed=0)
+    inf.train_run(r, data, inf.replace(o, checkpoint=str(tmp_path / "b.pt"), resume=True), ctx=D.Context(), seed=0)
     a, b = (torch.load(tmp_path / f"{k}.pt", weights_only=False) for k in "ab")
     assert a["optimizers"][1]["scale"] == b["optimizers"][1]["scale"] > 1            # the GradScaler's state
     assert a["optimizers"][1]["_growth_tracker"] == b["optimizers"][1]["_growth_tracker"] > 0
@@ -293,7 +295,7 @@ def test_an_fp16_run_saves_its_loss_scale_with_the_optimiser_and_resumes_exactly
 def test_cifars_summed_loss_keeps_those_gradients_in_fp16_without_a_scaler():
     """CIFAR-10 steps on the batch's summed loss (training.train_step), 512 times the mean's gradients: the same layer
     in fp16 without a scaler keeps float32's update to 1%, which is why CIFAR's fp16 takes none (as airbench's)."""
-    want, got = fp16_update(None, step=inf.T.train_step)
+    want, got = fp16_update(None, step=training.train_step)
     assert (got - want).abs().max() < 0.01 * want.abs().max()
 
 

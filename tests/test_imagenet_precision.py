@@ -2,13 +2,13 @@
 import torch
 
 import devices
-import imagenet_fast as inf
+import torch_backend as tb
 
 
 def test_ghost_batch_norms_group_statistics_are_float32_under_bf16_autocast():
     torch.manual_seed(0)
     x = (torch.randn(8, 4, 6, 6) * 3 + 100).bfloat16()       # a large mean: bf16's 8 bits would round the variance
-    bn = inf.GhostBatchNorm(4, momentum=1.0)                  # the running statistics: the last groups' average
+    bn = tb.GhostBatchNorm(4, momentum=1.0)                   # the running statistics: the last groups' average
     bn.group = 4
     with devices.autocast("cpu", torch.bfloat16):
         bn(x)

@@ -21,11 +21,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import distributed as D
+import imagenet_checkpoints
 import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
 import schedules
-import training as T
 from conftest import ROOT
 from settings import changed
 
@@ -200,7 +200,7 @@ def test_four_ranks_killed_and_resumed_without_a_shared_disk_end_exactly_as_unin
               cli_args(store, 3, "--checkpoint", "b.pt", "--resume", "--interrupt-after-epoch", "1"),
               cli_args(store, 3, "--checkpoint", "b.pt", "--resume", "--out", "b.json")]
     ranks = spawn(4, store, tmp_path, phases)
-    assert [[p["rc"] for p in r["phases"]] for r in ranks] == [[0, T.INTERRUPTED, 0]] * 4, \
+    assert [[p["rc"] for p in r["phases"]] for r in ranks] == [[0, imagenet_checkpoints.INTERRUPTED, 0]] * 4, \
         [p["stderr"][-1500:] for r in ranks for p in r["phases"]]
     assert not any((tmp_path / f"node{r}" / name).exists() for r in (1, 2, 3) for name in ("a.pt", "b.pt"))
     resumed = ranks[0]["phases"][2]["stdout"]

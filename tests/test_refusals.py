@@ -83,7 +83,7 @@ def test_a_checkpoint_resumes_only_on_the_store_it_was_written_on(stores, tmp_pa
     ckpt = tmp_path / "c.pt"
     args = [*TINY, "--epochs", "2", "--checkpoint", ckpt]
     rc, stdout, err = run(capsys, "train", "--store", stores[0], *args, "--interrupt-after-epoch", "1")
-    assert rc == inf.T.INTERRUPTED, err
+    assert rc == inf.INTERRUPTED, err
     digest = {s: inf.store_identity(ims.open_store(s), s)["digest"] for s in stores}
     rc, stdout, err = run(capsys, "train", "--store", stores[1], *args, "--resume")
     assert rc == 1 and err == [

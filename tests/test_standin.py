@@ -19,6 +19,7 @@ import devices
 import distributed as D
 import imagenet_data as idt
 import imagenet_fast as inf
+import imagenet_models
 import imagenet_store as ims
 import torch_backend as tb
 from conftest import ROOT, synthetic_arrays, synthetic_npz, train_once
@@ -328,8 +329,8 @@ def test_a_batch_that_cannot_fit_the_gpu_stops_in_one_line_naming_the_accumulati
                      r"GPUs", err)
     assert m and int(m[1]) * int(m[2]) == batch, err
     classes = len(ims.open_store(stores["jpeg"]).index["classes"])
-    need = lambda k: inf.training_bytes(inf.recipe("akiba_32k", accumulate=k), classes, world=world,
-                                        dtype=torch.bfloat16)
+    need = lambda k: imagenet_models.training_bytes(inf.recipe("akiba_32k", accumulate=k), classes, world=world,
+                                                    dtype=torch.bfloat16)
     assert need(int(m[1])) <= devices.USABLE * (80 << 30) < need(int(m[1]) // 2)
     with pytest.raises(Loaded):
         run("--accumulate", m[1])
@@ -340,7 +341,7 @@ def test_a_store_goes_onto_the_gpu_only_if_training_still_fits_beside_it(stores,
     before it loads; left to choose, it stays in host memory."""
     store = ims.open_store(stores["raw"])
     r = inf.recipe("tiny", epochs=2, batch_size=8, width=8, min_res=24, max_res=24, val_res=24)
-    training = inf.training_bytes(r, len(store.index["classes"]), world=1, dtype=torch.bfloat16)
+    training = imagenet_models.training_bytes(r, len(store.index["classes"]), world=1, dtype=torch.bfloat16)
     memory = int((training + store.train_pixels().nbytes / 2) / devices.USABLE)
     with StandIn(memory=memory):
         assert inf.main(["train", "--store", str(stores["raw"]), *TINY_IN, "--data-on", "device"]) == 2

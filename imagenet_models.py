@@ -1,0 +1,198 @@
+"""ImageNet's networks and what a recipe builds around them: torchvision's ResNets (or resnet_tiny, for tests and CPU
+demonstrations) with BlurPool and ghost batch norm, the optimiser, and the device memory training them takes, each
+beside the settings it reads (Network, SGDSettings, LARSSettings, RMSpropWarmup).
+"""
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import devices
+from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d
+from schedules import epoch_plans, res_at
+from settings import check_own, knob
+from torch_backend import GhostBatchNorm
+
+# ---------------------------------------------------------------------------------------------
+# The network
+# ---------------------------------------------------------------------------------------------
+
+MODELS = ("resnet_tiny", "resnet18", "resnet34", "resnet50", "resnet101")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Network:
+    """torchvision's ResNets (resnet_tiny: ours, for tests and CPU demonstrations)."""
+    PREFIX = ""
+    model: str = knob("resnet50", choices=MODELS)
+    width: int = knob(16, above=0, whole=True, doc="resnet_tiny's first stage's channels")
+    blurpool: bool = knob(True, doc="a blur before each strided convolution (Zhang 2019; FFCV)")
+    zero_init: bool = knob(False, doc="each residual block's last batch-norm scale starts at 0 (Goyal et al.)")
+
+    def __post_init__(self):
+        check_own(self)
+
+
+class BlurPool(nn.Module):
+    """A fixed 3x3 binomial low-pass filter, put before every strided convolution so that it subsamples a smoothed
+    signal (anti-aliasing, Zhang 2019), as FFCV's ResNets build it: one depthwise convolution that pads with zeros,
+    so a channels_last input stays channels_last (CUDA's reflection pad returns NCHW, forward and backward)."""
+
+    def __init__(self, channels):
+        super().__init__()
+        k = torch.tensor([1.0, 2.0, 1.0])
+        self.register_buffer("kernel", (k[:, None] * k[None, :] / 16).expand(channels, 1, 3, 3).clone())
+
+    def forward(self, x):
+        return F.conv2d(x, self.kernel.to(x.dtype), padding=1, groups=x.shape[1])
+
+
+def add_blurpool(model, min_channels=16):
+    """Replaces each strided conv with >= min_channels inputs by BlurPool then that conv."""
+    for name, m in list(model.named_modules()):
+        for child_name, child in list(m.named_children()):
+            if isinstance(child, nn.Conv2d) and max(child.stride) > 1 and child.in_channels >= min_channels:
+                setattr(m, child_name, nn.Sequential(BlurPool(child.in_channels), child))
+    return model
+
+
+def resnet_tiny(num_classes, width, norm=nn.BatchNorm2d):
+    """A 4-stage ResNet of torchvision BasicBlocks, one per stage, `width` channels in the first stage
+    (torchvision's ResNets have fixed widths), batch norm of class `norm`: for tests and CPU demonstrations."""
+    from torchvision.models.resnet import BasicBlock
+    layers, c_in = [nn.Conv2d(3, width, 3, 1, 1, bias=False), norm(width), nn.ReLU(inplace=True)], width
+    for i in range(4):
+        c, stride = width * 2 ** i, 1 if i == 0 else 2
+        down = None if stride == 1 else nn.Sequential(nn.Conv2d(c_in, c, 1, stride, bias=False), norm(c))
+        layers.append(BasicBlock(c_in, c, stride, down, norm_layer=norm))
+        c_in = c
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, num_classes))
+
+
+def build_model(r, num_classes):
+    """The network of recipe r (its .network): torchvision's ResNet or resnet_tiny, with BlurPool if asked, and
+    ghost batch norm (torch_backend.GhostBatchNorm, its groups consecutive images: set_ghost_groups) where the recipe
+    reproduces a paper's per-GPU groups (bn_workers)."""
+    net, norm = r.network, GhostBatchNorm if r.bn_workers else nn.BatchNorm2d
+    if net.model == "resnet_tiny":
+        model = resnet_tiny(num_classes, net.width, norm)
+    else:
+        model = getattr(torchvision.models, net.model)(num_classes=num_classes, zero_init_residual=net.zero_init,
+                                                       norm_layer=norm)
+    return add_blurpool(model) if net.blurpool else model
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimiser
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class SGDSettings:
+    """Momentum SGD, with no weight decay on batch norm and biases, and label smoothing of the loss."""
+    PREFIX = ""
+    momentum: float = knob(0.9, low=0, high=1)
+    nesterov: bool = knob(False)
+    weight_decay: float = knob(1e-4, low=0)
+    label_smoothing: float = knob(0.1, low=0, high=1)
+
+    def __post_init__(self):
+        check_own(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LARSSettings:
+    """LARS (You et al. 2017) instead of SGD: each layer's step a fraction `trust` of its weights' norm."""
+    PREFIX = "lars"
+    trust: float = knob(0.001, low=0)
+
+    def __post_init__(self):
+        check_own(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMSpropWarmup:
+    """Akiba et al. 2017's RMSprop warm-up instead of plain SGD: RMSprop at rate lr handing over to momentum SGD,
+    half done at epoch beta_center, over beta_period epochs (optim.RMSpropToSGD)."""
+    PREFIX = "rmsprop"
+    lr: float = knob(1e-3, low=0)
+    beta_center: float = knob(10.0, low=0)
+    beta_period: float = knob(5.0, above=0)
+
+    def __post_init__(self):
+        check_own(self)
+
+
+def make_optimizer(model, r):
+    """Momentum SGD, LARS or RMSprop-to-SGD (optim.py) as the recipe says, at lr 0 until the schedule sets it;
+    weight decay only on conv and linear weights (none on batch-norm scales and biases)."""
+    groups, s = param_groups_no_decay_1d(model, r.sgd.weight_decay), r.sgd
+    if r.lars:
+        return LARS(groups, lr=0.0, momentum=s.momentum, trust_coefficient=r.lars.trust)
+    if r.rmsprop:
+        return RMSpropToSGD(groups, lr=0.0, lr_rmsprop=r.rmsprop.lr, momentum=s.momentum,
+                            beta_center=r.rmsprop.beta_center, beta_period=r.rmsprop.beta_period)
+    device = next(model.parameters()).device
+    return torch.optim.SGD(groups, lr=0.0, momentum=s.momentum, nesterov=s.nesterov, **devices.sgd_options(device))
+
+
+# ---------------------------------------------------------------------------------------------
+# The device memory training takes
+# ---------------------------------------------------------------------------------------------
+
+def saved_bytes_per_image(r, classes, res, dtype):
+    """Bytes of activations a training step saves for backward, per image at res x res in dtype: autograd's saved
+    tensors (parameters left out, each storage once) counted on the meta device, which holds no memory."""
+    with torch.device("meta"):
+        model = build_model(r, classes).to(dtype)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s._cdata not in params:
+            storages[s._cdata] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.cross_entropy(model(torch.empty(2, 3, res, res, device="meta", dtype=dtype)).float(),
+                        torch.zeros(2, dtype=torch.long, device="meta"))
+    return sum(storages.values()) / 2
+
+
+def memory_parts(r, classes, dtype):
+    """(bytes a rank holds whatever its batch: float32 parameters, gradients, the optimiser's state and an EMA's copy;
+    {resolution: saved_bytes_per_image} at each of the run's resolutions)."""
+    with torch.device("meta"):
+        params = sum(p.numel() * 4 for p in build_model(r, classes).parameters())
+    copies = 2 + (2 if r.rmsprop else 1) + (r.ema is not None)
+    return copies * params, {res: saved_bytes_per_image(r, classes, res, dtype) for res in
+                             {res_at(r, e) for e in range(r.epochs)}}
+
+
+def training_bytes(r, classes, *, world, dtype, parts=None):
+    """The most device memory a rank's training needs in any epoch: memory_parts's fixed bytes, and that epoch's
+    micro-batch of saved activations at its resolution (parts: memory_parts's, when known)."""
+    fixed, per_image = parts or memory_parts(r, classes, dtype)
+    return fixed + max(p.micro * per_image[p.res] for p in epoch_plans(r, world))
+
+
+def check_memory(r, classes, *, device, world, dtype):
+    """training_bytes of a rank, once it fits the device; a UsageError of one line otherwise, naming the smallest
+    --accumulate that would fit (schedules permitting), or more GPUs."""
+    parts = memory_parts(r, classes, dtype)
+    training, free = training_bytes(r, classes, world=world, dtype=dtype, parts=parts), devices.free_memory(device)
+    if free is None or training <= devices.USABLE * free:
+        return training
+    first = epoch_plans(r, world)[0]
+    remedy = "use more GPUs (the batch is split over them)"
+    for k in (k for k in range(r.accumulate + 1, first.batch + 1) if first.batch % k == 0):
+        try:
+            need = training_bytes(replace(r, accumulate=k), classes, world=world, dtype=dtype, parts=parts)
+        except ValueError:              # k does not split every epoch's batch into whole groups
+            continue
+        if need <= devices.USABLE * free:
+            remedy = f"add --accumulate {k} (micro-batches of {first.batch // k} images), or use more GPUs"
+            break
+    what = f"{first.batch} images per process" + (f" in micro-batches of {first.micro}" if r.accumulate > 1 else "")
+    devices.check_training_fits(device, training, why=f"training {r.network.model} at {what}", remedy=remedy)
