@@ -36,7 +36,7 @@ import training as T
 from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
 from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, close_progress,
                   end_torchrun, exit_now, print_summary, summarize_runs, write_json)
-from imagenet_data import EpochWork, batch_indices, decode_text, draw_epoch, evaluate, place, train_batches
+from imagenet_data import EpochWork, batch_indices, decode_text, draw_epoch, loss_top1_top5, place, train_batches
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
 from schedules import batch_for, phases, plan, res_at, step_lr
@@ -796,8 +796,8 @@ def validation(r, run, data, val, *, ctx, dtype, final):
         if run.average and run.average.model is not None:
             D.sync_batch_norm_stats(run.average.model, ctx, counted=run.model)
     tta = val.tta if final else "none"
-    loss, top1, top5 = evaluate(T.evaluated(run.model, run.average), data, val, tta=tta, device=ctx.device,
-                                dtype=dtype, ctx=ctx)
+    loss, top1, top5 = loss_top1_top5(T.evaluated(run.model, run.average), data, val, tta=tta, device=ctx.device,
+                                      dtype=dtype, ctx=ctx)
     return {"val_loss": loss, "top1": top1, "top5": top5}
 
 
