@@ -40,8 +40,8 @@ from imagenet_data import EpochWork, batch_indices, decode_text, draw_epoch, los
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d, set_lr
 from schedules import batch_for, phases, plan, res_at, step_lr
-from settings import (add_flags, as_flags, changed, changes_from, check, command_text, component, flag_error, flat,
-                      knob, numbers, one_of, part)
+from settings import (add_flags, always_present, as_flags, changed, changes_from, check, command_text, component,
+                      flag_error, flat, knob, numbers, one_of)
 
 # ---------------------------------------------------------------------------------------------
 # Models
@@ -328,12 +328,12 @@ class Recipe:
     bn_workers: int = knob(0, low=0, whole=True, doc="batch norm over groups of global batch / bn_workers images: the "
                            "per-GPU batch of a paper's bn_workers GPUs, whatever the GPUs here (ghost batch norm); "
                            "0: over each micro-batch")
-    network: Network = part(Network())
-    schedule: Schedule = part(Schedule())
-    resolution: Resolution = part(Resolution())
-    augment: Augment = part(Augment())
-    validation: Validation = part(Validation())
-    sgd: SGD = part(SGD())
+    network: Network = always_present(Network())
+    schedule: Schedule = always_present(Schedule())
+    resolution: Resolution = always_present(Resolution())
+    augment: Augment = always_present(Augment())
+    validation: Validation = always_present(Validation())
+    sgd: SGD = always_present(SGD())
     lars: LARSSettings = component(LARSSettings)
     rmsprop: RMSpropWarmup = component(RMSpropWarmup)
     ema: T.EMA = component(T.EMA)
@@ -796,8 +796,8 @@ def validation(r, run, data, val, *, ctx, dtype, final):
         if run.average and run.average.model is not None:
             D.sync_batch_norm_stats(run.average.model, ctx, counted=run.model)
     tta = val.tta if final else "none"
-    loss, top1, top5 = loss_top1_top5(T.evaluated(run.model, run.average), data, val, tta=tta, device=ctx.device,
-                                      dtype=dtype, ctx=ctx)
+    loss, top1, top5 = loss_top1_top5(T.evaluation_model(run.model, run.average), data, val, tta=tta,
+                                      device=ctx.device, dtype=dtype, ctx=ctx)
     return {"val_loss": loss, "top1": top1, "top5": top5}
 
 

@@ -34,8 +34,8 @@ def component(cls, default=None):
     return dataclasses.field(default=default, metadata={"component": cls})
 
 
-def part(default):
-    """A field holding settings every recipe has (the network, its batch norm): always present."""
+def always_present(default):
+    """A field holding settings every recipe has (the network, its batch norm): a component never left out."""
     return dataclasses.field(default=default, metadata={"component": type(default), "always": True})
 
 
