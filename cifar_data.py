@@ -12,6 +12,7 @@ import pickle
 import sys
 import tarfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 import devices
 from core import DataError, made_folder, write_atomic, writable_folder
+from settings import knob
 
 # ---------------------------------------------------------------------------------------------
 # Data on disk
@@ -280,6 +282,20 @@ def pair(size):
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
+@dataclass(frozen=True, kw_only=True)
+class AugmentSettings:
+    """Each epoch's augmentation, drawn for all images at once (below), and low-resolution first epochs."""
+    PREFIX = ""
+    crop_pad: int = knob(4, low=0, whole=True, doc="random crops of the images padded by this")
+    flip: str = knob("random", choices=("none", "random", "alternate"), doc="alternate: each image both ways in "
+                     "any two epochs (Jordan 2024)")
+    cutout: int = knob(8, low=0, whole=True, doc="a square of this side set to 0")
+    jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image (the record)")
+    jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image (the record)")
+    low_res: int = knob(0, low=0, whole=True, doc="the first low_res_epochs at this resolution (0: none)")
+    low_res_epochs: float = knob(0.0, low=0)
+
+
 def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, device=None, order=None):
     """Every random number of one epoch of n images of `size` augmented as `augment` says, in at most seven calls,
     the order from the generator `order` (by default the same). Alternate flips (Jordan 2024) and jitter:
@@ -359,7 +375,7 @@ def low_resolution(x, res):
 
 
 def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):
-    """Yields (images, labels) for one shuffled epoch, augmented as `augment` says (cifar10_fast.Augment), in batches
+    """Yields (images, labels) for one shuffled epoch, augmented as `augment` (AugmentSettings) says, in batches
     of batch_size; the last partial batch is dropped. The first low_res_epochs epochs are resized to low_res pixels
     (when low_res is set). The augmentation is drawn from generator, the order from `order` (by default the same)."""
     a = augment

@@ -105,7 +105,7 @@ def lost_peer(error, ctx):
 
 def phase_of(error, phases):
     """What the work was doing when `error` (a KeyboardInterrupt) stopped it: phases[name] of the innermost function
-    of that name the interrupt came through ({"loaded": "loading the data"}), or None (inside an epoch)."""
+    of that name the interrupt came through ({"recipe_and_data": "loading the data"}), or None (inside an epoch)."""
     names = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
     return next((phases[name] for name in reversed(names) if name in phases), None)
 

@@ -161,9 +161,9 @@ def shard(n, rank, world):
     return range(rank * per, (rank + 1) * per)
 
 
-def part(n, rank, world):
-    """The index range of rank's contiguous part of n items, all of them covered (sizes differ by at most
-    one): for evaluation, whose sums are added over ranks, so nothing need be dropped to even the parts."""
+def uneven_shard(n, rank, world):
+    """The index range of rank's contiguous share of n items, all of them covered (sizes differ by at most
+    one): for evaluation, whose sums are added over ranks, so nothing need be dropped to even the shares."""
     return range(rank * n // world, (rank + 1) * n // world)
 
 

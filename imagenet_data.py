@@ -248,8 +248,8 @@ def place(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", worke
     fixed = ctx.distributed and store.format == "raw"
     train = (D.stratified_share(store.train.labels, ctx.rank, ctx.world_size, seed) if fixed
              else np.arange(len(store.train)))
-    part = D.part(len(store.val), ctx.rank, ctx.world_size)
-    val = np.arange(part.start, part.stop)
+    rows = D.uneven_shard(len(store.val), ctx.rank, ctx.world_size)
+    val = np.arange(rows.start, rows.stop)
     if store.format == "jpeg" and decoder == "cpu":
         check_cpu_decoder()
     workers = workers or default_workers(ctx.local_world_size)
@@ -662,7 +662,7 @@ def validation_sums(model, data, val, *, tta, device, dtype, batch_size=256):
     return totals
 
 
-def evaluate(model, data, val, *, tta, device, dtype, ctx=None, batch_size=256):
+def loss_top1_top5(model, data, val, *, tta, device, dtype, ctx=None, batch_size=256):
     """Mean loss, top-1 and top-5 accuracy over the validation set (validation_sums, read once). Under torchrun each
     rank evaluates the part it holds (place) and the sums are added over ranks, so every rank returns the whole
     set's figures."""

@@ -35,7 +35,7 @@ from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, che
 from distributed import (barrier, leave, leave_together, print0, register_comm_hook, sync_batch_norm_stats,
                          use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
-from imagenet_data import EpochWork, batch_indices, decode_text, draw_epoch, evaluate, place, train_batches
+from imagenet_data import EpochWork, batch_indices, decode_text, draw_epoch, loss_top1_top5, place, train_batches
 from imagenet_models import build_model, check_memory, make_optimizer
 from imagenet_recipes import RECIPES, RN50_16EP, Recipe, recipe, recipe_command
 from imagenet_store import FORMATS, Settings, kept, open_store, prepare
@@ -43,7 +43,7 @@ from optim import set_lr
 from schedules import epoch_plans, plan, step_lr
 from settings import add_flags, changes_from, flag_error, flat, one_of
 from torch_backend import set_ghost_groups
-from training import averaging, check_finite_loss, evaluated, run_seeds
+from training import averaging, check_finite_loss, evaluation_model, run_seeds
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -236,7 +236,7 @@ def validation_metrics(r, run, data, val, *, ctx, dtype, final):
         if run.average and run.average.model is not None:
             sync_batch_norm_stats(run.average.model, ctx, counted=run.model)
     tta = val.tta if final else "none"
-    loss, top1, top5 = evaluate(evaluated(run.model, run.average), data, val, tta=tta, device=ctx.device,
+    loss, top1, top5 = loss_top1_top5(evaluation_model(run.model, run.average), data, val, tta=tta, device=ctx.device,
                                 dtype=dtype, ctx=ctx)
     return {"val_loss": loss, "top1": top1, "top5": top5}
 

@@ -9,7 +9,8 @@ from distributed import HOOKS
 from imagenet_data import Augment, Validation
 from imagenet_models import LARSSettings, Network, RMSpropWarmup, SGDSettings
 from schedules import Resolution, Schedule, batch_for, phases
-from settings import as_flags, changed, check, check_own, command_text, component, flag_error, knob, part
+from settings import (always_present, as_flags, changed, check, check_own, command_text, component, flag_error,
+                      knob)
 from training import EMA, Lookahead
 
 MAX_EPOCHS = 1000         # beyond it a typo, not a run (every epoch is planned before the first)
@@ -32,12 +33,12 @@ class Recipe:
     bn_workers: int = knob(0, low=0, whole=True, doc="batch norm over groups of global batch / bn_workers images: the "
                            "per-GPU batch of a paper's bn_workers GPUs, whatever the GPUs here (ghost batch norm); "
                            "0: over each micro-batch")
-    network: Network = part(Network())
-    schedule: Schedule = part(Schedule())
-    resolution: Resolution = part(Resolution())
-    augment: Augment = part(Augment())
-    validation: Validation = part(Validation())
-    sgd: SGDSettings = part(SGDSettings())
+    network: Network = always_present(Network())
+    schedule: Schedule = always_present(Schedule())
+    resolution: Resolution = always_present(Resolution())
+    augment: Augment = always_present(Augment())
+    validation: Validation = always_present(Validation())
+    sgd: SGDSettings = always_present(SGDSettings())
     lars: LARSSettings = component(LARSSettings)
     rmsprop: RMSpropWarmup = component(RMSpropWarmup)
     ema: EMA = component(EMA)

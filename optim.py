@@ -9,6 +9,7 @@ Papers:
       (Preferred Networks, arXiv:1711.04325)
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from torch import nn
 
 import devices
 from schedules import epoch_steps
+from settings import knob, numbers
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -61,6 +63,23 @@ def compiled(fn, backend="inductor"):
     if (fn, backend) not in _COMPILED:
         _COMPILED[fn, backend] = torch.compile(fn, backend=backend, dynamic=False)
     return _COMPILED[fn, backend]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MuonSettings:
+    """Muon (Jordan et al. 2024) for the convolutions' filters: momentum orthogonalised by Newton-Schulz."""
+    PREFIX = "muon"
+    lr: float = knob(0.24, low=0, doc="at the schedule's peak")
+    momentum: float = knob(0.6, low=0, high=1)
+    ns_steps: int = knob(3, low=0, whole=True)
+    ns_coeffs: tuple = numbers(MUON_COEFFS, doc="Newton-Schulz's a, b, c: X <- aX + bAX + cA²X, A = XXᵀ")
+    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="every k steps, k growing from the first to the "
+                               "second over the run, the filters back to their norm (0: never)")
+    weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
+    momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"))
+    batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call (the record)")
+    foreach: bool = knob(True, doc="momentum, update, renormalisation and decay as foreach operations over the "
+                                    "banks: the same numbers in a few launches")
 
 
 # Ours: torch.optim.Muon is absent from torch 2.4 (which we support), takes 2-D weights only and averages momentum
@@ -282,6 +301,18 @@ class RMSpropToSGD(torch.optim.Optimizer):
 
 # ----------------------------------------------------------------------------------------------------------
 # Choosing the optimisers, their parameter groups and learning-rate units
+
+@dataclass(frozen=True, kw_only=True)
+class SGDSettings:
+    """Momentum SGD on the batch-summed loss (make_optimizers), in one of three units of rate and decay."""
+    PREFIX = ""
+    lr_units: str = knob("myrtle", choices=("myrtle", "decoupled", "sum"), doc="myrtle: per image; decoupled: per "
+                         "1024 images over the Nesterov gain (Jordan 2024); sum: torch's (airbench94_muon)")
+    momentum: float = knob(0.9, low=0, high=1)
+    nesterov: bool = knob(True)
+    weight_decay: float = knob(5e-4, low=0)
+    bias_lr_mult: float = knob(1.0, low=0, doc="batch norm's biases learn at this times the rate")
+
 
 def param_groups_no_decay_1d(model, weight_decay):
     """Two optimizer groups: weight decay for weight matrices and kernels, none for 1-D tensors (BN, biases); each

@@ -1,9 +1,10 @@
-"""ImageNet's schedules: the learning rate over the run (warm-up then linear, cosine, step or slow-start decay), the
-training resolution and batch size of each epoch (progressive resizing, batch-size control) and a batch's share per
-rank, and the phase tables (fast.ai's: epoch ranges, each with its size, batch, rate or ramp, crop scale and
-validation) that every ImageNet schedule is read as, one row per epoch (plan), and each epoch on a rank (epoch_plans:
-its micro-batches and batch-norm groups), with the settings they read (Schedule, Resolution); and a run's steps, as
-both scripts count them (run_steps). CIFAR-10's rate is its recipe's own (cifar10_fast.LR.at).
+"""The schedules. CIFAR-10's: the learning rate over the run, linear between knots (LRSettings). ImageNet's: the
+learning rate over the run (warm-up then linear, cosine, step or slow-start decay), the training resolution and batch
+size of each epoch (progressive resizing, batch-size control) and a batch's share per rank, and the phase tables
+(fast.ai's: epoch ranges, each with its size, batch, rate or ramp, crop scale and validation) that every ImageNet
+schedule is read as, one row per epoch (plan), and each epoch on a rank (epoch_plans: its micro-batches and batch-norm
+groups), with the settings they read (Schedule, Resolution); and a run's steps, as both scripts count them
+(run_steps).
 
 Nothing here imports torch: each schedule is plain arithmetic on epochs and steps, tested on its own.
 
@@ -18,6 +19,7 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
+from core import UsageError
 from settings import check_own, flag_error, knob
 
 
@@ -46,6 +48,33 @@ def per_rank_batch(global_batch, world):
 def linear_scaled_lr(base_lr, global_batch, base_batch=256):
     """Goyal et al. 2017, linear scaling rule: multiply the learning rate by k when the batch grows k times."""
     return base_lr * global_batch / base_batch
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CIFAR-10: the rate over the run
+
+@dataclass(frozen=True, kw_only=True)
+class LRSettings:
+    """The learning rate over the run: linear between knots (fractions of the run) and values (in the units of
+    SGDSettings.lr_units); --epochs stretches it with the run."""
+    PREFIX = "lr"
+    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1)
+    values: tuple = knob((0.0, 0.4, 0.0), low=0)
+
+    def check(self):
+        if len(self.knots) != len(self.values):
+            raise UsageError(f"--lr-knots and --lr-values: must have the same length (here {len(self.knots)} and "
+                             f"{len(self.values)})")
+        if any(b < a for a, b in zip(self.knots, self.knots[1:])):
+            raise flag_error("lr_knots", self.knots, "must not decrease")
+
+    def at(self, t):
+        """The rate at t, a fraction of the run: linear between the knots, constant beyond the ends."""
+        k, v = self.knots, self.values
+        i = next((i for i in range(len(k)) if t <= k[i]), None)
+        if i is None or i == 0 or k[i] == k[i - 1]:
+            return float(v[-1] if i is None else v[i])
+        return float(v[i - 1] + (t - k[i - 1]) / (k[i] - k[i - 1]) * (v[i] - v[i - 1]))
 
 
 # ----------------------------------------------------------------------------------------------------------

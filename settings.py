@@ -34,8 +34,8 @@ def component(cls, default=None):
     return dataclasses.field(default=default, metadata={"component": cls})
 
 
-def part(default):
-    """A field holding settings every recipe has (the network, its batch norm): always present."""
+def always_present(default):
+    """A field holding settings every recipe has (the network, its batch norm): a component never left out."""
     return dataclasses.field(default=default, metadata={"component": type(default), "always": True})
 
 
@@ -108,31 +108,48 @@ def flag_error(name, value, why):
 def changed(tree, **changes):
     """The tree with settings changed by flag name (width=0.25, whiten_eps=1e-3, ema_momentum=0, whiten=False); a
     component that a change reaches is made from its defaults when absent; an OFF value or a false switch leaves it
-    out. An unknown name is a UsageError of one line."""
+    out. Each class on the way is made once, with every change: a class that checks itself when made (a recipe) sees
+    no state between two changes. An unknown name is a UsageError of one line."""
     names = by_name(type(tree))
     unknown = sorted(set(changes) - set(names))
     if unknown:
         raise UsageError(f"unknown settings {unknown}; see --help for the flags")
+    values = field_values(tree)
     for name, value in changes.items():
-        tree = put(tree, names[name].path, value, names[name].field)
-    return tree
+        put(values, type(tree), names[name].path, value)
+    return tree_from(type(tree), values)
 
 
-def put(tree, path, value, f):
-    """tree with the field at path set to value (components on the way made or left out as changed() says)."""
+def field_values(tree):
+    """{field name: value} of one level of a tree."""
+    return {f.name: getattr(tree, f.name) for f in dataclasses.fields(tree)}
+
+
+def put(values, cls, path, value):
+    """Sets the setting at path in values (the field_values of a tree of class cls, where each component a change
+    reaches becomes its own field_values), a component on the way made or left out as changed() says."""
     head, rest = path[0], path[1:]
+    meta = {f.name: f.metadata for f in dataclasses.fields(cls)}[head]
+    sub = meta.get("component")
     if not rest:
-        if "component" in f.metadata and not f.metadata.get("always"):      # a switch: on (from defaults) or off
-            current = getattr(tree, head)
-            return dataclasses.replace(tree, **{head: (current or f.metadata["component"]()) if value else None})
-        return dataclasses.replace(tree, **{head: value})
-    meta = {x.name: x for x in dataclasses.fields(tree)}[head].metadata
-    sub = getattr(tree, head)
-    off = getattr(meta.get("component"), "OFF", None)
-    if off and len(rest) == 1 and rest[0] == off[0] and value == off[1]:
-        return dataclasses.replace(tree, **{head: None})
-    sub = sub if sub is not None else meta["component"]()
-    return dataclasses.replace(tree, **{head: put(sub, rest, value, f)})
+        if sub is not None and not meta.get("always"):      # a switch: on (from defaults) or off
+            values[head] = (values[head] if values[head] is not None else sub()) if value else None
+        else:
+            values[head] = value
+        return
+    off = getattr(sub, "OFF", None)
+    if off and rest == (off[0],) and value == off[1]:
+        values[head] = None
+        return
+    current = values[head] if values[head] is not None else sub()
+    values[head] = current if isinstance(current, dict) else field_values(current)
+    put(values[head], sub, rest, value)
+
+
+def tree_from(cls, values):
+    """The tree of class cls with these field values, each component put() reached (a dict) made from its own."""
+    meta = {f.name: f.metadata for f in dataclasses.fields(cls)}
+    return cls(**{k: tree_from(meta[k]["component"], v) if isinstance(v, dict) else v for k, v in values.items()})
 
 
 def check(tree, prefix=(), *, own=False):

@@ -1,9 +1,10 @@
 """The CIFAR-10 networks: ResNet-9, ResNet-18 and the three-block fastnet with their batch-norm and whitening
-options, test-time augmentation and evaluation, and the FLOPs of a run; and the ghost batch norm ImageNet's networks
-use too. Each is built from a recipe's settings (cifar10_fast.Recipe: its network, batch_norm and whitening); the
-data and its augmentation are in cifar_data.py, the optimisers in optim.py, the loop in cifar10_fast.py, every device
-decision in devices.py.
+options, test-time augmentation and evaluation, and the FLOPs of a run, each technique's settings above its code;
+and the ghost batch norm ImageNet's networks use too. Each network is built from a recipe's settings
+(cifar10_recipes.Recipe: its network, batch_norm and whitening); the data and its augmentation are in cifar_data.py,
+the optimisers in optim.py, the loop in cifar10_fast.py, every device decision in devices.py.
 """
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,10 +13,32 @@ from torch import nn
 import devices
 from cifar_data import low_resolution, pair
 from schedules import run_steps
+from settings import component, knob, numbers
 
 # ---------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------
+
+ACTIVATIONS = {"relu": lambda net: nn.ReLU(inplace=True), "celu": lambda net: nn.CELU(net.celu_alpha),
+               "gelu": lambda net: nn.GELU(), "silu": lambda net: nn.SiLU()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkSettings:
+    """The network: Myrtle's ResNet-9 and ResNet-18, or the three-block fastnet (Jordan 2024); MODELS below."""
+    PREFIX = ""
+    model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"))
+    width: float = knob(1.0, above=0, doc="every layer's channels x this")
+    block_widths: tuple = numbers((64, 256, 256), above=0, whole=True, doc="fastnet's three blocks' channels")
+    block_depth: int = knob(2, choices=(2, 3), doc="fastnet's convolutions per block (3: airbench96's residual)")
+    act: str = knob("relu", choices=tuple(ACTIVATIONS))
+    celu_alpha: float = knob(0.3, above=0)
+    pool_first: bool = knob(False, doc="max-pool before batch norm (Myrtle): the same maths on 4x fewer pixels")
+    dirac_init: bool = knob(False, doc="convolutions start as the identity (Jordan 2024)")
+    output_scale: float = knob(0.125, above=0, doc="the logits x this")
+    head_unit_std: bool = knob(False, doc="the head's weights start at unit std, the logits / its width "
+                                          "(airbench94_muon)")
+
 
 class GhostBatchNorm(nn.BatchNorm2d):
     """Batch norm with training statistics from groups of `group` images (ghost batch norm, Hoffer et al. 2017), the
@@ -63,8 +86,20 @@ def set_ghost_groups(model, group):
             m.group = group
 
 
+@dataclass(frozen=True, kw_only=True)
+class BatchNormSettings:
+    """Batch norm, with two of Myrtle's tricks: ghost batches and frozen scales."""
+    PREFIX = "bn"
+    momentum: float = knob(0.1, low=0, high=1, doc="PyTorch's convention: the new batch's weight")
+    eps: float = knob(1e-5, above=0)
+    ghost_batch: int = knob(0, low=0, whole=True, doc="statistics over groups of this many images (0: the batch)")
+    ghost_grouping: str = knob("interleaved", choices=GhostBatchNorm.GROUPINGS, doc="interleaved: image i in "
+                               "group i mod (batch / ghost_batch), as Myrtle's; consecutive: images in order")
+    freeze_scale: bool = knob(False, doc="the scales stay 1; only the biases learn")
+
+
 class BatchNorm(GhostBatchNorm):
-    """GhostBatchNorm of c channels with the settings bn (cifar10_fast.BatchNorm): ghost batches of bn.ghost_batch
+    """GhostBatchNorm of c channels with the settings bn (BatchNormSettings): ghost batches of bn.ghost_batch
     images grouped as bn.ghost_grouping says, and Myrtle's frozen scale (only the bias learns)."""
 
     def __init__(self, c, bn):
@@ -72,10 +107,6 @@ class BatchNorm(GhostBatchNorm):
         super().__init__(c, eps=bn.eps, momentum=bn.momentum, group=bn.ghost_batch, grouping=bn.ghost_grouping,
                          wide_stats=False)
         self.weight.requires_grad_(not bn.freeze_scale)
-
-
-ACTIVATIONS = {"relu": lambda net: nn.ReLU(inplace=True), "celu": lambda net: nn.CELU(net.celu_alpha),
-               "gelu": lambda net: nn.GELU(), "silu": lambda net: nn.SiLU()}
 
 
 def activation(net, act=None):
@@ -136,8 +167,49 @@ class GlobalMaxPool(nn.Module):
         return F.adaptive_max_pool2d(x, 1)
 
 
+@dataclass(frozen=True)
+class WhiteningFit:
+    """How a reference fits the whitening: its first `images` training images' patches, their covariance centred or
+    not and divided by n - ddof, its eigenvectors from eigh or an SVD (the same, up to sign)."""
+    name: str
+    images: int
+    centre: bool
+    ddof: int
+    decomp: str
+
+
+WHITENING_FITS = {f.name: f for f in (
+    WhiteningFit("myrtle", 10000, True, 1, "eigh"),         # Myrtle, bag_of_tricks.ipynb
+    WhiteningFit("airbench94", 5000, False, 0, "eigh"),     # airbench94.py
+    WhiteningFit("record", 960, False, 0, "svd"))}          # the record's cifar10_speedrun.py
+
+
+@dataclass(frozen=True, kw_only=True)
+class WhiteningBiasSettings:
+    """The whitening layer's bias: trained for its first `epochs`, then detached (airbench94_muon)."""
+    PREFIX = "bias"
+    epochs: float = knob(3.0, low=0)
+    lr_mult: float = knob(1.0, low=0, doc="its rate: the schedule's x this")
+    init: str = knob("zero", choices=("zero", "default"), doc="default: the convolution's own (airbench94_muon)")
+    decay: str = knob("none", choices=("none", "linear"), doc="linear: from its peak to 0 over its epochs")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WhiteningSettings:
+    """Patch whitening (Myrtle 2018): a frozen first convolution whose filters whiten the training images' size x
+    size patches, fitted at the start of each run, inside its clock."""
+    PREFIX = "whiten"
+    size: int = knob(3, above=0, whole=True)
+    pad: int = knob(1, low=0, whole=True)
+    both_signs: bool = knob(False, doc="each filter and its negative (Jordan 2024)")
+    eps: float = knob(1e-2, low=0, doc="added to each eigenvalue")
+    act: str = knob("", choices=("",) + tuple(ACTIVATIONS), doc="the activation after it ('': the network's)")
+    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS)
+    bias: WhiteningBiasSettings = component(WhiteningBiasSettings)
+
+
 class Whitening(nn.Conv2d):
-    """Patch whitening with the settings w (cifar10_fast.Whitening): a frozen convolution whose filters whiten the
+    """Patch whitening with the settings w (WhiteningSettings): a frozen convolution whose filters whiten the
     patches of the first w.fit.images training images (and, with both_signs, their negatives), and a bias that trains
     until the run detaches it (bias_grad):
         filters = eigenvectors of C / sqrt(eigenvalues + eps),  C = P'P / (n - ddof), P the patches (centred or not)"""
@@ -281,7 +353,7 @@ MODELS = {"resnet9": resnet9, "resnet18": resnet18, "fastnet": fastnet}
 
 
 def build_model(r, device, *, memory_format=torch.contiguous_format, num_classes=10):
-    """The network of recipe r (cifar10_fast.Recipe) on device, in memory_format."""
+    """The network of recipe r (cifar10_recipes.Recipe) on device, in memory_format."""
     if r.network.model not in MODELS:
         raise ValueError(f"unknown model {r.network.model!r}; choose from {sorted(MODELS)}")
     return MODELS[r.network.model](r, num_classes).to(device, memory_format=memory_format)
@@ -306,6 +378,18 @@ def fit_whitening(model, train_images, size):
 # ---------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class TTASettings:
+    """Test-time augmentation of the final evaluation: the views of every image, or (fraction < 1, the record's
+    selective TTA) of the images the plain pass is least sure of."""
+    PREFIX = "tta"
+    OFF = ("views", "none")
+    views: str = knob("flip", choices=("none", "flip", "flip_translate"), flag="tta")
+    fraction: float = knob(1.0, above=0, high=1)
+    weights: str = knob("airbench", choices=("airbench", "equal"), doc="airbench: the image and its mirror count "
+                        "twice the shifted views; equal: their mean (the record)")
+
 
 def tta_views(x, mode, weights="airbench"):
     """(weight, view) pairs whose weighted logits make the prediction: flip, the image and its mirror; flip_translate
@@ -343,7 +427,7 @@ def batched(fn, batch_size, *tensors):
 
 
 def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.contiguous_format):
-    """float32 logits of images, in batches: of the plain images, then with tta (cifar10_fast.TTA) of its views for
+    """float32 logits of images, in batches: of the plain images, then with tta (a TTASettings) of its views for
     the `fraction` of images the plain pass is least sure of (the 2-second record's selective TTA; 1: every image):
     1 + fraction × (views - 1) passes an image."""
     forward = lambda x: logits_of(model, x, memory_format)
@@ -366,8 +450,8 @@ def views_logits(forward, x, plain, tta):
 
 
 @torch.no_grad()
-def evaluate(model, images, labels, *, tta=None, dtype=torch.float32, batch_size=1000,
-             memory_format=torch.contiguous_format):
+def loss_and_accuracy(model, images, labels, *, tta=None, dtype=torch.float32, batch_size=1000,
+                      memory_format=torch.contiguous_format):
     """Mean loss and accuracy of the model on images with test-time augmentation tta (tta_logits; None: plain), read
     once, at the end."""
     was_training = model.training

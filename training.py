@@ -156,6 +156,6 @@ def averaging(model, *, ema=None, lookahead=None):
     return None
 
 
-def evaluated(model, average):
+def evaluation_model(model, average):
     """The weights a run evaluates: the EMA's when there is one, else the model's."""
     return average.model if average is not None and average.model is not None else model

@@ -26,9 +26,9 @@ sys.path[:0] = [str(ROOT)]
 from core import Parser, write_json  # noqa: E402
 
 SKIPPABLE_MODULES = {"settings.py", "cli.py", "core.py"}       # flags, checks, tables, progress, records
-SKIPPABLE = ("main", "parse_args", "check", "loaded", "warmup", "say_estimate", "count_flops", "compile_counts",
-             "strict_compile", "take_subset", "read_npz", "load", "channel_stats", "num_classes", "run_record",
-             "recorded", "per_rank_batch")
+SKIPPABLE = ("main", "parse_args", "check", "recipe_and_data", "warmup", "say_estimate", "count_flops",
+             "compile_counts", "strict_compile", "take_subset", "read_npz", "load", "channel_stats", "num_classes",
+             "run_record", "result_so_far", "per_rank_batch")
 RANKS = ("init_from_env", "barrier", "comm_hook", "shard", "leave")
 
 
@@ -101,16 +101,16 @@ def calls_from_main(frame):
 
 
 def recipe_definition(name):
-    """{(file, what): lines} of the recipe's own assignment in cifar10_fast.py and of every setting type its value
+    """{(file, what): lines} of the recipe's own assignment in cifar10_recipes.py and of every setting type its value
     uses (each dataclass once, its check method apart)."""
-    import cifar10_fast as cf
-    value, out = cf.RECIPES[name], {}
-    source = (ROOT / "cifar10_fast.py").read_text().splitlines(keepends=True)
+    import cifar10_recipes
+    value, out = cifar10_recipes.RECIPES[name], {}
+    source = (ROOT / "cifar10_recipes.py").read_text().splitlines(keepends=True)
     tree = ast.parse("".join(source))
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == name.upper() for t in node.targets):
             lines = source[node.lineno - 1:node.end_lineno]
-            out[("cifar10_fast.py", name.upper())] = (len(lines), code_lines(lines))
+            out[("cifar10_recipes.py", name.upper())] = (len(lines), code_lines(lines))
     stack = [value]
     while stack:
         v = stack.pop()

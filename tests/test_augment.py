@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-import cifar10_fast as cf
 import cifar_data as cd
 
 
@@ -16,7 +15,7 @@ def padded_index_images(n, size=32, pad=4):
 def test_crop_offsets_cover_the_range_uniformly_and_crop_exactly():
     n, pad, size = 20000, 4, 32
     g = torch.Generator().manual_seed(0)
-    r = cd.draw_augmentation(n, size, cf.Augment(crop_pad=pad, flip="none", cutout=0), generator=g)
+    r = cd.draw_augmentation(n, size, cd.AugmentSettings(crop_pad=pad, flip="none", cutout=0), generator=g)
     x = cd.augment_images(padded_index_images(n, size, pad), r, size, cutout=0)
     dy, dx = (x[:, 0, 0, 0] // 100).long(), (x[:, 0, 0, 0] % 100).long()
     assert torch.equal(dy, r["dy"]) and torch.equal(dx, r["dx"])
@@ -34,7 +33,7 @@ def test_crop_offsets_cover_the_range_uniformly_and_crop_exactly():
 def test_about_half_flipped_and_flips_mirror():
     n = 10000
     g = torch.Generator().manual_seed(1)
-    r = cd.draw_augmentation(n, 32, cf.Augment(crop_pad=0, flip="random", cutout=0), generator=g)
+    r = cd.draw_augmentation(n, 32, cd.AugmentSettings(crop_pad=0, flip="random", cutout=0), generator=g)
     x = torch.arange(32.0).view(1, 1, 1, 32).expand(n, 3, 32, 32)
     out = cd.augment_images(x, r, 32, cutout=0)
     flipped = out[:, 0, 0, 0] == 31
@@ -47,7 +46,7 @@ def test_about_half_flipped_and_flips_mirror():
 def test_cutout_patches_have_the_stated_size_and_stay_inside(patch):
     n = 5000
     g = torch.Generator().manual_seed(2)
-    r = cd.draw_augmentation(n, 32, cf.Augment(crop_pad=0, flip="none", cutout=patch), generator=g)
+    r = cd.draw_augmentation(n, 32, cd.AugmentSettings(crop_pad=0, flip="none", cutout=patch), generator=g)
     out = cd.augment_images(torch.ones(n, 3, 32, 32), r, 32, cutout=patch)
     zero = out[:, 0] == 0
     assert torch.equal(zero.sum((1, 2)), torch.full((n,), patch * patch))
@@ -64,7 +63,7 @@ def small_data(n=64):
     return {"train_images": x, "train_labels": y, "test_images": x[:, :, 4:-4, 4:-4], "test_labels": y}
 
 
-AUGMENT = cf.Augment(crop_pad=4, flip="random", cutout=8)
+AUGMENT = cd.AugmentSettings(crop_pad=4, flip="random", cutout=8)
 
 
 def test_labels_follow_their_images_and_epochs_differ():
@@ -128,7 +127,7 @@ def test_the_one_gather_crops_and_flips_exactly_as_the_masked_selects_did(dtype,
     g = torch.Generator().manual_seed(4)
     n = len(every) + 500
     x = torch.randn(n, 3, h + 2 * pad, w + 2 * pad, generator=g).to(dtype)
-    r = cd.draw_augmentation(n, size, cf.Augment(crop_pad=pad, flip=flip, cutout=0), generator=g,
+    r = cd.draw_augmentation(n, size, cd.AugmentSettings(crop_pad=pad, flip=flip, cutout=0), generator=g,
                              flip_base=cd.flip_bits(n, g))
     for k in fixed:
         if k in r:

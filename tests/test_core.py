@@ -156,6 +156,21 @@ def test_a_recipe_once_built_cannot_change_and_every_setting_has_a_flag_of_its_o
             settings.check(script.recipe(name))
 
 
+def test_a_recipe_is_checked_whole_when_made_and_its_changes_are_made_together():
+    import dataclasses
+    import cifar10_fast as cf
+    import training
+    from core import UsageError
+    with pytest.raises(UsageError, match=r"^--whiten-eps -1: must not be negative$"):
+        dataclasses.replace(cf.FAST94, whitening=dataclasses.replace(cf.FAST94.whitening, eps=-1.0))
+    with pytest.raises(UsageError, match=r"^--ema-momentum and --lookahead-momentum: one weight average at a time"):
+        dataclasses.replace(cf.MYRTLE10, lookahead=training.Lookahead())
+    # each change alone would make a recipe refused: two rates for three knots, two weight averages
+    assert cf.recipe("myrtle24", lr_knots=(0, 1), lr_values=(0.4, 0.0)).lr.values == (0.4, 0.0)
+    r = cf.recipe("fast94", ema_momentum=0.99, lookahead_momentum=0)
+    assert r.ema.momentum == 0.99 and r.lookahead is None
+
+
 def test_no_function_is_longer_than_80_lines_and_none_but_a_constructor_takes_more_than_8_parameters():
     """The recipe reads top to bottom when every function can be read at once."""
     import ast

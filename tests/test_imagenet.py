@@ -994,10 +994,10 @@ def test_a_per_gpu_batch_at_an_unscaled_rate_says_so_before_training(store, caps
 def test_a_phase_table_trains_each_epoch_at_its_size_batch_rate_crops_and_validation(store, tmp_path, capsys,
                                                                                      monkeypatch):
     seen = {"crops": [], "val": []}
-    real_draw, real_evaluate = inf.draw_epoch, inf.evaluate
+    real_draw, real_evaluate = inf.draw_epoch, inf.loss_top1_top5
     monkeypatch.setattr(inf, "draw_epoch", lambda data, augment, *a, **k: seen["crops"].append(augment.crop_scale)
                         or real_draw(data, augment, *a, **k))
-    monkeypatch.setattr(inf, "evaluate", lambda model, data, val, **k: seen["val"].append((val.res, val.crop))
+    monkeypatch.setattr(inf, "loss_top1_top5", lambda model, data, val, **k: seen["val"].append((val.res, val.crop))
                         or real_evaluate(model, data, val, **k))
     table = (0, 1, SIZE, 16, 0.1, 0.3, 0.35, 0, 0,
              1, 2, SIZE + 8, 32, 0.05, 0.05, 0.5, SIZE, 1)

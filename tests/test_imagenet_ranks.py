@@ -66,7 +66,8 @@ def worker(rank, world, ports, store, out, phases):
     os.chdir(node)
     record = {"epochs": [], "placed": [], "evaluated": [], "read": {"train": set(), "val": set()}}
 
-    real_batches, real_place, real_evaluate, real_decoded = inf.train_batches, inf.place, inf.evaluate, idt.decoded
+    real_batches, real_place, real_evaluate, real_decoded = (inf.train_batches, inf.place, inf.loss_top1_top5,
+                                                             idt.decoded)
 
     def batches(data, augment, draws, **kwargs):  # one call an epoch: the store rows of the images this rank steps on
         steps = len(draws.perm) // kwargs["batch_size"]
@@ -94,7 +95,7 @@ def worker(rank, world, ports, store, out, phases):
                                     "state": {k: v.clone() for k, v in model.state_dict().items()}})
         return result
 
-    inf.train_batches, inf.place, inf.evaluate, idt.decoded = batches, place, evaluate, decoded
+    inf.train_batches, inf.place, inf.loss_top1_top5, idt.decoded = batches, place, evaluate, decoded
     real_torus, record["torus"] = D.torus_allreduce_hook, []
 
     def torus(state, bucket):               # how many buckets each phase sent over the 2D torus
@@ -180,7 +181,7 @@ def test_each_rank_evaluates_its_part_and_the_counts_add_up(two_ranks, store):
     model = inf.build_model(r, CLASSES)
     model.load_state_dict(last[0]["state"])
     data = inf.place(ims.open_store(store), torch.device("cpu"))
-    single = inf.evaluate(model, data, r.validation, tta=r.validation.tta, device=torch.device("cpu"),
+    single = inf.loss_top1_top5(model, data, r.validation, tta=r.validation.tta, device=torch.device("cpu"),
                           dtype=torch.float32)
     for e in last:
         loss, top1, top5 = e["result"]

@@ -60,11 +60,12 @@ def test_train_returns_the_model_rows_and_summary_and_evaluate_agrees(npz):
     assert result.summary["final_acc"]["n"] == 2 and result.recipe.network.width == 1 / 16
     assert result.summary["flops_per_run"] == result.flops["total"] > 0
     test = np.load(npz)
-    score = cf.evaluate(result.model, test["test_images"], test["test_labels"], tta=cf.TTA(views="flip_translate"))
+    score = cf.scores(result.model, test["test_images"], test["test_labels"],
+                      tta=tb.TTASettings(views="flip_translate"))
     assert score["accuracy"] == result.rows[-1]["test_acc"]          # the same images, normalised the same way
     assert score["loss"] == pytest.approx(result.rows[-1]["test_loss"], rel=1e-5)
     with pytest.raises(core.UsageError, match=r"^--tta all: must be one of none, flip, flip_translate$"):
-        cf.evaluate(result.model, test["test_images"], test["test_labels"], tta=cf.TTA(views="all"))
+        cf.scores(result.model, test["test_images"], test["test_labels"], tta=tb.TTASettings(views="all"))
     with pytest.raises(core.UsageError, match=r"^--batch-size 0: must be positive$"):
         cf.train("fast94", data=npz, device="cpu", batch_size=0)
     with pytest.raises(core.UsageError, match=r"^unknown settings \['batchsize'\]; see --help for the flags$"):
@@ -215,8 +216,9 @@ def test_a_short_epoch_shows_no_progress(npz, capsys, monkeypatch):
                                               (0, [(3, "flip_translate")])])
 def test_epochs_between_are_evaluated_plainly_or_not_at_all_and_the_last_with_the_recipes_tta(npz, monkeypatch,
                                                                                              every, evaluated):
-    calls, real = [], tb.evaluate
-    monkeypatch.setattr(tb, "evaluate", lambda model, x, y, **k: calls.append(k["tta"].views if k["tta"] else "none")
+    calls, real = [], cf.loss_and_accuracy
+    monkeypatch.setattr(cf, "loss_and_accuracy",
+                        lambda model, x, y, **k: calls.append(k["tta"].views if k["tta"] else "none")
                         or real(model, x, y, **k))
     result = cf.train("fast94", data=npz, eval_every=every, **{**TINY, "epochs": 3})
     assert calls == [tta for _, tta in evaluated]
@@ -230,7 +232,7 @@ def test_the_clock_starts_once_the_network_is_built_and_counts_the_whitening_fit
     """As the references time: the network's construction before the clock, its whitening fit inside it."""
     import devices
     events = []
-    for module, name in ((tb, "build_model"), (tb, "fit_whitening"), (devices, "timer")):
+    for module, name in ((cf, "build_model"), (cf, "fit_whitening"), (devices, "timer")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: events.append(name) or real(*a, **k))
     cf.train("fast94", data=synthetic_arrays(n_train=64, n_test=32), device="cpu", epochs=1, width=1 / 16,

@@ -73,7 +73,7 @@ def test_bf16_and_float32_paths_agree():
 
 def test_ghost_batch_norm_uses_per_group_statistics():
     torch.manual_seed(0)
-    bn = tb.BatchNorm(4, cf.BatchNorm(ghost_batch=8))
+    bn = tb.BatchNorm(4, tb.BatchNormSettings(ghost_batch=8))
     x = torch.randn(32, 4, 5, 5) * 3 + 1
     y = bn(x)
     s = 32 // 8
@@ -91,7 +91,7 @@ def test_ghost_batch_norm_uses_per_group_statistics():
 def test_ghost_batch_norm_groups_consecutive_images_when_asked():
     """ghost_grouping consecutive: images 0-7 one group, 8-15 the next (ImageNet's, which micro-batches reproduce)."""
     torch.manual_seed(0)
-    bn = tb.BatchNorm(4, cf.BatchNorm(ghost_batch=8, ghost_grouping="consecutive"))
+    bn = tb.BatchNorm(4, tb.BatchNormSettings(ghost_batch=8, ghost_grouping="consecutive"))
     x = torch.randn(32, 4, 5, 5) * 3 + 1
     y = bn(x)
     for k in range(4):
@@ -104,7 +104,7 @@ def test_ghost_batch_norm_makes_no_copy_of_a_channels_last_batch():
     """On a GPU batches are channels_last; a reshape to (g, s·c, h, w) would copy them (and back)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     torch.manual_seed(0)
-    bn = tb.BatchNorm(4, cf.BatchNorm(ghost_batch=8))
+    bn = tb.BatchNorm(4, tb.BatchNormSettings(ghost_batch=8))
     twin = copy.deepcopy(bn)
     x = (torch.randn(32, 4, 5, 5) * 3 + 1).requires_grad_()
     last = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
@@ -133,7 +133,7 @@ def test_whitening_filters_decorrelate_patches():
     torch.manual_seed(0)
     # correlated "images": smooth noise with unequal channel scales
     x = F.avg_pool2d(torch.randn(200, 3, 20, 20), 3, 1) * torch.tensor([1.0, 2.0, 0.5]).view(1, 3, 1, 1)
-    w = tb.Whitening(cf.Whitening(size=3, pad=0, eps=1e-6))
+    w = tb.Whitening(tb.WhiteningSettings(size=3, pad=0, eps=1e-6))
     w.fit(x)
     out = F.conv2d(x, w.weight)                              # valid positions only
     z = out.permute(0, 2, 3, 1).reshape(-1, 27)
@@ -189,6 +189,6 @@ def test_flip_tta_averages_logits_of_image_and_mirror():
     x, y = torch.randn(10, 3, 32, 32), torch.arange(10)
     with torch.no_grad():
         logits = (model(x) + model(x.flip(3))) / 2
-    loss, acc = tb.evaluate(model, x, y, tta=cf.TTA(views="flip"), batch_size=4)
+    loss, acc = tb.loss_and_accuracy(model, x, y, tta=tb.TTASettings(views="flip"), batch_size=4)
     assert loss == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
     assert acc == pytest.approx((logits.argmax(1) == y).float().mean().item())

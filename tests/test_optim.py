@@ -228,6 +228,7 @@ def test_muon_as_foreach_operations_steps_exactly_as_its_loop(recipe, dtype, one
     import copy
 
     import cifar10_fast as cf
+    import settings
     import torch_backend as tb
     r = cf.recipe(recipe, width=1 / 16)
     torch.set_default_dtype(dtype)
@@ -235,7 +236,7 @@ def test_muon_as_foreach_operations_steps_exactly_as_its_loop(recipe, dtype, one
         torch.manual_seed(0)
         net = tb.build_model(r, "cpu")
         twin = copy.deepcopy(net)
-        loop = optim.make_optimizers(net, cf.changed(r, muon_foreach=False), steps_per_epoch=100)[1]
+        loop = optim.make_optimizers(net, settings.changed(r, muon_foreach=False), steps_per_epoch=100)[1]
         foreach = optim.make_optimizers(twin, r, steps_per_epoch=100)[1]
         assert not loop.param_groups[0]["foreach"] and foreach.param_groups[0]["foreach"]
         for step in range(5):

@@ -176,8 +176,8 @@ def cifar(capsys, *args):
 
 
 def test_ctrl_c_while_loading_says_so_not_epoch_1(tmp_path, capsys, monkeypatch):
-    import cifar_data as cd
-    monkeypatch.setattr(cd, "load", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    import cifar10_fast as cf
+    monkeypatch.setattr(cf, "load", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     out = tmp_path / "r.json"
     rc, err = cifar(capsys, "--data-dir", tmp_path / "x.npz", "--device", "cpu", "--out", out)
     assert rc == 130 and err == [f"interrupted while loading the data; no run finished, so nothing was written to "

@@ -14,7 +14,7 @@ from settings import changed
 
 
 def test_the_cifar_rate_is_linear_between_its_knots_and_exact_at_them():
-    s = cf.LR(knots=(0, 5, 24), values=(0.0, 0.4, 0.0)).at
+    s = schedules.LRSettings(knots=(0, 5, 24), values=(0.0, 0.4, 0.0)).at
     assert [s(t) for t in (0, 5, 24)] == [0.0, 0.4, 0.0]
     assert s(2.5) == pytest.approx(0.2)
     assert s(14.5) == pytest.approx(0.2)
@@ -22,10 +22,11 @@ def test_the_cifar_rate_is_linear_between_its_knots_and_exact_at_them():
 
 
 def test_the_cifar_rate_has_a_flat_tail_like_myrtle10():
-    s = cf.LR(knots=(0, 0.2, 0.8), values=(0.0, 1.0, 0.1)).at
+    s = schedules.LRSettings(knots=(0, 0.2, 0.8), values=(0.0, 1.0, 0.1)).at
     assert s(0.2) == 1.0 and s(0.8) == pytest.approx(0.1) and s(1.0) == pytest.approx(0.1)
     assert s(0.5) == pytest.approx(0.55)
-    assert cf.LR(knots=(0, 0.5, 0.5, 1), values=(0.0, 1.0, 2.0, 0.0)).at(0.5) == 1.0     # a step: its first value
+    step = schedules.LRSettings(knots=(0, 0.5, 0.5, 1), values=(0.0, 1.0, 2.0, 0.0))
+    assert step.at(0.5) == 1.0                                      # a step: its first value
 
 
 def test_the_cifar_rate_refuses_bad_knots_in_one_line():

@@ -204,8 +204,8 @@ def test_a_peer_script_runs_interleaved_with_ours_on_the_same_data(tmp_path, cap
 def test_ours_evaluate_once_per_timed_run_at_its_end_in_both_modes(tmp_path, capsys, monkeypatch):
     # two epochs: an evaluation per epoch would show as two per run; the one there is has the recipe's TTA
     evaluations = []
-    real = side_by_side.cf.tb.evaluate
-    monkeypatch.setattr(side_by_side.cf.tb, "evaluate",
+    real = side_by_side.cf.loss_and_accuracy
+    monkeypatch.setattr(side_by_side.cf, "loss_and_accuracy",
                         lambda *a, **k: evaluations.append(k["tta"]) or real(*a, **k))
     tta = side_by_side.cf.recipe("fast94").tta
     assert tta is not None

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import cifar10_fast as cf
+import cifar_data as cd
 import devices
 import distributed as D
 import imagenet_data as idt
@@ -167,7 +168,7 @@ def test_a_timed_run_never_waits_for_the_gpu_before_its_final_evaluation_and_rea
     """From the clock's start to the final evaluation: no host wait and no blocking copy (events mark the epochs,
     the losses and counts are summed on the GPU). Then the evaluation's one read, and after the clock one wait for
     the last event and one copy of every epoch's sums."""
-    snaps, real_timer, real_evaluate = [], devices.timer, tb.evaluate
+    snaps, real_timer, real_evaluate = [], devices.timer, cf.loss_and_accuracy
 
     def timer(device):
         snaps.append(("clock", dict(gpu.counts)))
@@ -177,10 +178,10 @@ def test_a_timed_run_never_waits_for_the_gpu_before_its_final_evaluation_and_rea
         snaps.append(("evaluation", dict(gpu.counts)))
         return real_evaluate(*args, **kwargs)
     monkeypatch.setattr(devices, "timer", timer)
-    monkeypatch.setattr(tb, "evaluate", evaluate)
+    monkeypatch.setattr(cf, "loss_and_accuracy", evaluate)
     r = cf.recipe("fast94_next", width=1 / 16, batch_size=32, epochs=3)     # Muon, whitening, selective views
     with StandIn() as gpu:
-        data = cf.cd.to_device(dict(np.load(npz)), torch.device("cuda"), dtype=torch.float32, pad=r.augment.crop_pad)
+        data = cd.to_device(dict(np.load(npz)), torch.device("cuda"), dtype=torch.float32, pad=r.augment.crop_pad)
         result = train_once(r, data, device="cuda", precision="fp32", eval_every=0)
         snaps.append(("end", dict(gpu.counts)))
     assert [what for what, _ in snaps] == ["clock", "evaluation", "end"]
@@ -197,13 +198,13 @@ def test_in_float32_the_selective_views_read_no_output_a_cuda_graph_has_overwrit
     arrays = synthetic_arrays(n_train=64, n_test=300)
     r = cf.recipe("fast94_next", width=1 / 16)
     with StandIn():
-        data = cf.cd.to_device(arrays, torch.device("cuda"), dtype=torch.float32, pad=0)
+        data = cd.to_device(arrays, torch.device("cuda"), dtype=torch.float32, pad=0)
         torch.manual_seed(0)
         net = tb.build_model(r, "cuda", memory_format=torch.channels_last)
         graphed = torch.compile(net, mode="reduce-overhead", backend="eager", dynamic=False)
         options = dict(tta=r.tta, batch_size=100, memory_format=torch.channels_last)       # selective: a quarter
-        eager = tb.evaluate(net, data["test_images"], data["test_labels"], **options)
-        assert tb.evaluate(graphed, data["test_images"], data["test_labels"], **options) == eager
+        eager = tb.loss_and_accuracy(net, data["test_images"], data["test_labels"], **options)
+        assert tb.loss_and_accuracy(graphed, data["test_images"], data["test_labels"], **options) == eager
 
 
 def cifar_standin_command(*args, gpus=2, memory=80 << 30):

@@ -25,7 +25,7 @@ def correlated_images(n=300, size=16):
 
 def test_2x2_whitening_with_both_signs_gives_identity_covariance():
     x = correlated_images()
-    w = tb.Whitening(cf.Whitening(size=2, pad=0, eps=1e-6, both_signs=True, bias=cf.WhiteningBias()))
+    w = tb.Whitening(tb.WhiteningSettings(size=2, pad=0, eps=1e-6, both_signs=True, bias=tb.WhiteningBiasSettings()))
     w.fit(x)
     assert w.weight.shape == (24, 3, 2, 2) and not w.weight.requires_grad and w.bias.requires_grad
     out = F.conv2d(x, w.weight)
@@ -83,7 +83,7 @@ def test_alternating_flip_flips_each_image_in_exactly_alternate_epochs():
     n = 1000
     g = torch.Generator().manual_seed(0)
     base = cd.flip_bits(n, g)
-    augment = cf.Augment(crop_pad=0, flip="alternate", cutout=0)
+    augment = cd.AugmentSettings(crop_pad=0, flip="alternate", cutout=0)
     flips = torch.stack([cd.draw_augmentation(n, 32, augment, generator=g, epoch=epoch, flip_base=base)["flip"]
                          for epoch in range(6)])
     assert torch.equal(flips[1:], ~flips[:-1])                             # every image changes every epoch
@@ -244,8 +244,8 @@ def test_lookahead_runs_its_last_scheduled_update_before_the_hand_over(monkeypat
 def test_total_steps_round_up_as_airbench(monkeypatch):
     """airbench: ceil(epochs × steps per epoch) steps (9.9 × 48 = 475.2: 476 steps), in training and in the count."""
     steps = []
-    step = T.train_step
-    monkeypatch.setattr(T, "train_step", lambda *a, **k: steps.append(1) or step(*a, **k))
+    step = cf.train_step
+    monkeypatch.setattr(cf, "train_step", lambda *a, **k: steps.append(1) or step(*a, **k))
     r = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=1.1)    # 4 steps an epoch: 4.4 -> 5
     data = tiny_data(64)
     res = train_once(r, data, target=2.0)
@@ -399,8 +399,8 @@ def test_sum_units_and_the_whitening_bias_falling_to_zero():
 
 def test_the_whitening_bias_is_detached_after_its_steps(monkeypatch):
     detached = []
-    step = T.train_step
-    monkeypatch.setattr(T, "train_step", lambda f, *a, **k: detached.append(not tb.whitening_biases(f)[0].bias_grad)
+    step = cf.train_step
+    monkeypatch.setattr(cf, "train_step", lambda f, *a, **k: detached.append(not tb.whitening_biases(f)[0].bias_grad)
                         or step(f, *a, **k))
     r = cf.recipe("fast94_muon", width=1 / 16, batch_size=16, epochs=2, whiten_bias_epochs=0.5)
     res = train_once(r, tiny_data(80), target=2.0)                # 5 steps an epoch: 3 with the bias trained
@@ -433,13 +433,13 @@ def test_muon_recipe_networks():
 def test_brightness_and_contrast_jitter():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(500, 3, 8, 8)
-    jitter = cf.Augment(crop_pad=0, flip="none", cutout=0, jitter_brightness=0.14, jitter_contrast=0.13)
+    jitter = cd.AugmentSettings(crop_pad=0, flip="none", cutout=0, jitter_brightness=0.14, jitter_contrast=0.13)
     r = cd.draw_augmentation(500, 8, jitter, generator=g)
     assert r["brightness"].abs().max() <= 0.14 and (r["contrast"] - 1).abs().max() <= 0.13
     assert r["brightness"].std() > 0.07 and (r["contrast"] - 1).std() > 0.06          # uniform: std = range / √3
     out = cd.augment_images(x, r, 8, 0)
     torch.testing.assert_close(out, (x + r["brightness"].view(-1, 1, 1, 1)) * r["contrast"].view(-1, 1, 1, 1))
-    plain = cf.Augment(crop_pad=0, flip="none", cutout=0)
+    plain = cd.AugmentSettings(crop_pad=0, flip="none", cutout=0)
     assert "brightness" not in cd.draw_augmentation(500, 8, plain, generator=g)                       # off: no draw
 
 
@@ -463,7 +463,7 @@ def test_selective_tta():
     torch.manual_seed(0)
     model = tb.build_model(cf.recipe("fast94", width=1 / 16), CPU).eval()
     x = torch.randn(40, 3, 16, 16)
-    tta = lambda fraction: cf.TTA(views="flip_translate", fraction=fraction)
+    tta = lambda fraction: tb.TTASettings(views="flip_translate", fraction=fraction)
     with torch.no_grad():
         plain = model(x)
         full = sum(w * model(v) for w, v in tb.tta_views(x, "flip_translate"))
@@ -478,7 +478,7 @@ def test_selective_tta():
     assert torch.equal(half[sure], plain[sure])
     y = torch.arange(40) % 10
     accuracy = (half.argmax(1) == y).float().mean().item()
-    assert tb.evaluate(model, x, y, tta=cf.TTA(views="flip_translate", fraction=0.5))[1] == pytest.approx(accuracy)
+    assert tb.loss_and_accuracy(model, x, y, tta=tta(0.5))[1] == pytest.approx(accuracy)
     flops = tb.count_flops(cf.recipe("fast94", tta_fraction=0.25), tiny_data(1024, 32))
     assert flops["per_test_image"] == pytest.approx(flops["per_train_image"] / 3 * (1 + 0.25 * 5), rel=0.02)
 
@@ -555,7 +555,7 @@ def test_the_records_test_time_augmentation_weighs_its_six_views_equally():
     model = tb.build_model(cf.recipe("fast94", width=1 / 16), CPU).eval()
     with torch.no_grad():
         views = [model(v) for _, v in tb.tta_views(x, "flip_translate")]
-        torch.testing.assert_close(tb.tta_logits(model, x, cf.TTA(views="flip_translate", weights="equal")),
+        torch.testing.assert_close(tb.tta_logits(model, x, tb.TTASettings(views="flip_translate", weights="equal")),
                                    torch.stack(views).mean(0))
 
 
@@ -565,7 +565,7 @@ def test_the_networks_initialisation_and_the_datas_order_and_augmentation_are_in
     did when both came from one CPU stream."""
     r = cf.recipe("fast94_next", width=1 / 16, batch_size=32, epochs=1)
     data = cd.to_device(synthetic_arrays(n_train=64, n_test=32), "cpu", dtype=torch.float32, pad=r.augment.crop_pad)
-    run_seeds, step = T.run_seeds, T.train_step
+    run_seeds, step = cf.run_seeds, cf.train_step
 
     def built(seeds):
         """(the initial weights, the epoch's images and labels) of a run train_run starts from these seeds."""
@@ -576,8 +576,8 @@ def test_the_networks_initialisation_and_the_datas_order_and_augmentation_are_in
                 weights.extend(t.clone() for t in forward.state_dict().values())
             batches.append(tuple(t.clone() for t in a[1:3]))
             return step(forward, *a, **k)
-        monkeypatch.setattr(T, "run_seeds", lambda seed, rank=0: seeds)
-        monkeypatch.setattr(T, "train_step", recording)
+        monkeypatch.setattr(cf, "run_seeds", lambda seed, rank=0: seeds)
+        monkeypatch.setattr(cf, "train_step", recording)
         train_once(r, data, target=2.0)
         x, y = (torch.cat(t) for t in zip(*batches))                    # the whole epoch: 2 batches of 32
         return weights, x, y

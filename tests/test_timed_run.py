@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import cifar10_fast as cf
+import cifar_data as cd
 import devices
 import distributed as D
+import settings
 import torch_backend as tb
 import training as T
 from conftest import fake_cuda_events, synthetic_arrays, synthetic_npz, train_once
@@ -35,7 +37,7 @@ def test_a_diverging_run_exits_1_in_one_line_and_the_runs_before_it_are_kept(npz
     real = cf.train_run
 
     def second_diverges(r, built, o, *, seed, **kwargs):
-        return real(cf.changed(r, lr_values=(0, 1e30, 0)) if seed == 1 else r, built, o, seed=seed, **kwargs)
+        return real(settings.changed(r, lr_values=(0, 1e30, 0)) if seed == 1 else r, built, o, seed=seed, **kwargs)
     monkeypatch.setattr(cf, "train_run", second_diverges)
     out = tmp_path / "r.json"
     assert cf.main(["--recipe", "fast94", "--data-dir", str(npz), *TINY, "--runs", "2", "--out", str(out)]) == 1
@@ -69,7 +71,7 @@ def test_the_warm_up_calls_every_path_a_timed_run_meets_as_often_as_cuda_graph_t
     r = cf.recipe("fast94_next_lowres", width=1 / 16, batch_size=32, epochs=3, low_res=16, low_res_epochs=1,
                   whiten_bias_epochs=1.5)
     arrays, ctx, device = synthetic_arrays(n_train=128, n_test=64), D.Context(device="cpu"), torch.device("cpu")
-    stats = cf.cd.channel_stats(arrays["train_images"])
+    stats = cd.channel_stats(arrays["train_images"])
     data = cf.device_data(arrays, r, ctx, device, dtype=torch.float32, stats=stats)
     torch.manual_seed(0)
     net = tb.build_model(r, device)
