@@ -143,6 +143,8 @@ class SGD:
     nesterov: bool = knob(True)
     weight_decay: float = knob(5e-4, low=0)
     bias_lr_mult: float = knob(1.0, low=0, doc="batch norm's biases learn at this times the rate")
+    compile_optimizer: bool = knob(False, doc="SGD's and Muon's steps as one function of foreach operations, the "
+                                   "rates 0-d tensors (optim.SGDAndMuon), compiled on CUDA")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -373,12 +375,18 @@ FAST94_NEXT_LOWRES = replace(FAST94_NEXT, name="fast94_next_lowres",
 # accuracy (94.07% +- 0.16 on the CPU, n = 13, at 0.242 PFLOP of training against fast94_next's 0.264). The switches
 # that keep fast94_next's per-step losses join it as they land; each stays an ablation beside it (docs/perf-notes.md).
 FAST94_FASTEST = replace(FAST94_NEXT_LOWRES, name="fast94_fastest",
-                         doc="fast94_next_lowres for 7.89 epochs: our lower-FLOP schedule (target 94%)", epochs=7.89)
+                         doc="fast94_next_lowres for 7.89 epochs, the optimisers' step as one compiled function: our "
+                             "lower-FLOP schedule (target 94%)", epochs=7.89,
+                         sgd=replace(FAST94_NEXT_LOWRES.sgd, compile_optimizer=True))
+# its ablations: each with one switch left out
+FAST94_FASTEST_OPTIMIZERS_APART = replace(FAST94_FASTEST, name="fast94_fastest_optimizers_apart",
+                                          doc="fast94_fastest with SGD and Muon stepping apart, as fast94_next's do",
+                                          sgd=FAST94_NEXT_LOWRES.sgd)
 
 RECIPES = {r.name: r for r in (MYRTLE24, MYRTLE10)}
 RECIPES.update(journey_recipes(JOURNEY))
 RECIPES.update({r.name: r for r in (FAST94, FAST95, FAST96, FAST94_MUON, FAST94_NEXT, FAST94_NEXT_LOWRES,
-                                      FAST94_FASTEST)})
+                                      FAST94_FASTEST_OPTIMIZERS_APART, FAST94_FASTEST)})
 
 
 def recipe(name, **changes):
@@ -415,12 +423,11 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
         net.load_state_dict(model.state_dict())
         model = net
     step_with = forward if forward is not None else model
-    tb.set_bias_grad(model, True)
-    opts = make_optimizers(model, r, steps_per_epoch, ctx.world_size)
+    # the whitening bias trains for its first epochs, then is detached (airbench94_muon)
+    bias = tb.whitening_bias(model)
+    bias_steps = T.epoch_steps(r.whitening.bias.epochs, steps_per_epoch) if bias is not None else 0
+    opts = make_optimizers(model, r, steps_per_epoch, ctx.world_size, whitening_bias=bias, bias_steps=bias_steps)
     flip_base = cd.flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
-    # the whitening bias trains, then is detached (airbench94_muon); not under DDP, which wants every gradient
-    bias_steps = (T.epoch_steps(r.whitening.bias.epochs, steps_per_epoch)
-                  if r.whitening and r.whitening.bias and not ctx.distributed else None)
     compiled_before = compile_counts()
     clock = devices.timer(device)                # starts once the network is built, as the references' does
     tb.fit_whitening(model, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # timed
@@ -435,8 +442,8 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
                                      batch_size=batch, memory_format=devices.memory_format(device)):
             lr = r.lr.at(step / total_steps)
             set_lr(opts, lr, step)
-            if bias_steps is not None:
-                tb.set_bias_grad(model, step < bias_steps)
+            if bias is not None and not ctx.distributed:        # DDP wants every gradient: its bias's rate goes to 0
+                bias.requires_grad_(step < bias_steps)
             logits, loss = T.train_step(step_with, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
             step += 1
             if average:
@@ -556,25 +563,26 @@ def warmup(r, data, *, device, dtype, ctx, net=None, forward=None, calls=1):
                                                       num_classes=data.get("num_classes", 10))
     forward = net if forward is None else forward
     tb.fit_whitening(net, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # cuSOLVER
-    opts = make_optimizers(net, r, 1, ctx.world_size)
+    bias = tb.whitening_bias(net)
+    opts = make_optimizers(net, r, 1, ctx.world_size, whitening_bias=bias, bias_steps=1)
     set_lr(opts, 1e-9)
     gen = devices.generator(device, 0)  # a generator of its own: the runs' random streams stay as they were
     flip_base = cd.flip_bits(len(data["train_labels"]), gen, device)
-    states = (True, False) if tb.whitening_biases(net) and not ctx.distributed else (True,)
+    states = (True, False) if bias is not None and not ctx.distributed else (True,)
     for epoch in dict.fromkeys((0, r.augment.low_res_epochs if r.augment.low_res else 0)):    # each resolution
         for state in states:
-            tb.set_bias_grad(net, state)
+            bias is None or bias.requires_grad_(state)
             for _ in range(calls):
                 x, y = next(cd.epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
                                              flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
                 T.train_step(forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
     for state in states:
-        tb.set_bias_grad(net, state)
+        bias is None or bias.requires_grad_(state)
         for tta in (None, r.tta):
             for _ in range(calls):
                 tb.evaluate(net if ctx.distributed else forward, data["test_images"], data["test_labels"], tta=tta,
                             dtype=dtype, memory_format=memory_format)
-    tb.set_bias_grad(net, True)
+    bias is None or bias.requires_grad_(True)
     devices.synchronize(device)
 
 
