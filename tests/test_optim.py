@@ -355,3 +355,15 @@ def test_sgd_and_muon_as_one_step_compiled_by_inductor_give_the_two_optimisers_p
     got, _ = steps_of("fast94_next", one_step=True, backend="inductor")
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12 * b.abs().max().item())
+
+
+@pytest.mark.slow
+def test_sgd_and_muon_as_one_step_are_one_graph_call_and_fewer_kernels_than_apart(one_thread):
+    """Counted on the CPU, compiled by Inductor as on CUDA (benchmarks/op_counts.py prints the counts): fast94_next's
+    step as one function runs nothing outside its one graph (set_lr fills 2 rates), and fewer kernels in all than
+    fused SGD beside Muon with its Newton–Schulz compiled."""
+    from op_counts import one_step_operations
+    apart, one = (one_step_operations("fast94_next", one_step=s) for s in (False, True))
+    assert (one["outside"], one["graph_calls"], one["set_lr"]) == (0, 1, 2) and apart["outside_launches"] > 0
+    kernels = lambda c: c["kernels"] + c["library_calls"] + c["outside_launches"] + c["set_lr"]
+    assert kernels(one) < kernels(apart)
