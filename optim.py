@@ -219,10 +219,9 @@ def sgd_muon_step(sgd, muon, *, momentum, nesterov):
 
 
 class SGDAndMuon(torch.optim.Optimizer):
-    """The groups make_optimizers gives SGD and Muon (the filters, the group named "filters"), stepping as one
-    function of foreach operations, sgd_muon_step, with the schedule's rate and the whitening bias's in 0-d tensors
-    that set_lr fills: torch.compile'd where Newton–Schulz is (CUDA), one graph whatever the rates (a second once
-    the whitening bias is detached); eager elsewhere. The same numbers as the two optimisers within rounding."""
+    """make_optimizers' SGD groups and Muon's ("filters") stepping as one function, sgd_muon_step, the rates 0-d
+    tensors set_lr fills: compiled where Newton–Schulz is (CUDA; one graph whatever the rates, a second once the
+    whitening bias is detached), eager elsewhere. The two optimisers' numbers within rounding."""
 
     def __init__(self, groups, *, momentum, nesterov, compile=None, compile_backend="inductor"):
         super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
