@@ -33,8 +33,7 @@ from distributed import Context, barrier, leave, print0, register_comm_hook, sha
 from optim import make_optimizers, set_lr
 from schedules import epoch_steps, per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
-from torch_backend import (build_model, count_flops, fit_whitening, loss_and_accuracy, set_bias_grad,
-                           whitening_biases)
+from torch_backend import build_model, count_flops, fit_whitening, loss_and_accuracy, whitening_bias
 from training import (Options as SharedOptions, averaging, check_finite_loss, evaluation_model, run_seeds,
                       strict_compile, train_step, warmup_calls)
 
@@ -61,12 +60,11 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
         net.load_state_dict(model.state_dict())
         model = net
     step_with = forward if forward is not None else model
-    set_bias_grad(model, True)
-    opts = make_optimizers(model, r, steps_per_epoch, ctx.world_size)
+    # the whitening bias trains for its first epochs, then is detached (airbench94_muon)
+    bias = whitening_bias(model)
+    bias_steps = epoch_steps(r.whitening.bias.epochs, steps_per_epoch) if bias is not None else 0
+    opts = make_optimizers(model, r, steps_per_epoch, ctx.world_size, whitening_bias=bias, bias_steps=bias_steps)
     flip_base = flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
-    # the whitening bias trains, then is detached (airbench94_muon); not under DDP, which wants every gradient
-    bias_steps = (epoch_steps(r.whitening.bias.epochs, steps_per_epoch)
-                  if r.whitening and r.whitening.bias and not ctx.distributed else None)
     compiled_before = compile_counts()
     clock = devices.timer(device)                # starts once the network is built, as the references' does
     fit_whitening(model, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # timed
@@ -81,8 +79,8 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
                                   batch_size=batch, memory_format=devices.memory_format(device)):
             lr = r.lr.at(step / total_steps)
             set_lr(opts, lr, step)
-            if bias_steps is not None:
-                set_bias_grad(model, step < bias_steps)
+            if bias is not None and not ctx.distributed:        # DDP wants every gradient: its bias's rate goes to 0
+                bias.requires_grad_(step < bias_steps)
             logits, loss = train_step(step_with, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
             step += 1
             if average:
@@ -202,25 +200,26 @@ def warmup(r, data, *, device, dtype, ctx, net=None, forward=None, calls=1):
                                                   num_classes=data.get("num_classes", 10))
     forward = net if forward is None else forward
     fit_whitening(net, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # cuSOLVER
-    opts = make_optimizers(net, r, 1, ctx.world_size)
+    bias = whitening_bias(net)
+    opts = make_optimizers(net, r, 1, ctx.world_size, whitening_bias=bias, bias_steps=1)
     set_lr(opts, 1e-9)
     gen = devices.generator(device, 0)  # a generator of its own: the runs' random streams stay as they were
     flip_base = flip_bits(len(data["train_labels"]), gen, device)
-    states = (True, False) if whitening_biases(net) and not ctx.distributed else (True,)
+    states = (True, False) if bias is not None and not ctx.distributed else (True,)
     for epoch in dict.fromkeys((0, r.augment.low_res_epochs if r.augment.low_res else 0)):    # each resolution
         for state in states:
-            set_bias_grad(net, state)
+            bias is None or bias.requires_grad_(state)
             for _ in range(calls):
                 x, y = next(epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
                                           flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
                 train_step(forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
     for state in states:
-        set_bias_grad(net, state)
+        bias is None or bias.requires_grad_(state)
         for tta in (None, r.tta):
             for _ in range(calls):
                 loss_and_accuracy(net if ctx.distributed else forward, data["test_images"], data["test_labels"],
                                   tta=tta, dtype=dtype, memory_format=memory_format)
-    set_bias_grad(net, True)
+    bias is None or bias.requires_grad_(True)
     devices.synchronize(device)
 
 

@@ -112,25 +112,10 @@ class Muon(torch.optim.Optimizer):
                 continue
             # the step count lives in the group, so state_dict() carries it
             group["step"] += 1
-            # a float64 run (--precision fp64) keeps every tensor in float64: the low precisions are lifted
-            exact = params[0].dtype == torch.float64
-            for p in params:
-                if "momentum" not in self.state[p]:     # not setdefault: its argument would allocate every step
-                    self.state[p]["momentum"] = torch.zeros_like(p.grad, dtype=None if exact
-                                                                 else group["momentum_dtype"])
-            buffers = [self.state[p]["momentum"] for p in params]
+            buffers = momentum_buffers(self.state, params, group["momentum_dtype"])
             updates = (self.foreach_updates if group.get("foreach") else self.updates)(params, buffers, group)
-            updates = [u.reshape(len(p), -1) for u, p in zip(updates, params)]
-            ns = self.orthogonaliser(group["batched"], params[0].device)
-            dtype = torch.float64 if exact else torch.bfloat16
-            if group["batched"]:
-                updates = ns(updates, group["ns_steps"], group["ns_coeffs"], dtype=dtype)
-            else:
-                updates = [ns(u, group["ns_steps"], group["ns_coeffs"], dtype=dtype) for u in updates]
-            k0, k1 = group["renorm_every"]
-            # k grows: late updates are small and the norms drift slowly
-            every = k0 + int((k1 - k0) * group["step"] / group["total_steps"])
-            renorm = k0 and group["step"] - group["last_renorm"] >= every
+            updates = orthogonalised(updates, params, group, self.orthogonaliser(group["batched"], params[0].device))
+            renorm = renorm_due(group["step"], group["last_renorm"], group["renorm_every"], group["total_steps"])
             if renorm:
                 group["last_renorm"] = group["step"]
             (self.foreach_apply if group.get("foreach") else self.apply)(params, updates, group, renorm=renorm)
@@ -166,10 +151,15 @@ class Muon(torch.optim.Optimizer):
                 p.mul_(1 - group["lr"] * group["weight_decay"])
 
     @staticmethod
-    def foreach_apply(params, updates, group, *, renorm):
+    def foreach_apply(params, updates, group, *, renorm, lr=None):
         """apply() as foreach operations, the banks of each update scale together: the same numbers, a few
-        launches (sqrt(rows) / norm is norm's reciprocal times sqrt(rows), as Python's float / tensor computes it)."""
-        if renorm:
+        launches (sqrt(rows) / norm is norm's reciprocal times sqrt(rows), as Python's float / tensor computes it).
+        lr: the group's, or a 0-d tensor; renorm: a bool, or a 0-d tensor (where false, each scale is 1: x * 1 is x)."""
+        lr = group["lr"] if lr is None else lr
+        if isinstance(renorm, torch.Tensor):        # sgd_muon_step's: each bank's norm, which Inductor fuses
+            torch._foreach_mul_(params, [torch.where(renorm, p.norm().reciprocal() * len(p) ** 0.5, 1.0)
+                                         for p in params])
+        elif renorm:
             scales = torch._foreach_reciprocal(torch._foreach_norm(params))
             torch._foreach_mul_(scales, [len(p) ** 0.5 for p in params])
             torch._foreach_mul_(params, scales)
@@ -177,9 +167,119 @@ class Muon(torch.optim.Optimizer):
         for p, u in zip(params, updates):
             by_scale.setdefault(max(1.0, u.shape[0] / u.shape[1]) ** 0.5, []).append((p, u.view_as(p)))
         for scale, pairs in by_scale.items():
-            torch._foreach_add_([p for p, _ in pairs], [u for _, u in pairs], alpha=-group["lr"] * scale)
+            banks, steps = [p for p, _ in pairs], [u for _, u in pairs]
+            if isinstance(lr, torch.Tensor):        # a tensor is no foreach alpha: the steps scaled first
+                torch._foreach_add_(banks, torch._foreach_mul(steps, (-lr * scale).to(steps[0].dtype)))
+            else:
+                torch._foreach_add_(banks, steps, alpha=-lr * scale)
         if group["weight_decay"]:
-            torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+            decay = 1 - lr * group["weight_decay"]
+            torch._foreach_mul_(params, decay.to(params[0].dtype) if isinstance(lr, torch.Tensor) else decay)
+
+
+def momentum_buffers(state, params, dtype):
+    """Each parameter's momentum buffer in state, made (zeros, of `dtype`; a float64 run's in float64) on the first
+    call only: not setdefault, whose argument would allocate every step."""
+    exact = params[0].dtype == torch.float64
+    for p in params:
+        if "momentum" not in state[p]:
+            state[p]["momentum"] = torch.zeros_like(p, dtype=None if exact else dtype)
+    return [state[p]["momentum"] for p in params]
+
+
+def orthogonalised(updates, params, group, ns):
+    """Each bank's update as a matrix (out × in·k·k) through ns (newton_schulz, or newton_schulz_padded with
+    group["batched"]), in bfloat16, or float64 in a float64 run."""
+    updates = [u.reshape(len(p), -1) for u, p in zip(updates, params)]
+    dtype = torch.float64 if params[0].dtype == torch.float64 else torch.bfloat16
+    if group["batched"]:
+        return ns(updates, group["ns_steps"], group["ns_coeffs"], dtype=dtype)
+    return [ns(u, group["ns_steps"], group["ns_coeffs"], dtype=dtype) for u in updates]
+
+
+def renorm_due(step, last, renorm_every, total_steps):
+    """Whether Muon renormalises at `step`, `last` the step it last did: every k steps, k from k0 to k1 over the run
+    (0: never); of Python numbers a bool, of 0-d tensors a 0-d tensor (the same arithmetic: x // 1 is int(x))."""
+    k0, k1 = renorm_every
+    return k0 > 0 and step - last >= k0 + (k1 - k0) * step / total_steps // 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# SGD and Muon as one compiled step
+
+def sgd_foreach(params, buffers, rate, *, weight_decay, momentum, nesterov):
+    """torch.optim.SGD's step (its arithmetic, in its order) as foreach operations, rate a 0-d tensor:
+        d = g + weight_decay w,  v = momentum v + d,  w = w - rate (d + momentum v if nesterov, else v)"""
+    grads = [p.grad for p in params]
+    if weight_decay:
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    torch._foreach_mul_(buffers, momentum)
+    torch._foreach_add_(buffers, grads)
+    steps = torch._foreach_add(grads, buffers, alpha=momentum) if nesterov else buffers
+    torch._foreach_add_(params, torch._foreach_mul(steps, -rate.to(params[0].dtype)))
+
+
+def sgd_muon_step(sgd, muon, *, momentum, nesterov):
+    """One step of every group, the rates 0-d tensors: SGD's, a (params, buffers, rate, unit, weight_decay) a group
+    (rate x unit its step size), and Muon's, muon (None, or (filters, buffers, rate, unit, clock, group): clock its
+    step, last renormalisation and total steps as 0-d tensors, so that whether it renormalises is decided on the
+    device, and no run's length is a constant of the graph)."""
+    for params, buffers, rate, unit, weight_decay in sgd:
+        sgd_foreach(params, buffers, rate * unit, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
+    if muon:
+        params, buffers, rate, unit, (step, last, total), group = muon
+        step.add_(1)
+        renorm = renorm_due(step, last, group["renorm_every"], total)
+        if renorm is not False:
+            last.copy_(torch.where(renorm, step, last))
+        updates = Muon.foreach_updates(params, buffers, group)
+        updates = orthogonalised(updates, params, group, newton_schulz_padded if group["batched"] else newton_schulz)
+        Muon.foreach_apply(params, updates, group, renorm=renorm, lr=rate * unit)
+
+
+class SGDAndMuon(torch.optim.Optimizer):
+    """make_optimizers' SGD groups and Muon's ("filters") stepping as one function, sgd_muon_step, the rates 0-d
+    tensors set_lr fills: compiled where Newton–Schulz is (CUDA; one graph whatever the rates, a second once the
+    whitening bias is detached), eager elsewhere. The two optimisers' numbers within rounding."""
+
+    def __init__(self, groups, *, momentum, nesterov, compile=None, compile_backend="inductor"):
+        super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
+        self.compile, self.compile_backend = compile, compile_backend
+        device = groups[0]["params"][0].device
+        scalar = lambda value=0: torch.full((), value, dtype=torch.float64 if devices.has_float64(device)
+                                            else torch.float32, device=device)
+        self.lr, self.bias_lr = scalar(), scalar()
+        # the group whose rate is its own (the whitening bias: until_step), in bias_lr
+        self.bias_group = next((g for g in self.param_groups if g["until_step"] is not None), None)
+        muon = next((g for g in self.param_groups if g.get("name") == "filters"), None)
+        # Muon's settings the step reads (constants of its graph), and its clock: step, last renormalisation, total
+        self.muon = muon and {k: muon[k] for k in MUON_STEP_SETTINGS}
+        self.clock = muon and (scalar(), scalar(), scalar(muon["total_steps"]))
+        for g in self.param_groups:
+            momentum_buffers(self.state, g["params"], g.get("momentum_dtype"))
+
+    def function(self):
+        """sgd_muon_step, compiled or eager as `compile` and the device say."""
+        on = devices.compiles_helpers(self.lr.device) if self.compile is None else self.compile
+        return compiled(sgd_muon_step, self.compile_backend) if on else sgd_muon_step
+
+    @torch.no_grad()
+    def step(self):
+        sgd, muon = [], None
+        for g in self.param_groups:
+            params = [p for p in g["params"] if p.grad is not None]
+            if not params:
+                continue
+            rate, unit = (self.bias_lr, 1.0) if g is self.bias_group else (self.lr, g["lr_unit"])
+            buffers = [self.state[p]["momentum"] for p in params]
+            if g.get("name") == "filters":
+                muon = (params, buffers, rate, unit, self.clock, self.muon)
+            else:
+                sgd.append((params, buffers, rate, unit, g["weight_decay"]))
+        self.function()(sgd, muon, momentum=self.defaults["momentum"], nesterov=self.defaults["nesterov"])
+
+
+MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "renorm_every", "weight_decay")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -312,6 +412,8 @@ class SGDSettings:
     nesterov: bool = knob(True)
     weight_decay: float = knob(5e-4, low=0)
     bias_lr_mult: float = knob(1.0, low=0, doc="batch norm's biases learn at this times the rate")
+    compile_optimizer: bool = knob(False, doc="SGD's and Muon's steps as one function of foreach operations, the "
+                                   "rates 0-d tensors (SGDAndMuon), compiled on CUDA")
 
 
 def param_groups_no_decay_1d(model, weight_decay):
@@ -325,39 +427,38 @@ def param_groups_no_decay_1d(model, weight_decay):
 MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def make_optimizers(model, r, steps_per_epoch=1, world=1):
+def make_optimizers(model, r, steps_per_epoch=1, world=1, *, whitening_bias=None, bias_steps=0):
     """The optimisers of a run of recipe r (set_lr sets their steps from the schedule's lr): SGD on the summed loss of b
-    images a rank of `world`, in units by r.sgd.lr_units (docs/cifar10.md), and Muon (r.muon) for the conv filters:
+    images a rank of `world`, in units by r.sgd.lr_units (docs/cifar10.md), and Muon (r.muon) for the conv filters;
+    with r.sgd.compile_optimizer, both as one SGDAndMuon. whitening_bias trains for its first bias_steps steps.
         SGD lr = lr x unit x scale,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
         decay per step = lr x unit x wd x b (myrtle), / peak otherwise;  Muon lr = muon.lr x lr / peak
         scale = bias_lr_mult (batch-norm biases), the whitening bias's lr_mult to its last step (to 0 if "linear"), 1
     """
-    sgd = r.sgd
+    sgd, bias = r.sgd, r.whitening.bias if r.whitening else None
+    if bias and whitening_bias is None:
+        raise ValueError("make_optimizers: the recipe trains a whitening bias at a rate of its own: hand it over "
+                         "(whitening_bias=torch_backend.whitening_bias(model), bias_steps=its steps)")
     bs, m, wd, peak = r.batch_size // world, sgd.momentum, sgd.weight_decay, max(r.lr.values)
     unit = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - m))), "sum": world}[sgd.lr_units]
     decay = (lambda scale: wd * bs / scale) if sgd.lr_units == "myrtle" else (lambda scale: wd * bs / (peak * scale))
     bn_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, nn.BatchNorm2d)}
-    whiten_biases = {id(mod.bias) for mod in model.modules()
-                     if isinstance(mod, nn.Conv2d) and mod.bias is not None and not mod.weight.requires_grad}
-    groups = {"weights": [], "bn_biases": [], "whiten_bias": [], "filters": []}
+    groups = {"weights": [], "bn_biases": [], "whiten_bias": [whitening_bias] if bias else [], "filters": []}
     for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        key = ("bn_biases" if id(p) in bn_biases else "whiten_bias" if id(p) in whiten_biases
-               else "filters" if r.muon and p.ndim == 4 else "weights")
-        groups[key].append(p)
-    bias = r.whitening.bias if r.whitening and r.whitening.bias else None
+        if p.requires_grad and p is not whitening_bias:
+            groups["bn_biases" if id(p) in bn_biases else "filters" if r.muon and p.ndim == 4 else "weights"].append(p)
     scales = {"weights": 1.0, "bn_biases": sgd.bias_lr_mult, "whiten_bias": bias.lr_mult if bias else 1.0}
-    whiten = dict(until_step=epoch_steps(bias.epochs if bias else 0, steps_per_epoch),
-                  linear=bias is not None and bias.decay == "linear")
+    whiten = dict(until_step=bias_steps, linear=bias is not None and bias.decay == "linear")
     groups_sgd = [{"params": groups[k], "lr_unit": unit * scales[k], "weight_decay": decay(scales[k]), "name": k,
                    "peak": peak, **(whiten if k == "whiten_bias" else {"until_step": None})}
                   for k in scales if groups[k]]
+    muon = [muon_for(groups["filters"], r, steps_per_epoch=steps_per_epoch, world=world)] if groups["filters"] else []
+    if sgd.compile_optimizer:
+        return [SGDAndMuon(groups_sgd + [g for opt in muon for g in opt.param_groups], momentum=m,
+                           nesterov=sgd.nesterov)]
     device = next(model.parameters()).device
-    opts = [torch.optim.SGD(groups_sgd, lr=0.0, momentum=m, nesterov=sgd.nesterov, **devices.sgd_options(device))]
-    if groups["filters"]:
-        opts.append(muon_for(groups["filters"], r, steps_per_epoch=steps_per_epoch, world=world))
-    return opts
+    return [torch.optim.SGD(groups_sgd, lr=0.0, momentum=m, nesterov=sgd.nesterov, **devices.sgd_options(device)),
+            *muon]
 
 
 def muon_for(filters, r, *, steps_per_epoch, world):
@@ -371,16 +472,25 @@ def muon_for(filters, r, *, steps_per_epoch, world):
 
 
 def set_lr(opts, lr, step=0, epoch=0.0):
-    """Sets each group's step size to lr (the schedule's value, in the recipe's units) × its unit; a group that
-    trains only until_step steps gets 0 from then on, and before, with `linear`, its peak falling linearly to 0.
-    Every group's clock becomes the (fractional) epoch of the coming step, which RMSprop-to-SGD's hand-over reads."""
+    """Sets each group's step size to group_rate's; an SGDAndMuon's rates are 0-d tensors, filled (no host wait, no
+    guard of its compiled step on their values). Every other group's clock becomes the (fractional) epoch of the
+    coming step, which RMSprop-to-SGD's hand-over reads."""
     for opt in opts:
+        if isinstance(opt, SGDAndMuon):
+            opt.lr.fill_(lr)
+            if opt.bias_group is not None:
+                opt.bias_lr.fill_(group_rate(opt.bias_group, lr, step))
+            continue
         for g in opt.param_groups:
-            until = g["until_step"]
-            if until is not None and step >= until:
-                g["lr"] = 0.0
-            elif until is not None and g.get("linear"):
-                g["lr"] = g["peak"] * g["lr_unit"] * (1 - step / until)
-            else:
-                g["lr"] = lr * g["lr_unit"]
-            g["epoch"] = epoch
+            g["lr"], g["epoch"] = group_rate(g, lr, step), epoch
+
+
+def group_rate(g, lr, step):
+    """lr (the schedule's value, in the recipe's units) × the group's unit; a group that trains only until_step steps
+    gets 0 from then on, and before, with `linear`, its peak falling linearly to 0."""
+    until = g["until_step"]
+    if until is not None and step >= until:
+        return 0.0
+    if until is not None and g.get("linear"):
+        return g["peak"] * g["lr_unit"] * (1 - step / until)
+    return lr * g["lr_unit"]

@@ -210,22 +210,17 @@ class WhiteningSettings:
 
 class Whitening(nn.Conv2d):
     """Patch whitening with the settings w (WhiteningSettings): a frozen convolution whose filters whiten the
-    patches of the first w.fit.images training images (and, with both_signs, their negatives), and a bias that trains
-    until the run detaches it (bias_grad):
+    patches of the first w.fit.images training images (and, with both_signs, their negatives), and a bias (w.bias)
+    that trains until the run detaches it (its requires_grad):
         filters = eigenvectors of C / sqrt(eigenvalues + eps),  C = P'P / (n - ddof), P the patches (centred or not)"""
 
     def __init__(self, w):
         super().__init__(3, 3 * w.size ** 2 * (2 if w.both_signs else 1), w.size, padding=w.pad,
                          bias=w.bias is not None)
         self.w = w
-        self.bias_grad = True           # the run detaches the bias once it has trained (airbench94_muon)
         self.weight.requires_grad_(False)
         if w.bias and w.bias.init == "zero":
             nn.init.zeros_(self.bias)
-
-    def forward(self, x):
-        bias = self.bias if self.bias is None or self.bias_grad else self.bias.detach()
-        return self._conv_forward(x, self.weight, bias)
 
     @torch.no_grad()
     def fit(self, images):
@@ -465,14 +460,9 @@ def loss_and_accuracy(model, images, labels, *, tta=None, dtype=torch.float32, b
     return loss / len(images), correct / len(images)
 
 
-def whitening_biases(net):
-    return [m for m in net.modules() if isinstance(m, Whitening) and m.bias is not None]
-
-
-def set_bias_grad(net, trained):
-    """Whether the whitening layers' biases train (and so get a gradient) or are detached."""
-    for m in whitening_biases(net):
-        m.bias_grad = trained
+def whitening_bias(net):
+    """The whitening layer's bias (a Parameter), or None."""
+    return next((m.bias for m in net.modules() if isinstance(m, Whitening)), None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ step of each, their medians and ratio. Both start from the same weights and grad
 """
 import argparse
 import copy
+import inspect
 import statistics
 import subprocess
 import sys
@@ -33,7 +34,11 @@ def module_at(rev, name):
 
 
 def stepper(module, net, hp):
-    opts = module.make_optimizers(net, hp, 10)
+    # today's make_optimizers is handed the whitening bias and its steps; earlier ones found them
+    bias = tb.whitening_bias(net)
+    handed = "whitening_bias" in inspect.signature(module.make_optimizers).parameters and bias is not None
+    opts = module.make_optimizers(net, hp, 10, **({"whitening_bias": bias, "bias_steps": optim.epoch_steps(
+        hp.whitening.bias.epochs, 10)} if handed else {}))
     module.set_lr(opts, 1e-9)        # every kernel runs; the weights barely move
 
     def step():

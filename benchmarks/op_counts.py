@@ -160,7 +160,8 @@ def cifar_step_operations(name, *, fused, step=3, **changes):
     model = tb.build_model(r, "cpu")
     tb.fit_whitening(model, torch.randn(64, 3, 32, 32), 32)
     with mock.patch.object(optim.devices, "sgd_options", lambda device: {"fused": True} if fused else {}):
-        opts = optim.make_optimizers(model, r, steps_per_epoch=32)
+        opts = optim.make_optimizers(model, r, steps_per_epoch=32, whitening_bias=tb.whitening_bias(model),
+                                     bias_steps=step)
     ns = []
     for k in range(step):
         optim.set_lr(opts, max(r.lr.values), k)
@@ -180,8 +181,66 @@ def cifar_step_operations(name, *, fused, step=3, **changes):
             "newton_schulz_launches": muon and sum(c.launches for c in ns)}
 
 
+def compiled_kernels(step):
+    """{"graph_calls", "kernels", "library_calls", "outside", "outside_launches", "guard_reads"}: what one call of step
+    runs, seen by torch.profiler with Inductor's CPU kernels recorded (compile first, inside kernel_profile()): the
+    torch.compile'd graphs called, the kernels they run (Inductor's own; library calls: matmuls and fallbacks), the
+    aten operations run outside them (of which launches: not views) and those of dynamo's guards (reads of 0-d float64
+    CPU tensors, which it treats as numbers; a CUDA tensor it does not read)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    counts = dict.fromkeys(("graph_calls", "kernels", "library_calls", "outside", "outside_launches", "guard_reads"), 0)
+    for e in prof.events():
+        parents = []
+        parent = e.cpu_parent
+        while parent is not None:
+            parents.append(parent.name)
+            parent = parent.cpu_parent
+        in_graph = parents and parents[0].startswith("## Call CompiledFxGraph")
+        if e.name.startswith("## Call CompiledFxGraph"):
+            counts["graph_calls"] += 1
+        elif in_graph:
+            counts["kernels" if "cpp_fused" in e.name else "library_calls"] += 1
+        elif e.name.startswith("aten::") and not any(n.startswith(("aten::", "## Call")) for n in parents):
+            guard = "TorchDynamo Cache Lookup" in parents
+            counts["guard_reads" if guard else "outside"] += 1
+            op = getattr(torch.ops.aten, e.name[6:])
+            counts["outside_launches"] += not guard and not any(getattr(op, o).is_view for o in op.overloads())
+    return counts
+
+
+def kernel_profile():
+    """Inductor's generated CPU kernels recorded by torch.profiler (set while a graph compiles)."""
+    import torch._inductor.config
+    return torch._inductor.config.patch({"cpp.enable_kernel_profile": True})
+
+
+def one_step_operations(name, *, one_step, step=3, **changes):
+    """compiled_kernels of recipe name's optimisers' step at `step` (as cifar_step_operations) compiled by Inductor on
+    this CPU as on CUDA: with one_step, SGDAndMuon's one function (--compile-optimizer); without, fused SGD beside Muon
+    with its Newton–Schulz compiled. Also "set_lr": the aten operations of set_lr (its fills)."""
+    torch._dynamo.reset()
+    r = cf.recipe(name, compile_optimizer=one_step, **changes)
+    torch.manual_seed(0)
+    model = tb.build_model(r, "cpu")
+    with mock.patch.object(optim.devices, "sgd_options", lambda device: {"fused": True}), \
+            mock.patch.object(optim.devices, "compiles_helpers", lambda device: True):
+        opts = optim.make_optimizers(model, r, steps_per_epoch=32, whitening_bias=tb.whitening_bias(model),
+                                     bias_steps=step)
+    with kernel_profile(), mock.patch.object(optim.devices, "compiles_helpers", lambda device: True):
+        for k in range(step):
+            set_lr = lambda: optim.set_lr(opts, max(r.lr.values) * (1 - k / 10), k)
+            counts = {"set_lr": compiled_kernels(set_lr)["outside"]}
+            for p in model.parameters():
+                p.grad = torch.randn_like(p) if p.requires_grad else None
+            counts.update(compiled_kernels(lambda: [opt.step() for opt in opts]))
+    return counts
+
+
 def measure():
-    """{"optimisers": [rows], "blurpool": [rows]} of operation counts."""
+    """{"optimisers": [rows], "blurpool": [rows], "cifar10": [rows], "cifar10_one_step": [rows]} of operation
+    counts."""
     backward, sgd = step_operations("goyal_8k", fused_sgd)
     rows = [{"step": "forward and backward alone", "ours": backward, "loop": None},
             {"step": "SGD, fused=True (what CUDA runs)", "ours": sgd, "loop": None}]
@@ -197,7 +256,9 @@ def measure():
              for name in CIFAR_RECIPES for fused in (False, True)]
     cifar += [{"recipe": name, "fused_sgd": True, "muon_foreach": True,
                **cifar_step_operations(name, fused=True, muon_foreach=True)} for name in CIFAR_RECIPES[1:]]
-    return {"optimisers": rows, "blurpool": blur, "cifar10": cifar}
+    one_step = [{"recipe": "fast94_next", "one_step": one, **one_step_operations("fast94_next", one_step=one)}
+                for one in (False, True)]
+    return {"optimisers": rows, "blurpool": blur, "cifar10": cifar, "cifar10_one_step": one_step}
 
 
 def main(argv=None):
@@ -215,6 +276,13 @@ def main(argv=None):
               + (f"; Muon{' foreach' if row['muon_foreach'] else ''} {row['muon']} ({row['muon_launches']}), "
                  f"Newton–Schulz {row['newton_schulz']} ({row['newton_schulz_launches']}) of them"
                  if row["muon"] else ""))
+    print("one step of fast94_next's optimisers, compiled by Inductor on this CPU as on CUDA: operations outside "
+          "compiled graphs (of which kernel launches); compiled-graph calls and the kernels they run")
+    for row in result["cifar10_one_step"]:
+        print(f"{'SGD and Muon as one step' if row['one_step'] else 'fused SGD, Muon, Newton–Schulz compiled':40s} "
+              f"set_lr {row['set_lr']}; step {row['outside']} ({row['outside_launches']}) outside, "
+              f"{row['graph_calls']} graph call(s): {row['kernels']} Inductor kernels + {row['library_calls']} library "
+              f"calls; {row['guard_reads']} guard reads")
     if args.out:
         import machine
         write_json(args.out, {"piece": "op_counts", **result, "command": "python benchmarks/op_counts.py",

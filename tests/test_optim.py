@@ -236,8 +236,9 @@ def test_muon_as_foreach_operations_steps_exactly_as_its_loop(recipe, dtype, one
         torch.manual_seed(0)
         net = tb.build_model(r, "cpu")
         twin = copy.deepcopy(net)
-        loop = optim.make_optimizers(net, settings.changed(r, muon_foreach=False), steps_per_epoch=100)[1]
-        foreach = optim.make_optimizers(twin, r, steps_per_epoch=100)[1]
+        loop, foreach = (optim.make_optimizers(m, changes, steps_per_epoch=100, whitening_bias=tb.whitening_bias(m),
+                                               bias_steps=3)[1]
+                         for m, changes in ((net, settings.changed(r, muon_foreach=False)), (twin, r)))
         assert not loop.param_groups[0]["foreach"] and foreach.param_groups[0]["foreach"]
         for step in range(5):
             optim.set_lr([loop, foreach], 0.3 - 0.05 * step, step)
@@ -266,3 +267,105 @@ def test_muon_as_foreach_operations_launches_a_few_kernels_a_step_beside_newton_
     outside = lambda c: c["muon_launches"] - c["newton_schulz_launches"]
     assert (outside(loop), outside(foreach), foreach["sgd_launches"]) == (30, 6, 3)
     assert foreach["newton_schulz_launches"] == loop["newton_schulz_launches"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SGD and Muon as one step (--compile-optimizer): the two optimisers' numbers, one graph whatever the rate
+
+def steps_of(recipe, *, one_step, backend=None, steps=8, ddp=False):
+    """The parameters of recipe's network (width 1/16, float64) after `steps` steps of random gradients at a falling
+    rate, its whitening bias trained for 3 (then detached, or under DDP kept at rate 0), 4 steps an epoch; and the
+    optimisers. backend: SGDAndMuon compiled with it (else eager)."""
+    import cifar10_fast as cf
+    import settings
+    import torch_backend as tb
+    r = settings.changed(cf.recipe(recipe, width=1 / 16), compile_optimizer=one_step)
+    torch.manual_seed(0)
+    net = tb.build_model(r, "cpu").double()
+    bias = tb.whitening_bias(net)
+    opts = optim.make_optimizers(net, r, steps_per_epoch=4, whitening_bias=bias, bias_steps=3)
+    if backend:
+        opts[0].compile, opts[0].compile_backend = True, backend
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        optim.set_lr(opts, max(r.lr.values) * (1 - step / 10), step)
+        bias.requires_grad_(step < 3 or ddp)
+        for p in net.parameters():
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype) if p.requires_grad else None
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return [p.detach() for p in net.parameters()], opts
+
+
+@pytest.mark.parametrize("recipe, ddp", [("fast94_next", False), ("fast94_next", True), ("fast94_muon", False),
+                                         ("fast94", False)])
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_sgd_and_muon_as_one_step_give_the_two_optimisers_parameters(recipe, ddp, backend, one_thread):
+    """In float64, eager and through dynamo's graph: Muon renormalising (every step in fast94_muon, at steps 2 and 6 in
+    fast94_next), the whitening bias's rate falling to 0 over its 3 steps (linear; fast94's constant), then its
+    gradient gone, or under DDP kept at rate 0. Equal within 1e-12 (relative to each tensor's largest value): the
+    rate, a tensor, scales a step before it is added, where torch.optim.SGD's alpha adds in one rounding."""
+    torch._dynamo.reset()
+    ref, (sgd, *muon) = steps_of(recipe, one_step=False, ddp=ddp)
+    got, (one,) = steps_of(recipe, one_step=True, backend=backend, ddp=ddp)
+    assert isinstance(one, optim.SGDAndMuon) and not isinstance(sgd, optim.SGDAndMuon)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12 * b.abs().max().item())
+    if muon:
+        assert one.clock[1].item() == muon[0].param_groups[0]["last_renorm"] > 0     # the same last renormalisation
+
+
+def test_sgd_and_muon_as_one_step_compile_once_whatever_the_rate_and_again_once_the_whitening_bias_is_detached(
+        one_thread):
+    """fast94_next's rate changing every step, Muon renormalising at some of them: two graphs, the second when the
+    whitening bias loses its gradient; a further step at other rates recompiles nothing."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    _, (opt,) = steps_of("fast94_next", one_step=True, backend="aot_eager")
+    assert counters["stats"]["unique_graphs"] == 2
+    params = [p for g in opt.param_groups for p in g["params"]]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for lr in (0.3, 0.01):
+            optim.set_lr([opt], lr, step=20)
+            for p in params:
+                p.grad = torch.ones_like(p) if p.requires_grad else None
+            opt.step()
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_set_lr_fills_the_one_steps_rates_and_leaves_its_groups_alone():
+    import cifar10_fast as cf
+    import torch_backend as tb
+    r = cf.recipe("fast94_fastest", width=1 / 16)
+    net = tb.build_model(r, "cpu")
+    (opt,) = optim.make_optimizers(net, r, steps_per_epoch=10, whitening_bias=tb.whitening_bias(net), bias_steps=2)
+    groups = [dict(g) for g in opt.param_groups]
+    bias = opt.bias_group
+    for step, lr, bias_lr in ((0, 0.5, bias["peak"] * bias["lr_unit"]), (1, 0.4, bias["peak"] * bias["lr_unit"] / 2),
+                              (2, 0.3, 0.0)):
+        optim.set_lr([opt], lr, step)
+        assert (opt.lr.item(), opt.bias_lr.item()) == (lr, bias_lr)
+    assert [dict(g) for g in opt.param_groups] == groups and bias["params"] == [tb.whitening_bias(net)]
+
+
+@pytest.mark.slow
+def test_sgd_and_muon_as_one_step_compiled_by_inductor_give_the_two_optimisers_parameters(one_thread):
+    torch._dynamo.reset()
+    ref, _ = steps_of("fast94_next", one_step=False)
+    got, _ = steps_of("fast94_next", one_step=True, backend="inductor")
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12 * b.abs().max().item())
+
+
+@pytest.mark.slow
+def test_sgd_and_muon_as_one_step_are_one_graph_call_and_fewer_kernels_than_apart(one_thread):
+    """Counted on the CPU, compiled by Inductor as on CUDA (benchmarks/op_counts.py prints the counts): fast94_next's
+    step as one function runs nothing outside its one graph (set_lr fills 2 rates), and fewer kernels in all than
+    fused SGD beside Muon with its Newton–Schulz compiled."""
+    from op_counts import one_step_operations
+    apart, one = (one_step_operations("fast94_next", one_step=s) for s in (False, True))
+    assert (one["outside"], one["graph_calls"], one["set_lr"]) == (0, 1, 2) and apart["outside_launches"] > 0
+    kernels = lambda c: c["kernels"] + c["library_calls"] + c["outside_launches"] + c["set_lr"]
+    assert kernels(one) < kernels(apart)

@@ -120,8 +120,9 @@ def test_each_recipe_family_runs_its_whole_command_on_a_gpu(npz, tmp_path, recip
     assert gpu.ops["conv2d"] > 0 and gpu.counts["host_waits"] > 0        # the network ran there, and the clock
 
 
+# fast94_fastest: fast94_next_lowres's resolutions and bias states, and the optimisers' step compiled
 @pytest.mark.parametrize("recipe, flags", [("fast94", []), ("fast94", ["--compile-step", "true", "--eval-every", "2"]),
-                                           ("fast94_muon", []), ("fast94_next_lowres", [])])
+                                           ("fast94_muon", []), ("fast94_fastest", [])])
 def test_each_compiled_recipe_compiles_nothing_inside_a_timed_run_on_a_gpu(npz, tmp_path, recipe, flags, aot_eager):
     out = tmp_path / "r.json"
     torch._dynamo.reset()
@@ -163,11 +164,12 @@ def test_the_warm_up_fits_the_whitening_so_no_timed_run_loads_the_linear_algebra
     assert gpu.ops["linalg_svd"] >= 1      # the record's decomposition, on the GPU, before any clock
 
 
+@pytest.mark.parametrize("recipe", ["fast94_next", "fast94_fastest"])   # Muon apart, or one step with 0-d rates
 def test_a_timed_run_never_waits_for_the_gpu_before_its_final_evaluation_and_reads_its_clock_and_sums_once(
-        npz, monkeypatch, one_thread):
+        npz, monkeypatch, one_thread, recipe, aot_eager):
     """From the clock's start to the final evaluation: no host wait and no blocking copy (events mark the epochs,
-    the losses and counts are summed on the GPU). Then the evaluation's one read, and after the clock one wait for
-    the last event and one copy of every epoch's sums."""
+    the losses and counts are summed on the GPU, set_lr fills the rates without a read). Then the evaluation's one
+    read, and after the clock one wait for the last event and one copy of every epoch's sums."""
     snaps, real_timer, real_evaluate = [], devices.timer, cf.loss_and_accuracy
 
     def timer(device):
@@ -179,7 +181,7 @@ def test_a_timed_run_never_waits_for_the_gpu_before_its_final_evaluation_and_rea
         return real_evaluate(*args, **kwargs)
     monkeypatch.setattr(devices, "timer", timer)
     monkeypatch.setattr(cf, "loss_and_accuracy", evaluate)
-    r = cf.recipe("fast94_next", width=1 / 16, batch_size=32, epochs=3)     # Muon, whitening, selective views
+    r = cf.recipe(recipe, width=1 / 16, batch_size=32, epochs=3)     # Muon, whitening, selective views
     with StandIn() as gpu:
         data = cd.to_device(dict(np.load(npz)), torch.device("cuda"), dtype=torch.float32, pad=r.augment.crop_pad)
         result = train_once(r, data, device="cuda", precision="fp32", eval_every=0)

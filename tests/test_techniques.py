@@ -71,7 +71,7 @@ def test_muon_orthogonalises_its_update():
 def test_muon_takes_the_conv_filters_only():
     r = cf.recipe("fast94", muon=True, muon_lr=0.2)
     net = tb.build_model(r, CPU)
-    sgd, muon = optim.make_optimizers(net, r)
+    sgd, muon = optim.make_optimizers(net, r, whitening_bias=tb.whitening_bias(net), bias_steps=3)
     filters = muon.param_groups[0]["params"]
     assert all(p.ndim == 4 for p in filters) and len(filters) == 6
     assert all(p.ndim < 4 for g in sgd.param_groups for p in g["params"])
@@ -132,7 +132,7 @@ def test_lookahead_matches_its_formula():
 def test_decoupled_weight_decay_does_not_depend_on_lr_or_bias_multiplier():
     r = cf.recipe("fast94", width=0.125)
     net = tb.build_model(r, CPU)
-    opts = optim.make_optimizers(net, r)
+    opts = optim.make_optimizers(net, r, whitening_bias=tb.whitening_bias(net), bias_steps=3)
     peak = max(r.lr.values)
     optim.set_lr(opts, peak * 0.5, step=0)
     gain = 1 + 1 / (1 - r.sgd.momentum)
@@ -141,7 +141,7 @@ def test_decoupled_weight_decay_does_not_depend_on_lr_or_bias_multiplier():
         assert g["lr"] * g["weight_decay"] == pytest.approx(0.5 * r.sgd.weight_decay * r.batch_size / (1024 * gain))
     assert groups["bn_biases"]["lr"] == pytest.approx(64 * groups["weights"]["lr"])
     assert groups["weights"]["lr"] == pytest.approx(peak * 0.5 / (1024 * gain))
-    optim.set_lr(opts, peak, step=3)               # whiten_bias_epochs = 3, of 1 step each (make_optimizers default)
+    optim.set_lr(opts, peak, step=3)               # the whitening bias's 3 steps
     assert groups["whiten_bias"]["lr"] == 0.0 and groups["weights"]["lr"] > 0
 
 
@@ -188,7 +188,8 @@ def test_the_step_with_its_loss_in_the_forward_is_the_plain_step():
     logits, loss = with_loss(x, y)
     assert torch.equal(logits, net(x)) and torch.equal(with_loss(x), logits)
     assert torch.equal(loss, F.cross_entropy(logits.float(), y, label_smoothing=r.label_smoothing, reduction="sum"))
-    plain, fused = optim.make_optimizers(net, r), optim.make_optimizers(twin, r)
+    plain, fused = (optim.make_optimizers(m, r, whitening_bias=tb.whitening_bias(m), bias_steps=1)
+                     for m in (net, twin))
     for opts in (plain, fused):
         optim.set_lr(opts, max(r.lr.values))
     _, a = T.train_step(net, plain, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
@@ -202,7 +203,8 @@ def test_compiled_and_eager_steps_give_the_same_loss():
     r = cf.recipe("fast94", width=1 / 16, batch_size=16)
     net, twin, x, y = whitened_twins(r)
     forward = torch.compile(twin)
-    eager, compiled = optim.make_optimizers(net, r), optim.make_optimizers(twin, r)
+    eager, compiled = (optim.make_optimizers(m, r, whitening_bias=tb.whitening_bias(m), bias_steps=1)
+                     for m in (net, twin))
     for opts in (eager, compiled):
         optim.set_lr(opts, max(r.lr.values))
     for _ in range(3):
@@ -384,7 +386,8 @@ def test_sum_units_and_the_whitening_bias_falling_to_zero():
     2e-6 × batch × the schedule's factor; the whitening bias's rate falls from 0.053 to 0 over 3 epochs, Muon's
     follows the schedule from 0.24."""
     r = cf.recipe("fast94_muon", width=1 / 16)
-    opts = optim.make_optimizers(tb.build_model(r, CPU), r, steps_per_epoch=25)
+    net = tb.build_model(r, CPU)
+    opts = optim.make_optimizers(net, r, steps_per_epoch=25, whitening_bias=tb.whitening_bias(net), bias_steps=75)
     sgd, muon = opts
     groups = {g["name"]: g for g in sgd.param_groups}
     for step, factor, whiten in ((0, 1.0, 1.0), (30, 0.85, 0.6), (75, 0.625, 0.0)):
@@ -400,12 +403,12 @@ def test_sum_units_and_the_whitening_bias_falling_to_zero():
 def test_the_whitening_bias_is_detached_after_its_steps(monkeypatch):
     detached = []
     step = cf.train_step
-    monkeypatch.setattr(cf, "train_step", lambda f, *a, **k: detached.append(not tb.whitening_biases(f)[0].bias_grad)
+    monkeypatch.setattr(cf, "train_step", lambda f, *a, **k: detached.append(not tb.whitening_bias(f).requires_grad)
                         or step(f, *a, **k))
     r = cf.recipe("fast94_muon", width=1 / 16, batch_size=16, epochs=2, whiten_bias_epochs=0.5)
     res = train_once(r, tiny_data(80), target=2.0)                # 5 steps an epoch: 3 with the bias trained
     assert detached == [False] * 3 + [True] * 7
-    assert tb.whitening_biases(res["model"])[0].bias.grad is None
+    assert tb.whitening_bias(res["model"]).grad is None
 
 
 def test_muon_recipe_networks():
@@ -524,7 +527,10 @@ def test_fast94_fastest_is_the_low_resolution_ablation_for_7_89_epochs_at_the_co
     # docs/perf-notes.md: 0.242 PFLOP of training against fast94_next's 0.264 (8.5% fewer), as README's CPU runs had it
     fastest, lowres, base = cf.recipe("fast94_fastest"), cf.recipe("fast94_next_lowres"), cf.recipe("fast94_next")
     flat_fastest, flat_lowres = settings.flat(fastest), settings.flat(lowres)
-    assert {k for k in flat_lowres if flat_fastest[k] != flat_lowres[k]} == {"epochs"} and fastest.epochs == 7.89
+    assert {k for k in flat_lowres if flat_fastest[k] != flat_lowres[k]} == {"epochs", "compile_optimizer"}
+    assert fastest.epochs == 7.89 and fastest.sgd.compile_optimizer
+    apart = settings.flat(cf.recipe("fast94_fastest_optimizers_apart"))
+    assert {k for k in apart if apart[k] != flat_fastest[k]} == {"compile_optimizer"}     # its ablation
     shapes = {"train_images": torch.zeros(1, 3, 1, 1).expand(50000, 3, 1, 1), "train_labels": torch.zeros(50000),
               "test_images": torch.zeros(8, 3, 32, 32), "test_labels": torch.zeros(8, dtype=torch.long)}
     fast, full = (tb.count_flops(r, shapes)["train"] for r in (fastest, base))
@@ -536,7 +542,7 @@ def test_the_whitening_bias_starts_as_each_reference_leaves_it():
     """legacy airbench94 zeroes it; airbench94_muon and the 2-second record keep nn.Conv2d's default, uniform in
     ±1/√fan_in = ±1/√12 for 2×2 filters over 3 channels."""
     from scipy.stats import kstest
-    bias = lambda recipe: tb.whitening_biases(tb.build_model(cf.recipe(recipe, width=1 / 16), CPU))[0].bias
+    bias = lambda recipe: tb.whitening_bias(tb.build_model(cf.recipe(recipe, width=1 / 16), CPU))
     assert torch.equal(bias("fast94"), torch.zeros(24))
     bound = 1 / 12 ** 0.5
     for recipe in ("fast94_muon", "fast94_next"):
