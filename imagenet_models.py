@@ -1,6 +1,6 @@
 """ImageNet's networks and what a recipe builds around them: torchvision's ResNets (or resnet_tiny, for tests and CPU
 demonstrations) with BlurPool and ghost batch norm, the optimiser, and the device memory training them takes, each
-beside the settings it reads (Network, SGDSettings, LARSSettings, RMSpropWarmup).
+beside the settings it reads (NetworkSettings, SGDSettings, LARSSettings, RMSpropWarmup).
 """
 from dataclasses import dataclass, replace
 
@@ -23,7 +23,7 @@ MODELS = ("resnet_tiny", "resnet18", "resnet34", "resnet50", "resnet101")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Network:
+class NetworkSettings:
     """torchvision's ResNets (resnet_tiny: ours, for tests and CPU demonstrations)."""
     PREFIX = ""
     model: str = knob("resnet50", choices=MODELS)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from core import UsageError
 from distributed import HOOKS
 from imagenet_data import Augment, Validation
-from imagenet_models import LARSSettings, Network, RMSpropWarmup, SGDSettings
+from imagenet_models import LARSSettings, NetworkSettings, RMSpropWarmup, SGDSettings
 from schedules import Resolution, Schedule, batch_for, phases
 from settings import (always_present, as_flags, changed, check, check_own, command_text, component, flag_error,
                       knob)
@@ -33,7 +33,7 @@ class Recipe:
     bn_workers: int = knob(0, low=0, whole=True, doc="batch norm over groups of global batch / bn_workers images: the "
                            "per-GPU batch of a paper's bn_workers GPUs, whatever the GPUs here (ghost batch norm); "
                            "0: over each micro-batch")
-    network: Network = always_present(Network())
+    network: NetworkSettings = always_present(NetworkSettings())
     schedule: Schedule = always_present(Schedule())
     resolution: Resolution = always_present(Resolution())
     augment: Augment = always_present(Augment())
@@ -79,7 +79,7 @@ RN50_16EP = Recipe(
     name="rn50_16ep", doc="ResNet-50, 16 epochs, res 160->192, 512 images per GPU at lr 1.7 (published by FFCV: 73.8% "
                           "top-1 in 14.9 min on 8 A100s)",
     epochs=16, batch_size=512, per_gpu_batch=True,
-    network=Network(model="resnet50", blurpool=True),
+    network=NetworkSettings(model="resnet50", blurpool=True),
     schedule=Schedule(lr=1.7, lr_scaling="none", warmup_epochs=2.0, warmup_start=1e-4, schedule="linear"),
     resolution=Resolution(min_res=160, max_res=192, res_start_epoch=11, res_end_epoch=13, res_step=32),
     augment=Augment(crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True),
@@ -94,7 +94,7 @@ def ffcv(name, doc, *, epochs, res_start, res_end, **changes):
                    resolution=replace(RN50_16EP.resolution, res_start_epoch=res_start, res_end_epoch=res_end))
 
 
-RN18 = dict(network=Network(model="resnet18", blurpool=True), batch_size=1024,      # rn18: lr 0.5 for 1 GPU x 1024
+RN18 = dict(network=NetworkSettings(model="resnet18", blurpool=True), batch_size=1024,      # rn18: lr 0.5 for 1 GPU x 1024
             schedule=replace(RN50_16EP.schedule, lr=0.5), sgd=replace(RN50_16EP.sgd, weight_decay=5e-5))
 
 # The cluster papers: torchvision's ResNet-50 (no BlurPool) for 90 epochs at 224 px, momentum SGD 0.9 with weight
@@ -106,7 +106,7 @@ GOYAL_8K = Recipe(
     name="goyal_8k", doc="Goyal et al. 2017: batch 8,192, lr 0.1 per 256 (3.2) after a 5-epoch warm-up from 0.1, x0.1 "
                          "at epochs 30/60/80, zero-init residual BN (published: 76.3% top-1 in 1 hour on 256 P100s)",
     epochs=90, batch_size=8192, bn_workers=256,
-    network=Network(model="resnet50", blurpool=False, zero_init=True),
+    network=NetworkSettings(model="resnet50", blurpool=False, zero_init=True),
     schedule=Schedule(lr=0.1, lr_scale_base=256, warmup_epochs=5.0, warmup_start=256 / 8192, schedule="step",
                       step_epochs=(30.0, 60.0, 80.0)),
     resolution=Resolution(min_res=224, max_res=224, res_start_epoch=0, res_end_epoch=0),
@@ -197,7 +197,7 @@ RECIPES = {r.name: r for r in (
             sgd=replace(GOYAL_8K.sgd, label_smoothing=0.1), comm_hook="fp16"),
     *(fastai(name, **kw) for name, kw in FASTAI.items()),
     Recipe(name="tiny", doc="resnet_tiny width 16 for tests and CPU demonstrations on small stores (res 32, 8 epochs)",
-           epochs=8, batch_size=32, network=Network(model="resnet_tiny", width=16, blurpool=False),
+           epochs=8, batch_size=32, network=NetworkSettings(model="resnet_tiny", width=16, blurpool=False),
            schedule=Schedule(lr=0.2, warmup_epochs=1.0), sgd=SGDSettings(weight_decay=5e-5),
            resolution=Resolution(min_res=32, max_res=32, res_start_epoch=0, res_end_epoch=0, res_step=8),
            augment=Augment(crop_scale=(0.35, 1.0)), validation=Validation(res=32, crop=0.0, tta="none")),
