@@ -53,9 +53,9 @@ TECHNIQUES = {
     "label smoothing": r"label_smoothing",
     "dirac init": r"dirac",
     "batch-norm settings": r"(?i)batch_?norm|\bbn\b|\bbn_|freeze_scale|ghost_batch",
-    "rate schedule": r"\bLR\w*|\.lr\.|set_lr|get_lr|LambdaLR|scheduler|\bknots\b",
+    "rate schedule": r"\bLR\w*|\.lr\.|set_lr|get_lr|LambdaLR|scheduler|initial_lr|\bknots\b",
     "rates per 1024 images (decoupled)": r"lr_units|decoupled|kilostep",
-    "biases' rate x64": r"bias_lr_mult|bias_scaler|lr_biases",
+    "biases' rate x64": r"bias_lr_mult|bias_scaler|lr_biases|\bbias_lr\b",
     "Muon": r"(?i)(?<!airbench94_)muon|zeropower|newton_?schulz|\bns_\w+",     # not the script's name
 }
 
