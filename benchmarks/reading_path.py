@@ -5,7 +5,13 @@ a docstring); and how many calls `main` makes to reach the training step. Counte
 the flags, checks, warm-up and records (the command line, settings.py, cli.py, core.py, check* and the setting types'
 check methods, the FLOP count, the summary), joining torchrun's ranks (distributed.py's set-up, called for one
 process too) and devices.py's decisions (a line or two each, named for what they decide). A reference script given
-with --peer is counted whole, as its reader reads it.
+with --peer is counted whole, as its reader reads it. Characters are counted over the same lines as lines are.
+
+Where each technique is touched: a line of code (comments and docstrings left out, string literals kept) touches a
+technique when one of the technique's patterns (TECHNIQUES: identifiers and setting values both our code and
+airbench's scripts use) is found in it; a place is one top-level definition (a function, class or statement) of a file
+holding such lines on the path, shown as file:lines and its name. Our places are counted on the path alone; a
+reference's, over its whole file.
 
     python benchmarks/reading_path.py --recipe fast94,fast94_next,myrtle24 --peer airbench94.py --peer \
         airbench94_muon.py --out results/<machine>/reading_path.json        # airbench's scripts, fetched
@@ -14,8 +20,11 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import io
+import re
 import sys
 import tempfile
+import tokenize
 from collections import defaultdict
 from pathlib import Path
 
@@ -23,7 +32,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
-from core import Parser, write_json  # noqa: E402
+from core import Parser, Table, write_json  # noqa: E402
 
 SKIPPABLE_MODULES = {"settings.py", "cli.py", "core.py"}       # flags, checks, tables, progress, records
 SKIPPABLE = ("main", "parse_args", "check", "recipe_and_data", "warmup", "say_estimate", "count_flops",
@@ -32,18 +41,94 @@ SKIPPABLE = ("main", "parse_args", "check", "recipe_and_data", "warmup", "say_es
 RANKS = ("init_from_env", "barrier", "comm_hook", "shard", "leave")
 
 
-def code_lines(lines):
-    """How many of a unit's source lines are code: not blank, not a comment, not in a docstring."""
-    import textwrap
-    tree = ast.parse(textwrap.dedent("".join(lines)))
+# What marks a technique on a line of code: names that survive a move between files (settings fields and flags, the
+# classes' stems, the references' own names), searched in the line's code.
+TECHNIQUES = {
+    "whitening": r"(?i)whiten",
+    "whitening bias": r"(?i)whiten\w*[._]bias|WhiteningBias|bias_grad|bias_steps",
+    "lookahead": r"(?i)lookahead|alpha_schedule",
+    "flips (alternating)": r"(?i)flip(?!\()",                      # not a tensor's .flip(): TTA's mirror
+    "crops (translate)": r"(?i)crop|translate",
+    "TTA": r"(?i)(?<![a-z])tta|infer_mirror",
+    "label smoothing": r"label_smoothing",
+    "dirac init": r"dirac",
+    "batch-norm settings": r"(?i)batch_?norm|\bbn\b|\bbn_|freeze_scale|ghost_batch",
+    "rate schedule": r"\bLR\w*|\.lr\.|set_lr|get_lr|LambdaLR|scheduler|initial_lr|\bknots\b",
+    "rates per 1024 images (decoupled)": r"lr_units|decoupled|kilostep",
+    "biases' rate x64": r"bias_lr_mult|bias_scaler|lr_biases|\bbias_lr\b",
+    "Muon": r"(?i)(?<!airbench94_)muon|zeropower|newton_?schulz|\bns_\w+",     # not the script's name
+}
+
+
+def docstring_lines(tree):
+    """The line numbers of every docstring in a parsed module, class or function."""
     docs = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
                 getattr(body[0], "value", None), ast.Constant) and isinstance(body[0].value.value, str):
             docs.update(range(body[0].lineno, body[0].end_lineno + 1))
-    return sum(1 for i, line in enumerate(lines, 1)
-               if line.strip() and not line.strip().startswith("#") and i not in docs)
+    return docs
+
+
+class Source:
+    """A file's lines (numbered from 1), the code of each line that is code (its comment cut off; docstrings are
+    not code) and its top-level definitions' names by line."""
+
+    def __init__(self, path):
+        text = Path(path).read_text()
+        self.name, self.lines = Path(path).name, text.splitlines(keepends=True)
+        tree, comments = ast.parse(text), {}
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.COMMENT:
+                comments[tok.start[0]] = tok.start[1]
+        docs = docstring_lines(tree)
+        self.code = {n: line[:comments.get(n)].rstrip() for n, line in enumerate(self.lines, 1)
+                     if n not in docs and line[:comments.get(n)].strip()}
+        self.top = {}
+        for node in tree.body:
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            targets = getattr(node, "targets", None) or [getattr(node, "target", None)]      # x = ... or x: T = ...
+            name = getattr(node, "name", None) or ", ".join(ast.unparse(t) for t in targets if t) \
+                or f"line {node.lineno}"
+            self.top.update({n: name for n in range(first, node.end_lineno + 1)})
+
+    def counts(self, numbers):
+        """(lines, lines of code, characters, characters of code) of the lines `numbers`."""
+        code = [n for n in numbers if n in self.code]
+        return (len(numbers), len(code), sum(len(self.lines[n - 1]) for n in numbers),
+                sum(len(self.lines[n - 1]) for n in code))
+
+    def touched(self, numbers):
+        """{technique: {top-level name: [line numbers]}} of the lines `numbers` that touch it."""
+        out = defaultdict(lambda: defaultdict(list))
+        for n in sorted(numbers):
+            for technique, pattern in TECHNIQUES.items():
+                if n in self.code and re.search(pattern, self.code[n]):
+                    out[technique][self.top[n]].append(n)
+        return out
+
+
+def spans(numbers):
+    """Sorted line numbers as ranges: [3, 4, 5, 9] -> "3-5,9"."""
+    runs = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def techniques(sources_touched):
+    """{technique: {"places": ["file:lines name", ...], "lines": n}} from [(Source, touched)]: a place is one
+    top-level definition."""
+    out = {t: {"places": [], "lines": 0} for t in TECHNIQUES}
+    for source, touched in sources_touched:
+        for technique, where in touched.items():
+            out[technique]["places"] += [f"{source.name}:{spans(lines)} {name}" for name, lines in where.items()]
+            out[technique]["lines"] += sum(len(lines) for lines in where.values())
+    return out
 
 
 def kind(path, name):
@@ -57,7 +142,7 @@ def kind(path, name):
 
 
 def traced_calls(argv):
-    """{(module file, qualified name): lines of its source} of every product function the command calls, nested
+    """{(module file, qualified name): its source's line numbers} of every product function the command calls, nested
     functions and comprehensions left to the function they stand in; and the call depth of the first step."""
     import cifar10_fast as cf
     import training
@@ -72,8 +157,7 @@ def traced_calls(argv):
             return
         key = (path.name, code.co_qualname)
         if key not in seen:
-            lines = inspect.getsourcelines(code)[0]
-            seen[key] = (len(lines), code_lines(lines))
+            seen[key] = span(code)
         if code is training.train_step.__code__ and not depth:
             depth.append(calls_from_main(frame))
     sys.setprofile(profile)
@@ -100,27 +184,30 @@ def calls_from_main(frame):
     return list(reversed(chain))
 
 
+def span(obj):
+    """The line numbers of a function's, class's or code object's source."""
+    lines, first = inspect.getsourcelines(obj)
+    return range(first, first + len(lines))
+
+
 def recipe_definition(name):
-    """{(file, what): lines} of the recipe's own assignment in cifar10_recipes.py and of every setting type its value
-    uses (each dataclass once, its check method apart)."""
-    import cifar10_recipes
-    value, out = cifar10_recipes.RECIPES[name], {}
-    source = (ROOT / "cifar10_recipes.py").read_text().splitlines(keepends=True)
-    tree = ast.parse("".join(source))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == name.upper() for t in node.targets):
-            lines = source[node.lineno - 1:node.end_lineno]
-            out[("cifar10_recipes.py", name.upper())] = (len(lines), code_lines(lines))
+    """{(file, what): line numbers} of the recipe's own assignment (NAME = ..., in whichever product module holds
+    it) and of every setting type its value uses (each dataclass once, its check method apart)."""
+    import cifar10_fast as cf
+    value, out = cf.RECIPES[name], {}
+    for path in sorted(ROOT.glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == name.upper() for t in node.targets):
+                out[(path.name, name.upper())] = range(node.lineno, node.end_lineno + 1)
     stack = [value]
     while stack:
         v = stack.pop()
         if dataclasses.is_dataclass(v) and not isinstance(v, type):
             t = type(v)
-            lines, file = inspect.getsourcelines(t)[0], Path(inspect.getsourcefile(t)).name
-            check = inspect.getsourcelines(t.check)[0] if "check" in vars(t) else []
-            out[(file, t.__qualname__)] = (len(lines) - len(check), code_lines(lines) - code_lines(check))
+            file, check = Path(inspect.getsourcefile(t)).name, span(t.check) if "check" in vars(t) else range(0)
+            out[(file, t.__qualname__)] = [n for n in span(t) if n not in check]
             if check:                   # its checks are what a reader may skip, as check* functions are
-                out[(file, f"{t.__qualname__}.check")] = (len(check), code_lines(check))
+                out[(file, f"{t.__qualname__}.check")] = check
             stack += [getattr(v, f.name) for f in dataclasses.fields(v)]
     return out
 
@@ -136,7 +223,8 @@ def tiny_npz(folder):
 
 
 def count(recipe):
-    """{"path": {file: lines}, "skippable": {file: lines}, "calls_to_step": [...], "functions": [...]}"""
+    """{"path": {file: lines}, "skippable": {file: lines}, "calls_to_step": [...], "functions": [...], "path_chars": n,
+    "techniques": {technique: {"places": ["file:lines name", ...], "lines": n}}, ...}"""
     with tempfile.TemporaryDirectory() as tmp:
         # small, so that a test can count again: which functions run does not depend on the sizes
         argv = ["--recipe", recipe, "--data-dir", str(tiny_npz(tmp)), "--device", "cpu", "--epochs", "2",
@@ -145,15 +233,44 @@ def count(recipe):
     types = recipe_definition(recipe)
     # a setting type's span holds its methods: each line once
     units = {**{k: n for k, n in calls.items() if (k[0], k[1].split(".")[0]) not in types}, **types}
-    lines, code = defaultdict(lambda: defaultdict(int)), defaultdict(int)
-    for (file, name), (n, c) in units.items():
-        lines[kind(file, name)][file] += n
-        code[kind(file, name)] += c
+    sources = {file: Source(ROOT / file) for file, _ in units}
+    lines, totals, path = defaultdict(lambda: defaultdict(int)), defaultdict(lambda: [0, 0, 0, 0]), defaultdict(set)
+    for (file, name), numbers in units.items():
+        counts = sources[file].counts(numbers)
+        lines[kind(file, name)][file] += counts[0]
+        totals[kind(file, name)] = [a + b for a, b in zip(totals[kind(file, name)], counts)]
+        if kind(file, name) == "path":
+            path[file].update(numbers)
     return {"recipe": recipe, **{k: dict(v) for k, v in lines.items()}, "calls_to_step": chain,
-            **{f"{k}_lines": sum(v.values()) for k, v in lines.items()}, "path_code_lines": code["path"],
-            "path_files": len(lines["path"]),
-            "functions": sorted(f"{file}:{name} {n} ({c} code) {kind(file, name)}"
-                                for (file, name), (n, c) in units.items())}
+            **{f"{k}_lines": sum(v.values()) for k, v in lines.items()}, "path_code_lines": totals["path"][1],
+            "path_files": len(lines["path"]), "path_chars": totals["path"][2], "path_code_chars": totals["path"][3],
+            "skippable_chars": totals["skippable"][2],
+            "techniques": techniques([(sources[file], sources[file].touched(numbers)) for file, numbers in path.items()]),
+            "functions": sorted(f"{file}:{name} {len(numbers)} ({sources[file].counts(numbers)[1]} code) "
+                                f"{kind(file, name)}" for (file, name), numbers in units.items())}
+
+
+def count_peer(path):
+    """A reference script counted whole: {"file", "lines", "code_lines", "chars", "code_chars", "techniques"}."""
+    source = Source(path)
+    numbers = range(1, len(source.lines) + 1)
+    lines, code, chars, code_chars = source.counts(numbers)
+    return {"file": source.name, "lines": lines, "code_lines": code, "chars": chars, "code_chars": code_chars,
+            "techniques": techniques([(source, source.touched(numbers))])}
+
+
+def print_techniques(counted):
+    """Per technique, the places (and lines) of each of `counted` (recipes' counts and peers') that touch it; then
+    where."""
+    names = [c.get("recipe") or c["file"] for c in counted]
+    table = Table(["technique: places (lines)"] + names, width=12)
+    for t in TECHNIQUES:
+        table.append({"technique: places (lines)": t, **{
+            n: f"{len(c['techniques'][t]['places'])} ({c['techniques'][t]['lines']})" for n, c in zip(names, counted)}})
+    for name, c in zip(names, counted):
+        for t, touched in c["techniques"].items():
+            if touched["places"]:
+                print(f"{name}, {t}: {'; '.join(touched['places'])}")
 
 
 def main(argv=None):
@@ -174,17 +291,18 @@ def main(argv=None):
         c = count(name)
         if args.list:
             print("\n".join(c["functions"]))
-        print(f"{name}: {c['path_lines']} lines ({c['path_code_lines']} of code) in {c['path_files']} files to read "
+        print(f"{name}: {c['path_lines']} lines ({c['path_code_lines']} of code), {c['path_chars']:,} characters "
+              f"({c['path_code_chars']:,} of code) in {c['path_files']} files to read "
               f"({', '.join(f'{f} {n}' for f, n in sorted(c['path'].items()))}); besides, {c['devices_lines']} of "
               f"devices.py's decisions, {c.get('ranks_lines', 0)} of joining ranks and {c['skippable_lines']} of "
               f"flags, checks, warm-up and records; main reaches the step in {len(c['calls_to_step']) - 1} calls: "
               f"{' -> '.join(c['calls_to_step'])}", flush=True)
         counts.append(c)
-    peers = []
-    for path in args.peer:
-        lines = Path(path).read_text().splitlines(keepends=True)
-        peers.append({"file": Path(path).name, "lines": len(lines), "code_lines": code_lines(lines)})
-        print(f"{Path(path).name}: {len(lines)} lines ({code_lines(lines)} of code) in 1 file", flush=True)
+    peers = [count_peer(path) for path in args.peer]
+    for peer in peers:
+        print(f"{peer['file']}: {peer['lines']} lines ({peer['code_lines']} of code), {peer['chars']:,} characters "
+              f"({peer['code_chars']:,} of code) in 1 file", flush=True)
+    print_techniques(counts + peers)
     if args.out:
         import machine
         import torch

@@ -337,18 +337,33 @@ def t_op_counts(results, part):
 
 
 def t_reading_path(results):
-    """What a reader follows to learn what a recipe computes (benchmarks/reading_path.py)."""
+    """What a reader follows to learn what a recipe computes, and where each technique of the first recipe is
+    touched beside the references (benchmarks/reading_path.py)."""
     rs = results.get("reading_path", [])
     if not rs:
         return [f"The reading path: {NM}."]
-    rows = [[f"`{c['recipe']}`", f"{c['path_lines']} ({c['path_code_lines']})", c["path_files"],
+    chars = lambda c, code: f"{c[code]:,}" if code in c else "–"
+    rows = [[f"`{c['recipe']}`", f"{c['path_lines']} ({c['path_code_lines']})",
+             f"{chars(c, 'path_chars')} ({chars(c, 'path_code_chars')})", c["path_files"],
              len(c["calls_to_step"]) - 1, c["skippable_lines"]] for r in rs for c in r["recipes"]]
-    rows += [[f"{p['file']} (a reference; the whole file)", f"{p['lines']} ({p['code_lines']})", 1, "–", "–"]
-             for r in rs for p in r.get("peers", [])]
-    return table(["recipe", "lines to read (of code)", "files", "calls from main to the step",
-                  "lines a reader may skip (flags, checks, warm-up, records)"], rows) + [
+    rows += [[f"{p['file']} (a reference; the whole file)", f"{p['lines']} ({p['code_lines']})",
+              f"{chars(p, 'chars')} ({chars(p, 'code_chars')})", 1, "–", "–"] for r in rs for p in r.get("peers", [])]
+    out = table(["recipe", "lines to read (of code)", "characters (of code)", "files", "calls from main to the step",
+                 "lines a reader may skip (flags, checks, warm-up, records)"], rows)
+    for r in rs:
+        first, peers = r["recipes"][0], [p for p in r.get("peers", []) if "techniques" in p]
+        if "techniques" in first:
+            out += ["", f"Where each technique of `{first['recipe']}` is touched on its path (a place: one top-level "
+                        "definition; in parentheses, the lines), beside the references' whole files:", ""]
+            out += table(["technique", f"`{first['recipe']}`", *(p["file"] for p in peers),
+                          f"where, in `{first['recipe']}`'s path"],
+                         [[t, *(f"{len(c['techniques'][t]['places'])} ({c['techniques'][t]['lines']})"
+                                for c in [first, *peers]), "; ".join(touched["places"]) or "–"]
+                          for t, touched in first["techniques"].items()])
+    return out + [
         "", f"Command: {', '.join(sorted({code(r['command']) for r in rs}))}: every function a short run calls, "
-            "each whole and once, with the recipe's definition and its setting types (a count, not a timing)."]
+            "each whole and once, with the recipe's definition and its setting types (a count, not a timing); a line "
+            "touches a technique where one of the technique's names (reading_path.TECHNIQUES) is in its code."]
 
 
 def t_compile_cache(results):

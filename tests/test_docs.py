@@ -66,13 +66,29 @@ def test_the_mentions_are_found(text, found):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "results").glob("*/reading_path.json")), ids=lambda p: p.parent.name)
 def test_the_reading_path_on_record_is_the_codes_as_it_stands(path):
-    """README's reading-path table comes from results/: counted again now, every recipe's path has the lines, files
-    and calls on record (after a change to the code: benchmarks/reading_path.py ... --out, then report.py)."""
+    """README's reading-path tables come from results/: counted again now, every recipe's path has the lines, files,
+    calls, characters and places of each technique on record (after a change to the code: benchmarks/reading_path.py
+    ... --out, then report.py)."""
     import reading_path
-    fields = ("path_lines", "path_code_lines", "path_files", "skippable_lines", "calls_to_step")
     for recorded in json.loads(path.read_text())["recipes"]:
         now = reading_path.count(recorded["recipe"])
+        fields = [k for k in ("path_lines", "path_code_lines", "path_files", "skippable_lines", "calls_to_step",
+                              "path_chars", "path_code_chars", "techniques") if k in recorded]   # older records: fewer
         assert {k: now[k] for k in fields} == {k: recorded[k] for k in fields}, recorded["recipe"]
+
+
+def test_a_technique_is_touched_where_its_names_are_in_code_and_a_place_is_a_top_level_definition(tmp_path):
+    import reading_path
+    script = tmp_path / "script.py"
+    script.write_text('hyp = {"lr": 1.0,\n       "label_smoothing": 0.2}\n\n\ndef train(model):\n'
+                      '    """label_smoothing in a docstring is prose."""\n    # and so is label_smoothing in a comment\n'
+                      '    loss = loss_fn(label_smoothing=hyp["label_smoothing"])  # once, this line\n'
+                      '    return model[0].flip(3)\n')
+    peer = reading_path.count_peer(script)
+    assert peer["techniques"]["label smoothing"] == {"places": ["script.py:2 hyp", "script.py:8 train"], "lines": 2}
+    assert peer["techniques"]["flips (alternating)"] == {"places": [], "lines": 0}      # a tensor's .flip(): TTA's
+    assert (peer["lines"], peer["code_lines"], peer["chars"]) == (9, 5, len(script.read_text()))
+    assert reading_path.spans([3, 4, 5, 9, 11, 12]) == "3-5,9,11-12"
 
 
 def test_benchmarks_readme_says_what_each_script_is_once():
