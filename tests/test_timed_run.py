@@ -75,10 +75,11 @@ def test_the_warm_up_calls_every_path_a_timed_run_meets_as_often_as_cuda_graph_t
     torch.manual_seed(0)
     net = tb.build_model(r, device)
     forward = Paths(net)
+    paths = cf.Network(module=net, train_forward=forward, eval_forward=forward, recipe=r)
     calls = T.warmup_calls("reduce-overhead")
-    cf.warmup(r, data, device=device, dtype=torch.float32, ctx=ctx, net=net, forward=forward, calls=calls)
+    cf.warmup(r, data, device=device, dtype=torch.float32, ctx=ctx, net=paths, calls=calls)
     warm, forward.calls = forward.calls, Counter()
-    train_once(r, data, net=net, forward=forward, eval_every=1)
+    train_once(r, data, net=paths, eval_every=1)
     met = set(forward.calls)
     training = {path for path in met if path[1]}
     assert {path[0][-1] for path in training} == {16, 32} and {path[2] for path in training} == {True, False}
