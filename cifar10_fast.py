@@ -67,8 +67,7 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     step, hint = 0, f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         losses, correct, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
-        bar = Progress(min(steps_per_epoch, total_steps - step), f"epoch {epoch + 1}", PROGRESS_AFTER_S) \
-            if o.progress else None
+        bar = Progress(min(steps_per_epoch, total_steps - step), f"epoch {epoch + 1}", PROGRESS_AFTER_S, on=o.progress)
         for x, y in epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
                                   batch_size=batch, memory_format=devices.memory_format(device)):
             lr = r.lr.at(step / total_steps)
@@ -82,15 +81,14 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
             losses += loss
             correct += (logits.argmax(1) == y).sum()
             seen += len(y)
-            bar and bar.update()
+            bar.update()
             if step == total_steps:
                 break
-        bar and bar.close()
+        bar.close()
         last = step == total_steps
         if r.lookahead and last:
             average.finish(net.module)           # lookahead: the slow weights end the run
-        # the epoch's end as an event and its sums on the device, read where the host waits anyway
-        clock.stop(torch.stack([losses, correct]), seen, epoch=epoch + 1, lr=lr)
+        clock.stop(torch.stack([losses, correct]), seen, epoch=epoch + 1, lr=lr)      # read where the host waits
         if clock.evaluates(epoch, last=last):
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
                 loss, acc = loss_and_accuracy(evaluation_model(net.eval_forward, average), data["test_images"],
@@ -101,9 +99,8 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
             check_finite_loss(row["train_loss"], epoch=row["epoch"], hint=hint)
             on_epoch and on_epoch(row)
         clock.resume()
-    graphs, fallbacks = (now - before for now, before in zip(compile_counts(), compiled_before))
     return {"seed": seed, "rows": clock.rows, "final_acc": clock.rows[-1]["test_acc"], **clock.times(),
-            "model": evaluation_model(net.module, average), "recompiles": graphs, "eager_fallbacks": fallbacks}
+            "model": evaluation_model(net.module, average), **compiled_since(compiled_before)}
 
 
 def compile_counts():
@@ -111,6 +108,12 @@ def compile_counts():
     torch._dynamo's counts."""
     from torch._dynamo.utils import counters
     return counters["stats"]["unique_graphs"], counters["frames"]["total"] - counters["frames"]["ok"]
+
+
+def compiled_since(before):
+    """{"recompiles", "eager_fallbacks"}: the graphs torch.compile made, and the frames it left to run eagerly, since
+    compile_counts() gave `before`."""
+    return dict(zip(("recompiles", "eager_fallbacks"), (now - then for now, then in zip(compile_counts(), before))))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ def train_epoch(r, run, data, p, *, work, forward, ctx, o):
     micro = train_batches(data, p.augment, work.draws, res=p.res, batch_size=p.micro, device=device, dtype=dtype,
                           smalls=work.smalls)
     losses, correct, lr = torch.zeros((), device=device), torch.zeros((), device=device), 0.0
-    bar = Progress(p.steps, f"epoch {p.epoch + 1}", PROGRESS_AFTER_S) if o.progress else None
+    bar = Progress(p.steps, f"epoch {p.epoch + 1}", PROGRESS_AFTER_S, on=o.progress)
     for i, batch in enumerate(zip(*[micro] * r.accumulate)):       # r.accumulate micro-batches at a time
         t = p.epoch + i / p.steps                # the fractional epoch: the schedule's and RMSprop-to-SGD's clock
         lr = step_lr(r, t, p.batch * ctx.world_size)
@@ -189,8 +189,8 @@ def train_epoch(r, run, data, p, *, work, forward, ctx, o):
         if run.average:
             run.average.update(run.model, p.first_step + i + 1, p.total_steps)
         losses, correct = losses + loss, correct + hits
-        bar and bar.update()
-    bar and bar.close()
+        bar.update()
+    bar.close()
     return losses, correct, p.steps * p.batch, lr
 
 
