@@ -147,15 +147,13 @@ class Network:
     num_classes: int = 10
 
     def reset(self, seed):
-        """Re-initialises the module as torch.manual_seed(seed) and build_model would build it afresh: its state and
-        which parameters train."""
+        """Re-initialises the module's state (weights, batch-norm statistics) as torch.manual_seed(seed) and
+        build_model would build it afresh."""
         torch.manual_seed(seed)
         device = next(self.module.parameters()).device
         fresh = build_model(self.recipe, device, memory_format=devices.memory_format(device),
                             num_classes=self.num_classes)
         self.module.load_state_dict(fresh.state_dict())
-        for p, q in zip(self.module.parameters(), fresh.parameters()):
-            p.requires_grad_(q.requires_grad)
 
 
 def network(r, device, *, compile_mode=None, ctx=None, num_classes=10):
