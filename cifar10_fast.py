@@ -34,8 +34,8 @@ from optim import make_optimizers, set_lr
 from schedules import epoch_steps, per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
 from torch_backend import build_model, count_flops, fit_whitening, loss_and_accuracy, whitening_bias
-from training import (Options as SharedOptions, averaging, check_finite_loss, evaluation_model, run_seeds,
-                      strict_compile, train_step, warmup_calls)
+from training import (EpochClock, Options as SharedOptions, averaging, check_finite_loss, evaluation_model,
+                      run_seeds, strict_compile, train_step, warmup_calls)
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -45,92 +45,62 @@ COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "e
 
 
 def train_run(r, built, o, *, ctx, seed, on_epoch=None):
-    """One run of recipe r, Built once a process (its data on the device, the network re-initialised here), with
-    Options o: {"seed", "rows", "final_acc", "train_time", "final_eval_time", "time", "time_to_target", "model",
-    "recompiles", "eager_fallbacks"}."""
-    data, net, forward = built.data, built.net, built.forward
+    """One run of recipe r, Built once a process (its data on the device, its Network reset here), with Options o:
+    {"seed", "rows", "final_acc", "train_time", "final_eval_time", "time", "time_to_target", "model", "recompiles",
+    "eager_fallbacks"}."""
+    data, net = built.data, built.network
     device, batch = torch.device(ctx.device), r.batch_size // ctx.world_size
     dtype = devices.compute_dtype(device, o.precision)
     steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), batch, r.epochs)
     seeds = run_seeds(seed, ctx.rank)          # the network, the data's order and its augmentation: 3 streams
-    torch.manual_seed(seeds["init"])
+    net.reset(seeds["init"])
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
-    model = build_model(r, device, memory_format=devices.memory_format(device), num_classes=data.get("num_classes", 10))
-    if net is not None:
-        net.load_state_dict(model.state_dict())
-        model = net
-    step_with = forward if forward is not None else model
     # the whitening bias trains for its first epochs, then is detached (airbench94_muon)
-    bias = whitening_bias(model)
+    bias = whitening_bias(net.module)
     bias_steps = epoch_steps(r.whitening.bias.epochs, steps_per_epoch) if bias is not None else 0
-    opts = make_optimizers(model, r, steps_per_epoch, ctx.world_size, whitening_bias=bias, bias_steps=bias_steps)
+    opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, whitening_bias=bias, bias_steps=bias_steps)
     flip_base = flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
     compiled_before = compile_counts()
-    clock = devices.timer(device)                # starts once the network is built, as the references' does
-    fit_whitening(model, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # timed
-    average = averaging(model, ema=r.ema, lookahead=r.lookahead)
-    rows, pending, time_to_target, step, final_eval_time = [], [], None, 0, 0.0
-    hint = f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
+    clock = EpochClock(device, columns=COLUMNS, accuracy="test_acc", target=o.target, eval_every=o.eval_every)
+    fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # timed
+    average = averaging(net.module, ema=r.ema, lookahead=r.lookahead)
+    step, hint = 0, f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         losses, correct, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
-        bar = Progress(min(steps_per_epoch, total_steps - step), f"epoch {epoch + 1}", PROGRESS_AFTER_S) \
-            if o.progress else None
+        bar = Progress(min(steps_per_epoch, total_steps - step), f"epoch {epoch + 1}", PROGRESS_AFTER_S, on=o.progress)
         for x, y in epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
                                   batch_size=batch, memory_format=devices.memory_format(device)):
             lr = r.lr.at(step / total_steps)
             set_lr(opts, lr, step)
             if bias is not None and not ctx.distributed:        # DDP wants every gradient: its bias's rate goes to 0
                 bias.requires_grad_(step < bias_steps)
-            logits, loss = train_step(step_with, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
+            logits, loss = train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
             step += 1
             if average:
-                average.update(model, step, total_steps)
+                average.update(net.module, step, total_steps)
             losses += loss
             correct += (logits.argmax(1) == y).sum()
             seen += len(y)
-            bar and bar.update()
+            bar.update()
             if step == total_steps:
                 break
-        bar and bar.close()
-        if r.lookahead and step == total_steps:
-            average.finish(model)                # lookahead: the slow weights end the run
+        bar.close()
         last = step == total_steps
-        # the epoch's end as an event and its sums on the device, read where the host waits anyway
-        pending.append({"epoch": epoch + 1, "lr": lr, "sums": torch.stack([losses, correct]), "seen": seen,
-                        "mark": clock.mark(), "test_loss": None, "test_acc": None})
-        if last or (o.eval_every and (epoch + 1) % o.eval_every == 0):
-            weights = evaluation_model(model if ctx.distributed else step_with, average)
+        if r.lookahead and last:
+            average.finish(net.module)           # lookahead: the slow weights end the run
+        clock.stop(torch.stack([losses, correct]), seen, epoch=epoch + 1, lr=lr)      # read where the host waits
+        if clock.evaluates(epoch, last=last):
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
-                loss, acc = loss_and_accuracy(weights, data["test_images"], data["test_labels"], dtype=dtype,
-                                              tta=r.tta if last else None, memory_format=devices.memory_format(device))
-            pending[-1].update(test_loss=loss, test_acc=acc, eval_mark=clock.mark(include=False))
-        if pending[-1]["test_acc"] is None and clock.reads_later:
-            continue
-        readings = clock.read()
-        for row in epoch_rows(pending, readings):
+                loss, acc = loss_and_accuracy(evaluation_model(net.eval_forward, average), data["test_images"],
+                                              data["test_labels"], dtype=dtype, tta=r.tta if last else None,
+                                              memory_format=devices.memory_format(device))
+            clock.evaluated(test_loss=loss, test_acc=acc)
+        for row in clock.rows_read():
             check_finite_loss(row["train_loss"], epoch=row["epoch"], hint=hint)
-            rows.append(row)
             on_epoch and on_epoch(row)
-        if "eval_mark" in pending[-1]:
-            final_eval_time = readings[pending[-1]["eval_mark"]][0]
-            if time_to_target is None and rows[-1]["test_acc"] >= o.target:
-                time_to_target = rows[-1]["total_time"]
-        pending = []
-        if not last:
-            clock.mark(include=False)            # the host's reading and printing, off the clock
-    graphs, fallbacks = (now - before for now, before in zip(compile_counts(), compiled_before))
-    return {"seed": seed, "rows": rows, "final_acc": rows[-1]["test_acc"], "train_time": clock.total,
-            "final_eval_time": final_eval_time, "time": clock.total + final_eval_time, "time_to_target": time_to_target,
-            "model": evaluation_model(model, average), "recompiles": graphs, "eager_fallbacks": fallbacks}
-
-
-def epoch_rows(pending, readings):
-    """The table's rows of the epochs `pending` holds: their sums read from the device in one copy, their times from
-    the clock's readings (devices.EventTimer.read)."""
-    sums = torch.stack([p["sums"] for p in pending]).tolist()
-    return [{"epoch": p["epoch"], "lr": p["lr"], "train_loss": loss / p["seen"], "train_acc": correct / p["seen"],
-             "test_loss": p["test_loss"], "test_acc": p["test_acc"], "epoch_time": readings[p["mark"]][0],
-             "total_time": readings[p["mark"]][1]} for p, (loss, correct) in zip(pending, sums)]
+        clock.resume()
+    return {"seed": seed, "rows": clock.rows, "final_acc": clock.rows[-1]["test_acc"], **clock.times(),
+            "model": evaluation_model(net.module, average), **compiled_since(compiled_before)}
 
 
 def compile_counts():
@@ -138,6 +108,12 @@ def compile_counts():
     torch._dynamo's counts."""
     from torch._dynamo.utils import counters
     return counters["stats"]["unique_graphs"], counters["frames"]["total"] - counters["frames"]["ok"]
+
+
+def compiled_since(before):
+    """{"recompiles", "eager_fallbacks"}: the graphs torch.compile made, and the frames it left to run eagerly, since
+    compile_counts() gave `before`."""
+    return dict(zip(("recompiles", "eager_fallbacks"), (now - then for now, then in zip(compile_counts(), before))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,18 +135,40 @@ def device_data(arrays, r, ctx, device, *, dtype, stats):
     return data
 
 
+@dataclass(kw_only=True)
+class Network:
+    """The network a process builds once (network()) and each run resets: `module`, what a training step calls
+    (`train_forward`) and what an evaluation calls (`eval_forward`), each the module itself, in DDP or compiled as
+    it was built; `recipe` and `num_classes` build the fresh network whose weights a reset takes."""
+    module: torch.nn.Module
+    train_forward: object
+    eval_forward: object
+    recipe: Recipe
+    num_classes: int = 10
+
+    def reset(self, seed):
+        """Re-initialises the module's state (weights, batch-norm statistics) as torch.manual_seed(seed) and
+        build_model would build it afresh."""
+        torch.manual_seed(seed)
+        device = next(self.module.parameters()).device
+        fresh = build_model(self.recipe, device, memory_format=devices.memory_format(device),
+                            num_classes=self.num_classes)
+        self.module.load_state_dict(fresh.state_dict())
+
+
 def network(r, device, *, compile_mode=None, ctx=None, num_classes=10):
-    """(net, forward) built once a process, re-initialised by every run: forward is net in DDP under torchrun, and
-    torch.compile'd with compile_mode (with r.compile_step, as WithLoss)."""
+    """The Network of recipe r: a training step calls it in DDP under torchrun (an evaluation the module itself), and
+    torch.compile'd with compile_mode (with r.compile_step, as WithLoss), which an evaluation then calls too."""
     distributed = ctx is not None and ctx.distributed
-    net = build_model(r, device, memory_format=devices.memory_format(device), num_classes=num_classes)
-    forward = register_comm_hook(wrap_ddp(net, ctx, ctx.bucket_mb), ctx.hook) if distributed else net
+    module = build_model(r, device, memory_format=devices.memory_format(device), num_classes=num_classes)
+    forward = register_comm_hook(wrap_ddp(module, ctx, ctx.bucket_mb), ctx.hook) if distributed else module
     if compile_mode:
         if r.compile_step:
             forward = WithLoss(forward, r.label_smoothing)
         # dynamic=False: each shape (the low-resolution epochs) compiles a graph of its own, once, in the warm-up
         forward = torch.compile(forward, mode=None if compile_mode == "default" else compile_mode, dynamic=False)
-    return net, forward
+    return Network(module=module, train_forward=forward, eval_forward=module if distributed else forward, recipe=r,
+                   num_classes=num_classes)
 
 
 class WithLoss(torch.nn.Module):
@@ -190,18 +188,16 @@ class WithLoss(torch.nn.Module):
                                        reduction="sum")
 
 
-def warmup(r, data, *, device, dtype, ctx, net=None, forward=None, calls=1):
+def warmup(r, data, *, device, dtype, ctx, net, calls=1):
     """Runs off the clock what a timed run meets (cuDNN autotuning, library loading, torch.compile, CUDA graphs): the
     whitening fit, `calls` steps at each training resolution and every evaluation (plain, TTA) `calls` times, with
-    the whitening bias trained and detached (under torchrun never detached), on `net` or a throwaway network at a rate
-    that moves nothing. calls: training.warmup_calls(the compile mode)."""
+    the whitening bias trained and detached (under torchrun never detached), on the Network `net` (which each run
+    resets) at a rate that moves nothing. calls: training.warmup_calls(the compile mode)."""
     memory_format = devices.memory_format(device)
-    net = net if net is not None else build_model(r, device, memory_format=memory_format,
-                                                  num_classes=data.get("num_classes", 10))
-    forward = net if forward is None else forward
-    fit_whitening(net, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # cuSOLVER
-    bias = whitening_bias(net)
-    opts = make_optimizers(net, r, 1, ctx.world_size, whitening_bias=bias, bias_steps=1)
+    # the whitening fit loads cuSOLVER
+    fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])
+    bias = whitening_bias(net.module)
+    opts = make_optimizers(net.module, r, 1, ctx.world_size, whitening_bias=bias, bias_steps=1)
     set_lr(opts, 1e-9)
     gen = devices.generator(device, 0)  # a generator of its own: the runs' random streams stay as they were
     flip_base = flip_bits(len(data["train_labels"]), gen, device)
@@ -212,13 +208,13 @@ def warmup(r, data, *, device, dtype, ctx, net=None, forward=None, calls=1):
             for _ in range(calls):
                 x, y = next(epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
                                           flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
-                train_step(forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
+                train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
     for state in states:
         bias is None or bias.requires_grad_(state)
         for tta in (None, r.tta):
             for _ in range(calls):
-                loss_and_accuracy(net if ctx.distributed else forward, data["test_images"], data["test_labels"],
-                                  tta=tta, dtype=dtype, memory_format=memory_format)
+                loss_and_accuracy(net.eval_forward, data["test_images"], data["test_labels"], tta=tta, dtype=dtype,
+                                  memory_format=memory_format)
     bias is None or bias.requires_grad_(True)
     devices.synchronize(device)
 
@@ -335,11 +331,9 @@ def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
 @dataclass(kw_only=True)
 class Built:
     """What a process builds once for a recipe: its data on the device (device_data, with the statistics it was
-    normalised by), the network `net` and what a step calls (`forward`: net, or it compiled or in DDP; both None when
-    each run builds a plain network of its own), and the FLOPs of a run (count_flops)."""
+    normalised by), its Network (network(), which each run resets) and the FLOPs of a run (count_flops)."""
     data: dict
-    net: torch.nn.Module = None
-    forward: object = None
+    network: Network
     flops: dict = None
 
 
@@ -351,15 +345,13 @@ def build(r, arrays, o, *, ctx, stats=None):
     dtype = devices.compute_dtype(device, o.precision)
     data = {**device_data(arrays, r, ctx, device, dtype=dtype, stats=stats), "stats": stats}
     flops = count_flops(r, {**data, "train_labels": torch.empty(len(arrays["train_labels"]))})
-    net, forward = (network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data.get("num_classes", 10))
-                    if o.compile or ctx.distributed else (None, None))      # otherwise each run builds its own
+    net = network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data.get("num_classes", 10))
     if not devices.is_cpu(device) or o.compile:
         devices.autotune(device)
         what = "compiling every graph the runs meet (torch.compile)" if o.compile else "cuDNN's autotuning"
         with Heartbeat(f"warm-up: {what}", on=o.progress):
-            warmup(r, data, device=device, dtype=dtype, ctx=ctx, net=net, forward=forward,
-                   calls=warmup_calls(o.compile))
-    return Built(data=data, net=net, forward=forward, flops=flops)
+            warmup(r, data, device=device, dtype=dtype, ctx=ctx, net=net, calls=warmup_calls(o.compile))
+    return Built(data=data, network=net, flops=flops)
 
 
 def say_estimate(r, epoch_s, *, runs, n_train):

@@ -43,16 +43,18 @@ def square_grid(world):
 class Progress:
     """The steps of one epoch on stderr once the epoch's projected time passes after_s seconds: tqdm's bar on a
     terminal, elsewhere a line in tqdm's format at most every `every_s` seconds. It counts steps on the host, never
-    waiting on the device."""
+    waiting on the device; with on=False, nothing."""
     every_s = 30.0
 
-    def __init__(self, total, desc, after_s=5.0, file=None):
+    def __init__(self, total, desc, after_s=5.0, file=None, *, on=True):
         self.file = file or sys.stderr
-        self.total, self.desc, self.after_s, self.n = total, desc, after_s, 0
+        self.total, self.desc, self.after_s, self.n, self.on = total, desc, after_s, 0, on
         self.bar = None
         self.start = self.last = time.perf_counter()
 
     def update(self):
+        if not self.on:
+            return
         self.n += 1
         now = time.perf_counter()
         if self.bar is None and (now - self.start) / self.n * self.total <= self.after_s:

@@ -43,7 +43,7 @@ from optim import set_lr
 from schedules import epoch_plans, plan, step_lr
 from settings import add_flags, changes_from, flag_error, flat, one_of
 from torch_backend import set_ghost_groups
-from training import averaging, check_finite_loss, evaluation_model, run_seeds
+from training import EpochClock, averaging, check_finite_loss, evaluation_model, run_seeds
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -80,7 +80,8 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
         model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
     opt = make_optimizer(model, r)
     forward = register_comm_hook(wrap_ddp(model, ctx, ctx.bucket_mb), ctx.hook) if ctx.distributed else model
-    clock = devices.timer(device)                # starts once the network is built, as the references' does
+    clock = EpochClock(device, columns=COLUMNS, accuracy="top5" if r.target_top5 else "top1", target=o.target,
+                       eval_every=o.eval_every, reads_every_epoch=True)      # its checkpoint records its rows
     if r.bn_stats == "last_batch":               # no moving averages: the last batch's, pooled over ranks (Akiba)
         use_last_batch_stats(model)
     average = averaging(model, ema=r.ema, lookahead=r.lookahead)
@@ -88,41 +89,37 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     run = Trainable(model=model, optimizers=[opt, scaler] if scaler else [opt], average=average,
                     generators=[order, augment])
     done = resume_run(r, run, o, forward=forward, plans=plans, ctx=ctx, on_epoch=on_epoch)
-    rows, time_to_target, clock.total = done["rows"], done["time_to_target"], done["train_time"]
-    final_eval_time = 0.0
+    clock.continue_from(done)
     for p, work in epochs_ahead(data, plans[done["epoch"]:], run.generators, shares=seeds["shares"]):
         decoded = Counter(data.decoded)
         losses, correct, seen, lr = train_epoch(r, run, data, p, work=work, forward=forward, ctx=ctx, o=o)
         decoded = decode_text(data.decoded - decoded)
-        if r.lookahead and p.epoch == r.epochs - 1:
+        last = p.epoch == r.epochs - 1
+        if r.lookahead and last:
             average.finish(model)                # lookahead: the slow weights end the run
-        epoch_time, last = clock(), p.epoch == r.epochs - 1
+        clock.stop(torch.stack([losses, correct]), seen, epoch=p.epoch + 1, res=p.res, lr=lr, decode=decoded,
+                   batch=p.batch * ctx.world_size)       # the global batch
         check_finite_loss(epoch_loss(losses, ctx) / (seen * ctx.world_size), epoch=p.epoch + 1,
                           hint=divergence_hint(r))
-        metrics = dict.fromkeys(("val_loss", "top1", "top5"))
-        if last or (o.eval_every and (p.epoch + 1) % o.eval_every == 0):
+        if clock.evaluates(p.epoch, last=last):
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {p.epoch + 1}", on=o.progress):
                 metrics = validation_metrics(r, run, data, p.validation, ctx=ctx, dtype=dtype, final=last)
-            final_eval_time = clock(include=False)
-            if time_to_target is None and metrics["top5" if r.target_top5 else "top1"] >= o.target:
-                time_to_target = clock.total
-        rows.append({"epoch": p.epoch + 1, "res": p.res, "batch": p.batch * ctx.world_size, "lr": lr,   # global
-                     "train_loss": losses.item() / seen, "train_acc": correct.item() / seen, **metrics,
-                     "epoch_time": epoch_time, "total_time": clock.total, "decode": decoded})
+            clock.evaluated(**metrics)
+        row, = clock.rows_read()
         if o.checkpoint:
             save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, store=o.store, progress={
-                "epoch": p.epoch + 1, "rows": rows, "train_time": clock.total, "time_to_target": time_to_target})
-        on_epoch and on_epoch(rows[-1])
+                "epoch": p.epoch + 1, "rows": clock.rows, "train_time": clock.train_time,
+                "time_to_target": clock.time_to_target})
+        on_epoch and on_epoch(row)
         if o.checkpoint and o.interrupt_after == p.epoch + 1:
             print0(f"stopped after epoch {p.epoch + 1} (--interrupt-after-epoch), exit status {INTERRUPTED}; "
                    f"its checkpoint is {o.checkpoint}: the same command with --resume continues from it",
                    file=sys.stderr)
             leave_together(ctx)
             raise SystemExit(INTERRUPTED)
-        clock(include=False)
-    return {"seed": seed, "rows": rows, "final_top1": rows[-1]["top1"], "final_top5": rows[-1]["top5"],
-            "train_time": clock.total, "final_eval_time": final_eval_time, "time": clock.total + final_eval_time,
-            "time_to_target": time_to_target}
+        clock.resume()
+    return {"seed": seed, "rows": clock.rows, "final_top1": clock.rows[-1]["top1"],
+            "final_top5": clock.rows[-1]["top5"], **clock.times()}
 
 
 def epoch_loss(losses, ctx):
@@ -182,7 +179,7 @@ def train_epoch(r, run, data, p, *, work, forward, ctx, o):
     micro = train_batches(data, p.augment, work.draws, res=p.res, batch_size=p.micro, device=device, dtype=dtype,
                           smalls=work.smalls)
     losses, correct, lr = torch.zeros((), device=device), torch.zeros((), device=device), 0.0
-    bar = Progress(p.steps, f"epoch {p.epoch + 1}", PROGRESS_AFTER_S) if o.progress else None
+    bar = Progress(p.steps, f"epoch {p.epoch + 1}", PROGRESS_AFTER_S, on=o.progress)
     for i, batch in enumerate(zip(*[micro] * r.accumulate)):       # r.accumulate micro-batches at a time
         t = p.epoch + i / p.steps                # the fractional epoch: the schedule's and RMSprop-to-SGD's clock
         lr = step_lr(r, t, p.batch * ctx.world_size)
@@ -192,8 +189,8 @@ def train_epoch(r, run, data, p, *, work, forward, ctx, o):
         if run.average:
             run.average.update(run.model, p.first_step + i + 1, p.total_steps)
         losses, correct = losses + loss, correct + hits
-        bar and bar.update()
-    bar and bar.close()
+        bar.update()
+    bar.close()
     return losses, correct, p.steps * p.batch, lr
 
 

@@ -86,12 +86,14 @@ def cifar10_npz(tmp_path_factory):
     return out
 
 
-def train_once(r, data, *, device="cpu", net=None, forward=None, seed=0, **options):
-    """One CIFAR-10 run of recipe r on device-resident data (cifar_data.to_device) through cifar10_fast.train_run;
-    options as cifar10_fast.Options takes them (target, eval_every, progress, ...)."""
+def train_once(r, data, *, device="cpu", net=None, seed=0, **options):
+    """One CIFAR-10 run of recipe r on device-resident data (cifar_data.to_device) through cifar10_fast.train_run, on
+    the cifar10_fast.Network net (a plain one built here by default); options as cifar10_fast.Options takes them
+    (target, eval_every, progress, ...)."""
     import cifar10_fast as cf
     import distributed as D
-    built = cf.Built(data=data, net=net, forward=forward)
+    net = net or cf.network(r, torch.device(device), num_classes=data.get("num_classes", 10))
+    built = cf.Built(data=data, network=net)
     return cf.train_run(r, built, cf.Options(**options), ctx=D.Context(device=str(device)), seed=seed)
 
 

@@ -491,8 +491,9 @@ def test_compiled_step_gives_the_eager_loss_and_gradients():
     r = cf.recipe("fast94_next", width=1 / 16, batch_size=8)
     torch.manual_seed(0)
     x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 10
-    net, step = cf.network(r, CPU, compile_mode="default")
-    assert isinstance(step._orig_mod, cf.WithLoss)
+    compiled = cf.network(r, CPU, compile_mode="default")
+    net, step = compiled.module, compiled.train_forward
+    assert isinstance(step._orig_mod, cf.WithLoss) and compiled.eval_forward is step
     tb.fit_whitening(net, x, 16)
     twin = copy.deepcopy(net)
     _, a = T.train_step(step, [], x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
@@ -506,8 +507,9 @@ def test_compiled_step_gives_the_eager_loss_and_gradients():
     # the whitening bias detached after its step, selective TTA through the network
     r, data = settings.changed(r, epochs=1, whiten_bias_epochs=0.5), tiny_data(16, n_test=8)
     step = torch.compile(cf.WithLoss(net, r.label_smoothing), backend="eager")
-    cf.warmup(r, data, device=CPU, dtype=torch.float32, ctx=D.Context(), net=net, forward=step)
-    assert len(train_once(r, data, net=net, forward=step, target=2.0)["rows"]) == 1
+    eager = cf.Network(module=net, train_forward=step, eval_forward=step, recipe=r)
+    cf.warmup(r, data, device=CPU, dtype=torch.float32, ctx=D.Context(), net=eager, calls=1)
+    assert len(train_once(r, data, net=eager, target=2.0)["rows"]) == 1
 
 
 def test_the_low_resolution_ablation_is_fast94_next_with_its_switch_and_the_predicted_flops():

@@ -60,6 +60,41 @@ class Paths(torch.nn.Module):
         return self.net(x)
 
 
+def test_the_epoch_clock_stops_before_each_evaluation_and_reads_its_rows_only_where_an_evaluation_waited(monkeypatch):
+    """Epoch 1 unread (no evaluation: the GPU's clock reads later), epochs 1-2 read at epoch 2's evaluation, the
+    host's printing then off the clock; the training time leaves out every evaluation, the final one is the run's
+    final_eval_time, the time to target is the first evaluated epoch's total at or above it."""
+    made = fake_cuda_events(monkeypatch, [0.0, 10.0, 25.0, 30.0, 40.0, 50.0, 57.0, 60.0])      # ms on the GPU
+    clock = T.EpochClock("cuda:0", columns=["epoch", "train_loss", "train_acc", "acc", "epoch_time", "total_time"],
+                         accuracy="acc", target=0.5, eval_every=2)
+    read = []
+    for epoch, acc in enumerate((None, 0.4, 0.6)):
+        clock.stop(torch.tensor([6.0, 2.0 + epoch]), 4, epoch=epoch + 1)
+        if clock.evaluates(epoch, last=epoch == 2):
+            clock.evaluated(acc=acc)
+        read.append([row["epoch"] for row in clock.rows_read()])
+        clock.resume()
+    assert read == [[], [1, 2], [3]] and [e.waited for e in made] == [False] * 3 + [True] + [False] * 2 + [True, False]
+    assert [(row["train_loss"], row["train_acc"], row["acc"]) for row in clock.rows] == [
+        (1.5, 0.5, None), (1.5, 0.75, 0.4), (1.5, 1.0, 0.6)]
+    assert [row["epoch_time"] for row in clock.rows] == pytest.approx([10e-3, 15e-3, 10e-3])
+    assert clock.times() == pytest.approx({"train_time": 35e-3, "final_eval_time": 7e-3, "time": 42e-3,
+                                           "time_to_target": 35e-3})
+
+
+def test_a_network_reset_by_a_run_trains_as_one_built_afresh(one_thread):
+    """A run on the Network an earlier run trained (its whitening bias detached by then) computes what a run on a
+    network built for it computes."""
+    r = cf.recipe("fast94_next", width=1 / 16, batch_size=32, epochs=2, whiten_bias_epochs=1)
+    data = cd.to_device(synthetic_arrays(n_train=128, n_test=64), torch.device("cpu"), dtype=torch.float32,
+                        pad=r.augment.crop_pad)
+    net = cf.network(r, torch.device("cpu"))
+    train_once(r, data, net=net, seed=1)
+    again, fresh = train_once(r, data, net=net, seed=2), train_once(r, data, seed=2)
+    assert [row["train_loss"] for row in again["rows"]] == [row["train_loss"] for row in fresh["rows"]]
+    assert again["final_acc"] == fresh["final_acc"]
+
+
 def test_the_warm_up_calls_each_path_three_times_where_torch_compile_captures_cuda_graphs_else_once():
     assert [T.warmup_calls(mode) for mode in (None, "default", "reduce-overhead", "max-autotune")] == [1, 1, 3, 3]
 
@@ -75,10 +110,11 @@ def test_the_warm_up_calls_every_path_a_timed_run_meets_as_often_as_cuda_graph_t
     torch.manual_seed(0)
     net = tb.build_model(r, device)
     forward = Paths(net)
+    paths = cf.Network(module=net, train_forward=forward, eval_forward=forward, recipe=r)
     calls = T.warmup_calls("reduce-overhead")
-    cf.warmup(r, data, device=device, dtype=torch.float32, ctx=ctx, net=net, forward=forward, calls=calls)
+    cf.warmup(r, data, device=device, dtype=torch.float32, ctx=ctx, net=paths, calls=calls)
     warm, forward.calls = forward.calls, Counter()
-    train_once(r, data, net=net, forward=forward, eval_every=1)
+    train_once(r, data, net=paths, eval_every=1)
     met = set(forward.calls)
     training = {path for path in met if path[1]}
     assert {path[0][-1] for path in training} == {16, 32} and {path[2] for path in training} == {True, False}
