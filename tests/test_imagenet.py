@@ -622,6 +622,7 @@ def test_imagenet_takes_the_learning_rates_batch_from_lr_scale_base(store, monke
     assert rates[256] and rates[256] == pytest.approx([2 * r for r in rates[512]])
 
 
+@pytest.mark.slow     # a benchmark's printing: the slow tier keeps the default run under 10 minutes
 def test_throughput_benchmark_prints_the_loader_per_core_beside_pil(tmp_path):
     r = run_cli("--device", "cpu", "--recipe", "tiny", "--images", "30", "--sizes", "32", "--steps", "2", "--warmup",
                 "1", "--batch-size", "8", "--workers", "1", "--count-batch", "2", "--out", str(tmp_path / "t.json"),
@@ -682,6 +683,7 @@ def torchrun(*args):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
 
 
+@pytest.mark.slow     # the default tests resume killed ranks in test_imagenet_ranks and test_two_nodes
 def test_two_ranks_resume_after_an_interruption_exactly(store, tmp_path):
     """2 gloo ranks (loopback): one uninterrupted run, and one that stops after epoch 1 and is launched
     again with --resume (what torchrun --max-restarts does on a failure): the same rows and parameters,

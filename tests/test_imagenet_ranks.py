@@ -237,6 +237,7 @@ def torchrun(folder, store, *extra, restarts=0):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow     # the default tests kill and resume ranks in test_two_nodes and the four-rank test above
 @pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="finds the workers in /proc")
 def test_torchrun_restarts_a_killed_worker_which_resumes_and_ends_as_if_uninterrupted(store, tmp_path, capsys):
     """README's restart: torchrun --max-restarts, one worker killed with SIGKILL after the first checkpoint; the
