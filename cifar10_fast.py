@@ -31,7 +31,7 @@ from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, clo
                   exit_now, print_summary, summarize_runs, write_json)
 from distributed import Context, barrier, leave, print0, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
-from schedules import epoch_steps, per_rank_batch, run_steps
+from schedules import per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
 from torch_backend import build_model, count_flops, fit_whitening, loss_and_accuracy, whitening_bias
 from training import (EpochClock, Options as SharedOptions, averaging, check_finite_loss, evaluation_model,
@@ -50,15 +50,13 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     "eager_fallbacks"}."""
     data, net = built.data, built.network
     device, batch = torch.device(ctx.device), r.batch_size // ctx.world_size
-    dtype = devices.compute_dtype(device, o.precision)
+    dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
     steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), batch, r.epochs)
     seeds = run_seeds(seed, ctx.rank)          # the network, the data's order and its augmentation: 3 streams
     net.reset(seeds["init"])
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
-    # the whitening bias trains for its first epochs, then is detached (airbench94_muon)
-    bias = whitening_bias(net.module)
-    bias_steps = epoch_steps(r.whitening.bias.epochs, steps_per_epoch) if bias is not None else 0
-    opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, whitening_bias=bias, bias_steps=bias_steps)
+    bias = whitening_bias(net.module, steps_per_epoch)     # at a rate of its own, then detached (airbench94_muon)
+    opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, own_rates=[bias])
     flip_base = flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
     compiled_before = compile_counts()
     clock = EpochClock(device, columns=COLUMNS, accuracy="test_acc", target=o.target, eval_every=o.eval_every)
@@ -69,18 +67,16 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
         losses, correct, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
         bar = Progress(min(steps_per_epoch, total_steps - step), f"epoch {epoch + 1}", PROGRESS_AFTER_S, on=o.progress)
         for x, y in epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
-                                  batch_size=batch, memory_format=devices.memory_format(device)):
+                                  batch_size=batch, memory_format=memory_format):
             lr = r.lr.at(step / total_steps)
             set_lr(opts, lr, step)
-            if bias is not None and not ctx.distributed:        # DDP wants every gradient: its bias's rate goes to 0
-                bias.requires_grad_(step < bias_steps)
+            if bias and not ctx.distributed:        # DDP wants every gradient: the bias's rate goes to 0 instead
+                bias.param.requires_grad_(step < bias.until_step)
             logits, loss = train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
             step += 1
             if average:
                 average.update(net.module, step, total_steps)
-            losses += loss
-            correct += (logits.argmax(1) == y).sum()
-            seen += len(y)
+            losses, correct, seen = losses + loss, correct + (logits.argmax(1) == y).sum(), seen + len(y)
             bar.update()
             if step == total_steps:
                 break
@@ -93,7 +89,7 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
                 loss, acc = loss_and_accuracy(evaluation_model(net.eval_forward, average), data["test_images"],
                                               data["test_labels"], dtype=dtype, tta=r.tta if last else None,
-                                              memory_format=devices.memory_format(device))
+                                              memory_format=memory_format)
             clock.evaluated(test_loss=loss, test_acc=acc)
         for row in clock.rows_read():
             check_finite_loss(row["train_loss"], epoch=row["epoch"], hint=hint)
@@ -197,25 +193,25 @@ def warmup(r, data, *, device, dtype, ctx, net, calls=1):
     # the whitening fit loads cuSOLVER
     fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])
     bias = whitening_bias(net.module)
-    opts = make_optimizers(net.module, r, 1, ctx.world_size, whitening_bias=bias, bias_steps=1)
+    opts = make_optimizers(net.module, r, 1, ctx.world_size, own_rates=[bias])
     set_lr(opts, 1e-9)
     gen = devices.generator(device, 0)  # a generator of its own: the runs' random streams stay as they were
     flip_base = flip_bits(len(data["train_labels"]), gen, device)
-    states = (True, False) if bias is not None and not ctx.distributed else (True,)
+    states = (True, False) if bias and not ctx.distributed else (True,)
     for epoch in dict.fromkeys((0, r.augment.low_res_epochs if r.augment.low_res else 0)):    # each resolution
         for state in states:
-            bias is None or bias.requires_grad_(state)
+            bias and bias.param.requires_grad_(state)
             for _ in range(calls):
                 x, y = next(epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
                                           flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
                 train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
     for state in states:
-        bias is None or bias.requires_grad_(state)
+        bias and bias.param.requires_grad_(state)
         for tta in (None, r.tta):
             for _ in range(calls):
                 loss_and_accuracy(net.eval_forward, data["test_images"], data["test_labels"], tta=tta, dtype=dtype,
                                   memory_format=memory_format)
-    bias is None or bias.requires_grad_(True)
+    bias and bias.param.requires_grad_(True)
     devices.synchronize(device)
 
 

@@ -248,9 +248,9 @@ class SGDAndMuon(torch.optim.Optimizer):
         device = groups[0]["params"][0].device
         scalar = lambda value=0: torch.full((), value, dtype=torch.float64 if devices.has_float64(device)
                                             else torch.float32, device=device)
-        self.lr, self.bias_lr = scalar(), scalar()
-        # the group whose rate is its own (the whitening bias: until_step), in bias_lr
-        self.bias_group = next((g for g in self.param_groups if g["until_step"] is not None), None)
+        self.lr = scalar()
+        # the groups that train at a rate of their own (schedules.OwnRate: until_step), each with its 0-d rate
+        self.own_rates = [(g, scalar()) for g in self.param_groups if g["until_step"] is not None]
         muon = next((g for g in self.param_groups if g.get("name") == "filters"), None)
         # Muon's settings the step reads (constants of its graph), and its clock: step, last renormalisation, total
         self.muon = muon and {k: muon[k] for k in MUON_STEP_SETTINGS}
@@ -270,7 +270,8 @@ class SGDAndMuon(torch.optim.Optimizer):
             params = [p for p in g["params"] if p.grad is not None]
             if not params:
                 continue
-            rate, unit = (self.bias_lr, 1.0) if g is self.bias_group else (self.lr, g["lr_unit"])
+            own = next((rate for group, rate in self.own_rates if group is g), None)
+            rate, unit = (self.lr, g["lr_unit"]) if own is None else (own, 1.0)
             buffers = [self.state[p]["momentum"] for p in params]
             if g.get("name") == "filters":
                 muon = (params, buffers, rate, unit, self.clock, self.muon)
@@ -427,31 +428,34 @@ def param_groups_no_decay_1d(model, weight_decay):
 MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def make_optimizers(model, r, steps_per_epoch=1, world=1, *, whitening_bias=None, bias_steps=0):
+def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=()):
     """The optimisers of a run of recipe r (set_lr sets their steps from the schedule's lr): SGD on the summed loss of b
     images a rank of `world`, in units by r.sgd.lr_units (docs/cifar10.md), and Muon (r.muon) for the conv filters;
-    with r.sgd.compile_optimizer, both as one SGDAndMuon. whitening_bias trains for its first bias_steps steps.
+    with r.sgd.compile_optimizer, both as one SGDAndMuon. own_rates: schedules.OwnRate, a group each (None: none).
         SGD lr = lr x unit x scale,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
         decay per step = lr x unit x wd x b (myrtle), / peak otherwise;  Muon lr = muon.lr x lr / peak
-        scale = bias_lr_mult (batch-norm biases), the whitening bias's lr_mult to its last step (to 0 if "linear"), 1
+        scale = bias_lr_mult (batch-norm biases), an own rate's lr_mult to its until_step (to 0 if linear), 1
     """
-    sgd, bias = r.sgd, r.whitening.bias if r.whitening else None
-    if bias and whitening_bias is None:
-        raise ValueError("make_optimizers: the recipe trains a whitening bias at a rate of its own: hand it over "
-                         "(whitening_bias=torch_backend.whitening_bias(model), bias_steps=its steps)")
+    own_rates = [o for o in own_rates if o is not None]
+    own = {id(o.param): o for o in own_rates}
+    stray = next(((name, p.own_rate_from) for name, p in model.named_parameters()
+                  if hasattr(p, "own_rate_from") and id(p) not in own), None)
+    if stray:
+        raise ValueError(f"make_optimizers: {stray[0]} trains at a rate of its own: hand it over in own_rates "
+                         f"({stray[1]})")
+    sgd = r.sgd
     bs, m, wd, peak = r.batch_size // world, sgd.momentum, sgd.weight_decay, max(r.lr.values)
     unit = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - m))), "sum": world}[sgd.lr_units]
     decay = (lambda scale: wd * bs / scale) if sgd.lr_units == "myrtle" else (lambda scale: wd * bs / (peak * scale))
     bn_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, nn.BatchNorm2d)}
-    groups = {"weights": [], "bn_biases": [], "whiten_bias": [whitening_bias] if bias else [], "filters": []}
+    groups = {"weights": [], "bn_biases": [], "filters": []}
     for p in model.parameters():
-        if p.requires_grad and p is not whitening_bias:
+        if p.requires_grad and id(p) not in own:
             groups["bn_biases" if id(p) in bn_biases else "filters" if r.muon and p.ndim == 4 else "weights"].append(p)
-    scales = {"weights": 1.0, "bn_biases": sgd.bias_lr_mult, "whiten_bias": bias.lr_mult if bias else 1.0}
-    whiten = dict(until_step=bias_steps, linear=bias is not None and bias.decay == "linear")
-    groups_sgd = [{"params": groups[k], "lr_unit": unit * scales[k], "weight_decay": decay(scales[k]), "name": k,
-                   "peak": peak, **(whiten if k == "whiten_bias" else {"until_step": None})}
-                  for k in scales if groups[k]]
+    groups_sgd = [{"params": groups[k], "lr_unit": unit * scale, "weight_decay": decay(scale), "name": k, "peak": peak,
+                   "until_step": None} for k, scale in (("weights", 1.0), ("bn_biases", sgd.bias_lr_mult)) if groups[k]]
+    groups_sgd += [{"params": [o.param], "lr_unit": unit * o.lr_mult, "weight_decay": decay(o.lr_mult), "name": o.name,
+                    "peak": peak, "until_step": o.until_step, "linear": o.linear} for o in own_rates]
     muon = [muon_for(groups["filters"], r, steps_per_epoch=steps_per_epoch, world=world)] if groups["filters"] else []
     if sgd.compile_optimizer:
         return [SGDAndMuon(groups_sgd + [g for opt in muon for g in opt.param_groups], momentum=m,
@@ -478,8 +482,8 @@ def set_lr(opts, lr, step=0, epoch=0.0):
     for opt in opts:
         if isinstance(opt, SGDAndMuon):
             opt.lr.fill_(lr)
-            if opt.bias_group is not None:
-                opt.bias_lr.fill_(group_rate(opt.bias_group, lr, step))
+            for g, rate in opt.own_rates:
+                rate.fill_(group_rate(g, lr, step))
             continue
         for g in opt.param_groups:
             g["lr"], g["epoch"] = group_rate(g, lr, step), epoch

@@ -38,6 +38,18 @@ def run_steps(n_train, batch, epochs):
     return steps_per_epoch, max(1, epoch_steps(epochs, steps_per_epoch))
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class OwnRate:
+    """A parameter (`param`, its optimizer group `name`) that trains at a rate of its own for its first until_step
+    steps and at 0 from then on (optim.make_optimizers, group_rate):
+        rate = lr x lr_mult,  or with linear: peak x lr_mult x (1 - step / until_step)"""
+    name: str
+    param: object
+    lr_mult: float
+    until_step: int
+    linear: bool = False
+
+
 def per_rank_batch(global_batch, world):
     """The batch size of each rank; one global batch size defines the run whatever the number of processes."""
     if global_batch % world:

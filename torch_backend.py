@@ -12,7 +12,7 @@ from torch import nn
 
 import devices
 from cifar_data import low_resolution, pair
-from schedules import run_steps
+from schedules import OwnRate, epoch_steps, run_steps
 from settings import component, knob, numbers
 
 # ---------------------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ class WhiteningSettings:
 class Whitening(nn.Conv2d):
     """Patch whitening with the settings w (WhiteningSettings): a frozen convolution whose filters whiten the
     patches of the first w.fit.images training images (and, with both_signs, their negatives), and a bias (w.bias)
-    that trains until the run detaches it (its requires_grad):
+    that trains at a rate of its own (whitening_bias) until the run detaches it (its requires_grad):
         filters = eigenvectors of C / sqrt(eigenvalues + eps),  C = P'P / (n - ddof), P the patches (centred or not)"""
 
     def __init__(self, w):
@@ -219,8 +219,11 @@ class Whitening(nn.Conv2d):
                          bias=w.bias is not None)
         self.w = w
         self.weight.requires_grad_(False)
-        if w.bias and w.bias.init == "zero":
-            nn.init.zeros_(self.bias)
+        if w.bias:
+            # make_optimizers refuses a network that does not hand it over, and says how
+            self.bias.own_rate_from = "torch_backend.whitening_bias(model, steps_per_epoch)"
+            if w.bias.init == "zero":
+                nn.init.zeros_(self.bias)
 
     @torch.no_grad()
     def fit(self, images):
@@ -240,6 +243,29 @@ class Whitening(nn.Conv2d):
         if self.w.both_signs:
             filters = torch.cat([filters, -filters])
         self.weight.copy_(filters.to(self.weight))
+
+
+def whitening_bias(net, steps_per_epoch=1):
+    """The whitening layer's bias as a schedules.OwnRate: trained at the schedule's x bias.lr_mult (falling to 0 with
+    bias.decay "linear") for its first bias.epochs, then detached; None where the network has no such bias."""
+    white = next((m for m in net.modules() if isinstance(m, Whitening)), None)
+    if white is None or white.bias is None:
+        return None
+    b = white.w.bias
+    return OwnRate(name="whiten_bias", param=white.bias, lr_mult=b.lr_mult, linear=b.decay == "linear",
+                   until_step=epoch_steps(b.epochs, steps_per_epoch))
+
+
+def fit_whitening(model, train_images, size):
+    """Fits every Whitening layer to the first training images (as many as it takes), cropped back to `size`
+    (a side, or height and width)."""
+    layers = [m for m in model.modules() if isinstance(m, Whitening)]
+    if layers:
+        h, w = pair(size)
+        pad = (train_images.shape[-1] - w) // 2
+        x = train_images[:max(m.w.fit.images for m in layers), :, pad:pad + h, pad:pad + w]
+        for m in layers:
+            m.fit(x)
 
 
 def widths(net, base):
@@ -358,18 +384,6 @@ def count_parameters(model):
     return sum(p.numel() for p in model.parameters())
 
 
-def fit_whitening(model, train_images, size):
-    """Fits every Whitening layer to the first training images (as many as it takes), cropped back to `size`
-    (a side, or height and width)."""
-    layers = [m for m in model.modules() if isinstance(m, Whitening)]
-    if layers:
-        h, w = pair(size)
-        pad = (train_images.shape[-1] - w) // 2
-        x = train_images[:max(m.w.fit.images for m in layers), :, pad:pad + h, pad:pad + w]
-        for m in layers:
-            m.fit(x)
-
-
 # ---------------------------------------------------------------------------------------------
 # Evaluation
 # ---------------------------------------------------------------------------------------------
@@ -458,11 +472,6 @@ def loss_and_accuracy(model, images, labels, *, tta=None, dtype=torch.float32, b
     loss, correct = torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
                                  (logits.argmax(1) == labels).sum().float()]).tolist()
     return loss / len(images), correct / len(images)
-
-
-def whitening_bias(net):
-    """The whitening layer's bias (a Parameter), or None."""
-    return next((m.bias for m in net.modules() if isinstance(m, Whitening)), None)
 
 
 # ---------------------------------------------------------------------------------------------

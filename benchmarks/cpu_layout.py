@@ -31,7 +31,7 @@ def setup(r, layout, *, eval_batch):
     """(one training step, one evaluation forward) of recipe r's network in layout, on fixed random batches."""
     gen = torch.Generator().manual_seed(0)
     model = tb.build_model(r, "cpu", memory_format=layout)
-    opts = make_optimizers(model, r, whitening_bias=tb.whitening_bias(model), bias_steps=1)
+    opts = make_optimizers(model, r, own_rates=[tb.whitening_bias(model)])
     set_lr(opts, max(r.lr.values), 0)
     x = torch.randn(r.batch_size, 3, 32, 32, generator=gen).contiguous(memory_format=layout)
     y = torch.randint(0, 10, (r.batch_size,), generator=gen)

@@ -22,7 +22,7 @@ import cifar_data as cd  # noqa: E402
 import torch_backend as tb  # noqa: E402
 from core import DataError, Parser, Table, UsageError, write_json  # noqa: E402
 from optim import make_optimizers, set_lr  # noqa: E402
-from schedules import epoch_steps, run_steps  # noqa: E402
+from schedules import run_steps  # noqa: E402
 
 NORMAL, SUBNORMAL = 2.0 ** -14, 2.0 ** -24
 OUTPUTS = []        # the module outputs of the step being counted, in the order the forward pass made them
@@ -86,9 +86,8 @@ def main(argv=None):
     model = tb.build_model(r, "cpu", num_classes=10)
     tb.fit_whitening(model, data["train_images"], data["test_images"].shape[-2:])
     per_epoch, total = run_steps(len(data["train_labels"]), args.batch_size, r.epochs)
-    bias = tb.whitening_bias(model)
-    opts = make_optimizers(model, r, per_epoch, 1, whitening_bias=bias,
-                           bias_steps=epoch_steps(r.whitening.bias.epochs, per_epoch) if bias is not None else 0)
+    bias = tb.whitening_bias(model, per_epoch)
+    opts = make_optimizers(model, r, per_epoch, 1, own_rates=[bias])
     params = [q for q in model.parameters() if q.requires_grad]
     leaves = [m for m in model.modules() if not list(m.children())]
     table = Table(COLUMNS, width=24, formats={c: ".3e" for c in COLUMNS})

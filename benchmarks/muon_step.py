@@ -34,11 +34,11 @@ def module_at(rev, name):
 
 
 def stepper(module, net, hp):
-    # today's make_optimizers is handed the whitening bias and its steps; earlier ones found them
-    bias = tb.whitening_bias(net)
-    handed = "whitening_bias" in inspect.signature(module.make_optimizers).parameters and bias is not None
-    opts = module.make_optimizers(net, hp, 10, **({"whitening_bias": bias, "bias_steps": optim.epoch_steps(
-        hp.whitening.bias.epochs, 10)} if handed else {}))
+    # today's make_optimizers is handed the whitening bias with its rate; earlier ones its steps, or found them
+    bias, takes = tb.whitening_bias(net, 10), inspect.signature(module.make_optimizers).parameters
+    handed = ({"own_rates": [bias]} if "own_rates" in takes else
+              {"whitening_bias": bias.param, "bias_steps": bias.until_step} if "whitening_bias" in takes else {})
+    opts = module.make_optimizers(net, hp, 10, **(handed if bias else {}))
     module.set_lr(opts, 1e-9)        # every kernel runs; the weights barely move
 
     def step():

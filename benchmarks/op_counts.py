@@ -14,6 +14,7 @@ CPU, counted by a dispatch mode (the count depends on neither the batch nor the 
 """
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -160,8 +161,8 @@ def cifar_step_operations(name, *, fused, step=3, **changes):
     model = tb.build_model(r, "cpu")
     tb.fit_whitening(model, torch.randn(64, 3, 32, 32), 32)
     with mock.patch.object(optim.devices, "sgd_options", lambda device: {"fused": True} if fused else {}):
-        opts = optim.make_optimizers(model, r, steps_per_epoch=32, whitening_bias=tb.whitening_bias(model),
-                                     bias_steps=step)
+        opts = optim.make_optimizers(model, r, steps_per_epoch=32,
+                                     own_rates=[replace(tb.whitening_bias(model), until_step=step)])
     ns = []
     for k in range(step):
         optim.set_lr(opts, max(r.lr.values), k)
@@ -226,8 +227,8 @@ def one_step_operations(name, *, one_step, step=3, **changes):
     model = tb.build_model(r, "cpu")
     with mock.patch.object(optim.devices, "sgd_options", lambda device: {"fused": True}), \
             mock.patch.object(optim.devices, "compiles_helpers", lambda device: True):
-        opts = optim.make_optimizers(model, r, steps_per_epoch=32, whitening_bias=tb.whitening_bias(model),
-                                     bias_steps=step)
+        opts = optim.make_optimizers(model, r, steps_per_epoch=32,
+                                     own_rates=[replace(tb.whitening_bias(model), until_step=step)])
     with kernel_profile(), mock.patch.object(optim.devices, "compiles_helpers", lambda device: True):
         for k in range(step):
             set_lr = lambda: optim.set_lr(opts, max(r.lr.values) * (1 - k / 10), k)

@@ -10,8 +10,9 @@ with --peer is counted whole, as its reader reads it. Characters are counted ove
 Where each technique is touched: a line of code (comments and docstrings left out, string literals kept) touches a
 technique when one of the technique's patterns (TECHNIQUES: identifiers and setting values both our code and
 airbench's scripts use) is found in it; a place is one top-level definition (a function, class or statement) of a file
-holding such lines on the path, shown as file:lines and its name. Our places are counted on the path alone; a
-reference's, over its whole file.
+holding such lines on the path, shown as file:lines and its name; a stretch is a run of places one after another in
+a file, no other top-level definition between them (a technique's settings class above the class that reads them:
+one stretch, read top to bottom). Our places are counted on the path alone; a reference's, over its whole file.
 
     python benchmarks/reading_path.py --recipe fast94,fast94_next,myrtle24 --peer airbench94.py --peer \
         airbench94_muon.py --out results/<machine>/reading_path.json        # airbench's scripts, fetched
@@ -45,7 +46,7 @@ RANKS = ("init_from_env", "barrier", "comm_hook", "shard", "leave")
 # classes' stems, the references' own names), searched in the line's code.
 TECHNIQUES = {
     "whitening": r"(?i)whiten",
-    "whitening bias": r"(?i)whiten\w*[._]bias|WhiteningBias|bias_grad|bias_steps",
+    "whitening bias": r"(?i)whiten\w*[._]bias|WhiteningBias|bias_grad|bias_steps|\bw\.bias\b|bias\.(param|until_step)",
     "lookahead": r"(?i)lookahead|alpha_schedule",
     "flips (alternating)": r"(?i)flip(?!\()",                      # not a tensor's .flip(): TTA's mirror
     "crops (translate)": r"(?i)crop|translate",
@@ -85,13 +86,14 @@ class Source:
         docs = docstring_lines(tree)
         self.code = {n: line[:comments.get(n)].rstrip() for n, line in enumerate(self.lines, 1)
                      if n not in docs and line[:comments.get(n)].strip()}
-        self.top = {}
-        for node in tree.body:
+        self.top, self.index = {}, {}           # line: its top-level definition's name, and its rank in the file
+        for i, node in enumerate(tree.body):
             first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
             targets = getattr(node, "targets", None) or [getattr(node, "target", None)]      # x = ... or x: T = ...
             name = getattr(node, "name", None) or ", ".join(ast.unparse(t) for t in targets if t) \
                 or f"line {node.lineno}"
             self.top.update({n: name for n in range(first, node.end_lineno + 1)})
+            self.index.update({n: i for n in range(first, node.end_lineno + 1)})
 
     def counts(self, numbers):
         """(lines, lines of code, characters, characters of code) of the lines `numbers`."""
@@ -121,12 +123,14 @@ def spans(numbers):
 
 
 def techniques(sources_touched):
-    """{technique: {"places": ["file:lines name", ...], "lines": n}} from [(Source, touched)]: a place is one
-    top-level definition."""
-    out = {t: {"places": [], "lines": 0} for t in TECHNIQUES}
+    """{technique: {"places": ["file:lines name", ...], "stretches": n, "lines": n}} from [(Source, touched)]: a place
+    is one top-level definition, a stretch a run of places with no other top-level definition between them."""
+    out = {t: {"places": [], "stretches": 0, "lines": 0} for t in TECHNIQUES}
     for source, touched in sources_touched:
         for technique, where in touched.items():
             out[technique]["places"] += [f"{source.name}:{spans(lines)} {name}" for name, lines in where.items()]
+            out[technique]["stretches"] += len(spans(sorted({source.index[lines[0]] for lines in where.values()}))
+                                               .split(","))
             out[technique]["lines"] += sum(len(lines) for lines in where.values())
     return out
 
@@ -263,14 +267,19 @@ def print_techniques(counted):
     """Per technique, the places (and lines) of each of `counted` (recipes' counts and peers') that touch it; then
     where."""
     names = [c.get("recipe") or c["file"] for c in counted]
-    table = Table(["technique: places (lines)"] + names, width=12)
+    table = Table(["technique: places in stretches (lines)"] + names, width=12)
     for t in TECHNIQUES:
-        table.append({"technique: places (lines)": t, **{
-            n: f"{len(c['techniques'][t]['places'])} ({c['techniques'][t]['lines']})" for n, c in zip(names, counted)}})
+        table.append({"technique: places in stretches (lines)": t, **{n: place_text(c["techniques"][t])
+                                                                      for n, c in zip(names, counted)}})
     for name, c in zip(names, counted):
         for t, touched in c["techniques"].items():
             if touched["places"]:
                 print(f"{name}, {t}: {'; '.join(touched['places'])}")
+
+
+def place_text(touched):
+    """"6 in 3 (17)": a technique's places, the stretches they make and its lines."""
+    return f"{len(touched['places'])} in {touched.get('stretches', '?')} ({touched['lines']})"
 
 
 def main(argv=None):

@@ -336,6 +336,12 @@ def t_op_counts(results, part):
                                       "operations, not a timing)."]
 
 
+def places_in_stretches(touched):
+    """"6 in 3 (17)": a technique's places, the stretches they make (older records: "6 (17)") and its lines."""
+    stretches = f" in {touched['stretches']}" if "stretches" in touched else ""
+    return f"{len(touched['places'])}{stretches} ({touched['lines']})"
+
+
 def t_reading_path(results):
     """What a reader follows to learn what a recipe computes, and where each technique of the first recipe is
     touched beside the references (benchmarks/reading_path.py)."""
@@ -354,11 +360,12 @@ def t_reading_path(results):
         first, peers = r["recipes"][0], [p for p in r.get("peers", []) if "techniques" in p]
         if "techniques" in first:
             out += ["", f"Where each technique of `{first['recipe']}` is touched on its path (a place: one top-level "
-                        "definition; in parentheses, the lines), beside the references' whole files:", ""]
+                        "definition; a stretch: places one after another in a file, no other definition between "
+                        "them; in parentheses, the lines), beside the references' whole files:", ""]
             out += table(["technique", f"`{first['recipe']}`", *(p["file"] for p in peers),
                           f"where, in `{first['recipe']}`'s path"],
-                         [[t, *(f"{len(c['techniques'][t]['places'])} ({c['techniques'][t]['lines']})"
-                                for c in [first, *peers]), "; ".join(touched["places"]) or "–"]
+                         [[t, *(places_in_stretches(c["techniques"][t]) for c in [first, *peers]),
+                           "; ".join(touched["places"]) or "–"]
                           for t, touched in first["techniques"].items()])
     return out + [
         "", f"Command: {', '.join(sorted({code(r['command']) for r in rs}))}: every function a short run calls, "

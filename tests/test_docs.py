@@ -85,10 +85,15 @@ def test_a_technique_is_touched_where_its_names_are_in_code_and_a_place_is_a_top
                       '    loss = loss_fn(label_smoothing=hyp["label_smoothing"])  # once, this line\n'
                       '    return model[0].flip(3)\n')
     peer = reading_path.count_peer(script)
-    assert peer["techniques"]["label smoothing"] == {"places": ["script.py:2 hyp", "script.py:8 train"], "lines": 2}
-    assert peer["techniques"]["flips (alternating)"] == {"places": [], "lines": 0}      # a tensor's .flip(): TTA's
+    assert peer["techniques"]["label smoothing"] == {"places": ["script.py:2 hyp", "script.py:8 train"],
+                                                     "stretches": 1, "lines": 2}           # one after the other
+    assert peer["techniques"]["flips (alternating)"] == {"places": [], "stretches": 0, "lines": 0}  # a tensor's .flip()
     assert (peer["lines"], peer["code_lines"], peer["chars"]) == (9, 5, len(script.read_text()))
     assert reading_path.spans([3, 4, 5, 9, 11, 12]) == "3-5,9,11-12"
+    script.write_text("def a():\n    return label_smoothing\n\n\ndef b():\n    return 0\n\n\n"
+                      "def c():\n    return label_smoothing\n")
+    apart = reading_path.count_peer(script)["techniques"]["label smoothing"]
+    assert (len(apart["places"]), apart["stretches"]) == (2, 2)                  # b between them: two stretches
 
 
 def test_benchmarks_readme_says_what_each_script_is_once():

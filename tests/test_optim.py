@@ -1,6 +1,7 @@
 """The optimisers of optim.py, one step at a time against their formulas, on the CPU."""
 import math
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -236,8 +237,8 @@ def test_muon_as_foreach_operations_steps_exactly_as_its_loop(recipe, dtype, one
         torch.manual_seed(0)
         net = tb.build_model(r, "cpu")
         twin = copy.deepcopy(net)
-        loop, foreach = (optim.make_optimizers(m, changes, steps_per_epoch=100, whitening_bias=tb.whitening_bias(m),
-                                               bias_steps=3)[1]
+        loop, foreach = (optim.make_optimizers(m, changes, steps_per_epoch=100,
+                                               own_rates=[replace(tb.whitening_bias(m), until_step=3)])[1]
                          for m, changes in ((net, settings.changed(r, muon_foreach=False)), (twin, r)))
         assert not loop.param_groups[0]["foreach"] and foreach.param_groups[0]["foreach"]
         for step in range(5):
@@ -282,14 +283,14 @@ def steps_of(recipe, *, one_step, backend=None, steps=8, ddp=False):
     r = settings.changed(cf.recipe(recipe, width=1 / 16), compile_optimizer=one_step)
     torch.manual_seed(0)
     net = tb.build_model(r, "cpu").double()
-    bias = tb.whitening_bias(net)
-    opts = optim.make_optimizers(net, r, steps_per_epoch=4, whitening_bias=bias, bias_steps=3)
+    bias = replace(tb.whitening_bias(net), until_step=3)
+    opts = optim.make_optimizers(net, r, steps_per_epoch=4, own_rates=[bias])
     if backend:
         opts[0].compile, opts[0].compile_backend = True, backend
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         optim.set_lr(opts, max(r.lr.values) * (1 - step / 10), step)
-        bias.requires_grad_(step < 3 or ddp)
+        bias.param.requires_grad_(step < 3 or ddp)
         for p in net.parameters():
             p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype) if p.requires_grad else None
         for opt in opts:
@@ -340,14 +341,14 @@ def test_set_lr_fills_the_one_steps_rates_and_leaves_its_groups_alone():
     import torch_backend as tb
     r = cf.recipe("fast94_fastest", width=1 / 16)
     net = tb.build_model(r, "cpu")
-    (opt,) = optim.make_optimizers(net, r, steps_per_epoch=10, whitening_bias=tb.whitening_bias(net), bias_steps=2)
+    (opt,) = optim.make_optimizers(net, r, steps_per_epoch=10, own_rates=[replace(tb.whitening_bias(net), until_step=2)])
     groups = [dict(g) for g in opt.param_groups]
-    bias = opt.bias_group
+    (bias, bias_lr_tensor), = opt.own_rates
     for step, lr, bias_lr in ((0, 0.5, bias["peak"] * bias["lr_unit"]), (1, 0.4, bias["peak"] * bias["lr_unit"] / 2),
                               (2, 0.3, 0.0)):
         optim.set_lr([opt], lr, step)
-        assert (opt.lr.item(), opt.bias_lr.item()) == (lr, bias_lr)
-    assert [dict(g) for g in opt.param_groups] == groups and bias["params"] == [tb.whitening_bias(net)]
+        assert (opt.lr.item(), bias_lr_tensor.item()) == (lr, bias_lr)
+    assert [dict(g) for g in opt.param_groups] == groups and bias["params"] == [tb.whitening_bias(net).param]
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def test_muon_orthogonalises_its_update():
 def test_muon_takes_the_conv_filters_only():
     r = cf.recipe("fast94", muon=True, muon_lr=0.2)
     net = tb.build_model(r, CPU)
-    sgd, muon = optim.make_optimizers(net, r, whitening_bias=tb.whitening_bias(net), bias_steps=3)
+    sgd, muon = optim.make_optimizers(net, r, own_rates=[tb.whitening_bias(net)])
     filters = muon.param_groups[0]["params"]
     assert all(p.ndim == 4 for p in filters) and len(filters) == 6
     assert all(p.ndim < 4 for g in sgd.param_groups for p in g["params"])
@@ -132,7 +132,7 @@ def test_lookahead_matches_its_formula():
 def test_decoupled_weight_decay_does_not_depend_on_lr_or_bias_multiplier():
     r = cf.recipe("fast94", width=0.125)
     net = tb.build_model(r, CPU)
-    opts = optim.make_optimizers(net, r, whitening_bias=tb.whitening_bias(net), bias_steps=3)
+    opts = optim.make_optimizers(net, r, own_rates=[tb.whitening_bias(net)])
     peak = max(r.lr.values)
     optim.set_lr(opts, peak * 0.5, step=0)
     gain = 1 + 1 / (1 - r.sgd.momentum)
@@ -188,7 +188,7 @@ def test_the_step_with_its_loss_in_the_forward_is_the_plain_step():
     logits, loss = with_loss(x, y)
     assert torch.equal(logits, net(x)) and torch.equal(with_loss(x), logits)
     assert torch.equal(loss, F.cross_entropy(logits.float(), y, label_smoothing=r.label_smoothing, reduction="sum"))
-    plain, fused = (optim.make_optimizers(m, r, whitening_bias=tb.whitening_bias(m), bias_steps=1)
+    plain, fused = (optim.make_optimizers(m, r, own_rates=[tb.whitening_bias(m)])
                      for m in (net, twin))
     for opts in (plain, fused):
         optim.set_lr(opts, max(r.lr.values))
@@ -203,7 +203,7 @@ def test_compiled_and_eager_steps_give_the_same_loss():
     r = cf.recipe("fast94", width=1 / 16, batch_size=16)
     net, twin, x, y = whitened_twins(r)
     forward = torch.compile(twin)
-    eager, compiled = (optim.make_optimizers(m, r, whitening_bias=tb.whitening_bias(m), bias_steps=1)
+    eager, compiled = (optim.make_optimizers(m, r, own_rates=[tb.whitening_bias(m)])
                      for m in (net, twin))
     for opts in (eager, compiled):
         optim.set_lr(opts, max(r.lr.values))
@@ -387,7 +387,7 @@ def test_sum_units_and_the_whitening_bias_falling_to_zero():
     follows the schedule from 0.24."""
     r = cf.recipe("fast94_muon", width=1 / 16)
     net = tb.build_model(r, CPU)
-    opts = optim.make_optimizers(net, r, steps_per_epoch=25, whitening_bias=tb.whitening_bias(net), bias_steps=75)
+    opts = optim.make_optimizers(net, r, steps_per_epoch=25, own_rates=[tb.whitening_bias(net, 25)])
     sgd, muon = opts
     groups = {g["name"]: g for g in sgd.param_groups}
     for step, factor, whiten in ((0, 1.0, 1.0), (30, 0.85, 0.6), (75, 0.625, 0.0)):
@@ -400,15 +400,29 @@ def test_sum_units_and_the_whitening_bias_falling_to_zero():
             assert g["lr"] * g["weight_decay"] == pytest.approx(2e-6 * 2000 * factor)
 
 
+def test_the_whitening_bias_is_an_own_rate_the_optimisers_must_be_handed():
+    """Its group trains for its epochs' steps at its own multiple of the rate; built without it, make_optimizers says
+    which parameter it was not handed rather than training it at the weights' rate."""
+    r = cf.recipe("fast94_muon", width=1 / 16)
+    net = tb.build_model(r, CPU)
+    bias = tb.whitening_bias(net, 7)
+    assert (bias.name, bias.until_step, bias.linear, bias.lr_mult) == ("whiten_bias", 21, True, r.whitening.bias.lr_mult)
+    assert bias.param is net[0].bias
+    with pytest.raises(ValueError, match=r"^make_optimizers: 0\.bias trains at a rate of its own: hand it over"):
+        optim.make_optimizers(net, r)
+    assert tb.whitening_bias(tb.build_model(cf.recipe("fast94", whiten_bias=False, width=1 / 16), CPU)) is None
+    assert tb.whitening_bias(tb.build_model(cf.recipe("myrtle24", width=1 / 16), CPU)) is None
+
+
 def test_the_whitening_bias_is_detached_after_its_steps(monkeypatch):
     detached = []
     step = cf.train_step
-    monkeypatch.setattr(cf, "train_step", lambda f, *a, **k: detached.append(not tb.whitening_bias(f).requires_grad)
+    monkeypatch.setattr(cf, "train_step", lambda f, *a, **k: detached.append(not tb.whitening_bias(f).param.requires_grad)
                         or step(f, *a, **k))
     r = cf.recipe("fast94_muon", width=1 / 16, batch_size=16, epochs=2, whiten_bias_epochs=0.5)
     res = train_once(r, tiny_data(80), target=2.0)                # 5 steps an epoch: 3 with the bias trained
     assert detached == [False] * 3 + [True] * 7
-    assert tb.whitening_bias(res["model"]).grad is None
+    assert tb.whitening_bias(res["model"]).param.grad is None
 
 
 def test_muon_recipe_networks():
@@ -544,7 +558,7 @@ def test_the_whitening_bias_starts_as_each_reference_leaves_it():
     """legacy airbench94 zeroes it; airbench94_muon and the 2-second record keep nn.Conv2d's default, uniform in
     ±1/√fan_in = ±1/√12 for 2×2 filters over 3 channels."""
     from scipy.stats import kstest
-    bias = lambda recipe: tb.whitening_bias(tb.build_model(cf.recipe(recipe, width=1 / 16), CPU))
+    bias = lambda recipe: tb.whitening_bias(tb.build_model(cf.recipe(recipe, width=1 / 16), CPU)).param
     assert torch.equal(bias("fast94"), torch.zeros(24))
     bound = 1 / 12 ** 0.5
     for recipe in ("fast94_muon", "fast94_next"):

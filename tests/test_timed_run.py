@@ -56,7 +56,7 @@ class Paths(torch.nn.Module):
         self.net, self.calls = net, Counter()
 
     def forward(self, x):
-        self.calls[tuple(x.shape), torch.is_grad_enabled(), tb.whitening_bias(self.net).requires_grad] += 1
+        self.calls[tuple(x.shape), torch.is_grad_enabled(), tb.whitening_bias(self.net).param.requires_grad] += 1
         return self.net(x)
 
 
