@@ -26,9 +26,9 @@ from cifar10_recipes import (FAST94, FAST94_FASTEST, FAST94_MUON, FAST94_NEXT, F
                              FAST95, FAST96, JOURNEY, MYRTLE10, MYRTLE24, RECIPES, Recipe, journey_recipes, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, normalise, num_classes,
                         take_subset, to_device)
-from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
-from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, close_progress, end_torchrun,
-                  exit_now, print_summary, summarize_runs, write_json)
+from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
+from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, end_torchrun, exit_now, print_summary,
+                  summarize_runs, write_json)
 from distributed import Context, barrier, leave, print0, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
@@ -498,11 +498,8 @@ def main(argv=None):
         end_torchrun()
         return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt as e:
-        close_progress()
-        print0(interrupted(where["epoch"], where["run"], where["finished"], out=args.out,
-                           during=phase_of(e, BEFORE_TRAINING)), file=sys.stderr)
-        end_torchrun(others_wait=False)
-        return 130
+        return ctrl_c_exit(interrupted(where["epoch"], where["run"], where["finished"], out=args.out,
+                                       during=phase_of(e, BEFORE_TRAINING)))
     except RuntimeError as e:
         return lost_peer(e, ctx)
     finally:

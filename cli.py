@@ -13,8 +13,8 @@ import traceback
 import torch
 
 import devices
-from core import UsageError, check_output
-from distributed import HOOKS, comm_hook, first_sentence, init_from_env, leave
+from core import UsageError, check_output, close_progress, end_torchrun
+from distributed import HOOKS, comm_hook, first_sentence, init_from_env, leave, print0
 from settings import flag_error, flat
 
 
@@ -108,6 +108,15 @@ def phase_of(error, phases):
     of that name the interrupt came through ({"recipe_and_data": "loading the data"}), or None (inside an epoch)."""
     names = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
     return next((phases[name] for name in reversed(names) if name in phases), None)
+
+
+def ctrl_c_exit(line):
+    """Exit status 130 once Ctrl-C's one line (interrupted()'s) is printed, over any progress bar, and torchrun, if it
+    started this process, is ended without restarts."""
+    close_progress()
+    print0(line, file=sys.stderr)
+    end_torchrun(others_wait=False)
+    return 130
 
 
 def interrupted(epoch, run, finished, *, out=None, checkpoint=None, during=None):

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 import devices
 import scaling
 import training
-from cli import add_run_flags, check_run, interrupted, join_ranks, lost_peer, phase_of, run_record
-from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, close_progress,
-                  end_torchrun, exit_now, print_summary, summarize_runs, write_json)
+from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
+from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, end_torchrun, exit_now,
+                  print_summary, summarize_runs, write_json)
 from distributed import (barrier, leave, leave_together, print0, register_comm_hook, sync_batch_norm_stats,
                          use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
@@ -398,11 +398,8 @@ def main_train(args, changes, argv):
     try:
         return run(args, r, ctx=ctx, argv=argv)
     except KeyboardInterrupt as e:       # before the runs (train_runs says where a run stopped)
-        close_progress()
-        print0(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint,
-                           during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"), file=sys.stderr)
-        end_torchrun(others_wait=False)
-        return 130
+        return ctrl_c_exit(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint,
+                                       during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"))
     except RuntimeError as e:
         return lost_peer(e, ctx)
     finally:
@@ -534,11 +531,8 @@ def train_runs(args, r, data, *, ctx, argv, store):
             end_torchrun()
             return 1
         except KeyboardInterrupt:
-            close_progress()
-            print0(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out, checkpoint=checkpoint),
-                   file=sys.stderr)
-            end_torchrun(others_wait=False)
-            return 130
+            return ctrl_c_exit(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out,
+                                           checkpoint=checkpoint))
         runs.append(result)
         save(complete=False)
         ttt = result["time_to_target"]
