@@ -44,6 +44,14 @@ def test_the_readme_example_runs_as_written_with_the_checkout_on_the_path(cifar1
     assert set(printed) == {"loss", "accuracy"} and printed["accuracy"] > 0.25
 
 
+def test_cifar10_fast_re_exports_every_named_recipe():
+    """cf.FAST94 and its kin: each recipe cifar10_recipes.py names, the same object, from the script's module."""
+    import cifar10_recipes
+    named = [k for k, v in vars(cifar10_recipes).items() if isinstance(v, cifar10_recipes.Recipe)]
+    assert "FAST94_FASTEST_OPTIMIZERS_APART" in named
+    assert [k for k in named if getattr(cf, k, None) is not getattr(cifar10_recipes, k)] == []
+
+
 def test_nothing_installs_the_modules_generic_names():
     """The modules are run and imported from the checkout: no build system or package, so no `pip install .` puts
     core, cli, settings, ... at the top of site-packages; README and docs say so and claim no install."""
