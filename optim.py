@@ -437,12 +437,7 @@ def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=()):
         scale = bias_lr_mult (batch-norm biases), an own rate's lr_mult to its until_step (to 0 if linear), 1
     """
     own_rates = [o for o in own_rates if o is not None]
-    own = {id(o.param): o for o in own_rates}
-    stray = next(((name, p.own_rate_from) for name, p in model.named_parameters()
-                  if hasattr(p, "own_rate_from") and id(p) not in own), None)
-    if stray:
-        raise ValueError(f"make_optimizers: {stray[0]} trains at a rate of its own: hand it over in own_rates "
-                         f"({stray[1]})")
+    own = check_own_rates(model, own_rates)
     sgd = r.sgd
     bs, m, wd, peak = r.batch_size // world, sgd.momentum, sgd.weight_decay, max(r.lr.values)
     unit = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - m))), "sum": world}[sgd.lr_units]
@@ -463,6 +458,18 @@ def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=()):
     device = next(model.parameters()).device
     return [torch.optim.SGD(groups_sgd, lr=0.0, momentum=m, nesterov=sgd.nesterov, **devices.sgd_options(device)),
             *muon]
+
+
+def check_own_rates(model, own_rates):
+    """{id(parameter): its OwnRate}; a ValueError naming a parameter that trains at a rate of its own (a Whitening
+    bias: its own_rate_from says how to hand it over) where own_rates leaves it out."""
+    own = {id(o.param): o for o in own_rates}
+    stray = next(((name, p.own_rate_from) for name, p in model.named_parameters()
+                  if hasattr(p, "own_rate_from") and id(p) not in own), None)
+    if stray:
+        raise ValueError(f"make_optimizers: {stray[0]} trains at a rate of its own: hand it over in own_rates "
+                         f"({stray[1]})")
+    return own
 
 
 def muon_for(filters, r, *, steps_per_epoch, world):
