@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from itertools import islice
 
 import numpy as np
 import torch
@@ -28,8 +29,8 @@ from cifar10_recipes import (FAST94, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_A
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, normalise, num_classes,
                         take_subset, to_device)
 from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
-from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, end_torchrun, exit_now, print_summary,
-                  summarize_runs, write_json)
+from core import (DataError, Heartbeat, Parser, Table, UsageError, end_torchrun, exit_now, print_summary,
+                  summarize_runs, with_progress, write_json)
 from distributed import Context, barrier, leave, print0, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
@@ -64,9 +65,10 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     step, hint = 0, f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         losses, correct, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
-        bar = Progress(min(steps_per_epoch, total_steps - step), f"epoch {epoch + 1}", PROGRESS_AFTER_S, on=o.progress)
-        for x, y in epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
-                                  batch_size=batch, memory_format=memory_format):
+        steps = min(steps_per_epoch, total_steps - step)          # the last epoch may be cut short
+        batches = islice(epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
+                                       batch_size=batch, memory_format=memory_format), steps)
+        for x, y in with_progress(batches, steps, f"epoch {epoch + 1}", PROGRESS_AFTER_S, on=o.progress):
             lr = r.lr.at(step / total_steps)
             set_lr(opts, lr, step)
             if bias and not ctx.distributed:        # DDP wants every gradient: the bias's rate goes to 0 instead
@@ -76,10 +78,6 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
             if average:
                 average.update(net.module, step, total_steps)
             losses, correct, seen = losses + loss, correct + (logits.argmax(1) == y).sum(), seen + len(y)
-            bar.update()
-            if step == total_steps:
-                break
-        bar.close()
         last = step == total_steps
         if r.lookahead and last:
             average.finish(net.module)           # lookahead: the slow weights end the run

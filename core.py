@@ -74,6 +74,18 @@ class Progress:
             self.bar.close()
 
 
+def with_progress(items, total, desc, after_s=5.0, *, on=True, file=None):
+    """The items of `items`, each as it comes, counted by a Progress of `total` steps once the loop's body has run,
+    the bar closed when the loop ends: after its last item, at a break or on an error."""
+    bar = Progress(total, desc, after_s, file, on=on)
+    try:
+        for item in items:
+            yield item
+            bar.update()
+    finally:
+        bar.close()
+
+
 class Heartbeat:
     """A phase's progress on stderr, once it turns out long: after `after_s` seconds a line `what: 3 s so far`, another
     every `every_s`, and at the end `what: done in 152 s`; nothing at all for a phase shorter than after_s (or with

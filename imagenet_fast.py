@@ -30,8 +30,8 @@ import devices
 import scaling
 import training
 from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
-from core import (DataError, Heartbeat, Parser, Progress, Table, UsageError, check_output, end_torchrun, exit_now,
-                  print_summary, summarize_runs, write_json)
+from core import (DataError, Heartbeat, Parser, Table, UsageError, check_output, end_torchrun, exit_now, print_summary,
+                  summarize_runs, with_progress, write_json)
 from distributed import (barrier, leave, leave_together, print0, register_comm_hook, sync_batch_norm_stats,
                          use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
@@ -179,8 +179,8 @@ def train_epoch(r, run, data, p, *, work, forward, ctx, o):
     micro = train_batches(data, p.augment, work.draws, res=p.res, batch_size=p.micro, device=device, dtype=dtype,
                           smalls=work.smalls)
     losses, correct, lr = torch.zeros((), device=device), torch.zeros((), device=device), 0.0
-    bar = Progress(p.steps, f"epoch {p.epoch + 1}", PROGRESS_AFTER_S, on=o.progress)
-    for i, batch in enumerate(zip(*[micro] * r.accumulate)):       # r.accumulate micro-batches at a time
+    steps = enumerate(zip(*[micro] * r.accumulate))          # r.accumulate micro-batches at a time
+    for i, batch in with_progress(steps, p.steps, f"epoch {p.epoch + 1}", PROGRESS_AFTER_S, on=o.progress):
         t = p.epoch + i / p.steps                # the fractional epoch: the schedule's and RMSprop-to-SGD's clock
         lr = step_lr(r, t, p.batch * ctx.world_size)
         set_lr([opt], lr, p.first_step + i, t)
@@ -189,8 +189,6 @@ def train_epoch(r, run, data, p, *, work, forward, ctx, o):
         if run.average:
             run.average.update(run.model, p.first_step + i + 1, p.total_steps)
         losses, correct = losses + loss, correct + hits
-        bar.update()
-    bar.close()
     return losses, correct, p.steps * p.batch, lr
 
 

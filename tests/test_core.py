@@ -221,3 +221,29 @@ def test_progress_on_a_terminal_is_tqdms_bar_and_a_short_epoch_shows_nothing():
         short.update()
     short.close()
     assert short.bar is None and quiet.getvalue() == ""
+
+
+def test_with_progress_counts_each_step_once_its_body_ran_and_closes_the_bar_at_a_break_or_an_error(monkeypatch):
+    import core
+    events = []
+
+    class Recorded:
+        def __init__(self, total, desc, after_s, file, *, on):
+            events.append(("open", total, desc, on))
+
+        def update(self):
+            events.append("update")
+
+        def close(self):
+            events.append("close")
+    monkeypatch.setattr(core, "Progress", Recorded)
+    for step in core.with_progress(range(10), 10, "epoch 1"):
+        events.append(step)
+        if step == 2:
+            break
+    assert events == [("open", 10, "epoch 1", True), 0, "update", 1, "update", 2, "close"]   # step 2 unfinished
+    events.clear()
+    with pytest.raises(KeyboardInterrupt):
+        for step in core.with_progress(range(3), 3, "epoch 2", on=False):
+            raise KeyboardInterrupt
+    assert events == [("open", 3, "epoch 2", False), "close"]
