@@ -251,6 +251,9 @@ class SGDAndMuon(torch.optim.Optimizer):
         self.lr = scalar()
         # the groups that train at a rate of their own (schedules.OwnRate: until_step), each with its 0-d rate
         self.own_rates = [(g, scalar()) for g in self.param_groups if g["until_step"] is not None]
+        own = {id(g): rate for g, rate in self.own_rates}
+        # each group's (rate, unit), by position: the schedule's rate x its unit, or its own rate as set_lr fills it
+        self.rates = [(own[id(g)], 1.0) if id(g) in own else (self.lr, g["lr_unit"]) for g in self.param_groups]
         muon = next((g for g in self.param_groups if g.get("name") == "filters"), None)
         # Muon's settings the step reads (constants of its graph), and its clock: step, last renormalisation, total
         self.muon = muon and {k: muon[k] for k in MUON_STEP_SETTINGS}
@@ -266,12 +269,10 @@ class SGDAndMuon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         sgd, muon = [], None
-        for g in self.param_groups:
+        for g, (rate, unit) in zip(self.param_groups, self.rates):
             params = [p for p in g["params"] if p.grad is not None]
             if not params:
                 continue
-            own = next((rate for group, rate in self.own_rates if group is g), None)
-            rate, unit = (self.lr, g["lr_unit"]) if own is None else (own, 1.0)
             buffers = [self.state[p]["momentum"] for p in params]
             if g.get("name") == "filters":
                 muon = (params, buffers, rate, unit, self.clock, self.muon)
