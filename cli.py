@@ -65,8 +65,9 @@ def add_run_flags(p, *, comm_hook=False):
     p.add_argument("--torus-grid", type=grid, default=None, metavar="RxC",
                    help="under torchrun, with --comm-hook torus*: the 2D torus's rows x columns (default: a row per "
                         "node, as many columns as the node's GPUs)")
-    p.add_argument("--dist-timeout", type=float, default=None, metavar="MINUTES",
-                   help="under torchrun: how long a collective may wait for the other ranks (default: torch's)")
+    p.add_argument("--dist-timeout", type=float, default=10.0, metavar="MINUTES",
+                   help="under torchrun: how long a collective may wait for the other ranks before the run stops "
+                        "(default 10 minutes: torch's own for NCCL, for gloo too)")
 
 
 def join_ranks(args, hook=None):

@@ -13,7 +13,9 @@ Papers:
       (Preferred Networks, arXiv:1711.04325)
   Mikami et al. 2018, "ImageNet/ResNet-50 Training in 224 Seconds" (Sony, 2D-torus all-reduce, arXiv:1811.05233)
 """
+import contextlib
 import datetime
+import errno
 import gc
 import os
 import shlex
@@ -195,34 +197,124 @@ def rehearse_backward(ddp_model, example):
     ddp_model.zero_grad(set_to_none=True)
 
 
-def save_checkpoint(path, state, ctx):
-    """Rank 0 writes state to path atomically (a crash mid-write leaves the previous checkpoint); then every rank
-    waits, so nobody reads a half-written file."""
-    if ctx.is_main:
-        write_atomic(path, lambda tmp: torch.save(state, tmp))
-    if ctx.distributed:
-        barrier()
+def writes_checkpoints(ctx, *, each_node=True):
+    """Whether this rank writes the checkpoint: the first rank of every node (each_node: each node keeps its own copy,
+    for a node-local path), or rank 0 alone (a path that every node sees)."""
+    return ctx.local_rank == 0 if each_node else ctx.is_main
 
 
-def load_checkpoint(path, ctx=None):
-    """The state saved by save_checkpoint (tensors on the CPU), or None if there is none yet: rank 0 alone reads it
-    and broadcasts it, so nodes need no shared disk and agree whether there is one, at one pickled copy in each
-    rank's host memory. A file that cannot be read is a DataError of one line, the same on every rank."""
-    state = error = None
-    if ctx is None or ctx.is_main:
-        if os.path.exists(path):
-            try:
-                # CPU: random states must be there, and load_state_dict moves the rest where it belongs
-                state = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as e:  # whatever reading it raises, the file is no checkpoint
-                error = f"{path}: not a readable checkpoint ({type(e).__name__}: {first_sentence(e)})"
+def save_checkpoint(path, state, ctx, *, each_node=True):
+    """The writers (writes_checkpoints) write state to path atomically (a crash mid-write leaves the previous
+    checkpoint); then every rank learns whether every write succeeded, so that a failed one (a full disk, a read-only
+    mount) stops all ranks at once with the same DataError of one line, not at the collective timeout."""
+    error = None
+    if writes_checkpoints(ctx, each_node=each_node):
+        try:
+            write_atomic(path, lambda tmp: save_to_file(state, tmp))
+        except Exception as e:      # whatever stopped the write, the other ranks must hear of it
+            error = f"cannot write the checkpoint {path}{on_rank(ctx)}: {why_not_written(e)}"
+    agree_on_error(error, ctx)
+
+
+def save_to_file(state, path):
+    # through a Python file, whose OSError (ENOSPC, EIO) torch keeps as its error's context; torch's own file
+    # writer would say only "unexpected pos"
+    with open(path, "wb") as f:
+        torch.save(state, f)
+
+
+def why_not_written(error):
+    """What stopped a write, in words: the OSError in error's chain as its message and errno's name ("No space left
+    on device (ENOSPC)"), else the error's type and first sentence."""
+    e = error
+    while e is not None and not isinstance(e, OSError):
+        e = e.__cause__ or e.__context__
+    if e is not None and e.errno in errno.errorcode:
+        return f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode[e.errno]})"
+    return f"{type(error).__name__}: {first_sentence(error)}"
+
+
+def on_rank(ctx):
+    """" on rank R" under torchrun, where each node may have a file of its own at the same path; else nothing."""
+    return f" on rank {ctx.rank}" if ctx is not None and ctx.distributed else ""
+
+
+def agree_on_error(error, ctx):
+    """Raises DataError with the first rank's error on every rank when any rank has one (a line, or None), so that
+    all ranks stop together with the same line; a collective, so it also waits for every rank."""
+    errors = [error]
+    if ctx is not None and ctx.distributed:
+        errors = [None] * ctx.world_size
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise DataError(first)
+
+
+def remove_unfinished_writes(path):
+    """Removes the temporary files that writes of path killed midway left beside it (write_atomic's
+    .NAME.RANDOM.tmp; not those of another file, such as NAME.seed1's); returns their names."""
+    folder, name = os.path.split(os.path.abspath(os.fspath(path)))
+    prefix = f".{name}."
+    left = sorted(f for f in (os.listdir(folder) if os.path.isdir(folder) else ())
+                  if f.startswith(prefix) and f.endswith(".tmp") and "." not in f[len(prefix):-len(".tmp")])
+    for f in left:
+        with contextlib.suppress(FileNotFoundError):        # another node's writer, on a shared folder
+            os.remove(os.path.join(folder, f))
+    return left
+
+
+def load_checkpoint(path, ctx=None, *, epoch_of=None):
+    """(state, rank): the newest state saved by save_checkpoint that any rank holds at path (its node's own copy or
+    a shared file; tensors on the CPU) and the rank that read it, or (None, None) when no rank holds one. Every rank
+    says which epoch_of(state) it holds (None: all alike); the lowest rank holding the latest reads it whole and
+    broadcasts it (one pickled copy in each rank's host memory), so an older copy is never used. A file that cannot
+    be read (or that epoch_of refuses with a DataError) is a DataError of one line, the same on every rank."""
+    held = held_epoch(path, ctx, epoch_of)
+    every = [held]
+    if ctx is not None and ctx.distributed:
+        every = [None] * ctx.world_size
+        dist.all_gather_object(every, held)
+    error = next((h for h in every if isinstance(h, str)), None)      # the same on every rank
+    epochs = [h for h in every if h is not None]
+    if error:
+        raise DataError(error)
+    if not epochs:
+        return None, None
+    holder, state = every.index(max(epochs)), None
+    if ctx is None or ctx.rank == holder:
+        try:    # CPU: random states must be there, and load_state_dict moves the rest where it belongs
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # its header was read: the rest of the file is damaged
+            error = unreadable(path, ctx, e)
     if ctx is not None and ctx.distributed:
         box = [state, error]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=holder)
         state, error = box
     if error:
         raise DataError(error)
-    return state
+    return state, holder
+
+
+def held_epoch(path, ctx, epoch_of):
+    """epoch_of the checkpoint this rank finds at path, None when there is none, or the line saying why it cannot
+    be read; only its pickled header is read (the tensors are mapped, not loaded)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        try:
+            header = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception:   # mmap reads zip files alone: loaded whole, another file says what it is not
+            header = torch.load(path, map_location="cpu", weights_only=True)
+        return epoch_of(header) if epoch_of else 0
+    except DataError as e:
+        return f"{path}{on_rank(ctx)}: {e}"
+    except Exception as e:  # whatever reading it raises, the file is no checkpoint
+        return unreadable(path, ctx, e)
+
+
+def unreadable(path, ctx, error):
+    return f"{path}{on_rank(ctx)}: not a readable checkpoint ({type(error).__name__}: {first_sentence(error)})"
 
 
 def first_sentence(error):

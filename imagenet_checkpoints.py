@@ -1,10 +1,12 @@
 """ImageNet's checkpoints: what an interrupted run saves after every epoch and resumes from exactly (the model, its
 optimisers, its weight averaging, every rank's random streams, the rows and clock so far), refused when written by
-another run (other settings, another number of ranks, another store). The file itself is written atomically by
-distributed.save_checkpoint.
+another run (other settings, another number of ranks, another store). The file itself is written and found by
+distributed.save_checkpoint (atomically; rank 0, or every node's first rank for node-local copies) and
+distributed.load_checkpoint (the newest copy that any rank holds).
 """
 import hashlib
 import json
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -30,10 +32,11 @@ class Trainable:
 CHECKPOINT_KEYS = {"model", "optimizers", "averaging", "rng", "progress", "settings", "world", "store"}
 
 
-def save_checkpoint(path, run, *, progress, settings, ctx, store=None):
-    """Writes everything a resumed run needs (rank 0, atomically; every rank waits): the Trainable run, `progress`
-    (the epoch reached, its rows, its clock, ...), the settings, the data's identity (`store`: {"digest", "name"}),
-    and the random states of every rank gathered to all, so that each rank resumes its own streams exactly."""
+def save_checkpoint(path, run, *, progress, settings, ctx, store=None, each_node=True):
+    """Writes everything a resumed run needs (atomically, by rank 0 or with each_node by every node's first rank; a
+    failed write stops every rank with one line): the Trainable run, `progress` (the epoch reached, its rows, its
+    clock, ...), the settings, the data's identity (`store`: {"digest", "name"}), and the random states of every rank
+    gathered to all, so that each rank resumes its own streams exactly."""
     rng = [torch.get_rng_state(), *(g.get_state() for g in run.generators)]
     every = [rng]
     if torch.distributed.is_initialized():
@@ -42,31 +45,45 @@ def save_checkpoint(path, run, *, progress, settings, ctx, store=None):
     distributed.save_checkpoint(path, {
         "model": run.model.state_dict(), "optimizers": [o.state_dict() for o in run.optimizers],
         "averaging": run.average.state_dict() if run.average else None, "rng": every, "progress": progress,
-        "settings": settings, "world": ctx.world_size, "store": store}, ctx)
+        "settings": settings, "world": ctx.world_size, "store": store}, ctx, each_node=each_node)
+
+
+def checkpoint_epoch(state):
+    """The epoch a checkpoint's state reached; a DataError when it is not one of this version's."""
+    missing = CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else CHECKPOINT_KEYS
+    if missing:
+        raise DataError(f"not a readable checkpoint of this version (no {', '.join(sorted(missing))})")
+    return state["progress"]["epoch"]
 
 
 def read_checkpoint(path, *, settings, ctx, store=None):
-    """The state save_checkpoint left at path (rank 0 reads, every rank receives), or None when there is none yet. A
-    checkpoint of another run (other settings, another number of ranks, another store) is a DataError of one line."""
-    state = distributed.load_checkpoint(path, ctx)
+    """The newest state save_checkpoint left at path on any rank (distributed.load_checkpoint: its holder reads it,
+    every rank receives it), or None when no rank holds one. A checkpoint of another run (other settings, another
+    number of ranks, another store than this rank's) is a DataError of one line on every rank."""
+    state, holder = distributed.load_checkpoint(path, ctx, epoch_of=checkpoint_epoch)
     if state is None:
+        distributed.print0(f"no checkpoint at {path}{' on any rank' * ctx.distributed}: training from the start")
         return None
-    missing = CHECKPOINT_KEYS - set(state) if isinstance(state, dict) else CHECKPOINT_KEYS
-    if missing:
-        raise DataError(f"{path}: not a readable checkpoint of this version (no {', '.join(sorted(missing))})")
+    distributed.agree_on_error(refusal(path, state, settings=settings, ctx=ctx, store=store), ctx)
+    distributed.print0(f"resumed from epoch {state['progress']['epoch']} of {path}"
+                       + (f", rank {holder}'s copy" if ctx.distributed else ""))
+    return state
+
+
+def refusal(path, state, *, settings, ctx, store):
+    """Why this rank cannot resume from a checkpoint's state (one line), or None."""
     if state["world"] != ctx.world_size:
-        raise DataError(f"{path}: written by {state['world']} rank{'s' * (state['world'] > 1)}, resumed by "
-                        f"{ctx.world_size}; cannot resume")
+        return (f"{path}: written by {state['world']} rank{'s' * (state['world'] > 1)}, resumed by {ctx.world_size}; "
+                "cannot resume")
     saved = state["store"] or {}
     if store and saved.get("digest") != store["digest"]:
-        raise DataError(f"{path}: written on another store ({saved.get('name')}, index {saved.get('digest')}), "
-                        f"resumed on {store['name']} (index {store['digest']}); resume on that store, or start "
-                        "afresh without --resume")
+        return (f"{path}: written on another store ({saved.get('name')}, index {saved.get('digest')}), resumed on "
+                f"{store['name']}{distributed.on_rank(ctx)} (index {store['digest']}); resume on that store, or "
+                "start afresh without --resume")
     if state["settings"] != settings:
         diff = sorted(k for k in settings if state["settings"].get(k) != settings[k])
-        raise DataError(f"{path}: written with other settings ({', '.join(diff)}); cannot resume")
-    distributed.print0(f"resumed from epoch {state['progress']['epoch']} of {path}")
-    return state
+        return f"{path}: written with other settings ({', '.join(diff)}); cannot resume"
+    return None
 
 
 def load_checkpoint(state, run, *, ctx):
@@ -92,8 +109,14 @@ def store_identity(store, name):
 
 
 def resume_run(r, run, o, *, forward, plans, ctx, on_epoch):
-    """Where a run starts, as save_checkpoint's progress: epoch 0, or (with o.resume) where its checkpoint left it,
-    its state loaded into run (a Trainable) and its rows replayed to on_epoch."""
+    """Where a run starts, as save_checkpoint's progress: epoch 0, or (with o.resume) where the newest checkpoint
+    of any rank left it, its state loaded into run (a Trainable) and its rows replayed to on_epoch. What writes
+    killed midway left beside this rank's checkpoint is removed first."""
+    if o.checkpoint and distributed.writes_checkpoints(ctx, each_node=o.each_node):
+        left = distributed.remove_unfinished_writes(o.checkpoint)
+        if left:
+            print(f"removed what {len(left)} unfinished write{'s' * (len(left) > 1)} of {o.checkpoint} left"
+                  f"{distributed.on_rank(ctx)}: {', '.join(left)}", file=sys.stderr, flush=True)
     state = (read_checkpoint(o.checkpoint, settings=flat(r), ctx=ctx, store=o.store) if o.resume and o.checkpoint
              else None)
     if state is None:

@@ -57,10 +57,11 @@ PROGRESS_AFTER_S = 5.0    # an epoch that looks longer shows its steps on stderr
 @dataclass(kw_only=True)
 class Options(training.Options):
     """How a run runs (not what it computes): training.Options with the top-1 that stops the clock, and a checkpoint
-    written after every epoch (resumed from with resume; interrupt_after: exit after that epoch's, as a preempted job
-    would)."""
+    written after every epoch (each_node: by every node's first rank, else by rank 0; resumed from with resume;
+    interrupt_after: exit after that epoch's, as a preempted job would)."""
     target: float = 0.75
     checkpoint: str = None
+    each_node: bool = True
     resume: bool = False
     interrupt_after: int = None
     store: dict = None          # store_identity(): a checkpoint records it, and resumes only on that store
@@ -68,8 +69,9 @@ class Options(training.Options):
 
 def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     """One run of recipe r on this process's Data (place()) with Options o: {"seed", "rows", "final_top1",
-    "final_top5", "train_time", "final_eval_time", "time", "time_to_target"}. Under torchrun every rank builds the
-    same network and draws its own batches."""
+    "final_top5", "train_time", "final_eval_time", "time", "time_to_target", "resumed_from", "trained_epochs",
+    "trained_steps"} (the last two counted as this process trains them). Under torchrun every rank builds the same
+    network and draws its own batches."""
     device = torch.device(ctx.device)
     dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
     plans = epoch_plans(r, ctx.world_size, data.per_epoch())
@@ -90,9 +92,13 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
                     generators=[order, augment])
     done = resume_run(r, run, o, forward=forward, plans=plans, ctx=ctx, on_epoch=on_epoch)
     clock.continue_from(done)
+    trained = {"resumed_from": done["epoch"], "trained_epochs": 0, "trained_steps": 0}
     for p, work in epochs_ahead(data, plans[done["epoch"]:], run.generators, shares=seeds["shares"]):
         decoded = Counter(data.decoded)
-        losses, correct, seen, lr = train_epoch(r, run, data, p, work=work, forward=forward, ctx=ctx, o=o)
+        losses, correct, steps, lr = train_epoch(r, run, data, p, work=work, forward=forward, ctx=ctx, o=o)
+        seen = steps * p.batch
+        trained["trained_epochs"] += 1
+        trained["trained_steps"] += steps
         decoded = decode_text(data.decoded - decoded)
         last = p.epoch == r.epochs - 1
         if r.lookahead and last:
@@ -107,9 +113,9 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
             clock.evaluated(**metrics)
         row, = clock.rows_read()
         if o.checkpoint:
-            save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, store=o.store, progress={
-                "epoch": p.epoch + 1, "rows": clock.rows, "train_time": clock.train_time,
-                "time_to_target": clock.time_to_target})
+            save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, store=o.store, each_node=o.each_node,
+                            progress={"epoch": p.epoch + 1, "rows": clock.rows, "train_time": clock.train_time,
+                                      "time_to_target": clock.time_to_target})
         on_epoch and on_epoch(row)
         if o.checkpoint and o.interrupt_after == p.epoch + 1:
             print0(f"stopped after epoch {p.epoch + 1} (--interrupt-after-epoch), exit status {INTERRUPTED}; "
@@ -119,7 +125,7 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
             raise SystemExit(INTERRUPTED)
         clock.resume()
     return {"seed": seed, "rows": clock.rows, "final_top1": clock.rows[-1]["top1"],
-            "final_top5": clock.rows[-1]["top5"], **clock.times()}
+            "final_top5": clock.rows[-1]["top5"], **clock.times(), **trained}
 
 
 def epoch_loss(losses, ctx):
@@ -171,14 +177,14 @@ def epoch_work(data, p, states, shares):
 def train_epoch(r, run, data, p, *, work, forward, ctx, o):
     """The steps of one epoch (EpochPlan p, its EpochWork drawn ahead): each a step of this rank's batch, in
     p.micro-image micro-batches normalised in groups of p.group (accumulated_step), at the rate of its fractional
-    epoch. Returns the summed loss, the correct predictions, the images seen (on the device, unread) and the last
+    epoch. Returns the summed loss and the correct predictions (on the device, unread), the steps taken and the last
     rate."""
     device, (opt, *scaler) = torch.device(ctx.device), run.optimizers      # a GradScaler beside it in fp16
     dtype = devices.compute_dtype(device, o.precision)
     set_ghost_groups(run.model, p.group)
     micro = train_batches(data, p.augment, work.draws, res=p.res, batch_size=p.micro, device=device, dtype=dtype,
                           smalls=work.smalls)
-    losses, correct, lr = torch.zeros((), device=device), torch.zeros((), device=device), 0.0
+    losses, correct, lr, taken = torch.zeros((), device=device), torch.zeros((), device=device), 0.0, 0
     steps = enumerate(zip(*[micro] * r.accumulate))          # r.accumulate micro-batches at a time
     for i, batch in with_progress(steps, p.steps, f"epoch {p.epoch + 1}", PROGRESS_AFTER_S, on=o.progress):
         t = p.epoch + i / p.steps                # the fractional epoch: the schedule's and RMSprop-to-SGD's clock
@@ -188,8 +194,8 @@ def train_epoch(r, run, data, p, *, work, forward, ctx, o):
                                       scaler=scaler[0] if scaler else None)
         if run.average:
             run.average.update(run.model, p.first_step + i + 1, p.total_steps)
-        losses, correct = losses + loss, correct + hits
-    return losses, correct, p.steps * p.batch, lr
+        losses, correct, taken = losses + loss, correct + hits, taken + 1
+    return losses, correct, taken, lr
 
 
 def loss_scaler(device, dtype):
@@ -310,7 +316,13 @@ def parse_args(argv=None):
                     help="top-1 whose first epoch stops the clock (default 0.75; a recipe with a --target-top5 stops "
                          "it at that top-5 instead)")
     tp.add_argument("--checkpoint", default=None, help="checkpoint file, written atomically after every epoch")
-    tp.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    tp.add_argument("--checkpoint-on", default="each-node", choices=["each-node", "shared"],
+                    help="under torchrun on several nodes, where --checkpoint lies: each-node (default; a node-local "
+                         "path): every node's first process keeps its node's copy current; shared (a path every node "
+                         "sees): rank 0 alone writes it")
+    tp.add_argument("--resume", action="store_true",
+                    help="continue from the newest --checkpoint that any rank finds (none anywhere: a line says so, "
+                         "and the run starts afresh)")
     tp.add_argument("--out", default=None, help="write the recipe, environment, rows and summary as JSON")
     tp.add_argument("--interrupt-after-epoch", type=int, default=None,
                     help=f"exit with status {INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
@@ -500,6 +512,7 @@ def train_runs(args, r, data, *, ctx, argv, store):
     the exit status."""
     o = Options(target=args.target, eval_every=args.eval_every, precision=args.precision, store=store_identity(store,
                 args.store), interrupt_after=args.interrupt_after_epoch, resume=args.resume,
+                each_node=args.checkpoint_on == "each-node",
                 progress=ctx.is_main and not args.quiet)
     aim = f"{args.target:.2%}" + (" top-5" if r.target_top5 else "")
     accuracy = "final_top5" if r.target_top5 else "final_top1"       # the first label: the t-test's

@@ -1,7 +1,12 @@
 """distributed.py on CPU: gloo process groups spawned on 127.0.0.1, compared with one process on the whole batch."""
+import dataclasses
+import errno
 import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,6 +18,7 @@ import torch.nn.functional as F
 import distributed as D
 import schedules
 import optim
+from conftest import ROOT
 
 GLOBAL_BATCH, STEPS = 16, 5
 OPTIMIZERS = ("sgd", "lars", "rmsprop_to_sgd")
@@ -29,7 +35,7 @@ def join(rank, world, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    return D.init_from_env(device="cpu")
+    return D.init_from_env(device="cpu", timeout_minutes=1)        # ranks that disagree fail, not hang
 
 
 def tiny_model():
@@ -98,10 +104,11 @@ def hook_grads(ctx, hook, grid=None):
     return [p.grad.clone() for p in model.parameters()]
 
 
-def attempt(fn, *args):
-    """fn(*args), or the line its exception says: one failing check leaves the others in the worker running."""
+def attempt(fn, *args, **kwargs):
+    """fn(*args, **kwargs), or the line its exception says: one failing check leaves the others in the worker
+    running."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
 
@@ -111,19 +118,54 @@ def worker_two(rank, port, out):
     res = {name: train(name, ctx) for name in OPTIMIZERS}
     res["bn"] = bn_stats(ctx)
     res.update({f"grad_{h}": hook_grads(ctx, h) for h in ("none", "fp16", "bf16")})
-    # each rank its own folder, as nodes without a shared disk: rank 0 writes and reads, the others receive
-    node = os.path.join(out, f"node{rank}")
-    os.makedirs(node)
-    ckpt = os.path.join(node, "ckpt.pt")
-    D.save_checkpoint(ckpt, {"step": 7, "w": torch.arange(3.0)}, ctx)
-    res["ckpt"] = attempt(D.load_checkpoint, ckpt, ctx)
-    res["missing"] = attempt(D.load_checkpoint, os.path.join(node, "missing.pt"), ctx)
-    if ctx.is_main:
-        open(os.path.join(node, "bad.pt"), "wb").write(b"not a checkpoint")
-    res["bad"] = attempt(D.load_checkpoint, os.path.join(node, "bad.pt"), ctx)
+    res.update(checkpoints(ctx, out))
     res["ctx"] = (ctx.rank, ctx.world_size, ctx.is_main, ctx.distributed)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     D.leave(ctx)
+
+
+def checkpoints(ctx, out):
+    """What load_checkpoint gives each rank, and what save_checkpoint raises, for checkpoints in each rank's own folder,
+    as on nodes without a shared disk (here each rank is a node of its own, so each writes with each_node)."""
+    node, res = os.path.join(out, f"node{ctx.rank}"), {}
+    os.makedirs(node)
+    path = lambda name: os.path.join(node, name)
+    epoch_of = lambda state: state["step"]
+    D.save_checkpoint(path("ckpt.pt"), {"step": 7, "w": torch.arange(3.0)}, ctx, each_node=False)
+    res["ckpt"] = attempt(D.load_checkpoint, path("ckpt.pt"), ctx)                    # rank 0's folder alone
+    res["ckpt_here"] = os.path.exists(path("ckpt.pt"))
+    res["missing"] = attempt(D.load_checkpoint, path("missing.pt"), ctx)              # none anywhere
+    if ctx.is_main:
+        open(path("bad.pt"), "wb").write(b"not a checkpoint")
+    res["bad"] = attempt(D.load_checkpoint, path("bad.pt"), ctx)
+    own_node = dataclasses.replace(ctx, local_rank=0)
+    D.save_checkpoint(path("each.pt"), {"step": 3 + 4 * ctx.rank}, own_node)                 # each node its copy
+    res["each"] = os.path.exists(path("each.pt")) and torch.load(path("each.pt"))["step"]
+    for name, older in (("newer_on_1.pt", 0), ("newer_on_0.pt", 1)):        # two copies, of epochs 5 and 6
+        D.save_checkpoint(path(name), {"step": 5 if ctx.rank == older else 6}, own_node)
+        res[name] = attempt(D.load_checkpoint, path(name), ctx, epoch_of=epoch_of)
+    if ctx.rank == 1:
+        D.save_checkpoint(path("on_1.pt"), {"step": 2}, D.Context())       # rank 1's folder alone
+    res["on_1.pt"] = attempt(D.load_checkpoint, path("on_1.pt"), ctx, epoch_of=epoch_of)
+    real_save = torch.save
+    if ctx.is_main:
+        torch.save = disk_full
+    try:                                    # rank 0's write fails; rank 1 writes nothing
+        res["full"] = attempt(D.save_checkpoint, path("full.pt"), {"step": 1}, ctx, each_node=False)
+    finally:
+        torch.save = real_save
+    res["left"] = sorted(os.listdir(node))
+    return res
+
+
+def disk_full(state, f):
+    """torch.save on a full disk: some bytes written, then the OSError of Python's file as the context of torch's
+    own RuntimeError."""
+    f.write(b"half a checkpoint")
+    try:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
 
 
 class Bucket:
@@ -220,13 +262,34 @@ def test_fp32_ddp_gradient_is_the_whole_batch_gradient(two_ranks):
 
 def test_checkpoint_on_rank0s_disk_alone_reaches_every_rank(two_ranks):
     for r, res in reversed(list(enumerate(two_ranks))):
-        assert isinstance(res["ckpt"], dict), f"rank {r} got {res['ckpt']!r}, not rank 0's checkpoint"
-        assert res["ckpt"]["step"] == 7 and torch.equal(res["ckpt"]["w"], torch.arange(3.0))
-        assert res["missing"] is None                      # every rank agrees: a fresh run
+        assert isinstance(res["ckpt"], tuple), f"rank {r} got {res['ckpt']!r}, not rank 0's checkpoint"
+        state, holder = res["ckpt"]
+        assert holder == 0 and state["step"] == 7 and torch.equal(state["w"], torch.arange(3.0))
+        assert res["missing"] == (None, None)              # every rank agrees: a fresh run
         assert res["ctx"] == (r, 2, r == 0, True)
         # an unreadable checkpoint is the same one-line error on every rank: the file rank 0 read
-        assert re.fullmatch(r"DataError: \S+/node0/bad\.pt: not a readable checkpoint \(.+\)", res["bad"]), res["bad"]
+        assert re.fullmatch(r"DataError: \S+/node0/bad\.pt on rank 0: not a readable checkpoint \(.+\)",
+                            res["bad"]), res["bad"]
         assert res["bad"] == two_ranks[0]["bad"]
+
+
+def test_each_node_writes_its_own_copy_and_every_rank_resumes_from_the_newest_copy_anywhere(two_ranks):
+    for r, res in enumerate(two_ranks):
+        assert res["each"] == 3 + 4 * r                    # each node's first rank wrote its node's copy
+        assert res["ckpt_here"] == (r == 0)                # without each_node, rank 0 alone wrote
+        # the newest copy wins wherever it lies, never an older one on a lower rank
+        assert res["newer_on_1.pt"] == ({"step": 6}, 1) and res["newer_on_0.pt"] == ({"step": 6}, 0)
+        assert res["on_1.pt"] == ({"step": 2}, 1)          # rank 0 has none: rank 1's, not a fresh start
+
+
+def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_with_its_line(two_ranks):
+    """A full disk under rank 0: every rank (rank 1 wrote nothing and would otherwise wait at the next collective)
+    raises the same line naming the path and the error; the write's temporary file is gone."""
+    for r, res in enumerate(two_ranks):
+        assert re.fullmatch(r"DataError: cannot write the checkpoint \S+/node0/full\.pt on rank 0: No space left on "
+                            r"device \(ENOSPC\)", res["full"]), res["full"]
+        assert res["full"] == two_ranks[0]["full"]
+    assert two_ranks[0]["left"] == ["bad.pt", "ckpt.pt", "each.pt", "newer_on_0.pt", "newer_on_1.pt"]
 
 
 @pytest.fixture(scope="module")
@@ -283,22 +346,43 @@ def test_checkpoint_is_replaced_atomically(tmp_path):
     path = tmp_path / "ck" / "last.pt"
     D.save_checkpoint(str(path), {"a": 1}, D.Context())
     D.save_checkpoint(str(path), {"a": 2}, D.Context())
-    assert D.load_checkpoint(str(path)) == {"a": 2}
+    assert D.load_checkpoint(str(path)) == ({"a": 2}, 0)
     assert os.listdir(path.parent) == ["last.pt"]  # no temporary left behind
-    assert D.load_checkpoint(str(tmp_path / "missing.pt")) is None
+    assert D.load_checkpoint(str(tmp_path / "missing.pt")) == (None, None)
 
 
-def test_checkpoint_crash_mid_write_keeps_the_previous_one(tmp_path, monkeypatch):
+def test_checkpoint_disk_full_mid_write_keeps_the_previous_one_and_says_why(tmp_path, monkeypatch):
     path = str(tmp_path / "last.pt")
     D.save_checkpoint(path, {"a": 1}, D.Context())
-    def crash(state, f):
-        open(f, "wb").write(b"half a checkpoint")
-        raise OSError("disk full")
-    monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(D.DataError) as e:
         D.save_checkpoint(path, {"a": 2}, D.Context())
+    assert str(e.value) == f"cannot write the checkpoint {path}: No space left on device (ENOSPC)"
     monkeypatch.undo()
-    assert D.load_checkpoint(path) == {"a": 1} and os.listdir(tmp_path) == ["last.pt"]
+    assert D.load_checkpoint(path) == ({"a": 1}, 0) and os.listdir(tmp_path) == ["last.pt"]
+
+
+def killed_write(path):
+    """write_atomic of path killed by SIGKILL midway, in a process of its own: what a killed run leaves."""
+    code = ("import os, signal, sys, core; core.write_atomic(sys.argv[1], lambda tmp: (open(tmp, 'wb').write(b'x' * "
+            "1000), os.kill(os.getpid(), signal.SIGKILL)))")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+
+
+def test_unfinished_writes_of_a_checkpoint_are_found_and_removed(tmp_path):
+    ckpt, other = tmp_path / "ckpt.pt", tmp_path / "ckpt.pt.seed1"
+    D.save_checkpoint(ckpt, {"a": 1}, D.Context())
+    for p in (ckpt, ckpt, other):
+        killed_write(p)
+    left = sorted(set(os.listdir(tmp_path)) - {"ckpt.pt"})
+    assert len(left) == 3                       # two of ckpt.pt's, one of ckpt.pt.seed1's
+    removed = D.remove_unfinished_writes(ckpt)
+    assert len(removed) == 2 and set(removed) < set(left)
+    assert sorted(os.listdir(tmp_path)) == sorted({"ckpt.pt"} | set(left) - set(removed))
+    assert D.remove_unfinished_writes(other) == sorted(set(left) - set(removed))
+    assert os.listdir(tmp_path) == ["ckpt.pt"] and D.load_checkpoint(ckpt) == ({"a": 1}, 0)
+    assert D.remove_unfinished_writes(tmp_path / "absent" / "x.pt") == []
 
 
 def test_print0_prints_once_without_a_group(capsys):
