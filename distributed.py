@@ -203,12 +203,27 @@ def writes_checkpoints(ctx, *, each_node=True):
     return ctx.local_rank == 0 if each_node else ctx.is_main
 
 
-def save_checkpoint(path, state, ctx, *, each_node=True):
-    """The writers (writes_checkpoints) write state to path atomically (a crash mid-write leaves the previous
-    checkpoint); then every rank learns whether every write succeeded, so that a failed one (a full disk, a read-only
-    mount) stops all ranks at once with the same DataError of one line, not at the collective timeout."""
+def checkpoint_writers(ctx, *, each_node=True):
+    """The process group (gloo: host memory) of the first ranks of every node, over which rank 0 sends its state to
+    the others' writers, or None when rank 0 is the only writer. Every rank must call it."""
+    if not (each_node and ctx.distributed and ctx.local_world_size < ctx.world_size):
+        return None
+    local = [None] * ctx.world_size
+    dist.all_gather_object(local, ctx.local_rank)
+    return dist.new_group([r for r, k in enumerate(local) if k == 0], backend="gloo")
+
+
+def save_checkpoint(path, state, ctx, *, each_node=True, writers=None):
+    """The writers (writes_checkpoints) write rank 0's state (sent to them over `writers`, checkpoint_writers: a
+    rank's own holds its own batch-norm statistics and clock) to path atomically (a crash mid-write leaves the
+    previous checkpoint); then every rank learns whether every write succeeded, so that a failed one (a full disk, a
+    read-only mount) stops all ranks at once with the same DataError of one line, not at the collective timeout."""
     error = None
     if writes_checkpoints(ctx, each_node=each_node):
+        if writers is not None:
+            box = [state if ctx.is_main else None]
+            dist.broadcast_object_list(box, src=0, group=writers)
+            state, = box
         try:
             write_atomic(path, lambda tmp: save_to_file(state, tmp))
         except Exception as e:      # whatever stopped the write, the other ranks must hear of it

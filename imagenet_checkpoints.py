@@ -32,11 +32,12 @@ class Trainable:
 CHECKPOINT_KEYS = {"model", "optimizers", "averaging", "rng", "progress", "settings", "world", "store"}
 
 
-def save_checkpoint(path, run, *, progress, settings, ctx, store=None, each_node=True):
-    """Writes everything a resumed run needs (atomically, by rank 0 or with each_node by every node's first rank; a
-    failed write stops every rank with one line): the Trainable run, `progress` (the epoch reached, its rows, its
-    clock, ...), the settings, the data's identity (`store`: {"digest", "name"}), and the random states of every rank
-    gathered to all, so that each rank resumes its own streams exactly."""
+def save_checkpoint(path, run, *, progress, settings, ctx, store=None, each_node=True, writers=None):
+    """Writes everything a resumed run needs (atomically, by rank 0 or with each_node by every node's first rank,
+    which receive rank 0's over writers; a failed write stops every rank with one line): the Trainable run,
+    `progress` (the epoch reached, its rows, its clock, ...), the settings, the data's identity (`store`: {"digest",
+    "name"}), and the random states of every rank gathered to all, so that each rank resumes its own streams
+    exactly."""
     rng = [torch.get_rng_state(), *(g.get_state() for g in run.generators)]
     every = [rng]
     if torch.distributed.is_initialized():
@@ -45,7 +46,7 @@ def save_checkpoint(path, run, *, progress, settings, ctx, store=None, each_node
     distributed.save_checkpoint(path, {
         "model": run.model.state_dict(), "optimizers": [o.state_dict() for o in run.optimizers],
         "averaging": run.average.state_dict() if run.average else None, "rng": every, "progress": progress,
-        "settings": settings, "world": ctx.world_size, "store": store}, ctx, each_node=each_node)
+        "settings": settings, "world": ctx.world_size, "store": store}, ctx, each_node=each_node, writers=writers)
 
 
 def checkpoint_epoch(state):

@@ -32,8 +32,8 @@ import training
 from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
 from core import (DataError, Heartbeat, Parser, Table, UsageError, check_output, end_torchrun, exit_now, print_summary,
                   summarize_runs, with_progress, write_json)
-from distributed import (barrier, leave, leave_together, print0, register_comm_hook, sync_batch_norm_stats,
-                         use_last_batch_stats, wrap_ddp)
+from distributed import (barrier, checkpoint_writers, leave, leave_together, print0, register_comm_hook,
+                         sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
 from imagenet_data import EpochWork, batch_indices, decode_text, draw_epoch, loss_top1_top5, place, train_batches
 from imagenet_models import build_model, check_memory, make_optimizer
@@ -92,6 +92,7 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
                     generators=[order, augment])
     done = resume_run(r, run, o, forward=forward, plans=plans, ctx=ctx, on_epoch=on_epoch)
     clock.continue_from(done)
+    writers = checkpoint_writers(ctx, each_node=o.each_node) if o.checkpoint else None     # rank 0's to the nodes
     trained = {"resumed_from": done["epoch"], "trained_epochs": 0, "trained_steps": 0}
     for p, work in epochs_ahead(data, plans[done["epoch"]:], run.generators, shares=seeds["shares"]):
         decoded = Counter(data.decoded)
@@ -114,8 +115,9 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
         row, = clock.rows_read()
         if o.checkpoint:
             save_checkpoint(o.checkpoint, run, settings=flat(r), ctx=ctx, store=o.store, each_node=o.each_node,
-                            progress={"epoch": p.epoch + 1, "rows": clock.rows, "train_time": clock.train_time,
-                                      "time_to_target": clock.time_to_target})
+                            writers=writers, progress={"epoch": p.epoch + 1, "rows": clock.rows,
+                                                       "train_time": clock.train_time,
+                                                       "time_to_target": clock.time_to_target})
         on_epoch and on_epoch(row)
         if o.checkpoint and o.interrupt_after == p.epoch + 1:
             print0(f"stopped after epoch {p.epoch + 1} (--interrupt-after-epoch), exit status {INTERRUPTED}; "

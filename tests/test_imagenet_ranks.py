@@ -27,6 +27,7 @@ import imagenet_fast as inf
 import imagenet_store as ims
 import schedules
 from conftest import ROOT
+from test_distributed import disk_full
 from settings import changed
 
 SIZE, CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS = 16, 4, 24, 8
@@ -58,12 +59,12 @@ def cli_args(store, epochs, *extra):
             *map(str, extra)]
 
 
-def worker(rank, world, ports, store, out, phases):
-    """Runs each phase's command line as this rank, in node<rank>/, and saves what it saw to out/rank<rank>.pt."""
+def worker(rank, world, ports, store, out, phases, moves, full_disk):
+    """Runs each phase's command line as this rank, in node<rank + the phase's move>/ (modulo world), rank 0's disk
+    full in the phases numbered in full_disk, and saves what it saw to out/rank<rank>.pt."""
     torch.set_num_threads(1)
-    node = os.path.join(out, f"node{rank}")
-    os.makedirs(node, exist_ok=True)
-    os.chdir(node)
+    for r in range(world):
+        os.makedirs(os.path.join(out, f"node{r}"), exist_ok=True)
     record = {"epochs": [], "placed": [], "evaluated": [], "read": {"train": set(), "val": set()}}
 
     real_batches, real_place, real_evaluate, real_decoded = (inf.train_batches, inf.place, inf.loss_top1_top5,
@@ -103,7 +104,10 @@ def worker(rank, world, ports, store, out, phases):
         return real_torus(state, bucket)
     D.torus_allreduce_hook = torus
     record["phases"] = []
-    for port, args in zip(ports, phases):
+    real_save = torch.save
+    for k, (port, args, move) in enumerate(zip(ports, phases, moves)):
+        os.chdir(os.path.join(out, f"node{(rank + move) % world}"))
+        torch.save = disk_full if rank == 0 and k in full_disk else real_save
         record["torus"].append(0)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -117,11 +121,13 @@ def worker(rank, world, ports, store, out, phases):
                 rc = e.code
         D.leave(D.Context(distributed=True))         # whatever main left of the group
         record["phases"].append({"rc": rc, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()})
+    torch.save = real_save
     torch.save(record, os.path.join(out, f"rank{rank}.pt"))
 
 
-def spawn(world, store, out, phases):
-    mp.spawn(worker, args=(world, free_ports(len(phases)), str(store), str(out), phases), nprocs=world, join=True)
+def spawn(world, store, out, phases, moves=None, full_disk=()):
+    mp.spawn(worker, args=(world, free_ports(len(phases)), str(store), str(out), phases, moves or [0] * len(phases),
+                           full_disk), nprocs=world, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
@@ -194,26 +200,51 @@ def test_the_ema_model_evaluates_with_the_ranks_common_batch_norm_statistics(two
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_four_ranks_killed_and_resumed_without_a_shared_disk_end_exactly_as_uninterrupted(store, tmp_path):
+def test_four_ranks_killed_and_resumed_with_the_checkpoint_on_another_ranks_disk_end_exactly_as_uninterrupted(
+        store, tmp_path):
     """The uninterrupted run; the same run stopped after epoch 1 (exit 75, as a preempted job); its relaunch with
-    --resume. Only rank 0's folder holds the checkpoint: rank 0 reads it and the others receive it."""
+    --resume, each rank moved to the next rank's folder, so that only rank 3 finds the checkpoint, as after a requeue
+    that gave rank 0 to another node: rank 3 reads it and the others receive it, and the resumed run trains exactly
+    the two epochs and twelve steps left (a fresh start would give the same rows: the counts catch it)."""
     phases = [cli_args(store, 3, "--checkpoint", "a.pt", "--out", "a.json"),
               cli_args(store, 3, "--checkpoint", "b.pt", "--resume", "--interrupt-after-epoch", "1"),
               cli_args(store, 3, "--checkpoint", "b.pt", "--resume", "--out", "b.json")]
-    ranks = spawn(4, store, tmp_path, phases)
+    ranks = spawn(4, store, tmp_path, phases, moves=[0, 0, 1])
     assert [[p["rc"] for p in r["phases"]] for r in ranks] == [[0, imagenet_checkpoints.INTERRUPTED, 0]] * 4, \
         [p["stderr"][-1500:] for r in ranks for p in r["phases"]]
-    assert not any((tmp_path / f"node{r}" / name).exists() for r in (1, 2, 3) for name in ("a.pt", "b.pt"))
-    resumed = ranks[0]["phases"][2]["stdout"]
-    assert resumed.count("resumed from epoch 1 of b.pt") == 1
-    a, b = (torch.load(tmp_path / "node0" / f"{n}.pt", weights_only=False) for n in "ab")
-    assert a["progress"]["epoch"] == b["progress"]["epoch"] == 3
+    # the first rank of each node writes its copy: rank 0 alone here (each rank's LOCAL_RANK is its rank)
+    assert [sorted(p.name for p in (tmp_path / f"node{r}").glob("*.pt")) for r in range(4)] == \
+        [["a.pt", "b.pt"], ["b.pt"], [], []]
+    fresh, resumed = (ranks[0]["phases"][k]["stdout"] for k in (1, 2))
+    assert fresh.count("no checkpoint at b.pt on any rank: training from the start") == 1, fresh
+    assert resumed.count("resumed from epoch 1 of b.pt, rank 3's copy") == 1, resumed
+    a, b, stale = (torch.load(tmp_path / f"node{n}" / f"{name}.pt", weights_only=False)
+                   for n, name in ((0, "a"), (1, "b"), (0, "b")))
+    assert a["progress"]["epoch"] == b["progress"]["epoch"] == 3 and stale["progress"]["epoch"] == 1
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
-    ra, rb = (json.loads((tmp_path / "node0" / f"{n}.json").read_text())["runs"][0]["rows"] for n in "ab")
-    assert [(x["train_loss"], x["top1"]) for x in ra] == [(x["train_loss"], x["top1"]) for x in rb]
+    ra, rb = (json.loads((tmp_path / f"node{n}" / f"{name}.json").read_text())["runs"][0] for n, name in ((0, "a"),
+                                                                                                        (1, "b")))
+    assert [(x["train_loss"], x["top1"]) for x in ra["rows"]] == [(x["train_loss"], x["top1"]) for x in rb["rows"]]
+    # 6 steps an epoch (96 images, 16 a step), counted as the loop takes them; and each rank's epochs of batches
+    assert [(r["resumed_from"], r["trained_epochs"], r["trained_steps"]) for r in (ra, rb)] == [(0, 3, 18), (1, 2, 12)]
+    assert [len(r["epochs"]) for r in ranks] == [3 + 1 + 2] * 4
     # the uninterrupted run's three epochs: every rank saw every class, in a new order each epoch
     check_every_rank_sees_every_class([{"epochs": r["epochs"][:3]} for r in ranks],
                                       ims.open_store(store).train.labels)
+
+
+def test_a_checkpoint_rank_0_cannot_write_stops_both_ranks_after_that_epoch_with_one_line(store, tmp_path):
+    """Rank 0's disk is full when the first epoch's checkpoint is written: both ranks stop there (the next epoch is
+    never drawn), exit status 1, rank 0 printing the one line that names the path and the error and rank 1 nothing
+    (no lost peer, no timeout); nothing is left on the disk."""
+    ranks = spawn(2, store, tmp_path, [cli_args(store, 3, "--checkpoint", "c.pt", "--out", "c.json")], full_disk=[0])
+    (zero,), (one,) = (r["phases"] for r in ranks)
+    assert (zero["rc"], one["rc"]) == (1, 1), (zero["stderr"][-1500:], one["stderr"][-1500:])
+    assert zero["stderr"].strip().splitlines()[-1] == \
+        "error: cannot write the checkpoint c.pt on rank 0: No space left on device (ENOSPC)", zero["stderr"]
+    assert one["stderr"].strip() == "", one["stderr"]
+    assert [len(r["epochs"]) for r in ranks] == [1, 1]
+    assert [sorted(os.listdir(tmp_path / f"node{r}")) for r in range(2)] == [[], []]
 
 
 def rank_of(pid):

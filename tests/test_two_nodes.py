@@ -2,7 +2,8 @@
 127.0.0.1, gloo ranks, each node in a folder of its own with its own copy of the data (no shared disk). They must
 train tiny ImageNet and CIFAR-10 recipes to exactly the parameters of one node running the same two ranks (the same
 world and global batch), an ImageNet run even when node 1's agent is killed by SIGKILL in mid-run and the job
-relaunched with --resume.
+relaunched with --resume with the nodes in the other order, so that rank 0 sits on the node whose copy of the
+checkpoint is older.
 
 Why one node of two ranks and not one process: each rank draws its own order and crops (training.run_seeds), so
 a run's parameters depend on the number of ranks by design; what must not matter is how the ranks are spread over
@@ -23,6 +24,7 @@ import torch
 
 import imagenet_store as ims
 from conftest import ROOT, synthetic_npz
+from test_distributed import killed_write
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="finds the workers in /proc")
 
@@ -57,7 +59,7 @@ def environment(job):
 def two_agents(folders, script, args, *, job):
     """One torchrun agent per folder (node), started in that order, meeting at a c10d rendezvous on loopback:
     the running agents. The rendezvous numbers the nodes by (host, agent's pid), so on one machine the first
-    started is node 0, where rank 0 writes its checkpoint."""
+    started is node 0, whose worker is rank 0."""
     port, agents = free_port(), []
     for n, folder in enumerate(folders):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
@@ -147,49 +149,72 @@ def same_parameters(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-def kill_node_1_after_checkpoint(agents, ckpt):
-    """Kills node 1's agent (SIGKILL) once rank 0 has written its first checkpoint at ckpt, as the next epoch
-    starts: whether it was killed before the job ended."""
-    deadline = time.monotonic() + TIMEOUT
+def epoch_of(ckpt):
+    return torch.load(ckpt, weights_only=False)["progress"]["epoch"]
+
+
+def kill_node_1_after_two_checkpoints(agents, ckpt, stale):
+    """Copies node 0's first checkpoint at ckpt to stale, then kills node 1's agent (SIGKILL) once a later one has
+    replaced it, as the next epoch starts: whether it was killed before the job ended."""
+    deadline, first = time.monotonic() + TIMEOUT, None
     while time.monotonic() < deadline and all(a.poll() is None for a in agents):
-        if ckpt.exists():
+        if first is None and ckpt.exists():
+            shutil.copy(ckpt, stale)            # an atomic write replaces the file: the copy is whole
+            first = epoch_of(stale)
+        elif first is not None and epoch_of(ckpt) > first:
             agents[1].kill()
             return True
         time.sleep(0.02)
     return False
 
 
-def test_two_nodes_killed_and_resumed_train_imagenet_as_one_node_uninterrupted(store, tmp_path, jobs):
-    """Two nodes, node 1's agent killed by SIGKILL after the first checkpoint (its worker ends with it) and the job
-    relaunched with --resume, and one node running the same two ranks uninterrupted: every epoch's row and the last
-    parameters are the same. (Every epoch of the pair ran on two nodes, so this holds both claims: two nodes train as
-    one, and a resumed run as an uninterrupted one.)"""
+def test_two_nodes_killed_and_resumed_with_rank_0_on_the_other_node_train_imagenet_as_one_node(store, tmp_path, jobs):
+    """Two nodes, each keeping its own copy of the checkpoint; node 1's agent killed by SIGKILL after the second
+    checkpoint (its worker ends with it); node 1's copy then an epoch behind, and a write killed midway left on node
+    0; the job relaunched with --resume, node 1's agent first, so that rank 0 sits on node 1. The resumed run must
+    start from node 0's newer copy, train exactly the epochs and steps left, remove the unfinished write, and end
+    with every row and parameter of one node running the same two ranks uninterrupted, both copies current. (Every
+    epoch of the pair ran on two nodes, so this holds both claims: two nodes train as one, and a resumed run as an
+    uninterrupted one; a resume from node 1's older copy, or afresh, would give the same rows: the counts catch it.)"""
     args = ["train", "--store", "store", *TINY, "--epochs", str(EPOCHS), "--checkpoint", "ckpt.pt", "--out",
             "run.json", "--dist-timeout", "2"]
     two, one = nodes(tmp_path / "two", store), nodes(tmp_path / "one", store)[:1]
     reference, job = one_agent(one[0], "imagenet_fast.py", args, job=new_job(jobs)), new_job(jobs)
     doomed = two_agents(two, "imagenet_fast.py", args, job=job)
-    assert kill_node_1_after_checkpoint(doomed, two[0] / "ckpt.pt"), "the run ended before node 1 could be killed"
+    stale = tmp_path / "stale.pt"
+    assert kill_node_1_after_two_checkpoints(doomed, two[0] / "ckpt.pt", stale), \
+        "the run ended before node 1 could be killed"
     try:        # node 1's worker ends with its agent, so node 0's loses its peer at once and its agent ends
         ends = finished(doomed, timeout=90)
     except subprocess.TimeoutExpired:
-        epoch = torch.load(two[0] / "ckpt.pt", weights_only=False)["progress"]["epoch"]
-        pytest.fail(f"node 0's agent still runs 90 s after node 1's was killed; the checkpoint is at epoch {epoch} "
-                    f"of {EPOCHS}: node 1's worker trained on without its agent")
+        pytest.fail(f"node 0's agent still runs 90 s after node 1's was killed; the checkpoint is at epoch "
+                    f"{epoch_of(two[0] / 'ckpt.pt')} of {EPOCHS}: node 1's worker trained on without its agent")
     check_ok(finished(reference))
     assert all(rc != 0 for rc, _, _ in ends), "the job went on without node 1"
-    epoch = torch.load(two[0] / "ckpt.pt", weights_only=False)["progress"]["epoch"]
-    assert 1 <= epoch < EPOCHS, epoch
-    assert not (two[1] / "ckpt.pt").exists()                                         # rank 0's disk alone
+    epoch, behind = epoch_of(two[0] / "ckpt.pt"), epoch_of(stale)
+    assert 1 <= behind < epoch < EPOCHS, (behind, epoch)
+    shutil.copy(stale, two[1] / "ckpt.pt")                  # node 1 missed the last checkpoint
+    killed_write(two[0] / "ckpt.pt")
+    (unfinished,) = (f for f in os.listdir(two[0]) if f.endswith(".tmp"))
 
-    # the same job relaunched with --resume: rank 0 (node 0) reads its checkpoint and sends it to node 1
-    results = finished(two_agents(two, "imagenet_fast.py", [*args, "--resume"], job=new_job(jobs)))
+    # relaunched with --resume, node 1's agent first: rank 0 on node 1, whose copy is older than node 0's
+    results = finished(two_agents(two[::-1], "imagenet_fast.py", [*args, "--resume"], job=new_job(jobs)))
     check_ok(results)
-    assert "2 ranks of 8 images per step" in results[0][1]
-    assert f"resumed from epoch {epoch} of ckpt.pt" in results[0][1], results[0][1][-2000:]
-    assert not (two[1] / "ckpt.pt").exists() and not (two[1] / "run.json").exists()
-    assert rows(two[0] / "run.json") == rows(one[0] / "run.json")
-    assert same_parameters(parameters(two[0] / "ckpt.pt"), parameters(one[0] / "ckpt.pt"))
+    (_, out_0, _), (_, _, err_1) = results                 # rank 0's output (node 1), rank 1's errors (node 0)
+    assert "2 ranks of 8 images per step" in out_0
+    assert f"resumed from epoch {epoch} of ckpt.pt, rank 1's copy" in out_0, out_0[-2000:]
+    assert f"removed what 1 unfinished write of ckpt.pt left on rank 1: {unfinished}" in err_1, err_1[-2000:]
+    assert not any(f.endswith(".tmp") for n in two for f in os.listdir(n))
+    assert not (two[0] / "run.json").exists()                                    # rank 0 wrote it, on node 1
+    plain, resumed = (json.loads(p.read_text())["runs"][0] for p in (one[0] / "run.json", two[1] / "run.json"))
+    assert (plain["resumed_from"], plain["trained_epochs"], plain["trained_steps"]) == (0, EPOCHS, EPOCHS * 6)
+    # 6 steps an epoch (96 images, 16 a step): a resume an epoch early or late, or afresh, fails here
+    assert (resumed["resumed_from"], resumed["trained_epochs"], resumed["trained_steps"]) == \
+        (epoch, EPOCHS - epoch, (EPOCHS - epoch) * 6)
+    assert rows(two[1] / "run.json") == rows(one[0] / "run.json")
+    for node in two:                                         # each node's copy is current
+        assert epoch_of(node / "ckpt.pt") == EPOCHS
+        assert same_parameters(parameters(node / "ckpt.pt"), parameters(one[0] / "ckpt.pt"))
 
 
 @pytest.fixture(scope="module")
