@@ -368,6 +368,7 @@ def check_train(args):
     for flag, bad, message in (
             ("store", not args.store, "is required (a folder written by `imagenet_fast.py prepare`)"),
             ("resume", args.resume and not args.checkpoint, "needs --checkpoint"),
+            ("checkpoint-on", args.checkpoint_on == "shared" and not args.checkpoint, "shared needs --checkpoint"),
             ("resume", args.resume and args.runs > 1, "works with a single run"),
             ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint"),
             ("loader-workers", args.loader_workers is not None and args.loader_workers < 1, "must be positive")):

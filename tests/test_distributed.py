@@ -1,6 +1,7 @@
 """distributed.py on CPU: gloo process groups spawned on 127.0.0.1, compared with one process on the whole batch."""
 import dataclasses
 import errno
+import io
 import os
 import re
 import signal
@@ -158,9 +159,14 @@ def checkpoints(ctx, out):
     return res
 
 
-def disk_full(state, f):
+REAL_SAVE = torch.save
+
+
+def disk_full(state, f, *args, **kwargs):
     """torch.save on a full disk: some bytes written, then the OSError of Python's file as the context of torch's
-    own RuntimeError."""
+    own RuntimeError; into memory (pickling a tensor for a collective) as ever."""
+    if isinstance(f, io.BytesIO):
+        return REAL_SAVE(state, f, *args, **kwargs)
     f.write(b"half a checkpoint")
     try:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -448,6 +454,13 @@ def test_launch_flags_are_checked_in_one_line(script, flags, message, capsys, tm
             else ["--data-dir", str(tmp_path), *args])
     rc = __import__(script).main(args)
     assert rc == 2 and capsys.readouterr().err.strip().splitlines() == [f"error: {message}"]
+
+
+def test_a_shared_checkpoint_needs_a_checkpoint_in_one_line(capsys, tmp_path):
+    rc = __import__("imagenet_fast").main(["train", "--store", str(tmp_path), "--device", "cpu", "--checkpoint-on",
+                                           "shared"])
+    assert rc == 2 and capsys.readouterr().err.strip().splitlines() == ["error: --checkpoint-on shared needs "
+                                                                        "--checkpoint"]
 
 
 class Launched:
