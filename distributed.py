@@ -220,8 +220,8 @@ def save_checkpoint(path, state, ctx, *, each_node=True, writers=None):
     read-only mount) stops all ranks at once with the same DataError of one line, not at the collective timeout."""
     error = None
     if writes_checkpoints(ctx, each_node=each_node):
-        if writers is not None:
-            box = [state if ctx.is_main else None]
+        if writers is not None:      # host copies: another node's writer has no GPU of rank 0's index to put them on
+            box = [on_host(state) if ctx.is_main else None]
             dist.broadcast_object_list(box, src=0, group=writers)
             state, = box
         try:
@@ -229,6 +229,17 @@ def save_checkpoint(path, state, ctx, *, each_node=True, writers=None):
         except Exception as e:      # whatever stopped the write, the other ranks must hear of it
             error = f"cannot write the checkpoint {path}{on_rank(ctx)}: {why_not_written(e)}"
     agree_on_error(error, ctx)
+
+
+def on_host(state):
+    """state with every tensor in it (in dicts, lists and tuples) copied to the CPU."""
+    if isinstance(state, torch.Tensor):
+        return state.cpu()
+    if isinstance(state, dict):
+        return {k: on_host(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(on_host(v) for v in state)
+    return state
 
 
 def save_to_file(state, path):
