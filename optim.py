@@ -221,13 +221,14 @@ def sgd_foreach(params, buffers, rate, *, weight_decay, momentum, nesterov):
 
 def sgd_muon_step(sgd, muon, *, momentum, nesterov):
     """One step of every group, the rates 0-d tensors: SGD's, a (params, buffers, rate, unit, weight_decay) a group
-    (rate x unit its step size), and Muon's, muon (None, or (filters, buffers, rate, unit, clock, group): clock its
-    step, last renormalisation and total steps as 0-d tensors, so that whether it renormalises is decided on the
+    (rate x unit its step size), and Muon's, muon (None, or (filters, buffers, rate, unit, clock, group): clock a
+    tensor of its step, last renormalisation and total steps, so that whether it renormalises is decided on the
     device, and no run's length is a constant of the graph)."""
     for params, buffers, rate, unit, weight_decay in sgd:
         sgd_foreach(params, buffers, rate * unit, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
     if muon:
-        params, buffers, rate, unit, (step, last, total), group = muon
+        params, buffers, rate, unit, clock, group = muon
+        step, last, total = clock[0], clock[1], clock[2]        # views: their updates land in clock
         step.add_(1)
         renorm = renorm_due(step, last, group["renorm_every"], total)
         if renorm is not False:
@@ -255,9 +256,10 @@ class SGDAndMuon(torch.optim.Optimizer):
         # each group's (rate, unit), by position: the schedule's rate x its unit, or its own rate as set_lr fills it
         self.rates = [(own[id(g)], 1.0) if id(g) in own else (self.lr, g["lr_unit"]) for g in self.param_groups]
         muon = next((g for g in self.param_groups if g.get("name") == "filters"), None)
-        # Muon's settings the step reads (constants of its graph), and its clock: step, last renormalisation, total
+        # Muon's settings the step reads (constants of its graph), and its clock: step, last renormalisation, total.
+        # One tensor, not three 0-d ones: torch 2.11's compile drops an in-place update of a 0-d float64 CPU input
         self.muon = muon and {k: muon[k] for k in MUON_STEP_SETTINGS}
-        self.clock = muon and (scalar(), scalar(), scalar(muon["total_steps"]))
+        self.clock = muon and torch.stack([scalar(), scalar(), scalar(muon["total_steps"])])
         for g in self.param_groups:
             momentum_buffers(self.state, g["params"], g.get("momentum_dtype"))
 

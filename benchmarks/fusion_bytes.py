@@ -9,7 +9,8 @@ times a per-image size), so a small --batch counts what batch 1,536 moves.
 
 1. The saved-for-backward tensors: AOTAutograd's partition with Inductor's own partitioner
    (min_cut_rematerialization_partition), each with the forward operation that makes it, its dtype and its bytes per
-   image; their sum is what the forward writes for the backward and the backward reads again.
+   image; their sum is what the forward writes for the backward and the backward reads again. Torch decides some:
+   where the max-pool's gradient takes the pool's input (pool_gradient_takes_its_input), that input is kept too.
 2. The kernels after Inductor's fusion, forward then backward (its scheduler's nodes, read through its
    _post_fusion_custom_pass hook): extern kernels (convolutions, matmuls) and fused ones, with the aten operations
    each holds and the bytes it reads and writes per image (Scheduler's own buffer sizes). The CPU's C++ backend fuses
@@ -104,6 +105,13 @@ def saved_tensors(batch, settings, *, width=1.0):
         out.append((node.name, maker(made_by.get(node.name)), str(val.dtype).removeprefix("torch."),
                     tuple(val.shape), val.numel() * val.element_size()))
     return out
+
+
+def pool_gradient_takes_its_input():
+    """Whether Inductor's decompositions leave the max-pool's gradient as aten.max_pool2d_with_indices_backward, which
+    takes the pool's input (torch 2.11), rather than a scatter-add that reads only its shape (torch 2.14)."""
+    from torch._inductor.decomposition import select_decomp_table
+    return torch.ops.aten.max_pool2d_with_indices_backward.default not in select_decomp_table()
 
 
 def maker(node):
