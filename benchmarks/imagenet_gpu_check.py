@@ -16,8 +16,9 @@ figures written to --out (JSON, rewritten after every check) as soon as it ends,
             docs/imagenet.md)
   sync      torch.cuda.set_sync_debug_mode("warn") over 20 steps of decoder and step together: the host waits
 
-Beside each decoder's figures, the hardware/software decode counts where this version of devices.py keeps them
-(a function decode_counts() there; otherwise "not counted").
+Beside each decoder's figures, its decode counts over that row's batches (imagenet_data.Data.decoded): nvJPEG's
+"hardware" and "software" paths (devices.nvjpeg_paths; "unknown" where nvJPEG's library cannot be asked), or the
+decoder's own name ("cpu", "nvimgcodec").
 
 Device time on one H100 or H200, estimated (not measured): a minute of start-up and writing 25,000 images on 16
 cores, about 30 s to prepare, 1 min for the decoders, step and together (4 x 13 batches of 512 at each size), 2 min
@@ -39,8 +40,6 @@ PYTHONPATH=/tmp/site. A decoder whose package is missing is recorded as such; th
     python benchmarks/imagenet_gpu_check.py --smoke --out check.json  # tiny, on the CPU under the CUDA stand-in
 """
 import argparse
-import contextlib
-import io
 import math
 import os
 import signal
@@ -107,10 +106,9 @@ def write_images(root, *, images, classes, side, workers):
 
 # ---------------------------------------------------------------------------------------------------- the checks
 
-def decode_counts():
-    """The hardware/software decode counts where devices.py keeps them, else "not counted"."""
-    counts = getattr(devices, "decode_counts", None)
-    return counts() if counts else "not counted"
+def decode_counts(data, before):
+    """The images data decoded since its counts were `before` (a copy of data.decoded), by path: {path: images}."""
+    return {path: n - before.get(path, 0) for path, n in data.decoded.items() if n > before.get(path, 0)}
 
 
 def batches(data, r, *, res, batch_size, device, dtype, seed=0):
@@ -149,9 +147,10 @@ def check_decoders(store, r, cfg, *, device, dtype, workers):
             if data is None:
                 row["error"] = why
             else:
+                before = dict(data.decoded)
                 row["images_per_s"] = rate(batches(data, r, res=res, batch_size=cfg["batch_size"], device=device,
                                                    dtype=dtype), lambda x, y: None, **timing)
-                row["decode_counts"] = decode_counts()
+                row["decode_counts"] = decode_counts(data, before)
             rows.append(row)
     return rows
 
@@ -181,10 +180,11 @@ def check_step_and_together(store, r, cfg, *, device, dtype, workers, classes, s
                 row["error"] = why
             else:
                 net, opt = model(r, classes, device)
+                before = dict(data.decoded)
                 row["images_per_s"] = rate(batches(data, r, res=res, batch_size=bs, device=device, dtype=dtype),
                                            lambda a, b: step(net, opt, a, b, device=device, dtype=dtype), **timing)
                 row["of_step_alone"] = row["images_per_s"] / alone[res]
-                row["decode_counts"] = decode_counts()
+                row["decode_counts"] = decode_counts(data, before)
             rows.append(row)
     return rows
 
@@ -264,10 +264,12 @@ def train_args(store, cfg, epochs, *, smoke):
             "--checkpoint", "ckpt.pt", "--out", "run.json"]
 
 
-def killed_and_resumed(args, folder, timeout):
-    """(first, resumed): `python imagenet_fast.py ARGS` killed by SIGKILL once its first checkpoint is written, then
-    relaunched with --resume, in folder: each {"returncode", "seconds", "output"} (its last lines)."""
-    cmd, t0 = [sys.executable, str(ROOT / "imagenet_fast.py"), *args], time.time()
+def killed_and_resumed(args, folder, timeout, *, smoke=False):
+    """(first, resumed): `python imagenet_fast.py ARGS` (smoke: under the CUDA stand-in, tests/standin_main.py) killed
+    by SIGKILL once its first checkpoint is written, then relaunched with --resume, in folder: each {"returncode",
+    "seconds", "output"} (its last lines)."""
+    script = [str(ROOT / "tests" / "standin_main.py")] * smoke + [str(ROOT / "imagenet_fast.py")]
+    cmd, t0 = [sys.executable, *script, *args], time.time()
     with open(folder / "first.log", "w") as log:       # a file, not a pipe that a long run could fill
         proc = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None and not (folder / "ckpt.pt").exists() and time.time() - t0 < timeout:
@@ -283,32 +285,13 @@ def killed_and_resumed(args, folder, timeout):
                    "output": (again.stdout + again.stderr)[-1500:]}
 
 
-def interrupted_and_resumed(args, folder):
-    """The smoke pass's stand-in for killed_and_resumed, in this process under the stand-in: the command stopped by
-    its own --interrupt-after-epoch 1 (exit status 75), then relaunched with --resume."""
-    out, here = [], os.getcwd()
-    os.chdir(folder)
-    try:
-        for extra in (["--interrupt-after-epoch", "1"], ["--resume"]):
-            t0, log = time.time(), io.StringIO()
-            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                try:
-                    rc = inf.main([*args, *extra])
-                except SystemExit as e:
-                    rc = e.code
-            out.append({"returncode": rc, "seconds": time.time() - t0, "output": log.getvalue()[-1500:]})
-    finally:
-        os.chdir(here)
-    return out
-
-
 def check_train(store, n_train, cfg, *, folder, smoke, timeout=240):
     """imagenet_fast.py train for about cfg["train_steps"] steps, killed by SIGKILL once the first epoch's checkpoint
     is written, then the same command with --resume: a row of each command's exit status and seconds."""
     epochs = max(2, round(cfg["train_steps"] / (n_train // cfg["batch_size"])))
     folder.mkdir(parents=True, exist_ok=True)
     args = train_args(store, cfg, epochs, smoke=smoke)
-    first, resumed = interrupted_and_resumed(args, folder) if smoke else killed_and_resumed(args, folder, timeout)
+    first, resumed = killed_and_resumed(args, folder, timeout, smoke=smoke)
     resumed["resumed_line"] = next((line for line in resumed["output"].splitlines()
                                     if line.startswith("resumed from")), None)
     return [{"check": "train", "recipe": cfg["recipe"], "epochs": epochs,
