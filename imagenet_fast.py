@@ -489,7 +489,11 @@ def place_data(r, store, args, *, ctx, decoder, progress):
     whether a raw store fits beside it): a UsageError of one line, before anything is loaded, when not."""
     device = torch.device(ctx.device)
     dtype, classes = devices.compute_dtype(device, args.precision), len(store.index["classes"])
-    need = 0 if devices.is_cpu(device) else check_memory(r, classes, device=device, world=ctx.world_size, dtype=dtype)
+    gpu_decoder = store.format == "jpeg" and decoder in devices.GPU_DECODERS
+    side = max(int(split.rows[k].max(initial=0)) for split in (store.train, store.val) for k in ("height", "width")) \
+        if gpu_decoder else 0        # a batch is padded to its tallest and widest image: side x side at worst
+    need = 0 if devices.is_cpu(device) else check_memory(r, classes, device=device, world=ctx.world_size, dtype=dtype,
+                                                         side=side, gpu_decoder=gpu_decoder)
     with Heartbeat(f"placing {args.store}", on=progress):
         return place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
                      workers=args.loader_workers, training=need)     # under torchrun, this rank's share alone

@@ -7,8 +7,9 @@ figures written to --out (JSON, rewritten after every check) as soon as it ends,
   decoder   each decoder alone (nvJPEG through torchvision, nvImageCodec, the CPU's processes) at batch --batch-size,
             at 160 and 192 px: images/s of imagenet_data.train_batches, as training reads them
   step      the ResNet-50 step alone on batches already on the device (rn50_16ep: BlurPool, bf16, channels_last),
-            images/s and its peak memory
-  together  each GPU decoder feeding the step, images/s, and its share of the step alone (the goal: >= 0.95)
+            images/s and its peak memory beside imagenet_models' estimate of it
+  together  each GPU decoder feeding the step, images/s, and its share of the step alone (the goal: >= 0.95), its
+            peak memory beside the estimate (the decoder's buffers counted: imagenet_models.input_bytes)
   train     imagenet_fast.py train --recipe rn50_16ep for about --train-steps steps with a checkpoint, killed
             (SIGKILL) in its second epoch and relaunched with --resume: both commands' exit status and seconds
   race      the same seed's batches decoded quiet and under load (each batch feeding the step, with more work
@@ -62,6 +63,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import devices  # noqa: E402
 import imagenet_data as idt  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
+import imagenet_models  # noqa: E402
 import imagenet_store as ims  # noqa: E402
 from core import write_json  # noqa: E402
 from imagenet_throughput import forever, rate, step  # noqa: E402
@@ -171,7 +173,8 @@ def check_step_and_together(store, r, cfg, *, device, dtype, workers, classes, s
         alone[res] = rate(forever(lambda: [(x, y)]), lambda a, b: step(net, opt, a, b, device=device, dtype=dtype),
                           **timing)
         rows.append({"check": "step", "res": res, "batch": bs, "images_per_s": alone[res],
-                     "peak_memory_bytes": peak_memory(device, smoke)})
+                     "peak_memory_bytes": peak_memory(device, smoke),
+                     "estimated_bytes": estimated_memory(r, classes, bs, res, dtype=dtype, side=None)})
     for decoder in ("gpu", "nvimgcodec"):
         data, why = placed(store, device, decoder, workers)
         for res in cfg["sizes"]:
@@ -180,13 +183,28 @@ def check_step_and_together(store, r, cfg, *, device, dtype, workers, classes, s
                 row["error"] = why
             else:
                 net, opt = model(r, classes, device)
+                if not smoke:
+                    torch.cuda.reset_peak_memory_stats(device)
                 before = dict(data.decoded)
                 row["images_per_s"] = rate(batches(data, r, res=res, batch_size=bs, device=device, dtype=dtype),
                                            lambda a, b: step(net, opt, a, b, device=device, dtype=dtype), **timing)
                 row["of_step_alone"] = row["images_per_s"] / alone[res]
                 row["decode_counts"] = decode_counts(data, before)
+                row["peak_memory_bytes"] = peak_memory(device, smoke)
+                row["estimated_bytes"] = estimated_memory(r, classes, bs, res, dtype=dtype, side=cfg["side"])
             rows.append(row)
     return rows
+
+
+def estimated_memory(r, classes, batch, res, *, dtype, side):
+    """imagenet_models' estimate of a step's device memory at batch and res: the weights and optimiser state, the saved
+    activations, and the input: the GPU decoder's buffers for images up to side x side (input_bytes), or (side None)
+    the batch already on the device."""
+    fixed, _ = imagenet_models.memory_parts(r, classes, dtype)
+    saved = imagenet_models.saved_bytes_per_image(r, classes, res, dtype)
+    inputs = (batch * 3 * res ** 2 * torch.empty(0, dtype=dtype).element_size() if side is None else
+              imagenet_models.input_bytes(batch, res ** 2, side=side, gpu_decoder=True, dtype=dtype))
+    return int(fixed + batch * saved + inputs)
 
 
 def checksums(data, r, *, res, batch_size, n, device, dtype, load=None):

@@ -327,13 +327,18 @@ def test_a_batch_that_cannot_fit_the_gpu_stops_in_one_line_naming_the_accumulati
             return inf.run(args, inf.recipe("akiba_32k", **changes), ctx=ctx, argv=[])
     assert run() == 2
     err = capsys.readouterr().err.strip()
-    m = re.fullmatch(rf"error: training resnet50 at {batch} images per process needs about [\d.]+ GiB on cuda:0 but "
-                     r"it has 80.0 GiB free; add --accumulate (\d+) \(micro-batches of (\d+) images\), or use more "
-                     r"GPUs", err)
+    m = re.fullmatch(rf"error: training resnet50 at {batch} images per process needs about [\d.]+ GiB on cuda:0 "
+                     r"\([\d.]+ MiB of weights and optimiser state, [\d.]+ GiB of activations, [\d.]+ [GM]iB of input "
+                     r"buffers, [\d.]+ GiB for validation\) but it has 80.0 GiB free; add --accumulate (\d+) "
+                     r"\(micro-batches of (\d+) images\), or use more GPUs", err)
     assert m and int(m[1]) * int(m[2]) == batch, err
-    classes = len(ims.open_store(stores["jpeg"]).index["classes"])
-    need = lambda k: imagenet_models.training_bytes(inf.recipe("akiba_32k", accumulate=k), classes, world=world,
-                                                    dtype=torch.bfloat16)
+    store = ims.open_store(stores["jpeg"])
+    need = lambda k: imagenet_models.training_bytes(inf.recipe("akiba_32k", accumulate=k), len(store.index["classes"]),
+                                                    world=world, dtype=torch.bfloat16, gpu_decoder=True,
+                                                    side=int(max(store.train.rows["width"].max(),
+                                                                 store.train.rows["height"].max(),
+                                                                 store.val.rows["width"].max(),
+                                                                 store.val.rows["height"].max())))
     assert need(int(m[1])) <= devices.USABLE * (80 << 30) < need(int(m[1]) // 2)
     with pytest.raises(Loaded):
         run("--accumulate", m[1])
