@@ -17,9 +17,9 @@ figures written to --out (JSON, rewritten after every check) as soon as it ends,
             docs/imagenet.md)
   sync      torch.cuda.set_sync_debug_mode("warn") over 20 steps of decoder and step together: the host waits
 
-Beside each decoder's figures, its decode counts over that row's batches (imagenet_data.Data.decoded): nvJPEG's
-"hardware" and "software" paths (devices.nvjpeg_paths; "unknown" where nvJPEG's library cannot be asked), or the
-decoder's own name ("cpu", "nvimgcodec").
+Beside each decoder's figures, its decode counts over that row's batches (the decoded counts of an imagenet_data.Data):
+nvJPEG's "hardware" and "software" paths (devices.nvjpeg_paths; "unknown" where nvJPEG's library cannot be asked), or
+the decoder's own name ("cpu", "nvimgcodec").
 
 Device time on one H100 or H200, estimated (not measured): a minute of start-up and writing 25,000 images on 16
 cores, about 30 s to prepare, 1 min for the decoders, step and together (4 x 13 batches of 512 at each size), 2 min
