@@ -308,6 +308,34 @@ def test_imagenet_under_torchrun_with_two_ranks_on_two_gpus(stores, tmp_path):
     assert "decoded on the GPU (nvJPEG)" in r.stdout and "2 ranks of 8 images per step" in r.stdout
 
 
+@pytest.fixture(scope="module")
+def photo_store(tmp_path_factory):
+    """A JPEG store of ImageNet's sizes: photos of longer side 500 (4:3, 3:4, square; every fourth progressive)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from imagenet_gpu_check import write_images
+    root = tmp_path_factory.mktemp("photos")
+    src = write_images(root / "src", images=48, classes=4, side=500, workers=1)
+    ims.prepare(src, root / "store", workers=1, log=lambda s: None)
+    return root / "store"
+
+
+@pytest.mark.slow          # two ranks at ImageNet's sizes on the CPU: minutes each
+@pytest.mark.parametrize("res", [160, 224])
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_two_ranks_at_imagenets_sizes_with_the_gpu_decoder_for_several_epochs(photo_store, res, repeat):
+    """rn50_16ep's images, crops and validation (256 px, flip TTA), bf16, nvJPEG's stand-in decoding in its reader
+    thread beside the draws' thread, for three epochs on two ranks: every epoch's row, and the process ends cleanly
+    (a race between the threads once corrupted memory here)."""
+    r = cifar_standin_command("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
+                              "tests/standin_main.py", "imagenet_fast.py", "train", "--store", str(photo_store),
+                              "--recipe", "rn50_16ep", "--model", "resnet_tiny", "--batch-size", "8", "--epochs", "3",
+                              "--min-res", str(res), "--max-res", str(res), "--decoder", "gpu")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
+    assert [row[:2] for row in rows if len(row) > 10] == [["1", str(res)], ["2", str(res)], ["3", str(res)]], r.stdout
+    assert "decoded on the GPU (nvJPEG)" in r.stdout and "2 ranks of 8 images per step" in r.stdout
+
+
 class Loaded(Exception):
     """The data began to load."""
 
