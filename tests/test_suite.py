@@ -627,6 +627,10 @@ def test_the_gpu_check_runs_every_check_in_the_smoke_pass(smoke):
             f"--decoder nvimgcodec needs nvImageCodec: pip install {devices.nvimgcodec_package()}"}
     assert [r["res"] for r in by("step")] == sizes and all(r["images_per_s"] > 0 for r in by("step"))
     assert all(r["of_step_alone"] > 0 for r in by("together", decoder="gpu"))
+    # the estimate beside the measured peak (none under the stand-in): the decoder's buffers on top of the step's
+    for res in sizes:
+        (alone,), (fed,) = by("step", res=res), by("together", decoder="gpu", res=res)
+        assert alone["peak_memory_bytes"] is None and 0 < alone["estimated_bytes"] < fed["estimated_bytes"]
     (train,) = by("train")
     assert (train["first"]["returncode"], train["resumed"]["returncode"]) == (-signal.SIGKILL, 0)
     assert train["resumed"]["resumed_line"] == "resumed from epoch 1 of ckpt.pt"
