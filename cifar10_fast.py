@@ -29,7 +29,7 @@ from cifar10_recipes import (FAST94, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_A
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, normalise, num_classes,
                         take_subset, to_device)
 from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
-from core import (DataError, Heartbeat, Parser, Table, UsageError, end_torchrun, exit_now, print_summary,
+from core import (DataError, Heartbeat, Parser, Table, UsageError, exit_now, print_summary, say_error,
                   summarize_runs, with_progress, write_json)
 from distributed import Context, barrier, leave, print0, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
@@ -468,8 +468,7 @@ def main(argv=None):
         check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
         ctx = join_ranks(args)
     except UsageError as e:
-        print0(f"error: {e}", file=sys.stderr)
-        end_torchrun()
+        say_error(e)
         return 2
     device, where = torch.device(ctx.device), {"run": 1, "epoch": 1, "finished": 0}
     if devices.is_cpu(device) and ctx.is_main:
@@ -493,8 +492,7 @@ def main(argv=None):
                        compile=args.compile, verbose=ctx.is_main, progress=ctx.is_main and not args.quiet)
         barrier()                 # leave together
     except (UsageError, DataError) as e:
-        print0(f"error: {e}", file=sys.stderr)
-        end_torchrun()
+        say_error(e)
         return 2 if isinstance(e, UsageError) else 1
     except KeyboardInterrupt as e:
         return ctrl_c_exit(interrupted(where["epoch"], where["run"], where["finished"], out=args.out,

@@ -6,14 +6,16 @@ their settings (settings.py).
 import dataclasses
 import datetime
 import math
+import os
 import platform
+import signal
 import sys
 import traceback
 
 import torch
 
 import devices
-from core import UsageError, check_output, close_progress, end_torchrun
+from core import UsageError, check_output, close_progress, first_to_say
 from distributed import HOOKS, comm_hook, first_sentence, init_from_env, leave, print0
 from settings import flag_error, flat
 
@@ -80,6 +82,8 @@ def join_ranks(args, hook=None):
         raise flag_error("bucket_mb", args.bucket_mb, "must be a positive number of MB")
     if args.deterministic:
         devices.set_deterministic()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        signal.signal(signal.SIGINT, interrupt_once)
     try:
         ctx = init_from_env(args.device, timeout_minutes=args.dist_timeout)
     except ValueError as e:
@@ -93,14 +97,16 @@ def join_ranks(args, hook=None):
 
 
 def lost_peer(error, ctx):
-    """For a RuntimeError a rank's work raised: exit status 1 and one line when a collective failed because another
-    rank is gone (it ended, or its machine did); the error raised again when it is a fault of this rank's own."""
+    """For a RuntimeError a rank's work raised: exit status 1 and one line in all (first_to_say) when a collective
+    failed because another rank is gone (it ended, or its machine did); the error raised again when it is a fault of
+    this rank's own."""
     lost = isinstance(error, torch.distributed.DistError) or any(
         mark in str(error) for mark in ("Connection reset by peer", "Connection closed by peer", "Connection refused",
                                         "NCCL communicator was aborted", "Socket Timeout", "Broken pipe"))
     if not (ctx.distributed and lost):
         raise error
-    print(f"error: rank {ctx.rank} lost its peers: {first_sentence(error)}", file=sys.stderr, flush=True)
+    if first_to_say("lost_peer"):
+        print(f"error: rank {ctx.rank} lost its peers: {first_sentence(error)}", file=sys.stderr, flush=True)
     return 1
 
 
@@ -112,12 +118,19 @@ def phase_of(error, phases):
 
 
 def ctrl_c_exit(line):
-    """Exit status 130 once Ctrl-C's one line (interrupted()'s) is printed, over any progress bar, and torchrun, if it
-    started this process, is ended without restarts."""
+    """Exit status 130 once Ctrl-C's one line (interrupted()'s) is printed, over any progress bar. Under torchrun, whose
+    own status is then 1 (it stops its workers and reports the signal), interrupt_once has kept its second SIGINT from
+    cutting this short."""
     close_progress()
     print0(line, file=sys.stderr)
-    end_torchrun(others_wait=False)
     return 130
+
+
+def interrupt_once(signum, frame):
+    """SIGINT's handler under torchrun: Ctrl-C reaches a worker from the terminal and again from torchrun, which
+    forwards the signal it caught to its workers; the first raises KeyboardInterrupt, the rest are ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def interrupted(epoch, run, finished, *, out=None, checkpoint=None, during=None):

@@ -2,7 +2,7 @@
 the statistics and printed summary of several runs, the command-line parser with one-line errors, the data and
 usage errors the scripts report, atomic files, the check of an output path, and children that die with their parent.
 
-Nothing here imports torch, so it can be read and tested on its own.
+Nothing here imports torch (but first_to_say, under torchrun), so it can be read and tested on its own.
 """
 import argparse
 import contextlib
@@ -227,42 +227,46 @@ def print_summary(name, s, target, labels):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with an error as one line (`error: argument --tta: ...`) and exit status 2. Under torchrun rank 0
-    alone prints it (parsing comes before the process group exists, so it reads torchrun's RANK), and the job ends
-    there (end_torchrun)."""
+    """argparse, with an error as one line (`error: argument --tta: ...`, say_error's) and exit status 2."""
 
     def error(self, message):
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-            print(f"error: {message}", file=sys.stderr, flush=True)
-        end_torchrun()
+        say_error(message)
         self.exit(2)
 
 
-def end_torchrun(*, others_wait=True):
-    """Under torchrun, once this process has said why in its one line, ends the job without restarts: torchrun restarts
-    after every failed exit status, and a bad flag or bad data would only fail again, each time followed by
-    torchrun's report. Local rank 0 stops its torchrun (SIGKILL: its only ending that is neither a restart nor a
-    traceback); with others_wait the other local ranks wait for it to go, lest torchrun restart them first."""
-    agent = os.getppid()
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not started_by_torchrun(agent):
-        return
-    if os.environ.get("LOCAL_RANK") == "0":
-        os.kill(agent, signal.SIGKILL)
-        return
-    deadline = time.monotonic() + 30.0
-    while others_wait and os.getppid() == agent and time.monotonic() < deadline:
-        time.sleep(0.05)
+def say_error(error, *, each_node=False):
+    """Prints a usage or data error's one line, `error: ...`: under torchrun once in the job, by the first process to
+    meet it (first_to_say; each_node: once on each node, for what each node reads of its own, its data), at the
+    workers' first start only; else on rank 0. Every process then exits with the same status (2, or 1 for data)
+    unless torchrun stops it first; a restart torchrun was asked for meets the same error and says nothing; torchrun
+    returns 1, its status whenever a worker fails (its report lists each worker's)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        say = torchrun_attempt() == 0 and first_to_say(f"error/{os.environ['GROUP_RANK'] if each_node else 'all'}")
+    else:           # one process, or another launcher's ranks: rank 0 (each_node: each node's first)
+        say = os.environ.get("LOCAL_RANK" if each_node else "RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    if say:
+        print(f"error: {error}", file=sys.stderr, flush=True)
 
 
-def started_by_torchrun(pid):
-    """Whether process pid is torchrun (python -m torch.distributed.run, or its torchrun script): read from Linux's
-    /proc; False where it cannot be read, so that nothing else is ever stopped."""
+def torchrun_attempt():
+    """How many times torchrun has restarted this job's workers (0 without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def first_to_say(what):
+    """Whether this process is the first of its torchrun job's attempt to count `what`, in the store at MASTER_ADDR:
+    MASTER_PORT (torchrun's agent's, which outlives its workers and serves them before their process group exists);
+    True too where that store cannot be reached within seconds (its machine gone), so that a line is said at least
+    once. Imports torch, which torchrun's workers have."""
+    import datetime
+    from torch.distributed import DistError, TCPStore
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            command = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return False
-    return "torch.distributed.run" in command or any(os.path.basename(part) == "torchrun" for part in command[:2])
+        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=5))
+        key = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{torchrun_attempt()}/{what}"
+        return store.add(key, 1) == 1
+    except (KeyError, ValueError, RuntimeError, DistError):
+        return True
 
 
 def exit_now(status):

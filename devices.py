@@ -217,12 +217,14 @@ def size(nbytes):
     return f"{nbytes:.0f} B"
 
 
-def check_training_fits(device, training, *, why, remedy):
-    """Raises UsageError (one line: `why` needs about training bytes, what the device has, `remedy`) unless training
-    bytes fit in the usable part of the device's free memory; nothing to check where torch cannot tell (the CPU)."""
+def check_training_fits(device, training, *, why, remedy, parts=None):
+    """Raises UsageError (one line: `why` needs about training bytes, of which `parts` (words), what the device has,
+    `remedy`) unless training bytes fit in the usable part of the device's free memory; nothing to check where torch
+    cannot tell (the CPU)."""
     free = free_memory(device)
     if free is not None and training > USABLE * free:
-        raise UsageError(f"{why} needs about {size(training)} on {device} but it has {size(free)} free; {remedy}")
+        raise UsageError(f"{why} needs about {size(training)} on {device}{f' ({parts})' if parts else ''} but it has "
+                         f"{size(free)} free; {remedy}")
 
 
 def store_place(nbytes, device, where="auto", *, training=0):

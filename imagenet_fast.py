@@ -30,8 +30,8 @@ import devices
 import scaling
 import training
 from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
-from core import (DataError, Heartbeat, Parser, Table, UsageError, check_output, end_torchrun, exit_now, print_summary,
-                  summarize_runs, with_progress, write_json)
+from core import (DataError, Heartbeat, Parser, Table, UsageError, check_output, exit_now, print_summary,
+                  say_error, summarize_runs, with_progress, write_json)
 from distributed import (barrier, checkpoint_writers, leave, leave_together, print0, register_comm_hook,
                          sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
@@ -405,8 +405,7 @@ def main_train(args, changes, argv):
         check_train(args)
         ctx = join_ranks(args, r.comm_hook)
     except UsageError as e:
-        print0(f"error: {e}", file=sys.stderr)
-        end_torchrun()
+        say_error(e)
         return 2
     try:
         return run(args, r, ctx=ctx, argv=argv)
@@ -439,9 +438,7 @@ def run(args, r, *, ctx, argv):
         data = place_data(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
         check_batch(r, world=ctx.world_size, n_train=len(store.train))    # placed first: only a tiny store fails it
     except (ValueError, DataError) as e:         # UsageError is a ValueError
-        if ctx.is_main or isinstance(e, DataError) and ctx.local_rank == 0:     # bad data: each node's own store
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        end_torchrun()
+        say_error(e, each_node=isinstance(e, DataError))        # bad data: each node's own store
         return 1 if isinstance(e, DataError) else 2
     dtype = devices.compute_dtype(device, args.precision)
     on_gpu = devices.GPU_DECODERS.get(decoder)
@@ -504,7 +501,11 @@ def place_data(r, store, args, *, ctx, decoder, progress):
     whether a raw store fits beside it): a UsageError of one line, before anything is loaded, when not."""
     device = torch.device(ctx.device)
     dtype, classes = devices.compute_dtype(device, args.precision), len(store.index["classes"])
-    need = 0 if devices.is_cpu(device) else check_memory(r, classes, device=device, world=ctx.world_size, dtype=dtype)
+    gpu_decoder = store.format == "jpeg" and decoder in devices.GPU_DECODERS
+    side = max(int(split.rows[k].max(initial=0)) for split in (store.train, store.val) for k in ("height", "width")) \
+        if gpu_decoder else 0        # a batch is padded to its tallest and widest image: side x side at worst
+    need = 0 if devices.is_cpu(device) else check_memory(r, classes, device=device, world=ctx.world_size, dtype=dtype,
+                                                         side=side, gpu_decoder=gpu_decoder)
     with Heartbeat(f"placing {args.store}", on=progress):
         return place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
                      workers=args.loader_workers, training=need)     # under torchrun, this rank's share alone
@@ -541,8 +542,7 @@ def train_runs(args, r, data, *, ctx, argv, store):
             result = train_run(r, data, replace(o, checkpoint=checkpoint), ctx=ctx, seed=seed,
                                on_epoch=lambda row: (table.append(row), epochs.append(row["epoch"])))
         except DataError as e:
-            print0(f"error: {e}", file=sys.stderr)      # the checkpoint's, the loss's: the same on every rank
-            end_torchrun()
+            say_error(e)            # the checkpoint's, the loss's: the same on every rank
             return 1
         except KeyboardInterrupt:
             return ctrl_c_exit(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out,

@@ -11,7 +11,7 @@ from torch import nn
 
 import devices
 from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d
-from schedules import epoch_plans, res_at
+from schedules import epoch_plans, res_at, val_at
 from settings import check_own, knob
 from torch_backend import GhostBatchNorm
 
@@ -170,29 +170,105 @@ def memory_parts(r, classes, dtype):
                              {res_at(r, e) for e in range(r.epochs)}}
 
 
-def training_bytes(r, classes, *, world, dtype, parts=None):
-    """The most device memory a rank's training needs in any epoch: memory_parts's fixed bytes, and that epoch's
-    micro-batch of saved activations at its resolution (parts: memory_parts's, when known)."""
+def eval_bytes_per_image(r, classes, res, dtype):
+    """Bytes an evaluation pass (no autograd) holds at once per image at res x res in dtype: its largest layer's input
+    and output, with the largest activation beside them (a residual block's input), counted on the meta device."""
+    with torch.device("meta"):
+        model = build_model(r, classes).to(dtype).eval()
+    pairs, largest = [0], [0]
+
+    def note(module, inputs, output):
+        held = [t.nbytes for t in (*inputs, output) if isinstance(t, torch.Tensor)]
+        pairs.append(sum(held))
+        largest.append(max(held, default=0))
+    hooks = [m.register_forward_hook(note) for m in model.modules() if not any(True for _ in m.children())]
+    with torch.no_grad():
+        model(torch.empty(2, 3, res, res, device="meta", dtype=dtype))
+    for h in hooks:
+        h.remove()
+    return (max(pairs) + max(largest)) / 2
+
+
+def input_bytes(batch, out_pixels, *, side, gpu_decoder, dtype):
+    """Device bytes of one batch's inputs: `batch` images made into out_pixels each (res x res), from a store of
+    images up to side x side. The GPU decoder holds the batch it crops and the next it decodes (uint8), the first
+    padded into one in float16 and its rows' product; every decoder the float32 crops, their normalised copy and the
+    batch in dtype with its flipped copy:
+      gpu: 2 * 3 n side^2 + 2 * 3 n side^2 + 2 * 3 n side sqrt(out) + (4 + 4 + 2 b) * 3 n out
+      cpu: 2 * 3 n out + (4 + 4 + 2 b) * 3 n out        (b: dtype's bytes)"""
+    n, b = batch, torch.empty(0, dtype=dtype).element_size()
+    crops = (4 + 4 + 2 * b) * 3 * n * out_pixels
+    if not gpu_decoder:
+        return 2 * 3 * n * out_pixels + crops
+    return 4 * 3 * n * side ** 2 + 2 * 3 * n * side * round(out_pixels ** 0.5) + crops
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """A rank's device memory, in bytes: what it holds whatever the batch (parameters, gradients, the optimiser's state,
+    an EMA), and in the worst epoch: training's saved activations and its inputs, and validation's (activations and
+    inputs, after training's are freed)."""
+    fixed: int
+    activations: int
+    inputs: int
+    validation: int
+
+    @property
+    def total(self):
+        return self.fixed + max(self.activations + self.inputs, self.validation)
+
+    def text(self):
+        return (f"{devices.size(self.fixed)} of weights and optimiser state, {devices.size(self.activations)} of "
+                f"activations, {devices.size(self.inputs)} of input buffers, {devices.size(self.validation)} for "
+                "validation")
+
+
+VAL_BATCH = 256         # imagenet_data.validation_sums' batch
+
+
+def memory_need(r, classes, *, world, dtype, parts=None, side=500, gpu_decoder=False):
+    """A rank's MemoryNeed in the epoch that needs most: memory_parts's fixed bytes, that epoch's micro-batch of saved
+    activations at its resolution and its batch's input_bytes (images up to side x side in the store, gpu_decoder: on
+    the device), and validation's batch of VAL_BATCH at the largest validation side, flipped for TTA (parts:
+    memory_parts's, when known)."""
     fixed, per_image = parts or memory_parts(r, classes, dtype)
-    return fixed + max(p.micro * per_image[p.res] for p in epoch_plans(r, world))
+    plans = epoch_plans(r, world)
+    worst = max(plans, key=lambda p: p.micro * per_image[p.res] + input_bytes(p.batch, p.res ** 2, side=side,
+                                                                           gpu_decoder=gpu_decoder, dtype=dtype))
+    val_res, crop = max(val_at(r, e) for e in range(r.epochs))
+    val_pixels = val_res ** 2 * (1 if crop else 2)          # a whole image: its longer side up to twice the shorter
+    validation = VAL_BATCH * eval_bytes_per_image(r, classes, val_res, dtype) * (1 + (crop == 0)) + input_bytes(
+        VAL_BATCH, val_pixels, side=side, gpu_decoder=gpu_decoder, dtype=dtype)
+    return MemoryNeed(fixed=int(fixed), activations=int(worst.micro * per_image[worst.res]),
+                      inputs=int(input_bytes(worst.batch, worst.res ** 2, side=side, gpu_decoder=gpu_decoder,
+                                             dtype=dtype)), validation=int(validation))
 
 
-def check_memory(r, classes, *, device, world, dtype):
-    """training_bytes of a rank, once it fits the device; a UsageError of one line otherwise, naming the smallest
-    --accumulate that would fit (schedules permitting), or more GPUs."""
+def training_bytes(r, classes, *, world, dtype, parts=None, **inputs):
+    """memory_need's total: the most device memory a rank needs in any epoch (inputs: memory_need's side
+    and gpu_decoder)."""
+    return memory_need(r, classes, world=world, dtype=dtype, parts=parts, **inputs).total
+
+
+def check_memory(r, classes, *, device, world, dtype, **inputs):
+    """training_bytes of a rank, once it fits the device; a UsageError of one line otherwise, with memory_need's
+    parts, naming the smallest --accumulate that would fit (schedules permitting), or more GPUs (inputs:
+    memory_need's side and gpu_decoder)."""
     parts = memory_parts(r, classes, dtype)
-    training, free = training_bytes(r, classes, world=world, dtype=dtype, parts=parts), devices.free_memory(device)
-    if free is None or training <= devices.USABLE * free:
-        return training
+    need, free = memory_need(r, classes, world=world, dtype=dtype, parts=parts, **inputs), devices.free_memory(device)
+    if free is None or need.total <= devices.USABLE * free:
+        return need.total
     first = epoch_plans(r, world)[0]
     remedy = "use more GPUs (the batch is split over them)"
     for k in (k for k in range(r.accumulate + 1, first.batch + 1) if first.batch % k == 0):
         try:
-            need = training_bytes(replace(r, accumulate=k), classes, world=world, dtype=dtype, parts=parts)
+            fits = training_bytes(replace(r, accumulate=k), classes, world=world, dtype=dtype, parts=parts,
+                                  **inputs) <= devices.USABLE * free
         except ValueError:              # k does not split every epoch's batch into whole groups
             continue
-        if need <= devices.USABLE * free:
+        if fits:
             remedy = f"add --accumulate {k} (micro-batches of {first.batch // k} images), or use more GPUs"
             break
     what = f"{first.batch} images per process" + (f" in micro-batches of {first.micro}" if r.accumulate > 1 else "")
-    devices.check_training_fits(device, training, why=f"training {r.network.model} at {what}", remedy=remedy)
+    devices.check_training_fits(device, need.total, why=f"training {r.network.model} at {what}", remedy=remedy,
+                                parts=need.text())

@@ -7,8 +7,9 @@ figures written to --out (JSON, rewritten after every check) as soon as it ends,
   decoder   each decoder alone (nvJPEG through torchvision, nvImageCodec, the CPU's processes) at batch --batch-size,
             at 160 and 192 px: images/s of imagenet_data.train_batches, as training reads them
   step      the ResNet-50 step alone on batches already on the device (rn50_16ep: BlurPool, bf16, channels_last),
-            images/s and its peak memory
-  together  each GPU decoder feeding the step, images/s, and its share of the step alone (the goal: >= 0.95)
+            images/s and its peak memory beside imagenet_models' estimate of it
+  together  each GPU decoder feeding the step, images/s, and its share of the step alone (the goal: >= 0.95), its
+            peak memory beside the estimate (the decoder's buffers counted: imagenet_models.input_bytes)
   train     imagenet_fast.py train --recipe rn50_16ep for about --train-steps steps with a checkpoint, killed
             (SIGKILL) in its second epoch and relaunched with --resume: both commands' exit status and seconds
   race      the same seed's batches decoded quiet and under load (each batch feeding the step, with more work
@@ -16,8 +17,9 @@ figures written to --out (JSON, rewritten after every check) as soon as it ends,
             docs/imagenet.md)
   sync      torch.cuda.set_sync_debug_mode("warn") over 20 steps of decoder and step together: the host waits
 
-Beside each decoder's figures, the hardware/software decode counts where this version of devices.py keeps them
-(a function decode_counts() there; otherwise "not counted").
+Beside each decoder's figures, its decode counts over that row's batches (the decoded counts of an imagenet_data.Data):
+nvJPEG's "hardware" and "software" paths (devices.nvjpeg_paths; "unknown" where nvJPEG's library cannot be asked), or
+the decoder's own name ("cpu", "nvimgcodec").
 
 Device time on one H100 or H200, estimated (not measured): a minute of start-up and writing 25,000 images on 16
 cores, about 30 s to prepare, 1 min for the decoders, step and together (4 x 13 batches of 512 at each size), 2 min
@@ -39,8 +41,6 @@ PYTHONPATH=/tmp/site. A decoder whose package is missing is recorded as such; th
     python benchmarks/imagenet_gpu_check.py --smoke --out check.json  # tiny, on the CPU under the CUDA stand-in
 """
 import argparse
-import contextlib
-import io
 import math
 import os
 import signal
@@ -63,6 +63,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import devices  # noqa: E402
 import imagenet_data as idt  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
+import imagenet_models  # noqa: E402
 import imagenet_store as ims  # noqa: E402
 from core import write_json  # noqa: E402
 from imagenet_throughput import forever, rate, step  # noqa: E402
@@ -107,10 +108,9 @@ def write_images(root, *, images, classes, side, workers):
 
 # ---------------------------------------------------------------------------------------------------- the checks
 
-def decode_counts():
-    """The hardware/software decode counts where devices.py keeps them, else "not counted"."""
-    counts = getattr(devices, "decode_counts", None)
-    return counts() if counts else "not counted"
+def decode_counts(data, before):
+    """The images data decoded since its counts were `before` (a copy of data.decoded), by path: {path: images}."""
+    return {path: n - before.get(path, 0) for path, n in data.decoded.items() if n > before.get(path, 0)}
 
 
 def batches(data, r, *, res, batch_size, device, dtype, seed=0):
@@ -149,9 +149,10 @@ def check_decoders(store, r, cfg, *, device, dtype, workers):
             if data is None:
                 row["error"] = why
             else:
+                before = dict(data.decoded)
                 row["images_per_s"] = rate(batches(data, r, res=res, batch_size=cfg["batch_size"], device=device,
                                                    dtype=dtype), lambda x, y: None, **timing)
-                row["decode_counts"] = decode_counts()
+                row["decode_counts"] = decode_counts(data, before)
             rows.append(row)
     return rows
 
@@ -172,7 +173,8 @@ def check_step_and_together(store, r, cfg, *, device, dtype, workers, classes, s
         alone[res] = rate(forever(lambda: [(x, y)]), lambda a, b: step(net, opt, a, b, device=device, dtype=dtype),
                           **timing)
         rows.append({"check": "step", "res": res, "batch": bs, "images_per_s": alone[res],
-                     "peak_memory_bytes": peak_memory(device, smoke)})
+                     "peak_memory_bytes": peak_memory(device, smoke),
+                     "estimated_bytes": estimated_memory(r, classes, bs, res, dtype=dtype, side=None)})
     for decoder in ("gpu", "nvimgcodec"):
         data, why = placed(store, device, decoder, workers)
         for res in cfg["sizes"]:
@@ -181,12 +183,28 @@ def check_step_and_together(store, r, cfg, *, device, dtype, workers, classes, s
                 row["error"] = why
             else:
                 net, opt = model(r, classes, device)
+                if not smoke:
+                    torch.cuda.reset_peak_memory_stats(device)
+                before = dict(data.decoded)
                 row["images_per_s"] = rate(batches(data, r, res=res, batch_size=bs, device=device, dtype=dtype),
                                            lambda a, b: step(net, opt, a, b, device=device, dtype=dtype), **timing)
                 row["of_step_alone"] = row["images_per_s"] / alone[res]
-                row["decode_counts"] = decode_counts()
+                row["decode_counts"] = decode_counts(data, before)
+                row["peak_memory_bytes"] = peak_memory(device, smoke)
+                row["estimated_bytes"] = estimated_memory(r, classes, bs, res, dtype=dtype, side=cfg["side"])
             rows.append(row)
     return rows
+
+
+def estimated_memory(r, classes, batch, res, *, dtype, side):
+    """imagenet_models' estimate of a step's device memory at batch and res: the weights and optimiser state, the saved
+    activations, and the input: the GPU decoder's buffers for images up to side x side (input_bytes), or (side None)
+    the batch already on the device."""
+    fixed, _ = imagenet_models.memory_parts(r, classes, dtype)
+    saved = imagenet_models.saved_bytes_per_image(r, classes, res, dtype)
+    inputs = (batch * 3 * res ** 2 * torch.empty(0, dtype=dtype).element_size() if side is None else
+              imagenet_models.input_bytes(batch, res ** 2, side=side, gpu_decoder=True, dtype=dtype))
+    return int(fixed + batch * saved + inputs)
 
 
 def checksums(data, r, *, res, batch_size, n, device, dtype, load=None):
@@ -264,10 +282,12 @@ def train_args(store, cfg, epochs, *, smoke):
             "--checkpoint", "ckpt.pt", "--out", "run.json"]
 
 
-def killed_and_resumed(args, folder, timeout):
-    """(first, resumed): `python imagenet_fast.py ARGS` killed by SIGKILL once its first checkpoint is written, then
-    relaunched with --resume, in folder: each {"returncode", "seconds", "output"} (its last lines)."""
-    cmd, t0 = [sys.executable, str(ROOT / "imagenet_fast.py"), *args], time.time()
+def killed_and_resumed(args, folder, timeout, *, smoke=False):
+    """(first, resumed): `python imagenet_fast.py ARGS` (smoke: under the CUDA stand-in, tests/standin_main.py) killed
+    by SIGKILL once its first checkpoint is written, then relaunched with --resume, in folder: each {"returncode",
+    "seconds", "output"} (its last lines)."""
+    script = [str(ROOT / "tests" / "standin_main.py")] * smoke + [str(ROOT / "imagenet_fast.py")]
+    cmd, t0 = [sys.executable, *script, *args], time.time()
     with open(folder / "first.log", "w") as log:       # a file, not a pipe that a long run could fill
         proc = subprocess.Popen(cmd, cwd=folder, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None and not (folder / "ckpt.pt").exists() and time.time() - t0 < timeout:
@@ -283,32 +303,13 @@ def killed_and_resumed(args, folder, timeout):
                    "output": (again.stdout + again.stderr)[-1500:]}
 
 
-def interrupted_and_resumed(args, folder):
-    """The smoke pass's stand-in for killed_and_resumed, in this process under the stand-in: the command stopped by
-    its own --interrupt-after-epoch 1 (exit status 75), then relaunched with --resume."""
-    out, here = [], os.getcwd()
-    os.chdir(folder)
-    try:
-        for extra in (["--interrupt-after-epoch", "1"], ["--resume"]):
-            t0, log = time.time(), io.StringIO()
-            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                try:
-                    rc = inf.main([*args, *extra])
-                except SystemExit as e:
-                    rc = e.code
-            out.append({"returncode": rc, "seconds": time.time() - t0, "output": log.getvalue()[-1500:]})
-    finally:
-        os.chdir(here)
-    return out
-
-
 def check_train(store, n_train, cfg, *, folder, smoke, timeout=240):
     """imagenet_fast.py train for about cfg["train_steps"] steps, killed by SIGKILL once the first epoch's checkpoint
     is written, then the same command with --resume: a row of each command's exit status and seconds."""
     epochs = max(2, round(cfg["train_steps"] / (n_train // cfg["batch_size"])))
     folder.mkdir(parents=True, exist_ok=True)
     args = train_args(store, cfg, epochs, smoke=smoke)
-    first, resumed = interrupted_and_resumed(args, folder) if smoke else killed_and_resumed(args, folder, timeout)
+    first, resumed = killed_and_resumed(args, folder, timeout, smoke=smoke)
     resumed["resumed_line"] = next((line for line in resumed["output"].splitlines()
                                     if line.startswith("resumed from")), None)
     return [{"check": "train", "recipe": cfg["recipe"], "epochs": epochs,

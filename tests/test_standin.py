@@ -308,6 +308,34 @@ def test_imagenet_under_torchrun_with_two_ranks_on_two_gpus(stores, tmp_path):
     assert "decoded on the GPU (nvJPEG)" in r.stdout and "2 ranks of 8 images per step" in r.stdout
 
 
+@pytest.fixture(scope="module")
+def photo_store(tmp_path_factory):
+    """A JPEG store of ImageNet's sizes: photos of longer side 500 (4:3, 3:4, square; every fourth progressive)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from imagenet_gpu_check import write_images
+    root = tmp_path_factory.mktemp("photos")
+    src = write_images(root / "src", images=48, classes=4, side=500, workers=1)
+    ims.prepare(src, root / "store", workers=1, log=lambda s: None)
+    return root / "store"
+
+
+@pytest.mark.slow          # two ranks at ImageNet's sizes on the CPU: minutes each
+@pytest.mark.parametrize("res", [160, 224])
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_two_ranks_at_imagenets_sizes_with_the_gpu_decoder_for_several_epochs(photo_store, res, repeat):
+    """rn50_16ep's images, crops and validation (256 px, flip TTA), bf16, nvJPEG's stand-in decoding in its reader
+    thread beside the draws' thread, for three epochs on two ranks: every epoch's row, and the process ends cleanly
+    (a race between the threads once corrupted memory here)."""
+    r = cifar_standin_command("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
+                              "tests/standin_main.py", "imagenet_fast.py", "train", "--store", str(photo_store),
+                              "--recipe", "rn50_16ep", "--model", "resnet_tiny", "--batch-size", "8", "--epochs", "3",
+                              "--min-res", str(res), "--max-res", str(res), "--decoder", "gpu")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["1"], ["2"], ["3"])]
+    assert [row[:2] for row in rows if len(row) > 10] == [["1", str(res)], ["2", str(res)], ["3", str(res)]], r.stdout
+    assert "decoded on the GPU (nvJPEG)" in r.stdout and "2 ranks of 8 images per step" in r.stdout
+
+
 class Loaded(Exception):
     """The data began to load."""
 
@@ -327,13 +355,18 @@ def test_a_batch_that_cannot_fit_the_gpu_stops_in_one_line_naming_the_accumulati
             return inf.run(args, inf.recipe("akiba_32k", **changes), ctx=ctx, argv=[])
     assert run() == 2
     err = capsys.readouterr().err.strip()
-    m = re.fullmatch(rf"error: training resnet50 at {batch} images per process needs about [\d.]+ GiB on cuda:0 but "
-                     r"it has 80.0 GiB free; add --accumulate (\d+) \(micro-batches of (\d+) images\), or use more "
-                     r"GPUs", err)
+    m = re.fullmatch(rf"error: training resnet50 at {batch} images per process needs about [\d.]+ GiB on cuda:0 "
+                     r"\([\d.]+ MiB of weights and optimiser state, [\d.]+ GiB of activations, [\d.]+ [GM]iB of input "
+                     r"buffers, [\d.]+ GiB for validation\) but it has 80.0 GiB free; add --accumulate (\d+) "
+                     r"\(micro-batches of (\d+) images\), or use more GPUs", err)
     assert m and int(m[1]) * int(m[2]) == batch, err
-    classes = len(ims.open_store(stores["jpeg"]).index["classes"])
-    need = lambda k: imagenet_models.training_bytes(inf.recipe("akiba_32k", accumulate=k), classes, world=world,
-                                                    dtype=torch.bfloat16)
+    store = ims.open_store(stores["jpeg"])
+    need = lambda k: imagenet_models.training_bytes(inf.recipe("akiba_32k", accumulate=k), len(store.index["classes"]),
+                                                    world=world, dtype=torch.bfloat16, gpu_decoder=True,
+                                                    side=int(max(store.train.rows["width"].max(),
+                                                                 store.train.rows["height"].max(),
+                                                                 store.val.rows["width"].max(),
+                                                                 store.val.rows["height"].max())))
     assert need(int(m[1])) <= devices.USABLE * (80 << 30) < need(int(m[1]) // 2)
     with pytest.raises(Loaded):
         run("--accumulate", m[1])

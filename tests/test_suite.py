@@ -614,6 +614,12 @@ def test_the_gpu_check_runs_every_check_in_the_smoke_pass(smoke):
     for decoder in ("gpu", "cpu"):
         assert [r["res"] for r in by("decoder", decoder=decoder)] == sizes
         assert all(r["images_per_s"] > 0 for r in by("decoder", decoder=decoder))
+    # every batch timed was decoded, and counted by its path: the stand-in's nvJPEG is its software path alone
+    timed = (result["config"]["warmup"] + result["config"]["steps"]) * result["config"]["batch_size"]
+    for r in by("decoder", decoder="gpu") + by("together", decoder="gpu"):
+        assert set(r["decode_counts"]) == {"software"} and r["decode_counts"]["software"] >= timed, r
+    assert all(set(r["decode_counts"]) == {"cpu"} and r["decode_counts"]["cpu"] >= timed
+               for r in by("decoder", decoder="cpu"))
     try:
         import nvidia.nvimgcodec  # noqa: F401
     except ImportError:
@@ -621,8 +627,12 @@ def test_the_gpu_check_runs_every_check_in_the_smoke_pass(smoke):
             f"--decoder nvimgcodec needs nvImageCodec: pip install {devices.nvimgcodec_package()}"}
     assert [r["res"] for r in by("step")] == sizes and all(r["images_per_s"] > 0 for r in by("step"))
     assert all(r["of_step_alone"] > 0 for r in by("together", decoder="gpu"))
+    # the estimate beside the measured peak (none under the stand-in): the decoder's buffers on top of the step's
+    for res in sizes:
+        (alone,), (fed,) = by("step", res=res), by("together", decoder="gpu", res=res)
+        assert alone["peak_memory_bytes"] is None and 0 < alone["estimated_bytes"] < fed["estimated_bytes"]
     (train,) = by("train")
-    assert (train["first"]["returncode"], train["resumed"]["returncode"]) == (75, 0)
+    assert (train["first"]["returncode"], train["resumed"]["returncode"]) == (-signal.SIGKILL, 0)
     assert train["resumed"]["resumed_line"] == "resumed from epoch 1 of ckpt.pt"
     assert by("race", decoder="gpu")[0]["equal"] is True
     assert by("sync")[0]["host_waits"] == 0                     # the training thread never waited
