@@ -30,7 +30,7 @@ from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, fl
                         take_subset, to_device)
 from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
 from core import (DataError, Heartbeat, Parser, Table, UsageError, end_torchrun, exit_now, print_summary,
-                  summarize_runs, with_progress, write_json)
+                  summarize_runs, with_progress, write_result)
 from distributed import Context, barrier, leave, print0, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
@@ -478,7 +478,7 @@ def main(argv=None):
 
     def save(result, complete):     # after every run: a run cut short, or a failure later, never loses the others
         if args.out and ctx.is_main:
-            write_json(args.out, run_record({
+            write_result(args.out, run_record({
                 "recipe": r.name, "settings": r, "target": args.target, "subset": args.subset,
                 "dataset": args.dataset, "compile": args.compile, "flops": result.flops, "complete": complete,
                 "runs": result.runs, "summary": result.summary}, args, argv=argv, device=device, ctx=ctx))
@@ -507,7 +507,12 @@ def main(argv=None):
         print_summary(r.name, result.summary, args.target, {
             "final_acc": ("final test accuracy", ""), "time": ("time (training + final evaluation)", " s"),
             "time_to_target": (f"time to {args.target:.2%}", " s")})
-    save(result, True)
+    try:
+        save(result, True)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        end_torchrun()
+        return 1
     if args.out and ctx.is_main:
         print(f"wrote {args.out}")
     return 0

@@ -31,7 +31,7 @@ import scaling
 import training
 from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
 from core import (DataError, Heartbeat, Parser, Table, UsageError, check_output, end_torchrun, exit_now, print_summary,
-                  summarize_runs, with_progress, write_json)
+                  summarize_runs, with_progress, write_result)
 from distributed import (barrier, leave, leave_together, print0, register_comm_hook, sync_batch_norm_stats,
                          use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
@@ -509,7 +509,7 @@ def train_runs(args, r, data, *, ctx, argv, store):
 
     def save(complete):
         if args.out and ctx.is_main:
-            write_json(args.out, run_record({
+            write_result(args.out, run_record({
                 "recipe": r.name, "settings": r, "target": args.target, "store": str(args.store),
                 "store_format": store.format, "data_on": data.where, "decoder": data.decoder, "complete": complete,
                 "runs": runs, "summary": summarize_runs(runs, args.target, labels, accuracy)}, args, argv=argv,
@@ -532,18 +532,32 @@ def train_runs(args, r, data, *, ctx, argv, store):
             return ctrl_c_exit(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out,
                                            checkpoint=checkpoint))
         runs.append(result)
-        save(complete=False)
+        try:
+            save(complete=False)
+        except DataError as e:
+            return write_failed(e)
         ttt = result["time_to_target"]
         print0(f"final top-1 {result['final_top1']:.4f}, top-5 {result['final_top5']:.4f}; "
                + (f"time to {aim}: {ttt:.2f} s" if ttt is not None else f"did not reach {aim}")
                + f"; training time {result['train_time']:.2f} s")
     if args.runs > 1 and ctx.is_main:
         print_summary(r.name, summarize_runs(runs, args.target, labels, accuracy), args.target, labels)
-    save(complete=True)
+    try:
+        save(complete=True)
+    except DataError as e:
+        return write_failed(e)
     if args.out and ctx.is_main:
         print(f"wrote {args.out}")
     barrier()       # leave together
     return 0
+
+
+def write_failed(error):
+    """Exit status 1 once --out's failed write (core.write_result's DataError, the result printed) says so in one
+    line, torchrun ended without restarts."""
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    end_torchrun()
+    return 1
 
 
 def main(argv=None):

@@ -11,6 +11,7 @@ import torch
 import core
 import imagenet_fast as inf
 import imagenet_store as ims
+from conftest import main_output
 
 SIZE = 16
 TINY = ["--recipe", "tiny", "--device", "cpu", "--width", "4", "--batch-size", "8", "--min-res", SIZE, "--max-res",
@@ -40,12 +41,7 @@ def one_thread():
 
 def run(capsys, *args):
     """(exit status, stdout, stderr lines) of imagenet_fast.main(args) in this process."""
-    try:
-        rc = inf.main([str(a) for a in args])
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, [line for line in out.err.strip().splitlines() if not line.startswith("warning: no GPU")]
+    return main_output(inf.main, args, capsys)
 
 
 def test_a_diverging_run_stops_at_the_end_of_its_epoch_with_one_line_and_exit_1(stores, tmp_path, capsys):
@@ -167,12 +163,8 @@ def test_prepare_on_a_finished_store_says_so_once(stores, capsys):
 def cifar(capsys, *args):
     """(exit status, stderr lines) of cifar10_fast.main(args) in this process, the CPU's warning left out."""
     import cifar10_fast as cf
-    try:
-        rc = cf.main([str(a) for a in args])
-    except SystemExit as e:
-        rc = e.code
-    return rc, [line for line in capsys.readouterr().err.strip().splitlines()
-                if not line.startswith("warning: no GPU")]
+    rc, _, err = main_output(cf.main, args, capsys)
+    return rc, err
 
 
 def test_ctrl_c_while_loading_says_so_not_epoch_1(tmp_path, capsys, monkeypatch):
