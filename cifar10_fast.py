@@ -12,6 +12,7 @@ each component's class beside the code that reads it. Any setting is also a flag
 import argparse
 import io
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +29,8 @@ from cifar10_recipes import (FAST94, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_A
                              Recipe, journey_recipes, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, normalise, num_classes,
                         take_subset, to_device)
-from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
+from cli import (add_run_flags, check_run, check_whole, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of,
+                 run_record)
 from core import (DataError, Heartbeat, Parser, Table, UsageError, end_torchrun, exit_now, print_summary,
                   summarize_runs, with_progress, write_result)
 from distributed import Context, barrier, leave, print0, register_comm_hook, shard, wrap_ddp
@@ -300,8 +302,13 @@ def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
     set's per-channel statistics, ctx)."""
     if isinstance(recipe_or_name, Recipe) and changes:
         raise UsageError("train: give a recipe's name with its changes, or a Recipe (recipe(name, **changes))")
+    if not isinstance(recipe_or_name, (Recipe, str)):
+        raise UsageError(f"train: the recipe must be a Recipe or a recipe's name, not {type(recipe_or_name).__name__}")
+    if data is not None and not isinstance(data, (str, os.PathLike, dict)):
+        raise UsageError(f"train: data must be a path (a .npz, a data folder, an unpacked archive) or a dict of the "
+                         f"four arrays, not {type(data).__name__} {data!r:.40}")
     r = recipe_or_name if isinstance(recipe_or_name, Recipe) else recipe(recipe_or_name, **changes)
-    check_run(o.runs, o.target, eval_every=o.eval_every)
+    check_run(o.runs, o.target, seed=o.seed, eval_every=o.eval_every)
     check_subset(subset)
     if dataset is not None and dataset not in DATASETS:
         raise UsageError(f"--dataset {dataset}: must be one of {', '.join(DATASETS)}")
@@ -362,6 +369,14 @@ def scores(model, images, labels, *, tta=None, stats=None, batch_size=1000):
     """{"loss", "accuracy"} of a trained network (Result.model) on images, with test-time augmentation `tta` (a
     TTASettings, or None). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by the statistics
     train() keeps on the model, or stats = (mean, std)), or a tensor already normalised on the model's device."""
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"scores: model must be a trained network (Result.model), not {type(model).__name__}")
+    if not isinstance(images, (np.ndarray, torch.Tensor)) or images.ndim != 4:
+        raise UsageError("scores: images must be a numpy array (N, H, W, 3) of uint8 or a normalised tensor (N, 3, H, "
+                         f"W), not {type(images).__name__} of shape {getattr(images, 'shape', '?')}")
+    if not hasattr(labels, "__len__") or len(labels) != len(images):
+        raise UsageError(f"scores: labels must hold one label for each of the {len(images)} images, not "
+                         f"{type(labels).__name__}" + (f" of {len(labels)}" if hasattr(labels, "__len__") else ""))
     if tta is not None:
         check(tta)
     device = next(model.parameters()).device
@@ -379,8 +394,8 @@ def scores(model, images, labels, *, tta=None, stats=None, batch_size=1000):
 
 def check_subset(subset, n_train=None):
     """Raises UsageError unless --subset is positive (and, given the training images there are, at most that)."""
-    if subset is not None and subset < 1:
-        raise flag_error("subset", subset, "must be positive")
+    if subset is not None:
+        check_whole("subset", subset, "must be positive", low=1)
     if subset is not None and n_train is not None and subset > n_train:
         raise flag_error("subset", subset, f"larger than the {n_train} training images")
 
@@ -465,7 +480,8 @@ def main(argv=None):
                                                           as_flags(r)))
             return 0
         check_subset(args.subset)
-        check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
+        check_run(args.runs, args.target, seed=args.seed, device=args.device, out=args.out,
+                  eval_every=args.eval_every)
         ctx = join_ranks(args)
     except UsageError as e:
         print0(f"error: {e}", file=sys.stderr)

@@ -355,11 +355,13 @@ def check_train(args):
             ("store", not args.store, "is required (a folder written by `imagenet_fast.py prepare`)"),
             ("resume", args.resume and not args.checkpoint, "needs --checkpoint"),
             ("resume", args.resume and args.runs > 1, "works with a single run"),
+            ("interrupt-after-epoch", args.interrupt_after_epoch is not None and args.interrupt_after_epoch < 1,
+             "must be positive"),
             ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint"),
             ("loader-workers", args.loader_workers is not None and args.loader_workers < 1, "must be positive")):
         if bad:
             raise UsageError(f"--{flag} {message}")
-    check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
+    check_run(args.runs, args.target, seed=args.seed, device=args.device, out=args.out, eval_every=args.eval_every)
     check_output(args.checkpoint, "--checkpoint")
 
 
