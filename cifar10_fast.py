@@ -410,6 +410,14 @@ def check_data(r, arrays, ctx, say=None):
         raise UsageError(str(e)) from None
     if batch * ctx.world_size > n_train:
         raise flag_error("batch_size", r.batch_size, f"larger than the {n_train} training images")
+    steps = n_train // (batch * ctx.world_size)
+    if r.epochs * steps < 1 - 1e-9:         # else ceil() would train a whole step
+        raise flag_error("epochs", r.epochs, f"shorter than one step (an epoch here is {steps} step"
+                         f"{'s' * (steps > 1)} of {batch * ctx.world_size} images); give at least "
+                         f"{'1' if steps == 1 else f'1/{steps}'}")
+    if len(np.unique(arrays["train_labels"])) < 2:
+        raise UsageError(f"the {n_train} training images are all of one class (label {arrays['train_labels'][0]}); a "
+                         "classifier needs at least 2 (a larger --subset?)")
     if r.augment.crop_pad >= min(h, w):
         raise flag_error("crop_pad", r.augment.crop_pad, f"must be smaller than the {h}x{w} images")
     if r.augment.cutout > min(h, w):

@@ -218,3 +218,47 @@ def test_exit_now_flushes_the_output_and_runs_nothing_more(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": os.path.dirname(core.__file__)})
     assert (r.returncode, r.stdout, r.stderr) == (130, "kept", "line") and not late.exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seed", "-5"], "--seed -5: must not be negative (the runs' seeds: seed, seed + 1, ...)"),
+    (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
+    (["--runs", "0"], "--runs 0: must be at least 1"),
+    (["--subset", "0"], "--subset 0: must be positive"),
+    (["--eval-every", "-1"], "--eval-every -1: must not be negative (0: evaluate only after the last epoch)"),
+    (["--whiten", "false", "--whiten-eps", "1e-3"], "--whiten false leaves out what --whiten-eps 0.001 sets; give one "
+                                                    "or the other"),
+    (["--whiten-eps", "1e-3", "--whiten", "false"], "--whiten false leaves out what --whiten-eps 0.001 sets; give one "
+                                                    "or the other"),
+    (["--ema-every", "2", "--ema-momentum", "0"], "--ema-momentum 0 leaves out what --ema-every 2 sets; give one or "
+                                                  "the other"),
+])
+def test_cifar_refuses_a_bad_run_flag_or_contradicting_switches_before_loading(flags, message, tmp_path, capsys,
+                                                                             monkeypatch):
+    import cifar10_fast as cf
+    monkeypatch.setattr(cf, "load", lambda *a, **k: pytest.fail("loaded"))
+    rc, err = cifar(capsys, "--data-dir", tmp_path / "x.npz", "--device", "cpu", *flags)
+    assert (rc, err) == (2, [f"error: {message}"])
+
+
+def test_cifar_refuses_a_run_shorter_than_one_step(tmp_path, capsys):
+    from conftest import synthetic_arrays
+    import numpy as np
+    np.savez(tmp_path / "d.npz", **synthetic_arrays(256, 32))
+    rc, err = cifar(capsys, "--data-dir", tmp_path / "d.npz", "--device", "cpu", "--batch-size", "64", "--epochs",
+                    "0.0001", "--out", tmp_path / "r.json")
+    assert (rc, err) == (2, ["error: --epochs 0.0001: shorter than one step (an epoch here is 4 steps of 64 images); "
+                             "give at least 1/4"])
+    assert os.listdir(tmp_path) == ["d.npz"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seed", "-1"], "--seed -1: must not be negative (the runs' seeds: seed, seed + 1, ...)"),
+    (["--interrupt-after-epoch", "0", "--checkpoint", "c.pt"], "--interrupt-after-epoch must be positive"),
+    (["--ema-every", "2", "--ema-momentum", "0"], "--ema-momentum 0 leaves out what --ema-every 2 sets; give one or "
+                                                  "the other"),
+])
+def test_imagenet_refuses_a_bad_run_flag_before_opening_the_store(flags, message, stores, capsys, monkeypatch):
+    monkeypatch.setattr(inf, "open_store", lambda *a, **k: pytest.fail("opened"))
+    rc, _, err = run(capsys, "train", "--store", stores[0], *TINY, *flags)
+    assert (rc, err) == (2, [f"error: {message}"])
