@@ -288,6 +288,9 @@ def parse_args(argv=None):
     pp.add_argument("--shard-size", type=int, default=1000, help="images per shard, the unit of resumption")
     pp.add_argument("--max-aspect", type=float, default=2.0, help="longest val aspect kept (default 2)")
     pp.add_argument("--max-shards", type=int, default=None, help="stop after decoding this many new shards")
+    pp.add_argument("--exif-transpose", action="store_true",
+                    help="store an image that carries an EXIF orientation upright, re-encoded (default: as its pixels "
+                         "lie; prepare counts such images)")
 
     tp = sub.add_parser("train", help="train on a store", description=TRAIN,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -327,7 +330,7 @@ def main_prepare(args):
     finished = (Path(args.dst) / "index.json").is_file()       # then prepare says "already prepared" and writes nothing
     try:
         settings = Settings(format=args.format, size=args.size, max_side=args.max_side, quality=args.quality,
-                            max_aspect=args.max_aspect)
+                            max_aspect=args.max_aspect, exif_transpose=args.exif_transpose)
         index = prepare(args.src, Path(args.dst), settings, workers=args.workers, shard_size=args.shard_size,
                         max_shards=args.max_shards)
     except (DataError, UsageError) as e:
