@@ -88,8 +88,9 @@ def test_prepare_on_a_full_disk_stops_in_one_line_and_resumes_once_there_is_room
     assert full.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'dst'}: cannot write the store (File too large); 2 whole train shards (4 images) kept in "
         f"{tmp_path / 'dst'}; once there is room, the same command resumes from there")
-    again = prepare_command(src, tmp_path / "dst")
-    assert again.returncode == 0 and "train: 8 images in 4 shards; 2 already written, 2 to encode" in again.stdout
-    assert prepare_command(src, tmp_path / "whole").returncode == 0
+    said = []
+    ims.prepare(src, tmp_path / "dst", RAW, workers=1, shard_size=2, log=said.append)        # room again
+    assert "train: 8 images in 4 shards; 2 already written, 2 to encode with 1 workers" in said
+    ims.prepare(src, tmp_path / "whole", RAW, workers=1, shard_size=2, log=lambda s: None)
     for split in ("train", "val"):
         assert (tmp_path / "dst" / f"{split}.store").read_bytes() == (tmp_path / "whole" / f"{split}.store").read_bytes()
