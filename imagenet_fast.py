@@ -38,7 +38,7 @@ from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkp
 from imagenet_data import EpochWork, batch_indices, decode_text, draw_epoch, loss_top1_top5, place, train_batches
 from imagenet_models import build_model, check_memory, make_optimizer
 from imagenet_recipes import RECIPES, RN50_16EP, Recipe, recipe, recipe_command
-from imagenet_store import FORMATS, Settings, kept, open_store, prepare
+from imagenet_store import FORMATS, Settings, check_classes, kept, open_store, prepare
 from optim import set_lr
 from schedules import epoch_plans, plan, step_lr
 from settings import add_flags, changes_from, flag_error, flat, one_of
@@ -426,6 +426,7 @@ def run(args, r, *, ctx, argv):
         plans = epoch_plans(r, ctx.world_size)   # a schedule that does not divide over the ranks fails here
         decoder = devices.jpeg_decoder(device, args.decoder)
         store = open_store(args.store)
+        check_classes(store, args.store)
         data = place_data(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
         check_batch(r, world=ctx.world_size, n_train=len(store.train))    # placed first: only a tiny store fails it
     except (ValueError, DataError) as e:         # UsageError is a ValueError
@@ -508,7 +509,10 @@ def train_runs(args, r, data, *, ctx, argv, store):
                 progress=ctx.is_main and not args.quiet)
     aim = f"{args.target:.2%}" + (" top-5" if r.target_top5 else "")
     accuracy = "final_top5" if r.target_top5 else "final_top1"       # the first label: the t-test's
-    labels = {k: (f"final top-{k[-1]}", "") for k in (accuracy, "final_top1", "final_top5")}
+    classes = len(store.index["classes"])
+    five = classes > 5          # of 5 classes or fewer, top-5 is 1 by construction: not reported
+    labels = {k: (f"final top-{k[-1]}", "") for k in (accuracy, "final_top1", "final_top5") if five or k != "final_top5"
+              or k == accuracy}
     labels.update({"time_to_target": (f"time to {aim}", " s"), "train_time": ("training time", " s")})
     runs = []
 
@@ -528,7 +532,8 @@ def train_runs(args, r, data, *, ctx, argv, store):
         checkpoint = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
         try:
             result = train_run(r, data, replace(o, checkpoint=checkpoint), ctx=ctx, seed=seed,
-                               on_epoch=lambda row: (table.append(row), epochs.append(row["epoch"])))
+                               on_epoch=lambda row: (table.append(row if five else {**row, "top5": None}),
+                                                     epochs.append(row["epoch"])))
         except DataError as e:
             print0(f"error: {e}", file=sys.stderr)      # the checkpoint's, the loss's: the same on every rank
             end_torchrun()
@@ -542,7 +547,8 @@ def train_runs(args, r, data, *, ctx, argv, store):
         except DataError as e:
             return write_failed(e)
         ttt = result["time_to_target"]
-        print0(f"final top-1 {result['final_top1']:.4f}, top-5 {result['final_top5']:.4f}; "
+        print0(f"final top-1 {result['final_top1']:.4f}, "
+               + (f"top-5 {result['final_top5']:.4f}; " if five else f"top-5 not reported ({classes} classes); ")
                + (f"time to {aim}: {ttt:.2f} s" if ttt is not None else f"did not reach {aim}")
                + f"; training time {result['train_time']:.2f} s")
     if args.runs > 1 and ctx.is_main:

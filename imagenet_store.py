@@ -302,8 +302,6 @@ def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max
                          "--dst outside --src")
     writable_folder(dst, "the store", "give --dst a folder you can write in")
     classes, train, empty_train = list_split(src, "train")
-    if len(classes) < 2:
-        raise DataError(f"{src / 'train'}: one class folder ({classes[0]}); a classifier needs at least 2")
     _, val, empty_val = list_split(src, "val", classes)
     if not train:
         raise DataError(f"{src / 'train'}: no images (extensions {sorted(EXTENSIONS)})")
@@ -459,6 +457,13 @@ def read_index(path, remedy):
     if missing and index.get("version") == STORE_VERSION:      # another version's keys may differ: its own error
         raise DataError(f"{path}: not a whole store index (no {', '.join(missing)}); {remedy}")
     return index
+
+
+def check_classes(store, path):
+    """Raises DataError unless the store has at least 2 classes to train on (a single class scores 1 from the start)."""
+    classes = store.index["classes"]
+    if len(classes) < 2:
+        raise DataError(f"{path}: one class ({classes[0]}); a classifier needs at least 2")
 
 
 def open_store(path):

@@ -262,3 +262,22 @@ def test_imagenet_refuses_a_bad_run_flag_before_opening_the_store(flags, message
     monkeypatch.setattr(inf, "open_store", lambda *a, **k: pytest.fail("opened"))
     rc, _, err = run(capsys, "train", "--store", stores[0], *TINY, *flags)
     assert (rc, err) == (2, [f"error: {message}"])
+
+
+def test_top5_is_not_reported_of_5_classes_or_fewer(stores, capsys):
+    rc, stdout, err = run(capsys, "train", "--store", stores[0], *TINY, "--epochs", "1", "--target", "0.3")
+    assert rc == 0, err
+    lines = stdout.splitlines()
+    header = next(k for k, line in enumerate(lines) if line.split()[:2] == ["epoch", "res"])
+    row = dict(zip(lines[header].split(), lines[header + 1].split()))
+    assert row["top5"] == "-" and float(row["top1"]) >= 0
+    final = next(line for line in lines if line.startswith("final top-1"))
+    assert "top-5 not reported (4 classes)" in final and "top-5 1" not in final
+
+
+def test_a_store_of_one_class_is_refused_for_training(tmp_path, capsys):
+    src = ims.synthetic_imagefolder(tmp_path / "src", 1, 8, 2, sizes=(16, 20))
+    ims.prepare(src, tmp_path / "one", ims.Settings(format="raw", size=SIZE), workers=1, log=lambda s: None)
+    capsys.readouterr()                     # prepare's progress
+    rc, _, err = run(capsys, "train", "--store", tmp_path / "one", *TINY)
+    assert (rc, err) == (1, [f"error: {tmp_path / 'one'}: one class (c000); a classifier needs at least 2"])
