@@ -57,6 +57,14 @@ class Settings:
 def check_prepare(settings, *, workers=None, shard_size=1000, max_shards=None):
     """Raises UsageError naming the first of prepare's settings out of its range (they are its flags)."""
     s = settings
+    for flag, value in (("size", s.size), ("max-side", s.max_side), ("quality", s.quality), ("workers", workers),
+                        ("shard-size", shard_size), ("max-shards", max_shards)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise UsageError(f"--{flag} {value}: must be a whole number, not {type(value).__name__} {value!r}")
+    if isinstance(s.max_aspect, bool) or not isinstance(s.max_aspect, (int, float)):
+        raise UsageError(f"--max-aspect {s.max_aspect}: must be a number, not {type(s.max_aspect).__name__}")
+    if not isinstance(s.exif_transpose, bool):
+        raise UsageError(f"--exif-transpose: true or false, not {type(s.exif_transpose).__name__}")
     for flag, value, ok, why in (
             ("format", s.format, s.format in FORMATS, f"must be one of {', '.join(FORMATS)}"),
             ("size", s.size, s.size >= 8, "must be at least 8"),

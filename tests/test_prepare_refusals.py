@@ -94,3 +94,16 @@ def test_prepare_on_a_full_disk_stops_in_one_line_and_resumes_once_there_is_room
     ims.prepare(src, tmp_path / "whole", RAW, workers=1, shard_size=2, log=lambda s: None)
     for split in ("train", "val"):
         assert (tmp_path / "dst" / f"{split}.store").read_bytes() == (tmp_path / "whole" / f"{split}.store").read_bytes()
+
+
+@pytest.mark.parametrize("settings, keywords, message", [
+    (ims.Settings(size="big"), {}, "--size big: must be a whole number, not str 'big'"),
+    (ims.Settings(), {"workers": "2"}, "--workers 2: must be a whole number, not str '2'"),
+    (ims.Settings(), {"shard_size": 2.5}, "--shard-size 2.5: must be a whole number, not float 2.5"),
+    (ims.Settings(max_aspect="wide"), {}, "--max-aspect wide: must be a number, not str"),
+    (ims.Settings(exif_transpose="yes"), {}, "--exif-transpose: true or false, not str"),
+])
+def test_the_librarys_wrong_types_are_one_line_before_anything_is_written(src, tmp_path, settings, keywords, message):
+    with pytest.raises(core.UsageError) as e:
+        ims.prepare(src, tmp_path / "dst", settings, log=lambda s: None, **keywords)
+    assert str(e.value) == message and not (tmp_path / "dst").exists()
