@@ -15,6 +15,7 @@ imagenet_models.py's, the checkpoints imagenet_checkpoints.py's.
 """
 import argparse
 import contextlib
+import errno
 import io
 import sys
 from collections import Counter
@@ -541,6 +542,15 @@ def train_runs(args, r, data, *, ctx, argv, store):
         except KeyboardInterrupt:
             return ctrl_c_exit(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out,
                                            checkpoint=checkpoint))
+        except OSError as e:        # the checkpoint's write, the one write inside a run, met a full disk
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            epoch = max(epochs, default=0) + 1
+            kept_text = interrupted(epoch, k + 1, len(runs), out=args.out, checkpoint=checkpoint).split("; ", 1)[1]
+            print0(f"error: --checkpoint {checkpoint}: not written after epoch {epoch} ({e.strerror}); {kept_text}",
+                   file=sys.stderr)
+            end_torchrun()
+            return 1
         runs.append(result)
         try:
             save(complete=False)

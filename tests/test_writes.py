@@ -149,3 +149,27 @@ def test_the_pre_flight_write_meets_a_full_disk(tmp_path, monkeypatch):
     assert str(e.value) == (f"--out {tmp_path / 'r.json'}: {tmp_path}: cannot write --out's file there (No space "
                             "left on device); give a path in a folder you can write in")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_epoch_before(tmp_path, capsys, monkeypatch):
+    import imagenet_fast as inf
+    import imagenet_store as ims
+    src = ims.synthetic_imagefolder(tmp_path / "src", 4, 6, 2, sizes=(16, 20))
+    ims.prepare(src, tmp_path / "store", ims.Settings(format="raw", size=16), workers=1, log=lambda s: None)
+    capsys.readouterr()
+    real, calls = inf.save_checkpoint, []
+
+    def full_at_the_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(inf, "save_checkpoint", full_at_the_second)
+    checkpoint = tmp_path / "c.pt"
+    rc, _, err = main_output(inf.main, ["train", "--store", tmp_path / "store", "--recipe", "tiny", "--device", "cpu",
+                                        "--width", "4", "--batch-size", "8", "--min-res", "16", "--max-res", "16",
+                                        "--val-res", "16", "--warmup-epochs", "0", "--quiet", "--epochs", "3",
+                                        "--checkpoint", checkpoint], capsys)
+    assert (rc, err) == (1, [f"error: --checkpoint {checkpoint}: not written after epoch 2 (No space left on device); "
+                             f"the checkpoint of epoch 1 is kept in {checkpoint} (--resume continues from it)"]), err
+    assert checkpoint.is_file()
