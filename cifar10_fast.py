@@ -218,6 +218,7 @@ def warmup(r, data, *, device, dtype, ctx, net, calls=1):
 # The library: train() and scores(); the command line below is a thin layer over them
 # ---------------------------------------------------------------------------------------------
 
+COMPILE_MODES = ("default", "max-autotune", "reduce-overhead")       # torch.compile's modes
 SUMMARY = ("final_acc", "time", "train_time", "time_to_target")     # the results summarised over runs
 PROGRESS_AFTER_S = 5.0          # an epoch that looks longer shows its steps on stderr
 
@@ -308,7 +309,9 @@ def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
         raise UsageError(f"train: data must be a path (a .npz, a data folder, an unpacked archive) or a dict of the "
                          f"four arrays, not {type(data).__name__} {data!r:.40}")
     r = recipe_or_name if isinstance(recipe_or_name, Recipe) else recipe(recipe_or_name, **changes)
-    check_run(o.runs, o.target, seed=o.seed, eval_every=o.eval_every)
+    check_run(o.runs, o.target, seed=o.seed, eval_every=o.eval_every, precision=o.precision)
+    if o.compile not in (None, *COMPILE_MODES):
+        raise flag_error("compile", o.compile, f"must be one of {', '.join(COMPILE_MODES)} (or None: not compiled)")
     check_subset(subset)
     if dataset is not None and dataset not in DATASETS:
         raise UsageError(f"--dataset {dataset}: must be one of {', '.join(DATASETS)}")
@@ -458,7 +461,7 @@ def parse_args(argv=None):
     p.add_argument("--subset", type=int, default=None, help="train on the first N training images")
     p.add_argument("--target", type=float, default=0.94, help="test accuracy whose first epoch stops the clock")
     p.add_argument("--out", default=None, help="write the recipe, environment, per-epoch rows and summary as JSON")
-    p.add_argument("--compile", default=None, choices=["default", "max-autotune", "reduce-overhead"],
+    p.add_argument("--compile", default=None, choices=COMPILE_MODES,
                    help="torch.compile the network with this mode (compiled once, in the untimed warm-up); "
                         "reduce-overhead also captures CUDA graphs")
     add_run_flags(p, comm_hook=True)

@@ -260,6 +260,9 @@ def test_the_clock_starts_once_the_network_is_built_and_counts_the_whitening_fit
     (lambda: cf.train("myrtle24", runs="3"), "--runs 3: must be a whole number, not str '3'"),
     (lambda: cf.train("myrtle24", subset=0.5), "--subset 0.5: must be a whole number, not float 0.5"),
     (lambda: cf.train("myrtle24", target="high"), "--target high: must be in (0, 1]"),
+    (lambda: cf.train("myrtle24", precision="fp8"), "--precision fp8: must be one of auto, bf16, fp16, fp32, fp64"),
+    (lambda: cf.train("myrtle24", compile="fast"), "--compile fast: must be one of default, max-autotune, "
+                                                   "reduce-overhead (or None: not compiled)"),
     (lambda: cf.scores(None, np.zeros((2, 32, 32, 3), np.uint8), [0, 1]),
      "scores: model must be a trained network (Result.model), not NoneType"),
     (lambda: cf.scores(torch.nn.Linear(2, 2), [1, 2], [0, 1]),
