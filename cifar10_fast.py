@@ -12,6 +12,7 @@ each component's class beside the code that reads it. Any setting is also a flag
 import argparse
 import io
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -28,9 +29,10 @@ from cifar10_recipes import (FAST94, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_A
                              Recipe, journey_recipes, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, normalise, num_classes,
                         take_subset, to_device)
-from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
+from cli import (add_run_flags, check_run, check_whole, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of,
+                 run_record)
 from core import (DataError, Heartbeat, Parser, Table, UsageError, exit_now, print_summary, say_error,
-                  summarize_runs, with_progress, write_json)
+                  summarize_runs, with_progress, write_result)
 from distributed import Context, barrier, leave, print0, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
@@ -216,6 +218,7 @@ def warmup(r, data, *, device, dtype, ctx, net, calls=1):
 # The library: train() and scores(); the command line below is a thin layer over them
 # ---------------------------------------------------------------------------------------------
 
+COMPILE_MODES = ("default", "max-autotune", "reduce-overhead")       # torch.compile's modes
 SUMMARY = ("final_acc", "time", "train_time", "time_to_target")     # the results summarised over runs
 PROGRESS_AFTER_S = 5.0          # an epoch that looks longer shows its steps on stderr
 
@@ -300,8 +303,15 @@ def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
     set's per-channel statistics, ctx)."""
     if isinstance(recipe_or_name, Recipe) and changes:
         raise UsageError("train: give a recipe's name with its changes, or a Recipe (recipe(name, **changes))")
+    if not isinstance(recipe_or_name, (Recipe, str)):
+        raise UsageError(f"train: the recipe must be a Recipe or a recipe's name, not {type(recipe_or_name).__name__}")
+    if data is not None and not isinstance(data, (str, os.PathLike, dict)):
+        raise UsageError(f"train: data must be a path (a .npz, a data folder, an unpacked archive) or a dict of the "
+                         f"four arrays, not {type(data).__name__} {data!r:.40}")
     r = recipe_or_name if isinstance(recipe_or_name, Recipe) else recipe(recipe_or_name, **changes)
-    check_run(o.runs, o.target, eval_every=o.eval_every)
+    check_run(o.runs, o.target, seed=o.seed, eval_every=o.eval_every, precision=o.precision)
+    if o.compile not in (None, *COMPILE_MODES):
+        raise flag_error("compile", o.compile, f"must be one of {', '.join(COMPILE_MODES)} (or None: not compiled)")
     check_subset(subset)
     if dataset is not None and dataset not in DATASETS:
         raise UsageError(f"--dataset {dataset}: must be one of {', '.join(DATASETS)}")
@@ -362,6 +372,14 @@ def scores(model, images, labels, *, tta=None, stats=None, batch_size=1000):
     """{"loss", "accuracy"} of a trained network (Result.model) on images, with test-time augmentation `tta` (a
     TTASettings, or None). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by the statistics
     train() keeps on the model, or stats = (mean, std)), or a tensor already normalised on the model's device."""
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"scores: model must be a trained network (Result.model), not {type(model).__name__}")
+    if not isinstance(images, (np.ndarray, torch.Tensor)) or images.ndim != 4:
+        raise UsageError("scores: images must be a numpy array (N, H, W, 3) of uint8 or a normalised tensor (N, 3, H, "
+                         f"W), not {type(images).__name__} of shape {getattr(images, 'shape', '?')}")
+    if not hasattr(labels, "__len__") or len(labels) != len(images):
+        raise UsageError(f"scores: labels must hold one label for each of the {len(images)} images, not "
+                         f"{type(labels).__name__}" + (f" of {len(labels)}" if hasattr(labels, "__len__") else ""))
     if tta is not None:
         check(tta)
     device = next(model.parameters()).device
@@ -379,8 +397,8 @@ def scores(model, images, labels, *, tta=None, stats=None, batch_size=1000):
 
 def check_subset(subset, n_train=None):
     """Raises UsageError unless --subset is positive (and, given the training images there are, at most that)."""
-    if subset is not None and subset < 1:
-        raise flag_error("subset", subset, "must be positive")
+    if subset is not None:
+        check_whole("subset", subset, "must be positive", low=1)
     if subset is not None and n_train is not None and subset > n_train:
         raise flag_error("subset", subset, f"larger than the {n_train} training images")
 
@@ -395,6 +413,14 @@ def check_data(r, arrays, ctx, say=None):
         raise UsageError(str(e)) from None
     if batch * ctx.world_size > n_train:
         raise flag_error("batch_size", r.batch_size, f"larger than the {n_train} training images")
+    steps = n_train // (batch * ctx.world_size)
+    if r.epochs * steps < 1 - 1e-9:         # else ceil() would train a whole step
+        raise flag_error("epochs", r.epochs, f"shorter than one step (an epoch here is {steps} step"
+                         f"{'s' * (steps > 1)} of {batch * ctx.world_size} images); give at least "
+                         f"{'1' if steps == 1 else f'1/{steps}'}")
+    if len(np.unique(arrays["train_labels"])) < 2:
+        raise UsageError(f"the {n_train} training images are all of one class (label {arrays['train_labels'][0]}); a "
+                         "classifier needs at least 2 (a larger --subset?)")
     if r.augment.crop_pad >= min(h, w):
         raise flag_error("crop_pad", r.augment.crop_pad, f"must be smaller than the {h}x{w} images")
     if r.augment.cutout > min(h, w):
@@ -435,7 +461,7 @@ def parse_args(argv=None):
     p.add_argument("--subset", type=int, default=None, help="train on the first N training images")
     p.add_argument("--target", type=float, default=0.94, help="test accuracy whose first epoch stops the clock")
     p.add_argument("--out", default=None, help="write the recipe, environment, per-epoch rows and summary as JSON")
-    p.add_argument("--compile", default=None, choices=["default", "max-autotune", "reduce-overhead"],
+    p.add_argument("--compile", default=None, choices=COMPILE_MODES,
                    help="torch.compile the network with this mode (compiled once, in the untimed warm-up); "
                         "reduce-overhead also captures CUDA graphs")
     add_run_flags(p, comm_hook=True)
@@ -465,7 +491,8 @@ def main(argv=None):
                                                           as_flags(r)))
             return 0
         check_subset(args.subset)
-        check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
+        check_run(args.runs, args.target, seed=args.seed, device=args.device, out=args.out,
+                  eval_every=args.eval_every)
         ctx = join_ranks(args)
     except UsageError as e:
         say_error(e)
@@ -477,7 +504,7 @@ def main(argv=None):
 
     def save(result, complete):     # after every run: a run cut short, or a failure later, never loses the others
         if args.out and ctx.is_main:
-            write_json(args.out, run_record({
+            write_result(args.out, run_record({
                 "recipe": r.name, "settings": r, "target": args.target, "subset": args.subset,
                 "dataset": args.dataset, "compile": args.compile, "flops": result.flops, "complete": complete,
                 "runs": result.runs, "summary": result.summary}, args, argv=argv, device=device, ctx=ctx))
@@ -505,7 +532,11 @@ def main(argv=None):
         print_summary(r.name, result.summary, args.target, {
             "final_acc": ("final test accuracy", ""), "time": ("time (training + final evaluation)", " s"),
             "time_to_target": (f"time to {args.target:.2%}", " s")})
-    save(result, True)
+    try:
+        save(result, True)
+    except DataError as e:
+        say_error(e)
+        return 1
     if args.out and ctx.is_main:
         print(f"wrote {args.out}")
     return 0

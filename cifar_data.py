@@ -174,8 +174,33 @@ def check_arrays(d, source, preset=None):
         if x.shape[1:3] != (32, 32):
             raise DataError(f"{source}: {split}_images are {x.shape[1]}x{x.shape[2]} pixels; {spec['title']}'s are "
                             "32x32 (leave out --dataset to train on your own data)")
+    check_classes(d, source, spec)
     label_type = np.uint8 if num_classes(d) <= 256 else np.int64
     return {k: (d[k].astype(label_type) if k.endswith("labels") else d[k]) for k in KEYS}
+
+
+def check_classes(d, source, spec=None):
+    """Raises DataError (one line, the class count said) unless the labels are 0..C-1 for a plausible C: at least 2
+    classes; for one's own data, at least half of the C occurring and no more classes than training images (a stray
+    label of 1,000,000 would build a network of a million outputs); for a preset (spec), not exactly another
+    preset's classes (CIFAR-10's data said to be CIFAR-100)."""
+    classes = num_classes(d)
+    seen = len(np.union1d(np.unique(d["train_labels"]), np.unique(d["test_labels"])))
+    top = f"labels 0..{classes - 1}: {classes} class{'es' * (classes != 1)}"
+    if classes < 2:
+        raise DataError(f"{source}: every label is 0, one class; a classifier needs at least 2")
+    if spec:
+        other = next((o for o in DATASETS.values() if o is not spec and o["classes"] == classes), None)
+        if other:
+            raise DataError(f"{source}: {top}, as {other['title']}'s; {spec['title']} has {spec['classes']} (give "
+                            f"the --dataset this data is, or leave it out)")
+        return
+    if 2 * seen < classes:
+        raise DataError(f"{source}: {top}, of which only {seen} occur; labels must number the classes 0..C-1 (a "
+                        f"stray label of {classes - 1}?)")
+    if classes > len(d["train_labels"]):
+        raise DataError(f"{source}: {top}, more than the {len(d['train_labels'])} training images; labels must "
+                        "number the classes 0..C-1")
 
 
 def num_classes(arrays):

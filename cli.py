@@ -20,17 +20,30 @@ from distributed import HOOKS, comm_hook, first_sentence, init_from_env, leave, 
 from settings import flag_error, flat
 
 
-def check_run(runs, target, *, device=None, out=None, eval_every=1):
-    """Raises UsageError unless runs is at least 1, target a fraction above 0 and eval_every not negative, the
-    device exists (devices.resolve) and a file can be written at out (core.check_output)."""
-    if runs < 1:
-        raise flag_error("runs", runs, "must be at least 1")
-    if eval_every < 0:
-        raise flag_error("eval_every", eval_every, "must not be negative (0: evaluate only after the last epoch)")
-    if not 0 < target <= 1:
+PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp64")       # --precision's choices
+
+
+def check_run(runs, target, *, seed=0, device=None, out=None, eval_every=1, precision="auto"):
+    """Raises UsageError unless runs is a whole number of at least 1, seed and eval_every whole and not negative,
+    target a fraction above 0, precision one of PRECISIONS, the device exists (devices.resolve) and a file can be written at out
+    (core.check_output)."""
+    check_whole("runs", runs, "must be at least 1", low=1)
+    check_whole("seed", seed, "must not be negative (the runs' seeds: seed, seed + 1, ...)")
+    check_whole("eval_every", eval_every, "must not be negative (0: evaluate only after the last epoch)")
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
         raise flag_error("target", target, "must be in (0, 1]")
+    if precision not in PRECISIONS:
+        raise flag_error("precision", precision, f"must be one of {', '.join(PRECISIONS)}")
     devices.resolve(device)
     check_output(out, "--out")
+
+
+def check_whole(name, value, why, *, low=0):
+    """Raises flag_error (`why`, or that it must be a whole number) unless value is an int of at least low."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise flag_error(name, value, f"must be a whole number, not {type(value).__name__} {value!r}")
+    if value < low:
+        raise flag_error(name, value, why)
 
 
 def grid(s):

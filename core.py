@@ -10,6 +10,7 @@ import json
 import math
 import os
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -342,8 +343,11 @@ def writable_folder(folder, what, remedy, *, prefix="tmp"):
                 d.mkdir()
                 made.append(d)
         fd, tried = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
-        os.close(fd)
-        os.remove(tried)
+        try:        # a byte, not an empty file: an empty file is made even on a full disk
+            os.write(fd, b"\n")
+        finally:
+            os.close(fd)
+            os.remove(tried)
     except OSError as e:
         raise DataError(f"{folder}: cannot write {what} there ({e.strerror or e}); {remedy}") from None
     finally:
@@ -351,15 +355,31 @@ def writable_folder(folder, what, remedy, *, prefix="tmp"):
             d.rmdir()
 
 
+def not_a_file(path):
+    """What is at path (a link followed) when it is not a regular file: "a folder", "a character device", "a fifo",
+    ...; None for a regular file or nothing at all."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:         # nothing there (or nothing this process may see): a new file
+        return None
+    kinds = ((stat.S_ISREG, None), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), "not a regular file")
+
+
 def check_output(path, flag):
-    """Raises UsageError unless a file can be written at path: not a folder, and write_atomic's temporary file written
+    """Raises UsageError unless a file can be written at path: a regular file or none (not a folder, a device, a
+    fifo or a socket), and write_atomic's temporary file written
     (and removed) in its folder, made for the trial where missing. Checked before training, so that a mistyped path
     costs nothing and a finished run is never lost to its file."""
     if path is None:
         return
     p = os.path.abspath(os.fspath(path))
-    if os.path.isdir(p):
+    kind = not_a_file(p)
+    if kind == "a folder":
         raise UsageError(f"{flag} {path}: is a folder; give a file name")
+    if kind:
+        raise UsageError(f"{flag} {path}: is {kind}, not a regular file; give a new file's name or a file's")
     parent = os.path.dirname(p)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -383,8 +403,10 @@ def default_file_mode():
 
 def write_atomic(path, write):
     """Call write(tmp_path), then rename onto path, so readers never see a half-written file. The file gets the
-    permissions open() would give it (mkstemp's temporary file is private to its owner)."""
+    permissions open() would give it (mkstemp's temporary file is private to its owner). Never onto what is not a
+    regular file (a device, a fifo): a DataError of one line, before and after the write."""
     path = os.fspath(path)
+    refuse_special(path)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=d, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
@@ -392,10 +414,17 @@ def write_atomic(path, write):
     try:
         write(tmp)
         os.chmod(tmp, default_file_mode())
+        refuse_special(path)          # made while the file was written
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def refuse_special(path):
+    kind = not_a_file(path)
+    if kind:
+        raise DataError(f"{path}: is {kind}, not a regular file; nothing written there")
 
 
 def write_json(path, obj):
@@ -404,6 +433,18 @@ def write_json(path, obj):
             json.dump(obj, f, indent=1)
             f.write("\n")
     write_atomic(path, write)
+
+
+def write_result(path, record, flag="--out"):
+    """Writes a run's record as JSON at path; where that fails (a full disk, a file made a device meanwhile), prints
+    the record whole on stdout (one line of JSON) and raises DataError of one line that says so."""
+    try:
+        write_json(path, record)
+    except (OSError, DataError) as e:
+        print(json.dumps(record), flush=True)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise DataError(f"{flag} {path}: not written ({why}); the result is printed in full above, on stdout, as "
+                        "one line of JSON") from None
 
 
 def ratio_ci(a, b, level=0.95):

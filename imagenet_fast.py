@@ -15,6 +15,7 @@ imagenet_models.py's, the checkpoints imagenet_checkpoints.py's.
 """
 import argparse
 import contextlib
+import errno
 import io
 import sys
 from collections import Counter
@@ -31,14 +32,14 @@ import scaling
 import training
 from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
 from core import (DataError, Heartbeat, Parser, Table, UsageError, check_output, exit_now, print_summary,
-                  say_error, summarize_runs, with_progress, write_json)
+                  say_error, summarize_runs, with_progress, write_result)
 from distributed import (barrier, checkpoint_writers, leave, leave_together, print0, register_comm_hook,
                          sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
 from imagenet_data import EpochWork, batch_indices, decode_text, draw_epoch, loss_top1_top5, place, train_batches
 from imagenet_models import build_model, check_memory, make_optimizer
 from imagenet_recipes import RECIPES, RN50_16EP, Recipe, recipe, recipe_command
-from imagenet_store import FORMATS, Settings, kept, open_store, prepare
+from imagenet_store import FORMATS, Settings, check_classes, kept, open_store, prepare
 from optim import set_lr
 from schedules import epoch_plans, plan, step_lr
 from settings import add_flags, changes_from, flag_error, flat, one_of
@@ -296,6 +297,9 @@ def parse_args(argv=None):
     pp.add_argument("--shard-size", type=int, default=1000, help="images per shard, the unit of resumption")
     pp.add_argument("--max-aspect", type=float, default=2.0, help="longest val aspect kept (default 2)")
     pp.add_argument("--max-shards", type=int, default=None, help="stop after decoding this many new shards")
+    pp.add_argument("--exif-transpose", action="store_true",
+                    help="store an image that carries an EXIF orientation upright, re-encoded (default: as its pixels "
+                         "lie; prepare counts such images)")
 
     tp = sub.add_parser("train", help="train on a store", description=TRAIN,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -341,7 +345,7 @@ def main_prepare(args):
     finished = (Path(args.dst) / "index.json").is_file()       # then prepare says "already prepared" and writes nothing
     try:
         settings = Settings(format=args.format, size=args.size, max_side=args.max_side, quality=args.quality,
-                            max_aspect=args.max_aspect)
+                            max_aspect=args.max_aspect, exif_transpose=args.exif_transpose)
         index = prepare(args.src, Path(args.dst), settings, workers=args.workers, shard_size=args.shard_size,
                         max_shards=args.max_shards)
     except (DataError, UsageError) as e:
@@ -370,11 +374,13 @@ def check_train(args):
             ("resume", args.resume and not args.checkpoint, "needs --checkpoint"),
             ("checkpoint-on", args.checkpoint_on == "shared" and not args.checkpoint, "shared needs --checkpoint"),
             ("resume", args.resume and args.runs > 1, "works with a single run"),
+            ("interrupt-after-epoch", args.interrupt_after_epoch is not None and args.interrupt_after_epoch < 1,
+             "must be positive"),
             ("interrupt-after-epoch", args.interrupt_after_epoch and not args.checkpoint, "needs --checkpoint"),
             ("loader-workers", args.loader_workers is not None and args.loader_workers < 1, "must be positive")):
         if bad:
             raise UsageError(f"--{flag} {message}")
-    check_run(args.runs, args.target, device=args.device, out=args.out, eval_every=args.eval_every)
+    check_run(args.runs, args.target, seed=args.seed, device=args.device, out=args.out, eval_every=args.eval_every)
     check_output(args.checkpoint, "--checkpoint")
 
 
@@ -435,6 +441,7 @@ def run(args, r, *, ctx, argv):
         plans = epoch_plans(r, ctx.world_size)   # a schedule that does not divide over the ranks fails here
         decoder = devices.jpeg_decoder(device, args.decoder)
         store = open_store(args.store)
+        check_classes(store, args.store)
         data = place_data(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
         check_batch(r, world=ctx.world_size, n_train=len(store.train))    # placed first: only a tiny store fails it
     except (ValueError, DataError) as e:         # UsageError is a ValueError
@@ -520,13 +527,16 @@ def train_runs(args, r, data, *, ctx, argv, store):
                 progress=ctx.is_main and not args.quiet)
     aim = f"{args.target:.2%}" + (" top-5" if r.target_top5 else "")
     accuracy = "final_top5" if r.target_top5 else "final_top1"       # the first label: the t-test's
-    labels = {k: (f"final top-{k[-1]}", "") for k in (accuracy, "final_top1", "final_top5")}
+    classes = len(store.index["classes"])
+    five = classes > 5          # of 5 classes or fewer, top-5 is 1 by construction: not reported
+    labels = {k: (f"final top-{k[-1]}", "") for k in (accuracy, "final_top1", "final_top5") if five or k != "final_top5"
+              or k == accuracy}
     labels.update({"time_to_target": (f"time to {aim}", " s"), "train_time": ("training time", " s")})
     runs = []
 
     def save(complete):
         if args.out and ctx.is_main:
-            write_json(args.out, run_record({
+            write_result(args.out, run_record({
                 "recipe": r.name, "settings": r, "target": args.target, "store": str(args.store),
                 "store_format": store.format, "data_on": data.where, "decoder": data.decoder, "complete": complete,
                 "runs": runs, "summary": summarize_runs(runs, args.target, labels, accuracy)}, args, argv=argv,
@@ -540,26 +550,48 @@ def train_runs(args, r, data, *, ctx, argv, store):
         checkpoint = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
         try:
             result = train_run(r, data, replace(o, checkpoint=checkpoint), ctx=ctx, seed=seed,
-                               on_epoch=lambda row: (table.append(row), epochs.append(row["epoch"])))
+                               on_epoch=lambda row: (table.append(row if five else {**row, "top5": None}),
+                                                     epochs.append(row["epoch"])))
         except DataError as e:
             say_error(e)            # the checkpoint's, the loss's: the same on every rank
             return 1
         except KeyboardInterrupt:
             return ctrl_c_exit(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out,
                                            checkpoint=checkpoint))
+        except OSError as e:        # the checkpoint's write, the one write inside a run, met a full disk
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            epoch = max(epochs, default=0) + 1
+            kept_text = interrupted(epoch, k + 1, len(runs), out=args.out, checkpoint=checkpoint).split("; ", 1)[1]
+            say_error(f"--checkpoint {checkpoint}: not written after epoch {epoch} ({e.strerror}); {kept_text}")
+            return 1
         runs.append(result)
-        save(complete=False)
+        try:
+            save(complete=False)
+        except DataError as e:
+            return write_failed(e)
         ttt = result["time_to_target"]
-        print0(f"final top-1 {result['final_top1']:.4f}, top-5 {result['final_top5']:.4f}; "
+        print0(f"final top-1 {result['final_top1']:.4f}, "
+               + (f"top-5 {result['final_top5']:.4f}; " if five else f"top-5 not reported ({classes} classes); ")
                + (f"time to {aim}: {ttt:.2f} s" if ttt is not None else f"did not reach {aim}")
                + f"; training time {result['train_time']:.2f} s")
     if args.runs > 1 and ctx.is_main:
         print_summary(r.name, summarize_runs(runs, args.target, labels, accuracy), args.target, labels)
-    save(complete=True)
+    try:
+        save(complete=True)
+    except DataError as e:
+        return write_failed(e)
     if args.out and ctx.is_main:
         print(f"wrote {args.out}")
     barrier()       # leave together
     return 0
+
+
+def write_failed(error):
+    """Exit status 1 once --out's failed write (core.write_result's DataError, the result printed) says so in one
+    line, torchrun ended without restarts."""
+    say_error(error)
+    return 1
 
 
 def main(argv=None):

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 from tqdm import tqdm
 
 from core import DataError, UsageError, die_with_parent, writable_folder, write_json
@@ -47,6 +47,7 @@ class Settings:
     max_side: int = 500      # jpeg: the longer side at most
     quality: int = 90        # jpeg: the encoder's quality, for images re-encoded
     max_aspect: float = 2.0  # raw validation: the longest aspect kept
+    exif_transpose: bool = False    # an image with an EXIF orientation stored upright (re-encoded), not as it lies
 
     @property
     def step(self):
@@ -56,6 +57,14 @@ class Settings:
 def check_prepare(settings, *, workers=None, shard_size=1000, max_shards=None):
     """Raises UsageError naming the first of prepare's settings out of its range (they are its flags)."""
     s = settings
+    for flag, value in (("size", s.size), ("max-side", s.max_side), ("quality", s.quality), ("workers", workers),
+                        ("shard-size", shard_size), ("max-shards", max_shards)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise UsageError(f"--{flag} {value}: must be a whole number, not {type(value).__name__} {value!r}")
+    if isinstance(s.max_aspect, bool) or not isinstance(s.max_aspect, (int, float)):
+        raise UsageError(f"--max-aspect {s.max_aspect}: must be a number, not {type(s.max_aspect).__name__}")
+    if not isinstance(s.exif_transpose, bool):
+        raise UsageError(f"--exif-transpose: true or false, not {type(s.exif_transpose).__name__}")
     for flag, value, ok, why in (
             ("format", s.format, s.format in FORMATS, f"must be one of {', '.join(FORMATS)}"),
             ("size", s.size, s.size >= 8, "must be at least 8"),
@@ -112,50 +121,66 @@ def centre_box(w, h, ow, oh):
     return (max(0.0, (w - cw) / 2), max(0.0, (h - ch) / 2), min(w, (w + cw) / 2), min(h, (h + ch) / 2))
 
 
+ORIENTATION = 0x0112     # the EXIF tag of how the pixels lie: 1 upright, 2..8 mirrored or turned
+
+
 def encode_image(path, split, settings):
-    """One image as the store keeps it: (record bytes, height, width); decoding failures raise."""
-    s = settings
+    """One image as the store keeps it: (record bytes, height, width, whether it carries an EXIF orientation other
+    than upright); decoding failures raise. With settings.exif_transpose such an image is stored upright."""
     with Image.open(path) as im:
-        w, h = im.size
-        if s.format == "jpeg":
-            scale = min(1.0, s.max_side / max(w, h))
-            ow, oh = max(1, round(w * scale)), max(1, round(h * scale))
-            keep = im.format == "JPEG" and im.mode == "RGB" and not im.info.get("progressive") and scale == 1
-            im.draft("RGB", (ow, oh))       # libjpeg's DCT scaling to the nearest size >= the output
-            im = im.convert("RGB")          # the full decode: truncated or corrupt files raise here
-            if keep:                        # already a baseline RGB JPEG that fits: its own bytes, no second loss
-                return Path(path).read_bytes(), h, w
-            if im.size != (ow, oh):
-                im = im.resize((ow, oh), Image.BILINEAR)
-            out = io.BytesIO()
-            im.save(out, "JPEG", quality=s.quality)
-            return out.getvalue(), oh, ow
-        if split == "train":              # raw training: the whole image, stretched to a square; its shape in the index
-            scale = s.size / min(w, h)
-            ow, oh, box = s.size, s.size, None
-            shape = (max(s.size, round(h * scale)), max(s.size, round(w * scale)))
-        else:                             # raw validation: rectangular, shorter side `size`
-            ow, oh = val_shape(w, h, s.size, max_aspect=s.max_aspect, step=s.step)
-            box, shape = centre_box(w, h, ow, oh), (oh, ow)
-        scale = max(ow / w, oh / h)
-        im.draft("RGB", (ow, oh) if box is None else (int(np.ceil(w * scale)), int(np.ceil(h * scale))))
-        im = im.convert("RGB")
-        if box is not None:                                   # in the drafted image's pixels
-            sx, sy = im.size[0] / w, im.size[1] / h
-            box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-        pixels = np.asarray(im.resize((ow, oh), Image.BILINEAR, box=box), dtype=np.uint8)
-        return pixels.tobytes(), *shape
+        turned = im.getexif().get(ORIENTATION, 1) != 1
+        if turned and settings.exif_transpose:
+            im = ImageOps.exif_transpose(im)        # a new image, decoded: no longer the source's JPEG bytes
+        return (*encode_pixels(im, path, split, settings), turned)
+
+
+def encode_pixels(im, path, split, settings):
+    """(record bytes, height, width) of the opened image im, read from path."""
+    s = settings
+    w, h = im.size
+    if s.format == "jpeg":
+        scale = min(1.0, s.max_side / max(w, h))
+        ow, oh = max(1, round(w * scale)), max(1, round(h * scale))
+        keep = im.format == "JPEG" and im.mode == "RGB" and not im.info.get("progressive") and scale == 1
+        im.draft("RGB", (ow, oh))       # libjpeg's DCT scaling to the nearest size >= the output
+        im = im.convert("RGB")          # the full decode: truncated or corrupt files raise here
+        if keep:                        # already a baseline RGB JPEG that fits: its own bytes, no second loss
+            return Path(path).read_bytes(), h, w
+        if im.size != (ow, oh):
+            im = im.resize((ow, oh), Image.BILINEAR)
+        out = io.BytesIO()
+        im.save(out, "JPEG", quality=s.quality)
+        return out.getvalue(), oh, ow
+    if split == "train":              # raw training: the whole image, stretched to a square; its shape in the index
+        scale = s.size / min(w, h)
+        ow, oh, box = s.size, s.size, None
+        shape = (max(s.size, round(h * scale)), max(s.size, round(w * scale)))
+    else:                             # raw validation: rectangular, shorter side `size`
+        ow, oh = val_shape(w, h, s.size, max_aspect=s.max_aspect, step=s.step)
+        box, shape = centre_box(w, h, ow, oh), (oh, ow)
+    scale = max(ow / w, oh / h)
+    im.draft("RGB", (ow, oh) if box is None else (int(np.ceil(w * scale)), int(np.ceil(h * scale))))
+    im = im.convert("RGB")
+    if box is not None:                                   # in the drafted image's pixels
+        sx, sy = im.size[0] / w, im.size[1] / h
+        box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+    pixels = np.asarray(im.resize((ow, oh), Image.BILINEAR, box=box), dtype=np.uint8)
+    return pixels.tobytes(), *shape
 
 
 def encode_shard(items, split, settings):
-    """Encodes one shard's images: ([(bytes, height, width, label)], [(path, reason)] of those that failed)."""
-    records, errors = [], []
+    """Encodes one shard's images: ([(bytes, height, width, label)], [(path, reason)] of those that failed, the
+    number carrying an EXIF orientation)."""
+    records, errors, turned = [], [], 0
     for path, label in items:
         try:
-            records.append((*encode_image(path, split, settings), label))
+            buf, h, w, oriented = encode_image(path, split, settings)
         except Exception as e:  # any decoding failure: report, skip, count
             errors.append((path, f"{type(e).__name__}: {e}".strip()))
-    return records, errors
+            continue
+        records.append((buf, h, w, label))
+        turned += oriented
+    return records, errors, turned
 
 
 # ---------------------------------------------------------------------------------------------
@@ -213,13 +238,14 @@ def split_key(split, items, settings):
 
 
 def write_split(dst, split, items, settings, *, workers, shard_size, max_shards, log):
-    """Writes dst/<split>.store; returns ((rows, errors) or None when stopped by max_shards, shards written now).
+    """Writes dst/<split>.store; returns ((rows, errors, images carrying an EXIF orientation) or None when stopped
+    by max_shards, shards written now).
     Shards are encoded in parallel and appended in order, a journal recording after each how far the files are good,
     so a stopped run resumes after the last whole shard; the index and footer come last."""
     data_p, rows_p, journal_p = (dst / f"{split}.{suffix}" for suffix in ("store.partial", "rows.partial",
                                                                           "journal.json"))
     key = split_key(split, items, settings)
-    journal = {"key": key, "shards": 0, "bytes": 0, "rows": 0, "errors": []}
+    journal = {"key": key, "shards": 0, "bytes": 0, "rows": 0, "errors": [], "turned": 0}
     if journal_p.is_file():
         old = json.loads(journal_p.read_text())
         if old.get("key") == key:
@@ -239,7 +265,7 @@ def write_split(dst, split, items, settings, *, workers, shard_size, max_shards,
             worker_pool(min(workers, max(1, len(todo)))) as pool:
         data.seek(journal["bytes"])
         rows.seek(journal["rows"] * ROW.itemsize)
-        for k, (records, errors) in zip(todo, in_order(pool, encode_shard, [(shards[k], split, settings)
+        for k, (records, errors, turned) in zip(todo, in_order(pool, encode_shard, [(shards[k], split, settings)
                                                                             for k in todo], 2 * workers)):
             index = np.zeros(len(records), ROW)
             for r, (buf, h, w, label) in enumerate(records):
@@ -252,7 +278,8 @@ def write_split(dst, split, items, settings, *, workers, shard_size, max_shards,
                 os.fsync(f.fileno())
             for path, reason in errors:
                 tqdm.write(f"skipped {path}: {reason}", file=sys.stderr)    # above the bar, which stays whole
-            journal.update(shards=k + 1, rows=journal["rows"] + len(records), errors=journal["errors"] + errors)
+            journal.update(shards=k + 1, rows=journal["rows"] + len(records), errors=journal["errors"] + errors,
+                           turned=journal.get("turned", 0) + turned)
             write_json(journal_p, journal)
             bar.set_postfix(skipped=len(journal["errors"]), MB=f"{journal['bytes'] / 1e6:.0f}", refresh=False)
             bar.update(len(shards[k]))
@@ -268,7 +295,7 @@ def write_split(dst, split, items, settings, *, workers, shard_size, max_shards,
     os.replace(data_p, dst / f"{split}.store")
     rows_p.unlink()
     journal_p.unlink()
-    return (index, [tuple(e) for e in journal["errors"]]), len(todo)
+    return (index, [tuple(e) for e in journal["errors"]], journal.get("turned", 0)), len(todo)
 
 
 def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max_shards=None, log=print):
@@ -278,6 +305,9 @@ def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
         raise DataError(f"{src}: no such folder")
+    if dst.resolve().is_relative_to(src.resolve()):
+        raise UsageError(f"--dst {dst}: inside --src {src}, where the next prepare would take it for a class; give a "
+                         "--dst outside --src")
     writable_folder(dst, "the store", "give --dst a folder you can write in")
     classes, train, empty_train = list_split(src, "train")
     _, val, empty_val = list_split(src, "val", classes)
@@ -288,10 +318,11 @@ def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max
     index_path = dst / "index.json"
     if index_path.is_file():
         old = read_index(index_path, "delete it, or choose another --dst")
-        if old.get("settings") == asdict(settings) and old.get("source") == str(src.resolve()):
+        theirs = {**asdict(Settings()), **(old.get("settings") or {})}       # a setting added since: its default
+        if theirs == asdict(settings) and old.get("source") == str(src.resolve()):
             log(f"{dst}: already prepared ({old['train']['count']} train, {old['val']['count']} val images)")
             return old
-        theirs, ours = old.get("settings") or {}, asdict(settings)
+        ours = asdict(settings)
         differ = [f"--{k.replace('_', '-')} {theirs.get(k)}" for k in ours if theirs.get(k) != ours[k]]
         raise DataError(f"{index_path}: holds another store ({', '.join(differ) or 'the same settings'} from "
                         f"{old.get('source')}); choose another --dst")
@@ -303,27 +334,38 @@ def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max
     workers = workers or os.cpu_count() or 1
     index = {"format": "imagenet_fast store", "version": STORE_VERSION, "settings": asdict(settings),
              "source": str(src.resolve()), "classes": classes}
-    left = max_shards
-    for split, items, empty in (("train", train, empty_train), ("val", val, empty_val)):
-        done_p, key = dst / f"{split}.done.json", split_key(split, items, settings)
-        done = json.loads(done_p.read_text()) if done_p.is_file() else {}
-        if done.get("key") == key and (dst / f"{split}.store").is_file():     # finished by a run that stopped later
-            rows, skipped = read_rows(dst / f"{split}.store"), [tuple(e) for e in done["skipped"]]
-        else:
-            written, shards = write_split(dst, split, items, settings, workers=workers, shard_size=shard_size,
-                                          max_shards=left, log=log)
-            if written is None:
-                log(f"stopped after --max-shards {max_shards} new shards; run again to resume")
-                return None
-            rows, skipped = written
-            write_json(done_p, {"key": key, "skipped": skipped})
-            left = None if left is None else left - shards
-        index[split] = {"count": int(len(rows)), "per_class": np.bincount(rows["label"], minlength=len(classes)).tolist(),
-                        "bytes": int(rows["nbytes"].sum()), "skipped": len(skipped),
-                        "skipped_files": [list(e) for e in skipped], "empty_classes": empty}
-        log(f"{split}: {len(rows)} images stored ({index[split]['bytes'] / 1e9:.3f} GB of {settings.format}), "
-            f"{len(skipped)} unreadable and skipped, {len(empty)} empty classes")
-    write_json(index_path, index)  # written last: its presence means the store is complete
+    try:         # a full disk (or any failed write) stops at the last whole shard, which the same command resumes from
+        left = max_shards
+        for split, items, empty in (("train", train, empty_train), ("val", val, empty_val)):
+            done_p, key = dst / f"{split}.done.json", split_key(split, items, settings)
+            done = json.loads(done_p.read_text()) if done_p.is_file() else {}
+            if done.get("key") == key and (dst / f"{split}.store").is_file():     # finished by a run that stopped later
+                rows, skipped, turned = (read_rows(dst / f"{split}.store"), [tuple(e) for e in done["skipped"]],
+                                         done.get("turned", 0))
+            else:
+                written, shards = write_split(dst, split, items, settings, workers=workers, shard_size=shard_size,
+                                              max_shards=left, log=log)
+                if written is None:
+                    log(f"stopped after --max-shards {max_shards} new shards; run again to resume")
+                    return None
+                rows, skipped, turned = written
+                write_json(done_p, {"key": key, "skipped": skipped, "turned": turned})
+                left = None if left is None else left - shards
+            index[split] = {"count": int(len(rows)),
+                            "per_class": np.bincount(rows["label"], minlength=len(classes)).tolist(),
+                            "bytes": int(rows["nbytes"].sum()), "skipped": len(skipped),
+                            "skipped_files": [list(e) for e in skipped], "empty_classes": empty,
+                            "exif_oriented": turned}
+            log(f"{split}: {len(rows)} images stored ({index[split]['bytes'] / 1e9:.3f} GB of {settings.format}), "
+                f"{len(skipped)} unreadable and skipped, {len(empty)} empty classes")
+            if turned:
+                log(f"{split}: an EXIF orientation in {turned} image{'s' * (turned != 1)}: "
+                    + ("stored upright (re-encoded)" if settings.exif_transpose else
+                       "stored as the pixels lie, turned or mirrored (--exif-transpose stores them upright)"))
+        write_json(index_path, index)  # written last: its presence means the store is complete
+    except OSError as e:
+        raise DataError(f"{dst}: cannot write the store ({e.strerror or e}); {kept(dst)}; once there is room, "
+                        "the same command resumes from there") from None
     for split in ("train", "val"):
         (dst / f"{split}.done.json").unlink()
     return index
@@ -423,6 +465,13 @@ def read_index(path, remedy):
     if missing and index.get("version") == STORE_VERSION:      # another version's keys may differ: its own error
         raise DataError(f"{path}: not a whole store index (no {', '.join(missing)}); {remedy}")
     return index
+
+
+def check_classes(store, path):
+    """Raises DataError unless the store has at least 2 classes to train on (a single class scores 1 from the start)."""
+    classes = store.index["classes"]
+    if len(classes) < 2:
+        raise DataError(f"{path}: one class ({classes[0]}); a classifier needs at least 2")
 
 
 def open_store(path):

@@ -114,10 +114,37 @@ def changed(tree, **changes):
     unknown = sorted(set(changes) - set(names))
     if unknown:
         raise UsageError(f"unknown settings {unknown}; see --help for the flags")
+    contradiction_error(names, changes)
     values = field_values(tree)
     for name, value in changes.items():
         put(values, type(tree), names[name].path, value)
     return tree_from(type(tree), values)
+
+
+def is_switch(leaf):
+    return "component" in leaf.field.metadata
+
+
+def left_out(leaf, value):
+    """The path of the component that this change leaves out (a switch set false, an OFF value), or None."""
+    if is_switch(leaf):
+        return leaf.path if value is False else None
+    off = getattr(leaf.owners[-1], "OFF", None)
+    return leaf.path[:-1] if off and leaf.path[-1] == off[0] and value == off[1] else None
+
+
+def contradiction_error(names, changes):
+    """Raises UsageError, naming both flags, where the changes set a setting of a technique that another of them
+    leaves out (--whiten false --whiten-eps 1e-3), whatever their order; or a switch that is not true or false."""
+    for name, value in changes.items():
+        if is_switch(names[name]) and not isinstance(value, bool):
+            raise flag_error(name, value, f"must be true or false, not {type(value).__name__} {value!r}")
+    flag = lambda name: f"--{name.replace('_', '-')} {show(changes[name])}"
+    for off_name in changes:
+        off = left_out(names[off_name], changes[off_name])
+        other = next((n for n in changes if n != off_name and off and names[n].path[:len(off)] == off), None)
+        if other:
+            raise UsageError(f"{flag(off_name)} leaves out what {flag(other)} sets; give one or the other")
 
 
 def field_values(tree):
@@ -171,6 +198,7 @@ def check(tree, prefix=(), *, own=False):
             if value not in allowed:
                 raise flag_error(name, value, f"must be one of {one_of_text(m['choices'])}")
             continue
+        kind_error(name, value, f.default)
         number_error(name, value, m)
     if hasattr(tree, "check") and not own:
         tree.check()
@@ -180,6 +208,25 @@ def check_own(tree):
     """check() of tree's own knobs, not its components' nor what depends on several settings (a flag changes one at
     a time): cheap enough for a settings class's __post_init__, so that a bad value fails where it is built."""
     check(tree, (tree.PREFIX,) if getattr(tree, "PREFIX", "") else (), own=True)
+
+
+def is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def kind_error(name, value, default):
+    """Raises flag_error unless value is of its default's kind (true or false, a number, a tuple of numbers): the
+    library's keywords are not read from text, so `width="wide"` gets here."""
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif is_number(default):
+        ok, kind = is_number(value), "a number"
+    elif isinstance(default, tuple):
+        ok, kind = isinstance(value, tuple) and all(map(is_number, value)), "a tuple of numbers"
+    else:
+        return
+    if not ok:
+        raise flag_error(name, value, f"must be {kind}, not {type(value).__name__} {value!r}")
 
 
 def number_error(name, value, m):

@@ -161,3 +161,13 @@ def pattern_arrays(n_train, n_test, classes=10, size=(32, 32), seed=0):
         return (patterns[y] * 0.6 + rng.integers(0, 100, (n, h, w, 3))).astype(np.uint8), y
     (xtr, ytr), (xte, yte) = split(n_train), split(n_test)
     return {"train_images": xtr, "train_labels": ytr, "test_images": xte, "test_labels": yte}
+
+
+def main_output(main, args, capsys):
+    """(exit status, stdout, stderr lines) of a script's main(args) in this process, the CPU's warning left out."""
+    try:
+        rc = main([str(a) for a in args])
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, [line for line in out.err.strip().splitlines() if not line.startswith("warning: no GPU")]

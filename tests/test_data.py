@@ -298,3 +298,44 @@ def test_a_data_dir_the_download_cannot_be_written_in_is_one_line_before_any_dow
             f"error: {folder}: {why}; give --data-dir a folder you can write in, or the data as one file: "
             "--data-dir FILE.npz")
     assert not Path("/sys/cifar10").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+@pytest.mark.parametrize("change, preset, message", [
+    ("stray", None, "labels 0..1000000: 1000001 classes, of which only 11 occur; labels must number the classes "
+                    "0..C-1 (a stray label of 1000000?)"),
+    ("one", None, "every label is 0, one class; a classifier needs at least 2"),
+    ("one", "cifar10", "every label is 0, one class; a classifier needs at least 2"),
+    ("none", "cifar100", "labels 0..9: 10 classes, as CIFAR-10's; CIFAR-100 has 100 (give the --dataset this data is, "
+                         "or leave it out)"),
+    ("many", None, "labels 0..99: 100 classes, more than the 64 training images; labels must number the classes "
+                   "0..C-1"),
+])
+def test_labels_that_make_no_plausible_classes_are_one_line_naming_the_count(tmp_path, change, preset, message):
+    d = synthetic_arrays(64, 100)
+    if change == "stray":                 # one training label of a million: a network of a million outputs
+        d["train_labels"] = d["train_labels"].astype(np.int64)
+        d["train_labels"][7] = 1_000_000
+    elif change == "one":
+        d["train_labels"][:], d["test_labels"][:] = 0, 0
+    elif change == "many":
+        d["test_labels"] = np.arange(100, dtype=np.uint8)
+    np.savez(tmp_path / "d.npz", **d)
+    with pytest.raises(cd.DataError) as e:
+        cd.load(tmp_path / "d.npz", preset)
+    assert str(e.value) == f"{tmp_path / 'd.npz'}: {message}"
+
+
+def test_the_command_line_refuses_a_stray_label_and_cifar100_said_of_10_classes_in_one_line(tmp_path, capsys):
+    d = synthetic_arrays(64, 32)
+    d["train_labels"] = d["train_labels"].astype(np.int64)
+    d["train_labels"][0] = 1_000_000
+    np.savez(tmp_path / "stray.npz", **d)
+    np.savez(tmp_path / "ten.npz", **synthetic_arrays(64, 32))
+    for name, flags, message in (
+            ("stray.npz", [], "labels 0..1000000: 1000001 classes, of which only 11 occur; labels must number the "
+                              "classes 0..C-1 (a stray label of 1000000?)"),
+            ("ten.npz", ["--dataset", "cifar100"], "labels 0..9: 10 classes, as CIFAR-10's; CIFAR-100 has 100 (give "
+                                                   "the --dataset this data is, or leave it out)")):
+        assert cf.main(["--data-dir", str(tmp_path / name), "--device", "cpu", *flags]) == 1
+        err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: no GPU")]
+        assert err == [f"error: {tmp_path / name}: {message}"]

@@ -246,3 +246,59 @@ def test_the_clock_starts_once_the_network_is_built_and_counts_the_whitening_fit
     cf.train("fast94", data=synthetic_arrays(n_train=64, n_test=32), device="cpu", epochs=1, width=1 / 16,
              batch_size=32)
     assert events[-3:] == ["build_model", "timer", "fit_whitening"]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: cf.recipe("myrtle24", width="wide"), "--width wide: must be a number, not str 'wide'"),
+    (lambda: cf.recipe("myrtle24", epochs=True), "--epochs true: must be a number, not bool True"),
+    (lambda: cf.recipe("myrtle24", whiten="yes"), "--whiten yes: must be true or false, not str 'yes'"),
+    (lambda: cf.train("myrtle24", 42), "train: data must be a path (a .npz, a data folder, an unpacked archive) or a "
+                                       "dict of the four arrays, not int 42"),
+    (lambda: cf.train(24), "train: the recipe must be a Recipe or a recipe's name, not int"),
+    (lambda: cf.train("myrtle24", seed=-5), "--seed -5: must not be negative (the runs' seeds: seed, seed + 1, ...)"),
+    (lambda: cf.train("myrtle24", seed=1.5), "--seed 1.5: must be a whole number, not float 1.5"),
+    (lambda: cf.train("myrtle24", runs="3"), "--runs 3: must be a whole number, not str '3'"),
+    (lambda: cf.train("myrtle24", subset=0.5), "--subset 0.5: must be a whole number, not float 0.5"),
+    (lambda: cf.train("myrtle24", target="high"), "--target high: must be in (0, 1]"),
+    (lambda: cf.train("myrtle24", precision="fp8"), "--precision fp8: must be one of auto, bf16, fp16, fp32, fp64"),
+    (lambda: cf.train("myrtle24", compile="fast"), "--compile fast: must be one of default, max-autotune, "
+                                                   "reduce-overhead (or None: not compiled)"),
+    (lambda: cf.scores(None, np.zeros((2, 32, 32, 3), np.uint8), [0, 1]),
+     "scores: model must be a trained network (Result.model), not NoneType"),
+    (lambda: cf.scores(torch.nn.Linear(2, 2), [1, 2], [0, 1]),
+     "scores: images must be a numpy array (N, H, W, 3) of uint8 or a normalised tensor (N, 3, H, W), not list of "
+     "shape ?"),
+    (lambda: cf.scores(torch.nn.Linear(2, 2), np.zeros((2, 32, 32, 3), np.uint8), [0]),
+     "scores: labels must hold one label for each of the 2 images, not list of 1"),
+])
+def test_the_librarys_wrong_arguments_are_one_line_before_any_data(call, message, monkeypatch):
+    monkeypatch.setattr(cf, "load", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(core.UsageError) as e:
+        call()
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"whiten": False, "whiten_eps": 1e-3}, "--whiten false leaves out what --whiten-eps 0.001 sets"),
+    ({"whiten_eps": 1e-3, "whiten": False}, "--whiten false leaves out what --whiten-eps 0.001 sets"),
+    ({"ema_momentum": 0, "ema_every": 3}, "--ema-momentum 0 leaves out what --ema-every 3 sets"),
+    ({"ema_every": 3, "ema_momentum": 0}, "--ema-momentum 0 leaves out what --ema-every 3 sets"),
+])
+def test_a_setting_of_a_technique_switched_off_is_refused_naming_both_in_either_order(changes, message):
+    with pytest.raises(core.UsageError) as e:
+        cf.recipe("fast94", **changes)
+    assert str(e.value) == message + "; give one or the other"
+    assert cf.recipe("myrtle24", whiten=True, whiten_eps=1e-3).whitening.eps == 1e-3     # switched on: the setting kept
+
+
+def test_a_run_shorter_than_one_step_and_one_class_of_training_images_are_refused():
+    data = synthetic_arrays(64, 32)
+    with pytest.raises(core.UsageError) as e:
+        cf.train("myrtle24", data, device="cpu", width=1 / 16, batch_size=32, epochs=0.0001)
+    assert str(e.value) == "--epochs 0.0001: shorter than one step (an epoch here is 2 steps of 32 images); give at " \
+                           "least 1/2"
+    data["train_labels"][:] = 3
+    with pytest.raises(core.UsageError) as e:
+        cf.train("myrtle24", data, device="cpu", width=1 / 16, batch_size=32)
+    assert str(e.value) == "the 64 training images are all of one class (label 3); a classifier needs at least 2 (a " \
+                           "larger --subset?)"

@@ -11,6 +11,7 @@ import torch
 import core
 import imagenet_fast as inf
 import imagenet_store as ims
+from conftest import main_output
 
 SIZE = 16
 TINY = ["--recipe", "tiny", "--device", "cpu", "--width", "4", "--batch-size", "8", "--min-res", SIZE, "--max-res",
@@ -40,12 +41,7 @@ def one_thread():
 
 def run(capsys, *args):
     """(exit status, stdout, stderr lines) of imagenet_fast.main(args) in this process."""
-    try:
-        rc = inf.main([str(a) for a in args])
-    except SystemExit as e:
-        rc = e.code
-    out = capsys.readouterr()
-    return rc, out.out, [line for line in out.err.strip().splitlines() if not line.startswith("warning: no GPU")]
+    return main_output(inf.main, args, capsys)
 
 
 def test_a_diverging_run_stops_at_the_end_of_its_epoch_with_one_line_and_exit_1(stores, tmp_path, capsys):
@@ -167,12 +163,8 @@ def test_prepare_on_a_finished_store_says_so_once(stores, capsys):
 def cifar(capsys, *args):
     """(exit status, stderr lines) of cifar10_fast.main(args) in this process, the CPU's warning left out."""
     import cifar10_fast as cf
-    try:
-        rc = cf.main([str(a) for a in args])
-    except SystemExit as e:
-        rc = e.code
-    return rc, [line for line in capsys.readouterr().err.strip().splitlines()
-                if not line.startswith("warning: no GPU")]
+    rc, _, err = main_output(cf.main, args, capsys)
+    return rc, err
 
 
 def test_ctrl_c_while_loading_says_so_not_epoch_1(tmp_path, capsys, monkeypatch):
@@ -226,3 +218,66 @@ def test_exit_now_flushes_the_output_and_runs_nothing_more(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": os.path.dirname(core.__file__)})
     assert (r.returncode, r.stdout, r.stderr) == (130, "kept", "line") and not late.exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seed", "-5"], "--seed -5: must not be negative (the runs' seeds: seed, seed + 1, ...)"),
+    (["--seed", "1.5"], "argument --seed: invalid int value: '1.5'"),
+    (["--runs", "0"], "--runs 0: must be at least 1"),
+    (["--subset", "0"], "--subset 0: must be positive"),
+    (["--eval-every", "-1"], "--eval-every -1: must not be negative (0: evaluate only after the last epoch)"),
+    (["--whiten", "false", "--whiten-eps", "1e-3"], "--whiten false leaves out what --whiten-eps 0.001 sets; give one "
+                                                    "or the other"),
+    (["--whiten-eps", "1e-3", "--whiten", "false"], "--whiten false leaves out what --whiten-eps 0.001 sets; give one "
+                                                    "or the other"),
+    (["--ema-every", "2", "--ema-momentum", "0"], "--ema-momentum 0 leaves out what --ema-every 2 sets; give one or "
+                                                  "the other"),
+])
+def test_cifar_refuses_a_bad_run_flag_or_contradicting_switches_before_loading(flags, message, tmp_path, capsys,
+                                                                             monkeypatch):
+    import cifar10_fast as cf
+    monkeypatch.setattr(cf, "load", lambda *a, **k: pytest.fail("loaded"))
+    rc, err = cifar(capsys, "--data-dir", tmp_path / "x.npz", "--device", "cpu", *flags)
+    assert (rc, err) == (2, [f"error: {message}"])
+
+
+def test_cifar_refuses_a_run_shorter_than_one_step(tmp_path, capsys):
+    from conftest import synthetic_arrays
+    import numpy as np
+    np.savez(tmp_path / "d.npz", **synthetic_arrays(256, 32))
+    rc, err = cifar(capsys, "--data-dir", tmp_path / "d.npz", "--device", "cpu", "--batch-size", "64", "--epochs",
+                    "0.0001", "--out", tmp_path / "r.json")
+    assert (rc, err) == (2, ["error: --epochs 0.0001: shorter than one step (an epoch here is 4 steps of 64 images); "
+                             "give at least 1/4"])
+    assert os.listdir(tmp_path) == ["d.npz"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seed", "-1"], "--seed -1: must not be negative (the runs' seeds: seed, seed + 1, ...)"),
+    (["--interrupt-after-epoch", "0", "--checkpoint", "c.pt"], "--interrupt-after-epoch must be positive"),
+    (["--ema-every", "2", "--ema-momentum", "0"], "--ema-momentum 0 leaves out what --ema-every 2 sets; give one or "
+                                                  "the other"),
+])
+def test_imagenet_refuses_a_bad_run_flag_before_opening_the_store(flags, message, stores, capsys, monkeypatch):
+    monkeypatch.setattr(inf, "open_store", lambda *a, **k: pytest.fail("opened"))
+    rc, _, err = run(capsys, "train", "--store", stores[0], *TINY, *flags)
+    assert (rc, err) == (2, [f"error: {message}"])
+
+
+def test_top5_is_not_reported_of_5_classes_or_fewer(stores, capsys):
+    rc, stdout, err = run(capsys, "train", "--store", stores[0], *TINY, "--epochs", "1", "--target", "0.3")
+    assert rc == 0, err
+    lines = stdout.splitlines()
+    header = next(k for k, line in enumerate(lines) if line.split()[:2] == ["epoch", "res"])
+    row = dict(zip(lines[header].split(), lines[header + 1].split()))
+    assert row["top5"] == "-" and float(row["top1"]) >= 0
+    final = next(line for line in lines if line.startswith("final top-1"))
+    assert "top-5 not reported (4 classes)" in final and "top-5 1" not in final
+
+
+def test_a_store_of_one_class_is_refused_for_training(tmp_path, capsys):
+    src = ims.synthetic_imagefolder(tmp_path / "src", 1, 8, 2, sizes=(16, 20))
+    ims.prepare(src, tmp_path / "one", ims.Settings(format="raw", size=SIZE), workers=1, log=lambda s: None)
+    capsys.readouterr()                     # prepare's progress
+    rc, _, err = run(capsys, "train", "--store", tmp_path / "one", *TINY)
+    assert (rc, err) == (1, [f"error: {tmp_path / 'one'}: one class (c000); a classifier needs at least 2"])
