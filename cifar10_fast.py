@@ -24,9 +24,9 @@ import torch.nn.functional as F
 
 import devices
 # the recipes, re-exported: cf.recipe("fast94"), cf.FAST94, cf.RECIPES, cf.JOURNEY
-from cifar10_recipes import (FAST94, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_APART, FAST94_MUON,  # noqa: F401
-                             FAST94_NEXT, FAST94_NEXT_LOWRES, FAST95, FAST96, JOURNEY, MYRTLE10, MYRTLE24, RECIPES,
-                             Recipe, journey_recipes, recipe)
+from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_APART,  # noqa: F401
+                             FAST94_MUON, FAST94_NEXT, FAST94_NEXT_LOWRES, FAST95, FAST96, JOURNEY, MYRTLE10, MYRTLE24,
+                             RECIPES, Recipe, journey_recipes, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, normalise, num_classes,
                         take_subset, to_device)
 from cli import (add_run_flags, check_run, check_whole, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of,
@@ -65,11 +65,13 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # timed
     average = averaging(net.module, ema=r.ema, lookahead=r.lookahead)
     step, hint = 0, f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
+    image_size = tuple(data["test_images"].shape[-2:])
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         losses, correct, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
         steps = min(steps_per_epoch, total_steps - step)          # the last epoch may be cut short
+        side = r.augment.resolution(epoch, image_size)            # the resolution schedule's side for this epoch
         batches = islice(epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
-                                       batch_size=batch, memory_format=memory_format), steps)
+                                       batch_size=batch, memory_format=memory_format, resolution=side), steps)
         for x, y in with_progress(batches, steps, f"epoch {epoch + 1}", PROGRESS_AFTER_S, on=o.progress):
             lr = r.lr.at(step / total_steps)
             set_lr(opts, lr, step)
@@ -197,11 +199,14 @@ def warmup(r, data, *, device, dtype, ctx, net, calls=1):
     gen = devices.generator(device, 0)  # a generator of its own: the runs' random streams stay as they were
     flip_base = flip_bits(len(data["train_labels"]), gen, device)
     states = (True, False) if bias and not ctx.distributed else (True,)
-    for epoch in dict.fromkeys((0, r.augment.low_res_epochs if r.augment.low_res else 0)):    # each resolution
+    steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), r.batch_size // ctx.world_size, r.epochs)
+    image_size = tuple(data["test_images"].shape[-2:])
+    for side in dict.fromkeys(r.augment.resolution(epoch, image_size)      # each side the run trains at
+                              for epoch in range(math.ceil(total_steps / steps_per_epoch))):
         for state in states:
             bias and bias.param.requires_grad_(state)
             for _ in range(calls):
-                x, y = next(epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
+                x, y = next(epoch_batches(data, r.augment, gen, memory_format=memory_format, resolution=side,
                                           flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
                 train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
     for state in states:
@@ -404,8 +409,8 @@ def check_subset(subset, n_train=None):
 
 
 def check_data(r, arrays, ctx, say=None):
-    """Raises UsageError for a setting the data rules out: the batch (for each rank), the crop, cutout, low resolution
-    and network against the images' size. say: where a class with no training image is warned of."""
+    """Raises UsageError for a setting the data rules out: the batch (for each rank), the crop, cutout, resolution
+    schedule and network against the images' size. say: where a class with no training image is warned of."""
     n_train, (h, w) = len(arrays["train_labels"]), arrays["train_images"].shape[1:3]
     try:
         batch = per_rank_batch(r.batch_size, ctx.world_size)
@@ -425,10 +430,11 @@ def check_data(r, arrays, ctx, say=None):
         raise flag_error("crop_pad", r.augment.crop_pad, f"must be smaller than the {h}x{w} images")
     if r.augment.cutout > min(h, w):
         raise flag_error("cutout", r.augment.cutout, f"larger than the {h}x{w} images")
-    if r.augment.low_res and h != w:
-        raise flag_error("low_res", r.augment.low_res, f"needs square images, not {h}x{w}")
-    if r.augment.low_res >= min(h, w):
-        raise flag_error("low_res", r.augment.low_res, f"must be smaller than the {h}x{w} images")
+    schedule = r.augment.resolution_schedule
+    if schedule and h != w:
+        raise flag_error("resolution_schedule", schedule, f"needs square images, not {h}x{w}")
+    if schedule and max(schedule) > h:
+        raise flag_error("resolution_schedule", schedule, f"{max(schedule)} is larger than the {h}x{w} images")
     try:        # on the meta device: shapes only, no memory, no arithmetic
         build_model(r, "meta")(torch.empty(2, 3, h, w, device="meta"))
     except RuntimeError:

@@ -4,13 +4,15 @@ whole, the others as their differences, and Myrtle's journey as its steps. cifar
 """
 from dataclasses import dataclass, replace
 
+import torch
+
 from cifar_data import AugmentSettings
 from core import UsageError
 from optim import MuonSettings, SGDSettings
 from schedules import LRSettings
-from settings import always_present, changed, check, component, knob
+from settings import always_present, changed, check, component, flag_error, knob
 from torch_backend import (WHITENING_FITS, BatchNormSettings, NetworkSettings, TTASettings, WhiteningBiasSettings,
-                           WhiteningSettings)
+                           WhiteningSettings, build_model)
 from training import EMA, Lookahead
 
 MAX_EPOCHS = 1000         # beyond it a typo (--epochs 1e12), not a run: its rate would round to 0 at every step
@@ -43,6 +45,15 @@ class Recipe:
         if self.ema and self.lookahead:
             raise UsageError("--ema-momentum and --lookahead-momentum: one weight average at a time; set the other "
                              "to 0")
+        for side in sorted(set(self.augment.resolution_schedule)):
+            try:        # on the meta device: shapes only
+                build_model(self, "meta")(torch.empty(2, 3, side, side, device="meta"))
+            except RuntimeError:
+                raise flag_error("resolution_schedule", self.augment.resolution_schedule,
+                                 f"the network cannot pool {side}x{side} images down to its head"
+                                 + ("" if self.network.global_max_pool else
+                                    " (its fixed last window; --global-max-pool true pools a map of any size)")
+                                 ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +213,7 @@ FAST94_NEXT = Recipe(
 FAST94_NEXT_LOWRES = replace(FAST94_NEXT, name="fast94_next_lowres",
                              doc="fast94_next with its first 2 epochs at 24 px: an idea of ours, measured beside "
                                  "fast94_next before it joins it (target 94%)",
-                             augment=replace(FAST94_NEXT.augment, low_res=24, low_res_epochs=2))
+                             augment=replace(FAST94_NEXT.augment, resolution_schedule=(24, 24)))
 
 # Our fastest 94% attempt: fast94_next_lowres with 0.3 epochs more at 32 px, which win back the low-resolution epochs'
 # accuracy (94.07% +- 0.16 on the CPU, n = 13, at 0.242 PFLOP of training against fast94_next's 0.264). The switches
@@ -216,10 +227,19 @@ FAST94_FASTEST_OPTIMIZERS_APART = replace(FAST94_FASTEST, name="fast94_fastest_o
                                           doc="fast94_fastest with SGD and Muon stepping apart, as fast94_next's do",
                                           sgd=FAST94_NEXT_LOWRES.sgd)
 
+# A resolution curriculum (Fulcrum Research's E1, 2026, published: 94.05% in 1.828 s on an A100, 24 then 28 then 32
+# px): fast94_fastest's first epochs at 24 then 28 px, the rest at 32, the last map still max-pooled whole. Its
+# length chosen by the counted FLOPs and a CPU comparison (docs/perf-notes.md).
+FAST94_CURRICULUM = replace(FAST94_FASTEST, name="fast94_curriculum",
+                            doc="fast94_fastest with a resolution curriculum: 3 epochs at 24 px, 3 at 28, the rest at "
+                                "32, global max pooling, 8.3 epochs (target 94%)", epochs=8.3,
+                            network=replace(FAST94_FASTEST.network, global_max_pool=True),
+                            augment=replace(FAST94_FASTEST.augment, resolution_schedule=(24, 24, 24, 28, 28, 28)))
+
 RECIPES = {r.name: r for r in (MYRTLE24, MYRTLE10)}
 RECIPES.update(journey_recipes(JOURNEY))
 RECIPES.update({r.name: r for r in (FAST94, FAST95, FAST96, FAST94_MUON, FAST94_NEXT, FAST94_NEXT_LOWRES,
-                                      FAST94_FASTEST_OPTIMIZERS_APART, FAST94_FASTEST)})
+                                      FAST94_FASTEST_OPTIMIZERS_APART, FAST94_FASTEST, FAST94_CURRICULUM)})
 
 
 def recipe(name, **changes):

@@ -309,7 +309,7 @@ def pair(size):
 
 @dataclass(frozen=True, kw_only=True)
 class AugmentSettings:
-    """Each epoch's augmentation, drawn for all images at once (below), and low-resolution first epochs."""
+    """Each epoch's augmentation, drawn for all images at once (below), and the side it trains at."""
     PREFIX = ""
     crop_pad: int = knob(4, low=0, whole=True, doc="random crops of the images padded by this")
     flip: str = knob("random", choices=("none", "random", "alternate"), doc="alternate: each image both ways in "
@@ -317,8 +317,14 @@ class AugmentSettings:
     cutout: int = knob(8, low=0, whole=True, doc="a square of this side set to 0")
     jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image (the record)")
     jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image (the record)")
-    low_res: int = knob(0, low=0, whole=True, doc="the first low_res_epochs at this resolution (0: none)")
-    low_res_epochs: float = knob(0.0, low=0)
+    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i resized to the i-th side in pixels "
+                                      "(antialiased), the epochs past the list at the images' own (24,24,28: two "
+                                      "epochs at 24, one at 28, the rest at 32)")
+
+    def resolution(self, epoch, full):
+        """The side epoch `epoch` (from 0) trains at: its entry in resolution_schedule, or `full` past the list."""
+        schedule = self.resolution_schedule
+        return schedule[epoch] if epoch < len(schedule) else full
 
 
 def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, device=None, order=None):
@@ -393,24 +399,26 @@ def augment_images(images, r, size, cutout):
     return x
 
 
-def low_resolution(x, res):
-    """x resized to res × res (bilinear, antialiased: each output pixel averages the input it covers)."""
-    return F.interpolate(devices.float32_or_wider(x), size=(res, res), mode="bilinear", antialias=True,
+def low_resolution(x, size):
+    """x resized to `size`, a side or (height, width) (bilinear, antialiased: each output pixel averages the input
+    it covers)."""
+    return F.interpolate(devices.float32_or_wider(x), size=pair(size), mode="bilinear", antialias=True,
                          align_corners=False).to(x.dtype)
 
 
-def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):
+def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None,
+                  resolution=None):
     """Yields (images, labels) for one shuffled epoch, augmented as `augment` (AugmentSettings) says, in batches
-    of batch_size; the last partial batch is dropped. The first low_res_epochs epochs are resized to low_res pixels
-    (when low_res is set). The augmentation is drawn from generator, the order from `order` (by default the same)."""
+    of batch_size, resized to resolution x resolution pixels where that is given and not their size; the last partial
+    batch is dropped. The augmentation is drawn from generator, the order from `order` (by default the same)."""
     a = augment
     size = tuple(data["test_images"].shape[-2:])
     x, y = data["train_images"], data["train_labels"]
     r = draw_augmentation(len(x), size, a, generator=generator, epoch=epoch, flip_base=flip_base, device=x.device,
                           order=order)
     x = augment_images(x, r, size, a.cutout)[r["perm"]]
-    if a.low_res and epoch < a.low_res_epochs:
-        x = low_resolution(x, a.low_res)
+    if resolution is not None and pair(resolution) != size:
+        x = low_resolution(x, resolution)
     x = x.contiguous(memory_format=memory_format)
     y = y[r["perm"]]
     for i in range(len(x) // batch_size):

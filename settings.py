@@ -275,7 +275,8 @@ def converter(f):
     elif isinstance(default, bool):
         convert = lambda s: {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}[s.lower()]
     elif isinstance(default, tuple):
-        item = whole if default and all(isinstance(v, int) for v in default) else float
+        ints = f.metadata.get("whole") or default and all(isinstance(v, int) for v in default)
+        item = whole if ints else float
         convert = lambda s: tuple(item(number(v)) for v in s.split(",")) if s else ()
     elif isinstance(default, int):        # an integer unless written as a fraction: --epochs 9.9
         convert = lambda s: whole(number(s))

@@ -12,6 +12,7 @@ from torch import nn
 
 import devices
 from cifar_data import low_resolution, pair
+from core import UsageError
 from schedules import OwnRate, epoch_steps, run_steps
 from settings import component, knob, numbers
 
@@ -38,6 +39,13 @@ class NetworkSettings:
     output_scale: float = knob(0.125, above=0, doc="the logits x this")
     head_unit_std: bool = knob(False, doc="the head's weights start at unit std, the logits / its width "
                                           "(airbench94_muon)")
+    global_max_pool: bool = knob(True, doc="the last map max-pooled whole, whatever its size (a smaller image "
+                                           "still pools to 1x1); false: the published networks' fixed window")
+
+    def check(self):
+        if not self.global_max_pool and self.model not in FINAL_POOL_WINDOWS:
+            raise UsageError(f"--global-max-pool false: {self.model} has no fixed window to pool with; it pools "
+                             "globally (max and mean)")
 
 
 class GhostBatchNorm(nn.BatchNorm2d):
@@ -154,6 +162,17 @@ class Mul(nn.Module):
 
     def forward(self, x):
         return x * self.scale
+
+
+# the published networks' last pooling (Myrtle's ResNet-9, airbench's three blocks): a fixed window, the whole map
+# only for 32 px images
+FINAL_POOL_WINDOWS = {"resnet9": 4, "fastnet": 3}
+
+
+def final_max_pool(net):
+    """Global max pooling (GlobalMaxPool), or with net.global_max_pool false the published fixed window, which
+    refuses a map smaller than itself."""
+    return GlobalMaxPool() if net.global_max_pool else nn.MaxPool2d(FINAL_POOL_WINDOWS[net.model])
 
 
 class GlobalMaxPool(nn.Module):
@@ -299,7 +318,7 @@ def resnet9(r, num_classes=10):
         conv_bn(c1, c2, r, pool=True),
         conv_bn(c2, c3, r, pool=True),
         Residual(conv_bn(c3, c3, r), conv_bn(c3, c3, r)),
-        GlobalMaxPool(), nn.Flatten(),
+        final_max_pool(r.network), nn.Flatten(),
         *classifier(c3, r.network, num_classes),
     )
 
@@ -327,7 +346,7 @@ def fastnet(r, num_classes=10):
     for w in widths(r.network, r.network.block_widths):
         layers.append(conv_group(c, w, r))
         c = w
-    layers += [GlobalMaxPool(), nn.Flatten(), *classifier(c, r.network, num_classes)]
+    layers += [final_max_pool(r.network), nn.Flatten(), *classifier(c, r.network, num_classes)]
     return nn.Sequential(*layers)
 
 
@@ -479,8 +498,8 @@ def loss_and_accuracy(model, images, labels, *, tta=None, dtype=torch.float32, b
 # ---------------------------------------------------------------------------------------------
 
 def count_flops(r, data, *, batch=2):
-    """FLOPs of one run of recipe r: every training step (forward and backward, at low_res for the first
-    low_res_epochs) and the final selective-TTA evaluation, counted by torch.utils.flop_counter (convolutions,
+    """FLOPs of one run of recipe r: every training step (forward and backward, each epoch at its side in the
+    resolution schedule) and the final selective-TTA evaluation, counted by torch.utils.flop_counter (convolutions,
     matmuls) on a small batch and scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
     from torch.utils.flop_counter import FlopCounterMode
     device = data["test_images"].device
@@ -493,11 +512,15 @@ def count_flops(r, data, *, batch=2):
         with FlopCounterMode(display=False) as counter:
             F.cross_entropy(model(x), y).backward()
         return counter.get_total_flops() / len(x)
-    a = r.augment
     steps_per_epoch, steps = run_steps(len(data["train_labels"]), r.batch_size, r.epochs)
-    low = min(steps, a.low_res_epochs * steps_per_epoch) if a.low_res else 0
+    full = tuple(x.shape[-2:])
+    steps_at = {}           # side: the run's steps at it
+    for epoch in range(-(-steps // steps_per_epoch)):
+        side = pair(r.augment.resolution(epoch, full))
+        steps_at[side] = steps_at.get(side, 0) + min(steps_per_epoch, steps - epoch * steps_per_epoch)
     per_image = per_train_image(x)
-    per_low_image = per_train_image(low_resolution(x, a.low_res)) if low else 0.0
+    train = sum(n * (per_image if side == full else per_train_image(low_resolution(x, side)))
+                for side, n in steps_at.items()) * r.batch_size
     model.eval()
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model(x)
@@ -510,7 +533,6 @@ def count_flops(r, data, *, batch=2):
     per_test_image = counter.get_total_flops() / len(x)
     if fraction < 1:
         per_test_image *= 1 + fraction * (len(views) - 1)
-    train = ((steps - low) * per_image + low * per_low_image) * r.batch_size
     test = len(data["test_labels"]) * per_test_image
     return {"train": train, "final_eval": test, "total": train + test,
             "per_train_image": per_image, "per_test_image": per_test_image, "per_forward_image": per_forward_image}

@@ -9,8 +9,11 @@ CPU, counted by a dispatch mode (the count depends on neither the batch nor the 
   cifar10     one opt.step() of each CIFAR-10 optimiser of fast94, fast94_muon and fast94_next (full width): SGD as
               the CPU runs it and fused (as CUDA runs it), Muon eager as a loop over the filter banks and as foreach
               operations (--muon-foreach), and the Newton–Schulz share of Muon's (compiled on CUDA)
+  cifar10_flops  the FLOPs of a run (torch_backend.count_flops, CIFAR-10's shapes) of the recipes with a resolution
+              schedule and of the curriculum's alternatives: the steps at each side, training and the whole run
 
     python benchmarks/op_counts.py --out results/<machine>/op_counts.json
+    python benchmarks/op_counts.py --flops --out results/<machine>/op_counts.json    # cifar10_flops alone, the rest kept
 """
 import argparse
 import sys
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import cifar10_fast as cf  # noqa: E402
 import imagenet_models  # noqa: E402
 import imagenet_recipes  # noqa: E402
@@ -239,6 +242,32 @@ def one_step_operations(name, *, one_step, step=3, **changes):
     return counts
 
 
+# (recipe, its changes): the recipes that train at more than one side, and the curriculum's alternatives
+SCHEDULES = [("fast94_next", {}), ("fast94_next_lowres", {}), ("fast94_fastest", {}), ("fast94_curriculum", {}),
+             ("fast94_curriculum", {"epochs": 7.89}), ("fast94_curriculum", {"epochs": 8.5}),
+             ("fast94_curriculum", {"resolution_schedule": (24, 24, 28, 28)}),
+             ("fast94_curriculum", {"resolution_schedule": (24, 24, 24, 28, 28, 28, 32, 32, 32), "epochs": 8.875})]
+
+
+def schedule_flops():
+    """[{"recipe", "changes", "epochs", "steps_at_side", "train", "total"}] of SCHEDULES: torch_backend.count_flops
+    at full size on CIFAR-10's shapes (as benchmarks/suite.py counts them)."""
+    from schedules import run_steps
+    from suite import counted_flops
+    rows = []
+    for name, changes in SCHEDULES:
+        r = cf.recipe(name, **changes)
+        per_epoch, steps = run_steps(50000, r.batch_size, r.epochs)
+        sides = [r.augment.resolution(step // per_epoch, 32) for step in range(steps)]
+        with mock.patch.object(cf, "recipe", lambda _, r=r: r):
+            f = counted_flops([name])[name]
+        rows.append({"recipe": name, "changes": {k: list(v) if isinstance(v, tuple) else v for k, v in changes.items()},
+                     "epochs": r.epochs, "resolution_schedule": list(r.augment.resolution_schedule),
+                     "steps_at_side": {str(side): sides.count(side) for side in dict.fromkeys(sides)},
+                     "train": f["train"], "total": f["total"]})
+    return rows
+
+
 def measure():
     """{"optimisers": [rows], "blurpool": [rows], "cifar10": [rows], "cifar10_one_step": [rows]} of operation
     counts."""
@@ -259,13 +288,34 @@ def measure():
                **cifar_step_operations(name, fused=True, muon_foreach=True)} for name in CIFAR_RECIPES[1:]]
     one_step = [{"recipe": "fast94_next", "one_step": one, **one_step_operations("fast94_next", one_step=one)}
                 for one in (False, True)]
-    return {"optimisers": rows, "blurpool": blur, "cifar10": cifar, "cifar10_one_step": one_step}
+    return {"optimisers": rows, "blurpool": blur, "cifar10": cifar, "cifar10_one_step": one_step,
+            "cifar10_flops": schedule_flops()}
+
+
+def print_schedule_flops(rows):
+    print("FLOPs of a CIFAR-10 run at each resolution schedule (torch_backend.count_flops): steps at each side, "
+          "training and whole-run PFLOP")
+    for row in rows:
+        changes = " ".join(f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, list) else v}"
+                           for k, v in row["changes"].items())
+        print(f"{row['recipe']} {changes}".ljust(72) + f" {row['steps_at_side']}  {row['train'] / 1e15:.4f}  "
+              f"{row['total'] / 1e15:.4f}")
 
 
 def main(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="write the result as JSON (a results/ file for benchmarks/report.py)")
+    p.add_argument("--flops", action="store_true", help="count the resolution schedules' FLOPs alone (cifar10_flops), "
+                                                        "into --out's file with the rest of it kept")
     args = p.parse_args(argv)
+    if args.flops:
+        rows = schedule_flops()
+        print_schedule_flops(rows)
+        if args.out:
+            import json
+            kept = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {"piece": "op_counts"}
+            write_json(args.out, {**kept, "cifar10_flops": rows})
+        return 0
     result = measure()
     for row in result["optimisers"]:
         print(f"{row['step']:34s} {row['ours']:6d}" + (f"  (as a loop: {row['loop']})" if row["loop"] else ""))
@@ -284,6 +334,7 @@ def main(argv=None):
               f"set_lr {row['set_lr']}; step {row['outside']} ({row['outside_launches']}) outside, "
               f"{row['graph_calls']} graph call(s): {row['kernels']} Inductor kernels + {row['library_calls']} library "
               f"calls; {row['guard_reads']} guard reads")
+    print_schedule_flops(result["cifar10_flops"])
     if args.out:
         import machine
         write_json(args.out, {"piece": "op_counts", **result, "command": "python benchmarks/op_counts.py",

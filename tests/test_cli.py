@@ -57,8 +57,9 @@ def test_list_recipes():
     assert r.returncode == 0
     names = [l.split()[0] for l in r.stdout.splitlines()]
     assert names[:2] == ["myrtle24", "myrtle10"]
-    # our fastest attempt last, its ablation before it
-    assert names[-4:] == ["fast94_next", "fast94_next_lowres", "fast94_fastest_optimizers_apart", "fast94_fastest"]
+    # our fastest attempt, its ablation before it, then the resolution curriculum built on it
+    assert names[-5:] == ["fast94_next", "fast94_next_lowres", "fast94_fastest_optimizers_apart", "fast94_fastest",
+                          "fast94_curriculum"]
 
 
 def test_bad_data_is_one_line_and_nonzero(tmp_path):

@@ -461,15 +461,17 @@ def test_brightness_and_contrast_jitter():
 
 
 def test_low_resolution_epochs_and_their_flops():
-    r = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=2, low_res=16, low_res_epochs=1)
+    r = cf.recipe("fast94", width=1 / 16, batch_size=16, epochs=2, resolution_schedule=(16,))
     data = tiny_data(32, size=24)
     g = torch.Generator().manual_seed(0)
     base = cd.flip_bits(32, g)
     sizes = [x.shape[-1] for e in (0, 1) for x, _ in cd.epoch_batches(data, r.augment, g, batch_size=r.batch_size,
                                                                         memory_format=torch.contiguous_format, epoch=e,
-                                                                        flip_base=base)]
+                                                                        flip_base=base,
+                                                                        resolution=r.augment.resolution(e, 24))]
     assert sizes == [16, 16, 24, 24]
-    ratio = tb.count_flops(r, data)["train"] / tb.count_flops(settings.changed(r, low_res=0), data)["train"]
+    ratio = (tb.count_flops(r, data)["train"]
+             / tb.count_flops(settings.changed(r, resolution_schedule=()), data)["train"])
     assert ratio == pytest.approx((1 + (16 / 24) ** 2) / 2, rel=0.1)       # half the steps at 4/9 of the pixels
     train_once(r, data, target=2.0)
 
@@ -532,7 +534,7 @@ def test_the_low_resolution_ablation_is_fast94_next_with_its_switch_and_the_pred
     # and 5 of 7, each a little under 24/32)
     ablation, base = cf.recipe("fast94_next_lowres"), cf.recipe("fast94_next")
     flat_ablation, flat_base = settings.flat(ablation), settings.flat(base)
-    assert {k for k in flat_base if flat_ablation[k] != flat_base[k]} == {"low_res", "low_res_epochs"}
+    assert {k for k in flat_base if flat_ablation[k] != flat_base[k]} == {"resolution_schedule"}
     shapes = {"train_images": torch.zeros(1, 3, 1, 1).expand(50000, 3, 1, 1), "train_labels": torch.zeros(50000),
               "test_images": torch.zeros(8, 3, 32, 32), "test_labels": torch.zeros(8, dtype=torch.long)}
     low, full = (tb.count_flops(r, shapes)["train"] for r in (ablation, base))

@@ -102,7 +102,7 @@ def test_the_warm_up_calls_each_path_three_times_where_torch_compile_captures_cu
 def test_the_warm_up_calls_every_path_a_timed_run_meets_as_often_as_cuda_graph_trees_need(one_thread):
     """Each resolution and state of the whitening bias in training, each evaluation batch (plain, selective views):
     every one met in the warm-up reduce-overhead's 3 times or more, a training step exactly 3 times."""
-    r = cf.recipe("fast94_next_lowres", width=1 / 16, batch_size=32, epochs=3, low_res=16, low_res_epochs=1,
+    r = cf.recipe("fast94_next_lowres", width=1 / 16, batch_size=32, epochs=3, resolution_schedule=(16,),
                   whiten_bias_epochs=1.5)
     arrays, ctx, device = synthetic_arrays(n_train=128, n_test=64), D.Context(device="cpu"), torch.device("cpu")
     stats = cd.channel_stats(arrays["train_images"])

@@ -60,7 +60,8 @@ DATA = [
     (["--subset", "100", "--batch-size", "128"], "error: --batch-size 128: larger than the 100 training images"),
     (["--subset", "1000"], "error: --subset 1000: larger than the 256 training images"),
     (["--cutout", "40", "--batch-size", "64"], "error: --cutout 40: larger than the 32x32 images"),
-    (["--low-res", "64", "--batch-size", "64"], "error: --low-res 64: must be smaller than the 32x32 images"),
+    (["--resolution-schedule", "24,40", "--batch-size", "64"],
+     "error: --resolution-schedule 24,40: 40 is larger than the 32x32 images"),
 ]
 
 
