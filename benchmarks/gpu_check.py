@@ -9,6 +9,9 @@ into results/<device>/ through its result writing, and a later call goes on from
     python benchmarks/gpu_check.py --data-dir /root/cifar10.npz            # the record fetched into peers/ first
     python benchmarks/gpu_check.py --smoke     # the same pieces tiny, on the CPU under tests/cuda_standin.py
 
+The headline beside E1 and the record, under both timings, in two calls of one lease: benchmarks/lease.py (its
+`plan` prints the calls; its `smoke` is this script's --smoke for them).
+
 Device time, an estimate made before any GPU ran it (inputs: the H200's measured cold max-autotune start of a
 side_by_side command, 252 s for fast94 and 164 s for fast94_next, results/nvidia-h200/; fast94_next's 1.14 s a run;
 the record's own cold start taken as fast94_next's, its 6e9-cycle spin before each run about 3 s, its run 1.1 s):
