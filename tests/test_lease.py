@@ -106,3 +106,18 @@ def test_smoke_runs_both_calls_with_ours_and_both_peers_stand_ins_under_both_tim
     for timing in fa.TIMINGS:
         assert set(result["headline"][timing]["ratios"]) == {"fast94_next/e1", "fast94_next/hiverge"}
     assert set(result["build_s"]["cold"]) == set(result["build_s"]["warm"]) == {"fast94_next", "e1", "hiverge"}
+
+
+def test_gpu_checks_run_counts_come_from_its_command_line(monkeypatch):
+    import gpu_check
+    import suite
+    asked = []
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(suite, "RECORD_DIR", suite.RECORD_STANDIN)
+    monkeypatch.setattr(suite, "main", lambda argv, n: asked.append(n) or 0)
+    assert gpu_check.main(["--data-dir", "c.npz", "--runs", "5"]) == 0
+    assert asked == [{"fast94_next_record": {"fast94_next": 5, "record": 5},
+                      "fast94_fastest": dict.fromkeys(suite.FASTEST_SIDES, 5)}]
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--runs", "1"])
+    assert e.value.code == 2
