@@ -83,6 +83,13 @@ def six_view_accuracy(forward, images, labels, *, batch_size=2000):
     return correct / len(images)
 
 
+def channels_last(forward):
+    """forward of each view laid out channels-last and dense, as the peers' own evaluations feed their compiled
+    networks (a shifted view's strides would otherwise compile it again)."""
+    import torch
+    return lambda v: forward(v.contiguous(memory_format=torch.channels_last))
+
+
 def synchronize():
     import torch
     if torch.cuda.is_available():
@@ -166,7 +173,7 @@ class E1Side:
         synchronize()
         t2 = time.perf_counter()
         model.eval()
-        acc = six_view_accuracy(model.eval_forward, *self.test)
+        acc = six_view_accuracy(channels_last(model.eval_forward), *self.test)
         model.train()
         synchronize()
         t3 = time.perf_counter()
@@ -205,7 +212,7 @@ class RecordSide:
         self.eval_s.clear()
         _, own_acc, own_s = self.mod.main(seed + 1, self.model)
         self.model.eval()
-        acc = six_view_accuracy(self.model, *self.test)
+        acc = six_view_accuracy(channels_last(self.model), *self.test)
         self.model.train()
         return {"fulcrum_s": own_s - self.eval_s[0], "ours_s": own_s, "own_acc": own_acc, "tta6_acc": acc,
                 "prepare_s": None, "train_s": own_s - self.eval_s[0]}
