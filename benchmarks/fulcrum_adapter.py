@@ -100,9 +100,15 @@ def synchronize():
 # The sides: build once, then one run at a time -> a row
 
 def import_file(path, name):
+    """The file at path imported as module `name`, its sys.argv[0] its own path while it loads (the record reads
+    its own source through it, as a script run on its own would)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    argv, sys.argv = sys.argv, [str(path)]
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.argv = argv
     return module
 
 
@@ -137,10 +143,12 @@ class OurSide:
             run = cf.train_run(self.r, self.built, self.options, ctx=self.ctx, seed=seed)
         data, device = self.built.data, torch.device(self.ctx.device)
         dtype, memory_format = devices.compute_dtype(device, self.options.precision), devices.memory_format(device)
-        model = run["model"].eval()
+        model, was_training = run["model"], run["model"].training
+        model.eval()                    # the run's own network, maybe: its mode as it was for the next run
         with devices.autocast(device, dtype):
             acc = six_view_accuracy(lambda v: tb.logits_of(model, v, memory_format), data["test_images"],
                                     data["test_labels"])
+        model.train(was_training)
         return {"fulcrum_s": run["train_time"], "ours_s": run["time"], "own_acc": run["final_acc"], "tta6_acc": acc,
                 "prepare_s": None, "train_s": run["train_time"]}
 
@@ -172,9 +180,10 @@ class E1Side:
         self.mod.train(model, extra, argparse.Namespace(validate=lambda *a, **k: None))
         synchronize()
         t2 = time.perf_counter()
+        was_training = model.training
         model.eval()
         acc = six_view_accuracy(channels_last(model.eval_forward), *self.test)
-        model.train()
+        model.train(was_training)
         synchronize()
         t3 = time.perf_counter()
         return {"fulcrum_s": t2 - t0, "ours_s": t3 - t0, "own_acc": acc, "tta6_acc": acc, "prepare_s": t1 - t0,
@@ -187,8 +196,8 @@ class RecordSide:
     its evaluate() timed apart where main calls it inside its clock (the first call of a run, its TTA)."""
 
     def __init__(self, path, data_folder):
-        os.chdir(Path(data_folder).parent)          # it reads ./cifar10/{train,test}.pt
         self.mod = import_file(path, "record_recipe")
+        os.chdir(Path(data_folder).parent)          # it reads ./cifar10/{train,test}.pt
         self.evaluate, self.eval_s = self.mod.evaluate, []
         self.mod.evaluate = self.timed_evaluate
         import torch
@@ -211,9 +220,10 @@ class RecordSide:
         torch.manual_seed(seed)
         self.eval_s.clear()
         _, own_acc, own_s = self.mod.main(seed + 1, self.model)
+        was_training = self.model.training
         self.model.eval()
         acc = six_view_accuracy(channels_last(self.model), *self.test)
-        self.model.train()
+        self.model.train(was_training)
         return {"fulcrum_s": own_s - self.eval_s[0], "ours_s": own_s, "own_acc": own_acc, "tta6_acc": acc,
                 "prepare_s": None, "train_s": own_s - self.eval_s[0]}
 
