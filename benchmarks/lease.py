@@ -76,8 +76,9 @@ def available_sides(sides, *, say=print):
 # The planner
 
 def measured_times(folder):
-    """{"cold_s", "warm_s", "run_s": {side: seconds}} from the suite's results on a device (results/nvidia-h200/):
-    a command's first start on an empty cache (cold), its later ones (warm), a side's mean wall seconds a run."""
+    """{"cold_s", "warm_s", "run_s": {side: seconds}} from the results on a device (results/nvidia-h200/): the suite's
+    (a command's first start on an empty cache, cold; its later ones, warm; a side's mean wall seconds a run), and
+    where an earlier lease's lease.json is there, its builds (cold in call 1, warm in call 2) and wall seconds."""
     import suite
     found = {"cold_s": {}, "warm_s": {}, "run_s": {}}
     for path in sorted(Path(folder).glob("*.json")):
@@ -93,6 +94,11 @@ def measured_times(folder):
             found["cold_s"].setdefault(ours, starts[0])
             if len(starts) > 1:
                 found["warm_s"].setdefault(ours, min(starts[1:]))
+    last = suite.load(Path(folder) / "lease.json")        # an earlier lease's call 2 (its $OUT, kept here)
+    if last:                                               # the lease's own figures first: its sides, its way
+        found["run_s"].update(last.get("wall_s", {}))
+        found["cold_s"].update(last.get("build_s", {}).get("cold", {}))
+        found["warm_s"].update(last.get("build_s", {}).get("warm", {}))
     return found
 
 
@@ -268,8 +274,10 @@ def call2(args, say=print):
                                                  budget_s=args.budget_s), say=say)
     h = fa.headline(rows, [s for s in sides if s not in PEERS])
     cold = (fa.load_json(Path(args.cache) / COLD) or {}).get("cold_build_s", {})
+    walls = {s: [r["wall_s"] for r in rows if r["side"] == s] for s in sides}
     fa.write_json(Path(args.out) / "lease.json", {"call": 2, "sides": sides, "lost": lost, "headline": h,
-                                                  "runs": len(rows), "build_s": {"cold": cold, "warm": builds}})
+                                                  "runs": len(rows), "build_s": {"cold": cold, "warm": builds},
+                                                  "wall_s": {s: sum(w) / len(w) for s, w in walls.items() if w}})
     for s in builds:
         say(f"{s}: built cold in {cold[s]:.1f} s (call 1), warm in {builds[s]:.1f} s" if s in cold else
             f"{s}: built in {builds[s]:.1f} s (no cold build on record)")
