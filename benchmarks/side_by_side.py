@@ -56,7 +56,8 @@ each in the middle of its share of ours (centred: 13 of ours, the record's 25, 1
 compiles max-autotune and warms up again, off its clock. Each run's accuracy (tta_val_acc, as its summary averages)
 and time (its CUDA events from its model reset and optimisers built to the end of its TTA evaluation, as ours times
 from the network built) are read from the last row of that run in its printed table (epoch "eval"; the warm-up's
-left out), and each process's own summary means and its wall time on our clock are kept beside them. Before each run
+left out), read line by line as it prints them, each saved at once (a deadline loses only the run in flight), and
+each process's own summary means and its wall time on our clock are kept beside them. Before each run
 it spins the GPU for 6e9 cycles (about 3 s), outside its clock; ours does not. An absent script is one line (exit
 status 1); a process that fails or prints a table without its runs 1 to N stops the comparison with one line.
 
