@@ -9,6 +9,9 @@ into results/<device>/ through its result writing, and a later call goes on from
     python benchmarks/gpu_check.py --data-dir /root/cifar10.npz            # the record fetched into peers/ first
     python benchmarks/gpu_check.py --smoke     # the same pieces tiny, on the CPU under tests/cuda_standin.py
 
+The headline beside E1 and the record, under both timings, in two calls of one lease: benchmarks/lease.py (its
+`plan` prints the calls; its `smoke` is this script's --smoke for them).
+
 Device time, an estimate made before any GPU ran it (inputs: the H200's measured cold max-autotune start of a
 side_by_side command, 252 s for fast94 and 164 s for fast94_next, results/nvidia-h200/; fast94_next's 1.14 s a run;
 the record's own cold start taken as fast94_next's, its 6e9-cycle spin before each run about 3 s, its run 1.1 s):
@@ -40,8 +43,18 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=540.0, help="start no work whose estimate overruns this")
     p.add_argument("--results", default=None, help="results folder (default results/; with --smoke a temporary one)")
     p.add_argument("--copy-to", default=None, help="also write each result into DIR/<device>/")
+    p.add_argument("--runs", type=int, default=None,
+                   help="runs of every side of both pieces (default: RUNS, 25 beside the record and 10 in turn)")
     p.add_argument("--smoke", action="store_true", help="the same pieces tiny, on the CPU under CUDA's stand-in")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.runs is not None and args.runs < 2:
+        p.error("--runs must be at least 2 (a ratio's interval)")
+    return args
+
+
+def runs_wanted(runs):
+    """RUNS, or every side at `runs` where it is given."""
+    return RUNS if runs is None else {piece: dict.fromkeys(sides, runs) for piece, sides in RUNS.items()}
 
 
 def suite_argv(args):
@@ -67,7 +80,7 @@ def main(argv=None):
         print(f"error: the record's script is not at {suite.RECORD_DIR / suite.RECORD_SCRIPT}: fetch "
               f"github.com/hiverge/cifar10-speedrun's {suite.RECORD_SCRIPT} there (never its run.sh)", file=sys.stderr)
         return 1
-    return suite.main(suite_argv(args), n=RUNS)
+    return suite.main(suite_argv(args), n=runs_wanted(args.runs))
 
 
 def smoke(args):

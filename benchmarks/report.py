@@ -377,7 +377,8 @@ def t_compile_cache(results):
     rows = []
     for r in results.get("compile_cache", []):
         for row in r["rows"]:
-            rows.append([device(r), f"`{r['recipe']}` (width {r['width']:g}, mode {r['mode']})", row["cache"], row["n"],
+            cache = row["cache"] + (" (other images)" if row["cache"] == "warm" and r.get("warm_seed") else "")
+            rows.append([device(r), f"`{r['recipe']}` (width {r['width']:g}, mode {r['mode']})", cache, row["n"],
                          f"{row['mean s']:.1f} s", f"{row['min s']:.1f}-{row['max s']:.1f} s"])
     if not rows:
         return [f"Compiled warm-up, cold and warm cache: {NM}."]

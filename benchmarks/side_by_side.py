@@ -56,7 +56,8 @@ each in the middle of its share of ours (centred: 13 of ours, the record's 25, 1
 compiles max-autotune and warms up again, off its clock. Each run's accuracy (tta_val_acc, as its summary averages)
 and time (its CUDA events from its model reset and optimisers built to the end of its TTA evaluation, as ours times
 from the network built) are read from the last row of that run in its printed table (epoch "eval"; the warm-up's
-left out), and each process's own summary means and its wall time on our clock are kept beside them. Before each run
+left out), read line by line as it prints them, each saved at once (a deadline loses only the run in flight), and
+each process's own summary means and its wall time on our clock are kept beside them. Before each run
 it spins the GPU for 6e9 cycles (about 3 s), outside its clock; ours does not. An absent script is one line (exit
 status 1); a process that fails or prints a table without its runs 1 to N stops the comparison with one line.
 
@@ -173,22 +174,34 @@ def read_record_output(output, runs):
             summary and {"mean_acc": float(summary["acc"]), "mean_time": float(summary["time"])})
 
 
-def run_record(source, runs, *, cwd, env, process):
+def run_record(source, runs, *, cwd, env, process, on_run=None):
     """One process of the record's script, its run count edited to `runs`, in cwd (our data as ./cifar10/): its runs
     (read_record_output), each marked with the process, and the process's own line {"runs", "edit", "wall_s",
-    "summary"}. A process that fails, or whose table is not whole, raises DataError in one line."""
+    "summary"}. Its output is read line by line: on_run(run) is called as each run's row is printed, so that a
+    deadline loses only the run in flight. A process that fails, or whose table is not whole, raises DataError."""
     edited, edit = with_run_count(source, runs)
     script = Path(cwd) / RECORD_SCRIPT
     script.write_text(edited)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True)
+    lines = []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, str(script)], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=err,
+                                text=True)
+        for line in proc.stdout:
+            lines.append(line)
+            for m in RECORD_ROW.finditer(line):
+                if m["run"] != "warmup" and on_run is not None:
+                    on_run({"run": int(m["run"]), "final_acc": float(m["acc"]), "time": float(m["time"]),
+                            "val_acc": float(m["val_acc"]), "train_acc": float(m["train_acc"]), "process": process})
+        returncode = proc.wait()
+        err.seek(0)
+        stderr = err.read()
     wall_s = time.perf_counter() - t0
-    if proc.returncode:
-        how = (f"was killed by signal {-proc.returncode}" if proc.returncode < 0
-               else f"exited with status {proc.returncode}")
-        tail = " ".join(proc.stderr.strip().splitlines()[-3:])[-200:] or "(nothing on stderr)"
+    if returncode:
+        how = (f"was killed by signal {-returncode}" if returncode < 0 else f"exited with status {returncode}")
+        tail = " ".join(stderr.strip().splitlines()[-3:])[-200:] or "(nothing on stderr)"
         raise DataError(f"{RECORD_SCRIPT} {how}: {tail}")
-    rows, summary = read_record_output(proc.stdout, runs)
+    rows, summary = read_record_output("".join(lines), runs)
     return [{**r, "process": process} for r in rows], {"runs": runs, "edit": edit, "wall_s": wall_s,
                                                       "summary": summary}
 
@@ -555,14 +568,20 @@ def compare(name, args, c, *, arrays, record, save):
             print(f"  {name} run {len(ours)}/{args.runs}: ours {ours[-1]['final_acc']:.4f} in {ours[-1]['time']:.3f} s",
                   flush=True)
         else:
+            k, before = blocks[turn - len(ours)], len(theirs)
+            marked = lambda run: {**run, "edit": with_run_count(c["record"]["source"], k)[1],
+                                  "script_sha256": c["record"]["sha256"]}
+            printed = lambda run: (theirs.append(marked(run)), save())     # kept as the record prints it
             try:
-                got, process = peer(blocks[turn - len(ours)], turn - len(ours) + 1)
+                got, process = (peer(k, turn - len(ours) + 1, printed) if c["record"] is not None
+                                else peer(k, turn - len(ours) + 1))
             except DataError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 1
             if process is not None:          # each run says which script ran and its one edit (the suite keeps runs)
                 record[name]["record"]["processes"].append(process)
-                got = [{**run, "edit": process["edit"], "script_sha256": c["record"]["sha256"]} for run in got]
+                got = [marked(run) for run in got]
+                del theirs[before:]          # the rows kept as printed, now read whole
             for run in got:
                 theirs.append(run)
                 construct_s = run.get("construct_s")
@@ -599,7 +618,8 @@ def peer_runner(name, c):
     device, script, airbench = c["device"], c["script"], c["airbench"]
     if c["record"] is not None:          # a process a turn: it compiles and warms up inside, off its own clock
         env, source = peer_environment(device, os.environ), c["record"]["source"]
-        run = lambda k, turn: run_record(source, k, cwd=c["peer_cwd"], env=env, process=turn)
+        run = lambda k, turn, on_run=None: run_record(source, k, cwd=c["peer_cwd"], env=env, process=turn,
+                                                      on_run=on_run)
         return RECORD_SCRIPT, run, split_runs(c["peer_runs"], c["record"]["processes"])
     if script is not None:          # a fresh process each run: it warms up inside, off its own clock
         env = peer_environment(device, os.environ)

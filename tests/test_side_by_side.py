@@ -407,3 +407,12 @@ def test_a_record_process_that_fails_or_prints_a_short_table_is_one_line(tmp_pat
     short = "for run in range(200):\n    pass\nprint('|  1  |  eval  |  0.9  |  0.9  |  0.9400  |  2.0000  |')\n"
     with pytest.raises(side_by_side.DataError, match=r"its table holds the runs \['1'\], not 1 to 2"):
         side_by_side.run_record(short, 2, cwd=tmp_path, env=None, process=1)
+
+
+def test_the_records_runs_reach_the_caller_as_its_table_prints_them(tmp_path):
+    source = (ROOT / "tests" / "record_standin" / "cifar10_speedrun.py").read_text()
+    side_by_side.write_airbench_layout(synthetic_arrays(16, 8), tmp_path)
+    printed = []
+    rows, process = side_by_side.run_record(source, 3, cwd=tmp_path, env=None, process=2, on_run=printed.append)
+    assert printed == rows and [r["run"] for r in rows] == [1, 2, 3] and rows[2]["process"] == 2
+    assert (rows[0]["final_acc"], rows[0]["time"]) == (0.9401, 2.01) and process["runs"] == 3
