@@ -115,7 +115,7 @@ def ablation_sentence(ablation):
     return text
 
 
-def closing_note(*, elapsed_s, planned_s, cpu_s, threads, pace, journey, modern, ablation, ablation_runs):
+def closing_note(*, elapsed_s, planned_s, cpu_s, threads, pace, journey, modern, ablation):
     """The closing note's lines, every figure from this run: its time against the plan, each stage's expected and
     actual time, the journey's accuracies and times beside Myrtle's, the modern recipes and the ablation."""
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
@@ -131,10 +131,10 @@ def closing_note(*, elapsed_s, planned_s, cpu_s, threads, pace, journey, modern,
             said += f" ({row['ours / first']:.2f} of the first stage's time; Myrtle's {row['published / first']:.2f})"
         parts.append(said)
     lines.append("The journey's stages reached " + "; ".join(parts) + ".")
-    lines.append("Then " + "; ".join(
-        f"{name} {row['accuracy']:.3f}" + (f" (± {row['accuracy std']:.3f}, n = {row['n']})" if row["n"] > 1 else "")
-        + f" in {row['time (s)']:.0f} s" for name, row in modern.iterrows()) + ".")
-    lines.append(f"In fast94's ablation (n = {ablation_runs} a variant), {ablation_sentence(ablation)}.")
+    spread = lambda row: f" (± {row['accuracy std']:.3f}, n = {row['n']:.0f})" if row["n"] > 1 else ""
+    lines.append("Then " + "; ".join(f"{name} {row['accuracy']:.3f}{spread(row)} in {row['time (s)']:.0f} s"
+                                      for name, row in modern.iterrows()) + ".")
+    lines.append(f"In fast94's ablation (n = {ablation['n'].max():.0f} a variant), {ablation_sentence(ablation)}.")
     return lines
 
 
