@@ -1,17 +1,22 @@
 """experiments.ipynb: trains the journey, myrtle10 -> fast94 -> fast94_next and fast94's ablation through the library at
-the size it is given (tiny here, the CPU size under -m slow), shows the suite's stored results apart from its own
-run, writes no file, and is committed without outputs."""
+the size it is given (tiny here, the CPU size under -m slow), prints the run's expected time first and each stage's
+before it starts, counts its epochs on a bar, closes with a note from its own figures, shows the suite's stored
+results apart from its own run, writes no file, and is committed without outputs. notebook_pace's sums, exactly."""
 import getpass
 import json
+import math
 import os
 import sys
 
 import nbclient
 import nbformat
 import numpy as np
+import pandas as pd
 import pytest
+import torch
 
 import cifar10_fast as cf
+import notebook_pace as pace
 from conftest import ROOT, synthetic_arrays
 from core import one_sided_welch_p
 
@@ -83,7 +88,7 @@ def tiny_run(tmp_path_factory):
     (folder / "tmp").mkdir()
     before = sorted(p.name for p in ROOT.iterdir())
     nb = execute(NOTEBOOK_SIZE="tiny", CIFAR10_NPZ=str(folder / "synthetic.npz"), RESULTS=str(folder / "results"),
-                 TMPDIR=str(folder / "tmp"), OMP_NUM_THREADS="1")     # one thread: tiny networks, a shared machine
+                 TMPDIR=str(folder / "tmp"), OMP_NUM_THREADS="")     # unset: the notebook chooses its threads
     return nb, folder, before
 
 
@@ -104,6 +109,34 @@ def test_it_trains_every_stage_into_a_running_table_with_the_size_and_device_on_
     for column in ("accuracy", "time (s)", "published V100 (s)", "ours / first", "published / first"):
         assert f">{column}<" in running[-1]
     assert ">297<" in running[-1] and ">26<" in running[-1]          # Myrtle's published times beside ours
+
+
+def test_it_prints_the_expected_time_first_then_each_stage_s_before_it_trains_with_a_bar(tiny_run):
+    nb, _, _ = tiny_run
+    lines = [line for c in nb.cells if c.cell_type == "code" for o in c.outputs      # stdout's and stderr's apart
+             for line in o.get("text", "").replace("\r", "\n").splitlines()]
+    assert "; 1 thread (OMP_NUM_THREADS sets another count)" in lines[1]         # one thread on a CPU, said
+    first = next(k for k, line in enumerate(lines) if line.startswith("expected time of this run: about "))
+    labels = [s["name"] for s in cf.JOURNEY] + ["fast94", "fast94_next"] + [a for a in suite.ABLATIONS if a != "fast94"]
+    said = [line.split(":")[0] for line in lines if ": expected about " in line]
+    assert said == labels                                     # every stage, in the order it trains, once
+    assert first < next(k for k, line in enumerate(lines) if ": expected about " in line)
+    for s in cf.JOURNEY:                                      # each stage's bar, full at its end (tiny: epochs x 1/35)
+        n = math.ceil(cf.recipe(s["name"]).epochs * (1 / 35))
+        assert any(line.startswith(f"{s['name']}: ") and f" {n}/{n} epochs, " in line for line in lines)
+
+
+def test_its_closing_note_is_this_run_s(tiny_run):
+    nb, _, _ = tiny_run
+    note = text(nb).split("This run took ")[-1]
+    planned = next(line for line in text(nb).splitlines() if line.startswith("expected time of this run: about "))
+    assert f"planned {planned.split('about ')[1].split(' in all')[0]} from the steps timed" in note
+    (running,) = [h for h in captioned(nb, "The journey so far") if ">tta10<" in h]
+    first = running.split(">baseline_resnet18<")[1].split("</tr>")[0]        # the running table's first row
+    shown = float(first.split("<td")[2].split(">")[1].split("<")[0])         # its accuracy, to 4 places
+    said = float(note.split("reached baseline_resnet18 ")[1].split(" in ")[0])   # the note's, to 3
+    assert abs(said - shown) <= 0.00055
+    assert "In fast94's ablation (n = 2 a variant), switching each trick off in turn: " in note
 
 
 def test_it_trains_the_modern_recipes_and_the_ablation_with_p_values(tiny_run):
@@ -147,6 +180,73 @@ def test_it_runs_at_its_cpu_size_on_the_real_data():
         pytest.skip("set CIFAR10_NPZ to CIFAR-10 as one .npz")
     nb = execute(timeout=None, NOTEBOOK_SIZE="cpu", RESULTS=str(ROOT / "results"))
     assert "cpu size: width 0.25, 10000 training and 1000 test images" in text(nb)
+    assert "expected time of this run: about " in text(nb) and "from the steps timed at the start: " in text(nb)
     trained, passed_over = len(captioned(nb, "The journey so far")), text(nb).count("not trained at the cpu size")
     assert trained == 3 and trained + passed_over == len(cf.JOURNEY)
     assert len(outputs(nb, "image/png")) >= 4
+
+
+def test_on_a_cpu_it_trains_on_one_thread_unless_omp_num_threads_names_a_count(monkeypatch):
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        assert pace.train_threads(torch.device("cpu")) == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert pace.train_threads(torch.device("cpu")) == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
+
+
+TIMING = pace.Timing(set_up_s=2.0, first_epoch_s=3.0, first_epoch_steps=4, step_s=0.5, plain_eval_s=0.25,
+                     final_eval_s=1.0, run_extra_s=0.125)
+
+
+def test_a_stage_s_expected_time_is_its_first_epoch_then_every_step_evaluation_and_set_up():
+    r = cf.recipe("fast94", batch_size=100, epochs=2.5)      # 10 steps an epoch on 1,000 images, 25 in all, 3 epochs
+    run = 3.0 + (25 - 4) * 0.5 + 2 * 0.25 + 1.0 + 0.125
+    assert pace.expected_run_s(TIMING, r, 1000) == run
+    assert pace.expected_stage_s(TIMING, r, n_train=1000, runs=3) == 2.0 + 3 * run
+
+
+def test_the_expectations_follow_the_stages_so_far():
+    p = pace.Pace()
+    assert p.drift() == 1.0
+    p.record("a", 10.0, 15.0)
+    p.record("b", 30.0, 45.0)
+    assert p.drift() == 1.5 and [s[0] for s in p.stages] == ["a", "b"]
+
+
+def test_a_log_axis_where_the_times_span_a_factor_of_ten():
+    assert not pace.spans_decades([2.0, 19.9]) and pace.spans_decades([2.0, 20.0])
+    assert not pace.spans_decades([0.0, None, 5.0])          # zero and missing times are left out
+
+
+def test_time_steps_times_two_epochs_of_the_steps_asked(one_thread):
+    arrays = synthetic_arrays(n_train=256, n_test=64)
+    timing = pace.time_steps(cf.recipe("fast94", width=0.0625, batch_size=32), arrays, device="cpu", steps=3,
+                             test_images=16)
+    assert timing.first_epoch_steps == 3
+    assert min(timing.set_up_s, timing.first_epoch_s, timing.step_s, timing.final_eval_s) > 0
+    assert timing.plain_eval_s < timing.final_eval_s                   # fast94's 6 test-time views cost more
+
+
+def test_the_closing_note_is_computed_from_the_run():
+    journey = pd.DataFrame({"accuracy": [0.7, 0.65], "time (s)": [150.0, 60.0], "ours / first": [1.0, 0.4],
+                            "published / first": [1.0, 0.27]}, index=["baseline_resnet18", "resnet9_24"])
+    modern = pd.DataFrame({"n": [2], "accuracy": [0.61], "accuracy std": [0.005], "time (s)": [24.0]},
+                          index=["fast94"])
+    ablation = pd.DataFrame({"n": [2, 2, 2], "drop": [np.nan, 0.02, -0.01], "p (drop)": [np.nan, 0.031, 0.8]},
+                            index=["fast94", "no TTA", "no dirac init"])
+    p = pace.Pace()
+    p.record("baseline_resnet18", 120.0, 150.0)
+    lines = pace.closing_note(elapsed_s=600.0, planned_s=500.0, cpu_s=570.0, threads=1, pace=p, journey=journey,
+                              modern=modern, ablation=ablation)
+    assert lines[0].startswith("This run took 10.0 min (9.5 min of CPU time, 1 thread")
+    assert lines[0].endswith("planned 8.3 min from the steps timed at the start: 1.20x.")
+    assert lines[1] == "Each stage, expected then actual: baseline_resnet18 2.0 min / 2.5 min."
+    assert lines[2] == ("The journey's stages reached baseline_resnet18 0.700 in 150 s; resnet9_24 0.650 in 60 s "
+                        "(0.40 of the first stage's time; Myrtle's 0.27).")
+    assert lines[3] == "Then fast94 0.610 (± 0.005, n = 2) in 24 s."
+    assert lines[4] == ("In fast94's ablation (n = 2 a variant), switching each trick off in turn: no TTA cost 0.020 "
+                        "(p = 0.031); no dirac init did not lower it (the accuracy changed by +0.010).")
