@@ -7,7 +7,8 @@
 
 A recipe (cifar10_recipes.py) is a small typed tree: each technique's settings in its component, present or absent,
 each component's class beside the code that reads it. Any setting is also a flag named after it (--batch-size 768,
---whiten-eps 1e-3, --lookahead-momentum 0). train_run is one run, every trick at the line where it acts.
+--whiten-eps 1e-3, --lookahead-momentum 0). train_run is one run, every trick at the line where it acts or is handed
+to the part that applies it (label smoothing to training.train_step's loss).
 """
 import argparse
 import io
@@ -58,7 +59,7 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     seeds = run_seeds(seed, ctx.rank)          # the network, the data's order and its augmentation: 3 streams
     net.reset(seeds["init"])
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
-    bias = whitening_bias(net.module, steps_per_epoch)     # at a rate of its own, then detached (airbench94_muon)
+    bias = whitening_bias(net.module, steps_per_epoch)     # at a rate of its own, then detached (airbench94)
     opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, own_rates=[bias])
     flip_base = flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
     clock = EpochClock(device, columns=COLUMNS, accuracy="test_acc", target=o.target, eval_every=o.eval_every)

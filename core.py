@@ -428,6 +428,10 @@ def refuse_special(path):
 
 
 def write_json(path, obj):
+    """Writes obj as JSON, atomically; a dict also records the code that wrote it ("code": code_version())."""
+    if isinstance(obj, dict) and "code" not in obj:
+        obj = {**obj, "code": code_version()}
+
     def write(tmp):
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=1)
@@ -462,3 +466,25 @@ def ratio_ci(a, b, level=0.95):
     df = (va + vb) ** 2 / (va ** 2 / (sa["n"] - 1) + vb ** 2 / (sb["n"] - 1))
     half = float(stats.t.ppf((1 + level) / 2, df)) * math.sqrt(va + vb)
     return {"ratio": ratio, "low": ratio * math.exp(-half), "high": ratio * math.exp(half), "level": level}
+
+
+CODE_VERSION_FILE = "code-version.json"     # beside this file, in a copy of the tree that has no .git (a GPU machine)
+
+
+def code_version(root=os.path.dirname(os.path.abspath(__file__))):
+    """{"commit", "dirty"} of the code at root: git's HEAD and whether tracked files differ from it; in a copy without
+    .git, the CODE_VERSION_FILE written where it was copied from; {"commit": None, ...} where neither tells."""
+    import subprocess
+    git = lambda *a: subprocess.run(["git", "-C", root, *a], capture_output=True, text=True, timeout=30)
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode == 0:
+            dirty = git("status", "--porcelain", "--untracked-files=no")
+            return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        with open(os.path.join(root, CODE_VERSION_FILE)) as f:
+            return {**json.load(f), "from": CODE_VERSION_FILE}
+    except (OSError, ValueError):
+        return {"commit": None, "dirty": None, "why": "neither a git checkout nor a " + CODE_VERSION_FILE}

@@ -3,7 +3,7 @@ learning rate over the run (warm-up then linear, cosine, step or slow-start deca
 size of each epoch (progressive resizing, batch-size control) and a batch's share per rank, and the phase tables
 (fast.ai's: epoch ranges, each with its size, batch, rate or ramp, crop scale and validation) that every ImageNet
 schedule is read as, one row per epoch (plan), and each epoch on a rank (epoch_plans: its micro-batches and batch-norm
-groups), with the settings they read (Schedule, Resolution); a run's steps, as both scripts count them (run_steps);
+groups), with the settings they read (Schedule, Resolution); a CIFAR-10 run's steps (run_steps);
 and a parameter's rate of its own for its first steps (OwnRate: the whitening bias's).
 
 Nothing here imports torch: each schedule is plain arithmetic on epochs and steps, tested on its own.

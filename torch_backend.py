@@ -205,7 +205,7 @@ WHITENING_FITS = {f.name: f for f in (
 
 @dataclass(frozen=True, kw_only=True)
 class WhiteningBiasSettings:
-    """The whitening layer's bias: trained for its first `epochs`, then detached (airbench94_muon)."""
+    """The whitening layer's bias: trained for its first `epochs`, then detached (airbench94)."""
     PREFIX = "bias"
     epochs: float = knob(3.0, low=0)
     lr_mult: float = knob(1.0, low=0, doc="its rate: the schedule's x this")

@@ -1,8 +1,9 @@
-"""The parts of a training loop that both scripts share, each loop written out in its own script
-(cifar10_fast.train_run, imagenet_fast.train_run): a run's independent random streams, the step, the clock of its
-epochs and the table's rows (EpochClock), weight averaging (EMA, lookahead) and a compiled run's strictness. The
-clock underneath is devices.timer, a run's steps schedules.run_steps,
-batch-norm statistics over ranks distributed.py's, ImageNet's checkpoints imagenet_checkpoints.py's.
+"""The parts of a training loop, each loop written out in its own script (cifar10_fast.train_run,
+imagenet_fast.train_run). Both scripts share a run's independent random streams (run_seeds), how a run runs
+(RunOptions), the clock of its epochs and the table's rows (EpochClock), the finite-loss check and weight averaging
+(EMA, lookahead). CIFAR-10's alone: its step (train_step), its warm-up's call count and a compiled run's strictness.
+The clock underneath is devices.timer, batch-norm statistics over ranks distributed.py's, ImageNet's checkpoints
+imagenet_checkpoints.py's.
 """
 import copy
 import math

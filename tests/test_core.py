@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
+import core
 from core import (Table, Timer, detectable_gap, one_sided_p, one_sided_welch_p, ratio_ci, summarize, write_atomic,
                   write_json)
 
@@ -98,14 +99,15 @@ def test_timer_excludes_what_it_is_told_to():
 def test_write_json_is_atomic_on_failure(tmp_path):
     p = tmp_path / "r.json"
     write_json(p, {"a": 1})
-    assert json.loads(p.read_text()) == {"a": 1}
+    written = json.loads(p.read_text())
+    assert written["a"] == 1 and set(written) == {"a", "code"}
 
     def broken(tmp):
         open(tmp, "w").write("half")
         raise RuntimeError("disk full")
     with pytest.raises(RuntimeError):
         write_atomic(p, broken)
-    assert json.loads(p.read_text()) == {"a": 1}       # old file untouched
+    assert json.loads(p.read_text()) == written         # old file untouched
     assert [f.name for f in tmp_path.iterdir()] == ["r.json"]   # no temporary left
 
 
@@ -247,3 +249,26 @@ def test_with_progress_counts_each_step_once_its_body_ran_and_closes_the_bar_at_
         for step in core.with_progress(range(3), 3, "epoch 2", on=False):
             raise KeyboardInterrupt
     assert events == [("open", 3, "epoch 2", False), "close"]
+
+
+def test_a_result_records_the_commit_and_whether_the_tree_differs_from_it(tmp_path):
+    import subprocess
+    git = lambda *a: subprocess.run(["git", "-C", str(tmp_path), *a], check=True, capture_output=True, text=True)
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git("rev-parse", "HEAD").stdout.strip()
+    assert core.code_version(str(tmp_path)) == {"commit": head, "dirty": False}
+    (tmp_path / "new.txt").write_text("untracked files leave the tree clean\n")
+    assert core.code_version(str(tmp_path))["dirty"] is False
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert core.code_version(str(tmp_path)) == {"commit": head, "dirty": True}
+
+
+def test_a_copied_tree_without_git_reads_the_version_written_where_it_was_copied_from(tmp_path):
+    assert core.code_version(str(tmp_path))["commit"] is None
+    (tmp_path / core.CODE_VERSION_FILE).write_text(json.dumps({"commit": "abc", "dirty": True}))
+    assert core.code_version(str(tmp_path)) == {"commit": "abc", "dirty": True, "from": core.CODE_VERSION_FILE}
+    write_json(tmp_path / "r.json", {"a": 1})
+    assert json.loads((tmp_path / "r.json").read_text())["code"]["commit"] == core.code_version()["commit"]
