@@ -28,16 +28,17 @@ from cifar10_recipes import (FAST94, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_A
                              Recipe, journey_recipes, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, normalise, num_classes,
                         take_subset, to_device)
-from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
-from core import (DataError, Heartbeat, Parser, Table, UsageError, end_torchrun, exit_now, print_summary,
+from cli import (add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of,
+                 recipe_list, run_record)
+from core import (DataError, Heartbeat, Parser, UsageError, end_torchrun, exit_now, print_summary,
                   summarize_runs, with_progress, write_json)
 from distributed import Context, barrier, leave, print0, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
 from torch_backend import build_model, count_flops, fit_whitening, loss_and_accuracy, whitening_bias
-from training import (EpochClock, Options as SharedOptions, averaging, check_finite_loss, evaluation_model,
-                      run_seeds, strict_compile, train_step, warmup_calls)
+from training import (EpochClock, Options as SharedOptions, averaging, check_finite_loss, epoch_table,
+                      evaluation_model, run_seeds, strict_compile, train_step, warmup_calls)
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -259,8 +260,7 @@ def train(recipe_or_name, data=None, *, subset=None, dataset=None, ctx=None, **c
         for k in range(o.runs):
             if o.verbose and o.runs > 1:
                 print(f"run {k + 1}/{o.runs} (seed {o.seed + k})", flush=True)
-            table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
-                          file=None if o.verbose else io.StringIO())
+            table = epoch_table(COLUMNS, file=None if o.verbose else io.StringIO())
             started = time.perf_counter()
 
             def epoch_done(row, first=k == 0):
@@ -455,8 +455,7 @@ def main(argv=None):
     runs trained (train()), their summary printed and --out written after every run; the exit status."""
     args, changes = parse_args(argv)
     if args.list_recipes:
-        width = max(map(len, RECIPES))
-        print("\n".join(f"{name:{width}s} {r.doc}" for name, r in RECIPES.items()))
+        print(recipe_list(RECIPES))
         return 0
     try:            # every flag, before any data is loaded (what depends on the data: in train(), before training)
         r = recipe(args.recipe, **changes)
@@ -473,8 +472,9 @@ def main(argv=None):
         return 2
     device, where = torch.device(ctx.device), {"run": 1, "epoch": 1, "finished": 0}
     if devices.is_cpu(device) and ctx.is_main:
-        print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration, "
-              "shrink the work with --subset, --epochs and --width", file=sys.stderr)
+        given = {"subset"} if args.subset is not None else set()
+        print(cpu_warning([f"--{name}" for name in ("subset", "epochs", "width") if name not in given | set(changes)]),
+              file=sys.stderr)
 
     def save(result, complete):     # after every run: a run cut short, or a failure later, never loses the others
         if args.out and ctx.is_main:

@@ -132,6 +132,28 @@ def interrupted(epoch, run, finished, *, out=None, checkpoint=None, during=None)
     return line
 
 
+def recipe_list(recipes, width=100):
+    """What --list-recipes prints: a header, then each recipe's name and its doc, wrapped in a column of its own so
+    that no line is longer than width."""
+    import textwrap
+    names = max(map(len, recipes)) + 2
+    lines = [f"{'recipe':{names}}what it trains (--print-recipe --recipe NAME: its every setting)"]
+    for name, r in recipes.items():
+        doc = textwrap.wrap(r.doc, width - names) or [""]
+        lines += [f"{name:{names}}{doc[0]}", *(" " * names + line for line in doc[1:])]
+    return "\n".join(lines)
+
+
+def cpu_warning(untaken):
+    """The warning of a run on the CPU, with the advice of untaken (the ways to shrink the work that this run has not
+    already taken: "--subset", "--width"), if any."""
+    line = "warning: no GPU in use: training on the CPU in float32, which is slow"
+    if not untaken:
+        return line
+    ways = untaken[0] if len(untaken) == 1 else f"{', '.join(untaken[:-1])} and {untaken[-1]}"
+    return f"{line}; for a demonstration, shrink the work with {ways}"
+
+
 def environment(device):
     """The machine: torch and Python versions, the device and its name (and the CPU threads on a CPU)."""
     env = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 import devices
 import scaling
 import training
-from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
-from core import (DataError, Heartbeat, Parser, Table, UsageError, check_output, end_torchrun, exit_now, print_summary,
+from cli import (add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of,
+                 recipe_list, run_record)
+from core import (DataError, Heartbeat, Parser, UsageError, check_output, end_torchrun, exit_now, print_summary,
                   summarize_runs, with_progress, write_json)
 from distributed import (barrier, leave, leave_together, print0, register_comm_hook, sync_batch_norm_stats,
                          use_last_batch_stats, wrap_ddp)
@@ -43,7 +44,7 @@ from optim import set_lr
 from schedules import epoch_plans, plan, step_lr
 from settings import add_flags, changes_from, flag_error, flat, one_of
 from torch_backend import set_ghost_groups
-from training import EpochClock, averaging, check_finite_loss, evaluation_model, run_seeds
+from training import EpochClock, averaging, check_finite_loss, epoch_table, evaluation_model, run_seeds
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -51,6 +52,7 @@ from training import EpochClock, averaging, check_finite_loss, evaluation_model,
 
 COLUMNS = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
            "total_time", "decode"]      # decode: imagenet_data.decode_text, which of nvJPEG's paths took the images
+SMALL_STORE = 10_000      # more training images than this: the CPU warning suggests a smaller store
 PROGRESS_AFTER_S = 5.0    # an epoch that looks longer shows its steps on stderr
 
 
@@ -379,7 +381,7 @@ BEFORE_TRAINING = {"open_store": "opening the store", "place_data": "placing the
 
 def main_train(args, changes, argv):
     if args.list_recipes:
-        print("\n".join(f"{name:12s} {r.doc}" for name, r in RECIPES.items()))
+        print(recipe_list(RECIPES))
         return 0
     try:
         r = recipe(args.recipe, **changes)
@@ -414,13 +416,14 @@ def run(args, r, *, ctx, argv):
         say(f"note: {r.batch_size} images on each GPU, {r.batch_size * ctx.world_size} a step on {ctx.world_size}, at lr "
             f"{r.schedule.lr:g} whatever the number of GPUs, as FFCV's train_imagenet.py trains (--lr-scaling linear "
             "scales the rate with the images of a step instead)", file=sys.stderr)
-    if devices.is_cpu(device) and ctx.is_main:
-        print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration use "
-              "a small store, --model resnet_tiny and few --epochs", file=sys.stderr)
     try:
         plans = epoch_plans(r, ctx.world_size)   # a schedule that does not divide over the ranks fails here
         decoder = devices.jpeg_decoder(device, args.decoder)
         store = open_store(args.store)
+        if devices.is_cpu(device) and ctx.is_main:
+            taken = {"a small store": len(store.train) <= SMALL_STORE, "few --epochs": args.epochs is not None,
+                     "--model resnet_tiny": r.network.model == "resnet_tiny"}
+            print(cpu_warning([way for way, done in taken.items() if not done]), file=sys.stderr)
         data = place_data(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
         check_batch(r, world=ctx.world_size, n_train=len(store.train))    # placed first: only a tiny store fails it
     except (ValueError, DataError) as e:         # UsageError is a ValueError
@@ -518,8 +521,7 @@ def train_runs(args, r, data, *, ctx, argv, store):
         seed, epochs = args.seed + k, []
         if args.runs > 1:
             print0(f"run {k + 1}/{args.runs} (seed {seed})")
-        table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
-                      file=None if ctx.is_main else io.StringIO())
+        table = epoch_table(COLUMNS, file=None if ctx.is_main else io.StringIO())
         checkpoint = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
         try:
             result = train_run(r, data, replace(o, checkpoint=checkpoint), ctx=ctx, seed=seed,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import devices
-from core import DataError
+from core import DataError, Table
 from settings import knob
 
 
@@ -57,6 +57,13 @@ def check_finite_loss(mean_loss, *, epoch, hint):
     """Raises DataError (one line: the epoch, the loss, `hint` at the likely setting) unless mean_loss is finite."""
     if not math.isfinite(mean_loss):
         raise DataError(f"epoch {epoch}: the training loss is {mean_loss}; {hint}")
+
+
+def epoch_table(columns, file=None):
+    """The per-epoch table both scripts print (core.Table): accuracies and losses to 4 decimals, times to 2, each
+    column as wide as its name or its numbers, under 100 characters for either script's columns."""
+    return Table(columns, width=7, file=file, formats={"epoch_time": ".2f", "total_time": ".2f"},
+                 widths={"epoch": 6, "res": 4, "batch": 6, "lr": 8, "decode": 11})
 
 
 class EpochClock:
