@@ -3,13 +3,12 @@
     python cifar10_fast.py                          # myrtle24: Myrtle's DAWNBench ResNet-9
     python cifar10_fast.py --recipe fast94 --runs 10 --out results.json
     python cifar10_fast.py --list-recipes
-    python cifar10_fast.py --device cpu --subset 5000 --epochs 2 --width 0.25   # a CPU demonstration
+    python cifar10_fast.py --device cpu --subset 5000 --epochs 2 --width 0.25    # a CPU demo
 
 A recipe (cifar10_recipes.py) is a small typed tree: each technique's settings in its component, present or absent,
 each component's class beside the code that reads it. Any setting is also a flag named after it (--batch-size 768,
 --whiten-eps 1e-3, --lookahead-momentum 0). train_run is one run, every trick at the line where it acts.
 """
-import argparse
 import io
 import math
 import sys
@@ -28,8 +27,8 @@ from cifar10_recipes import (FAST94, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_A
                              Recipe, journey_recipes, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, normalise, num_classes,
                         take_subset, to_device)
-from cli import (add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of,
-                 recipe_list, run_record)
+from cli import (HelpFormatter, add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, lost_peer,
+                 phase_of, recipe_list, run_record)
 from core import (DataError, Heartbeat, Parser, UsageError, end_torchrun, exit_now, print_summary,
                   summarize_runs, with_progress, write_json)
 from distributed import Context, barrier, leave, print0, register_comm_hook, shard, wrap_ddp
@@ -419,29 +418,39 @@ def check_data(r, arrays, ctx, say=None):
 # ---------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="myrtle24", help="recipe name (default myrtle24; see --list-recipes)")
+    args = parser().parse_args(argv)
+    return args, changes_from(args, Recipe)
+
+
+def parser():
+    """The command line's parser: this script's flags, the runs' (cli.add_run_flags) and the recipe's settings."""
+    p = Parser(description=__doc__, formatter_class=HelpFormatter,
+               usage="%(prog)s [--recipe NAME] [--data-dir PATH] [options] [--SETTING VALUE ...]")
+    p.add_argument("--recipe", default="myrtle24", metavar="NAME",
+                   help="what to train (--list-recipes) (default: myrtle24)")
     p.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
     p.add_argument("--print-recipe", action="store_true",
                    help="print the recipe's every setting (with the flags given) as the command that trains it, and "
                         "exit")
-    p.add_argument("--dataset", default=None, type=one_of(DATASETS),
-                   help="what a data folder holds, downloaded there if missing (default cifar10); for a .npz, that it "
-                        f"is that dataset, checked as such (without it, a .npz is your own data) (one of "
-                        f"{', '.join(DATASETS)})")
-    p.add_argument("--data-dir", default="data",
-                   help="data folder (downloads and caches the dataset there), an unpacked archive folder, or a .npz "
-                        "(train_images, train_labels, test_images, test_labels: any images (N, H, W, 3) uint8)")
-    p.add_argument("--subset", type=int, default=None, help="train on the first N training images")
-    p.add_argument("--target", type=float, default=0.94, help="test accuracy whose first epoch stops the clock")
-    p.add_argument("--out", default=None, help="write the recipe, environment, per-epoch rows and summary as JSON")
+    p.add_argument("--dataset", default=None, type=one_of(DATASETS), metavar="{" + ",".join(DATASETS) + "}",
+                   help="what a data folder holds, downloaded there if missing; for a .npz, that it is that dataset, "
+                        "checked as such (default: cifar10; a .npz: your own data)")
+    p.add_argument("--data-dir", default="data", metavar="PATH",
+                   help="a data folder (the dataset downloaded and cached there), an unpacked archive folder, or a .npz "
+                        "(train_images, train_labels, test_images, test_labels: any images (N, H, W, 3) uint8) "
+                        "(default: data)")
+    p.add_argument("--subset", type=int, default=None, metavar="N",
+                   help="train on the first N training images (default: all)")
+    p.add_argument("--target", type=float, default=0.94, metavar="X",
+                   help="the test accuracy whose first epoch stops the clock (default: 0.94)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="write the recipe, environment, per-epoch rows and summary there as JSON (default: none)")
     p.add_argument("--compile", default=None, choices=["default", "max-autotune", "reduce-overhead"],
-                   help="torch.compile the network with this mode (compiled once, in the untimed warm-up); "
-                        "reduce-overhead also captures CUDA graphs")
+                   help="torch.compile the network in this mode, once, in the untimed warm-up; reduce-overhead also "
+                        "captures CUDA graphs (default: not compiled)")
     add_run_flags(p, comm_hook=True)
     add_flags(p, Recipe, recipe=MYRTLE24)
-    args = p.parse_args(argv)
-    return args, changes_from(args, Recipe)
+    return p
 
 
 # what train() does before a run's first epoch, by function: what Ctrl-C stopped there

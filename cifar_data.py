@@ -292,8 +292,8 @@ class AugmentSettings:
     cutout: int = knob(8, low=0, whole=True, doc="a square of this side set to 0")
     jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image (the record)")
     jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image (the record)")
-    low_res: int = knob(0, low=0, whole=True, doc="the first low_res_epochs at this resolution (0: none)")
-    low_res_epochs: float = knob(0.0, low=0)
+    low_res: int = knob(0, low=0, whole=True, doc="the first --low-res-epochs at this resolution (0: none)")
+    low_res_epochs: float = knob(0.0, low=0, doc="epochs (fractional) at --low-res")
 
 
 def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, device=None, order=None):

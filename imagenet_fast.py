@@ -1,10 +1,10 @@
 """The CIFAR-10 speed-run loop at ImageNet scale, on one GPU or, under torchrun, on many.
 
-    python imagenet_fast.py prepare --src /data/imagenet --dst /data/in500            # JPEG, longer side <= 500
+    python imagenet_fast.py prepare --src /data/imagenet --dst /data/in500   # JPEG, max side 500
     python imagenet_fast.py train --store /data/in500 --recipe rn50_16ep --out rn50.json
     python imagenet_fast.py prepare --src /data/imagenet --dst /data/in128 --format raw --size 128
     python imagenet_fast.py train --list-recipes
-    python imagenet_fast.py train --store S --device cpu --recipe tiny --epochs 2       # CPU demo
+    python imagenet_fast.py train --store S --device cpu --recipe tiny --epochs 2    # CPU demo
 
 `prepare` writes an ImageFolder tree (train/<class>/*, val/<class>/*) once, in worker processes, into a store that
 `train` memory-maps (imagenet_store.py; docs/imagenet.md gives the format). `train` draws random-resized crops of
@@ -13,7 +13,6 @@ the whole image, decodes them on the GPU or in the CPU's worker processes, and a
 holds the training loop (train_run) and the command line; the networks, the optimiser and the memory they take are
 imagenet_models.py's, the checkpoints imagenet_checkpoints.py's.
 """
-import argparse
 import contextlib
 import io
 import sys
@@ -29,8 +28,8 @@ import torch.nn.functional as F
 import devices
 import scaling
 import training
-from cli import (add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of,
-                 recipe_list, run_record)
+from cli import (HelpFormatter, add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, lost_peer,
+                 phase_of, recipe_list, run_record)
 from core import (DataError, Heartbeat, Parser, UsageError, check_output, end_torchrun, exit_now, print_summary,
                   summarize_runs, with_progress, write_json)
 from distributed import (barrier, leave, leave_together, print0, register_comm_hook, sync_batch_norm_stats,
@@ -265,64 +264,88 @@ def warmup(r, data, *, device, dtype, world=1):
 
 TRAIN = """Train a recipe on a store, on one GPU or under torchrun on many.
 
---batch-size is the global batch, split over the GPUs, and the rate per --lr-scale-base images of it, but for:
-  FFCV's recipes (rn50_*, rn18_*), which train FFCV's batch on each GPU (512; 1024 for ResNet-18) at FFCV's rate
-    (1.7; 0.5) whatever the number of GPUs, as FFCV's train_imagenet.py does (--per-gpu-batch true, --lr-scaling
-    none; --lr-scaling linear --lr 0.10625 keeps FFCV's rate per image instead);
-  phase tables (--phases: fast.ai's recipes, Mikami et al.'s), whose rows give each phase's global batch and rate.
---accumulate K steps on each rank's batch in K micro-batches, --bn-workers W normalises groups of global batch / W.
+--batch-size is the global batch, split over the GPUs, and the rate per --lr-scale-base images of
+it, but for:
+  FFCV's recipes (rn50_*, rn18_*), which train FFCV's batch on each GPU (512; 1024 for ResNet-18)
+    at FFCV's rate (1.7; 0.5) whatever the number of GPUs, as FFCV's train_imagenet.py does
+    (--per-gpu-batch true, --lr-scaling none; --lr-scaling linear --lr 0.10625 keeps FFCV's rate
+    per image instead);
+  phase tables (--phases: fast.ai's recipes, Mikami et al.'s), whose rows give each phase's global
+    batch and rate.
+--accumulate K steps on each rank's batch in K micro-batches, --bn-workers W normalises groups of
+global batch / W.
 """
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    pp = sub.add_parser("prepare", help="decode an ImageFolder tree into a store")
-    pp.add_argument("--src", required=True, help="folder with train/<class>/* and val/<class>/*")
-    pp.add_argument("--dst", required=True, help="store folder to write (resumes if partly written)")
-    pp.add_argument("--format", default="jpeg", type=one_of(FORMATS),
-                    help="jpeg: whole images, longer side <= --max-side, for full-quality training (default); "
-                         "raw: uint8 pixels at --size, for low-resolution work")
-    pp.add_argument("--max-side", type=int, default=500, help="jpeg: longest side kept (default 500, as FFCV)")
-    pp.add_argument("--quality", type=int, default=90, help="jpeg: quality of re-encoded images (default 90)")
-    pp.add_argument("--size", type=int, default=128, help="raw: shorter side of stored images (default 128)")
-    pp.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPU count)")
-    pp.add_argument("--shard-size", type=int, default=1000, help="images per shard, the unit of resumption")
-    pp.add_argument("--max-aspect", type=float, default=2.0, help="longest val aspect kept (default 2)")
-    pp.add_argument("--max-shards", type=int, default=None, help="stop after decoding this many new shards")
+    args = parser().parse_args(argv)
+    return args, changes_from(args, Recipe) if args.command == "train" else {}
 
-    tp = sub.add_parser("train", help="train on a store", description=TRAIN,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    tp.add_argument("--store", help="a folder written by prepare")
-    tp.add_argument("--recipe", default="rn50_16ep", help="recipe name (default rn50_16ep; see --list-recipes)")
+
+def parser():
+    """The command line's parser: prepare's flags, train's (its own, the runs' and the recipe's settings), and
+    simulate (scaling.py's own)."""
+    p = Parser(description=__doc__, formatter_class=HelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    pp = sub.add_parser("prepare", help="decode an ImageFolder tree into a store", formatter_class=HelpFormatter)
+    pp.add_argument("--src", required=True, metavar="FOLDER",
+                    help="a folder of train/<class>/* and val/<class>/* (required)")
+    pp.add_argument("--dst", required=True, metavar="FOLDER",
+                    help="the store folder to write; a partly written one is resumed (required)")
+    pp.add_argument("--format", default="jpeg", type=one_of(FORMATS), metavar="{" + ",".join(FORMATS) + "}",
+                    help="jpeg: whole images, longer side <= --max-side, for full-quality training; raw: uint8 "
+                         "pixels at --size, for low-resolution work (default: jpeg)")
+    pp.add_argument("--max-side", type=int, default=500, metavar="N",
+                    help="jpeg: the longest side kept, in pixels (default: 500, as FFCV's)")
+    pp.add_argument("--quality", type=int, default=90, metavar="N",
+                    help="jpeg: the JPEG quality of re-encoded images (default: 90)")
+    pp.add_argument("--size", type=int, default=128, metavar="N",
+                    help="raw: the stored images' shorter side, in pixels (default: 128)")
+    pp.add_argument("--workers", type=int, default=None, metavar="N",
+                    help="encoding processes (default: the CPU count)")
+    pp.add_argument("--shard-size", type=int, default=1000, metavar="N",
+                    help="images per shard, the unit a resumed prepare starts from (default: 1000)")
+    pp.add_argument("--max-aspect", type=float, default=2.0, metavar="X",
+                    help="raw: validation images' longer side capped at this x --size (default: 2)")
+    pp.add_argument("--max-shards", type=int, default=None, metavar="N",
+                    help="stop after decoding this many new shards (default: every shard)")
+
+    tp = sub.add_parser("train", help="train on a store", description=TRAIN, formatter_class=HelpFormatter,
+                        usage="%(prog)s --store FOLDER [--recipe NAME] [options] [--SETTING VALUE ...]")
+    tp.add_argument("--store", metavar="FOLDER", help="a folder written by prepare (required, but for --list-recipes and --print-recipe)")
+    tp.add_argument("--recipe", default="rn50_16ep", metavar="NAME",
+                    help="what to train (--list-recipes) (default: rn50_16ep)")
     tp.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
     tp.add_argument("--print-recipe", action="store_true",
                     help="print the recipe's every setting (with the flags given) as the command that trains it, and "
                          "exit")
     tp.add_argument("--data-on", default="auto", choices=["auto", "device", "host"],
-                    help="where a raw store lives (auto: on the device if it fits beside training)")
+                    help="where a raw store lives (default: auto: on the device if it fits beside training)")
     tp.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
-                    help="where a JPEG store is decoded (auto: nvJPEG on a CUDA GPU, else the CPU's worker processes; "
-                         "nvimgcodec: nvImageCodec on the GPU, decoding just each crop, pip install "
-                         "nvidia-nvimgcodec-cu12 or -cu13)")
-    tp.add_argument("--loader-workers", type=int, default=None,
+                    metavar="{" + ",".join(devices.DECODERS) + "}",
+                    help="where a JPEG store is decoded; nvimgcodec: nvImageCodec on the GPU, decoding just each "
+                         "crop (pip install nvidia-nvimgcodec-cu12 or -cu13) (default: auto: nvJPEG on a CUDA GPU, "
+                         "else the CPU's worker processes)")
+    tp.add_argument("--loader-workers", type=int, default=None, metavar="N",
                     help="CPU decoding processes per training process (default: its share of the node's cores, "
                          "less one for the training thread and one for the reader thread; at least 1)")
-    tp.add_argument("--target", type=float, default=None,
-                    help="top-1 whose first epoch stops the clock (default 0.75; a recipe with a --target-top5 stops "
-                         "it at that top-5 instead)")
-    tp.add_argument("--checkpoint", default=None, help="checkpoint file, written atomically after every epoch")
-    tp.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
-    tp.add_argument("--out", default=None, help="write the recipe, environment, rows and summary as JSON")
-    tp.add_argument("--interrupt-after-epoch", type=int, default=None,
-                    help=f"exit with status {INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
-                         "would; a restart with --resume (or torchrun --max-restarts) continues from it")
+    tp.add_argument("--target", type=float, default=None, metavar="X",
+                    help="the top-1 whose first epoch stops the clock (default: 0.75; a recipe with a --target-top5 "
+                         "stops it at that top-5 instead)")
+    tp.add_argument("--checkpoint", default=None, metavar="FILE",
+                    help="a checkpoint file, written atomically after every epoch (default: none)")
+    tp.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists (default: off)")
+    tp.add_argument("--out", default=None, metavar="FILE",
+                    help="write the recipe, environment, rows and summary there as JSON (default: none)")
+    tp.add_argument("--interrupt-after-epoch", type=int, default=None, metavar="N",
+                    help=f"exit with status {INTERRUPTED} right after epoch N's checkpoint, as a preempted job "
+                         "would; a restart with --resume (or torchrun --max-restarts) continues from it (default: "
+                         "none)")
     add_run_flags(tp)
     add_flags(tp, Recipe, recipe=RN50_16EP)
     sub.add_parser("simulate", add_help=False,
                    help="project step time and scaling efficiency over many GPUs (as python scaling.py)")
-    args = p.parse_args(argv)
-    return args, changes_from(args, Recipe) if args.command == "train" else {}
+    return p
 
 
 def main_prepare(args):

@@ -161,7 +161,7 @@ class EMA:
     PREFIX = "ema"
     OFF = ("momentum", 0.0)
     momentum: float = knob(0.99, low=0, high=1, doc="per step")
-    every: int = knob(5, above=0, whole=True)
+    every: int = knob(5, above=0, whole=True, doc="steps between updates of the average")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,8 +169,8 @@ class Lookahead:
     """Lookahead (Zhang et al. 2019) as weight averaging (Jordan 2024): the slow weights end the run."""
     PREFIX = "lookahead"
     OFF = ("momentum", 0.0)
-    momentum: float = knob(0.95, low=0, high=1)
-    every: int = knob(5, above=0, whole=True)
+    momentum: float = knob(0.95, low=0, high=1, doc="per step, scaled by (step / steps)^3 over the run")
+    every: int = knob(5, above=0, whole=True, doc="steps between the slow weights' updates")
 
 
 class ExponentialAverage:

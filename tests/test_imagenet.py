@@ -1073,7 +1073,7 @@ def test_train_help_says_how_each_recipe_counts_its_batch(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert ("FFCV's recipes (rn50_*, rn18_*), which train FFCV's batch on each GPU (512; 1024 for ResNet-18) at FFCV's "
             "rate (1.7; 0.5) whatever the number of GPUs, as FFCV's train_imagenet.py does") in text
-    assert "--per-gpu-batch PER_GPU_BATCH --batch-size is each GPU's batch" in text
+    assert "--per-gpu-batch true|false --batch-size is each GPU's batch" in text
 
 
 def damage(path, how):

@@ -95,3 +95,33 @@ def test_the_imagenet_cpu_warning_names_only_the_ways_to_shrink_not_taken(capsys
     monkeypatch.setattr(inf, "SMALL_STORE", 10)
     inf.main(["train", "--store", str(store), "--device", "cpu", "--recipe", "tiny", "--epochs", "1"])
     assert f"{slow}; for a demonstration, shrink the work with a small store" in capsys.readouterr().err
+
+
+def parsers():
+    """(name, parser) of every command line a user runs: CIFAR-10's, and ImageNet's prepare and train."""
+    import argparse
+    sub = next(a for a in inf.parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return [("cifar10_fast.py", cf.parser()), *((f"imagenet_fast.py {name}", sub.choices[name])
+                                                for name in ("prepare", "train"))]
+
+
+def test_every_flag_says_what_it_does_and_its_default():
+    import argparse
+    for name, parser in parsers():
+        for action in parser._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            flag, text = action.option_strings[0], " ".join((action.help or "").split())
+            assert text and not text.startswith(("a number", "a whole number", "numbers separated", "(")), (name, flag)
+            if not text.endswith("and exit"):           # --list-recipes, --print-recipe: commands, not settings
+                assert "(default: " in text or "(required" in text, (name, flag, text)
+
+
+@pytest.mark.parametrize("columns", [60, 80, 100, 200])
+def test_help_fits_100_columns_and_is_shorter_than_before(columns, monkeypatch):
+    monkeypatch.setenv("COLUMNS", str(columns))             # what argparse reads the terminal's width from
+    for name, parser in [*parsers(), ("imagenet_fast.py", inf.parser())]:
+        lines = parser.format_help().splitlines()
+        assert max(map(len, lines)) <= 100, (name, max(lines, key=len))
+        if columns == 80 and name != "imagenet_fast.py prepare":      # 268 and 227 lines at 80 columns before
+            assert len(lines) < {"cifar10_fast.py": 240, "imagenet_fast.py train": 220}.get(name, 40), name
