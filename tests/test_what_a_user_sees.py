@@ -125,3 +125,34 @@ def test_help_fits_100_columns_and_is_shorter_than_before(columns, monkeypatch):
         assert max(map(len, lines)) <= 100, (name, max(lines, key=len))
         if columns == 80 and name != "imagenet_fast.py prepare":      # 268 and 227 lines at 80 columns before
             assert len(lines) < {"cifar10_fast.py": 240, "imagenet_fast.py train": 220}.get(name, 40), name
+
+
+def test_readme_figure_and_caption_come_from_results_and_check_finds_them_stale(tmp_path, capsys):
+    import json
+    import shutil
+    import sys
+
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+    results = report.load_results(ROOT / "results")
+    caption = "\n".join(report.t_figure(results))
+    assert f"]({report.FIGURE})" in caption and "NVIDIA H200" in caption and "(n = 100, accuracy" in caption
+    root = tmp_path / "root"
+    shutil.copytree(ROOT / "docs", root / "docs")
+    shutil.copy(ROOT / "README.md", root / "README.md")
+    shutil.copytree(ROOT / "results", tmp_path / "results")
+    check = ["--check", "--root", str(root), "--results", str(tmp_path / "results")]
+    assert report.main(check) == 0                      # the committed figure is what the results give
+    (root / report.FIGURE).unlink()
+    assert report.main(check) == 1 and f"out of date: {report.FIGURE}" in capsys.readouterr().err
+    first = tmp_path / "results" / "nvidia-h200" / "fast94.json"
+    r = json.loads(first.read_text())
+    r["sides"]["fast94"]["stats"]["time"]["mean"] += 0.25
+    first.write_text(json.dumps(r))
+    assert report.main(check[1:]) == 0                  # redrawn, README's caption rewritten
+    assert report.main(check) == 0
+    drawn = (root / report.FIGURE).read_bytes()
+    assert "fast94 1.830 s" in (root / "README.md").read_text()
+    report.draw_figure(report.figure_rows(report.load_results(tmp_path / "results")), root / report.FIGURE)
+    assert (root / report.FIGURE).read_bytes() == drawn            # the same rows, the same bytes
