@@ -44,7 +44,7 @@ def grid(s):
 
 class HelpFormatter(argparse.HelpFormatter):
     """--help at most 100 columns wide (narrower in a narrower terminal), a flag's help beside it where the flag
-    takes at most 26 columns; a description's paragraphs filled to the width, but for those with indented lines
+    and its metavar take at most 26 columns; a description's paragraphs filled to the width, but for those with indented lines
     (commands, lists), kept as written."""
 
     def __init__(self, prog):
@@ -159,7 +159,6 @@ def interrupted(epoch, run, finished, *, out=None, checkpoint=None, during=None)
 def recipe_list(recipes, width=100):
     """What --list-recipes prints: a header, then each recipe's name and its doc, wrapped in a column of its own so
     that no line is longer than width."""
-    import textwrap
     names = max(map(len, recipes)) + 2
     lines = [f"{'recipe':{names}}what it trains (--print-recipe --recipe NAME: its every setting)"]
     for name, r in recipes.items():
