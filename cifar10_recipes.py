@@ -21,7 +21,7 @@ class Recipe:
     """What a run computes. Settings left out (None) are techniques the recipe does not use."""
     name: str = "custom"
     doc: str = ""
-    epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="fractional: the last epoch cut short")
+    epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="epochs to train; a fraction cuts the last short")
     batch_size: int = knob(512, above=0, whole=True, doc="images per step, split over torchrun's ranks")
     label_smoothing: float = knob(0.0, low=0, high=1, doc="the loss's label smoothing (0: none)")
     network: NetworkSettings = always_present(NetworkSettings())
