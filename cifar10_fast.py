@@ -3,14 +3,13 @@
     python cifar10_fast.py                          # myrtle24: Myrtle's DAWNBench ResNet-9
     python cifar10_fast.py --recipe fast94 --runs 10 --out results.json
     python cifar10_fast.py --list-recipes
-    python cifar10_fast.py --device cpu --subset 5000 --epochs 2 --width 0.25   # a CPU demonstration
+    python cifar10_fast.py --device cpu --subset 5000 --epochs 2 --width 0.25    # a CPU demo
 
 A recipe (cifar10_recipes.py) is a small typed tree: each technique's settings in its component, present or absent,
 each component's class beside the code that reads it. Any setting is also a flag named after it (--batch-size 768,
 --whiten-eps 1e-3, --lookahead-momentum 0). train_run is one run, every trick at the line where it acts or is handed
 to the part that applies it (label smoothing to training.train_step's loss).
 """
-import argparse
 import io
 import math
 import os
@@ -30,17 +29,17 @@ from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_F
                              RECIPES, Recipe, journey_recipes, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, normalise, num_classes,
                         take_subset, to_device)
-from cli import (add_run_flags, check_run, check_whole, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of,
-                 run_record)
-from core import (DataError, Heartbeat, Parser, Table, UsageError, exit_now, print_summary, say_error,
-                  summarize_runs, with_progress, write_result)
-from distributed import Context, barrier, leave, print0, register_comm_hook, shard, wrap_ddp
+from cli import (HelpFormatter, add_run_flags, check_run, check_whole, cpu_warning, ctrl_c_exit, interrupted, join_ranks,
+                 lost_peer, phase_of, recipe_list, run_record)
+from core import (DataError, Heartbeat, Parser, UsageError, exit_now, print_summary, say_error, summarize_runs,
+                  with_progress, write_result)
+from distributed import Context, barrier, leave, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
 from torch_backend import build_model, count_flops, fit_whitening, loss_and_accuracy, whitening_bias
-from training import (EpochClock, Options as SharedOptions, averaging, check_finite_loss, evaluation_model,
-                      run_seeds, strict_compile, train_step, warmup_calls)
+from training import (EpochClock, Options as SharedOptions, averaging, check_finite_loss, epoch_table,
+                      evaluation_model, run_seeds, strict_compile, train_step, warmup_calls)
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -268,8 +267,7 @@ def train(recipe_or_name, data=None, *, subset=None, dataset=None, ctx=None, **c
         for k in range(o.runs):
             if o.verbose and o.runs > 1:
                 print(f"run {k + 1}/{o.runs} (seed {o.seed + k})", flush=True)
-            table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
-                          file=None if o.verbose else io.StringIO())
+            table = epoch_table(COLUMNS, file=None if o.verbose else io.StringIO())
             started = time.perf_counter()
 
             def epoch_done(row, first=k == 0):
@@ -452,29 +450,39 @@ def check_data(r, arrays, ctx, say=None):
 # ---------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--recipe", default="myrtle24", help="recipe name (default myrtle24; see --list-recipes)")
+    args = parser().parse_args(argv)
+    return args, changes_from(args, Recipe)
+
+
+def parser():
+    """The command line's parser: this script's flags, the runs' (cli.add_run_flags) and the recipe's settings."""
+    p = Parser(description=__doc__, formatter_class=HelpFormatter,
+               usage="%(prog)s [--recipe NAME] [--data-dir PATH] [options] [--SETTING VALUE ...]")
+    p.add_argument("--recipe", default="myrtle24", metavar="NAME",
+                   help="what to train (--list-recipes) (default: myrtle24)")
     p.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
     p.add_argument("--print-recipe", action="store_true",
                    help="print the recipe's every setting (with the flags given) as the command that trains it, and "
                         "exit")
-    p.add_argument("--dataset", default=None, type=one_of(DATASETS),
-                   help="what a data folder holds, downloaded there if missing (default cifar10); for a .npz, that it "
-                        f"is that dataset, checked as such (without it, a .npz is your own data) (one of "
-                        f"{', '.join(DATASETS)})")
-    p.add_argument("--data-dir", default="data",
-                   help="data folder (downloads and caches the dataset there), an unpacked archive folder, or a .npz "
-                        "(train_images, train_labels, test_images, test_labels: any images (N, H, W, 3) uint8)")
-    p.add_argument("--subset", type=int, default=None, help="train on the first N training images")
-    p.add_argument("--target", type=float, default=0.94, help="test accuracy whose first epoch stops the clock")
-    p.add_argument("--out", default=None, help="write the recipe, environment, per-epoch rows and summary as JSON")
+    p.add_argument("--dataset", default=None, type=one_of(DATASETS), metavar="{" + ",".join(DATASETS) + "}",
+                   help="what a data folder holds, downloaded there if missing; for a .npz, that it is that dataset, "
+                        "checked as such (default: cifar10; a .npz: your own data)")
+    p.add_argument("--data-dir", default="data", metavar="PATH",
+                   help="a data folder (the dataset downloaded and cached there), an unpacked archive folder, or a .npz "
+                        "(train_images, train_labels, test_images, test_labels: any images (N, H, W, 3) uint8) "
+                        "(default: data)")
+    p.add_argument("--subset", type=int, default=None, metavar="N",
+                   help="train on the first N training images (default: all)")
+    p.add_argument("--target", type=float, default=0.94, metavar="X",
+                   help="the test accuracy whose first epoch stops the clock (default: 0.94)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="write the recipe, environment, per-epoch rows and summary there as JSON (default: none)")
     p.add_argument("--compile", default=None, choices=COMPILE_MODES,
-                   help="torch.compile the network with this mode (compiled once, in the untimed warm-up); "
-                        "reduce-overhead also captures CUDA graphs")
+                   help="torch.compile the network in this mode, once, in the untimed warm-up; reduce-overhead also "
+                        "captures CUDA graphs (default: not compiled)")
     add_run_flags(p, comm_hook=True)
     add_flags(p, Recipe, recipe=MYRTLE24)
-    args = p.parse_args(argv)
-    return args, changes_from(args, Recipe)
+    return p
 
 
 # what train() does before a run's first epoch, by function: what Ctrl-C stopped there
@@ -488,8 +496,7 @@ def main(argv=None):
     runs trained (train()), their summary printed and --out written after every run; the exit status."""
     args, changes = parse_args(argv)
     if args.list_recipes:
-        width = max(map(len, RECIPES))
-        print("\n".join(f"{name:{width}s} {r.doc}" for name, r in RECIPES.items()))
+        print(recipe_list(RECIPES))
         return 0
     try:            # every flag, before any data is loaded (what depends on the data: in train(), before training)
         r = recipe(args.recipe, **changes)
@@ -506,8 +513,9 @@ def main(argv=None):
         return 2
     device, where = torch.device(ctx.device), {"run": 1, "epoch": 1, "finished": 0}
     if devices.is_cpu(device) and ctx.is_main:
-        print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration, "
-              "shrink the work with --subset, --epochs and --width", file=sys.stderr)
+        given = {"subset"} if args.subset is not None else set()
+        print(cpu_warning([f"--{name}" for name in ("subset", "epochs", "width") if name not in given | set(changes)]),
+              file=sys.stderr)
 
     def save(result, complete):     # after every run: a run cut short, or a failure later, never loses the others
         if args.out and ctx.is_main:

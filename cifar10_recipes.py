@@ -23,18 +23,18 @@ class Recipe:
     """What a run computes. Settings left out (None) are techniques the recipe does not use."""
     name: str = "custom"
     doc: str = ""
-    epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="fractional: the last epoch cut short")
-    batch_size: int = knob(512, above=0, whole=True)
-    label_smoothing: float = knob(0.0, low=0, high=1)
+    epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="epochs to train; a fraction cuts the last short")
+    batch_size: int = knob(512, above=0, whole=True, doc="images per step, split over torchrun's ranks")
+    label_smoothing: float = knob(0.0, low=0, high=1, doc="the loss's label smoothing (0: none)")
     network: NetworkSettings = always_present(NetworkSettings())
     batch_norm: BatchNormSettings = always_present(BatchNormSettings())
     whitening: WhiteningSettings = component(WhiteningSettings)
-    lr: LRSettings = always_present(LRSettings())
-    sgd: SGDSettings = always_present(SGDSettings())
-    muon: MuonSettings = component(MuonSettings)
-    augment: AugmentSettings = always_present(AugmentSettings())
-    tta: TTASettings = component(TTASettings)
-    ema: EMA = component(EMA)
+    lr: LRSettings = always_present(LRSettings(), title="learning rate")
+    sgd: SGDSettings = always_present(SGDSettings(), title="SGD")
+    muon: MuonSettings = component(MuonSettings, title="Muon")
+    augment: AugmentSettings = always_present(AugmentSettings(), title="augmentation")
+    tta: TTASettings = component(TTASettings, title="test-time augmentation")
+    ema: EMA = component(EMA, title="EMA")
     lookahead: Lookahead = component(Lookahead)
     compile_step: bool = knob(False, doc="with --compile: the forward and the loss compiled as one function")
 

@@ -3,13 +3,16 @@ evaluation, progress, determinism, torchrun's communication), their checks, join
 line Ctrl-C leaves, and the record of where and how a run ran, for its JSON file. The recipes' own flags come from
 their settings (settings.py).
 """
+import argparse
 import dataclasses
 import datetime
 import math
 import os
 import platform
 import signal
+import shutil
 import sys
+import textwrap
 import traceback
 
 import torch
@@ -54,35 +57,56 @@ def grid(s):
     return int(rows), int(cols)
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """--help at most 100 columns wide (narrower in a narrower terminal), a flag's help beside it where the flag
+    and its metavar take at most 26 columns; a description's paragraphs filled to the width, but for those with indented lines
+    (commands, lists), kept as written."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=28, width=min(100, shutil.get_terminal_size().columns) - 2)
+
+    def _fill_text(self, text, width, indent):
+        paragraphs = textwrap.dedent(text).strip("\n").split("\n\n")
+        return "\n\n".join(indent + p.replace("\n", "\n" + indent) if "\n " in "\n" + p
+                             else textwrap.fill(" ".join(p.split()), width, initial_indent=indent,
+                                                subsequent_indent=indent) for p in paragraphs)
+
+
 def add_run_flags(p, *, comm_hook=False):
-    """The flags both training scripts have: runs, seed, device and precision, evaluation, progress, determinism,
-    and torchrun's communication settings (with comm_hook, --comm-hook too: a recipe of the other script sets its
-    own)."""
-    p.add_argument("--runs", type=int, default=1, help="train this many fresh networks (seeds seed..seed+runs-1)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps, ... (default: cuda if available)")
-    p.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp64"],
-                   help="autocast dtype (default: bf16 on a CUDA GPU, fp32 elsewhere); fp64: the whole computation in "
-                        "float64, the recipe's lower-precision settings too (the algorithm without rounding; slow)")
-    p.add_argument("--eval-every", type=int, default=1, metavar="N",
+    """The flags both training scripts have, in two groups: how the runs run (runs, seed, device and precision,
+    evaluation, progress, determinism) and torchrun's communication settings (with comm_hook, --comm-hook too: a
+    recipe of the other script sets its own)."""
+    g = p.add_argument_group("how the runs run")
+    g.add_argument("--runs", type=int, default=1, metavar="N",
+                   help="train N fresh networks, seeds --seed to --seed + N - 1 (default: 1)")
+    g.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="the first run's seed: its network's initialisation, data order and augmentation (default: 0)")
+    g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps, ... (default: cuda if available, else cpu)")
+    g.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp64"],
+                   help="autocast dtype; fp64: the whole computation in float64, the recipe's lower-precision settings "
+                        "too (the algorithm without rounding; slow) (default: auto: bf16 on a CUDA GPU, else fp32)")
+    g.add_argument("--eval-every", type=int, default=1, metavar="N",
                    help="evaluate every N epochs on the plain test images (0: none), and after the last with the "
-                        "recipe's test-time augmentation (default 1)")
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress on stderr (what takes long: loading, the warm-up, an epoch's steps, the final "
-                        "evaluation); the table and the results still print")
-    p.add_argument("--deterministic", action="store_true",
+                        "recipe's test-time augmentation (default: 1)")
+    g.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (loading, the warm-up, an epoch's steps, the final evaluation); the "
+                        "table and the results still print (default: off)")
+    g.add_argument("--deterministic", action="store_true",
                    help="deterministic algorithms: the same seed gives the same parameters on the same machine "
-                        "(docs/cifar10.md, Reproducibility)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="under torchrun: DDP gradient bucket size in MB")
+                        "(docs/cifar10.md, Reproducibility) (default: off)")
+    t = p.add_argument_group("under torchrun")
+    t.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB",
+                   help="DDP's gradient bucket size (default: 25)")
     if comm_hook:
-        p.add_argument("--comm-hook", default="none", choices=HOOKS,
-                       help="under torchrun: how gradients travel (fp16, bf16: compressed; torus: a 2D torus)")
-    p.add_argument("--torus-grid", type=grid, default=None, metavar="RxC",
-                   help="under torchrun, with --comm-hook torus*: the 2D torus's rows x columns (default: a row per "
-                        "node, as many columns as the node's GPUs)")
-    p.add_argument("--dist-timeout", type=float, default=10.0, metavar="MINUTES",
-                   help="under torchrun: how long a collective may wait for the other ranks before the run stops "
-                        "(default 10 minutes: torch's own for NCCL, for gloo too)")
+        t.add_argument("--comm-hook", default="none", choices=HOOKS,
+                       help="how gradients travel (fp16, bf16: compressed; torus: a 2D torus) (default: none: "
+                            "DDP's all-reduce)")
+    t.add_argument("--torus-grid", type=grid, default=None, metavar="RxC",
+                   help="with --comm-hook torus*: the 2D torus's rows x columns (default: a row per node, as many "
+                        "columns as the node's GPUs)")
+    t.add_argument("--dist-timeout", type=float, default=10.0, metavar="MINUTES",
+                   help="how long a collective may wait for the other ranks before the run stops (default: 10: "
+                        "torch's own for NCCL, for gloo too)")
 
 
 def join_ranks(args, hook=None):
@@ -157,6 +181,27 @@ def interrupted(epoch, run, finished, *, out=None, checkpoint=None, during=None)
         line += (f"; {finished} finished run{'s' * (finished != 1)} kept in {out}" if finished
                  else f"; no run finished, so nothing was written to {out}")
     return line
+
+
+def recipe_list(recipes, width=100):
+    """What --list-recipes prints: a header, then each recipe's name and its doc, wrapped in a column of its own so
+    that no line is longer than width."""
+    names = max(map(len, recipes)) + 2
+    lines = [f"{'recipe':{names}}what it trains (--print-recipe --recipe NAME: its every setting)"]
+    for name, r in recipes.items():
+        doc = textwrap.wrap(r.doc, width - names) or [""]
+        lines += [f"{name:{names}}{doc[0]}", *(" " * names + line for line in doc[1:])]
+    return "\n".join(lines)
+
+
+def cpu_warning(untaken):
+    """The warning of a run on the CPU, with the advice of untaken (the ways to shrink the work that this run has not
+    already taken: "--subset", "--width"), if any."""
+    line = "warning: no GPU in use: training on the CPU in float32, which is slow"
+    if not untaken:
+        return line
+    ways = untaken[0] if len(untaken) == 1 else f"{', '.join(untaken[:-1])} and {untaken[-1]}"
+    return f"{line}; for a demonstration, shrink the work with {ways}"
 
 
 def environment(device):

@@ -118,12 +118,13 @@ class Heartbeat:
 
 
 class Table:
-    """Prints one row per call as soon as it arrives, header first, right-aligned columns at least `width` wide; a
-    column widens from the row whose value needs more, so neighbours never run together."""
+    """Prints one row per call as soon as it arrives, header first, right-aligned columns at least `width` wide (the
+    space before it included; widths[c] for column c): a number keeps to its column (fit()), a text too long widens
+    it from that row, so neighbours never run together."""
 
-    def __init__(self, columns, width=10, file=None, formats=None):
+    def __init__(self, columns, width=10, file=None, formats=None, widths=None):
         self.columns = list(columns)
-        self.widths = {c: max(width, len(c) + 1) for c in self.columns}
+        self.widths = {c: max((widths or {}).get(c, width), len(c) + 1) for c in self.columns}
         self.file = file or sys.stdout
         self.formats = formats or {}
         self.rows = []
@@ -132,15 +133,30 @@ class Table:
         if value is None:           # not measured in this row (an epoch not evaluated)
             value = "-"
         elif isinstance(value, float):
-            value = format(value, self.formats.get(key, ".4f"))
+            value = fit(value, self.widths[key] - 1, self.formats.get(key, ".4f"))
         self.widths[key] = max(self.widths[key], len(str(value)) + 1)
         return str(value).rjust(self.widths[key])
 
     def append(self, row):
-        if not self.rows:
-            print("".join(c.rjust(self.widths[c]) for c in self.columns), file=self.file, flush=True)
+        if not self.rows:       # [1:]: the first column needs no space before it
+            print("".join(c.rjust(self.widths[c]) for c in self.columns)[1:], file=self.file, flush=True)
         self.rows.append(dict(row))
-        print("".join(self._fmt(c, row.get(c, "")) for c in self.columns), file=self.file, flush=True)
+        print("".join(self._fmt(c, row.get(c, "")) for c in self.columns)[1:], file=self.file, flush=True)
+
+
+def fit(value, width, spec=".4f"):
+    """value as `spec` formats it (a fixed-point spec with fewer decimals where needed) in at most width characters,
+    showing a digit other than 0 of a value not 0; else in scientific notation, with as many digits as fit."""
+    decimals = int(spec[1:-1]) if spec.startswith(".") and spec.endswith("f") else None
+    for spec in [f".{d}f" for d in range(decimals, -1, -1)] if decimals is not None else [spec]:
+        text = format(value, spec)
+        if len(text) <= width and (value == 0 or not math.isfinite(value) or float(text) != 0):
+            return text
+    for digits in range(max(width - 6, 0), 0, -1):
+        text = f"{value:.{digits}e}"
+        if len(text) <= width:
+            return text
+    return f"{value:.0e}"
 
 
 def close_progress():

@@ -43,10 +43,11 @@ class Augment:
     """torchvision's random-resized crops of the whole image (their area and aspect ratio ranges), a random flip,
     and brightness, contrast and saturation jitter of +- jitter."""
     PREFIX = ""
-    crop_scale: tuple = numbers((0.08, 1.0), above=0, high=1)
-    crop_ratio: tuple = numbers((3 / 4, 4 / 3), above=0)
-    flip: bool = knob(True)
-    jitter: float = knob(0.0, low=0)
+    crop_scale: tuple = numbers((0.08, 1.0), above=0, high=1, doc="the random-resized crops' area, a range of "
+                                "fractions of the image")
+    crop_ratio: tuple = numbers((3 / 4, 4 / 3), above=0, doc="the random-resized crops' aspect ratio, a range")
+    flip: bool = knob(True, doc="random horizontal flips")
+    jitter: float = knob(0.0, low=0, doc="brightness, contrast and saturation jitter of +- this (0: none)")
 
     def __post_init__(self):
         check_own(self)
@@ -63,9 +64,10 @@ class Validation:
     """What validation sees (val_view): the centre crop of side crop x the shorter side resized to res
     (crop 0: the whole image, shorter side res); tta flip adds each image's mirror."""
     PREFIX = "val"
-    res: int = knob(256, above=0, whole=True)
-    crop: float = knob(0.875, low=0, high=1)
-    tta: str = knob("flip", choices=("none", "flip"), flag="tta")
+    res: int = knob(256, above=0, whole=True, doc="validation's shorter side, in pixels")
+    crop: float = knob(0.875, low=0, high=1, doc="validation's centre crop, a fraction of the shorter side (0: the "
+                       "whole image)")
+    tta: str = knob("flip", choices=("none", "flip"), flag="tta", doc="flip: each validation image and its mirror")
 
     def __post_init__(self):
         check_own(self)

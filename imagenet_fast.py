@@ -1,10 +1,10 @@
 """The CIFAR-10 speed-run loop at ImageNet scale, on one GPU or, under torchrun, on many.
 
-    python imagenet_fast.py prepare --src /data/imagenet --dst /data/in500            # JPEG, longer side <= 500
+    python imagenet_fast.py prepare --src /data/imagenet --dst /data/in500   # JPEG, max side 500
     python imagenet_fast.py train --store /data/in500 --recipe rn50_16ep --out rn50.json
     python imagenet_fast.py prepare --src /data/imagenet --dst /data/in128 --format raw --size 128
     python imagenet_fast.py train --list-recipes
-    python imagenet_fast.py train --store S --device cpu --recipe tiny --epochs 2       # CPU demo
+    python imagenet_fast.py train --store S --device cpu --recipe tiny --epochs 2    # CPU demo
 
 `prepare` writes an ImageFolder tree (train/<class>/*, val/<class>/*) once, in worker processes, into a store that
 `train` memory-maps (imagenet_store.py; docs/imagenet.md gives the format). `train` draws random-resized crops of
@@ -13,7 +13,6 @@ the whole image, decodes them on the GPU or in the CPU's worker processes, and a
 holds the training loop (train_run) and the command line; the networks, the optimiser and the memory they take are
 imagenet_models.py's, the checkpoints imagenet_checkpoints.py's.
 """
-import argparse
 import contextlib
 import errno
 import io
@@ -30,9 +29,10 @@ import torch.nn.functional as F
 import devices
 import scaling
 import training
-from cli import add_run_flags, check_run, ctrl_c_exit, interrupted, join_ranks, lost_peer, phase_of, run_record
-from core import (DataError, Heartbeat, Parser, Table, UsageError, check_output, exit_now, print_summary,
-                  say_error, summarize_runs, with_progress, write_result)
+from cli import (HelpFormatter, add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, lost_peer,
+                 phase_of, recipe_list, run_record)
+from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_now, print_summary, say_error,
+                  summarize_runs, with_progress, write_result)
 from distributed import (barrier, checkpoint_writers, leave, leave_together, print0, register_comm_hook,
                          sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
@@ -44,7 +44,7 @@ from optim import set_lr
 from schedules import epoch_plans, plan, step_lr
 from settings import add_flags, changes_from, flag_error, flat, one_of
 from torch_backend import set_ghost_groups
-from training import EpochClock, averaging, check_finite_loss, evaluation_model, run_seeds
+from training import EpochClock, averaging, check_finite_loss, epoch_table, evaluation_model, run_seeds
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -52,6 +52,7 @@ from training import EpochClock, averaging, check_finite_loss, evaluation_model,
 
 COLUMNS = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
            "total_time", "decode"]      # decode: imagenet_data.decode_text, which of nvJPEG's paths took the images
+SMALL_STORE = 10_000      # more training images than this: the CPU warning suggests a smaller store
 PROGRESS_AFTER_S = 5.0    # an epoch that looks longer shows its steps on stderr
 
 
@@ -272,73 +273,97 @@ def warmup(r, data, *, device, dtype, world=1):
 
 TRAIN = """Train a recipe on a store, on one GPU or under torchrun on many.
 
---batch-size is the global batch, split over the GPUs, and the rate per --lr-scale-base images of it, but for:
-  FFCV's recipes (rn50_*, rn18_*), which train FFCV's batch on each GPU (512; 1024 for ResNet-18) at FFCV's rate
-    (1.7; 0.5) whatever the number of GPUs, as FFCV's train_imagenet.py does (--per-gpu-batch true, --lr-scaling
-    none; --lr-scaling linear --lr 0.10625 keeps FFCV's rate per image instead);
-  phase tables (--phases: fast.ai's recipes, Mikami et al.'s), whose rows give each phase's global batch and rate.
---accumulate K steps on each rank's batch in K micro-batches, --bn-workers W normalises groups of global batch / W.
+--batch-size is the global batch, split over the GPUs, and the rate per --lr-scale-base images of
+it, but for:
+  FFCV's recipes (rn50_*, rn18_*), which train FFCV's batch on each GPU (512; 1024 for ResNet-18)
+    at FFCV's rate (1.7; 0.5) whatever the number of GPUs, as FFCV's train_imagenet.py does
+    (--per-gpu-batch true, --lr-scaling none; --lr-scaling linear --lr 0.10625 keeps FFCV's rate
+    per image instead);
+  phase tables (--phases: fast.ai's recipes, Mikami et al.'s), whose rows give each phase's global
+    batch and rate.
+--accumulate K steps on each rank's batch in K micro-batches, --bn-workers W normalises groups of
+global batch / W.
 """
 
 
 def parse_args(argv=None):
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    pp = sub.add_parser("prepare", help="decode an ImageFolder tree into a store")
-    pp.add_argument("--src", required=True, help="folder with train/<class>/* and val/<class>/*")
-    pp.add_argument("--dst", required=True, help="store folder to write (resumes if partly written)")
-    pp.add_argument("--format", default="jpeg", type=one_of(FORMATS),
-                    help="jpeg: whole images, longer side <= --max-side, for full-quality training (default); "
-                         "raw: uint8 pixels at --size, for low-resolution work")
-    pp.add_argument("--max-side", type=int, default=500, help="jpeg: longest side kept (default 500, as FFCV)")
-    pp.add_argument("--quality", type=int, default=90, help="jpeg: quality of re-encoded images (default 90)")
-    pp.add_argument("--size", type=int, default=128, help="raw: shorter side of stored images (default 128)")
-    pp.add_argument("--workers", type=int, default=None, help="encoding processes (default: CPU count)")
-    pp.add_argument("--shard-size", type=int, default=1000, help="images per shard, the unit of resumption")
-    pp.add_argument("--max-aspect", type=float, default=2.0, help="longest val aspect kept (default 2)")
-    pp.add_argument("--max-shards", type=int, default=None, help="stop after decoding this many new shards")
-    pp.add_argument("--exif-transpose", action="store_true",
-                    help="store an image that carries an EXIF orientation upright, re-encoded (default: as its pixels "
-                         "lie; prepare counts such images)")
+    args = parser().parse_args(argv)
+    return args, changes_from(args, Recipe) if args.command == "train" else {}
 
-    tp = sub.add_parser("train", help="train on a store", description=TRAIN,
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    tp.add_argument("--store", help="a folder written by prepare")
-    tp.add_argument("--recipe", default="rn50_16ep", help="recipe name (default rn50_16ep; see --list-recipes)")
+
+def parser():
+    """The command line's parser: prepare's flags, train's (its own, the runs' and the recipe's settings), and
+    simulate (scaling.py's own)."""
+    p = Parser(description=__doc__, formatter_class=HelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    pp = sub.add_parser("prepare", help="decode an ImageFolder tree into a store", formatter_class=HelpFormatter)
+    pp.add_argument("--src", required=True, metavar="FOLDER",
+                    help="a folder of train/<class>/* and val/<class>/* (required)")
+    pp.add_argument("--dst", required=True, metavar="FOLDER",
+                    help="the store folder to write; a partly written one is resumed (required)")
+    pp.add_argument("--format", default="jpeg", type=one_of(FORMATS), metavar="{" + ",".join(FORMATS) + "}",
+                    help="jpeg: whole images, longer side <= --max-side, for full-quality training; raw: uint8 "
+                         "pixels at --size, for low-resolution work (default: jpeg)")
+    pp.add_argument("--max-side", type=int, default=500, metavar="N",
+                    help="jpeg: the longest side kept, in pixels (default: 500, as FFCV's)")
+    pp.add_argument("--quality", type=int, default=90, metavar="N",
+                    help="jpeg: the JPEG quality of re-encoded images (default: 90)")
+    pp.add_argument("--size", type=int, default=128, metavar="N",
+                    help="raw: the stored images' shorter side, in pixels (default: 128)")
+    pp.add_argument("--workers", type=int, default=None, metavar="N",
+                    help="encoding processes (default: the CPU count)")
+    pp.add_argument("--shard-size", type=int, default=1000, metavar="N",
+                    help="images per shard, the unit a resumed prepare starts from (default: 1000)")
+    pp.add_argument("--max-aspect", type=float, default=2.0, metavar="X",
+                    help="raw: validation images' longer side capped at this x --size (default: 2)")
+    pp.add_argument("--max-shards", type=int, default=None, metavar="N",
+                    help="stop after decoding this many new shards (default: every shard)")
+    pp.add_argument("--exif-transpose", action="store_true",
+                    help="store an image that carries an EXIF orientation upright, re-encoded (default: off: as its "
+                         "pixels lie; prepare counts such images)")
+
+    tp = sub.add_parser("train", help="train on a store", description=TRAIN, formatter_class=HelpFormatter,
+                        usage="%(prog)s --store FOLDER [--recipe NAME] [options] [--SETTING VALUE ...]")
+    tp.add_argument("--store", metavar="FOLDER", help="a folder written by prepare (required, but for --list-recipes and --print-recipe)")
+    tp.add_argument("--recipe", default="rn50_16ep", metavar="NAME",
+                    help="what to train (--list-recipes) (default: rn50_16ep)")
     tp.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
     tp.add_argument("--print-recipe", action="store_true",
                     help="print the recipe's every setting (with the flags given) as the command that trains it, and "
                          "exit")
     tp.add_argument("--data-on", default="auto", choices=["auto", "device", "host"],
-                    help="where a raw store lives (auto: on the device if it fits beside training)")
+                    help="where a raw store lives (default: auto: on the device if it fits beside training)")
     tp.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
-                    help="where a JPEG store is decoded (auto: nvJPEG on a CUDA GPU, else the CPU's worker processes; "
-                         "nvimgcodec: nvImageCodec on the GPU, decoding just each crop, pip install "
-                         "nvidia-nvimgcodec-cu12 or -cu13)")
-    tp.add_argument("--loader-workers", type=int, default=None,
+                    metavar="{" + ",".join(devices.DECODERS) + "}",
+                    help="where a JPEG store is decoded; nvimgcodec: nvImageCodec on the GPU, decoding just each "
+                         "crop (pip install nvidia-nvimgcodec-cu12 or -cu13) (default: auto: nvJPEG on a CUDA GPU, "
+                         "else the CPU's worker processes)")
+    tp.add_argument("--loader-workers", type=int, default=None, metavar="N",
                     help="CPU decoding processes per training process (default: its share of the node's cores, "
                          "less one for the training thread and one for the reader thread; at least 1)")
-    tp.add_argument("--target", type=float, default=None,
-                    help="top-1 whose first epoch stops the clock (default 0.75; a recipe with a --target-top5 stops "
-                         "it at that top-5 instead)")
-    tp.add_argument("--checkpoint", default=None, help="checkpoint file, written atomically after every epoch")
+    tp.add_argument("--target", type=float, default=None, metavar="X",
+                    help="the top-1 whose first epoch stops the clock (default: 0.75; a recipe with a --target-top5 "
+                         "stops it at that top-5 instead)")
+    tp.add_argument("--checkpoint", default=None, metavar="FILE",
+                    help="a checkpoint file, written atomically after every epoch (default: none)")
     tp.add_argument("--checkpoint-on", default="each-node", choices=["each-node", "shared"],
-                    help="under torchrun on several nodes, where --checkpoint lies: each-node (default; a node-local "
-                         "path): every node's first process keeps its node's copy current; shared (a path every node "
-                         "sees): rank 0 alone writes it")
+                    help="under torchrun on several nodes, where --checkpoint lies: each-node (a node-local path): "
+                         "every node's first process keeps its node's copy current; shared (a path every node sees): "
+                         "rank 0 alone writes it (default: each-node)")
     tp.add_argument("--resume", action="store_true",
                     help="continue from the newest --checkpoint that any rank finds (none anywhere: a line says so, "
-                         "and the run starts afresh)")
-    tp.add_argument("--out", default=None, help="write the recipe, environment, rows and summary as JSON")
-    tp.add_argument("--interrupt-after-epoch", type=int, default=None,
-                    help=f"exit with status {INTERRUPTED} right after this epoch's checkpoint, as a preempted job "
-                         "would; a restart with --resume (or torchrun --max-restarts) continues from it")
+                         "and the run starts afresh) (default: off)")
+    tp.add_argument("--out", default=None, metavar="FILE",
+                    help="write the recipe, environment, rows and summary there as JSON (default: none)")
+    tp.add_argument("--interrupt-after-epoch", type=int, default=None, metavar="N",
+                    help=f"exit with status {INTERRUPTED} right after epoch N's checkpoint, as a preempted job "
+                         "would; a restart with --resume (or torchrun --max-restarts) continues from it (default: "
+                         "none)")
     add_run_flags(tp)
     add_flags(tp, Recipe, recipe=RN50_16EP)
     sub.add_parser("simulate", add_help=False,
                    help="project step time and scaling efficiency over many GPUs (as python scaling.py)")
-    args = p.parse_args(argv)
-    return args, changes_from(args, Recipe) if args.command == "train" else {}
+    return p
 
 
 def main_prepare(args):
@@ -400,7 +425,7 @@ BEFORE_TRAINING = {"open_store": "opening the store", "place_data": "placing the
 
 def main_train(args, changes, argv):
     if args.list_recipes:
-        print("\n".join(f"{name:12s} {r.doc}" for name, r in RECIPES.items()))
+        print(recipe_list(RECIPES))
         return 0
     try:
         r = recipe(args.recipe, **changes)
@@ -434,14 +459,15 @@ def run(args, r, *, ctx, argv):
         say(f"note: {r.batch_size} images on each GPU, {r.batch_size * ctx.world_size} a step on {ctx.world_size}, at lr "
             f"{r.schedule.lr:g} whatever the number of GPUs, as FFCV's train_imagenet.py trains (--lr-scaling linear "
             "scales the rate with the images of a step instead)", file=sys.stderr)
-    if devices.is_cpu(device) and ctx.is_main:
-        print("warning: no GPU in use: training on the CPU in float32, which is slow; for a demonstration use "
-              "a small store, --model resnet_tiny and few --epochs", file=sys.stderr)
     try:
         plans = epoch_plans(r, ctx.world_size)   # a schedule that does not divide over the ranks fails here
         decoder = devices.jpeg_decoder(device, args.decoder)
         store = open_store(args.store)
         check_classes(store, args.store)
+        if devices.is_cpu(device) and ctx.is_main:
+            taken = {"a small store": len(store.train) <= SMALL_STORE, "few --epochs": args.epochs is not None,
+                     "--model resnet_tiny": r.network.model == "resnet_tiny"}
+            print(cpu_warning([way for way, done in taken.items() if not done]), file=sys.stderr)
         data = place_data(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
         check_batch(r, world=ctx.world_size, n_train=len(store.train))    # placed first: only a tiny store fails it
     except (ValueError, DataError) as e:         # UsageError is a ValueError
@@ -545,8 +571,7 @@ def train_runs(args, r, data, *, ctx, argv, store):
         seed, epochs = args.seed + k, []
         if args.runs > 1:
             print0(f"run {k + 1}/{args.runs} (seed {seed})")
-        table = Table(COLUMNS, width=11, formats={"epoch_time": ".2f", "total_time": ".2f"},
-                      file=None if ctx.is_main else io.StringIO())
+        table = epoch_table(COLUMNS, file=None if ctx.is_main else io.StringIO())
         checkpoint = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
         try:
             result = train_run(r, data, replace(o, checkpoint=checkpoint), ctx=ctx, seed=seed,

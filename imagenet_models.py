@@ -26,7 +26,8 @@ MODELS = ("resnet_tiny", "resnet18", "resnet34", "resnet50", "resnet101")
 class NetworkSettings:
     """torchvision's ResNets (resnet_tiny: ours, for tests and CPU demonstrations)."""
     PREFIX = ""
-    model: str = knob("resnet50", choices=MODELS)
+    model: str = knob("resnet50", choices=MODELS, doc="torchvision's ResNets; resnet_tiny: ours, for tests and CPU "
+                      "demonstrations")
     width: int = knob(16, above=0, whole=True, doc="resnet_tiny's first stage's channels")
     blurpool: bool = knob(True, doc="a blur before each strided convolution (Zhang 2019; FFCV)")
     zero_init: bool = knob(False, doc="each residual block's last batch-norm scale starts at 0 (Goyal et al.)")
@@ -92,10 +93,10 @@ def build_model(r, num_classes):
 class SGDSettings:
     """Momentum SGD, with no weight decay on batch norm and biases, and label smoothing of the loss."""
     PREFIX = ""
-    momentum: float = knob(0.9, low=0, high=1)
-    nesterov: bool = knob(False)
-    weight_decay: float = knob(1e-4, low=0)
-    label_smoothing: float = knob(0.1, low=0, high=1)
+    momentum: float = knob(0.9, low=0, high=1, doc="SGD's momentum")
+    nesterov: bool = knob(False, doc="Nesterov's momentum")
+    weight_decay: float = knob(1e-4, low=0, doc="the weight decay (none on batch norm and biases)")
+    label_smoothing: float = knob(0.1, low=0, high=1, doc="the loss's label smoothing (0: none)")
 
     def __post_init__(self):
         check_own(self)
@@ -105,7 +106,7 @@ class SGDSettings:
 class LARSSettings:
     """LARS (You et al. 2017) instead of SGD: each layer's step a fraction `trust` of its weights' norm."""
     PREFIX = "lars"
-    trust: float = knob(0.001, low=0)
+    trust: float = knob(0.001, low=0, doc="each layer's step as this fraction of its weights' norm")
 
     def __post_init__(self):
         check_own(self)
@@ -116,9 +117,9 @@ class RMSpropWarmup:
     """Akiba et al. 2017's RMSprop warm-up instead of plain SGD: RMSprop at rate lr handing over to momentum SGD,
     half done at epoch beta_center, over beta_period epochs (optim.RMSpropToSGD)."""
     PREFIX = "rmsprop"
-    lr: float = knob(1e-3, low=0)
-    beta_center: float = knob(10.0, low=0)
-    beta_period: float = knob(5.0, above=0)
+    lr: float = knob(1e-3, low=0, doc="RMSprop's rate in the warm-up")
+    beta_center: float = knob(10.0, low=0, doc="the epoch the hand-over to SGD is half done")
+    beta_period: float = knob(5.0, above=0, doc="epochs the hand-over takes")
 
     def __post_init__(self):
         check_own(self)

@@ -22,7 +22,7 @@ class Recipe:
     name: str = "custom"
     doc: str = ""
     notes: tuple = ()           # what a setting given changed in another, said before training
-    epochs: int = knob(16, above=0, high=MAX_EPOCHS, whole=True)
+    epochs: int = knob(16, above=0, high=MAX_EPOCHS, whole=True, doc="epochs to train")
     batch_size: int = knob(512, above=0, whole=True, doc="the global batch, split over the ranks (with "
                            "--per-gpu-batch true: each GPU's)")
     per_gpu_batch: bool = knob(False, doc="--batch-size is each GPU's batch, so the global batch grows with the GPUs "
@@ -34,14 +34,14 @@ class Recipe:
                            "per-GPU batch of a paper's bn_workers GPUs, whatever the GPUs here (ghost batch norm); "
                            "0: over each micro-batch")
     network: NetworkSettings = always_present(NetworkSettings())
-    schedule: Schedule = always_present(Schedule())
-    resolution: Resolution = always_present(Resolution())
-    augment: Augment = always_present(Augment())
+    schedule: Schedule = always_present(Schedule(), title="learning rate")
+    resolution: Resolution = always_present(Resolution(), title="resolution and batch")
+    augment: Augment = always_present(Augment(), title="augmentation")
     validation: Validation = always_present(Validation())
-    sgd: SGDSettings = always_present(SGDSettings())
-    lars: LARSSettings = component(LARSSettings)
-    rmsprop: RMSpropWarmup = component(RMSpropWarmup)
-    ema: EMA = component(EMA)
+    sgd: SGDSettings = always_present(SGDSettings(), title="SGD")
+    lars: LARSSettings = component(LARSSettings, title="LARS")
+    rmsprop: RMSpropWarmup = component(RMSpropWarmup, title="RMSprop warm-up")
+    ema: EMA = component(EMA, title="EMA")
     lookahead: Lookahead = component(Lookahead)
     target_top5: float = knob(0.0, low=0, high=1, doc="the top-5 accuracy whose first epoch stops the clock, instead "
                               "of --target's top-1 (fast.ai: 0.93); 0: none")

@@ -70,13 +70,13 @@ class MuonSettings:
     """Muon (Jordan et al. 2024) for the convolutions' filters: momentum orthogonalised by Newton-Schulz."""
     PREFIX = "muon"
     lr: float = knob(0.24, low=0, doc="at the schedule's peak")
-    momentum: float = knob(0.6, low=0, high=1)
-    ns_steps: int = knob(3, low=0, whole=True)
+    momentum: float = knob(0.6, low=0, high=1, doc="Muon's momentum")
+    ns_steps: int = knob(3, low=0, whole=True, doc="Newton-Schulz iterations per step")
     ns_coeffs: tuple = numbers(MUON_COEFFS, doc="Newton-Schulz's a, b, c: X <- aX + bAX + cA²X, A = XXᵀ")
     renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="every k steps, k growing from the first to the "
                                "second over the run, the filters back to their norm (0: never)")
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
-    momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"))
+    momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"), doc="the dtype of Muon's momentum buffers")
     batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call (the record)")
     foreach: bool = knob(True, doc="momentum, update, renormalisation and decay as foreach operations over the "
                                     "banks: the same numbers in a few launches")
@@ -412,9 +412,9 @@ class SGDSettings:
     PREFIX = ""
     lr_units: str = knob("myrtle", choices=("myrtle", "decoupled", "sum"), doc="myrtle: per image; decoupled: per "
                          "1024 images over the Nesterov gain (Jordan 2024); sum: torch's (airbench94_muon)")
-    momentum: float = knob(0.9, low=0, high=1)
-    nesterov: bool = knob(True)
-    weight_decay: float = knob(5e-4, low=0)
+    momentum: float = knob(0.9, low=0, high=1, doc="SGD's momentum")
+    nesterov: bool = knob(True, doc="Nesterov's momentum")
+    weight_decay: float = knob(5e-4, low=0, doc="the weight decay (in --lr-units)")
     bias_lr_mult: float = knob(1.0, low=0, doc="batch norm's biases learn at this times the rate")
     compile_optimizer: bool = knob(False, doc="SGD's and Muon's steps as one function of foreach operations, the "
                                    "rates 0-d tensors (SGDAndMuon), compiled on CUDA")

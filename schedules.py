@@ -70,8 +70,9 @@ class LRSettings:
     """The learning rate over the run: linear between knots (fractions of the run) and values (in the units of
     SGDSettings.lr_units); --epochs stretches it with the run."""
     PREFIX = "lr"
-    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1)
-    values: tuple = knob((0.0, 0.4, 0.0), low=0)
+    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1, doc="where the rate's linear pieces meet, as fractions of the "
+                        "run")
+    values: tuple = knob((0.0, 0.4, 0.0), low=0, doc="the rate at each knot (in --lr-units)")
 
     def check(self):
         if len(self.knots) != len(self.values):
@@ -98,12 +99,15 @@ class Schedule:
     warm-up from warmup_start of it, then linear to 0, cosine, x0.1 at each of step_epochs, or Akiba et al.'s slow
     start; or a phase table (schedules.Phase), which sets each phase's resolution, batch, rate, crops and validation."""
     PREFIX = ""
-    lr: float = knob(0.10625, low=0)
-    lr_scale_base: int = knob(256, above=0, whole=True)
-    warmup_epochs: float = knob(2.0, low=0)
-    warmup_start: float = knob(0.0, low=0, high=1)
-    schedule: str = knob("linear", choices=("linear", "cosine", "step", "slow_start"))
-    step_epochs: tuple = knob((30.0, 60.0, 80.0), low=0)
+    lr: float = knob(0.10625, low=0, doc="the rate after the warm-up (per --lr-scale-base images with --lr-scaling "
+                     "linear)")
+    lr_scale_base: int = knob(256, above=0, whole=True, doc="the images --lr is a rate per")
+    warmup_epochs: float = knob(2.0, low=0, doc="epochs of linear warm-up to --lr")
+    warmup_start: float = knob(0.0, low=0, high=1, doc="where the warm-up starts, as a fraction of --lr")
+    schedule: str = knob("linear", choices=("linear", "cosine", "step", "slow_start"), doc="the rate after the "
+                         "warm-up: linear to 0, cosine, x0.1 at each --step-epochs, or Akiba et al.'s")
+    step_epochs: tuple = knob((30.0, 60.0, 80.0), low=0, doc="with --schedule step: the epochs where the rate drops "
+                              "x0.1")
     lr_scaling: str = knob("linear", choices=("linear", "none"), doc="linear: lr is per --lr-scale-base images of the "
                            "global batch (Goyal et al.); none: lr is the optimiser's rate, whatever the batch and the "
                            "number of GPUs (FFCV's script, fast.ai's tables)")
@@ -164,13 +168,14 @@ class Resolution:
     steps of res_step) and batch (the global batch_size, larger at lower resolutions with batch_scale, or Mikami et
     al.'s batch-size control: (epoch, global batch) pairs)."""
     PREFIX = ""
-    min_res: int = knob(160, above=0, whole=True)
-    max_res: int = knob(192, above=0, whole=True)
-    res_start_epoch: int = knob(11, low=0, whole=True)
-    res_end_epoch: int = knob(13, low=0, whole=True)
-    res_step: int = knob(32, above=0, whole=True)
-    batch_scale: bool = knob(False)
-    batch_schedule: tuple = knob((), low=0, whole=True)
+    min_res: int = knob(160, above=0, whole=True, doc="the training resolution until --res-start-epoch")
+    max_res: int = knob(192, above=0, whole=True, doc="the training resolution from --res-end-epoch")
+    res_start_epoch: int = knob(11, low=0, whole=True, doc="the epoch the resolution starts to grow")
+    res_end_epoch: int = knob(13, low=0, whole=True, doc="the epoch it reaches --max-res")
+    res_step: int = knob(32, above=0, whole=True, doc="resolutions rounded to a multiple of this")
+    batch_scale: bool = knob(False, doc="larger batches at lower resolutions, by the pixels saved")
+    batch_schedule: tuple = knob((), low=0, whole=True, doc="Mikami et al.'s batch-size control: epoch,global batch "
+                                 "pairs from epoch 0 (empty: none)")
 
     def __post_init__(self):
         check_own(self)

@@ -29,14 +29,15 @@ def numbers(default, **limits):
     return dataclasses.field(default=default, metadata={**f.metadata, "length": len(default)})
 
 
-def component(cls, default=None):
-    """A field holding a technique's settings, of class cls, or None where the recipe leaves it out."""
-    return dataclasses.field(default=default, metadata={"component": cls})
+def component(cls, default=None, *, title=None):
+    """A field holding a technique's settings, of class cls, or None where the recipe leaves it out; title: its
+    flags' heading in --help (default: the field's name)."""
+    return dataclasses.field(default=default, metadata={"component": cls, "title": title})
 
 
-def always_present(default):
+def always_present(default, *, title=None):
     """A field holding settings every recipe has (the network, its batch norm): a component never left out."""
-    return dataclasses.field(default=default, metadata={"component": type(default), "always": True})
+    return dataclasses.field(default=default, metadata={"component": type(default), "always": True, "title": title})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,35 +317,60 @@ def one_of(choices):
     return checked(str, tuple(choices))
 
 
-def add_flags(parser, recipe_class, title="settings (change the recipe's)", *, recipe=None):
-    """One flag per setting of recipe_class (--whiten-eps for whiten_eps); a switch takes true or false. Each help
-    says what the flag takes and the value of `recipe` (the default recipe), or that it leaves the technique out."""
-    group = parser.add_argument_group(title)
+def add_flags(parser, recipe_class, *, recipe):
+    """One flag per setting of recipe_class (--whiten-eps for whiten_eps; a switch takes true or false), under a
+    heading per technique, each help saying what the setting does and its value in `recipe` (the default recipe), or
+    that the recipe leaves its technique out and the value it takes when turned on."""
+    fields = {f.name: f for f in dataclasses.fields(recipe_class)}
+    groups = {None: parser.add_argument_group("training settings", f"Each flag from here on changes a setting of the "
+                                              f"recipe; the defaults are {recipe.name}'s (--recipe NAME "
+                                              "--print-recipe prints another recipe's).")}
     for leaf in leaves(recipe_class):
-        f, choices = leaf.field, leaf.field.metadata.get("choices")
-        if "component" in f.metadata:
-            convert, help_ = converter(dataclasses.field(default=True)), "switch this technique on or off"
-        else:
-            convert = converter(f)
-            help_ = f.metadata.get("doc") or ("" if choices is not None else KINDS.get(convert.__name__, ""))
-            if choices is not None:
-                help_ += f" (one of {one_of_text(choices)})"
-            elif isinstance(f.default, tuple) and f.metadata.get("doc"):
-                help_ += " (numbers separated by commas)"
-        group.add_argument("--" + leaf.name.replace("_", "-"), dest=leaf.name, default=None,
-                           type=checked(convert, choices if "component" not in f.metadata else None),
-                           help=help_ + (f" [{recipe_value(recipe, leaf)}]" if recipe is not None else ""))
+        top = fields[leaf.path[0]]
+        key = top.name if "component" in top.metadata else None
+        if key not in groups:
+            title = top.metadata.get("title") or key.replace("_", " ")
+            groups[key] = parser.add_argument_group(f"{title} settings")
+        f = leaf.field
+        switch = "component" in f.metadata
+        groups[key].add_argument("--" + leaf.name.replace("_", "-"), dest=leaf.name, default=None,
+                                 type=checked(converter(dataclasses.field(default=True) if switch else f),
+                                              None if switch else f.metadata.get("choices")),
+                                 metavar=metavar(f, switch),
+                                 help=f"{flag_doc(leaf, switch)} (default: {recipe_value(recipe, leaf)})")
+
+
+def flag_doc(leaf, switch):
+    """What a setting does, for its flag's help: its knob's doc (a switch: its class's docstring, to the first colon),
+    with the value that leaves its technique out, if any; else what it takes."""
+    if switch:
+        return " ".join(leaf.field.metadata["component"].__doc__.split(":")[0].split()) + ", on or off"
+    doc = leaf.field.metadata.get("doc") or KINDS[converter(leaf.field).__name__]
+    off = getattr(leaf.owners[-1], "OFF", None)
+    return doc + (f" ({show(off[1])}: off)" if off and leaf.path[-1] == off[0] else "")
+
+
+def metavar(f, switch):
+    """What a setting's flag takes, in --help: N (whole numbers), X, X,X (a tuple of two), X,... (of any length),
+    true|false, or its choices."""
+    if switch or isinstance(f.default, bool):
+        return "true|false"
+    if f.metadata.get("choices") is not None:
+        return "{" + ",".join(show(c) or "''" for c in f.metadata["choices"]) + "}"
+    if isinstance(f.default, tuple):
+        return ",".join(["X"] * f.metadata["length"]) if f.metadata.get("length") else "X,..."
+    return "N" if f.metadata.get("whole") else "WORD" if isinstance(f.default, str) else "X"
 
 
 def recipe_value(recipe, leaf):
-    """A setting's value in recipe, for a flag's help: "myrtle24: 0,0.4,0", or where the recipe leaves its technique
-    out "myrtle24: off; on: 0.01" (the value it takes when turned on)."""
-    value, switch = get(recipe, leaf.path), "component" in leaf.field.metadata
-    if switch:
-        return f"{recipe.name}: {'off' if value is None else 'on'}"
-    if get(recipe, leaf.path[:-1]) is None:
-        return f"{recipe.name}: off; on: {exact(leaf.field.default) or repr('')}"
-    return f"{recipe.name}: {exact(value) or repr('')}"
+    """A setting's value in recipe, for a flag's help: "0,0.4,0", or where the recipe leaves its technique out
+    "off; on: 0.01" (the value it takes when turned on); a switch "on" or "off"."""
+    if "component" in leaf.field.metadata:
+        return "off" if get(recipe, leaf.path) is None else "on"
+    off = get(recipe, leaf.path[:-1]) is None
+    value = leaf.field.default if off else get(recipe, leaf.path)
+    text = "none" if value == () else exact(value) or repr("")
+    return f"off; on: {text}" if off else text
 
 
 def as_flags(tree, *, skip=()):

@@ -28,12 +28,13 @@ ACTIVATIONS = {"relu": lambda net: nn.ReLU(inplace=True), "celu": lambda net: nn
 class NetworkSettings:
     """The network: Myrtle's ResNet-9 and ResNet-18, or the three-block fastnet (Jordan 2024); MODELS below."""
     PREFIX = ""
-    model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"))
+    model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"), doc="fastnet: the three-block network of "
+                      "Jordan 2024")
     width: float = knob(1.0, above=0, doc="every layer's channels x this")
     block_widths: tuple = numbers((64, 256, 256), above=0, whole=True, doc="fastnet's three blocks' channels")
     block_depth: int = knob(2, choices=(2, 3), doc="fastnet's convolutions per block (3: airbench96's residual)")
-    act: str = knob("relu", choices=tuple(ACTIVATIONS))
-    celu_alpha: float = knob(0.3, above=0)
+    act: str = knob("relu", choices=tuple(ACTIVATIONS), doc="the activation after each batch norm")
+    celu_alpha: float = knob(0.3, above=0, doc="CELU's alpha (with --act celu)")
     pool_first: bool = knob(False, doc="max-pool before batch norm (Myrtle): the same maths on 4x fewer pixels")
     dirac_init: bool = knob(False, doc="convolutions start as the identity (Jordan 2024)")
     output_scale: float = knob(0.125, above=0, doc="the logits x this")
@@ -99,7 +100,7 @@ class BatchNormSettings:
     """Batch norm, with two of Myrtle's tricks: ghost batches and frozen scales."""
     PREFIX = "bn"
     momentum: float = knob(0.1, low=0, high=1, doc="PyTorch's convention: the new batch's weight")
-    eps: float = knob(1e-5, above=0)
+    eps: float = knob(1e-5, above=0, doc="added to the batch variance")
     ghost_batch: int = knob(0, low=0, whole=True, doc="statistics over groups of this many images (0: the batch)")
     ghost_grouping: str = knob("interleaved", choices=GhostBatchNorm.GROUPINGS, doc="interleaved: image i in "
                                "group i mod (batch / ghost_batch), as Myrtle's; consecutive: images in order")
@@ -207,7 +208,7 @@ WHITENING_FITS = {f.name: f for f in (
 class WhiteningBiasSettings:
     """The whitening layer's bias: trained for its first `epochs`, then detached (airbench94)."""
     PREFIX = "bias"
-    epochs: float = knob(3.0, low=0)
+    epochs: float = knob(3.0, low=0, doc="epochs it trains before it is detached")
     lr_mult: float = knob(1.0, low=0, doc="its rate: the schedule's x this")
     init: str = knob("zero", choices=("zero", "default"), doc="default: the convolution's own (airbench94_muon)")
     decay: str = knob("none", choices=("none", "linear"), doc="linear: from its peak to 0 over its epochs")
@@ -218,12 +219,13 @@ class WhiteningSettings:
     """Patch whitening (Myrtle 2018): a frozen first convolution whose filters whiten the training images' size x
     size patches, fitted at the start of each run, inside its clock."""
     PREFIX = "whiten"
-    size: int = knob(3, above=0, whole=True)
-    pad: int = knob(1, low=0, whole=True)
+    size: int = knob(3, above=0, whole=True, doc="the whitened patches' side, in pixels")
+    pad: int = knob(1, low=0, whole=True, doc="the whitening convolution's padding")
     both_signs: bool = knob(False, doc="each filter and its negative (Jordan 2024)")
     eps: float = knob(1e-2, low=0, doc="added to each eigenvalue")
     act: str = knob("", choices=("",) + tuple(ACTIVATIONS), doc="the activation after it ('': the network's)")
-    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS)
+    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS, doc="whose fit to copy: myrtle's "
+                             "(10,000 images, centred), airbench94's (5,000) or the record's (960, by SVD)")
     bias: WhiteningBiasSettings = component(WhiteningBiasSettings)
 
 
@@ -413,8 +415,10 @@ class TTASettings:
     selective TTA) of the images the plain pass is least sure of."""
     PREFIX = "tta"
     OFF = ("views", "none")
-    views: str = knob("flip", choices=("none", "flip", "flip_translate"), flag="tta")
-    fraction: float = knob(1.0, above=0, high=1)
+    views: str = knob("flip", choices=("none", "flip", "flip_translate"), flag="tta", doc="the final evaluation's "
+                      "views of each test image")
+    fraction: float = knob(1.0, above=0, high=1, doc="the share of test images, least sure first, that get every view "
+                           "(1: all)")
     weights: str = knob("airbench", choices=("airbench", "equal"), doc="airbench: the image and its mirror count "
                         "twice the shifted views; equal: their mean (the record)")
 

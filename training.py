@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import devices
-from core import DataError
+from core import DataError, Table
 from settings import knob
 
 
@@ -58,6 +58,13 @@ def check_finite_loss(mean_loss, *, epoch, hint):
     """Raises DataError (one line: the epoch, the loss, `hint` at the likely setting) unless mean_loss is finite."""
     if not math.isfinite(mean_loss):
         raise DataError(f"epoch {epoch}: the training loss is {mean_loss}; {hint}")
+
+
+def epoch_table(columns, file=None):
+    """The per-epoch table both scripts print (core.Table): accuracies and losses to 4 decimals, times to 2, each
+    column as wide as its name or its numbers, under 100 characters for either script's columns."""
+    return Table(columns, width=7, file=file, formats={"epoch_time": ".2f", "total_time": ".2f"},
+                 widths={"epoch": 6, "res": 4, "batch": 6, "lr": 8, "decode": 11})
 
 
 class EpochClock:
@@ -155,7 +162,7 @@ class EMA:
     PREFIX = "ema"
     OFF = ("momentum", 0.0)
     momentum: float = knob(0.99, low=0, high=1, doc="per step")
-    every: int = knob(5, above=0, whole=True)
+    every: int = knob(5, above=0, whole=True, doc="steps between updates of the average")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,8 +170,8 @@ class Lookahead:
     """Lookahead (Zhang et al. 2019) as weight averaging (Jordan 2024): the slow weights end the run."""
     PREFIX = "lookahead"
     OFF = ("momentum", 0.0)
-    momentum: float = knob(0.95, low=0, high=1)
-    every: int = knob(5, above=0, whole=True)
+    momentum: float = knob(0.95, low=0, high=1, doc="per step, scaled by (step / steps)^3 over the run")
+    every: int = knob(5, above=0, whole=True, doc="steps between the slow weights' updates")
 
 
 class ExponentialAverage:

@@ -1,16 +1,20 @@
 """Writes every results table of README.md and docs/*.md from results/ (and the scaling model's table in
 docs/scaling.md from scaling.py), so that no figure is typed by hand: each table sits between
 `<!-- report:NAME -->` and `<!-- /report:NAME -->` and is replaced whole; a piece with no result reads
-"not measured".
+"not measured". It draws README's picture too (FIGURE: our recipes' time per run beside the peers'), a PNG that
+carries the digest of what it draws, so that --check finds it stale without comparing pixels.
 
-    python benchmarks/report.py             # rewrite the tables
-    python benchmarks/report.py --check     # exit 1, naming the tables, if they differ from results/
+    python benchmarks/report.py             # rewrite the tables and redraw the figure
+    python benchmarks/report.py --check     # exit 1, naming the tables or the figure, if they differ from results/
 
 results/<device>/<piece>.json are written by benchmarks/suite.py (smoke results are never shown).
 """
 import argparse
 import difflib
+import hashlib
+import inspect
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -570,7 +574,102 @@ def t_coverage(results):
     return lines
 
 
-TABLES = {"tests": t_tests, "coverage": t_coverage, "env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling,
+# ----------------------------------------------------------------------------------------------
+# README's figure: time per run, ours beside the peer of each side-by-side piece
+
+FIGURE = "docs/figures/time_to_94.png"
+
+
+def figure_rows(results):
+    """For each side-by-side piece measured (on each device), our side then the peer's: what the figure draws, each
+    mean time per run with the 95% t-interval of the mean (time: training and final evaluation, as each side's
+    clock counts it)."""
+    from scipy.stats import t
+    rows = []
+    for recipe, peer in side_by_side_pieces():
+        for r in results.get(recipe, []):
+            if not (r["sides"][recipe]["runs"] and r["sides"].get(peer, {}).get("runs")):
+                continue
+            for name in (recipe, peer):
+                side, st = r["sides"][name], r["sides"][name]["stats"]
+                mean, std, n = st["time"]["mean"], st["time"]["std"], st["time"]["n"]
+                half = float(t.ppf(0.975, n - 1)) * std / math.sqrt(n) if n > 1 else 0.0
+                rows.append({"piece": recipe, "side": name, "ours": name == recipe, "device": device(r),
+                             "mean": round(mean, 6), "low": round(mean - half, 6), "high": round(mean + half, 6),
+                             "n": n_of(side).replace(" (partial, of", " of").rstrip(")"),
+                             "accuracy": pct(st["accuracy"], side.get("target")),
+                             "ratio": interval(r["time_ratio"]) if name == recipe and r.get("time_ratio") else None,
+                             "command": side["command"]})
+    return rows
+
+
+def figure_digest(rows):
+    """What the figure shows, as a digest: its rows and the code that draws them."""
+    text = json.dumps(rows, sort_keys=True) + inspect.getsource(draw_figure)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def draw_figure(rows, path):
+    """The figure as a PNG at path: a row per side, its mean time per run and 95% interval, ours above the peer
+    beside it; a fixed size and resolution and no date or software in its metadata, so the same rows give the same
+    file, which carries their digest (figure_digest)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    devices = sorted({row["device"] for row in rows})
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(rows)), dpi=110)
+    for y, row in enumerate(rows):
+        color = "tab:blue" if row["ours"] else "tab:gray"
+        ax.errorbar(row["mean"], y, xerr=[[row["mean"] - row["low"]], [row["high"] - row["mean"]]], fmt="o",
+                    color=color, capsize=4, markersize=5)
+        ratio = f"\n{row['ratio']} x the peer's time" if row["ratio"] else ""
+        ax.annotate(f"{row['mean']:.3f} s [{row['low']:.3f}, {row['high']:.3f}]{ratio}", (row["high"], y),
+                    xytext=(8, 0), textcoords="offset points", va="center", fontsize=8, color=color)
+    labels = [f"{row['side']}" + ("" if row["ours"] else f" (peer of {row['piece']})") + f"\nn = {row['n']}"
+              + (f", {row['device']}" if len(devices) > 1 else "") for row in rows]
+    ax.set_yticks(range(len(rows)), labels, fontsize=8)
+    for y in range(1, len(rows) - 1, 2):       # a line between one piece's pair and the next
+        ax.axhline(y + 0.5, color="0.85", linewidth=0.8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, 1.5 * max(row["high"] for row in rows))
+    ax.set_xlabel("seconds per run: training and final evaluation, mean and its 95% interval", fontsize=8)
+    ax.set_title(f"CIFAR-10 to a mean test accuracy of 94%, runs alternating with the peer's\non one "
+                 f"{', '.join(devices)}", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, metadata={"Software": None, "Description": figure_digest(rows)})
+    plt.close(fig)
+
+
+def figure_is_current(rows, path):
+    """Whether the PNG at path was drawn from these rows by this code (the digest it carries)."""
+    from PIL import Image
+    if not Path(path).is_file():
+        return False
+    with Image.open(path) as image:
+        return image.info.get("Description") == figure_digest(rows)
+
+
+def t_figure(results):
+    """README's figure and its caption: what it shows, on which device, n and the commands."""
+    rows = figure_rows(results)
+    if not rows:
+        return [f"Time per run beside the peers: {NM}."]
+    pairs = [(ours, peer) for ours, peer in zip(rows[::2], rows[1::2])]
+    sides = "; ".join(
+        f"{ours['side']} {ours['mean']:.3f} s [{ours['low']:.3f}, {ours['high']:.3f}] (n = {ours['n']}, accuracy "
+        f"{ours['accuracy']}) against {peer['side']} {peer['mean']:.3f} s [{peer['low']:.3f}, {peer['high']:.3f}] "
+        f"(n = {peer['n']}, accuracy {peer['accuracy']}), time ratio {ours['ratio'] or '–'}" for ours, peer in pairs)
+    commands = "; ".join(sorted({code(ours["command"]) for ours, _ in pairs}))
+    devices = ", ".join(sorted({row["device"] for row in rows}))
+    return [f"![Time per run of our CIFAR-10 recipes and the peers beside them]({FIGURE})", "",
+            f"*Time per run on CIFAR-10, ours and the peer's runs alternating on one {devices} with the same data "
+            f"(mean and its 95% interval): {sides}. The peer's time includes its model construction, which ours "
+            f"leaves out. Measured by {commands}; drawn by `python benchmarks/report.py` from results/.*"]
+
+
+TABLES = {"figure": t_figure, "tests": t_tests, "coverage": t_coverage, "env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling,
           "scaling_recipes": t_scaling_recipes,
           "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
@@ -630,6 +729,11 @@ def main(argv=None):
                 print("\n".join(list(diff)[:20]))
             else:
                 path.write_text(new)
+    rows, figure = figure_rows(results), Path(args.root) / FIGURE
+    if rows and not figure_is_current(rows, figure):
+        stale.append(FIGURE)
+        if not args.check:
+            draw_figure(rows, figure)
     if args.check and stale:
         print(f"out of date: {', '.join(stale)}; run python benchmarks/report.py", file=sys.stderr)
         return 1

@@ -55,7 +55,9 @@ def test_two_runs_print_the_table_and_write_the_json(synth_npz, tmp_path):
 def test_list_recipes():
     r = run_cli("--list-recipes")
     assert r.returncode == 0
-    names = [l.split()[0] for l in r.stdout.splitlines()]
+    lines = r.stdout.splitlines()
+    assert lines[0].split()[:3] == ["recipe", "what", "it"] and max(map(len, lines)) <= 100
+    names = [l.split()[0] for l in lines[1:] if not l.startswith(" ")]      # a doc's further lines are indented
     assert names[:2] == ["myrtle24", "myrtle10"]
     # our fastest attempt, its ablation before it, then the resolution curriculum built on it
     assert names[-5:] == ["fast94_next", "fast94_next_lowres", "fast94_fastest_optimizers_apart", "fast94_fastest",

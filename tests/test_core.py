@@ -19,21 +19,19 @@ def test_table_prints_header_once_and_each_row_as_it_arrives():
     out = io.StringIO()
     t = Table(["epoch", "acc"], width=6, file=out, formats={"acc": ".2f"})
     t.append({"epoch": 1, "acc": 0.5})
-    assert out.getvalue().splitlines() == [" epoch   acc", "     1  0.50"]
+    assert out.getvalue().splitlines() == ["epoch   acc", "    1  0.50"]
     t.append({"epoch": 2, "acc": 0.75})
-    assert out.getvalue().splitlines()[-1] == "     2  0.75"
+    assert out.getvalue().splitlines()[-1] == "    2  0.75"
     assert len(t.rows) == 2
 
 
-def test_a_table_widens_a_column_for_a_value_too_wide_for_it():
+def test_a_table_keeps_a_number_to_its_column_and_widens_it_for_a_long_text():
     out = io.StringIO()
-    t = Table(["epoch", "loss", "time"], width=6, file=out, formats={"loss": ".4f"})
-    t.append({"epoch": 1, "loss": 123456.5, "time": 3})
-    t.append({"epoch": 2, "loss": 1.5, "time": 100000000})
-    assert out.getvalue().splitlines() == [" epoch  loss  time", "     1 123456.5000     3",
-                                           "     2      1.5000 100000000"]
-    assert [line.split() for line in out.getvalue().splitlines()[1:]] == [["1", "123456.5000", "3"],
-                                                                         ["2", "1.5000", "100000000"]]
+    t = Table(["epoch", "loss", "time"], width=8, file=out, formats={"loss": ".4f"})
+    t.append({"epoch": 1, "loss": 123456.7, "time": "3 s"})
+    t.append({"epoch": 2, "loss": 1.5, "time": "a long time"})
+    assert out.getvalue().splitlines() == ["  epoch    loss    time", "      1  123457     3 s",
+                                           "      2  1.5000 a long time"]
 
 
 def test_summarize():

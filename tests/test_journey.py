@@ -1,5 +1,6 @@
 """The journey stages: Myrtle's published steps as recipes that build on each other."""
 import dataclasses
+import re
 
 import pytest
 
@@ -47,9 +48,10 @@ def test_stages_carry_myrtles_numbers():
 
 def test_list_recipes_prints_one_line_per_stage(capsys):
     assert cf.main(["--list-recipes"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(cf.RECIPES)
-    by_name = {l.split()[0]: l for l in lines}
+    text = capsys.readouterr().out.split("\n", 1)[1]         # after the header; a doc's further lines indented
+    entries = re.split(r"\n(?=\S)", text.strip())
+    assert len(entries) == len(cf.RECIPES)
+    by_name = {e.split()[0]: " ".join(e.split()) for e in entries}
     assert "journey 1/" in by_name["baseline_resnet18"] and "297 s" in by_name["baseline_resnet18"]
 
 

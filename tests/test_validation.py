@@ -144,17 +144,17 @@ def test_help_lists_the_allowed_values(capsys):
         cf.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())         # argparse wraps the help's lines
     assert e.value.code == 0
-    for choices in ("(one of none, flip, flip_translate)", "(one of none, random, alternate)",
-                    "(one of relu, celu, gelu, silu)", "(one of cifar10, cifar100)",
-                    "(one of '', relu, celu, gelu, silu)"):
+    for choices in ("--tta {none,flip,flip_translate}", "--flip {none,random,alternate}", "--act {relu,celu,gelu,silu}",
+                    "--dataset {cifar10,cifar100}", "--whiten-act {'',relu,celu,gelu,silu}"):
         assert choices in out
-    # every setting says what it takes and its value in the default recipe (or the value it takes when turned on)
+    # every setting says what it does and its value in the default recipe (or the value it takes when turned on)
     import settings
-    assert out.count("[myrtle24: ") == len(settings.leaves(cf.Recipe))
-    for shown in ("fastnet's three blocks' channels (numbers separated by commas) [myrtle24: 64,256,256]",
-                  "--lr-knots LR_KNOTS numbers separated by commas [myrtle24: 0,0.20833333333333334,1]",
-                  "--bn-eps BN_EPS a number [myrtle24: 1e-05]", "added to each eigenvalue [myrtle24: off; on: 0.01]",
-                  "--whiten WHITEN switch this technique on or off [myrtle24: off]"):
+    assert out.count("(default: ") >= len(settings.leaves(cf.Recipe))
+    for shown in ("--block-widths X,X,X fastnet's three blocks' channels (default: 64,256,256)",
+                  "--lr-knots X,... where the rate's linear pieces meet, as fractions of the run (default: "
+                  "0,0.20833333333333334,1)", "--bn-eps X added to the batch variance (default: 1e-05)",
+                  "added to each eigenvalue (default: off; on: 0.01)",
+                  "--whiten true|false Patch whitening (Myrtle 2018), on or off (default: off)"):
         assert shown in out, shown
 
 
