@@ -307,7 +307,6 @@ def die_with_parent(parent, ignore_interrupt=False):
     thread that watches its pid); its pid is read by the parent, since the child's parent may by then be another.
     ignore_interrupt: Ctrl-C is the parent's to handle."""
     if ignore_interrupt:
-        import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
