@@ -27,8 +27,8 @@ import devices
 from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_APART,  # noqa: F401
                              FAST94_MUON, FAST94_NEXT, FAST94_NEXT_LOWRES, FAST95, FAST96, JOURNEY, MYRTLE10, MYRTLE24,
                              RECIPES, Recipe, journey_recipes, recipe)
-from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, normalise, num_classes,
-                        take_subset, to_device)
+from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, low_resolution,
+                        normalise, num_classes, pair, take_subset, to_device)
 from cli import (HelpFormatter, add_run_flags, check_run, check_whole, cpu_warning, ctrl_c_exit, interrupted, join_ranks,
                  lost_peer, phase_of, recipe_list, run_record)
 from core import (DataError, Heartbeat, Parser, UsageError, exit_now, print_summary, say_error, summarize_runs,
@@ -37,7 +37,7 @@ from distributed import Context, barrier, leave, register_comm_hook, shard, wrap
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
-from torch_backend import build_model, count_flops, fit_whitening, loss_and_accuracy, whitening_bias
+from torch_backend import build_model, fit_whitening, loss_and_accuracy, tta_views, whitening_bias
 from training import (EpochClock, Options as SharedOptions, averaging, check_finite_loss, epoch_table,
                       evaluation_model, run_seeds, strict_compile, train_step, warmup_calls)
 
@@ -335,6 +335,47 @@ def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
               + (f", {ctx.world_size} ranks of {r.batch_size // ctx.world_size} images per step" if ctx.distributed
                  else ""), flush=True)
     return r, arrays, stats, ctx
+
+
+def count_flops(r, data, *, batch=2):
+    """FLOPs of one run of recipe r: every training step (forward and backward, each epoch at its side in the
+    resolution schedule) and the final selective-TTA evaluation, counted by torch.utils.flop_counter (convolutions,
+    matmuls) on a small batch and scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
+    from torch.utils.flop_counter import FlopCounterMode
+    device = data["test_images"].device
+    model = build_model(r, device, num_classes=data.get("num_classes", 10))
+    # contiguous: on one CPU thread, torch 2.14.1 crashed in the backward of the pre-activation ResNet-18
+    # given this slice's channels-last strides (the training step always gets a contiguous batch)
+    x, y = devices.float32_or_wider(data["test_images"][:batch]).contiguous(), data["test_labels"][:batch]
+
+    def per_train_image(x):
+        with FlopCounterMode(display=False) as counter:
+            F.cross_entropy(model(x), y).backward()
+        return counter.get_total_flops() / len(x)
+    steps_per_epoch, steps = run_steps(len(data["train_labels"]), r.batch_size, r.epochs)
+    full = tuple(x.shape[-2:])
+    steps_at = {}           # side: the run's steps at it
+    for epoch in range(-(-steps // steps_per_epoch)):
+        side = pair(r.augment.resolution(epoch, full))
+        steps_at[side] = steps_at.get(side, 0) + min(steps_per_epoch, steps - epoch * steps_per_epoch)
+    per_image = per_train_image(x)
+    train = sum(n * (per_image if side == full else per_train_image(low_resolution(x, side)))
+                for side, n in steps_at.items()) * r.batch_size
+    model.eval()
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(x)
+    per_forward_image = counter.get_total_flops() / len(x)
+    fraction = r.tta.fraction if r.tta else 1.0
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        views = tta_views(x, r.tta.views if r.tta else "none")
+        for _, view in views if fraction >= 1 else views[:1]:
+            model(view)
+    per_test_image = counter.get_total_flops() / len(x)
+    if fraction < 1:
+        per_test_image *= 1 + fraction * (len(views) - 1)
+    test = len(data["test_labels"]) * per_test_image
+    return {"train": train, "final_eval": test, "total": train + test,
+            "per_train_image": per_image, "per_test_image": per_test_image, "per_forward_image": per_forward_image}
 
 
 @dataclass(kw_only=True)

@@ -8,7 +8,7 @@ image's uniform in `crop_scale`, the log aspect uniform in log `crop_ratio`, who
 fits, else a centre crop. A JPEG store's crop is decoded at the smallest DCT scale (1, 1/2, 1/4, 1/8) that still
 holds the crop at the output resolution, then resized with PIL's antialiased bilinear filter; on a GPU
 (decoder "gpu") torchvision's nvJPEG decodes the batch's images and all its crops are resized at once with the same
-filter. A raw store keeps each training image stretched to a square, so a box of the image is a box of the square:
+filter (jpeg_decoder chooses the decoder; nvjpeg_paths counts which images nvJPEG's hardware engine takes). A raw store keeps each training image stretched to a square, so a box of the image is a box of the square:
 sampled with one affine grid for the batch on the device.
 """
 import math
@@ -146,6 +146,190 @@ def check_cpu_decoder():
 
 
 # ---------------------------------------------------------------------------------------------
+# A batch decoded on the GPU: which decoder, nvJPEG (torchvision) and nvImageCodec, and which images nvJPEG's
+# hardware engine takes
+# ---------------------------------------------------------------------------------------------
+
+DECODERS = ("auto", "cpu", "gpu", "nvimgcodec")
+GPU_DECODERS = {"gpu": "nvJPEG", "nvimgcodec": "nvImageCodec"}     # batched on the device: what each runs
+
+
+def jpeg_decoder(device, choice="auto"):
+    """Where JPEG records are decoded: "gpu" (nvJPEG, batched, through torchvision) on a CUDA device, else "cpu"
+    (simplejpeg in worker processes); "nvimgcodec" (NVIDIA's nvImageCodec, batched) when asked. A choice not in
+    DECODERS, a GPU decoder on another device, or nvImageCodec not installed is a ValueError of one line."""
+    if choice not in DECODERS:
+        raise ValueError(f"--decoder {choice}: choose from {', '.join(DECODERS)}")
+    cuda = torch.device(device).type == "cuda"
+    if choice in GPU_DECODERS and not cuda:
+        raise ValueError(f"--decoder {choice} needs a CUDA device ({GPU_DECODERS[choice]}); this run is on {device}")
+    if choice == "nvimgcodec":
+        nvimgcodec_module()
+    return ("gpu" if cuda else "cpu") if choice == "auto" else choice
+
+
+def nvimgcodec_package():
+    """The pip package of nvImageCodec built for torch's CUDA: nvidia-nvimgcodec-cu12 or nvidia-nvimgcodec-cu13."""
+    return f"nvidia-nvimgcodec-cu{(torch.version.cuda or '12').split('.')[0]}"
+
+
+def nvimgcodec_module():
+    """nvImageCodec's Python module, imported on first use (an optional install); a UsageError of one line naming
+    its pip package when it is missing."""
+    try:
+        from nvidia import nvimgcodec
+    except ImportError:
+        raise UsageError(f"--decoder nvimgcodec needs nvImageCodec: pip install {nvimgcodec_package()}") from None
+    return nvimgcodec
+
+
+def decodes_crops(decoder):
+    """Whether the decoder decodes just each image's crop box (nvImageCodec's region-of-interest decode) rather
+    than the whole image."""
+    return decoder == "nvimgcodec"
+
+
+def decode_jpeg(records, device, *, decoder="gpu", boxes=None):
+    """A list of encoded JPEGs (uint8 numpy arrays) -> a list of CHW uint8 RGB images on device, in their order,
+    decoded in one batched call on the current stream: "gpu": nvJPEG through torchvision (no extra install;
+    docs/perf-notes.md), whole images; "nvimgcodec": nvImageCodec, each image just its box of boxes (n, 4)."""
+    if decoder == "nvimgcodec":
+        return nvimgcodec_decoder(device).decode(records, boxes)
+    import warnings
+    from torchvision.io import ImageReadMode, decode_jpeg as decode
+    with warnings.catch_warnings():     # deprecated in torchvision 0.29 for TorchCodec's, which needs torch >= 2.11
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return decode([torch.from_numpy(np.asarray(r)) for r in records], mode=ImageReadMode.RGB, device=device)
+
+
+NVIMGCODEC = {}     # device index -> its NvImageCodec, made on first use
+
+
+def nvimgcodec_decoder(device):
+    """This process's NvImageCodec for the CUDA device (one a GPU, kept: making one sets up nvJPEG's state)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in NVIMGCODEC:
+        NVIMGCODEC[index] = NvImageCodec(index)
+    return NVIMGCODEC[index]
+
+
+class NvImageCodec:
+    """nvImageCodec's batched decoder on one GPU. Its images live in nvImageCodec's memory, not torch's caching
+    allocator, so record_stream cannot keep them: each batch is held until the next call, by which time the caller
+    has drained the stream that read it (imagenet_data.gpu_decoded drains before every decode)."""
+
+    def __init__(self, index):
+        self.nv, self.index, self.held = nvimgcodec_module(), index, []
+        self.decoder = self.nv.Decoder(device_id=index)
+        self.params = self.nv.DecodeParams(color_spec=self.nv.ColorSpec.RGB)
+
+    def source(self, record, box):
+        """What to decode of one record: the whole code stream, or its region (top, left, height, width)."""
+        stream = self.nv.CodeStream(np.ascontiguousarray(record))
+        if box is None:
+            return stream
+        top, left, h, w = (int(v) for v in box)
+        region = self.nv.Region(top, left, top + h, left + w)
+        if hasattr(stream, "get_sub_code_stream"):           # newer versions; older ones take a DecodeSource
+            return stream.get_sub_code_stream(region=region)
+        return self.nv.DecodeSource(stream, region)
+
+    def decode(self, records, boxes=None):
+        """The records (each just its box when boxes are given) as CHW uint8 tensors on this GPU, decoded on the
+        current stream, which the tensors are ordered after (DLPack's stream handshake)."""
+        boxes = [None] * len(records) if boxes is None else boxes
+        stream = torch.cuda.current_stream(self.index)
+        images = self.decoder.decode([self.source(r, b) for r, b in zip(records, boxes)], params=self.params,
+                                     cuda_stream=stream.cuda_stream)
+        failed = [i for i, image in enumerate(images) if image is None]
+        if failed:
+            raise RuntimeError(f"nvImageCodec could not decode {len(failed)} of the batch's {len(images)} JPEGs "
+                               f"(the first at position {failed[0]})")
+        self.held = images
+        return [torch.from_dlpack(image).permute(2, 0, 1) for image in images]
+
+
+NVJPEG_BACKEND_HARDWARE = 3     # nvjpegBackend_t, nvjpeg.h
+
+
+def nvjpeg_hardware(device):
+    """Whether nvJPEG has its hardware decoder on this CUDA device (A100, H100, ...), as torchvision's batched decode
+    asks it: a handle of NVJPEG_BACKEND_HARDWARE made by the nvJPEG library torchvision loaded (ctypes, ours: torch
+    and torchvision do not tell); None where that library cannot be found or asked."""
+    index = torch.device(device).index
+    if index not in NVJPEG_HARDWARE:
+        NVJPEG_HARDWARE[index] = ask_nvjpeg_hardware(device)
+    return NVJPEG_HARDWARE[index]
+
+
+NVJPEG_HARDWARE = {}        # device index -> nvjpeg_hardware's answer, asked once
+
+
+def ask_nvjpeg_hardware(device):
+    import ctypes
+    import torchvision.io.image  # noqa: F401  (loads torchvision's image library, and with it nvJPEG's)
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libnvjpeg" in line), None)
+        if path is None:
+            return None
+        lib, handle = ctypes.CDLL(path), ctypes.c_void_p()
+        with torch.cuda.device(torch.device(device)):
+            status = lib.nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, None, None, 0, ctypes.byref(handle))
+        if status == 0:
+            lib.nvjpegDestroy(handle)
+        return status == 0
+    except (OSError, AttributeError):
+        return None
+
+
+HARDWARE_SAMPLING = {(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (4, 2)}     # luma's factors over chroma's (1, 1)
+
+
+def jpeg_frame(record):
+    """(the SOFn marker, sample precision, each component's (horizontal, vertical) sampling factors) of an encoded
+    JPEG, from its markers; None where its frame header cannot be found."""
+    i = 2
+    while i + 10 <= len(record):
+        if record[i] != 0xFF:
+            return None
+        marker = int(record[i + 1])
+        if marker == 0xFF:                  # a fill byte
+            i += 1
+            continue
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            n = int(record[i + 9])
+            factors = [(int(record[i + 11 + 3 * k]) >> 4, int(record[i + 11 + 3 * k]) & 15) for k in range(n)
+                       if i + 11 + 3 * k < len(record)]
+            return marker, int(record[i + 4]), factors
+        i += 2 + (int(record[i + 2]) << 8 | int(record[i + 3]))
+    return None
+
+
+def hardware_decodable(record):
+    """Whether nvJPEG's hardware decoder takes this JPEG (as its nvjpegDecodeBatchedSupported does, to our reading
+    of nvJPEG's documentation): baseline Huffman, 8 bits, grey or three components with full-resolution chroma
+    beside luma at one of HARDWARE_SAMPLING. Progressive JPEGs, among others, go to its software path."""
+    frame = jpeg_frame(record)
+    if frame is None or frame[0] != 0xC0 or frame[1] != 8 or len(frame[2]) not in (1, 3):
+        return False
+    return len(frame[2]) == 1 or (frame[2][0] in HARDWARE_SAMPLING and frame[2][1] == frame[2][2] == (1, 1))
+
+
+def nvjpeg_paths(records, device):
+    """How many of the encoded JPEGs torchvision's batched nvJPEG decode sends down each path on device: "hardware"
+    (its hardware decoder: hardware_decodable records where nvjpeg_hardware), "software" (the rest, decoded one by
+    one), or "unknown" for the hardware-decodable ones where nvjpeg_hardware cannot tell."""
+    hardware = nvjpeg_hardware(device)
+    counts = {"hardware": 0, "software": 0, "unknown": 0}
+    for r in records:
+        eligible = hardware is not False and hardware_decodable(r)
+        counts["software" if not eligible else "hardware" if hardware else "unknown"] += 1
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
 # The decoding workers: processes (no lock shared between them) writing into shared memory
 # ---------------------------------------------------------------------------------------------
 
@@ -229,7 +413,7 @@ class Data:
     #                                   "nvimgcodec": nvImageCodec, decoding each crop box alone
     workers: int = 1
     shares: tuple = None              # (rank, world): each epoch deals this rank a new share of train_rows
-    decoded: Counter = field(default_factory=Counter)    # images decoded so far by each path (devices.nvjpeg_paths)
+    decoded: Counter = field(default_factory=Counter)    # images decoded so far by each path (nvjpeg_paths)
     pool: ProcessPoolExecutor = field(default=None, repr=False)
     staging: dict = field(default_factory=dict, repr=False)
 
@@ -518,15 +702,15 @@ def decoded(data, split, jobs, *, device):
 def gpu_decoded(data, split, jobs, *, device):
     """(float NCHW crops, the batch's small tensors) on the device for each job (store rows of split, output side or
     (height, width), small host arrays: the first holds the boxes, at rows TOP ... WIDTH of a training batch's index,
-    or as float32 (4, n) of a validation batch's): the images nvJPEG-decoded (devices.decode_jpeg) in a thread while
+    or as float32 (4, n) of a validation batch's): the images nvJPEG-decoded (decode_jpeg) in a thread while
     the training thread queues the step before, then cropped and resized (crop_resize_images) on a side stream the
-    training stream waits for; with nvImageCodec (devices.decodes_crops) each training image just its crop box.
+    training stream waits for; with nvImageCodec (decodes_crops) each training image just its crop box.
     Which of nvJPEG's paths took each image is added to data.decoded (gpu_decode)."""
     side, jobs = devices.side_stream(device), list(jobs)
     records = data.store.train if split == "train" else data.store.val
     # a thread of its own: torchvision's batched decode holds its calling thread until the decode ends
     reader = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
-    cropped = split == "train" and devices.decodes_crops(data.decoder)     # just each crop: boxes from (0, 0)
+    cropped = split == "train" and decodes_crops(data.decoder)     # just each crop: boxes from (0, 0)
     try:
         pending = decode_ahead(reader, data, records, jobs[0], side=side, device=device, cropped=cropped) if jobs else None
         for k, (_, res, arrays) in enumerate(jobs):
@@ -558,14 +742,14 @@ def decode_ahead(reader, data, records, job, *, side, device, cropped):
 
 
 def gpu_decode(records, side, counts, *, device, decoder="gpu", boxes=None):
-    """In the reader thread: the encoded records decoded on the side stream (devices.decode_jpeg, by `decoder`, each
+    """In the reader thread: the encoded records decoded on the side stream (decode_jpeg, by `decoder`, each
     just its box of boxes where given), added to the Counter counts: by nvJPEG's path each took
-    (devices.nvjpeg_paths), or under the decoder's name."""
+    (nvjpeg_paths), or under the decoder's name."""
     # nvJPEG's own stream waits on nothing (torchvision pull request 9606): side's queued reads must end first
     devices.drain(side)
-    counts.update(devices.nvjpeg_paths(records, device) if decoder == "gpu" else {decoder: len(records)})
+    counts.update(nvjpeg_paths(records, device) if decoder == "gpu" else {decoder: len(records)})
     with devices.on_stream(side):
-        return devices.decode_jpeg(records, device, decoder=decoder, boxes=boxes)
+        return decode_jpeg(records, device, decoder=decoder, boxes=boxes)
 
 
 def batch_indices(data, draws, batch_size):
@@ -596,7 +780,7 @@ def train_batches(data, augment, draws, *, res, batch_size, device, dtype, small
         wide = devices.wide_dtype(dtype)
         batches = ((crop_resize(xb.permute(0, 3, 1, 2).to(wide), small[0], res), small)
                    for xb, small in gathered(data, smalls, device=device))
-    elif data.decoder in devices.GPU_DECODERS:
+    elif data.decoder in GPU_DECODERS:
         batches = gpu_decoded(data, "train", [(data.train_rows[idx], res, s) for idx, s in zip(order, smalls)],
                               device=device)
     else:
@@ -634,7 +818,7 @@ def val_batches(data, val, batch_size, *, device):
     """(float NCHW images on 0..255, labels) on the device for each validation batch (val_jobs), decoded where
     training decodes: by nvJPEG with --decoder gpu (a JPEG store), else by the CPU's workers."""
     jobs = val_jobs(data, val, batch_size)
-    if data.store.format == "jpeg" and data.decoder in devices.GPU_DECODERS:
+    if data.store.format == "jpeg" and data.decoder in GPU_DECODERS:
         gpu_jobs = [(r, s, (np.asarray(b, np.float32).T.copy(), data.val_y[pos])) for pos, r, b, s in jobs]
         return ((x, small[1]) for x, small in gpu_decoded(data, "val", gpu_jobs, device=device))
     cpu_jobs = [(r, b, s, (data.val_y[pos],)) for pos, r, b, s in jobs]

@@ -36,7 +36,8 @@ from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_n
 from distributed import (barrier, checkpoint_writers, leave, leave_together, print0, register_comm_hook,
                          sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
-from imagenet_data import EpochWork, batch_indices, decode_text, draw_epoch, loss_top1_top5, place, train_batches
+from imagenet_data import (DECODERS, GPU_DECODERS, EpochWork, batch_indices, decode_text, draw_epoch, jpeg_decoder,
+                           loss_top1_top5, place, train_batches)
 from imagenet_models import build_model, check_memory, make_optimizer
 from imagenet_recipes import RECIPES, RN50_16EP, Recipe, recipe, recipe_command
 from imagenet_store import FORMATS, Settings, check_classes, kept, open_store, prepare
@@ -333,8 +334,8 @@ def parser():
                          "exit")
     tp.add_argument("--data-on", default="auto", choices=["auto", "device", "host"],
                     help="where a raw store lives (default: auto: on the device if it fits beside training)")
-    tp.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
-                    metavar="{" + ",".join(devices.DECODERS) + "}",
+    tp.add_argument("--decoder", default="auto", type=one_of(DECODERS),
+                    metavar="{" + ",".join(DECODERS) + "}",
                     help="where a JPEG store is decoded; nvimgcodec: nvImageCodec on the GPU, decoding just each "
                          "crop (pip install nvidia-nvimgcodec-cu12 or -cu13) (default: auto: nvJPEG on a CUDA GPU, "
                          "else the CPU's worker processes)")
@@ -461,7 +462,7 @@ def run(args, r, *, ctx, argv):
             "scales the rate with the images of a step instead)", file=sys.stderr)
     try:
         plans = epoch_plans(r, ctx.world_size)   # a schedule that does not divide over the ranks fails here
-        decoder = devices.jpeg_decoder(device, args.decoder)
+        decoder = jpeg_decoder(device, args.decoder)
         store = open_store(args.store)
         check_classes(store, args.store)
         if devices.is_cpu(device) and ctx.is_main:
@@ -474,7 +475,7 @@ def run(args, r, *, ctx, argv):
         say_error(e, each_node=isinstance(e, DataError))        # bad data: each node's own store
         return 1 if isinstance(e, DataError) else 2
     dtype = devices.compute_dtype(device, args.precision)
-    on_gpu = devices.GPU_DECODERS.get(decoder)
+    on_gpu = GPU_DECODERS.get(decoder)
     cpus = f"{data.workers} CPU process{'es' * (data.workers != 1)}"
     held = ((f"jpeg store, decoded on the GPU ({on_gpu})" if on_gpu else f"jpeg store, decoded by {cpus}")
             if store.format == "jpeg" else f"raw store of size {store.size} in {data.where} memory")
@@ -534,7 +535,7 @@ def place_data(r, store, args, *, ctx, decoder, progress):
     whether a raw store fits beside it): a UsageError of one line, before anything is loaded, when not."""
     device = torch.device(ctx.device)
     dtype, classes = devices.compute_dtype(device, args.precision), len(store.index["classes"])
-    gpu_decoder = store.format == "jpeg" and decoder in devices.GPU_DECODERS
+    gpu_decoder = store.format == "jpeg" and decoder in GPU_DECODERS
     side = max(int(split.rows[k].max(initial=0)) for split in (store.train, store.val) for k in ("height", "width")) \
         if gpu_decoder else 0        # a batch is padded to its tallest and widest image: side x side at worst
     need = 0 if devices.is_cpu(device) else check_memory(r, classes, device=device, world=ctx.world_size, dtype=dtype,

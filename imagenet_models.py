@@ -1,7 +1,14 @@
 """ImageNet's networks and what a recipe builds around them: torchvision's ResNets (or resnet_tiny, for tests and CPU
 demonstrations) with BlurPool and ghost batch norm, the optimiser, and the device memory training them takes, each
-beside the settings it reads (NetworkSettings, SGDSettings, LARSSettings, RMSpropWarmup).
+beside the settings it reads (NetworkSettings, SGDSettings, LARSSettings, RMSpropWarmup): the optimisers
+are momentum SGD (torch's), LARS and RMSprop-to-SGD (here), their rates set by optim.set_lr.
+
+Papers:
+  You, Gitman, Ginsburg 2017, "Large Batch Training of Convolutional Networks" (LARS, arXiv:1708.03888)
+  Akiba, Suzuki, Fukuda 2017, "Extremely Large Minibatch SGD: Training ResNet-50 on ImageNet in 15 Minutes"
+      (Preferred Networks, arXiv:1711.04325)
 """
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -10,7 +17,6 @@ import torchvision
 from torch import nn
 
 import devices
-from optim import LARS, RMSpropToSGD, param_groups_no_decay_1d
 from schedules import epoch_plans, res_at, val_at
 from settings import check_own, knob
 from torch_backend import GhostBatchNorm
@@ -115,7 +121,7 @@ class LARSSettings:
 @dataclass(frozen=True, kw_only=True)
 class RMSpropWarmup:
     """Akiba et al. 2017's RMSprop warm-up instead of plain SGD: RMSprop at rate lr handing over to momentum SGD,
-    half done at epoch beta_center, over beta_period epochs (optim.RMSpropToSGD)."""
+    half done at epoch beta_center, over beta_period epochs (RMSpropToSGD, below)."""
     PREFIX = "rmsprop"
     lr: float = knob(1e-3, low=0, doc="RMSprop's rate in the warm-up")
     beta_center: float = knob(10.0, low=0, doc="the epoch the hand-over to SGD is half done")
@@ -125,8 +131,132 @@ class RMSpropWarmup:
         check_own(self)
 
 
+# The large-batch optimisers, ImageNet's alone
+
+def _closure_loss(closure):
+    """The loss of an optimizer's closure (torch.optim's step(closure) protocol), with gradients on."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+# Ours, not timm's Lars: as in You et al., lr goes inside the momentum and 1-D tensors are never adapted (timm: by group)
+class LARS(torch.optim.Optimizer):
+    """Layer-wise Adaptive Rate Scaling, You et al. 2017 (Algorithm 1): each weight tensor's step is a fraction eta
+    (trust_coefficient) of its norm whatever its gradient's scale, so large batches train at high rates; 1-D tensors
+    (batch-norm, biases) get neither adaptation nor decay. With beta = weight_decay, m = momentum:
+        local_lr = eta * ||w|| / (||g|| + beta * ||w||)        (1 where ||w|| or ||g|| is 0)
+        v = m * v + lr * local_lr * (g + beta * w)
+        w = w - v
+    """
+
+    def __init__(self, params, lr, *, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=0.0):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      trust_coefficient=trust_coefficient, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = _closure_loss(closure)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            # one foreach operation for all the weights (or all the 1-D tensors) at a time, not a loop of them
+            for some in ([p for p in params if p.ndim > 1], [p for p in params if p.ndim <= 1]):
+                if some:
+                    self.update(some, group, adapt=some[0].ndim > 1)
+        return loss
+
+    def update(self, params, group, *, adapt):
+        """v = m v + lr local (g + beta w), w = w - v for params: local the trust ratio (adapt), or 1 and no decay."""
+        grads, buffers = [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params]
+        if adapt:
+            w_norm, g_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(grads))
+            local = group["trust_coefficient"] * w_norm / (g_norm + group["weight_decay"] * w_norm + group["eps"])
+            # torch.where, not `if`: no GPU-to-host sync per layer
+            local = torch.where((w_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
+            grads = torch._foreach_mul(params, group["weight_decay"])
+            torch._foreach_add_(grads, [p.grad for p in params])
+            torch._foreach_mul_(grads, local.unbind(0))
+        torch._foreach_mul_(buffers, group["momentum"])
+        torch._foreach_add_(buffers, grads, alpha=group["lr"])
+        torch._foreach_sub_(params, buffers)
+
+
+def alpha_sgd(epoch, beta_center, beta_period):
+    """Akiba et al. 2017 sec. 3.1: the share of SGD in the RMSprop-to-SGD update at a (fractional) epoch e, an
+    ELU-shaped curve (c = beta_center, p = beta_period; our reading of the paper, not checked against its text):
+        alpha = 1/2 * exp(2 * (e - c) / p)    e < c
+        alpha = 1/2 + (e - c) / p             c <= e < c + p/2
+        alpha = 1                             otherwise
+    """
+    if epoch < beta_center:
+        return 0.5 * math.exp(2 * (epoch - beta_center) / beta_period)
+    if epoch < beta_center + beta_period / 2:
+        return 0.5 + (epoch - beta_center) / beta_period
+    return 1.0
+
+
+class RMSpropToSGD(torch.optim.Optimizer):
+    """RMSprop warm-up (Akiba et al. 2017; defaults ours): RMSprop, which copes with the early large batch, slides into
+    momentum SGD along alpha_sgd of the fractional `epoch` set_lr puts in each group; lr_rmsprop is RMSprop's own rate
+    (its steps are about lr an element). Per element, g the gradient + weight_decay * w:
+        m = rms_decay * m + (1 - rms_decay) * g^2
+        a = alpha_sgd(epoch, beta_center, beta_period)
+        v = momentum * v + (lr * a + lr_rmsprop * (1 - a) / (sqrt(m) + eps)) * g
+        w = w - v
+    """
+
+    def __init__(self, params, lr, *, lr_rmsprop=1e-3, momentum=0.9, rms_decay=0.99, eps=1e-8, weight_decay=0.0,
+                 beta_center=10.0, beta_period=5.0):
+        super().__init__(params, dict(lr=lr, lr_rmsprop=lr_rmsprop, momentum=momentum, rms_decay=rms_decay, eps=eps,
+                                      weight_decay=weight_decay, beta_center=beta_center, beta_period=beta_period,
+                                      epoch=0.0))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = _closure_loss(closure)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            a = alpha_sgd(group["epoch"], group["beta_center"], group["beta_period"])
+            sgd, rms = group["lr"] * a, group["lr_rmsprop"] * (1 - a)
+            for p in params:
+                if not self.state[p]:
+                    self.state[p]["square_avg"], self.state[p]["momentum_buffer"] = (torch.zeros_like(p),
+                                                                                     torch.zeros_like(p))
+            # one foreach operation for all the group's tensors at a time, each in the order of the formula's terms
+            grads = [p.grad for p in params]
+            if group["weight_decay"]:
+                grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+            m, v = ([self.state[p][k] for p in params] for k in ("square_avg", "momentum_buffer"))
+            torch._foreach_mul_(m, group["rms_decay"])
+            torch._foreach_addcmul_(m, grads, grads, value=1 - group["rms_decay"])
+            rate = torch._foreach_sqrt(m)
+            torch._foreach_add_(rate, group["eps"])
+            torch._foreach_reciprocal_(rate)             # rms / x is x.reciprocal() * rms, as the formula's rounding
+            torch._foreach_mul_(rate, rms)
+            torch._foreach_add_(rate, sgd)
+            torch._foreach_mul_(v, group["momentum"])
+            # rates enter v with each step, not the paper's lr * d: a change of lr leaves past steps as they were
+            torch._foreach_add_(v, torch._foreach_mul(grads, rate))
+            torch._foreach_sub_(params, v)
+        return loss
+
+
+def param_groups_no_decay_1d(model, weight_decay):
+    """Two optimizer groups: weight decay for weight matrices and kernels, none for 1-D tensors (BN, biases); each
+    at the schedule's rate (set_lr)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [dict(params=[p for p in params if p.ndim > 1], weight_decay=weight_decay, lr_unit=1.0, until_step=None),
+            dict(params=[p for p in params if p.ndim <= 1], weight_decay=0.0, lr_unit=1.0, until_step=None)]
+
+
 def make_optimizer(model, r):
-    """Momentum SGD, LARS or RMSprop-to-SGD (optim.py) as the recipe says, at lr 0 until the schedule sets it;
+    """Momentum SGD, LARS or RMSprop-to-SGD (above) as the recipe says, at lr 0 until the schedule sets it;
     weight decay only on conv and linear weights (none on batch-norm scales and biases)."""
     groups, s = param_groups_no_decay_1d(model, r.sgd.weight_decay), r.sgd
     if r.lars:

@@ -1,14 +1,12 @@
-"""The optimisers and the learning-rate logic they share: Muon for conv filters, the large-batch LARS and
-RMSprop-to-SGD, the choice among them from a recipe's hyperparameters, and the parameter groups (weight decay
-or none; Myrtle's or the decoupled learning-rate units) whose rates set_lr sets from a schedule (schedules.py).
+"""CIFAR-10's optimisers and the learning-rate logic both scripts share: Muon for conv filters, SGD and Muon as one
+compiled step, the choice among them from a recipe's hyperparameters and the parameter groups (weight decay or none;
+Myrtle's or the decoupled learning-rate units), and set_lr, which sets every group's rate from a schedule
+(schedules.py) in either script. ImageNet's large-batch LARS and RMSprop-to-SGD sit with its models
+(imagenet_models.py).
 
 Papers:
   Jordan et al. 2024, Muon (github.com/KellerJordan/Muon)
-  You, Gitman, Ginsburg 2017, "Large Batch Training of Convolutional Networks" (LARS, arXiv:1708.03888)
-  Akiba, Suzuki, Fukuda 2017, "Extremely Large Minibatch SGD: Training ResNet-50 on ImageNet in 15 Minutes"
-      (Preferred Networks, arXiv:1711.04325)
 """
-import math
 from dataclasses import dataclass
 
 import torch
@@ -250,7 +248,7 @@ class SGDAndMuon(torch.optim.Optimizer):
         scalar = lambda value=0: torch.full((), value, dtype=torch.float64 if devices.has_float64(device)
                                             else torch.float32, device=device)
         self.lr = scalar()
-        # the groups that train at a rate of their own (schedules.OwnRate: until_step), each with its 0-d rate
+        # the groups that train at a rate of their own (OwnRate: until_step), each with its 0-d rate
         self.own_rates = [(g, scalar()) for g in self.param_groups if g["until_step"] is not None]
         own = {id(g): rate for g, rate in self.own_rates}
         # each group's (rate, unit), by position: the schedule's rate x its unit, or its own rate as set_lr fills it
@@ -287,123 +285,6 @@ MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs"
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The large-batch optimisers
-
-def _closure_loss(closure):
-    """The loss of an optimizer's closure (torch.optim's step(closure) protocol), with gradients on."""
-    if closure is None:
-        return None
-    with torch.enable_grad():
-        return closure()
-
-
-# Ours, not timm's Lars: as in You et al., lr goes inside the momentum and 1-D tensors are never adapted (timm: by group)
-class LARS(torch.optim.Optimizer):
-    """Layer-wise Adaptive Rate Scaling, You et al. 2017 (Algorithm 1): each weight tensor's step is a fraction eta
-    (trust_coefficient) of its norm whatever its gradient's scale, so large batches train at high rates; 1-D tensors
-    (batch-norm, biases) get neither adaptation nor decay. With beta = weight_decay, m = momentum:
-        local_lr = eta * ||w|| / (||g|| + beta * ||w||)        (1 where ||w|| or ||g|| is 0)
-        v = m * v + lr * local_lr * (g + beta * w)
-        w = w - v
-    """
-
-    def __init__(self, params, lr, *, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=0.0):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      trust_coefficient=trust_coefficient, eps=eps))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = _closure_loss(closure)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            for p in params:
-                if "momentum_buffer" not in self.state[p]:
-                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
-            # one foreach operation for all the weights (or all the 1-D tensors) at a time, not a loop of them
-            for some in ([p for p in params if p.ndim > 1], [p for p in params if p.ndim <= 1]):
-                if some:
-                    self.update(some, group, adapt=some[0].ndim > 1)
-        return loss
-
-    def update(self, params, group, *, adapt):
-        """v = m v + lr local (g + beta w), w = w - v for params: local the trust ratio (adapt), or 1 and no decay."""
-        grads, buffers = [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params]
-        if adapt:
-            w_norm, g_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(grads))
-            local = group["trust_coefficient"] * w_norm / (g_norm + group["weight_decay"] * w_norm + group["eps"])
-            # torch.where, not `if`: no GPU-to-host sync per layer
-            local = torch.where((w_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
-            grads = torch._foreach_mul(params, group["weight_decay"])
-            torch._foreach_add_(grads, [p.grad for p in params])
-            torch._foreach_mul_(grads, local.unbind(0))
-        torch._foreach_mul_(buffers, group["momentum"])
-        torch._foreach_add_(buffers, grads, alpha=group["lr"])
-        torch._foreach_sub_(params, buffers)
-
-
-def alpha_sgd(epoch, beta_center, beta_period):
-    """Akiba et al. 2017 sec. 3.1: the share of SGD in the RMSprop-to-SGD update at a (fractional) epoch e, an
-    ELU-shaped curve (c = beta_center, p = beta_period; our reading of the paper, not checked against its text):
-        alpha = 1/2 * exp(2 * (e - c) / p)    e < c
-        alpha = 1/2 + (e - c) / p             c <= e < c + p/2
-        alpha = 1                             otherwise
-    """
-    if epoch < beta_center:
-        return 0.5 * math.exp(2 * (epoch - beta_center) / beta_period)
-    if epoch < beta_center + beta_period / 2:
-        return 0.5 + (epoch - beta_center) / beta_period
-    return 1.0
-
-
-class RMSpropToSGD(torch.optim.Optimizer):
-    """RMSprop warm-up (Akiba et al. 2017; defaults ours): RMSprop, which copes with the early large batch, slides into
-    momentum SGD along alpha_sgd of the fractional `epoch` set_lr puts in each group; lr_rmsprop is RMSprop's own rate
-    (its steps are about lr an element). Per element, g the gradient + weight_decay * w:
-        m = rms_decay * m + (1 - rms_decay) * g^2
-        a = alpha_sgd(epoch, beta_center, beta_period)
-        v = momentum * v + (lr * a + lr_rmsprop * (1 - a) / (sqrt(m) + eps)) * g
-        w = w - v
-    """
-
-    def __init__(self, params, lr, *, lr_rmsprop=1e-3, momentum=0.9, rms_decay=0.99, eps=1e-8, weight_decay=0.0,
-                 beta_center=10.0, beta_period=5.0):
-        super().__init__(params, dict(lr=lr, lr_rmsprop=lr_rmsprop, momentum=momentum, rms_decay=rms_decay, eps=eps,
-                                      weight_decay=weight_decay, beta_center=beta_center, beta_period=beta_period,
-                                      epoch=0.0))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = _closure_loss(closure)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            a = alpha_sgd(group["epoch"], group["beta_center"], group["beta_period"])
-            sgd, rms = group["lr"] * a, group["lr_rmsprop"] * (1 - a)
-            for p in params:
-                if not self.state[p]:
-                    self.state[p]["square_avg"], self.state[p]["momentum_buffer"] = (torch.zeros_like(p),
-                                                                                     torch.zeros_like(p))
-            # one foreach operation for all the group's tensors at a time, each in the order of the formula's terms
-            grads = [p.grad for p in params]
-            if group["weight_decay"]:
-                grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
-            m, v = ([self.state[p][k] for p in params] for k in ("square_avg", "momentum_buffer"))
-            torch._foreach_mul_(m, group["rms_decay"])
-            torch._foreach_addcmul_(m, grads, grads, value=1 - group["rms_decay"])
-            rate = torch._foreach_sqrt(m)
-            torch._foreach_add_(rate, group["eps"])
-            torch._foreach_reciprocal_(rate)             # rms / x is x.reciprocal() * rms, as the formula's rounding
-            torch._foreach_mul_(rate, rms)
-            torch._foreach_add_(rate, sgd)
-            torch._foreach_mul_(v, group["momentum"])
-            # rates enter v with each step, not the paper's lr * d: a change of lr leaves past steps as they were
-            torch._foreach_add_(v, torch._foreach_mul(grads, rate))
-            torch._foreach_sub_(params, v)
-        return loss
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Choosing the optimisers, their parameter groups and learning-rate units
 
 @dataclass(frozen=True, kw_only=True)
@@ -420,12 +301,21 @@ class SGDSettings:
                                    "rates 0-d tensors (SGDAndMuon), compiled on CUDA")
 
 
-def param_groups_no_decay_1d(model, weight_decay):
-    """Two optimizer groups: weight decay for weight matrices and kernels, none for 1-D tensors (BN, biases); each
-    at the schedule's rate (set_lr)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [dict(params=[p for p in params if p.ndim > 1], weight_decay=weight_decay, lr_unit=1.0, until_step=None),
-            dict(params=[p for p in params if p.ndim <= 1], weight_decay=0.0, lr_unit=1.0, until_step=None)]
+@dataclass(frozen=True, kw_only=True, eq=False)
+class OwnRate:
+    """A parameter (`param`, its optimizer group `name`) that trains at a rate of its own for its first until_step
+    steps and at 0 from then on (make_optimizers, group_rate):
+        rate = lr x lr_mult,  or with linear: peak x lr_mult x (1 - step / until_step)"""
+    name: str
+    param: object
+    lr_mult: float
+    until_step: int
+    linear: bool = False
+
+    @classmethod
+    def over_epochs(cls, epochs, steps_per_epoch, **fields):
+        """The OwnRate whose own rate lasts `epochs` (fractional) of steps_per_epoch steps each."""
+        return cls(until_step=epoch_steps(epochs, steps_per_epoch), **fields)
 
 
 MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -434,7 +324,7 @@ MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=()):
     """The optimisers of a run of recipe r (set_lr sets their steps from the schedule's lr): SGD on the summed loss of b
     images a rank of `world`, in units by r.sgd.lr_units (docs/cifar10.md), and Muon (r.muon) for the conv filters;
-    with r.sgd.compile_optimizer, both as one SGDAndMuon. own_rates: schedules.OwnRate, a group each (None: none).
+    with r.sgd.compile_optimizer, both as one SGDAndMuon. own_rates: OwnRate, a group each (None: none).
         SGD lr = lr x unit x scale,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
         decay per step = lr x unit x wd x b (myrtle), / peak otherwise;  Muon lr = muon.lr x lr / peak
         scale = bias_lr_mult (batch-norm biases), an own rate's lr_mult to its until_step (to 0 if linear), 1

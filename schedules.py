@@ -3,8 +3,7 @@ learning rate over the run (warm-up then linear, cosine, step or slow-start deca
 size of each epoch (progressive resizing, batch-size control) and a batch's share per rank, and the phase tables
 (fast.ai's: epoch ranges, each with its size, batch, rate or ramp, crop scale and validation) that every ImageNet
 schedule is read as, one row per epoch (plan), and each epoch on a rank (epoch_plans: its micro-batches and batch-norm
-groups), with the settings they read (Schedule, Resolution); a CIFAR-10 run's steps (run_steps);
-and a parameter's rate of its own for its first steps (OwnRate: the whitening bias's).
+groups), with the settings they read (Schedule, Resolution); and a CIFAR-10 run's steps (run_steps).
 
 Nothing here imports torch: each schedule is plain arithmetic on epochs and steps, tested on its own.
 
@@ -36,18 +35,6 @@ def run_steps(n_train, batch, epochs):
     if steps_per_epoch == 0:
         raise ValueError(f"batch size {batch} is larger than the {n_train} training images")
     return steps_per_epoch, max(1, epoch_steps(epochs, steps_per_epoch))
-
-
-@dataclass(frozen=True, kw_only=True, eq=False)
-class OwnRate:
-    """A parameter (`param`, its optimizer group `name`) that trains at a rate of its own for its first until_step
-    steps and at 0 from then on (optim.make_optimizers, group_rate):
-        rate = lr x lr_mult,  or with linear: peak x lr_mult x (1 - step / until_step)"""
-    name: str
-    param: object
-    lr_mult: float
-    until_step: int
-    linear: bool = False
 
 
 def per_rank_batch(global_batch, world):

@@ -1,5 +1,5 @@
 """The CIFAR-10 networks: ResNet-9, ResNet-18 and the three-block fastnet with their batch-norm and whitening
-options, test-time augmentation and evaluation, and the FLOPs of a run, each technique's settings above its code;
+options, test-time augmentation and evaluation, each technique's settings above its code;
 and the ghost batch norm ImageNet's networks use too. Each network is built from a recipe's settings
 (cifar10_recipes.Recipe: its network, batch_norm and whitening); the data and its augmentation are in cifar_data.py,
 the optimisers in optim.py, the loop in cifar10_fast.py, every device decision in devices.py.
@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import devices
-from cifar_data import low_resolution, pair
 from core import UsageError
-from schedules import OwnRate, epoch_steps, run_steps
+from optim import OwnRate
 from settings import component, knob, numbers
 
 # ---------------------------------------------------------------------------------------------
@@ -267,14 +266,14 @@ class Whitening(nn.Conv2d):
 
 
 def whitening_bias(net, steps_per_epoch=1):
-    """The whitening layer's bias as a schedules.OwnRate: trained at the schedule's x bias.lr_mult (falling to 0 with
+    """The whitening layer's bias as an optim.OwnRate: trained at the schedule's x bias.lr_mult (falling to 0 with
     bias.decay "linear") for its first bias.epochs, then detached; None where the network has no such bias."""
     white = next((m for m in net.modules() if isinstance(m, Whitening)), None)
     if white is None or white.bias is None:
         return None
     b = white.w.bias
-    return OwnRate(name="whiten_bias", param=white.bias, lr_mult=b.lr_mult, linear=b.decay == "linear",
-                   until_step=epoch_steps(b.epochs, steps_per_epoch))
+    return OwnRate.over_epochs(b.epochs, steps_per_epoch, name="whiten_bias", param=white.bias, lr_mult=b.lr_mult,
+                               linear=b.decay == "linear")
 
 
 def fit_whitening(model, train_images, size):
@@ -282,7 +281,7 @@ def fit_whitening(model, train_images, size):
     (a side, or height and width)."""
     layers = [m for m in model.modules() if isinstance(m, Whitening)]
     if layers:
-        h, w = pair(size)
+        h, w = (size, size) if isinstance(size, int) else size
         pad = (train_images.shape[-1] - w) // 2
         x = train_images[:max(m.w.fit.images for m in layers), :, pad:pad + h, pad:pad + w]
         for m in layers:
@@ -495,48 +494,3 @@ def loss_and_accuracy(model, images, labels, *, tta=None, dtype=torch.float32, b
     loss, correct = torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
                                  (logits.argmax(1) == labels).sum().float()]).tolist()
     return loss / len(images), correct / len(images)
-
-
-# ---------------------------------------------------------------------------------------------
-# FLOPs
-# ---------------------------------------------------------------------------------------------
-
-def count_flops(r, data, *, batch=2):
-    """FLOPs of one run of recipe r: every training step (forward and backward, each epoch at its side in the
-    resolution schedule) and the final selective-TTA evaluation, counted by torch.utils.flop_counter (convolutions,
-    matmuls) on a small batch and scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
-    from torch.utils.flop_counter import FlopCounterMode
-    device = data["test_images"].device
-    model = build_model(r, device, num_classes=data.get("num_classes", 10))
-    # contiguous: on one CPU thread, torch 2.14.1 crashed in the backward of the pre-activation ResNet-18
-    # given this slice's channels-last strides (the training step always gets a contiguous batch)
-    x, y = devices.float32_or_wider(data["test_images"][:batch]).contiguous(), data["test_labels"][:batch]
-
-    def per_train_image(x):
-        with FlopCounterMode(display=False) as counter:
-            F.cross_entropy(model(x), y).backward()
-        return counter.get_total_flops() / len(x)
-    steps_per_epoch, steps = run_steps(len(data["train_labels"]), r.batch_size, r.epochs)
-    full = tuple(x.shape[-2:])
-    steps_at = {}           # side: the run's steps at it
-    for epoch in range(-(-steps // steps_per_epoch)):
-        side = pair(r.augment.resolution(epoch, full))
-        steps_at[side] = steps_at.get(side, 0) + min(steps_per_epoch, steps - epoch * steps_per_epoch)
-    per_image = per_train_image(x)
-    train = sum(n * (per_image if side == full else per_train_image(low_resolution(x, side)))
-                for side, n in steps_at.items()) * r.batch_size
-    model.eval()
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(x)
-    per_forward_image = counter.get_total_flops() / len(x)
-    fraction = r.tta.fraction if r.tta else 1.0
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        views = tta_views(x, r.tta.views if r.tta else "none")
-        for _, view in views if fraction >= 1 else views[:1]:
-            model(view)
-    per_test_image = counter.get_total_flops() / len(x)
-    if fraction < 1:
-        per_test_image *= 1 + fraction * (len(views) - 1)
-    test = len(data["test_labels"]) * per_test_image
-    return {"train": train, "final_eval": test, "total": train + test,
-            "per_train_image": per_image, "per_test_image": per_test_image, "per_forward_image": per_forward_image}

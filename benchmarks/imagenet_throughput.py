@@ -155,7 +155,7 @@ def parse_args(argv=None):
     p.add_argument("--count-batch", type=int, default=4, help="the smaller batch of the counts (default 4)")
     p.add_argument("--count-recipe", default=None, help="the model of the counts as this recipe trains it (default: "
                                                          "--recipe's)")
-    p.add_argument("--decoder", default="auto", type=one_of(devices.DECODERS),
+    p.add_argument("--decoder", default="auto", type=one_of(idt.DECODERS),
                    help="auto: nvJPEG on a CUDA GPU, else the CPU's decoding processes")
     p.add_argument("--no-pil", action="store_true", help="skip the PIL comparison")
     p.add_argument("--dir", default=None, help="where to write photos and store (default: a temporary folder)")
@@ -198,7 +198,7 @@ def main(argv=None):
     try:
         r = inf.recipe(args.recipe)
         counted_recipe = inf.recipe(args.count_recipe) if args.count_recipe else r     # checked before any work
-        decoder = devices.jpeg_decoder(device, args.decoder)
+        decoder = idt.jpeg_decoder(device, args.decoder)
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ CPU, counted by a dispatch mode (the count depends on neither the batch nor the 
   cifar10     one opt.step() of each CIFAR-10 optimiser of fast94, fast94_muon and fast94_next (full width): SGD as
               the CPU runs it and fused (as CUDA runs it), Muon eager as a loop over the filter banks and as foreach
               operations (--muon-foreach), and the Newton–Schulz share of Muon's (compiled on CUDA)
-  cifar10_flops  the FLOPs of a run (torch_backend.count_flops, CIFAR-10's shapes) of the recipes with a resolution
+  cifar10_flops  the FLOPs of a run (cifar10_fast.count_flops, CIFAR-10's shapes) of the recipes with a resolution
               schedule and of the curriculum's alternatives: the steps at each side, training and the whole run
 
     python benchmarks/op_counts.py --out results/<machine>/op_counts.json
@@ -48,8 +48,8 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class LoopLARS(optim.LARS):
-    """optim.LARS's step as it was, a loop over the parameters: the reference."""
+class LoopLARS(imagenet_models.LARS):
+    """imagenet_models.LARS's step as it was, a loop over the parameters: the reference."""
 
     @torch.no_grad()
     def step(self):
@@ -71,13 +71,13 @@ class LoopLARS(optim.LARS):
                 p.sub_(v)
 
 
-class LoopRMSpropToSGD(optim.RMSpropToSGD):
-    """optim.RMSpropToSGD's step as it was, a loop over the parameters: the reference."""
+class LoopRMSpropToSGD(imagenet_models.RMSpropToSGD):
+    """imagenet_models.RMSpropToSGD's step as it was, a loop over the parameters: the reference."""
 
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
-            a = optim.alpha_sgd(group["epoch"], group["beta_center"], group["beta_period"])
+            a = imagenet_models.alpha_sgd(group["epoch"], group["beta_center"], group["beta_period"])
             sgd, rms = group["lr"] * a, group["lr_rmsprop"] * (1 - a)
             for p in group["params"]:
                 if p.grad is None:
@@ -100,14 +100,14 @@ class ReflectBlurPool(imagenet_models.BlurPool):
 
 
 def fused_sgd(model, r):
-    return torch.optim.SGD(optim.param_groups_no_decay_1d(model, r.sgd.weight_decay), lr=0.1, momentum=0.9,
+    return torch.optim.SGD(imagenet_models.param_groups_no_decay_1d(model, r.sgd.weight_decay), lr=0.1, momentum=0.9,
                            fused=True)
 
 
 def loop_optimizer(model, r):
     """imagenet_models.make_optimizer's LARS or RMSprop-to-SGD, stepping as the per-tensor loop it replaced."""
     opt = imagenet_models.make_optimizer(model, r)
-    opt.__class__ = {optim.LARS: LoopLARS, optim.RMSpropToSGD: LoopRMSpropToSGD}[type(opt)]
+    opt.__class__ = {imagenet_models.LARS: LoopLARS, imagenet_models.RMSpropToSGD: LoopRMSpropToSGD}[type(opt)]
     return opt
 
 
@@ -250,7 +250,7 @@ SCHEDULES = [("fast94_next", {}), ("fast94_next_lowres", {}), ("fast94_fastest",
 
 
 def schedule_flops():
-    """[{"recipe", "changes", "epochs", "steps_at_side", "train", "total"}] of SCHEDULES: torch_backend.count_flops
+    """[{"recipe", "changes", "epochs", "steps_at_side", "train", "total"}] of SCHEDULES: cifar10_fast.count_flops
     at full size on CIFAR-10's shapes (as benchmarks/suite.py counts them)."""
     from schedules import run_steps
     from suite import counted_flops
@@ -293,7 +293,7 @@ def measure():
 
 
 def print_schedule_flops(rows):
-    print("FLOPs of a CIFAR-10 run at each resolution schedule (torch_backend.count_flops): steps at each side, "
+    print("FLOPs of a CIFAR-10 run at each resolution schedule (cifar10_fast.count_flops): steps at each side, "
           "training and whole-run PFLOP")
     for row in rows:
         changes = " ".join(f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, list) else v}"

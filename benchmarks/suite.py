@@ -183,7 +183,7 @@ def pieces():
 
 
 def counted_flops(recipes):
-    """torch_backend.count_flops of each recipe at full size on CIFAR-10's shapes (device-independent)."""
+    """cifar10_fast.count_flops of each recipe at full size on CIFAR-10's shapes (device-independent)."""
     import torch
     import cifar10_fast as cf
     import torch_backend as tb
@@ -191,7 +191,7 @@ def counted_flops(recipes):
               "test_images": torch.zeros(1, 3, 32, 32).expand(10000, 3, 32, 32),
               "test_labels": torch.zeros(10000, dtype=torch.long)}
     views = lambda r: len(tb.tta_views(shapes["test_images"][:1], r.tta.views if r.tta else "none"))
-    return {name: {**tb.count_flops(r, shapes), "parameters": tb.count_parameters(tb.build_model(r, "cpu")),
+    return {name: {**cf.count_flops(r, shapes), "parameters": tb.count_parameters(tb.build_model(r, "cpu")),
                    "tta_views": views(r), "tta_fraction": r.tta.fraction if r.tta else 1.0}
             for name, r in ((name, cf.recipe(name)) for name in recipes)}
 

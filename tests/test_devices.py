@@ -10,6 +10,7 @@ import torch
 import cli
 import core
 import devices
+import imagenet_data as idt
 from conftest import fake_cuda_events
 
 
@@ -176,7 +177,7 @@ def test_what_is_compiled_and_fused_on_each_device(name, compiled, sgd):
     ("cpu", "auto", "cpu"), ("cuda", "auto", "gpu"), ("cuda:1", "auto", "gpu"), ("cuda", "cpu", "cpu"),
     ("mps", "auto", "cpu"), ("cuda:0", "gpu", "gpu")])
 def test_where_jpeg_records_are_decoded(name, choice, decoder):
-    assert devices.jpeg_decoder(name, choice) == decoder == devices.jpeg_decoder(torch.device(name), choice)
+    assert idt.jpeg_decoder(name, choice) == decoder == idt.jpeg_decoder(torch.device(name), choice)
 
 
 @pytest.mark.parametrize("name, choice, message", [
@@ -185,5 +186,5 @@ def test_where_jpeg_records_are_decoded(name, choice, decoder):
     ("cuda", "nvjpeg", "--decoder nvjpeg: choose from auto, cpu, gpu, nvimgcodec")])
 def test_a_decoder_the_device_cannot_run_is_one_line(name, choice, message):
     with pytest.raises(ValueError) as e:
-        devices.jpeg_decoder(name, choice)
+        idt.jpeg_decoder(name, choice)
     assert str(e.value) == message

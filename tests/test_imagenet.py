@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision import transforms
 
-import devices
 import distributed as D
 import imagenet_data as idt
 import imagenet_fast as inf
@@ -364,7 +363,7 @@ def test_the_cpu_and_gpu_decoders_crop_alike(store):
     rows = np.arange(8)
     h, w = s.train.rows["height"][rows], s.train.rows["width"][rows]
     boxes = idt.crop_boxes(h, w, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), generator=torch.Generator().manual_seed(0))
-    images = devices.decode_jpeg([s.train.record(r) for r in rows], "cpu")
+    images = idt.decode_jpeg([s.train.record(r) for r in rows], "cpu")
     gpu = idt.crop_resize_images(images, boxes.T.contiguous(), 16)
     cpu = torch.stack([torch.from_numpy(idt.decode_crop(s.train.record(r), box=b.tolist(), shape=(16, 16)).copy())
                        for r, b in zip(rows, boxes)]).permute(0, 3, 1, 2).float()
@@ -741,7 +740,7 @@ def test_rmsprop_hand_over_clock_is_the_loops_fractional_epoch(store, monkeypatc
     """The batch doubles after 2 epochs (6 steps an epoch, then 3): the hand-over's clock is the epoch plus the share
     of its steps done, throughout."""
     seen = []
-    real = optim.alpha_sgd
+    real = imagenet_models.alpha_sgd
     monkeypatch.setattr(optim, "alpha_sgd", lambda epoch, c, p: seen.append(epoch) or real(epoch, c, p))
     data = place(store)
     train(tiny_recipe(rmsprop=True, warmup_epochs=0.0, batch_schedule=(0, 16, 2, 32), width=4), data)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from PIL import Image
 
-import devices
 import distributed as D
 import imagenet_data as idt
 import imagenet_fast as inf
@@ -229,15 +228,15 @@ def test_nvjpegs_paths_are_counted_from_each_jpegs_frame_header(subsampling, lum
     """Baseline JPEGs (4:4:4, 4:2:2, 4:2:0, grey) go to the hardware decoder where the device has one, progressive
     ones to the software path; where the hardware cannot be asked, the baseline ones are "unknown"."""
     baseline, progressive, grey = baseline_and_progressive(subsampling)
-    assert devices.jpeg_frame(baseline) == (0xC0, 8, [luma, (1, 1), (1, 1)])
-    assert devices.jpeg_frame(progressive)[0] == 0xC2 and devices.jpeg_frame(grey) == (0xC0, 8, [(1, 1)])
-    assert devices.jpeg_frame(np.frombuffer(b"\xff\xd8not a jpeg", np.uint8)) is None
+    assert idt.jpeg_frame(baseline) == (0xC0, 8, [luma, (1, 1), (1, 1)])
+    assert idt.jpeg_frame(progressive)[0] == 0xC2 and idt.jpeg_frame(grey) == (0xC0, 8, [(1, 1)])
+    assert idt.jpeg_frame(np.frombuffer(b"\xff\xd8not a jpeg", np.uint8)) is None
     records = [baseline, progressive, grey, baseline]
     for hardware, want in ((True, dict(hardware=3, software=1, unknown=0)),
                            (False, dict(hardware=0, software=4, unknown=0)),
                            (None, dict(hardware=0, software=1, unknown=3))):
-        monkeypatch.setattr(devices, "nvjpeg_hardware", lambda device, h=hardware: h)
-        counts = devices.nvjpeg_paths(records, "cuda")
+        monkeypatch.setattr(idt, "nvjpeg_hardware", lambda device, h=hardware: h)
+        counts = idt.nvjpeg_paths(records, "cuda")
         assert counts == want
         assert idt.decode_text(counts) == {True: "3h/1s", False: "0h/4s", None: "3?/1s"}[hardware]
     assert idt.decode_text({"cpu": 5}) == "cpu" and idt.decode_text({"nvimgcodec": 5}) == "nvimgcodec"

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import imagenet_models
 import optim
 from conftest import ROOT
 
@@ -18,7 +19,7 @@ def test_lars_one_step_by_hand():
     w, b = torch.randn(4, 3), torch.randn(4)
     gw, gb = torch.randn(4, 3), torch.randn(4)
     pw, pb = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
-    opt = optim.LARS([pw, pb], lr=0.5, momentum=0.9, weight_decay=0.01, trust_coefficient=0.001)
+    opt = imagenet_models.LARS([pw, pb], lr=0.5, momentum=0.9, weight_decay=0.01, trust_coefficient=0.001)
     for _ in range(2):  # the second step uses the momentum buffer
         pw.grad, pb.grad = gw.clone(), gb.clone()
         opt.step()
@@ -34,28 +35,28 @@ def test_lars_one_step_by_hand():
 
 def test_alpha_sgd_at_its_knots():
     c, p = 10, 5
-    assert optim.alpha_sgd(c, c, p) == 0.5
-    assert optim.alpha_sgd(c - p / 2, c, p) == pytest.approx(0.5 * math.exp(-1))
-    assert optim.alpha_sgd(c + p / 4, c, p) == pytest.approx(0.75)
-    assert optim.alpha_sgd(c + p / 2, c, p) == 1.0 == optim.alpha_sgd(90, c, p)
-    assert optim.alpha_sgd(0, c, p) == pytest.approx(0.5 * math.exp(-4))
+    assert imagenet_models.alpha_sgd(c, c, p) == 0.5
+    assert imagenet_models.alpha_sgd(c - p / 2, c, p) == pytest.approx(0.5 * math.exp(-1))
+    assert imagenet_models.alpha_sgd(c + p / 4, c, p) == pytest.approx(0.75)
+    assert imagenet_models.alpha_sgd(c + p / 2, c, p) == 1.0 == imagenet_models.alpha_sgd(90, c, p)
+    assert imagenet_models.alpha_sgd(0, c, p) == pytest.approx(0.5 * math.exp(-4))
     # continuous with a continuous slope at the centre (the ELU shape)
     h = 1e-6
-    assert optim.alpha_sgd(c - h, c, p) == pytest.approx(0.5, abs=1e-6)
-    assert (optim.alpha_sgd(c, c, p) - optim.alpha_sgd(c - h, c, p)) / h == pytest.approx(1 / p, rel=1e-4)
+    assert imagenet_models.alpha_sgd(c - h, c, p) == pytest.approx(0.5, abs=1e-6)
+    assert (imagenet_models.alpha_sgd(c, c, p) - imagenet_models.alpha_sgd(c - h, c, p)) / h == pytest.approx(1 / p, rel=1e-4)
 
 
 def test_rmsprop_to_sgd_is_rmsprop_then_sgd():
     g = torch.tensor([0.5, -2.0])
     # long after the warm-up: momentum SGD, w -= lr * g
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = optim.RMSpropToSGD([p], lr=0.1, lr_rmsprop=0.01, beta_center=-10, beta_period=1)
+    opt = imagenet_models.RMSpropToSGD([p], lr=0.1, lr_rmsprop=0.01, beta_center=-10, beta_period=1)
     p.grad = g.clone()
     opt.step()
     torch.testing.assert_close(p.detach(), -0.1 * g)
     # far before beta_center: RMSprop, w -= lr_rmsprop * g / (sqrt((1 - mu2) g^2) + eps)
     p = torch.nn.Parameter(torch.zeros(2))
-    opt = optim.RMSpropToSGD([p], lr=0.1, lr_rmsprop=0.01, beta_center=1000, beta_period=1)
+    opt = imagenet_models.RMSpropToSGD([p], lr=0.1, lr_rmsprop=0.01, beta_center=1000, beta_period=1)
     p.grad = g.clone()
     opt.step()
     torch.testing.assert_close(p.detach(), -0.01 * g / (0.01 ** 0.5 * g.abs() + 1e-8))
@@ -70,7 +71,7 @@ def rmsprop_to_sgd_by_formula(grads, rates, epochs, lr_rms, mu1=0.9, mu2=0.99, e
     steps, out = [], []
     for k, g in enumerate(grads):
         m = sum((1 - mu2) * mu2 ** (k - i) * grads[i] ** 2 for i in range(k + 1))
-        a = optim.alpha_sgd(epochs[k], c, period)
+        a = imagenet_models.alpha_sgd(epochs[k], c, period)
         steps.append((rates[k] * a + lr_rms * (1 - a) / (m.sqrt() + eps)) * g)
         out.append(-sum(mu1 ** (t - k) * steps[k] for t in range(len(steps)) for k in range(t + 1)))
     return out
@@ -83,7 +84,7 @@ def test_rmsprop_to_sgd_follows_its_formula_when_the_rate_changes(case):
     rates = [0.4] * 8 if case == "constant rate" else [0.4 * (k + 1) / 8 for k in range(8)]
     epochs = [float(k) for k in range(8)]        # the loop's clock, one step an epoch: through all of alpha_sgd
     p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
-    opt = optim.RMSpropToSGD([p], lr=rates[0], lr_rmsprop=0.01, beta_center=2.0, beta_period=2.0)
+    opt = imagenet_models.RMSpropToSGD([p], lr=rates[0], lr_rmsprop=0.01, beta_center=2.0, beta_period=2.0)
     for k, (g, want) in enumerate(zip(grads, rmsprop_to_sgd_by_formula(grads, rates, epochs, 0.01))):
         opt.param_groups[0].update(lr=rates[k], epoch=epochs[k])
         p.grad = g.clone()
@@ -185,8 +186,8 @@ def tensors_of_a_network(seed):
 
 
 @pytest.mark.parametrize("ours, reference, options", [
-    (optim.LARS, LoopLARS, dict(trust_coefficient=0.02)),
-    (optim.RMSpropToSGD, LoopRMSpropToSGD, dict(lr_rmsprop=0.01, beta_center=2.0, beta_period=2.0))],
+    (imagenet_models.LARS, LoopLARS, dict(trust_coefficient=0.02)),
+    (imagenet_models.RMSpropToSGD, LoopRMSpropToSGD, dict(lr_rmsprop=0.01, beta_center=2.0, beta_period=2.0))],
     ids=["lars", "rmsprop_to_sgd"])
 def test_the_foreach_optimisers_step_as_their_loops_did(ours, reference, options):
     """Five steps through the RMSprop-to-SGD hand-over, with a rate that changes: the same parameters and state as

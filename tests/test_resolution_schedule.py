@@ -78,12 +78,12 @@ def test_a_run_shorter_than_the_list_trains_its_first_sides_and_the_flops_follow
     r = cf.recipe("fast94_curriculum")
     assert [r.augment.resolution(e, 32) for e in range(9)] == [24, 24, 24, 28, 28, 28, 32, 32, 32]
     # 8.3 epochs of 32 steps (50000 // 1536): 266 steps, 96 at 24 px, 96 at 28, 74 at 32
-    per_step = {s: tb.count_flops(settings.changed(r, resolution_schedule=(s,) * 9), SHAPES)["train"] / 266
+    per_step = {s: cf.count_flops(settings.changed(r, resolution_schedule=(s,) * 9), SHAPES)["train"] / 266
                 for s in (24, 28, 32)}
-    assert tb.count_flops(r, SHAPES)["train"] == pytest.approx(96 * per_step[24] + 96 * per_step[28]
+    assert cf.count_flops(r, SHAPES)["train"] == pytest.approx(96 * per_step[24] + 96 * per_step[28]
                                                                + 74 * per_step[32], rel=1e-9)
     two = settings.changed(r, epochs=2)
-    assert tb.count_flops(two, SHAPES)["train"] == pytest.approx(64 * per_step[24], rel=1e-9)
+    assert cf.count_flops(two, SHAPES)["train"] == pytest.approx(64 * per_step[24], rel=1e-9)
 
 
 @pytest.mark.parametrize("model", ["fastnet", "resnet9"])
@@ -116,7 +116,7 @@ def test_the_curriculum_is_fast94_fastest_with_its_schedule_and_length_at_fewer_
     assert {k for k in flat_fastest if flat_curriculum[k] != flat_fastest[k]} == {"resolution_schedule", "epochs"}
     assert curriculum.network.global_max_pool and fastest.augment.resolution_schedule == (24, 24)
     assert cf.recipe("fast94_next_lowres").augment.resolution_schedule == (24, 24)   # the old 2 epochs at 24 px
-    ours, theirs = (tb.count_flops(r, SHAPES)["train"] for r in (curriculum, fastest))
+    ours, theirs = (cf.count_flops(r, SHAPES)["train"] for r in (curriculum, fastest))
     # docs/perf-notes.md: 0.214 PFLOP of training against fast94_fastest's 0.242 (11.6% fewer)
     assert ours < theirs and (round(ours / 1e15, 3), round(theirs / 1e15, 3)) == (0.214, 0.242)
 

@@ -14,7 +14,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import core  # noqa: E402
-import devices  # noqa: E402
+import imagenet_data as idt  # noqa: E402
 import report  # noqa: E402
 import suite  # noqa: E402
 
@@ -624,7 +624,7 @@ def test_the_gpu_check_runs_every_check_in_the_smoke_pass(smoke):
         import nvidia.nvimgcodec  # noqa: F401
     except ImportError:
         assert {r["error"] for r in by("decoder", decoder="nvimgcodec") + by("together", decoder="nvimgcodec")} == {
-            f"--decoder nvimgcodec needs nvImageCodec: pip install {devices.nvimgcodec_package()}"}
+            f"--decoder nvimgcodec needs nvImageCodec: pip install {idt.nvimgcodec_package()}"}
     assert [r["res"] for r in by("step")] == sizes and all(r["images_per_s"] > 0 for r in by("step"))
     assert all(r["of_step_alone"] > 0 for r in by("together", decoder="gpu"))
     # the estimate beside the measured peak (none under the stand-in): the decoder's buffers on top of the step's

@@ -155,7 +155,7 @@ def test_fractional_epochs_and_lookahead_in_a_short_run():
     res = train_once(r, data, seed=0, target=2.0)
     assert len(res["rows"]) == 2 and res["time_to_target"] is None
     assert res["time"] == pytest.approx(res["train_time"] + res["final_eval_time"])
-    flops = tb.count_flops(r, data)
+    flops = cf.count_flops(r, data)
     assert flops["train"] == pytest.approx(round(1.5 * (n // bs)) * bs * flops["per_train_image"])
     assert flops["per_test_image"] > 0 and flops["per_train_image"] > 2 * flops["per_test_image"] / 6
 
@@ -167,7 +167,7 @@ def test_fastnet_flops_per_image_match_the_architecture():
             "test_images": torch.zeros(8, 3, 32, 32), "test_labels": torch.zeros(8, dtype=torch.long)}
     macs = (31 * 31 * 24 * 12 + 31 * 31 * 64 * 24 * 9 + 15 * 15 * 64 * 64 * 9 + 15 * 15 * 256 * 64 * 9
             + 7 * 7 * 256 * 256 * 9 + 7 * 7 * 256 * 256 * 9 + 3 * 3 * 256 * 256 * 9 + 256 * 10)
-    assert tb.count_flops(r, data)["per_test_image"] == 2 * macs
+    assert cf.count_flops(r, data)["per_test_image"] == 2 * macs
 
 
 def whitened_twins(r):
@@ -252,7 +252,7 @@ def test_total_steps_round_up_as_airbench(monkeypatch):
     data = tiny_data(64)
     res = train_once(r, data, target=2.0)
     assert len(steps) == 5 and len(res["rows"]) == 2
-    flops = tb.count_flops(r, data)
+    flops = cf.count_flops(r, data)
     assert flops["train"] == pytest.approx(5 * 16 * flops["per_train_image"])
 
 
@@ -470,8 +470,8 @@ def test_low_resolution_epochs_and_their_flops():
                                                                         flip_base=base,
                                                                         resolution=r.augment.resolution(e, 24))]
     assert sizes == [16, 16, 24, 24]
-    ratio = (tb.count_flops(r, data)["train"]
-             / tb.count_flops(settings.changed(r, resolution_schedule=()), data)["train"])
+    ratio = (cf.count_flops(r, data)["train"]
+             / cf.count_flops(settings.changed(r, resolution_schedule=()), data)["train"])
     assert ratio == pytest.approx((1 + (16 / 24) ** 2) / 2, rel=0.1)       # half the steps at 4/9 of the pixels
     train_once(r, data, target=2.0)
 
@@ -498,7 +498,7 @@ def test_selective_tta():
     y = torch.arange(40) % 10
     accuracy = (half.argmax(1) == y).float().mean().item()
     assert tb.loss_and_accuracy(model, x, y, tta=tta(0.5))[1] == pytest.approx(accuracy)
-    flops = tb.count_flops(cf.recipe("fast94", tta_fraction=0.25), tiny_data(1024, 32))
+    flops = cf.count_flops(cf.recipe("fast94", tta_fraction=0.25), tiny_data(1024, 32))
     assert flops["per_test_image"] == pytest.approx(flops["per_train_image"] / 3 * (1 + 0.25 * 5), rel=0.02)
 
 
@@ -537,7 +537,7 @@ def test_the_low_resolution_ablation_is_fast94_next_with_its_switch_and_the_pred
     assert {k for k in flat_base if flat_ablation[k] != flat_base[k]} == {"resolution_schedule"}
     shapes = {"train_images": torch.zeros(1, 3, 1, 1).expand(50000, 3, 1, 1), "train_labels": torch.zeros(50000),
               "test_images": torch.zeros(8, 3, 32, 32), "test_labels": torch.zeros(8, dtype=torch.long)}
-    low, full = (tb.count_flops(r, shapes)["train"] for r in (ablation, base))
+    low, full = (cf.count_flops(r, shapes)["train"] for r in (ablation, base))
     assert 1 - low / full == pytest.approx(2 / 7.59 * (1 - (24 / 32) ** 2), abs=0.015)
 
 
@@ -551,7 +551,7 @@ def test_fast94_fastest_is_the_low_resolution_ablation_for_7_89_epochs_at_the_co
     assert {k for k in apart if apart[k] != flat_fastest[k]} == {"compile_optimizer"}     # its ablation
     shapes = {"train_images": torch.zeros(1, 3, 1, 1).expand(50000, 3, 1, 1), "train_labels": torch.zeros(50000),
               "test_images": torch.zeros(8, 3, 32, 32), "test_labels": torch.zeros(8, dtype=torch.long)}
-    fast, full = (tb.count_flops(r, shapes)["train"] for r in (fastest, base))
+    fast, full = (cf.count_flops(r, shapes)["train"] for r in (fastest, base))
     assert (round(fast / 1e15, 3), round(full / 1e15, 3)) == (0.242, 0.264)
     assert 1 - fast / full == pytest.approx(0.085, abs=0.001)
 
