@@ -4,7 +4,6 @@ while it writes (one line, exit status 1, then resumed by the same command once 
 
 The full disk is the kernel's own refusal of a file past RLIMIT_FSIZE (EFBIG) in a subprocess: the same path through
 the code as ENOSPC (a write that fails part-way through a shard), with no mount needed."""
-import os
 import subprocess
 import sys
 
