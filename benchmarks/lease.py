@@ -20,10 +20,8 @@ ASSUMED figures, each named as such, elsewhere.
 """
 import argparse
 import json
-import os
 import random
 import shutil
-import subprocess
 import sys
 import tarfile
 import time
@@ -33,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fulcrum_adapter as fa  # noqa: E402
+from core import CODE_VERSION_FILE, code_version  # noqa: E402
 
 OURS = ("fast94_next", "fast94_fastest", "fast94_curriculum")
 PEERS = ("e1", "hiverge")
@@ -189,10 +188,10 @@ def rehearsed_rows(done, times, seed=0):
 def carry_and_commands(sides, n, budget_s):
     """The two `run` calls: (carry list, command) each."""
     s = ",".join(sides)
-    call1 = (".gpudata/a peers".split(),
+    call1 = (f".gpudata/a peers {CODE_VERSION_FILE}".split(),
              "set -o pipefail; mkdir -p /root/c10 && cp .gpudata/a/* /root/c10/ && PYTHONUNBUFFERED=1 python3 "
              f"benchmarks/lease.py call1 --out $OUT --sides {s} --budget-s 540 2>&1 | tee $OUT/call1.log")
-    call2 = (".gpudata/b peers".split(),
+    call2 = (f".gpudata/b peers {CODE_VERSION_FILE}".split(),
              "set -o pipefail; cp .gpudata/b/* /root/c10/ && python3 /root/c10/decode_cifar10_parts.py /root/c10 "
              "/root/cifar10.npz && PYTHONUNBUFFERED=1 python3 benchmarks/lease.py call2 --out $OUT "
              f"--data-dir /root/cifar10.npz --sides {s} --runs {n} --budget-s {min(budget_s, 560):.0f} 2>&1 | tee "
@@ -326,6 +325,9 @@ def print_plan(args, say=print):
     say("charged: " + "; ".join(f"{k} {v.replace(str(ROOT) + '/', '')}" for k, v in sorted(source.items())
                                 if v != "assumed")
         + " (every other figure ASSUMED, benchmarks/lease.py)")
+    # the copied tree has no .git: every result it writes names the commit it ran (core.code_version)
+    (ROOT / CODE_VERSION_FILE).write_text(json.dumps(code_version()) + "\n")
+    say(f"{CODE_VERSION_FILE}: {json.loads((ROOT / CODE_VERSION_FILE).read_text())}")
     for i, (carry, command) in enumerate(carry_and_commands([s for s in sides if done[s]], args.runs,
                                                             args.budget_s), 1):
         say(f"call {i}: carry {json.dumps(carry)}")
