@@ -65,13 +65,12 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # timed
     average = averaging(net.module, ema=r.ema, lookahead=r.lookahead)
     step, hint = 0, f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
-    image_size = tuple(data["test_images"].shape[-2:])
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         losses, correct, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
         steps = min(steps_per_epoch, total_steps - step)          # the last epoch may be cut short
-        side = r.augment.resolution(epoch, image_size)            # the resolution schedule's side for this epoch
+        # each epoch at its side in the resolution schedule (r.augment.resolution), resized in epoch_batches
         batches = islice(epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
-                                       batch_size=batch, memory_format=memory_format, resolution=side), steps)
+                                       batch_size=batch, memory_format=memory_format), steps)
         for x, y in with_progress(batches, steps, f"epoch {epoch + 1}", PROGRESS_AFTER_S, on=o.progress):
             lr = r.lr.at(step / total_steps)
             set_lr(opts, lr, step)
@@ -201,12 +200,14 @@ def warmup(r, data, *, device, dtype, ctx, net, calls=1):
     states = (True, False) if bias and not ctx.distributed else (True,)
     steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), r.batch_size // ctx.world_size, r.epochs)
     image_size = tuple(data["test_images"].shape[-2:])
-    for side in dict.fromkeys(r.augment.resolution(epoch, image_size)      # each side the run trains at
-                              for epoch in range(math.ceil(total_steps / steps_per_epoch))):
+    first_epoch_at = {}         # each side the run trains at: the first epoch at it
+    for epoch in range(math.ceil(total_steps / steps_per_epoch)):
+        first_epoch_at.setdefault(r.augment.resolution(epoch, image_size), epoch)
+    for epoch in first_epoch_at.values():
         for state in states:
             bias and bias.param.requires_grad_(state)
             for _ in range(calls):
-                x, y = next(epoch_batches(data, r.augment, gen, memory_format=memory_format, resolution=side,
+                x, y = next(epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
                                           flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
                 train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
     for state in states:

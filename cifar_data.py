@@ -406,10 +406,9 @@ def low_resolution(x, size):
                          align_corners=False).to(x.dtype)
 
 
-def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None,
-                  resolution=None):
+def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):
     """Yields (images, labels) for one shuffled epoch, augmented as `augment` (AugmentSettings) says, in batches
-    of batch_size, resized to resolution x resolution pixels where that is given and not their size; the last partial
+    of batch_size, resized to the resolution schedule's side for `epoch` (augment.resolution); the last partial
     batch is dropped. The augmentation is drawn from generator, the order from `order` (by default the same)."""
     a = augment
     size = tuple(data["test_images"].shape[-2:])
@@ -417,8 +416,9 @@ def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=
     r = draw_augmentation(len(x), size, a, generator=generator, epoch=epoch, flip_base=flip_base, device=x.device,
                           order=order)
     x = augment_images(x, r, size, a.cutout)[r["perm"]]
-    if resolution is not None and pair(resolution) != size:
-        x = low_resolution(x, resolution)
+    side = augment.resolution(epoch, size)
+    if pair(side) != size:
+        x = low_resolution(x, side)
     x = x.contiguous(memory_format=memory_format)
     y = y[r["perm"]]
     for i in range(len(x) // batch_size):
