@@ -126,7 +126,7 @@ ORIENTATION = 0x0112     # the EXIF tag of how the pixels lie: 1 upright, 2..8 m
 
 def encode_image(path, split, settings):
     """One image as the store keeps it: (record bytes, height, width, whether it carries an EXIF orientation other
-    than upright); decoding failures raise. With settings.exif_transpose such an image is stored upright."""
+    than upright); decoding failures raise. With exif_transpose set, such an image is stored upright."""
     with Image.open(path) as im:
         turned = im.getexif().get(ORIENTATION, 1) != 1
         if turned and settings.exif_transpose:
