@@ -28,7 +28,7 @@ from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_F
                              FAST94_MUON, FAST94_NEXT, FAST94_NEXT_LOWRES, FAST95, FAST96, JOURNEY, MYRTLE10, MYRTLE24,
                              RECIPES, Recipe, journey_recipes, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, low_resolution,
-                        normalise, num_classes, pair, take_subset, to_device)
+                        upload_normalised, num_classes, pair, take_subset, dataset_on_device)
 from cli import (HelpFormatter, add_run_flags, check_run, check_whole, cpu_warning, ctrl_c_exit, interrupted, join_ranks,
                  lost_peer, phase_of, recipe_list, run_record)
 from core import (DataError, Heartbeat, Parser, UsageError, exit_now, print_summary, say_error, summarize_runs,
@@ -38,7 +38,7 @@ from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
 from torch_backend import build_model, fit_whitening, loss_and_accuracy, tta_views, whitening_bias
-from training import (EpochClock, Options as SharedOptions, averaging, check_finite_loss, epoch_table,
+from training import (EpochClock, RunOptions, averaging, check_finite_loss, epoch_table,
                       evaluation_model, run_seeds, strict_compile, train_step, warmup_calls)
 
 # ---------------------------------------------------------------------------------------------
@@ -123,9 +123,9 @@ def device_data(arrays, r, ctx, device, *, dtype, stats):
     rows = shard(len(arrays["train_labels"]), ctx.rank, ctx.world_size)
     own = {**arrays, "train_images": arrays["train_images"][rows.start:rows.stop],
            "train_labels": arrays["train_labels"][rows.start:rows.stop]}
-    data = to_device(own, device, dtype=dtype, pad=r.augment.crop_pad, stats=stats)
+    data = dataset_on_device(own, device, dtype=dtype, pad=r.augment.crop_pad, stats=stats)
     fit = r.whitening.fit.images if r.whitening else 0
-    data["whiten_images"] = (normalise(arrays["train_images"][:fit], device, dtype=dtype, stats=stats)
+    data["whiten_images"] = (upload_normalised(arrays["train_images"][:fit], device, dtype=dtype, stats=stats)
                              if ctx.distributed else data["train_images"])
     data["num_classes"] = num_classes(arrays)
     return data
@@ -133,7 +133,7 @@ def device_data(arrays, r, ctx, device, *, dtype, stats):
 
 @dataclass(kw_only=True)
 class Network:
-    """The network a process builds once (network()) and each run resets: `module`, what a training step calls
+    """The network a process builds once (build_network()) and each run resets: `module`, what a training step calls
     (`train_forward`) and what an evaluation calls (`eval_forward`), each the module itself, in DDP or compiled as
     it was built; `recipe` and `num_classes` build the fresh network whose weights a reset takes."""
     module: torch.nn.Module
@@ -152,7 +152,7 @@ class Network:
         self.module.load_state_dict(fresh.state_dict())
 
 
-def network(r, device, *, compile_mode=None, ctx=None, num_classes=10):
+def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10):
     """The Network of recipe r: a training step calls it in DDP under torchrun (an evaluation the module itself), and
     torch.compile'd with compile_mode (with r.compile_step, as WithLoss), which an evaluation then calls too."""
     distributed = ctx is not None and ctx.distributed
@@ -230,8 +230,8 @@ PROGRESS_AFTER_S = 5.0          # an epoch that looks longer shows its steps on 
 
 
 @dataclass(kw_only=True)
-class Options(SharedOptions):
-    """How train() runs a recipe (not what it computes): training.Options, and where, how many runs from which seed,
+class Options(RunOptions):
+    """How train() runs a recipe (not what it computes): training.RunOptions, and where, how many runs from which seed,
     compiled or not, the table and results on stdout (verbose); on_run(Result so far) follows every run,
     on_epoch(row) every epoch."""
     device: object = None
@@ -382,7 +382,7 @@ def count_flops(r, data, *, batch=2):
 @dataclass(kw_only=True)
 class Built:
     """What a process builds once for a recipe: its data on the device (device_data, with the statistics it was
-    normalised by), its Network (network(), which each run resets) and the FLOPs of a run (count_flops)."""
+    normalised by), its Network (build_network(), which each run resets) and the FLOPs of a run (count_flops)."""
     data: dict
     network: Network
     flops: dict = None
@@ -396,7 +396,7 @@ def build(r, arrays, o, *, ctx, stats=None):
     dtype = devices.compute_dtype(device, o.precision)
     data = {**device_data(arrays, r, ctx, device, dtype=dtype, stats=stats), "stats": stats}
     flops = count_flops(r, {**data, "train_labels": torch.empty(len(arrays["train_labels"]))})
-    net = network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data.get("num_classes", 10))
+    net = build_network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data.get("num_classes", 10))
     if not devices.is_cpu(device) or o.compile:
         devices.autotune(device)
         what = "compiling every graph the runs meet (torch.compile)" if o.compile else "cuDNN's autotuning"
@@ -434,7 +434,7 @@ def scores(model, images, labels, *, tta=None, stats=None, batch_size=1000):
         if stats is None:
             raise UsageError("scores: give stats=(mean, std), the training images' (a network train() returned "
                              "keeps them)")
-        images = normalise(images, device, dtype=torch.float32, stats=stats)
+        images = upload_normalised(images, device, dtype=torch.float32, stats=stats)
     labels = torch.as_tensor(labels, device=device).long()
     loss, accuracy = loss_and_accuracy(model, images, labels, tta=tta, batch_size=batch_size,
                                        dtype=devices.compute_dtype(device), memory_format=devices.memory_format(device))

@@ -13,7 +13,7 @@ from schedules import LRSettings
 from settings import always_present, changed, check, component, flag_error, knob
 from torch_backend import (WHITENING_FITS, BatchNormSettings, NetworkSettings, TTASettings, WhiteningBiasSettings,
                            WhiteningSettings, build_model)
-from training import EMA, Lookahead
+from training import EMASettings, LookaheadSettings
 
 MAX_EPOCHS = 1000         # beyond it a typo (--epochs 1e12), not a run: its rate would round to 0 at every step
 
@@ -34,8 +34,8 @@ class Recipe:
     muon: MuonSettings = component(MuonSettings, title="Muon")
     augment: AugmentSettings = always_present(AugmentSettings(), title="augmentation")
     tta: TTASettings = component(TTASettings, title="test-time augmentation")
-    ema: EMA = component(EMA, title="EMA")
-    lookahead: Lookahead = component(Lookahead)
+    ema: EMASettings = component(EMASettings, title="EMA")
+    lookahead: LookaheadSettings = component(LookaheadSettings)
     compile_step: bool = knob(False, doc="with --compile: the forward and the loss compiled as one function")
 
     def __post_init__(self):
@@ -80,7 +80,7 @@ MYRTLE10 = replace(
     batch_norm=replace(MYRTLE24.batch_norm, ghost_batch=32, freeze_scale=True),
     whitening=WhiteningSettings(),
     lr=LRSettings(knots=(0, 0.2, 0.8), values=(0.0, 1.0, 0.1)), sgd=replace(MYRTLE24.sgd, bias_lr_mult=64.0),
-    augment=replace(MYRTLE24.augment, cutout=0), tta=TTASettings(views="flip"), ema=EMA(momentum=0.99, every=5))
+    augment=replace(MYRTLE24.augment, cutout=0), tta=TTASettings(views="flip"), ema=EMASettings(momentum=0.99, every=5))
 
 # The journey (Myrtle.ai, 2018-19), each stage the one before plus `changes` (flag names), with Myrtle's numbers from
 # their experiments.ipynb (parts 1-4) and bag_of_tricks.ipynb (part 8) and their published V100 training time. Two
@@ -156,7 +156,7 @@ FAST94 = Recipe(
     sgd=SGDSettings(lr_units="decoupled", momentum=0.85, nesterov=True, weight_decay=0.0153, bias_lr_mult=64.0),
     augment=AugmentSettings(crop_pad=2, flip="alternate", cutout=0),
     tta=TTASettings(views="flip_translate", weights="airbench"),
-    lookahead=Lookahead(momentum=0.95, every=5))
+    lookahead=LookaheadSettings(momentum=0.95, every=5))
 
 # airbench95 widens fast94; airbench96 (legacy/airbench96.py) widens it to 128/384/512 with a third convolution per
 # block (the residual added before the last activation), translate 4, cutout 12, 37 epochs, lr 9 per 1024 warming up

@@ -281,7 +281,7 @@ def load_cifar10(path="data", **kwargs):
 # The dataset on the device, and batched augmentation
 # ---------------------------------------------------------------------------------------------
 
-def normalise(x, device, *, dtype, stats, pad=0):
+def upload_normalised(x, device, *, dtype, stats, pad=0):
     """uint8 NHWC images uploaded, normalised by stats (per-channel mean and std, see channel_stats) and
     reflect-padded by pad pixels on the device, NCHW in dtype (computed in float32, or float64 for a float64 run)."""
     wide = devices.wide_dtype(dtype)
@@ -291,12 +291,12 @@ def normalise(x, device, *, dtype, stats, pad=0):
     return (F.pad(x, (pad,) * 4, mode="reflect") if pad else x).to(dtype)
 
 
-def to_device(d, device, *, dtype, pad, stats=None):
+def dataset_on_device(d, device, *, dtype, pad, stats=None):
     """Uploads uint8 once; normalises (and reflect-pads the training images) once, on the device. stats, the
     (mean, std) to normalise by, are the training images' own unless given (the whole training set's, when d
     holds a part of it); num_classes comes from the labels."""
     stats = stats or channel_stats(d["train_images"])
-    prep = lambda x, p: normalise(x, device, dtype=dtype, stats=stats, pad=p)
+    prep = lambda x, p: upload_normalised(x, device, dtype=dtype, stats=stats, pad=p)
     return {"train_images": prep(d["train_images"], pad), "test_images": prep(d["test_images"], 0),
             "train_labels": torch.from_numpy(d["train_labels"]).to(device).long(),
             "test_labels": torch.from_numpy(d["test_labels"]).to(device).long(), "num_classes": num_classes(d)}
@@ -334,26 +334,26 @@ def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, d
     pad, flip, cutout = augment.crop_pad, augment.flip, augment.cutout
     jitter = (augment.jitter_brightness, augment.jitter_contrast)
     device = device or generator.device
-    r = {"perm": torch.randperm(n, device=device, generator=order or generator)}
+    draws = {"perm": torch.randperm(n, device=device, generator=order or generator)}
     if pad:
-        r["dy"], r["dx"] = torch.randint(0, 2 * pad + 1, (2, n), device=device, generator=generator)
+        draws["dy"], draws["dx"] = torch.randint(0, 2 * pad + 1, (2, n), device=device, generator=generator)
     if flip == "random":
-        r["flip"] = flip_bits(n, generator, device)
+        draws["flip"] = flip_bits(n, generator, device)
     elif flip == "alternate":
-        r["flip"] = flip_base ^ bool(epoch % 2)
+        draws["flip"] = flip_base ^ bool(epoch % 2)
     elif flip != "none":
         raise ValueError(f"flip must be none, random or alternate, not {flip!r}")
     if cutout:
         h, w = pair(size)
         draw = lambda high, shape: torch.randint(0, high, shape, device=device, generator=generator)
         if h == w:      # both corners in one call, as square images always drew them (a seed trains as it did)
-            r["cy"], r["cx"] = draw(h - cutout + 1, (2, n))
+            draws["cy"], draws["cx"] = draw(h - cutout + 1, (2, n))
         else:
-            r["cy"], r["cx"] = draw(h - cutout + 1, (n,)), draw(w - cutout + 1, (n,))
+            draws["cy"], draws["cx"] = draw(h - cutout + 1, (n,)), draw(w - cutout + 1, (n,))
     if any(jitter):
         u = torch.rand(2, n, device=device, generator=generator) * 2 - 1
-        r["brightness"], r["contrast"] = u[0] * jitter[0], 1 + u[1] * jitter[1]
-    return r
+        draws["brightness"], draws["contrast"] = u[0] * jitter[0], 1 + u[1] * jitter[1]
+    return draws
 
 
 def flip_bits(n, generator, device=None):
@@ -386,16 +386,16 @@ def cutout_mask(cy, cx, size, patch):
     return (inside(cy, h)[:, :, None] & inside(cx, w)[:, None, :])[:, None]
 
 
-def augment_images(images, r, size, cutout):
-    """Applies one epoch's draws r to all (padded) images at once; returns them unshuffled."""
+def augment_images(images, draws, size, cutout):
+    """Applies one epoch's draws to all (padded) images at once; returns them unshuffled."""
     x = images
-    if "dy" in r or "flip" in r:
-        x = crop_flip(images, size, dy=r.get("dy"), dx=r.get("dx"), flip=r.get("flip"))
-    if "brightness" in r:
+    if "dy" in draws or "flip" in draws:
+        x = crop_flip(images, size, dy=draws.get("dy"), dx=draws.get("dx"), flip=draws.get("flip"))
+    if "brightness" in draws:
         per_image = lambda v: v.view(-1, 1, 1, 1).to(x.dtype)
-        x = (x + per_image(r["brightness"])) * per_image(r["contrast"])
-    if "cy" in r:
-        x = x.masked_fill(cutout_mask(r["cy"], r["cx"], size, cutout), 0)
+        x = (x + per_image(draws["brightness"])) * per_image(draws["contrast"])
+    if "cy" in draws:
+        x = x.masked_fill(cutout_mask(draws["cy"], draws["cx"], size, cutout), 0)
     return x
 
 
@@ -413,13 +413,13 @@ def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=
     a = augment
     size = tuple(data["test_images"].shape[-2:])
     x, y = data["train_images"], data["train_labels"]
-    r = draw_augmentation(len(x), size, a, generator=generator, epoch=epoch, flip_base=flip_base, device=x.device,
+    draws = draw_augmentation(len(x), size, a, generator=generator, epoch=epoch, flip_base=flip_base, device=x.device,
                           order=order)
-    x = augment_images(x, r, size, a.cutout)[r["perm"]]
+    x = augment_images(x, draws, size, a.cutout)[draws["perm"]]
     side = augment.resolution(epoch, size)
     if pair(side) != size:
         x = low_resolution(x, side)
     x = x.contiguous(memory_format=memory_format)
-    y = y[r["perm"]]
+    y = y[draws["perm"]]
     for i in range(len(x) // batch_size):
         yield x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]

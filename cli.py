@@ -23,20 +23,20 @@ from distributed import HOOKS, comm_hook, first_sentence, init_from_env, leave, 
 from settings import flag_error, flat
 
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp64")       # --precision's choices
+PRECISION_CHOICES = ("auto", *devices.PRECISIONS)         # --precision's choices
 
 
 def check_run(runs, target, *, seed=0, device=None, out=None, eval_every=1, precision="auto"):
     """Raises UsageError unless runs is a whole number of at least 1, seed and eval_every whole and not negative,
-    target a fraction above 0, precision one of PRECISIONS, the device exists (devices.resolve) and a file can be written at out
-    (core.check_output)."""
+    target a fraction above 0, precision one of PRECISION_CHOICES, the device exists (devices.resolve) and a file can be
+    written at out (core.check_output)."""
     check_whole("runs", runs, "must be at least 1", low=1)
     check_whole("seed", seed, "must not be negative (the runs' seeds: seed, seed + 1, ...)")
     check_whole("eval_every", eval_every, "must not be negative (0: evaluate only after the last epoch)")
     if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target <= 1:
         raise flag_error("target", target, "must be in (0, 1]")
-    if precision not in PRECISIONS:
-        raise flag_error("precision", precision, f"must be one of {', '.join(PRECISIONS)}")
+    if precision not in PRECISION_CHOICES:
+        raise flag_error("precision", precision, f"must be one of {', '.join(PRECISION_CHOICES)}")
     devices.resolve(device)
     check_output(out, "--out")
 
@@ -82,7 +82,7 @@ def add_run_flags(p, *, comm_hook=False):
     g.add_argument("--seed", type=int, default=0, metavar="N",
                    help="the first run's seed: its network's initialisation, data order and augmentation (default: 0)")
     g.add_argument("--device", default=None, help="cuda, cuda:1, cpu, mps, ... (default: cuda if available, else cpu)")
-    g.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32", "fp64"],
+    g.add_argument("--precision", default="auto", choices=PRECISION_CHOICES,
                    help="autocast dtype; fp64: the whole computation in float64, the recipe's lower-precision settings "
                         "too (the algorithm without rounding; slow) (default: auto: bf16 on a CUDA GPU, else fp32)")
     g.add_argument("--eval-every", type=int, default=1, metavar="N",

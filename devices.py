@@ -209,7 +209,7 @@ def free_memory(device):
 USABLE = 0.9      # of a device's free memory: the rest for the caching allocator's slack and cuDNN's workspaces
 
 
-def size(nbytes):
+def size_text(nbytes):
     """Bytes as people read them: 1.5 GiB, 300.0 MiB, 12.0 KiB, 900 B."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
@@ -223,8 +223,8 @@ def check_training_fits(device, training, *, why, remedy, parts=None):
     cannot tell (the CPU)."""
     free = free_memory(device)
     if free is not None and training > USABLE * free:
-        raise UsageError(f"{why} needs about {size(training)} on {device}{f' ({parts})' if parts else ''} but it has "
-                         f"{size(free)} free; {remedy}")
+        raise UsageError(f"{why} needs about {size_text(training)} on {device}{f' ({parts})' if parts else ''} but it has "
+                         f"{size_text(free)} free; {remedy}")
 
 
 def store_place(nbytes, device, where="auto", *, training=0):
@@ -236,8 +236,8 @@ def store_place(nbytes, device, where="auto", *, training=0):
     free = free_memory(device)
     fits = free is None or nbytes + training <= USABLE * free
     if where == "device" and not fits:
-        raise UsageError(f"--data-on device: the store's {size(nbytes)} and training's {size(training)} do not fit in "
-                         f"the {size(free)} free on {device}; use --data-on host")
+        raise UsageError(f"--data-on device: the store's {size_text(nbytes)} and training's {size_text(training)} do not fit in "
+                         f"the {size_text(free)} free on {device}; use --data-on host")
     return "device" if fits and (where == "device" or free is not None) else "host"
 
 

@@ -213,7 +213,7 @@ def checkpoint_writers(ctx, *, each_node=True):
     return dist.new_group([r for r, k in enumerate(local) if k == 0], backend="gloo")
 
 
-def save_checkpoint(path, state, ctx, *, each_node=True, writers=None):
+def save_state(path, state, ctx, *, each_node=True, writers=None):
     """The writers (writes_checkpoints) write rank 0's state (sent to them over `writers`, checkpoint_writers: a
     rank's own holds its own batch-norm statistics and clock) to path atomically (a crash mid-write leaves the
     previous checkpoint); then every rank learns whether every write succeeded, so that a failed one (a full disk, a
@@ -290,8 +290,8 @@ def remove_unfinished_writes(path):
     return left
 
 
-def load_checkpoint(path, ctx=None, *, epoch_of=None):
-    """(state, rank): the newest state saved by save_checkpoint that any rank holds at path (its node's own copy or
+def load_newest_state(path, ctx=None, *, epoch_of=None):
+    """(state, rank): the newest state saved by save_state that any rank holds at path (its node's own copy or
     a shared file; tensors on the CPU) and the rank that read it, or (None, None) when no rank holds one. Every rank
     says which epoch_of(state) it holds (None: all alike); the lowest rank holding the latest reads it whole and
     broadcasts it (one pickled copy in each rank's host memory), so an older copy is never used. A file that cannot

@@ -1,8 +1,8 @@
 """ImageNet's checkpoints: what an interrupted run saves after every epoch and resumes from exactly (the model, its
 optimisers, its weight averaging, every rank's random streams, the rows and clock so far), refused when written by
 another run (other settings, another number of ranks, another store). The file itself is written and found by
-distributed.save_checkpoint (atomically; rank 0, or every node's first rank for node-local copies) and
-distributed.load_checkpoint (the newest copy that any rank holds).
+distributed.save_state (atomically; rank 0, or every node's first rank for node-local copies) and
+distributed.load_newest_state (the newest copy that any rank holds).
 """
 import hashlib
 import json
@@ -43,7 +43,7 @@ def save_checkpoint(path, run, *, progress, settings, ctx, store=None, each_node
     if torch.distributed.is_initialized():
         every = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(every, rng)
-    distributed.save_checkpoint(path, {
+    distributed.save_state(path, {
         "model": run.model.state_dict(), "optimizers": [o.state_dict() for o in run.optimizers],
         "averaging": run.average.state_dict() if run.average else None, "rng": every, "progress": progress,
         "settings": settings, "world": ctx.world_size, "store": store}, ctx, each_node=each_node, writers=writers)
@@ -58,10 +58,10 @@ def checkpoint_epoch(state):
 
 
 def read_checkpoint(path, *, settings, ctx, store=None):
-    """The newest state save_checkpoint left at path on any rank (distributed.load_checkpoint: its holder reads it,
+    """The newest state save_checkpoint left at path on any rank (distributed.load_newest_state: its holder reads it,
     every rank receives it), or None when no rank holds one. A checkpoint of another run (other settings, another
     number of ranks, another store than this rank's) is a DataError of one line on every rank."""
-    state, holder = distributed.load_checkpoint(path, ctx, epoch_of=checkpoint_epoch)
+    state, holder = distributed.load_newest_state(path, ctx, epoch_of=checkpoint_epoch)
     if state is None:
         distributed.print0(f"no checkpoint at {path}{' on any rank' * ctx.distributed}: training from the start")
         return None
@@ -87,7 +87,7 @@ def refusal(path, state, *, settings, ctx, store):
     return None
 
 
-def load_checkpoint(state, run, *, ctx):
+def restore_run(state, run, *, ctx):
     """Loads a checkpoint's state (read_checkpoint) into the Trainable run: the model, its optimisers, its averaging
     and this rank's random streams."""
     run.model.load_state_dict(state["model"])
@@ -128,7 +128,7 @@ def resume_run(r, run, o, *, forward, plans, ctx, on_epoch):
             memory_format=devices.memory_format(ctx.device))
         with devices.autocast(ctx.device, devices.compute_dtype(ctx.device, o.precision)):
             distributed.rehearse_backward(forward, example.to(devices.compute_dtype(ctx.device, o.precision)))
-    load_checkpoint(state, run, ctx=ctx)
+    restore_run(state, run, ctx=ctx)
     for row in state["progress"]["rows"]:
         on_epoch and on_epoch(row)
     return state["progress"]

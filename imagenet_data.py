@@ -1,7 +1,7 @@
 """ImageNet batches from the store (imagenet_store.py): this process's share placed (and, of a JPEG store under
 torchrun, dealt anew each epoch), random-resized crops of the whole image drawn as torchvision defines them, decoded
 one batch ahead in the CPU's worker processes or on the GPU, augmented on the device with no wait for the host; and
-the validation views. The settings they read: Augment and Validation.
+the validation views. The settings they read: CropAugmentSettings and ValidationSettings.
 
 Training crops follow torchvision's RandomResizedCrop.get_params exactly (crop_boxes): the area a fraction of the
 image's uniform in `crop_scale`, the log aspect uniform in log `crop_ratio`, whole pixels, the first of 10 draws that
@@ -39,7 +39,7 @@ STD = (58.395, 57.12, 57.375)
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
-class Augment:
+class CropAugmentSettings:
     """torchvision's random-resized crops of the whole image (their area and aspect ratio ranges), a random flip,
     and brightness, contrast and saturation jitter of +- jitter."""
     PREFIX = ""
@@ -60,7 +60,7 @@ class Augment:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Validation:
+class ValidationSettings:
     """What validation sees (val_view): the centre crop of side crop x the shorter side resized to res
     (crop 0: the whole image, shorter side res); tta flip adds each image's mirror."""
     PREFIX = "val"
@@ -397,7 +397,7 @@ def staging(data, slot, nbytes):
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(kw_only=True)
-class Data:
+class RankData:
     """What this process trains and validates on: train_rows / val_rows index the store's splits (under torchrun a
     raw store's train_rows are this rank's share, a JPEG store's the whole split, dealt each epoch by shares, its
     (rank, world)); pixels: a raw store's training squares (on the device, pinned, or memory-mapped)."""
@@ -426,8 +426,8 @@ class Data:
         return len(self.train_rows) // (self.shares[1] if self.shares else 1)
 
 
-def place(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", workers=None, training=0):
-    """This process's Data: the whole store, or under torchrun its part of the validation set and, of a raw store,
+def rank_data(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", workers=None, training=0):
+    """This process's RankData: the whole store, or under torchrun its part of the validation set and, of a raw store,
     its fixed D.stratified_share of training images (a JPEG store's is dealt each epoch). Raw training squares go to
     the device when asked or when they fit beside `training` bytes (devices.store_place), else stay mapped."""
     ctx = ctx or D.Context()
@@ -439,7 +439,7 @@ def place(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", worke
     if store.format == "jpeg" and decoder == "cpu":
         check_cpu_decoder()
     workers = workers or default_workers(ctx.local_world_size)
-    data = Data(store=store, train_rows=np.asarray(train, np.int64), val_rows=val, train_y=store.train.labels[train],
+    data = RankData(store=store, train_rows=np.asarray(train, np.int64), val_rows=val, train_y=store.train.labels[train],
                 val_y=store.val.labels[val], decoder=decoder, workers=workers,
                 shares=(ctx.rank, ctx.world_size) if ctx.distributed and not fixed else None)
     if store.format == "raw":
@@ -583,20 +583,20 @@ def jitter(x, factors, grey):
     return ((x - gray) * f[2] + gray).clamp(0, 255)
 
 
-def normalize(x, constants):
+def normalise(x, constants):
     """(x - mean) / std per channel: constants is CONSTANTS on x's device."""
     return (x - constants[0].view(1, 3, 1, 1)) / constants[1].view(1, 3, 1, 1)
 
 
-def finish(x, factors, constants, *, dtype, memory_format):
+def normalised_batch(x, factors, constants, *, dtype, memory_format):
     """float NCHW crops on 0..255 -> jittered (factors, or None), normalised compute-dtype batch."""
     if factors is not None:
         x = jitter(x, factors, constants[2])
-    return normalize(x, constants).to(dtype).contiguous(memory_format=memory_format)
+    return normalise(x, constants).to(dtype).contiguous(memory_format=memory_format)
 
 
 def decode_text(counts):
-    """How an epoch's images were decoded, in a table's column (counts: the change in Data.decoded over it): "cpu",
+    """How an epoch's images were decoded, in a table's column (counts: the change in RankData.decoded over it): "cpu",
     "nvimgcodec", nvJPEG's "<hardware>h/<software>s" ("?" for hardware-decodable images where nvjpeg_hardware cannot
     tell), or "-" (a raw store's, nothing to decode)."""
     for name in ("cpu", "nvimgcodec"):
@@ -789,7 +789,7 @@ def train_batches(data, augment, draws, *, res, batch_size, device, dtype, small
                    for xb, small in decoded(data, "train", jobs, device=device))
     for x, small in batches:
         x = torch.where(small[0][FLIP].bool().view(-1, 1, 1, 1), x.flip(3), x)
-        yield (finish(x, small[1] if len(small) > 1 else None, constants, dtype=dtype, memory_format=memory_format),
+        yield (normalised_batch(x, small[1] if len(small) > 1 else None, constants, dtype=dtype, memory_format=memory_format),
                small[0][LABEL])
 
 
@@ -836,7 +836,7 @@ def validation_sums(model, data, val, *, tta, device, dtype, batch_size=256):
     totals[3] = len(data.val_rows)
     constants = devices.to_device(CONSTANTS, device)
     for x, y in val_batches(data, val, batch_size, device=device):
-        x = normalize(x.to(devices.wide_dtype(dtype)), constants).to(dtype).contiguous(memory_format=memory_format)
+        x = normalise(x.to(devices.wide_dtype(dtype)), constants).to(dtype).contiguous(memory_format=memory_format)
         with devices.autocast(device, dtype):
             logits = devices.float32_or_wider(model(x))
             if tta == "flip":

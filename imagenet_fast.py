@@ -37,10 +37,10 @@ from distributed import (barrier, checkpoint_writers, leave, leave_together, pri
                          sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
 from imagenet_data import (DECODERS, GPU_DECODERS, EpochWork, batch_indices, decode_text, draw_epoch, jpeg_decoder,
-                           loss_top1_top5, place, train_batches)
-from imagenet_models import build_model, check_memory, make_optimizer
+                           loss_top1_top5, rank_data, train_batches)
+from imagenet_models import imagenet_network, check_memory, imagenet_optimizer
 from imagenet_recipes import RECIPES, RN50_16EP, Recipe, recipe, recipe_command
-from imagenet_store import FORMATS, Settings, check_classes, kept, open_store, prepare
+from imagenet_store import FORMATS, StoreSettings, check_classes, kept, open_store, prepare
 from optim import set_lr
 from schedules import epoch_plans, plan, step_lr
 from settings import add_flags, changes_from, flag_error, flat, one_of
@@ -58,8 +58,8 @@ PROGRESS_AFTER_S = 5.0    # an epoch that looks longer shows its steps on stderr
 
 
 @dataclass(kw_only=True)
-class Options(training.Options):
-    """How a run runs (not what it computes): training.Options with the top-1 that stops the clock, and a checkpoint
+class Options(training.RunOptions):
+    """How a run runs (not what it computes): training.RunOptions with the top-1 that stops the clock, and a checkpoint
     written after every epoch (each_node: by every node's first rank, else by rank 0; resumed from with resume;
     interrupt_after: exit after that epoch's, as a preempted job would)."""
     target: float = 0.75
@@ -71,7 +71,7 @@ class Options(training.Options):
 
 
 def train_run(r, data, o, *, ctx, seed, on_epoch=None):
-    """One run of recipe r on this process's Data (place()) with Options o: {"seed", "rows", "final_top1",
+    """One run of recipe r on this process's RankData (rank_data()) with Options o: {"seed", "rows", "final_top1",
     "final_top5", "train_time", "final_eval_time", "time", "time_to_target", "resumed_from", "trained_epochs",
     "trained_steps"} (the last two counted as this process trains them). Under torchrun every rank builds the same
     network and draws its own batches."""
@@ -82,8 +82,8 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     torch.manual_seed(seeds["init"])
     order, augment = (torch.Generator().manual_seed(seeds[k]) for k in ("order", "augment"))
     with devices.parameters_dtype(dtype):
-        model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
-    opt = make_optimizer(model, r)
+        model = imagenet_network(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
+    opt = imagenet_optimizer(model, r)
     forward = register_comm_hook(wrap_ddp(model, ctx, ctx.bucket_mb), ctx.hook) if ctx.distributed else model
     clock = EpochClock(device, columns=COLUMNS, accuracy="top5" if r.target_top5 else "top1", target=o.target,
                        eval_every=o.eval_every, reads_every_epoch=True)      # its checkpoint records its rows
@@ -252,8 +252,8 @@ def warmup(r, data, *, device, dtype, world=1):
     cuDNN's autotuning for each new shape happens before the clock starts."""
     memory_format = devices.memory_format(device)
     with devices.parameters_dtype(dtype):
-        model = build_model(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
-    opt = make_optimizer(model, r)
+        model = imagenet_network(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
+    opt = imagenet_optimizer(model, r)
     gen = torch.Generator().manual_seed(0)
     n = data.per_epoch()
     for res, bs, group in sorted({(p.res, p.micro, p.group) for p in epoch_plans(r, world, n)}):
@@ -370,7 +370,7 @@ def parser():
 def main_prepare(args):
     finished = (Path(args.dst) / "index.json").is_file()       # then prepare says "already prepared" and writes nothing
     try:
-        settings = Settings(format=args.format, size=args.size, max_side=args.max_side, quality=args.quality,
+        settings = StoreSettings(format=args.format, size=args.size, max_side=args.max_side, quality=args.quality,
                             max_aspect=args.max_aspect, exif_transpose=args.exif_transpose)
         index = prepare(args.src, Path(args.dst), settings, workers=args.workers, shard_size=args.shard_size,
                         max_shards=args.max_shards)
@@ -410,7 +410,7 @@ def check_train(args):
     check_output(args.checkpoint, "--checkpoint")
 
 
-def goal(r, target):
+def clock_target(r, target):
     """The accuracy whose first epoch stops the clock: --target (top-1, default 0.75), or the recipe's top-5 target;
     a UsageError of one line when both are given."""
     if r.target_top5 and target is not None:
@@ -419,7 +419,7 @@ def goal(r, target):
     return r.target_top5 or (0.75 if target is None else target)
 
 
-# what run() does before the first run, by function: what Ctrl-C stopped there
+# what train_command() does before the first run, by function: what Ctrl-C stopped there
 BEFORE_TRAINING = {"open_store": "opening the store", "place_data": "placing the store",
                    "warmup": "warming up (cuDNN's autotuning at every resolution)"}
 
@@ -433,14 +433,14 @@ def main_train(args, changes, argv):
         if args.print_recipe:
             print(recipe_command(r, args.recipe))
             return 0
-        args.target = goal(r, args.target)
+        args.target = clock_target(r, args.target)
         check_train(args)
         ctx = join_ranks(args, r.comm_hook)
     except UsageError as e:
         say_error(e)
         return 2
     try:
-        return run(args, r, ctx=ctx, argv=argv)
+        return train_command(args, r, ctx=ctx, argv=argv)
     except KeyboardInterrupt as e:       # before the runs (train_runs says where a run stopped)
         return ctrl_c_exit(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint,
                                        during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"))
@@ -450,7 +450,7 @@ def main_train(args, changes, argv):
         leave(ctx)
 
 
-def run(args, r, *, ctx, argv):
+def train_command(args, r, *, ctx, argv):
     """main_train's work once this process has its place: the store placed, the runs, the summary, the JSON; the
     exit status."""
     device, say, progress = torch.device(ctx.device), print0, ctx.is_main and not args.quiet
@@ -531,7 +531,7 @@ def view_text(view):
 
 
 def place_data(r, store, args, *, ctx, decoder, progress):
-    """This process's Data (imagenet_data.place), once what training needs of the device is known to fit (and
+    """This process's RankData (imagenet_data.rank_data), once what training needs of the device is known to fit (and
     whether a raw store fits beside it): a UsageError of one line, before anything is loaded, when not."""
     device = torch.device(ctx.device)
     dtype, classes = devices.compute_dtype(device, args.precision), len(store.index["classes"])
@@ -541,7 +541,7 @@ def place_data(r, store, args, *, ctx, decoder, progress):
     need = 0 if devices.is_cpu(device) else check_memory(r, classes, device=device, world=ctx.world_size, dtype=dtype,
                                                          side=side, gpu_decoder=gpu_decoder)
     with Heartbeat(f"placing {args.store}", on=progress):
-        return place(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
+        return rank_data(store, device, where=args.data_on, ctx=ctx, seed=args.seed, decoder=decoder,
                      workers=args.loader_workers, training=need)     # under torchrun, this rank's share alone
 
 

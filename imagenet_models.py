@@ -1,6 +1,6 @@
 """ImageNet's networks and what a recipe builds around them: torchvision's ResNets (or resnet_tiny, for tests and CPU
 demonstrations) with BlurPool and ghost batch norm, the optimiser, and the device memory training them takes, each
-beside the settings it reads (NetworkSettings, SGDSettings, LARSSettings, RMSpropWarmup): the optimisers
+beside the settings it reads (ImageNetNetworkSettings, ImageNetSGDSettings, LARSSettings, RMSpropWarmupSettings): the optimisers
 are momentum SGD (torch's), LARS and RMSprop-to-SGD (here), their rates set by optim.set_lr.
 
 Papers:
@@ -25,14 +25,14 @@ from torch_backend import GhostBatchNorm
 # The network
 # ---------------------------------------------------------------------------------------------
 
-MODELS = ("resnet_tiny", "resnet18", "resnet34", "resnet50", "resnet101")
+IMAGENET_MODELS = ("resnet_tiny", "resnet18", "resnet34", "resnet50", "resnet101")
 
 
 @dataclass(frozen=True, kw_only=True)
-class NetworkSettings:
+class ImageNetNetworkSettings:
     """torchvision's ResNets (resnet_tiny: ours, for tests and CPU demonstrations)."""
     PREFIX = ""
-    model: str = knob("resnet50", choices=MODELS, doc="torchvision's ResNets; resnet_tiny: ours, for tests and CPU "
+    model: str = knob("resnet50", choices=IMAGENET_MODELS, doc="torchvision's ResNets; resnet_tiny: ours, for tests and CPU "
                       "demonstrations")
     width: int = knob(16, above=0, whole=True, doc="resnet_tiny's first stage's channels")
     blurpool: bool = knob(True, doc="a blur before each strided convolution (Zhang 2019; FFCV)")
@@ -78,7 +78,7 @@ def resnet_tiny(num_classes, width, norm=nn.BatchNorm2d):
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, num_classes))
 
 
-def build_model(r, num_classes):
+def imagenet_network(r, num_classes):
     """The network of recipe r (its .network): torchvision's ResNet or resnet_tiny, with BlurPool if asked, and
     ghost batch norm (torch_backend.GhostBatchNorm, its groups consecutive images: set_ghost_groups) where the recipe
     reproduces a paper's per-GPU groups (bn_workers)."""
@@ -96,7 +96,7 @@ def build_model(r, num_classes):
 # ---------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
-class SGDSettings:
+class ImageNetSGDSettings:
     """Momentum SGD, with no weight decay on batch norm and biases, and label smoothing of the loss."""
     PREFIX = ""
     momentum: float = knob(0.9, low=0, high=1, doc="SGD's momentum")
@@ -119,7 +119,7 @@ class LARSSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RMSpropWarmup:
+class RMSpropWarmupSettings:
     """Akiba et al. 2017's RMSprop warm-up instead of plain SGD: RMSprop at rate lr handing over to momentum SGD,
     half done at epoch beta_center, over beta_period epochs (RMSpropToSGD, below)."""
     PREFIX = "rmsprop"
@@ -255,7 +255,7 @@ def param_groups_no_decay_1d(model, weight_decay):
             dict(params=[p for p in params if p.ndim <= 1], weight_decay=0.0, lr_unit=1.0, until_step=None)]
 
 
-def make_optimizer(model, r):
+def imagenet_optimizer(model, r):
     """Momentum SGD, LARS or RMSprop-to-SGD (above) as the recipe says, at lr 0 until the schedule sets it;
     weight decay only on conv and linear weights (none on batch-norm scales and biases)."""
     groups, s = param_groups_no_decay_1d(model, r.sgd.weight_decay), r.sgd
@@ -276,7 +276,7 @@ def saved_bytes_per_image(r, classes, res, dtype):
     """Bytes of activations a training step saves for backward, per image at res x res in dtype: autograd's saved
     tensors (parameters left out, each storage once) counted on the meta device, which holds no memory."""
     with torch.device("meta"):
-        model = build_model(r, classes).to(dtype)
+        model = imagenet_network(r, classes).to(dtype)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     storages = {}
 
@@ -295,7 +295,7 @@ def memory_parts(r, classes, dtype):
     """(bytes a rank holds whatever its batch: float32 parameters, gradients, the optimiser's state and an EMA's copy;
     {resolution: saved_bytes_per_image} at each of the run's resolutions)."""
     with torch.device("meta"):
-        params = sum(p.numel() * 4 for p in build_model(r, classes).parameters())
+        params = sum(p.numel() * 4 for p in imagenet_network(r, classes).parameters())
     copies = 2 + (2 if r.rmsprop else 1) + (r.ema is not None)
     return copies * params, {res: saved_bytes_per_image(r, classes, res, dtype) for res in
                              {res_at(r, e) for e in range(r.epochs)}}
@@ -305,7 +305,7 @@ def eval_bytes_per_image(r, classes, res, dtype):
     """Bytes an evaluation pass (no autograd) holds at once per image at res x res in dtype: its largest layer's input
     and output, with the largest activation beside them (a residual block's input), counted on the meta device."""
     with torch.device("meta"):
-        model = build_model(r, classes).to(dtype).eval()
+        model = imagenet_network(r, classes).to(dtype).eval()
     pairs, largest = [0], [0]
 
     def note(module, inputs, output):
@@ -349,8 +349,8 @@ class MemoryNeed:
         return self.fixed + max(self.activations + self.inputs, self.validation)
 
     def text(self):
-        return (f"{devices.size(self.fixed)} of weights and optimiser state, {devices.size(self.activations)} of "
-                f"activations, {devices.size(self.inputs)} of input buffers, {devices.size(self.validation)} for "
+        return (f"{devices.size_text(self.fixed)} of weights and optimiser state, {devices.size_text(self.activations)} of "
+                f"activations, {devices.size_text(self.inputs)} of input buffers, {devices.size_text(self.validation)} for "
                 "validation")
 
 

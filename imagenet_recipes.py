@@ -6,12 +6,12 @@ from dataclasses import dataclass, replace
 
 from core import UsageError
 from distributed import HOOKS
-from imagenet_data import Augment, Validation
-from imagenet_models import LARSSettings, NetworkSettings, RMSpropWarmup, SGDSettings
-from schedules import Resolution, Schedule, batch_for, phases
+from imagenet_data import CropAugmentSettings, ValidationSettings
+from imagenet_models import LARSSettings, ImageNetNetworkSettings, RMSpropWarmupSettings, ImageNetSGDSettings
+from schedules import ProgressiveResizingSettings, LRScheduleSettings, batch_for, phases
 from settings import (always_present, as_flags, changed, check, check_own, command_text, component, flag_error,
                       knob)
-from training import EMA, Lookahead
+from training import EMASettings, LookaheadSettings
 
 MAX_EPOCHS = 1000         # beyond it a typo, not a run (every epoch is planned before the first)
 
@@ -33,16 +33,16 @@ class Recipe:
     bn_workers: int = knob(0, low=0, whole=True, doc="batch norm over groups of global batch / bn_workers images: the "
                            "per-GPU batch of a paper's bn_workers GPUs, whatever the GPUs here (ghost batch norm); "
                            "0: over each micro-batch")
-    network: NetworkSettings = always_present(NetworkSettings())
-    schedule: Schedule = always_present(Schedule(), title="learning rate")
-    resolution: Resolution = always_present(Resolution(), title="resolution and batch")
-    augment: Augment = always_present(Augment(), title="augmentation")
-    validation: Validation = always_present(Validation())
-    sgd: SGDSettings = always_present(SGDSettings(), title="SGD")
+    network: ImageNetNetworkSettings = always_present(ImageNetNetworkSettings())
+    schedule: LRScheduleSettings = always_present(LRScheduleSettings(), title="learning rate")
+    resolution: ProgressiveResizingSettings = always_present(ProgressiveResizingSettings(), title="resolution and batch")
+    augment: CropAugmentSettings = always_present(CropAugmentSettings(), title="augmentation")
+    validation: ValidationSettings = always_present(ValidationSettings())
+    sgd: ImageNetSGDSettings = always_present(ImageNetSGDSettings(), title="SGD")
     lars: LARSSettings = component(LARSSettings, title="LARS")
-    rmsprop: RMSpropWarmup = component(RMSpropWarmup, title="RMSprop warm-up")
-    ema: EMA = component(EMA, title="EMA")
-    lookahead: Lookahead = component(Lookahead)
+    rmsprop: RMSpropWarmupSettings = component(RMSpropWarmupSettings, title="RMSprop warm-up")
+    ema: EMASettings = component(EMASettings, title="EMA")
+    lookahead: LookaheadSettings = component(LookaheadSettings)
     target_top5: float = knob(0.0, low=0, high=1, doc="the top-5 accuracy whose first epoch stops the clock, instead "
                               "of --target's top-1 (fast.ai: 0.93); 0: none")
     bn_stats: str = knob("running", choices=("running", "last_batch"), doc="last_batch: the last batch's statistics "
@@ -79,12 +79,12 @@ RN50_16EP = Recipe(
     name="rn50_16ep", doc="ResNet-50, 16 epochs, res 160->192, 512 images per GPU at lr 1.7 (published by FFCV: 73.8% "
                           "top-1 in 14.9 min on 8 A100s)",
     epochs=16, batch_size=512, per_gpu_batch=True,
-    network=NetworkSettings(model="resnet50", blurpool=True),
-    schedule=Schedule(lr=1.7, lr_scaling="none", warmup_epochs=2.0, warmup_start=1e-4, schedule="linear"),
-    resolution=Resolution(min_res=160, max_res=192, res_start_epoch=11, res_end_epoch=13, res_step=32),
-    augment=Augment(crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True),
-    validation=Validation(res=256, crop=0.875, tta="flip"),
-    sgd=SGDSettings(momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.1))
+    network=ImageNetNetworkSettings(model="resnet50", blurpool=True),
+    schedule=LRScheduleSettings(lr=1.7, lr_scaling="none", warmup_epochs=2.0, warmup_start=1e-4, schedule="linear"),
+    resolution=ProgressiveResizingSettings(min_res=160, max_res=192, res_start_epoch=11, res_end_epoch=13, res_step=32),
+    augment=CropAugmentSettings(crop_scale=(0.08, 1.0), crop_ratio=(3 / 4, 4 / 3), flip=True),
+    validation=ValidationSettings(res=256, crop=0.875, tta="flip"),
+    sgd=ImageNetSGDSettings(momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.1))
 
 
 def ffcv(name, doc, *, epochs, res_start, res_end, **changes):
@@ -94,7 +94,7 @@ def ffcv(name, doc, *, epochs, res_start, res_end, **changes):
                    resolution=replace(RN50_16EP.resolution, res_start_epoch=res_start, res_end_epoch=res_end))
 
 
-RN18 = dict(network=NetworkSettings(model="resnet18", blurpool=True), batch_size=1024,      # rn18: lr 0.5 for 1 GPU x 1024
+RN18 = dict(network=ImageNetNetworkSettings(model="resnet18", blurpool=True), batch_size=1024,      # rn18: lr 0.5 for 1 GPU x 1024
             schedule=replace(RN50_16EP.schedule, lr=0.5), sgd=replace(RN50_16EP.sgd, weight_decay=5e-5))
 
 # The cluster papers: torchvision's ResNet-50 (no BlurPool) for 90 epochs at 224 px, momentum SGD 0.9 with weight
@@ -106,12 +106,12 @@ GOYAL_8K = Recipe(
     name="goyal_8k", doc="Goyal et al. 2017: batch 8,192, lr 0.1 per 256 (3.2) after a 5-epoch warm-up from 0.1, x0.1 "
                          "at epochs 30/60/80, zero-init residual BN (published: 76.3% top-1 in 1 hour on 256 P100s)",
     epochs=90, batch_size=8192, bn_workers=256,
-    network=NetworkSettings(model="resnet50", blurpool=False, zero_init=True),
-    schedule=Schedule(lr=0.1, lr_scale_base=256, warmup_epochs=5.0, warmup_start=256 / 8192, schedule="step",
+    network=ImageNetNetworkSettings(model="resnet50", blurpool=False, zero_init=True),
+    schedule=LRScheduleSettings(lr=0.1, lr_scale_base=256, warmup_epochs=5.0, warmup_start=256 / 8192, schedule="step",
                       step_epochs=(30.0, 60.0, 80.0)),
-    resolution=Resolution(min_res=224, max_res=224, res_start_epoch=0, res_end_epoch=0),
-    validation=Validation(res=224, crop=0.875, tta="none"),
-    sgd=SGDSettings(momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.0))
+    resolution=ProgressiveResizingSettings(min_res=224, max_res=224, res_start_epoch=0, res_end_epoch=0),
+    validation=ValidationSettings(res=224, crop=0.875, tta="none"),
+    sgd=ImageNetSGDSettings(momentum=0.9, nesterov=False, weight_decay=1e-4, label_smoothing=0.0))
 CLUSTER = dict(epochs=90, validation=GOYAL_8K.validation, resolution=GOYAL_8K.resolution,
                network=replace(GOYAL_8K.network, zero_init=False))
 
@@ -123,7 +123,7 @@ def mikami(name, doc, *, gpus, per_gpu, **changes):
     small, large = gpus * per_gpu, gpus * per_gpu * 2
     peak = 0.1 * small / 256
     return replace(GOYAL_8K, name=name, doc=doc, **CLUSTER, batch_size=large, bn_workers=gpus, comm_hook="torus_fp16",
-                   schedule=Schedule(lr_scaling="none", phases=(0, 5, 224, small, 0.0, peak, 0.08, 0, 0,
+                   schedule=LRScheduleSettings(lr_scaling="none", phases=(0, 5, 224, small, 0.0, peak, 0.08, 0, 0,
                                                                 5, 90, 224, large, peak, 0.0, 0.08, 0, 0)), **changes)
 
 
@@ -135,7 +135,7 @@ def fastai(name, doc, *, machines, rows):
     table = sum(((a, b, size, per_gpu * gpus, lr0, lr1, crop, size, rect)
                  for a, b, size, per_gpu, lr0, lr1, crop, rect in rows), ())
     return replace(GOYAL_8K, name=name, doc=doc, epochs=rows[-1][1], batch_size=rows[0][3] * gpus, bn_workers=gpus,
-                   target_top5=0.93, schedule=Schedule(lr_scaling="none", phases=table))
+                   target_top5=0.93, schedule=LRScheduleSettings(lr_scaling="none", phases=table))
 
 
 # fast.ai's tables (train.py): the rates are the optimiser's, for the table's global batch
@@ -180,8 +180,8 @@ RECIPES = {r.name: r for r in (
     replace(GOYAL_8K, name="akiba_32k", **CLUSTER, doc="Akiba et al. 2017: batch 32,768, RMSprop warm-up handing over "
             "to SGD, slow-start lr, batch norm from the last batch averaged over ranks, fp16 gradients (published: "
             "74.9% top-1 in 15 min on 1,024 P100s)", batch_size=32768, bn_workers=1024,
-            schedule=Schedule(lr=0.1, warmup_epochs=0.0, schedule="slow_start"),
-            rmsprop=RMSpropWarmup(beta_center=10.0, beta_period=5.0), bn_stats="last_batch", comm_hook="fp16"),
+            schedule=LRScheduleSettings(lr=0.1, warmup_epochs=0.0, schedule="slow_start"),
+            rmsprop=RMSpropWarmupSettings(beta_center=10.0, beta_period=5.0), bn_stats="last_batch", comm_hook="fp16"),
     mikami("mikami_68k", "Mikami et al. 2018 (Sony), first version: batch-size control 34,816 -> 69,632 after 5 "
            "epochs, 2D-torus all-reduce in fp16 (published: 75.03% top-1 in 224 s on 2,176 V100s)",
            gpus=2176, per_gpu=16),
@@ -193,14 +193,14 @@ RECIPES = {r.name: r for r in (
     replace(GOYAL_8K, name="yamazaki_81k", **CLUSTER, doc="Yamazaki et al. 2019 (Fujitsu): batch 81,920, LARS (the "
             "schedule, label smoothing and the rest assumed) (published: 75.08% top-1 in 74.7 s on 2,048 V100s)",
             batch_size=81920, bn_workers=2048, lars=LARSSettings(trust=0.001),
-            schedule=Schedule(lr=0.1, warmup_epochs=5.0, schedule="linear"),
+            schedule=LRScheduleSettings(lr=0.1, warmup_epochs=5.0, schedule="linear"),
             sgd=replace(GOYAL_8K.sgd, label_smoothing=0.1), comm_hook="fp16"),
     *(fastai(name, **kw) for name, kw in FASTAI.items()),
     Recipe(name="tiny", doc="resnet_tiny width 16 for tests and CPU demonstrations on small stores (res 32, 8 epochs)",
-           epochs=8, batch_size=32, network=NetworkSettings(model="resnet_tiny", width=16, blurpool=False),
-           schedule=Schedule(lr=0.2, warmup_epochs=1.0), sgd=SGDSettings(weight_decay=5e-5),
-           resolution=Resolution(min_res=32, max_res=32, res_start_epoch=0, res_end_epoch=0, res_step=8),
-           augment=Augment(crop_scale=(0.35, 1.0)), validation=Validation(res=32, crop=0.0, tta="none")),
+           epochs=8, batch_size=32, network=ImageNetNetworkSettings(model="resnet_tiny", width=16, blurpool=False),
+           schedule=LRScheduleSettings(lr=0.2, warmup_epochs=1.0), sgd=ImageNetSGDSettings(weight_decay=5e-5),
+           resolution=ProgressiveResizingSettings(min_res=32, max_res=32, res_start_epoch=0, res_end_epoch=0, res_step=8),
+           augment=CropAugmentSettings(crop_scale=(0.35, 1.0)), validation=ValidationSettings(res=32, crop=0.0, tta="none")),
 )}
 
 

@@ -40,7 +40,7 @@ MAGIC = b"IMSTORE3"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Settings:
+class StoreSettings:
     """How prepare stores each image (the flags of prepare that shape the store)."""
     format: str = "jpeg"
     size: int = 128          # raw: the shorter side (training records are size x size)
@@ -298,7 +298,7 @@ def write_split(dst, split, items, settings, *, workers, shard_size, max_shards,
     return (index, [tuple(e) for e in journal["errors"]], journal.get("turned", 0)), len(todo)
 
 
-def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max_shards=None, log=print):
+def prepare(src, dst, settings=StoreSettings(), *, workers=None, shard_size=1000, max_shards=None, log=print):
     """Builds the store; returns its index dict, or None when stopped by max_shards. Bad settings raise UsageError
     before anything is written; an interrupted run resumes (write_split); the workers end with this process."""
     check_prepare(settings, workers=workers, shard_size=shard_size, max_shards=max_shards)
@@ -318,7 +318,7 @@ def prepare(src, dst, settings=Settings(), *, workers=None, shard_size=1000, max
     index_path = dst / "index.json"
     if index_path.is_file():
         old = read_index(index_path, "delete it, or choose another --dst")
-        theirs = {**asdict(Settings()), **(old.get("settings") or {})}       # a setting added since: its default
+        theirs = {**asdict(StoreSettings()), **(old.get("settings") or {})}       # a setting added since: its default
         if theirs == asdict(settings) and old.get("source") == str(src.resolve()):
             log(f"{dst}: already prepared ({old['train']['count']} train, {old['val']['count']} val images)")
             return old

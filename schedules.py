@@ -3,7 +3,7 @@ learning rate over the run (warm-up then linear, cosine, step or slow-start deca
 size of each epoch (progressive resizing, batch-size control) and a batch's share per rank, and the phase tables
 (fast.ai's: epoch ranges, each with its size, batch, rate or ramp, crop scale and validation) that every ImageNet
 schedule is read as, one row per epoch (plan), and each epoch on a rank (epoch_plans: its micro-batches and batch-norm
-groups), with the settings they read (Schedule, Resolution); and a CIFAR-10 run's steps (run_steps).
+groups), with the settings they read (LRScheduleSettings, ProgressiveResizingSettings); and a CIFAR-10 run's steps (run_steps).
 
 Nothing here imports torch: each schedule is plain arithmetic on epochs and steps, tested on its own.
 
@@ -81,7 +81,7 @@ class LRSettings:
 # ImageNet: the rate per lr_scale_base images over (fractional) epochs
 
 @dataclass(frozen=True, kw_only=True)
-class Schedule:
+class LRScheduleSettings:
     """The learning rate per lr_scale_base images of the batch (Goyal et al.'s linear scaling) or as written: a linear
     warm-up from warmup_start of it, then linear to 0, cosine, x0.1 at each of step_epochs, or Akiba et al.'s slow
     start; or a phase table (schedules.Phase), which sets each phase's resolution, batch, rate, crops and validation."""
@@ -150,7 +150,7 @@ def decayed_lr(r, t):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Resolution:
+class ProgressiveResizingSettings:
     """Each epoch's training resolution (FFCV's progressive resizing: min_res to max_res between two epochs, in
     steps of res_step) and batch (the global batch_size, larger at lower resolutions with batch_scale, or Mikami et
     al.'s batch-size control: (epoch, global batch) pairs)."""
@@ -334,7 +334,7 @@ def plan(r, world=1):
 class EpochPlan:
     """One epoch of a run on this rank (plan's row): its resolution, this rank's batch in micro-batches of `micro`
     images normalised in groups of `group` (0: whole micro-batches), the steps of the epoch, the run's steps before it
-    and in all, its crops (an imagenet_data.Augment) and what validation after it sees (an imagenet_data.Validation)."""
+    and in all, its crops (an imagenet_data.CropAugmentSettings) and what validation after it sees (an imagenet_data.ValidationSettings)."""
     epoch: int
     res: int
     batch: int

@@ -1,6 +1,6 @@
 """The parts of a training loop, each loop written out in its own script (cifar10_fast.train_run,
 imagenet_fast.train_run). Both scripts share a run's independent random streams (run_seeds), how a run runs
-(RunOptions), the clock of its epochs and the table's rows (EpochClock), the finite-loss check and weight averaging
+(RunOptions), the clock of its epochs and the table of their rows (EpochClock, epoch_table), the finite-loss check and weight averaging
 (EMA, lookahead). CIFAR-10's alone: its step (train_step), its warm-up's call count and a compiled run's strictness.
 The clock underneath is devices.timer, batch-norm statistics over ranks distributed.py's, ImageNet's checkpoints
 imagenet_checkpoints.py's.
@@ -27,7 +27,7 @@ def run_seeds(seed, rank=0):
 
 
 @dataclass(kw_only=True)
-class Options:
+class RunOptions:
     """How a run runs in either script (not what it computes): the accuracy whose first evaluation stops its clock,
     the evaluations between epochs (every eval_every-th; 0: only the last), the precision, progress on stderr."""
     target: float = 0.94
@@ -157,7 +157,7 @@ def float_state(model):
 
 
 @dataclass(frozen=True, kw_only=True)
-class EMA:
+class EMASettings:
     """An exponential moving average of the weights, evaluated instead of them (Myrtle)."""
     PREFIX = "ema"
     OFF = ("momentum", 0.0)
@@ -166,7 +166,7 @@ class EMA:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Lookahead:
+class LookaheadSettings:
     """Lookahead (Zhang et al. 2019) as weight averaging (Jordan 2024): the slow weights end the run."""
     PREFIX = "lookahead"
     OFF = ("momentum", 0.0)

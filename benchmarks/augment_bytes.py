@@ -51,7 +51,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     with np.load(args.data) as f:
         arrays = {k: f[k] for k in ("train_images", "train_labels", "test_images", "test_labels")}
-    data = cd.to_device(arrays, torch.device("cpu"), dtype=torch.float32, pad=args.pad)
+    data = cd.dataset_on_device(arrays, torch.device("cpu"), dtype=torch.float32, pad=args.pad)
     x = data["train_images"]
     n, c, size = len(x), x.shape[1], arrays["test_images"].shape[1]
     r = cd.draw_augmentation(n, size, pad=args.pad, flip="random", cutout=0, generator=torch.Generator().manual_seed(0))

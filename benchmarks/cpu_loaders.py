@@ -78,7 +78,7 @@ def batches(method, store, src, *, res, batch_size, workers, seed):
         while True:
             yield from torch.utils.data.DataLoader(folder, batch_size, shuffle=True, drop_last=True,
                                                    num_workers=workers, persistent_workers=False)
-    data = idt.place(store, torch.device("cpu"), workers=workers)
+    data = idt.rank_data(store, torch.device("cpu"), workers=workers)
     gen = torch.Generator().manual_seed(seed)
     real = idt.decode_crop
     if method.endswith("_pil"):
@@ -100,7 +100,7 @@ def batches(method, store, src, *, res, batch_size, workers, seed):
 
 def idt_augment():
     """torchvision's crop ranges (the recipes' Augment)."""
-    return idt.Augment()
+    return idt.CropAugmentSettings()
 
 
 def rate(stream, count, batch_size):

@@ -81,7 +81,7 @@ def main(argv=None):
     except (DataError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
-    data = cd.to_device(arrays, "cpu", dtype=torch.float32, pad=r.augment.crop_pad,
+    data = cd.dataset_on_device(arrays, "cpu", dtype=torch.float32, pad=r.augment.crop_pad,
                         stats=cd.channel_stats(arrays["train_images"]))
     model = tb.build_model(r, "cpu", num_classes=10)
     tb.fit_whitening(model, data["train_images"], data["test_images"].shape[-2:])

@@ -17,7 +17,7 @@ figures written to --out (JSON, rewritten after every check) as soon as it ends,
             docs/imagenet.md)
   sync      torch.cuda.set_sync_debug_mode("warn") over 20 steps of decoder and step together: the host waits
 
-Beside each decoder's figures, its decode counts over that row's batches (the decoded counts of an imagenet_data.Data):
+Beside each decoder's figures, its decode counts over that row's batches (the decoded counts of an imagenet_data.RankData):
 nvJPEG's "hardware" and "software" paths (idt.nvjpeg_paths; "unknown" where nvJPEG's library cannot be asked), or
 the decoder's own name ("cpu", "nvimgcodec").
 
@@ -123,7 +123,7 @@ def batches(data, r, *, res, batch_size, device, dtype, seed=0):
 def placed(store, device, decoder, workers):
     """The store placed for a decoder, or the one line saying why that decoder cannot run here."""
     try:
-        return idt.place(store, device, decoder=idt.jpeg_decoder(device, decoder), workers=workers), None
+        return idt.rank_data(store, device, decoder=idt.jpeg_decoder(device, decoder), workers=workers), None
     except (ValueError, ImportError) as e:
         return None, str(e)
 

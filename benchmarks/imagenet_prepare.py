@@ -62,7 +62,7 @@ def main(argv=None):
         print(f"prepare with {workers} workers on {os.cpu_count()} cores, {args.repeats} repeats, median",
               file=sys.stderr)
         for fmt in formats:
-            settings = ims.Settings(format=fmt, size=args.size)
+            settings = ims.StoreSettings(format=fmt, size=args.size)
             times, index = [], None
             for r in range(args.repeats):
                 dst = Path(tmp) / f"{fmt}{r}"

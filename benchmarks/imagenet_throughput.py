@@ -111,13 +111,13 @@ def counted(r, tmp, *, batch_size, classes, res=32, steps=2):
     src = photos(tmp / "count_src", 2 * steps * batch_size, classes=2, max_side=64)
     stores = {fmt: tmp / f"count_{fmt}" for fmt in ("jpeg", "raw")}
     for fmt, path in stores.items():
-        ims.prepare(src, path, ims.Settings(format=fmt, size=res), workers=1, log=lambda s: None)
+        ims.prepare(src, path, ims.StoreSettings(format=fmt, size=res), workers=1, log=lambda s: None)
     table = Table(["store", "batch", "data ops", "data blocking", "step ops", "step blocking"], width=16)
     rows = []
     for (fmt, where), bs in ((p, bs) for p in PATHS for bs in (batch_size, 2 * batch_size)):
         with StandIn() as gpu:
             device = torch.device("cuda")
-            data = idt.place(ims.open_store(stores[fmt]), device, workers=1, **where)
+            data = idt.rank_data(ims.open_store(stores[fmt]), device, workers=1, **where)
             model = inf.build_model(r, classes).to(device, memory_format=devices.memory_format(device))
             opt = inf.make_optimizer(model, r)
             gen = torch.Generator().manual_seed(0)
@@ -186,7 +186,7 @@ def pil_rate(folder, res, *, workers, dtype, memory_format, timing):
     def batches():
         for xb, yb in loader:
             x = xb.to(device, non_blocking=True).float()
-            yield idt.finish(x, None, constants, dtype=dtype, memory_format=memory_format), yb.to(device,
+            yield idt.normalised_batch(x, None, constants, dtype=dtype, memory_format=memory_format), yb.to(device,
                                                                                                  non_blocking=True)
     return rate(forever(batches), lambda x, y: None, **timing) / workers
 
@@ -212,7 +212,7 @@ def main(argv=None):
         if not args.store:
             ims.prepare(src, store_path, workers=workers, log=lambda s: print(s, file=sys.stderr))
         store = ims.open_store(store_path)
-        data = idt.place(store, device, decoder=decoder, workers=workers)
+        data = idt.rank_data(store, device, decoder=decoder, workers=workers)
         classes, n, bs = len(store.index["classes"]), len(data.train_rows), min(args.batch_size, len(data.train_rows))
         gen = torch.Generator().manual_seed(0)
         folder = torchvision.datasets.ImageFolder(str(src / "train"), transforms.Compose([

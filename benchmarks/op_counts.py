@@ -105,19 +105,19 @@ def fused_sgd(model, r):
 
 
 def loop_optimizer(model, r):
-    """imagenet_models.make_optimizer's LARS or RMSprop-to-SGD, stepping as the per-tensor loop it replaced."""
-    opt = imagenet_models.make_optimizer(model, r)
+    """imagenet_models.imagenet_optimizer's LARS or RMSprop-to-SGD, stepping as the per-tensor loop it replaced."""
+    opt = imagenet_models.imagenet_optimizer(model, r)
     opt.__class__ = {imagenet_models.LARS: LoopLARS, imagenet_models.RMSpropToSGD: LoopRMSpropToSGD}[type(opt)]
     return opt
 
 
 def step_operations(recipe, make=None, **changes):
     """(operations of forward and backward, of the whole step) of recipe's ResNet-50 with the optimiser `make` (by
-    default imagenet_models.make_optimizer's), counted at the second step (the first makes the optimiser's state)."""
+    default imagenet_models.imagenet_optimizer's), counted at the second step (the first makes the optimiser's state)."""
     torch.manual_seed(0)
     r = imagenet_recipes.recipe(recipe, **changes)
-    model = imagenet_models.build_model(r, 10)
-    opt = (make or imagenet_models.make_optimizer)(model, r)
+    model = imagenet_models.imagenet_network(r, 10)
+    opt = (make or imagenet_models.imagenet_optimizer)(model, r)
     x, y = torch.randn(2, 3, 32, 32), torch.tensor([0, 1])
     for _ in range(2):
         with Count() as count:
@@ -131,7 +131,7 @@ def step_operations(recipe, make=None, **changes):
 def blurpool_operations(blur=imagenet_models.BlurPool):
     """Operations of rn50_16ep's forward and backward (2 images of 32 px) with its BlurPools of class `blur`."""
     torch.manual_seed(0)
-    model = imagenet_models.build_model(imagenet_recipes.recipe("rn50_16ep"), 10)
+    model = imagenet_models.imagenet_network(imagenet_recipes.recipe("rn50_16ep"), 10)
     for m in list(model.modules()):
         for name, child in m.named_children():
             if isinstance(child, imagenet_models.BlurPool):

@@ -87,12 +87,12 @@ def cifar10_npz(tmp_path_factory):
 
 
 def train_once(r, data, *, device="cpu", net=None, seed=0, **options):
-    """One CIFAR-10 run of recipe r on device-resident data (cifar_data.to_device) through cifar10_fast.train_run, on
+    """One CIFAR-10 run of recipe r on device-resident data (cifar_data.dataset_on_device) through cifar10_fast.train_run, on
     the cifar10_fast.Network net (a plain one built here by default); options as cifar10_fast.Options takes them
     (target, eval_every, progress, ...)."""
     import cifar10_fast as cf
     import distributed as D
-    net = net or cf.network(r, torch.device(device), num_classes=data.get("num_classes", 10))
+    net = net or cf.build_network(r, torch.device(device), num_classes=data.get("num_classes", 10))
     built = cf.Built(data=data, network=net)
     return cf.train_run(r, built, cf.Options(**options), ctx=D.Context(device=str(device)), seed=seed)
 
@@ -145,7 +145,7 @@ def small_jpeg_store(tmp_path_factory):
     import imagenet_store as ims
     root = tmp_path_factory.mktemp("in")
     ims.synthetic_imagefolder(root / "src", 4, 12, 4, sizes=(20, 40))
-    ims.prepare(root / "src", root / "jpeg", ims.Settings(format="jpeg"), workers=1, log=lambda s: None)
+    ims.prepare(root / "src", root / "jpeg", ims.StoreSettings(format="jpeg"), workers=1, log=lambda s: None)
     return root / "jpeg"
 
 

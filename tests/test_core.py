@@ -164,7 +164,7 @@ def test_a_recipe_is_checked_whole_when_made_and_its_changes_are_made_together()
     with pytest.raises(UsageError, match=r"^--whiten-eps -1: must not be negative$"):
         dataclasses.replace(cf.FAST94, whitening=dataclasses.replace(cf.FAST94.whitening, eps=-1.0))
     with pytest.raises(UsageError, match=r"^--ema-momentum and --lookahead-momentum: one weight average at a time"):
-        dataclasses.replace(cf.MYRTLE10, lookahead=training.Lookahead())
+        dataclasses.replace(cf.MYRTLE10, lookahead=training.LookaheadSettings())
     # each change alone would make a recipe refused: two rates for three knots, two weight averages
     assert cf.recipe("myrtle24", lr_knots=(0, 1), lr_values=(0.4, 0.0)).lr.values == (0.4, 0.0)
     r = cf.recipe("fast94", ema_momentum=0.99, lookahead_momentum=0)

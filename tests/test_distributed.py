@@ -132,27 +132,27 @@ def checkpoints(ctx, out):
     os.makedirs(node)
     path = lambda name: os.path.join(node, name)
     epoch_of = lambda state: state["step"]
-    D.save_checkpoint(path("ckpt.pt"), {"step": 7, "w": torch.arange(3.0)}, ctx, each_node=False)
-    res["ckpt"] = attempt(D.load_checkpoint, path("ckpt.pt"), ctx)                    # rank 0's folder alone
+    D.save_state(path("ckpt.pt"), {"step": 7, "w": torch.arange(3.0)}, ctx, each_node=False)
+    res["ckpt"] = attempt(D.load_newest_state, path("ckpt.pt"), ctx)                    # rank 0's folder alone
     res["ckpt_here"] = os.path.exists(path("ckpt.pt"))
-    res["missing"] = attempt(D.load_checkpoint, path("missing.pt"), ctx)              # none anywhere
+    res["missing"] = attempt(D.load_newest_state, path("missing.pt"), ctx)              # none anywhere
     if ctx.is_main:
         open(path("bad.pt"), "wb").write(b"not a checkpoint")
-    res["bad"] = attempt(D.load_checkpoint, path("bad.pt"), ctx)
+    res["bad"] = attempt(D.load_newest_state, path("bad.pt"), ctx)
     own_node = dataclasses.replace(ctx, local_rank=0)
-    D.save_checkpoint(path("each.pt"), {"step": 3 + 4 * ctx.rank}, own_node)                 # each node its copy
+    D.save_state(path("each.pt"), {"step": 3 + 4 * ctx.rank}, own_node)                 # each node its copy
     res["each"] = os.path.exists(path("each.pt")) and torch.load(path("each.pt"))["step"]
     for name, older in (("newer_on_1.pt", 0), ("newer_on_0.pt", 1)):        # two copies, of epochs 5 and 6
-        D.save_checkpoint(path(name), {"step": 5 if ctx.rank == older else 6}, own_node)
-        res[name] = attempt(D.load_checkpoint, path(name), ctx, epoch_of=epoch_of)
+        D.save_state(path(name), {"step": 5 if ctx.rank == older else 6}, own_node)
+        res[name] = attempt(D.load_newest_state, path(name), ctx, epoch_of=epoch_of)
     if ctx.rank == 1:
-        D.save_checkpoint(path("on_1.pt"), {"step": 2}, D.Context())       # rank 1's folder alone
-    res["on_1.pt"] = attempt(D.load_checkpoint, path("on_1.pt"), ctx, epoch_of=epoch_of)
+        D.save_state(path("on_1.pt"), {"step": 2}, D.Context())       # rank 1's folder alone
+    res["on_1.pt"] = attempt(D.load_newest_state, path("on_1.pt"), ctx, epoch_of=epoch_of)
     real_save = torch.save
     if ctx.is_main:
         torch.save = disk_full
     try:                                    # rank 0's write fails; rank 1 writes nothing
-        res["full"] = attempt(D.save_checkpoint, path("full.pt"), {"step": 1}, ctx, each_node=False)
+        res["full"] = attempt(D.save_state, path("full.pt"), {"step": 1}, ctx, each_node=False)
     finally:
         torch.save = real_save
     res["left"] = sorted(os.listdir(node))
@@ -350,22 +350,22 @@ def test_shard_and_per_rank_batch():
 
 def test_checkpoint_is_replaced_atomically(tmp_path):
     path = tmp_path / "ck" / "last.pt"
-    D.save_checkpoint(str(path), {"a": 1}, D.Context())
-    D.save_checkpoint(str(path), {"a": 2}, D.Context())
-    assert D.load_checkpoint(str(path)) == ({"a": 2}, 0)
+    D.save_state(str(path), {"a": 1}, D.Context())
+    D.save_state(str(path), {"a": 2}, D.Context())
+    assert D.load_newest_state(str(path)) == ({"a": 2}, 0)
     assert os.listdir(path.parent) == ["last.pt"]  # no temporary left behind
-    assert D.load_checkpoint(str(tmp_path / "missing.pt")) == (None, None)
+    assert D.load_newest_state(str(tmp_path / "missing.pt")) == (None, None)
 
 
 def test_checkpoint_disk_full_mid_write_keeps_the_previous_one_and_says_why(tmp_path, monkeypatch):
     path = str(tmp_path / "last.pt")
-    D.save_checkpoint(path, {"a": 1}, D.Context())
+    D.save_state(path, {"a": 1}, D.Context())
     monkeypatch.setattr(torch, "save", disk_full)
     with pytest.raises(D.DataError) as e:
-        D.save_checkpoint(path, {"a": 2}, D.Context())
+        D.save_state(path, {"a": 2}, D.Context())
     assert str(e.value) == f"cannot write the checkpoint {path}: No space left on device (ENOSPC)"
     monkeypatch.undo()
-    assert D.load_checkpoint(path) == ({"a": 1}, 0) and os.listdir(tmp_path) == ["last.pt"]
+    assert D.load_newest_state(path) == ({"a": 1}, 0) and os.listdir(tmp_path) == ["last.pt"]
 
 
 def killed_write(path):
@@ -378,7 +378,7 @@ def killed_write(path):
 
 def test_unfinished_writes_of_a_checkpoint_are_found_and_removed(tmp_path):
     ckpt, other = tmp_path / "ckpt.pt", tmp_path / "ckpt.pt.seed1"
-    D.save_checkpoint(ckpt, {"a": 1}, D.Context())
+    D.save_state(ckpt, {"a": 1}, D.Context())
     for p in (ckpt, ckpt, other):
         killed_write(p)
     left = sorted(set(os.listdir(tmp_path)) - {"ckpt.pt"})
@@ -387,7 +387,7 @@ def test_unfinished_writes_of_a_checkpoint_are_found_and_removed(tmp_path):
     assert len(removed) == 2 and set(removed) < set(left)
     assert sorted(os.listdir(tmp_path)) == sorted({"ckpt.pt"} | set(left) - set(removed))
     assert D.remove_unfinished_writes(other) == sorted(set(left) - set(removed))
-    assert os.listdir(tmp_path) == ["ckpt.pt"] and D.load_checkpoint(ckpt) == ({"a": 1}, 0)
+    assert os.listdir(tmp_path) == ["ckpt.pt"] and D.load_newest_state(ckpt) == ({"a": 1}, 0)
     assert D.remove_unfinished_writes(tmp_path / "absent" / "x.pt") == []
 
 

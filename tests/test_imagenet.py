@@ -74,7 +74,7 @@ def folder(tmp_path_factory):
     return make_folder(tmp_path_factory.mktemp("in") / "src")
 
 
-RAW = ims.Settings(format="raw", size=SIZE)
+RAW = ims.StoreSettings(format="raw", size=SIZE)
 
 
 @pytest.fixture(scope="module")
@@ -172,13 +172,13 @@ def mixed_folder(root, side=320):
 def test_the_jpeg_store_is_smaller_than_the_raw_one_at_the_same_resolution(tmp_path):
     src = mixed_folder(tmp_path / "src")
     side = 240                          # raw at the images' shorter side: the same resolution as the JPEGs
-    jpeg = ims.prepare(src, tmp_path / "jpeg", ims.Settings(max_side=320), workers=1, log=lambda s: None)
-    raw = ims.prepare(src, tmp_path / "raw", ims.Settings(format="raw", size=side), workers=1, log=lambda s: None)
+    jpeg = ims.prepare(src, tmp_path / "jpeg", ims.StoreSettings(max_side=320), workers=1, log=lambda s: None)
+    raw = ims.prepare(src, tmp_path / "raw", ims.StoreSettings(format="raw", size=side), workers=1, log=lambda s: None)
     for split in ("train", "val"):
         assert jpeg[split]["bytes"] < raw[split]["bytes"] / 2, split
         assert (tmp_path / "jpeg" / f"{split}.store").stat().st_size < (tmp_path / "raw" / f"{split}.store").stat().st_size
     # images larger than --max-side are re-encoded to fit, keeping their aspect
-    small = ims.prepare(src, tmp_path / "small", ims.Settings(max_side=160), workers=1, log=lambda s: None)
+    small = ims.prepare(src, tmp_path / "small", ims.StoreSettings(max_side=160), workers=1, log=lambda s: None)
     s = ims.open_store(tmp_path / "small")
     assert small["train"]["count"] == 12
     assert sorted({(int(h), int(w)) for h, w in zip(s.train.rows["height"], s.train.rows["width"])}) == \
@@ -222,7 +222,7 @@ def test_prepare_resumes_after_the_last_whole_shard(folder, store, tmp_path):
     # a partial split made with other settings is not reused
     logs.clear()
     ims.prepare(folder, tmp_path / "t", workers=1, shard_size=40, max_shards=1, log=logs.append)
-    ims.prepare(folder, tmp_path / "t", ims.Settings(quality=80), workers=1, shard_size=40, max_shards=1,
+    ims.prepare(folder, tmp_path / "t", ims.StoreSettings(quality=80), workers=1, shard_size=40, max_shards=1,
                 log=logs.append)
     assert logs[-2].startswith("train: 97 images in 3 shards; 0 already written")
 
@@ -421,9 +421,9 @@ def test_validation_views_keep_orientation_and_crop_the_centre():
 
 
 def test_validation_batches_are_one_shape_each(store):
-    data = idt.place(ims.open_store(store), torch.device("cpu"))
+    data = idt.rank_data(ims.open_store(store), torch.device("cpu"))
     for crop in (0.0, 0.875):
-        jobs = idt.val_jobs(data, idt.Validation(res=SIZE, crop=crop), batch_size=5)
+        jobs = idt.val_jobs(data, idt.ValidationSettings(res=SIZE, crop=crop), batch_size=5)
         assert sorted(i for pos, _, _, _ in jobs for i in pos) == list(range(32))
         assert all(len(pos) <= 5 for pos, _, _, _ in jobs)
         shapes = [shape for _, _, _, shape in jobs]
@@ -481,7 +481,7 @@ def tiny_recipe(**kw):
 
 
 def place(store):
-    return idt.place(ims.open_store(store), torch.device("cpu"))
+    return idt.rank_data(ims.open_store(store), torch.device("cpu"))
 
 
 def saved(path):
@@ -668,7 +668,7 @@ def test_cpu_loaders_benchmark_measures_every_candidate_and_the_report_shows_the
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_streamed_batches_equal_indexed_batches(raw_store):
-    data = idt.place(ims.open_store(raw_store), torch.device("cuda"), where="host")
+    data = idt.rank_data(ims.open_store(raw_store), torch.device("cuda"), where="host")
     draws = idt.draw_epoch(data, inf.recipe("tiny").augment, torch.Generator().manual_seed(0))
     order = [draws.perm[i:i + 16] for i in range(0, len(draws.perm) - 15, 16)]
     smalls = [idt.batch_index(data, draws, idx, data.shapes("train")) for idx in order]
@@ -797,7 +797,7 @@ def test_a_rank_reads_only_its_share_of_a_raw_store_in_place(raw_store, monkeypa
     monkeypatch.setattr(idt, "copy_rows", lambda *a: pytest.fail("copied at placement"))
     s = ims.open_store(raw_store)
     ctx = D.Context(rank=1, world_size=4, distributed=True, is_main=False)
-    data = idt.place(s, torch.device("cpu"), ctx=ctx)
+    data = idt.rank_data(s, torch.device("cpu"), ctx=ctx)
     assert np.shares_memory(data.pixels.numpy(), s.train.data) and len(data.train_rows) == 24
     assert data.val_rows.tolist() == list(range(8, 16))
     draws = idt.draw_epoch(data, inf.recipe("tiny").augment, torch.Generator().manual_seed(0))
@@ -814,7 +814,7 @@ def test_a_jpeg_store_deals_each_epoch_new_shares_to_the_ranks_and_a_raw_store_k
     keeps the ranks' steps equal), differ from the epoch before, and are drawn again alike from the same seed; a raw
     store's rank holds its share for the run."""
     s, augment = ims.open_store(store), inf.recipe("tiny").augment
-    ranks = [idt.place(s, torch.device("cpu"), ctx=D.Context(rank=r, world_size=2, distributed=True))
+    ranks = [idt.rank_data(s, torch.device("cpu"), ctx=D.Context(rank=r, world_size=2, distributed=True))
              for r in range(2)]
     assert [d.shares for d in ranks] == [(0, 2), (1, 2)] and all(len(d.train_rows) == len(s.train) for d in ranks)
 
@@ -825,7 +825,7 @@ def test_a_jpeg_store_deals_each_epoch_new_shares_to_the_ranks_and_a_raw_store_k
     for a, b in (first, second):
         assert not a & b and len(a) == len(b) == len(s.train) // 2
     assert first[0] != second[0] and first == shares(0) and first != shares(0, seed=8)
-    raw = idt.place(ims.open_store(raw_store), torch.device("cpu"), ctx=D.Context(rank=1, world_size=2,
+    raw = idt.rank_data(ims.open_store(raw_store), torch.device("cpu"), ctx=D.Context(rank=1, world_size=2,
                                                                                       distributed=True))
     assert raw.shares is None and raw.per_epoch() == len(raw.train_rows) == len(s.train) // 2
 

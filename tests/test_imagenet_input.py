@@ -75,7 +75,7 @@ def test_a_gpu_decoded_training_batch_makes_the_training_thread_wait_for_nothing
     reader thread waits for nvJPEG, by design). The stand-in counts the wait inside a GPU nested tensor's
     to_padded_tensor (its sizes copied from pageable memory), which the decoder padded its images with before."""
     with StandIn() as gpu:
-        data = idt.place(ims.open_store(store), torch.device("cuda"), decoder="gpu")
+        data = idt.rank_data(ims.open_store(store), torch.device("cuda"), decoder="gpu")
         r = inf.recipe("tiny", batch_size=8, width=8, jitter=0.2)
         model = inf.build_model(r, 5).to("cuda")
         opt = inf.make_optimizer(model, r)
@@ -117,11 +117,11 @@ def test_validation_decodes_on_the_gpu_when_training_does_and_sees_what_the_cpu_
     device, rectangular ones too; within JPEG's and the filters' rounding of the CPU decoder's (PIL's resize)."""
     s = ims.open_store(store)
     for crop in (0.875, 0.0):
-        val = idt.Validation(res=24, crop=crop)
-        cpu = idt.place(s, torch.device("cpu"))
+        val = idt.ValidationSettings(res=24, crop=crop)
+        cpu = idt.rank_data(s, torch.device("cpu"))
         want = list(idt.val_batches(cpu, val, 5, device=torch.device("cpu")))
         with StandIn() as gpu:
-            data = idt.place(s, torch.device("cuda"), decoder="gpu")
+            data = idt.rank_data(s, torch.device("cuda"), decoder="gpu")
             got = list(idt.val_batches(data, val, 5, device=torch.device("cuda")))
             assert all(x.device.type == "cuda" for x, _ in got) and data.pool is None
         assert sum(1 for c in gpu.calls if c[0] == "nvjpeg") == len(want)
@@ -145,11 +145,11 @@ def decode_first_batch(data):
 
 def test_the_decoding_workers_are_forked_before_cuda_starts_and_spawned_after(store, monkeypatch):
     s = ims.open_store(store)
-    forked = idt.place(s, torch.device("cpu"), workers=1)
+    forked = idt.rank_data(s, torch.device("cpu"), workers=1)
     want = decode_first_batch(forked)
     assert forked.pool._mp_context.get_start_method() == "fork"
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    spawned = idt.place(s, torch.device("cpu"), workers=1)
+    spawned = idt.rank_data(s, torch.device("cpu"), workers=1)
     assert torch.equal(decode_first_batch(spawned), want)           # the store opened from its folder
     assert spawned.pool._mp_context.get_start_method() == "spawn"
     for data in (forked, spawned):
@@ -162,7 +162,7 @@ def test_each_epoch_is_drawn_ahead_in_a_thread_while_the_epoch_before_trains_and
     before they were drawn ahead); epoch e + 1's are drawn in the "draws" thread while epoch e trains (its draw
     waits for epoch e's training to start, and epoch e's training waits, at its end, for the draw to have run)."""
     r = inf.recipe("tiny", epochs=3, batch_size=8, width=4, min_res=16, max_res=16, val_res=16)
-    data = idt.place(ims.open_store(store), torch.device("cpu"))
+    data = idt.rank_data(ims.open_store(store), torch.device("cpu"))
     started, ended, drawn = ([threading.Event() for _ in range(3)] for _ in range(3))
     seen = []
     real_draw, real_train = inf.draw_epoch, inf.train_epoch
@@ -278,7 +278,7 @@ def test_imagenet_steps_in_fp16_through_a_grad_scaler_that_keeps_the_mean_losss_
 
 def test_an_fp16_run_saves_its_loss_scale_with_the_optimiser_and_resumes_exactly(store, tmp_path):
     r = inf.recipe("tiny", epochs=2, batch_size=8, width=4, min_res=16, max_res=16, val_res=16)
-    data = idt.place(ims.open_store(store), torch.device("cpu"))
+    data = idt.rank_data(ims.open_store(store), torch.device("cpu"))
     o = inf.Options(eval_every=0, precision="fp16")
     inf.train_run(r, data, inf.replace(o, checkpoint=str(tmp_path / "a.pt")), ctx=D.Context(), seed=0)
     with pytest.raises(SystemExit):

@@ -18,7 +18,7 @@ def test_narrow_resnet9_learns_real_cifar10_in_two_epochs(cifar10_npz):
     arrays = {**arrays, "train_images": arrays["train_images"][:10000], "train_labels": arrays["train_labels"][:10000]}
     r = cf.recipe("myrtle24", width=0.25, epochs=2)
     device = torch.device("cpu")
-    data = cd.to_device(arrays, device, dtype=torch.float32, pad=r.augment.crop_pad)
+    data = cd.dataset_on_device(arrays, device, dtype=torch.float32, pad=r.augment.crop_pad)
     result = train_once(r, data, seed=0)
     rows = result["rows"]
     assert len(rows) == 2
@@ -36,7 +36,7 @@ def test_the_muon_recipes_learn_real_cifar10_at_tiny_width(cifar10_npz, one_thre
     arrays = cd.take_subset(cd.load_cifar10(cifar10_npz), 5000, 1000)
     r = cf.recipe(name, width=1 / 8, epochs=2, batch_size=250)
     device = torch.device("cpu")
-    result = train_once(r, cd.to_device(arrays, device, dtype=torch.float32, pad=r.augment.crop_pad), seed=0)
+    result = train_once(r, cd.dataset_on_device(arrays, device, dtype=torch.float32, pad=r.augment.crop_pad), seed=0)
     rows = result["rows"]
     assert rows[1]["train_loss"] < rows[0]["train_loss"]
     assert result["final_acc"] >= 0.40

@@ -145,7 +145,7 @@ def test_cifar10s_statistics_are_the_old_constants_and_train_as_before(cifar10_n
     result = cf.train("myrtle10", data=arrays, subset=1000, device="cpu", epochs=1, width=1 / 8, batch_size=200)
     r = cf.recipe("myrtle10", width=1 / 8, epochs=1, batch_size=200)
     arrays = cd.take_subset(arrays, 1000)
-    data = cd.to_device(arrays, CPU, dtype=torch.float32, pad=r.augment.crop_pad, stats=(cd.MEAN, cd.STD))
+    data = cd.dataset_on_device(arrays, CPU, dtype=torch.float32, pad=r.augment.crop_pad, stats=(cd.MEAN, cd.STD))
     before = train_once(r, data)
     new, old = result.model.state_dict(), before["model"].state_dict()
     assert all(torch.equal(new[k], old[k]) for k in old) and result.rows[0]["test_acc"] == before["final_acc"]
@@ -213,7 +213,7 @@ def test_a_short_epoch_shows_no_progress(npz, capsys, monkeypatch):
     show no bar, and an evaluation shorter than the heartbeat's threshold no line."""
     monkeypatch.setattr(core, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
     monkeypatch.setattr(core.Heartbeat, "after_s", 1e9)
-    data = cd.to_device(np.load(npz), CPU, dtype=torch.float32, pad=2)
+    data = cd.dataset_on_device(np.load(npz), CPU, dtype=torch.float32, pad=2)
     r = cf.recipe("fast94", width=1 / 16, epochs=2, batch_size=64)
     train_once(r, data, progress=True)        # train_run alone: no estimate
     assert capsys.readouterr().err == ""

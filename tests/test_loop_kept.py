@@ -73,8 +73,8 @@ def imagenet(name, folder, **changes):
     store = Path(folder) / "store"
     if not (store / "index.json").is_file():
         ims.synthetic_imagefolder(Path(folder) / "src", 4, 24, 8, sizes=(24, 24), lossless=True)
-        ims.prepare(Path(folder) / "src", store, ims.Settings(format="raw", size=24), workers=1, log=lambda s: None)
-    data = idt.place(ims.open_store(store), torch.device("cpu"), workers=1)
+        ims.prepare(Path(folder) / "src", store, ims.StoreSettings(format="raw", size=24), workers=1, log=lambda s: None)
+    data = idt.rank_data(ims.open_store(store), torch.device("cpu"), workers=1)
     r = inf.recipe("tiny", width=8, epochs=3, batch_size=16, min_res=24, max_res=24, val_res=24,
                    **{**IMAGENET[name], **changes})
     losses, undo = record_losses()

@@ -55,7 +55,7 @@ def test_a_batch_whose_decoder_buffers_would_not_fit_is_refused_in_one_line_with
         assert im.check_memory(r, 1000, device="cuda:0", world=1, dtype=dtype, side=500, gpu_decoder=False) == cpu.total
         with pytest.raises(UsageError) as e:
             im.check_memory(r, 1000, device="cuda:0", world=1, dtype=dtype, side=500, gpu_decoder=True)
-    size = devices.size
+    size = devices.size_text
     line = str(e.value)
     assert line.startswith(
         f"training resnet50 at 512 images per process needs about {size(gpu.total)} on cuda:0 ({size(gpu.fixed)} of "

@@ -131,7 +131,7 @@ def test_without_nvimgcodec_the_choice_is_one_line_naming_the_pip_package(monkey
 
 def epoch(store, decoder, *, batch_size=8):
     """One epoch's training batches (x, y) of a tiny recipe with jitter off, on the stand-in's GPU, and their draws."""
-    data = idt.place(ims.open_store(store), torch.device("cuda"), decoder=decoder)
+    data = idt.rank_data(ims.open_store(store), torch.device("cuda"), decoder=decoder)
     r = inf.recipe("tiny", batch_size=batch_size)
     draws = idt.draw_epoch(data, r.augment, torch.Generator().manual_seed(0))
     batches = [(x.float().clone(), y.clone()) for x, y in idt.train_batches(

@@ -15,7 +15,7 @@ import core
 import imagenet_store as ims
 from conftest import ROOT
 
-RAW = ims.Settings(format="raw", size=16)
+RAW = ims.StoreSettings(format="raw", size=16)
 
 
 def turned_jpeg(path, size=(20, 30), orientation=6):
@@ -36,7 +36,7 @@ def src(tmp_path):
 @pytest.mark.parametrize("upright", [False, True])
 def test_images_with_an_exif_orientation_are_counted_and_turned_upright_on_request(src, tmp_path, upright):
     said = []
-    index = ims.prepare(src, tmp_path / "dst", ims.Settings(exif_transpose=upright), workers=1, log=said.append)
+    index = ims.prepare(src, tmp_path / "dst", ims.StoreSettings(exif_transpose=upright), workers=1, log=said.append)
     assert index["train"]["exif_oriented"] == 1 and index["val"]["exif_oriented"] == 0
     assert [s for s in said if "EXIF" in s] == ["train: an EXIF orientation in 1 image: " + (
         "stored upright (re-encoded)" if upright else
@@ -50,7 +50,7 @@ def test_images_with_an_exif_orientation_are_counted_and_turned_upright_on_reque
 
 
 def test_the_raw_format_turns_the_image_too(src, tmp_path):
-    ims.prepare(src, tmp_path / "dst", ims.Settings(format="raw", size=16, exif_transpose=True), workers=1,
+    ims.prepare(src, tmp_path / "dst", ims.StoreSettings(format="raw", size=16, exif_transpose=True), workers=1,
                 log=lambda s: None)
     rows = ims.read_rows(tmp_path / "dst" / "train.store")
     assert (rows[3]["height"], rows[3]["width"]) == (16, 24)          # the shape kept: upright, 30x20 at 16
@@ -91,11 +91,11 @@ def test_prepare_on_a_full_disk_stops_in_one_line_and_resumes_once_there_is_room
 
 
 @pytest.mark.parametrize("settings, keywords, message", [
-    (ims.Settings(size="big"), {}, "--size big: must be a whole number, not str 'big'"),
-    (ims.Settings(), {"workers": "2"}, "--workers 2: must be a whole number, not str '2'"),
-    (ims.Settings(), {"shard_size": 2.5}, "--shard-size 2.5: must be a whole number, not float 2.5"),
-    (ims.Settings(max_aspect="wide"), {}, "--max-aspect wide: must be a number, not str"),
-    (ims.Settings(exif_transpose="yes"), {}, "--exif-transpose: true or false, not str"),
+    (ims.StoreSettings(size="big"), {}, "--size big: must be a whole number, not str 'big'"),
+    (ims.StoreSettings(), {"workers": "2"}, "--workers 2: must be a whole number, not str '2'"),
+    (ims.StoreSettings(), {"shard_size": 2.5}, "--shard-size 2.5: must be a whole number, not float 2.5"),
+    (ims.StoreSettings(max_aspect="wide"), {}, "--max-aspect wide: must be a number, not str"),
+    (ims.StoreSettings(exif_transpose="yes"), {}, "--exif-transpose: true or false, not str"),
 ])
 def test_the_librarys_wrong_types_are_one_line_before_anything_is_written(src, tmp_path, settings, keywords, message):
     with pytest.raises(core.UsageError) as e:

@@ -25,7 +25,7 @@ def stores(tmp_path_factory):
     out = []
     for name, per_class in (("a", 6), ("b", 8)):
         src = ims.synthetic_imagefolder(root / f"src_{name}", 4, per_class, 2, sizes=(16, 20), seed=len(out))
-        ims.prepare(src, root / name, ims.Settings(format="raw", size=SIZE), workers=1, shard_size=64,
+        ims.prepare(src, root / name, ims.StoreSettings(format="raw", size=SIZE), workers=1, shard_size=64,
                     log=lambda s: None)
         out.append(root / name)
     return out
@@ -123,7 +123,7 @@ def test_the_results_table_counts_the_global_batch_as_the_schedule_does(stores):
     import distributed as D
     import imagenet_data as idt
     r = inf.recipe("tiny", width=4, batch_size=8, epochs=1, min_res=SIZE, max_res=SIZE, val_res=SIZE)
-    data = idt.place(ims.open_store(stores[0]), torch.device("cpu"))
+    data = idt.rank_data(ims.open_store(stores[0]), torch.device("cpu"))
     result = inf.train_run(r, data, inf.Options(), ctx=D.Context(world_size=2), seed=0)
     assert inf.epoch_plans(r, 2)[0].batch == 4 and [row["batch"] for row in result["rows"]] == [8]
     assert inf.schedule_text(r, inf.epoch_plans(r, 2), world=2).splitlines()[2].split()[2] == "8"
@@ -277,7 +277,7 @@ def test_top5_is_not_reported_of_5_classes_or_fewer(stores, capsys):
 
 def test_a_store_of_one_class_is_refused_for_training(tmp_path, capsys):
     src = ims.synthetic_imagefolder(tmp_path / "src", 1, 8, 2, sizes=(16, 20))
-    ims.prepare(src, tmp_path / "one", ims.Settings(format="raw", size=SIZE), workers=1, log=lambda s: None)
+    ims.prepare(src, tmp_path / "one", ims.StoreSettings(format="raw", size=SIZE), workers=1, log=lambda s: None)
     capsys.readouterr()                     # prepare's progress
     rc, _, err = run(capsys, "train", "--store", tmp_path / "one", *TINY)
     assert (rc, err) == (1, [f"error: {tmp_path / 'one'}: one class (c000); a classifier needs at least 2"])

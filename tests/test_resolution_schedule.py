@@ -62,7 +62,7 @@ def test_each_epoch_trains_at_its_side_in_the_schedule_and_the_last_map_pools_wh
     monkeypatch.setattr(cf, "train_step", lambda step, opts, x, y, **kw: seen.append(x.shape[-2:])
                         or real_step(step, opts, x, y, **kw))
     monkeypatch.setattr(tb.GlobalMaxPool, "forward", lambda self, x: maps.append(x.shape[-2:]) or real_pool(self, x))
-    data = cd.to_device(synthetic_arrays(64, 16), "cpu", dtype=torch.float32, pad=r.augment.crop_pad)
+    data = cd.dataset_on_device(synthetic_arrays(64, 16), "cpu", dtype=torch.float32, pad=r.augment.crop_pad)
     train_once(r, data, eval_every=0)
     assert seen == [(s, s) for s in (24, 24, 28, 28, 28, 28, 32, 32)]          # 2 steps an epoch
     assert maps[:8] == [(2, 2)] * 2 + [(3, 3)] * 6          # 24: 23 -> 11 -> 5 -> 2; 28 and 32: 27, 31 -> 3

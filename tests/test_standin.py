@@ -39,7 +39,7 @@ def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("in")
     ims.synthetic_imagefolder(root / "src", 4, 12, 4, sizes=(20, 40))
     for fmt in ims.FORMATS:
-        ims.prepare(root / "src", root / fmt, ims.Settings(format=fmt, size=24), workers=1, log=lambda s: None)
+        ims.prepare(root / "src", root / fmt, ims.StoreSettings(format=fmt, size=24), workers=1, log=lambda s: None)
     return {fmt: root / fmt for fmt in ims.FORMATS}
 
 
@@ -183,7 +183,7 @@ def test_a_timed_run_never_waits_for_the_gpu_before_its_final_evaluation_and_rea
     monkeypatch.setattr(cf, "loss_and_accuracy", evaluate)
     r = cf.recipe(recipe, width=1 / 16, batch_size=32, epochs=3)     # Muon, whitening, selective views
     with StandIn() as gpu:
-        data = cd.to_device(dict(np.load(npz)), torch.device("cuda"), dtype=torch.float32, pad=r.augment.crop_pad)
+        data = cd.dataset_on_device(dict(np.load(npz)), torch.device("cuda"), dtype=torch.float32, pad=r.augment.crop_pad)
         result = train_once(r, data, device="cuda", precision="fp32", eval_every=0)
         snaps.append(("end", dict(gpu.counts)))
     assert [what for what, _ in snaps] == ["clock", "evaluation", "end"]
@@ -200,7 +200,7 @@ def test_in_float32_the_selective_views_read_no_output_a_cuda_graph_has_overwrit
     arrays = synthetic_arrays(n_train=64, n_test=300)
     r = cf.recipe("fast94_next", width=1 / 16)
     with StandIn():
-        data = cd.to_device(arrays, torch.device("cuda"), dtype=torch.float32, pad=0)
+        data = cd.dataset_on_device(arrays, torch.device("cuda"), dtype=torch.float32, pad=0)
         torch.manual_seed(0)
         net = tb.build_model(r, "cuda", memory_format=torch.channels_last)
         graphed = torch.compile(net, mode="reduce-overhead", backend="eager", dynamic=False)
@@ -251,7 +251,7 @@ def test_imagenet_trains_on_a_gpu_from_each_store_and_place(stores, tmp_path, fm
 def test_a_raw_store_on_the_host_stays_the_memory_mapped_file_and_only_two_batches_are_pinned(stores):
     store = ims.open_store(stores["raw"])
     with StandIn() as gpu:
-        data = idt.place(store, torch.device("cuda"), where="host")
+        data = idt.rank_data(store, torch.device("cuda"), where="host")
         assert not data.pixels.is_pinned()
         assert data.pixels.numpy().base is not None and np.shares_memory(data.pixels.numpy(), store.train.data)
         r = inf.recipe("tiny", batch_size=8)
@@ -267,7 +267,7 @@ def data_path_counts(store, *, batch_size, steps=3, **where):
     """(operations launched on the GPU, blocking copies) of each of the first `steps` training batches the loader
     yields (flips, jitter, normalisation, labels), under the stand-in."""
     with StandIn() as gpu:
-        data = idt.place(ims.open_store(store), torch.device("cuda"), **where)
+        data = idt.rank_data(ims.open_store(store), torch.device("cuda"), **where)
         r = inf.recipe("tiny", batch_size=batch_size, jitter=0.2)
         gen = torch.Generator().manual_seed(0)
         batches = idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=24,
@@ -352,7 +352,7 @@ def test_a_batch_that_cannot_fit_the_gpu_stops_in_one_line_naming_the_accumulati
     def run(*flags):
         args, changes = inf.parse_args(["train", "--store", str(stores["jpeg"]), "--recipe", "akiba_32k", *flags])
         with StandIn(memory=80 << 30):
-            return inf.run(args, inf.recipe("akiba_32k", **changes), ctx=ctx, argv=[])
+            return inf.train_command(args, inf.recipe("akiba_32k", **changes), ctx=ctx, argv=[])
     assert run() == 2
     err = capsys.readouterr().err.strip()
     m = re.fullmatch(rf"error: training resnet50 at {batch} images per process needs about [\d.]+ GiB on cuda:0 "
@@ -383,8 +383,8 @@ def test_a_store_goes_onto_the_gpu_only_if_training_still_fits_beside_it(stores,
         assert inf.main(["train", "--store", str(stores["raw"]), *TINY_IN, "--data-on", "device"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: --data-on device: the store's ") and err.endswith("; use --data-on host")
-        assert idt.place(store, torch.device("cuda"), training=training).where == "host"
-        assert idt.place(store, torch.device("cuda"), training=0).where == "device"
+        assert idt.rank_data(store, torch.device("cuda"), training=training).where == "host"
+        assert idt.rank_data(store, torch.device("cuda"), training=0).where == "device"
 
 
 def test_nvjpeg_decodes_in_a_thread_of_its_own_on_a_drained_side_stream_that_the_training_stream_waits_for(stores):
@@ -394,7 +394,7 @@ def test_nvjpeg_decodes_in_a_thread_of_its_own_on_a_drained_side_stream_that_the
     (the call order, which is what the stand-in can see of streams)."""
     store = ims.open_store(stores["jpeg"])
     with StandIn() as gpu:
-        data = idt.place(store, torch.device("cuda"), decoder="gpu")
+        data = idt.rank_data(store, torch.device("cuda"), decoder="gpu")
         r = inf.recipe("tiny", batch_size=8)
         gen = torch.Generator().manual_seed(0)
         for x, y in idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=24, batch_size=8,
@@ -437,7 +437,7 @@ def test_without_float64_on_the_device_the_whitening_fit_and_the_validation_sums
         net = tb.build_model(cf.recipe("fast94_next", width=1 / 16), "cuda")
         tb.fit_whitening(net, torch.randn(64, 3, 32, 32).to("cuda"), 32)
         assert net[0].weight.device.type == "cuda" and torch.isfinite(net[0].weight).all()
-        data = idt.place(store, torch.device("cuda"))
+        data = idt.rank_data(store, torch.device("cuda"))
         model = inf.build_model(r, 4).to("cuda")
         sums = idt.validation_sums(model, data, r.validation, tta="none", device=torch.device("cuda"),
                                    dtype=torch.float32)

@@ -506,7 +506,7 @@ def test_compiled_step_gives_the_eager_loss_and_gradients():
     r = cf.recipe("fast94_next", width=1 / 16, batch_size=8)
     torch.manual_seed(0)
     x, y = torch.randn(8, 3, 16, 16), torch.arange(8) % 10
-    compiled = cf.network(r, CPU, compile_mode="default")
+    compiled = cf.build_network(r, CPU, compile_mode="default")
     net, step = compiled.module, compiled.train_forward
     assert isinstance(step._orig_mod, cf.WithLoss) and compiled.eval_forward is step
     tb.fit_whitening(net, x, 16)
@@ -587,7 +587,7 @@ def test_the_networks_initialisation_and_the_datas_order_and_augmentation_are_in
     no augmentation; and the whitening bias (drawn at initialisation) no longer repeats the flip bits' draws, as it
     did when both came from one CPU stream."""
     r = cf.recipe("fast94_next", width=1 / 16, batch_size=32, epochs=1)
-    data = cd.to_device(synthetic_arrays(n_train=64, n_test=32), "cpu", dtype=torch.float32, pad=r.augment.crop_pad)
+    data = cd.dataset_on_device(synthetic_arrays(n_train=64, n_test=32), "cpu", dtype=torch.float32, pad=r.augment.crop_pad)
     run_seeds, step = cf.run_seeds, cf.train_step
 
     def built(seeds):

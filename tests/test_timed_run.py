@@ -86,9 +86,9 @@ def test_a_network_reset_by_a_run_trains_as_one_built_afresh(one_thread):
     """A run on the Network an earlier run trained (its whitening bias detached by then) computes what a run on a
     network built for it computes."""
     r = cf.recipe("fast94_next", width=1 / 16, batch_size=32, epochs=2, whiten_bias_epochs=1)
-    data = cd.to_device(synthetic_arrays(n_train=128, n_test=64), torch.device("cpu"), dtype=torch.float32,
+    data = cd.dataset_on_device(synthetic_arrays(n_train=128, n_test=64), torch.device("cpu"), dtype=torch.float32,
                         pad=r.augment.crop_pad)
-    net = cf.network(r, torch.device("cpu"))
+    net = cf.build_network(r, torch.device("cpu"))
     train_once(r, data, net=net, seed=1)
     again, fresh = train_once(r, data, net=net, seed=2), train_once(r, data, seed=2)
     assert [row["train_loss"] for row in again["rows"]] == [row["train_loss"] for row in fresh["rows"]]

@@ -155,7 +155,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_epoch_before(tmp_
     import imagenet_fast as inf
     import imagenet_store as ims
     src = ims.synthetic_imagefolder(tmp_path / "src", 4, 6, 2, sizes=(16, 20))
-    ims.prepare(src, tmp_path / "store", ims.Settings(format="raw", size=16), workers=1, log=lambda s: None)
+    ims.prepare(src, tmp_path / "store", ims.StoreSettings(format="raw", size=16), workers=1, log=lambda s: None)
     capsys.readouterr()
     real, calls = inf.save_checkpoint, []
 
