@@ -49,7 +49,9 @@ def levels(graph):
 
 def shape(rev):
     graph = arrows(files_at(rev))
-    return {"rev": rev, "modules": len(graph), "arrows": sum(map(len, graph.values())),
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", rev], check=True, capture_output=True,
+                            text=True).stdout.strip()
+    return {"rev": rev, "commit": commit, "modules": len(graph), "arrows": sum(map(len, graph.values())),
             "levels": max(levels(graph).values()), "imports": {m: sorted(d) for m, d in sorted(graph.items())}}
 
 
