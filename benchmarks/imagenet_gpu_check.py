@@ -129,8 +129,8 @@ def placed(store, device, decoder, workers):
 
 
 def model(r, classes, device):
-    net = inf.build_model(r, classes).to(device, memory_format=devices.memory_format(device))
-    return net, inf.make_optimizer(net, r)
+    net = inf.imagenet_network(r, classes).to(device, memory_format=devices.memory_format(device))
+    return net, inf.imagenet_optimizer(net, r)
 
 
 def peak_memory(device, smoke):

@@ -118,8 +118,8 @@ def counted(r, tmp, *, batch_size, classes, res=32, steps=2):
         with StandIn() as gpu:
             device = torch.device("cuda")
             data = idt.rank_data(ims.open_store(stores[fmt]), device, workers=1, **where)
-            model = inf.build_model(r, classes).to(device, memory_format=devices.memory_format(device))
-            opt = inf.make_optimizer(model, r)
+            model = inf.imagenet_network(r, classes).to(device, memory_format=devices.memory_format(device))
+            opt = inf.imagenet_optimizer(model, r)
             gen = torch.Generator().manual_seed(0)
             batches = idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=res,
                                         batch_size=bs, device=device, dtype=torch.bfloat16)
@@ -230,8 +230,8 @@ def main(argv=None):
             def epoch():
                 return idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=res,
                                          batch_size=bs, device=device, dtype=dtype)
-            model = inf.build_model(r, classes).to(device, memory_format=fmt)
-            opt = inf.make_optimizer(model, r)
+            model = inf.imagenet_network(r, classes).to(device, memory_format=fmt)
+            opt = inf.imagenet_optimizer(model, r)
 
             def train(x, y):
                 step(model, opt, x, y, device=device, dtype=dtype)

@@ -434,7 +434,7 @@ def test_validation_batches_are_one_shape_each(store):
 
 def test_blurpool_models():
     r = inf.recipe("rn50_16ep")
-    m = inf.build_model(r, 10)
+    m = inf.imagenet_network(r, 10)
     blurs = [mod for mod in m.modules() if isinstance(mod, imagenet_models.BlurPool)]
     strided = [mod for mod in m.modules() if isinstance(mod, torch.nn.Conv2d) and max(mod.stride) > 1]
     assert len(strided) == 7 and len(blurs) == 6  # all but the 3-channel stem conv
@@ -453,14 +453,14 @@ def test_blurpool_models():
     with Ops():
         out = blur(x)
     assert seen == ["aten.convolution.default"] and out.is_contiguous(memory_format=torch.channels_last)
-    assert not any(isinstance(mod, imagenet_models.BlurPool) for mod in inf.build_model(changed(r, blurpool=False), 10).modules())
-    tiny = inf.build_model(inf.recipe("tiny", width=4), 5)
+    assert not any(isinstance(mod, imagenet_models.BlurPool) for mod in inf.imagenet_network(changed(r, blurpool=False), 10).modules())
+    tiny = inf.imagenet_network(inf.recipe("tiny", width=4), 5)
     assert tiny(torch.randn(2, 3, 24, 24)).shape == (2, 5)
 
 
 def test_no_weight_decay_on_batchnorm_and_bias():
-    model = inf.build_model(inf.recipe("rn18_16ep", blurpool=False), 10)
-    opt = inf.make_optimizer(model, inf.recipe("rn18_16ep"))
+    model = inf.imagenet_network(inf.recipe("rn18_16ep", blurpool=False), 10)
+    opt = inf.imagenet_optimizer(model, inf.recipe("rn18_16ep"))
     decayed, free = opt.param_groups
     assert decayed["weight_decay"] == 5e-5 and free["weight_decay"] == 0
     names = {id(p): n for n, p in model.named_parameters()}
@@ -741,7 +741,7 @@ def test_rmsprop_hand_over_clock_is_the_loops_fractional_epoch(store, monkeypatc
     of its steps done, throughout."""
     seen = []
     real = imagenet_models.alpha_sgd
-    monkeypatch.setattr(optim, "alpha_sgd", lambda epoch, c, p: seen.append(epoch) or real(epoch, c, p))
+    monkeypatch.setattr(imagenet_models, "alpha_sgd", lambda epoch, c, p: seen.append(epoch) or real(epoch, c, p))
     data = place(store)
     train(tiny_recipe(rmsprop=True, warmup_epochs=0.0, batch_schedule=(0, 16, 2, 32), width=4), data)
     want = [e + i / 6 for e in (0, 1) for i in range(6)] + [2 + i / 3 for i in range(3)]
@@ -1026,9 +1026,9 @@ def test_micro_batches_step_as_one_batch_normalised_in_the_same_groups():
 
     def one_step(group, k):
         torch.manual_seed(1)
-        model = inf.build_model(r, 5)
+        model = inf.imagenet_network(r, 5)
         inf.set_ghost_groups(model, group)
-        opt = inf.make_optimizer(model, r)
+        opt = inf.imagenet_optimizer(model, r)
         optim.set_lr([opt], 0.5)
         inf.accumulated_step(model, opt, list(zip(x.chunk(k), y.chunk(k))), ctx=D.Context(), label_smoothing=0.1,
                              dtype=torch.float32)
@@ -1053,7 +1053,7 @@ def test_a_run_in_micro_batches_resumes_exactly(store, tmp_path):
 
 
 def test_a_batch_that_does_not_split_into_micro_batches_or_groups_is_one_line(store, capsys, monkeypatch):
-    monkeypatch.setattr(inf, "place", lambda *a, **k: pytest.fail("the data was loaded"))
+    monkeypatch.setattr(inf, "rank_data", lambda *a, **k: pytest.fail("the data was loaded"))
     common = ["train", "--store", store, "--recipe", "tiny", "--device", "cpu", "--batch-size", "16"]
     for flags, message in (
             (["--accumulate", "3"], "--accumulate 3: the 16 images of a rank's batch in epoch 1 do not split into 3 "

@@ -77,8 +77,8 @@ def test_a_gpu_decoded_training_batch_makes_the_training_thread_wait_for_nothing
     with StandIn() as gpu:
         data = idt.rank_data(ims.open_store(store), torch.device("cuda"), decoder="gpu")
         r = inf.recipe("tiny", batch_size=8, width=8, jitter=0.2)
-        model = inf.build_model(r, 5).to("cuda")
-        opt = inf.make_optimizer(model, r)
+        model = inf.imagenet_network(r, 5).to("cuda")
+        opt = inf.imagenet_optimizer(model, r)
         gen = torch.Generator().manual_seed(0)
         batches = idt.train_batches(data, r.augment, idt.draw_epoch(data, r.augment, gen), res=24, batch_size=8,
                                     device=torch.device("cuda"), dtype=torch.bfloat16)

@@ -67,7 +67,7 @@ def worker(rank, world, ports, store, out, phases, moves, full_disk):
         os.makedirs(os.path.join(out, f"node{r}"), exist_ok=True)
     record = {"epochs": [], "placed": [], "evaluated": [], "read": {"train": set(), "val": set()}}
 
-    real_batches, real_place, real_evaluate, real_decoded = (inf.train_batches, inf.place, inf.loss_top1_top5,
+    real_batches, real_place, real_evaluate, real_decoded = (inf.train_batches, inf.rank_data, inf.loss_top1_top5,
                                                              idt.decoded)
 
     def batches(data, augment, draws, **kwargs):  # one call an epoch: the store rows of the images this rank steps on
@@ -96,7 +96,7 @@ def worker(rank, world, ports, store, out, phases, moves, full_disk):
                                     "state": {k: v.clone() for k, v in model.state_dict().items()}})
         return result
 
-    inf.train_batches, inf.place, inf.loss_top1_top5, idt.decoded = batches, place, evaluate, decoded
+    inf.train_batches, inf.rank_data, inf.loss_top1_top5, idt.decoded = batches, place, evaluate, decoded
     real_torus, record["torus"] = D.torus_allreduce_hook, []
 
     def torus(state, bucket):               # how many buckets each phase sent over the 2D torus
@@ -184,9 +184,9 @@ def test_each_rank_evaluates_its_part_and_the_counts_add_up(two_ranks, store):
     assert sum(e["images"] for e in last) == val, [e["images"] for e in last]
     # every rank reports the whole set's figures: those of one process evaluating the same (EMA) model
     r = inf.recipe("tiny", **HP)
-    model = inf.build_model(r, CLASSES)
+    model = inf.imagenet_network(r, CLASSES)
     model.load_state_dict(last[0]["state"])
-    data = inf.place(ims.open_store(store), torch.device("cpu"))
+    data = inf.rank_data(ims.open_store(store), torch.device("cpu"))
     single = inf.loss_top1_top5(model, data, r.validation, tta=r.validation.tta, device=torch.device("cpu"),
                           dtype=torch.float32)
     for e in last:

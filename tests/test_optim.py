@@ -159,7 +159,7 @@ def test_sgd_takes_the_options_of_its_parameters_device(monkeypatch):
     import cifar10_fast as cf
     import imagenet_fast as inf
     changes = dict(momentum=0.9, nesterov=True)
-    makers = {"imagenet": lambda model: inf.make_optimizer(model, inf.recipe("tiny", **changes)),
+    makers = {"imagenet": lambda model: inf.imagenet_optimizer(model, inf.recipe("tiny", **changes)),
               "cifar": lambda model: optim.make_optimizers(model, cf.recipe("myrtle24", **changes))[0]}
     for name, make in makers.items():
         model = torch.nn.Linear(2, 2)

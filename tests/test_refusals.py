@@ -145,7 +145,7 @@ def test_an_out_is_tried_by_writing_and_nothing_is_left(tmp_path):
 
 
 def test_ctrl_c_while_placing_the_store_says_so(stores, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(inf, "place", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(inf, "rank_data", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
     out = tmp_path / "r.json"
     rc, _, err = run(capsys, "train", "--store", stores[0], *TINY, "--out", out)
     assert rc == 130 and err == [f"interrupted while placing the store; no run finished, so nothing was written to "

@@ -345,7 +345,7 @@ def test_a_batch_that_cannot_fit_the_gpu_stops_in_one_line_naming_the_accumulati
                                                                                              capsys, world):
     """akiba_32k at full size on GPUs of 80 GiB, alone or as one of 8 ranks (4,096 images each): one line before the
     data loads, naming the fewest micro-batches (--accumulate) whose activations fit, and with them the data loads."""
-    monkeypatch.setattr(inf, "place", lambda *a, **k: (_ for _ in ()).throw(Loaded()))
+    monkeypatch.setattr(inf, "rank_data", lambda *a, **k: (_ for _ in ()).throw(Loaded()))
     ctx = D.Context(world_size=world, distributed=world > 1, device="cuda:0")
     batch = 32768 // world
 
@@ -438,7 +438,7 @@ def test_without_float64_on_the_device_the_whitening_fit_and_the_validation_sums
         tb.fit_whitening(net, torch.randn(64, 3, 32, 32).to("cuda"), 32)
         assert net[0].weight.device.type == "cuda" and torch.isfinite(net[0].weight).all()
         data = idt.rank_data(store, torch.device("cuda"))
-        model = inf.build_model(r, 4).to("cuda")
+        model = inf.imagenet_network(r, 4).to("cuda")
         sums = idt.validation_sums(model, data, r.validation, tta="none", device=torch.device("cuda"),
                                    dtype=torch.float32)
         assert sums.dtype == torch.float32 and sums[3].item() == len(data.val_rows)
