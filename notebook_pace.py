@@ -78,19 +78,18 @@ def expected_stage_s(timing, r, *, n_train, runs):
 
 
 class Pace:
-    """Every stage's expected and actual seconds, in the order trained. A stage's expectation is its recipe's Timing
-    scaled by how the stages before it compared to theirs (a machine that turns busier slows them all)."""
+    """Every stage's planned, expected and actual seconds, in the order trained. A stage's expectation is its plan
+    (its recipe's Timing) scaled by how the stage before it compared to its own plan: the machine's load now."""
 
     def __init__(self):
-        self.stages = []        # (label, expected_s, actual_s)
+        self.stages = []        # (label, planned_s, expected_s, actual_s)
 
     def drift(self):
-        """Actual over expected seconds of the stages trained so far (1 before the first)."""
-        expected, actual = sum(s[1] for s in self.stages), sum(s[2] for s in self.stages)
-        return actual / expected if expected else 1.0
+        """Actual over planned seconds of the last stage trained (1 before the first)."""
+        return self.stages[-1][3] / self.stages[-1][1] if self.stages else 1.0
 
-    def record(self, label, expected_s, actual_s):
-        self.stages.append((label, expected_s, actual_s))
+    def record(self, label, *, planned_s, expected_s, actual_s):
+        self.stages.append((label, planned_s, expected_s, actual_s))
 
 
 def stage_bar(label, *, epochs, runs, expected_s):
@@ -123,7 +122,7 @@ def closing_note(*, elapsed_s, planned_s, cpu_s, threads, pace, journey, modern,
              f"{'s' * (threads > 1)}" + (f", load average {load[2]:.1f} over the last 15 minutes" if load else "")
              + f"); planned {duration(planned_s)} from the steps timed at the start: {elapsed_s / planned_s:.2f}x.",
              "Each stage, expected then actual: "
-             + ", ".join(f"{label} {duration(e)} / {duration(a)}" for label, e, a in pace.stages) + "."]
+             + ", ".join(f"{label} {duration(e)} / {duration(a)}" for label, _, e, a in pace.stages) + "."]
     parts = []
     for k, (name, row) in enumerate(journey.iterrows()):
         said = f"{name} {row['accuracy']:.3f} in {row['time (s)']:.0f} s"

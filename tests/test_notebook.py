@@ -209,12 +209,12 @@ def test_a_stage_s_expected_time_is_its_first_epoch_then_every_step_evaluation_a
     assert pace.expected_stage_s(TIMING, r, n_train=1000, runs=3) == 2.0 + 3 * run
 
 
-def test_the_expectations_follow_the_stages_so_far():
+def test_each_expectation_follows_the_stage_before():
     p = pace.Pace()
     assert p.drift() == 1.0
-    p.record("a", 10.0, 15.0)
-    p.record("b", 30.0, 45.0)
-    assert p.drift() == 1.5 and [s[0] for s in p.stages] == ["a", "b"]
+    p.record("a", planned_s=10.0, expected_s=10.0, actual_s=15.0)
+    p.record("b", planned_s=40.0, expected_s=60.0, actual_s=20.0)
+    assert p.drift() == 0.5 and [s[0] for s in p.stages] == ["a", "b"]
 
 
 def test_a_log_axis_where_the_times_span_a_factor_of_ten():
@@ -239,7 +239,7 @@ def test_the_closing_note_is_computed_from_the_run():
     ablation = pd.DataFrame({"n": [2, 2, 2], "drop": [np.nan, 0.02, -0.01], "p (drop)": [np.nan, 0.031, 0.8]},
                             index=["fast94", "no TTA", "no dirac init"])
     p = pace.Pace()
-    p.record("baseline_resnet18", 120.0, 150.0)
+    p.record("baseline_resnet18", planned_s=100.0, expected_s=120.0, actual_s=150.0)
     lines = pace.closing_note(elapsed_s=600.0, planned_s=500.0, cpu_s=570.0, threads=1, pace=p, journey=journey,
                               modern=modern, ablation=ablation)
     assert lines[0].startswith("This run took 10.0 min (9.5 min of CPU time, 1 thread")
