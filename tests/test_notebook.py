@@ -121,8 +121,8 @@ def test_it_prints_the_expected_time_first_then_each_stage_s_before_it_trains_wi
     said = [line.split(":")[0] for line in lines if ": expected about " in line]
     assert said == labels                                     # every stage, in the order it trains, once
     assert first < next(k for k, line in enumerate(lines) if ": expected about " in line)
-    for s in cf.JOURNEY:                                      # each stage's bar, full at its end (tiny: epochs x 1/35)
-        n = math.ceil(cf.recipe(s["name"]).epochs * (1 / 35))
+    for s in cf.JOURNEY:                                      # each stage's bar, full at its end (tiny: epochs x 1/14)
+        n = math.ceil(cf.recipe(s["name"]).epochs * (1 / 14))
         assert any(line.startswith(f"{s['name']}: ") and f" {n}/{n} epochs, " in line for line in lines)
 
 
