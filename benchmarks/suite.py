@@ -609,7 +609,7 @@ def run_piece(piece, ctx, *, fp, flops, deadline, say, note=""):
         merge(result, base, chunk.parse(got), chunk.flops(got))
         if piece.kind in ONE_COMMAND:
             result.update(rows=got.get("rows", []), command=shlex.join(one_command_argv(piece, ctx, whole=True)),
-                          ran=rc == 0)
+                          ran=rc == 0, **{k: got[k] for k in ("config",) if k in got})
         new = [r for s in base for r in result["sides"][s]["runs"][len(base[s]):]]
         result["chunks"].append({
             "argv": shlex.join(chunk.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
