@@ -227,8 +227,7 @@ def test_time_steps_times_two_epochs_of_the_steps_asked(one_thread):
     timing = pace.time_steps(cf.recipe("fast94", width=0.0625, batch_size=32), arrays, device="cpu", steps=3,
                              test_images=16)
     assert timing.first_epoch_steps == 3
-    assert min(timing.set_up_s, timing.first_epoch_s, timing.step_s, timing.final_eval_s) > 0
-    assert timing.plain_eval_s < timing.final_eval_s                   # fast94's 6 test-time views cost more
+    assert min(timing.set_up_s, timing.first_epoch_s, timing.step_s, timing.plain_eval_s, timing.final_eval_s) > 0
 
 
 def test_the_closing_note_is_computed_from_the_run():
