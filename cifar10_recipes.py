@@ -4,15 +4,13 @@ whole, the others as their differences, and Myrtle's journey as its steps. cifar
 """
 from dataclasses import dataclass, replace
 
-import torch
-
 from cifar_data import AugmentSettings
 from core import UsageError
 from optim import MuonSettings, SGDSettings
 from schedules import LRSettings
 from settings import always_present, changed, check, component, flag_error, knob
 from torch_backend import (WHITENING_FITS, BatchNormSettings, NetworkSettings, TTASettings, WhiteningBiasSettings,
-                           WhiteningSettings, build_model)
+                           WhiteningSettings, pools_to_one_pixel)
 from training import EMASettings, LookaheadSettings
 
 MAX_EPOCHS = 1000         # beyond it a typo (--epochs 1e12), not a run: its rate would round to 0 at every step
@@ -46,14 +44,11 @@ class Recipe:
             raise UsageError("--ema-momentum and --lookahead-momentum: one weight average at a time; set the other "
                              "to 0")
         for side in sorted(set(self.augment.resolution_schedule)):
-            try:        # on the meta device: shapes only
-                build_model(self, "meta")(torch.empty(2, 3, side, side, device="meta"))
-            except RuntimeError:
+            if not pools_to_one_pixel(self, side):
                 raise flag_error("resolution_schedule", self.augment.resolution_schedule,
                                  f"the network cannot pool {side}x{side} images down to its head"
                                  + ("" if self.network.global_max_pool else
-                                    " (its fixed last window; --global-max-pool true pools a map of any size)")
-                                 ) from None
+                                    " (its fixed last window; --global-max-pool true pools a map of any size)"))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -400,6 +400,25 @@ def build_model(r, device, *, memory_format=torch.contiguous_format, num_classes
     return MODELS[r.network.model](r, num_classes).to(device, memory_format=memory_format)
 
 
+def pools_to_one_pixel(r, side):
+    """Whether recipe r's network takes side x side images down to the 1x1 map its linear head reads. Shape
+    arithmetic, equal to a forward (tested): a forward on the meta device would import torch's compiler at every
+    start."""
+    net, w = r.network, r.whitening
+    if net.model == "resnet18":          # strided 3x3 convolutions of padding 1, then a global pool
+        return side >= 1
+    if w:
+        side += 2 * w.pad - w.size + 1
+    elif net.model == "fastnet":
+        side -= 1                        # the 2x2 trainable stand-in for the whitening layer, unpadded
+    for _ in range(3 if net.model == "resnet9" else len(net.block_widths)):
+        side //= 2                       # 2x2 max-pools: a 1x1 map pools to nothing
+    if net.global_max_pool:
+        return side >= 1
+    window = FINAL_POOL_WINDOWS[net.model]
+    return window <= side < 2 * window   # a fixed window pools one point only from these
+
+
 def count_parameters(model):
     return sum(p.numel() for p in model.parameters())
 
