@@ -37,8 +37,8 @@ def test_a_bad_schedule_is_refused_in_one_line_before_the_data_is_loaded(flags, 
 
 
 def forward_pools_to_one_pixel(model, side):
-    """Whether model runs a side x side image through to its logits (a narrow network on the CPU: 10 times quicker
-    than the meta device's shapes alone)."""
+    """Whether model runs a side x side image through to its logits (a narrow network on the CPU, one image: the
+    meta device's Python kernels are slower)."""
     try:
         with torch.no_grad():
             return model(torch.zeros(1, 3, side, side)).shape == (1, 10)
