@@ -34,6 +34,13 @@ def versions(stdout):
     return (f"Python {python[1]}, pytest {python[2]}, torch {ours[1]}, torchvision {ours[2]} and numpy {ours[3]}")
 
 
+def workers(stdout):
+    """How many pytest-xdist workers ran the tests (pytest.ini's -n), from pytest's "N workers [M items]" line; 1
+    where the run had none."""
+    found = re.search(r"^(\d+) workers? \[", stdout, re.M)
+    return int(found[1]) if found else 1
+
+
 def failed_tests(stdout):
     """The node ids of pytest's FAILED and ERROR summary lines."""
     return re.findall(r"^(?:FAILED|ERROR) (\S+)", stdout, re.M)
@@ -56,12 +63,14 @@ def main(argv=None):
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     counts = outcome_counts(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "")
-    failed = failed_tests(proc.stdout)
-    print(f"{' '.join(COMMAND)}: exit status {proc.returncode}, {wall:.0f} s wall, {cpu:.0f} CPU s, {counts}, "
+    failed, n_workers = failed_tests(proc.stdout), workers(proc.stdout)
+    print(f"{' '.join(COMMAND)}: exit status {proc.returncode}, {wall:.0f} s wall, {cpu:.0f} CPU s, "
+          f"{n_workers} worker(s), {counts}, "
           f"load average {load:.2f} at the start" + "".join(f"\nfailed: {t}" for t in failed))
     if args.out:
         write_json(args.out, {"piece": "test_time", "command": " ".join(COMMAND), "exit_status": proc.returncode,
-                              "wall_s": wall, "cpu_s": cpu, "counts": counts, "failed": failed, "load_average_at_start": load,
+                              "wall_s": wall, "cpu_s": cpu, "workers": n_workers, "counts": counts,
+                              "failed": failed, "load_average_at_start": load,
                               "versions": versions(proc.stdout), "fresh_environment": args.fresh_environment,
                               "fingerprint": machine.fingerprint(torch.device("cpu"), True)})
     return proc.returncode

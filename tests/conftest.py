@@ -11,6 +11,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ROOT.parent / "shared" / "data" / "cifar10" / "parts"
 
+# pytest-xdist's workers share the cores (pytest.ini): each takes its share of torch's threads, so that no two
+# workers' thread pools spin against each other on one core
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 def pytest_report_header(config):
     """The versions a run used, in pytest's header beside its own and Python's."""

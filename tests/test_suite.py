@@ -388,15 +388,17 @@ def test_the_test_time_sentence_names_the_counts_and_each_failed_test():
 def test_the_test_time_sentence_names_the_versions_pytests_header_printed():
     import test_time
     header = ("platform linux -- Python 3.11.7, pytest-9.2.0, pluggy-1.6.0\n"
-              "torch 2.14.1+cu130, torchvision 0.29.1+cu130, numpy 2.4.6\nrootdir: /x\n")
+              "torch 2.14.1+cu130, torchvision 0.29.1+cu130, numpy 2.4.6\nrootdir: /x\n"
+              "created: 2/2 workers\n2 workers [887 items]\n")
     versions = test_time.versions(header)
     assert versions == "Python 3.11.7, pytest 9.2.0, torch 2.14.1+cu130, torchvision 0.29.1+cu130 and numpy 2.4.6"
     record = {"command": "python -m pytest", "exit_status": 0, "wall_s": 500, "cpu_s": 600, "counts": {"passed": 9},
               "failed": [], "load_average_at_start": 0.1, "fingerprint": {"device_name": "a CPU", "device": "cpu"},
-              "versions": versions, "fresh_environment": True}
+              "versions": versions, "fresh_environment": True, "workers": test_time.workers(header)}
     [line] = report.t_tests({"test_time": [record]})
+    assert "`python -m pytest` on 2 pytest-xdist workers took 500 s wall" in line
     assert line.endswith(f"timed by `python benchmarks/test_time.py` in a fresh virtual environment, with {versions}.")
-    assert test_time.versions("no header") is None
+    assert test_time.versions("no header") is None and test_time.workers("no header") == 1
 
 
 @pytest.mark.parametrize("accuracies, verdict", [
