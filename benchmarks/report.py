@@ -545,10 +545,10 @@ def t_tests(results):
         return [f"The time of `python -m pytest`: {NM}."]
     r = found[-1]
     counts = ", ".join(f"{n} {word}" for word, n in r["counts"].items())
+    workers = f" on {r['workers']} pytest-xdist workers" if r.get("workers", 1) > 1 else ""
     return [f"Measured on {device(r)} as a whole process, the load average {r['load_average_at_start']:.2f} at its "
-            f"start: {code(r['command'])}"
-            + (f" on {r['workers']} pytest-xdist workers" if r.get("workers", 1) > 1 else "") + f" took {r['wall_s']:.0f} s wall and {r['cpu_s']:.0f} CPU s (n = 1; {counts}; "
-            f"exit status {r['exit_status']}), timed by {code('python benchmarks/test_time.py')}"
+            f"start: {code(r['command'])}{workers} took {r['wall_s']:.0f} s wall and {r['cpu_s']:.0f} CPU s (n = 1; "
+            f"{counts}; exit status {r['exit_status']}), timed by {code('python benchmarks/test_time.py')}"
             + (f"{' in a fresh virtual environment' if r.get('fresh_environment') else ''}, with "
                f"{r['versions']}." if r.get("versions") else ".")
             + "".join(f" Failed: {code(t)}." for t in r.get("failed", []))]
