@@ -30,14 +30,14 @@ from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_F
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, low_resolution,
                         upload_normalised, num_classes, pair, take_subset, dataset_on_device)
 from cli import (HelpFormatter, add_run_flags, check_run, check_whole, cpu_warning, ctrl_c_exit, interrupted, join_ranks,
-                 lost_peer, phase_of, recipe_list, run_record)
+                 lost_peer, out_of_memory_exit, phase_of, recipe_list, run_record)
 from core import (DataError, Heartbeat, Parser, UsageError, exit_now, print_summary, say_error, summarize_runs,
                   with_progress, write_result)
 from distributed import Context, barrier, leave, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
-from torch_backend import build_model, fit_whitening, loss_and_accuracy, tta_views, whitening_bias
+from torch_backend import build_model, fit_whitening, loss_and_accuracy, pools_to_one_pixel, tta_views, whitening_bias
 from training import (EpochClock, RunOptions, averaging, check_finite_loss, epoch_table,
                       evaluation_model, run_seeds, strict_compile, train_step, warmup_calls)
 
@@ -476,10 +476,8 @@ def check_data(r, arrays, ctx, say=None):
         raise flag_error("resolution_schedule", schedule, f"needs square images, not {h}x{w}")
     if schedule and max(schedule) > h:
         raise flag_error("resolution_schedule", schedule, f"{max(schedule)} is larger than the {h}x{w} images")
-    try:        # on the meta device: shapes only, no memory, no arithmetic
-        build_model(r, "meta")(torch.empty(2, 3, h, w, device="meta"))
-    except RuntimeError:
-        raise flag_error("model", r.network.model, f"{h}x{w} images are too small for this network") from None
+    if not (pools_to_one_pixel(r, h) and pools_to_one_pixel(r, w)):     # each side's convolutions and pools alone
+        raise flag_error("model", r.network.model, f"{h}x{w} images are too small for this network")
     classes = num_classes(arrays)
     empty = [c for c, n in enumerate(np.bincount(arrays["train_labels"], minlength=classes)) if n == 0]
     if empty and say:
@@ -582,6 +580,10 @@ def main(argv=None):
         return ctrl_c_exit(interrupted(where["epoch"], where["run"], where["finished"], out=args.out,
                                        during=phase_of(e, BEFORE_TRAINING)))
     except RuntimeError as e:
+        if devices.out_of_memory(e):
+            return out_of_memory_exit(e, ctx, ways="a smaller --batch-size or --width needs less", out=args.out,
+                                      epoch=where["epoch"], run=where["run"], finished=where["finished"],
+                                      during=phase_of(e, BEFORE_TRAINING))
         return lost_peer(e, ctx)
     finally:
         leave(ctx)

@@ -147,6 +147,19 @@ def lost_peer(error, ctx):
     return 1
 
 
+def out_of_memory_exit(error, ctx, *, ways, **stop):
+    """Exit status 1 once one line says that an allocator refused (devices.out_of_memory) on this rank: its device,
+    the allocation, interrupted()'s where and what is kept (stop: its arguments), and `ways` to need less, over any
+    progress bar."""
+    asked = devices.refused_size(error)
+    how = f"out of memory on {ctx.device}" + (f" (asked for {asked} more)" if asked else "")
+    close_progress()
+    if not ctx.distributed or first_to_say("out_of_memory"):
+        rank = f"rank {ctx.rank} ran " if ctx.distributed else ""
+        print(f"error: {rank}{interrupted(how=how, **stop)}; {ways}", file=sys.stderr, flush=True)
+    return 1
+
+
 def phase_of(error, phases):
     """What the work was doing when `error` (a KeyboardInterrupt) stopped it: phases[name] of the innermost function
     of that name the interrupt came through ({"recipe_and_data": "loading the data"}), or None (inside an epoch)."""
@@ -170,10 +183,10 @@ def interrupt_once(signum, frame):
     raise KeyboardInterrupt
 
 
-def interrupted(epoch, run, finished, *, out=None, checkpoint=None, during=None):
-    """The line Ctrl-C leaves: where the work stopped (in an epoch, or `during` what before the first) and what of it
-    is kept (only what was written)."""
-    line = f"interrupted while {during}" if during else f"interrupted in epoch {epoch} of run {run}"
+def interrupted(epoch, run, finished, *, out=None, checkpoint=None, during=None, how="interrupted"):
+    """The line a stop leaves (Ctrl-C's, or `how` else): where the work stopped (in an epoch, or `during` what before
+    the first) and what of it is kept (only what was written)."""
+    line = f"{how} while {during}" if during else f"{how} in epoch {epoch} of run {run}"
     if checkpoint:
         line += (f"; the checkpoint of epoch {epoch - 1} is kept in {checkpoint} (--resume continues from it)"
                  if epoch > 1 else "; no epoch finished, so no checkpoint was written")

@@ -9,6 +9,7 @@ run the CUDA path under a stand-in for the GPU that answers torch.cuda's calls (
 """
 import os
 import platform
+import re
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
@@ -211,10 +212,32 @@ USABLE = 0.9      # of a device's free memory: the rest for the caching allocato
 
 def size_text(nbytes):
     """Bytes as people read them: 1.5 GiB, 300.0 MiB, 12.0 KiB, 900 B."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    for unit, shift in (("EiB", 60), ("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if nbytes >= 1 << shift:
             return f"{nbytes / (1 << shift):.1f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+# what an allocator's refusal says where torch gives it no class of its own: the host's, MPS's, the CUDA runtime's,
+# cuBLAS's and cuDNN's, the caching allocator's inside a compiler's error
+REFUSAL = re.compile(r"(?:CUDA|MPS backend) out of memory|CUDA error: out of memory|can't allocate memory|"
+                     r"_STATUS_ALLOC_FAILED")
+ASKED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)? [KMGT]iB|\d+ bytes)")
+
+
+def out_of_memory(error):
+    """Whether error is an allocator's refusal: a GPU's (torch.OutOfMemoryError) or the host's."""
+    return isinstance(error, torch.OutOfMemoryError) or bool(REFUSAL.search(str(error)))
+
+
+def refused_size(error):
+    """The allocation an allocator's refusal (out_of_memory) says it was asked for, as size_text writes it; None if it
+    does not say."""
+    asked = ASKED.search(str(error))
+    if asked is None:
+        return None
+    number, unit = asked.group(1).split()
+    return size_text(int(number)) if unit == "bytes" else f"{float(number):.1f} {unit}"
 
 
 def check_training_fits(device, training, *, why, remedy, parts=None):

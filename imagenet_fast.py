@@ -30,7 +30,7 @@ import devices
 import scaling
 import training
 from cli import (HelpFormatter, add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, lost_peer,
-                 phase_of, recipe_list, run_record)
+                 out_of_memory_exit, phase_of, recipe_list, run_record)
 from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_now, print_summary, say_error,
                   summarize_runs, with_progress, write_result)
 from distributed import (barrier, checkpoint_writers, leave, leave_together, print0, register_comm_hook,
@@ -422,6 +422,7 @@ def clock_target(r, target):
 # what train_command() does before the first run, by function: what Ctrl-C stopped there
 BEFORE_TRAINING = {"open_store": "opening the store", "place_data": "placing the store",
                    "warmup": "warming up (cuDNN's autotuning at every resolution)"}
+LESS_MEMORY = "a larger --accumulate (micro-batches), a smaller --batch-size or more GPUs need less on each"
 
 
 def main_train(args, changes, argv):
@@ -445,6 +446,10 @@ def main_train(args, changes, argv):
         return ctrl_c_exit(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint,
                                        during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"))
     except RuntimeError as e:
+        if devices.out_of_memory(e):
+            return out_of_memory_exit(e, ctx, ways=LESS_MEMORY, epoch=1, run=1, finished=0, out=args.out,
+                                      checkpoint=args.checkpoint,
+                                      during=phase_of(e, BEFORE_TRAINING) or "preparing the runs")
         return lost_peer(e, ctx)
     finally:
         leave(ctx)
@@ -584,6 +589,11 @@ def train_runs(args, r, data, *, ctx, argv, store):
         except KeyboardInterrupt:
             return ctrl_c_exit(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out,
                                            checkpoint=checkpoint))
+        except RuntimeError as e:
+            if not devices.out_of_memory(e):
+                raise
+            return out_of_memory_exit(e, ctx, ways=LESS_MEMORY, epoch=max(epochs, default=0) + 1, run=k + 1,
+                                      finished=len(runs), out=args.out, checkpoint=checkpoint)
         except OSError as e:        # the checkpoint's write, the one write inside a run, met a full disk
             if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise

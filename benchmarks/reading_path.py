@@ -38,7 +38,7 @@ from core import Parser, Table, write_json  # noqa: E402
 SKIPPABLE_MODULES = {"settings.py", "cli.py", "core.py"}       # flags, checks, tables, progress, records
 SKIPPABLE = ("main", "parse_args", "check", "recipe_and_data", "warmup", "say_estimate", "count_flops",
              "compile_counts", "strict_compile", "take_subset", "read_npz", "load", "channel_stats", "num_classes",
-             "run_record", "result_so_far", "per_rank_batch")
+             "run_record", "result_so_far", "per_rank_batch", "pools_to_one_pixel")
 RANKS = ("init_from_env", "barrier", "comm_hook", "shard", "leave")
 
 

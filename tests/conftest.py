@@ -63,14 +63,23 @@ def ctrl_c_heard():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def failing_on_call(function, n):
-    """function, except that its n-th call raises RuntimeError (a failure after the runs before it)."""
+def unforeseen_failure():
+    raise RuntimeError("a fault of this process's own")
+
+
+def host_refusal():
+    """Raises the host allocator's real refusal: 4 EiB is past any machine's address space."""
+    torch.empty(2 ** 62, dtype=torch.uint8)
+
+
+def failing_on_call(function, n, fail=unforeseen_failure):
+    """function, except that its n-th call runs fail() instead, which raises (a failure after the runs before it)."""
     calls = []
 
     def wrapper(*args, **kwargs):
         calls.append(1)
         if len(calls) == n:
-            raise RuntimeError("out of memory")
+            fail()
         return function(*args, **kwargs)
     return wrapper
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, ctrl_c_heard, failing_on_call, synthetic_arrays, synthetic_npz
+from conftest import ROOT, ctrl_c_heard, failing_on_call, host_refusal, synthetic_arrays, synthetic_npz
 
 
 def run_cli(*args):
@@ -98,6 +98,21 @@ def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(synth_npz, t
     res = json.loads(out.read_text())
     assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0]
     assert res["runs"][0]["wall_s"] >= res["runs"][0]["train_time"] and res["summary"]["final_acc"]["n"] == 1
+
+
+def test_running_out_of_memory_is_one_line_that_keeps_the_finished_runs(synth_npz, tmp_path, monkeypatch, capsys):
+    """The host's allocator refuses in run 2: the line says where and what is kept, the JSON keeps run 1."""
+    import cifar10_fast as cf
+    monkeypatch.setattr(cf, "train_run", failing_on_call(cf.train_run, 2, fail=host_refusal))
+    out = tmp_path / "r.json"
+    rc = cf.main(["--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "1", "--width", "0.125",
+                  "--batch-size", "64", "--runs", "3", "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (rc, err[-1]) == (1, f"error: out of memory on cpu (asked for 4.0 EiB more) in epoch 1 of run 2; 1 finished "
+                                f"run kept in {out}; a smaller --batch-size or --width needs less")
+    assert not any("Traceback" in line for line in err)
+    res = json.loads(out.read_text())
+    assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0]
 
 
 def interrupted(args, after):

@@ -188,3 +188,30 @@ def test_a_decoder_the_device_cannot_run_is_one_line(name, choice, message):
     with pytest.raises(ValueError) as e:
         idt.jpeg_decoder(name, choice)
     assert str(e.value) == message
+
+
+@pytest.mark.parametrize("error, size", [
+    # CUDA's caching allocator (c10's format_size), MPS's, the caching allocator's inside a compiler's error, the
+    # CUDA runtime's, cuDNN's, cuBLAS's
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.19 GiB "
+                            "of which 3.00 MiB is free."), "20.0 MiB"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512 bytes. GPU 1 has a total capacity of ..."),
+     "512 B"),
+    (RuntimeError("MPS backend out of memory (MPS allocated: 17.9 GB, other allocations: 0 bytes, max allowed: 18.1 "
+                  "GB). Tried to allocate 256.00 MiB on private pool."), "256.0 MiB"),
+    (RuntimeError("backend='inductor' raised:\nOutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB."),
+     "1.5 GiB"),
+    (RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"), None),
+    (RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"), None),
+    (RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"), None),
+    (torch.OutOfMemoryError("out of memory"), None)])
+def test_an_allocators_refusal_is_known_by_its_class_or_its_words_and_says_its_size(error, size):
+    assert devices.out_of_memory(error) and devices.refused_size(error) == size
+
+
+def test_the_hosts_real_refusal_is_known_and_a_lost_peer_or_a_fault_is_not():
+    with pytest.raises(RuntimeError) as refusal:
+        torch.empty(2 ** 62, dtype=torch.uint8)         # past any machine's address space
+    assert devices.out_of_memory(refusal.value) and devices.refused_size(refusal.value) == "4.0 EiB"
+    for other in (RuntimeError("Connection reset by peer"), RuntimeError("out of memory"), ValueError("no memory")):
+        assert not devices.out_of_memory(other) and devices.refused_size(other) is None

@@ -25,7 +25,7 @@ import imagenet_models
 import imagenet_store as ims
 import optim
 import schedules
-from conftest import ROOT, ctrl_c_heard, failing_on_call
+from conftest import ROOT, ctrl_c_heard, failing_on_call, host_refusal
 from settings import changed
 
 SIZE = 24
@@ -570,6 +570,23 @@ def test_out_is_written_after_every_run_so_a_later_failure_keeps_it(store, tmp_p
                  "--out", out)
     res = json.loads(out.read_text())
     assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0] and res["summary"]["final_top1"]["n"] == 1
+
+
+def test_running_out_of_memory_is_one_line_that_says_what_is_kept(store, tmp_path, capsys, monkeypatch):
+    def refuse_after_an_epoch(*a, on_epoch=None, **k):
+        on_epoch and on_epoch({"epoch": 1})         # one epoch done, its checkpoint written, then the refusal
+        host_refusal()
+    monkeypatch.setattr(inf, "train_run", refuse_after_an_epoch)
+    out, ckpt = tmp_path / "r.json", tmp_path / "c.pt"
+    rc, _, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny", "--out", out,
+                          "--checkpoint", ckpt)
+    assert (rc, err.strip().splitlines()[-1]) == (1, (
+        f"error: out of memory on cpu (asked for 4.0 EiB more) in epoch 2 of run 1; the checkpoint of epoch 1 is kept "
+        f"in {ckpt} (--resume continues from it); no run finished, so nothing was written to {out}; {inf.LESS_MEMORY}"))
+    monkeypatch.setattr(inf, "rank_data", lambda *a, **k: host_refusal())           # inside place_data
+    rc, _, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny")
+    assert (rc, err.strip().splitlines()[-1]) == (
+        1, f"error: out of memory on cpu (asked for 4.0 EiB more) while placing the store; {inf.LESS_MEMORY}")
 
 
 def children(pid):

@@ -36,19 +36,19 @@ def test_a_bad_schedule_is_refused_in_one_line_before_the_data_is_loaded(flags, 
     assert (rc, capsys.readouterr().err.strip().splitlines()[-1]) == (2, message)
 
 
-def forward_pools_to_one_pixel(model, side):
-    """Whether model runs a side x side image through to its logits (a narrow network on the CPU, one image: the
+def forward_pools_to_one_pixel(model, h, w=None):
+    """Whether model runs an h x w image (w: h) through to its logits (a narrow network on the CPU, one image: the
     meta device's Python kernels are slower)."""
     try:
         with torch.no_grad():
-            return model(torch.zeros(1, 3, side, side)).shape == (1, 10)
+            return model(torch.zeros(1, 3, h, w or h)).shape == (1, 10)
     except RuntimeError:
         return False
 
 
-def test_the_shape_arithmetic_says_what_a_forward_says_for_every_network_and_side():
-    """Every recipe's network with its own last pool and the other (resnet18 has one only), whitened or not,
-    at 1 to 72 px: past twice every fixed window, so both ends of each window's range are met."""
+def every_network():
+    """{what shapes it: a recipe of that network}: every recipe's network with its own last pool and the other
+    (resnet18 has one only), whitened or not, narrow."""
     networks = {}
     for r in cf.RECIPES.values():
         for global_max_pool in {True, r.network.model == "resnet18"}:
@@ -59,11 +59,31 @@ def test_the_shape_arithmetic_says_what_a_forward_says_for_every_network_and_sid
                        len(n.network.block_widths), global_max_pool)
                 networks.setdefault(key, n)
     assert {key[0] for key in networks} == set(tb.MODELS) and len(networks) >= 8
-    for key, n in networks.items():
+    return networks
+
+
+def test_the_shape_arithmetic_says_what_a_forward_says_for_every_network_and_side():
+    """At 1 to 72 px: past twice every fixed window, so both ends of each window's range are met; then oblong
+    images whose sides are each at an end of that range or one past it, which each side decides alone."""
+    for key, n in every_network().items():
         model = tb.build_model(n, "cpu").eval()
         said = [side for side in range(1, 73) if tb.pools_to_one_pixel(n, side)]
         assert said == [side for side in range(1, 73) if forward_pools_to_one_pixel(model, side)], key
         assert said, key
+        ends = {side for side in (said[0] - 1, said[0], said[-1], said[-1] + 1) if 1 <= side <= 72}
+        for h, w in ((h, w) for h in ends for w in ends if h != w):
+            assert forward_pools_to_one_pixel(model, h, w) == (h in said and w in said), (key, h, w)
+
+
+def test_images_too_small_for_the_network_are_refused_by_either_side_and_its_width_is_not_built():
+    """check_data's shape check builds nothing: a network too wide for any machine passes it (the run's own build
+    then meets the allocator, one line), as a forward would have to allocate its weights first."""
+    r, ctx = cf.recipe("fast94", batch_size=64), D.Context()
+    for size in ((32, 8), (8, 32)):
+        with pytest.raises(cf.UsageError, match=rf"^--model fastnet: {size[0]}x{size[1]} images are too small for "
+                                                r"this network$"):
+            cf.check_data(r, pattern_arrays(128, 8, size=size), ctx)
+    assert cf.check_data(settings.changed(r, width=1e5), synthetic_arrays(128, 8), ctx) is None
 
 
 def test_a_schedule_the_images_rule_out_is_refused_in_one_line():

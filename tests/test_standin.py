@@ -355,8 +355,8 @@ def test_a_batch_that_cannot_fit_the_gpu_stops_in_one_line_naming_the_accumulati
             return inf.train_command(args, inf.recipe("akiba_32k", **changes), ctx=ctx, argv=[])
     assert run() == 2
     err = capsys.readouterr().err.strip()
-    m = re.fullmatch(rf"error: training resnet50 at {batch} images per process needs about [\d.]+ GiB on cuda:0 "
-                     r"\([\d.]+ MiB of weights and optimiser state, [\d.]+ GiB of activations, [\d.]+ [GM]iB of input "
+    m = re.fullmatch(rf"error: training resnet50 at {batch} images per process needs about [\d.]+ [GT]iB on cuda:0 "
+                     r"\([\d.]+ MiB of weights and optimiser state, [\d.]+ [GT]iB of activations, [\d.]+ [GM]iB of input "
                      r"buffers, [\d.]+ GiB for validation\) but it has 80.0 GiB free; add --accumulate (\d+) "
                      r"\(micro-batches of (\d+) images\), or use more GPUs", err)
     assert m and int(m[1]) * int(m[2]) == batch, err
