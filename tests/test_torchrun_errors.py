@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
 import cli
@@ -140,6 +141,15 @@ def test_a_lost_peer_is_said_once_in_all_and_where_no_store_answers(agent_store,
         cli.lost_peer(ValueError("a fault of its own"), ctx)
     monkeypatch.setenv("MASTER_PORT", "1")                                      # the agent's machine gone too
     assert cli.lost_peer(gone, ctx) == 1 and capsys.readouterr().err.startswith("error: rank 1 lost its peers")
+
+
+def test_running_out_of_memory_under_torchrun_is_said_once_naming_the_rank(agent_store, capsys):
+    ctx = D.Context(rank=1, world_size=2, distributed=True, device="cuda:1")
+    refusal = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of "
+                                     "79.19 GiB of which 1.06 GiB is free.")
+    assert [cli.out_of_memory_exit(refusal, ctx, ways="less", epoch=3, run=1, finished=0) for _ in range(2)] == [1, 1]
+    assert capsys.readouterr().err == ("error: rank 1 ran out of memory on cuda:1 (asked for 2.0 GiB more) in epoch 3 "
+                                       "of run 1; less\n")
 
 
 def test_a_second_interrupt_under_torchrun_is_ignored():
