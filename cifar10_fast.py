@@ -30,7 +30,7 @@ from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_F
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, low_resolution,
                         upload_normalised, num_classes, pair, take_subset, dataset_on_device)
 from cli import (HelpFormatter, add_run_flags, check_run, check_whole, cpu_warning, ctrl_c_exit, interrupted, join_ranks,
-                 lost_peer, out_of_memory_exit, phase_of, recipe_list, run_record)
+                 phase_of, recipe_list, run_record, runtime_error_exit)
 from core import (DataError, Heartbeat, Parser, UsageError, exit_now, print_summary, say_error, summarize_runs,
                   with_progress, write_result)
 from distributed import Context, barrier, leave, register_comm_hook, shard, wrap_ddp
@@ -579,12 +579,10 @@ def main(argv=None):
     except KeyboardInterrupt as e:
         return ctrl_c_exit(interrupted(where["epoch"], where["run"], where["finished"], out=args.out,
                                        during=phase_of(e, BEFORE_TRAINING)))
-    except RuntimeError as e:
-        if devices.out_of_memory(e):
-            return out_of_memory_exit(e, ctx, ways="a smaller --batch-size or --width needs less", out=args.out,
-                                      epoch=where["epoch"], run=where["run"], finished=where["finished"],
-                                      during=phase_of(e, BEFORE_TRAINING))
-        return lost_peer(e, ctx)
+    except RuntimeError as e:       # out of memory, or a peer lost: one line; else raised whole
+        return runtime_error_exit(e, ctx, ways="a smaller --batch-size or --width needs less", out=args.out,
+                                  epoch=where["epoch"], run=where["run"], finished=where["finished"],
+                                  during=phase_of(e, BEFORE_TRAINING))
     finally:
         leave(ctx)
     if args.runs > 1 and ctx.is_main:

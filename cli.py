@@ -147,10 +147,12 @@ def lost_peer(error, ctx):
     return 1
 
 
-def out_of_memory_exit(error, ctx, *, ways, **stop):
-    """Exit status 1 once one line says that an allocator refused (devices.out_of_memory) on this rank: its device,
-    the allocation, interrupted()'s where and what is kept (stop: its arguments), and `ways` to need less, over any
-    progress bar."""
+def runtime_error_exit(error, ctx, *, ways, **stop):
+    """For a RuntimeError a rank's work raised: exit status 1 once one line says that an allocator refused on this rank
+    (devices.out_of_memory; its device, the allocation, interrupted()'s where and what is kept (stop: its arguments)
+    and `ways` to need less, over any progress bar), or lost_peer's exit status (it raises the error again)."""
+    if not devices.out_of_memory(error):
+        return lost_peer(error, ctx)
     asked = devices.refused_size(error)
     how = f"out of memory on {ctx.device}" + (f" (asked for {asked} more)" if asked else "")
     close_progress()

@@ -220,9 +220,9 @@ def size_text(nbytes):
 
 # what an allocator's refusal says where torch gives it no class of its own: the host's, MPS's, the CUDA runtime's,
 # cuBLAS's and cuDNN's, the caching allocator's inside a compiler's error
-REFUSAL = re.compile(r"(?:CUDA|MPS backend) out of memory|CUDA error: out of memory|can't allocate memory|"
-                     r"_STATUS_ALLOC_FAILED")
-ASKED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)? [KMGT]iB|\d+ bytes)")
+REFUSAL = re.compile(r"(?:CUDA|CUDA error:|MPS backend) out of memory|can't allocate memory|_STATUS_ALLOC_FAILED")
+ASKED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)?) (bytes|[KMGT]iB)")
+UNIT_POWERS = {"bytes": 0, "KiB": 1, "MiB": 2, "GiB": 3, "TiB": 4}
 
 
 def out_of_memory(error):
@@ -234,10 +234,7 @@ def refused_size(error):
     """The allocation an allocator's refusal (out_of_memory) says it was asked for, as size_text writes it; None if it
     does not say."""
     asked = ASKED.search(str(error))
-    if asked is None:
-        return None
-    number, unit = asked.group(1).split()
-    return size_text(int(number)) if unit == "bytes" else f"{float(number):.1f} {unit}"
+    return None if asked is None else size_text(float(asked[1]) * 1024 ** UNIT_POWERS[asked[2]])
 
 
 def check_training_fits(device, training, *, why, remedy, parts=None):

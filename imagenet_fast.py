@@ -29,8 +29,8 @@ import torch.nn.functional as F
 import devices
 import scaling
 import training
-from cli import (HelpFormatter, add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, lost_peer,
-                 out_of_memory_exit, phase_of, recipe_list, run_record)
+from cli import (HelpFormatter, add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, phase_of,
+                 recipe_list, run_record, runtime_error_exit)
 from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_now, print_summary, say_error,
                   summarize_runs, with_progress, write_result)
 from distributed import (barrier, checkpoint_writers, leave, leave_together, print0, register_comm_hook,
@@ -445,12 +445,10 @@ def main_train(args, changes, argv):
     except KeyboardInterrupt as e:       # before the runs (train_runs says where a run stopped)
         return ctrl_c_exit(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint,
                                        during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"))
-    except RuntimeError as e:
-        if devices.out_of_memory(e):
-            return out_of_memory_exit(e, ctx, ways=LESS_MEMORY, epoch=1, run=1, finished=0, out=args.out,
-                                      checkpoint=args.checkpoint,
-                                      during=phase_of(e, BEFORE_TRAINING) or "preparing the runs")
-        return lost_peer(e, ctx)
+    except RuntimeError as e:       # out of memory, or a peer lost: one line; else raised whole
+        return runtime_error_exit(e, ctx, ways=LESS_MEMORY, epoch=1, run=1, finished=0, out=args.out,
+                                  checkpoint=args.checkpoint,
+                                  during=phase_of(e, BEFORE_TRAINING) or "preparing the runs")
     finally:
         leave(ctx)
 
@@ -589,10 +587,8 @@ def train_runs(args, r, data, *, ctx, argv, store):
         except KeyboardInterrupt:
             return ctrl_c_exit(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out,
                                            checkpoint=checkpoint))
-        except RuntimeError as e:
-            if not devices.out_of_memory(e):
-                raise
-            return out_of_memory_exit(e, ctx, ways=LESS_MEMORY, epoch=max(epochs, default=0) + 1, run=k + 1,
+        except RuntimeError as e:   # where in the runs it stopped, and what is kept
+            return runtime_error_exit(e, ctx, ways=LESS_MEMORY, epoch=max(epochs, default=0) + 1, run=k + 1,
                                       finished=len(runs), out=args.out, checkpoint=checkpoint)
         except OSError as e:        # the checkpoint's write, the one write inside a run, met a full disk
             if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):

@@ -197,6 +197,7 @@ def test_a_decoder_the_device_cannot_run_is_one_line(name, choice, message):
                             "of which 3.00 MiB is free."), "20.0 MiB"),
     (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512 bytes. GPU 1 has a total capacity of ..."),
      "512 B"),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1024.00 MiB. GPU 0 has ..."), "1.0 GiB"),
     (RuntimeError("MPS backend out of memory (MPS allocated: 17.9 GB, other allocations: 0 bytes, max allowed: 18.1 "
                   "GB). Tried to allocate 256.00 MiB on private pool."), "256.0 MiB"),
     (RuntimeError("backend='inductor' raised:\nOutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB."),

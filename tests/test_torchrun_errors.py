@@ -147,7 +147,7 @@ def test_running_out_of_memory_under_torchrun_is_said_once_naming_the_rank(agent
     ctx = D.Context(rank=1, world_size=2, distributed=True, device="cuda:1")
     refusal = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 1 has a total capacity of "
                                      "79.19 GiB of which 1.06 GiB is free.")
-    assert [cli.out_of_memory_exit(refusal, ctx, ways="less", epoch=3, run=1, finished=0) for _ in range(2)] == [1, 1]
+    assert [cli.runtime_error_exit(refusal, ctx, ways="less", epoch=3, run=1, finished=0) for _ in range(2)] == [1, 1]
     assert capsys.readouterr().err == ("error: rank 1 ran out of memory on cuda:1 (asked for 2.0 GiB more) in epoch 3 "
                                        "of run 1; less\n")
 
