@@ -42,6 +42,7 @@ COLD = "lease_call1.json"                  # call 1's build seconds, kept in the
 MAX_PARTS = 5                              # 8 files back at most: the parts, the log, the result, the rows
 DEVICE_BUDGET_S = 720.0                    # 12 of the lease's 15 minutes: the rest is the margin
 CALL_LIMIT_S = 600.0
+VERSION_PATH = ROOT / CODE_VERSION_FILE    # where the run tool's carry finds it: the repository's root
 # Seconds on an H200 that nothing here has measured, each a stated assumption (docs/measuring.md, The lease):
 ASSUMED = {
     "start_s": 120.0,            # a machine's start (the device README: 1 to 2 minutes)
@@ -326,8 +327,8 @@ def print_plan(args, say=print):
                                 if v != "assumed")
         + " (every other figure ASSUMED, benchmarks/lease.py)")
     # the copied tree has no .git: every result it writes names the commit it ran (core.code_version)
-    (ROOT / CODE_VERSION_FILE).write_text(json.dumps(code_version()) + "\n")
-    say(f"{CODE_VERSION_FILE}: {json.loads((ROOT / CODE_VERSION_FILE).read_text())}")
+    VERSION_PATH.write_text(json.dumps(code_version()) + "\n")
+    say(f"{CODE_VERSION_FILE}: {json.loads(VERSION_PATH.read_text())}")
     for i, (carry, command) in enumerate(carry_and_commands([s for s in sides if done[s]], args.runs,
                                                             args.budget_s), 1):
         say(f"call {i}: carry {json.dumps(carry)}")

@@ -23,6 +23,36 @@ def pytest_report_header(config):
     return f"torch {torch.__version__}, torchvision {torchvision.__version__}, numpy {np.__version__}"
 
 
+# git's folder, and Python's and pytest's own caches: the only folders a run may add to
+NOT_CHECKED = {".git", "__pycache__", ".pytest_cache"}
+
+
+def checkout_paths():
+    """Every file and folder under the checkout, as paths relative to it, skipping the folders NOT_CHECKED."""
+    paths = set()
+    for folder, folders, files in os.walk(ROOT):
+        folders[:] = [name for name in folders if name not in NOT_CHECKED]
+        paths.update(os.path.relpath(os.path.join(folder, name), ROOT) for name in folders + files)
+    return paths
+
+
+def pytest_sessionstart(session):
+    session.config.checkout_before = checkout_paths()
+
+
+def pytest_sessionfinish(session):
+    """A run that leaves a new file in the checkout fails, naming it: checked once, in pytest's first process, after
+    every worker has ended, where a test's own check could meet another worker's file half-way."""
+    if hasattr(session.config, "workerinput"):
+        return
+    added = sorted(checkout_paths() - session.config.checkout_before)
+    if added:
+        line = f"error: the tests left {', '.join(added)} in {ROOT}: a test writes into the checkout"
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        reporter.write_line(f"\n{line}", red=True) if reporter else print(line, file=sys.stderr)   # after the dots
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture
 def one_thread():
     """Tiny networks gain nothing from a second thread, and one thread keeps their timing steady on a shared

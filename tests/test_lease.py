@@ -58,12 +58,13 @@ def test_the_rehearsal_brings_the_headline_home_inside_12_minutes_under_both_tim
     assert [s for s in sides if not done[s]] == ["fast94_fastest", "fast94_curriculum"]
 
 
-def test_the_plan_command_prints_the_carry_lists_and_both_calls(capsys):
+def test_the_plan_command_prints_the_carry_lists_and_both_calls(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "VERSION_PATH", tmp_path / "code-version.json")   # the checkout stays as it was
     assert lease.main(["plan", "--sides", "fast94_next,e1,hiverge", "--runs", "25"]) == 0
     out = capsys.readouterr().out
     assert 'call 1: carry [".gpudata/a", "peers", "code-version.json"]' in out
     assert 'call 2: carry [".gpudata/b", "peers", "code-version.json"]' in out
-    assert json.loads((lease.ROOT / "code-version.json").read_text()) == lease.code_version()
+    assert json.loads((tmp_path / "code-version.json").read_text()) == lease.code_version()
     assert "benchmarks/lease.py call2 --out $OUT --data-dir /root/cifar10.npz --sides fast94_next,e1,hiverge " \
            "--runs 25" in out
     assert lease.main(["plan", "--runs", "400"]) == 1                       # 400 rounds do not fit: said, exit 1
