@@ -210,19 +210,21 @@ def free_memory(device):
 USABLE = 0.9      # of a device's free memory: the rest for the caching allocator's slack and cuDNN's workspaces
 
 
+SIZE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")      # the k-th is 1024 ** k bytes
+
+
 def size_text(nbytes):
     """Bytes as people read them: 1.5 GiB, 300.0 MiB, 12.0 KiB, 900 B."""
-    for unit, shift in (("EiB", 60), ("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << shift:
-            return f"{nbytes / (1 << shift):.1f} {unit}"
+    for power in range(len(SIZE_UNITS) - 1, 0, -1):
+        if nbytes >= 1024 ** power:
+            return f"{nbytes / 1024 ** power:.1f} {SIZE_UNITS[power]}"
     return f"{nbytes:.0f} B"
 
 
 # what an allocator's refusal says where torch gives it no class of its own: the host's, MPS's, the CUDA runtime's,
 # cuBLAS's and cuDNN's, the caching allocator's inside a compiler's error
 REFUSAL = re.compile(r"(?:CUDA|CUDA error:|MPS backend) out of memory|can't allocate memory|_STATUS_ALLOC_FAILED")
-ASKED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)?) (bytes|[KMGT]iB)")
-UNIT_POWERS = {"bytes": 0, "KiB": 1, "MiB": 2, "GiB": 3, "TiB": 4}
+ASKED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)?) (bytes|[KMGTPE]iB)")
 
 
 def out_of_memory(error):
@@ -234,7 +236,9 @@ def refused_size(error):
     """The allocation an allocator's refusal (out_of_memory) says it was asked for, as size_text writes it; None if it
     does not say."""
     asked = ASKED.search(str(error))
-    return None if asked is None else size_text(float(asked[1]) * 1024 ** UNIT_POWERS[asked[2]])
+    if asked is None:
+        return None
+    return size_text(float(asked[1]) * 1024 ** (0 if asked[2] == "bytes" else SIZE_UNITS.index(asked[2])))
 
 
 def check_training_fits(device, training, *, why, remedy, parts=None):
