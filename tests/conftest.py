@@ -1,5 +1,6 @@
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,46 @@ def pytest_sessionfinish(session):
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         reporter.write_line(f"\n{line}", red=True) if reporter else print(line, file=sys.stderr)   # after the dots
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# Loopback ports for the tests' rendezvous: each pytest-xdist worker takes them from a block of its own below Linux's
+# ephemeral range (32768-60999 by default), where bind(0) and every outgoing connection (gloo's, torchrun's) take
+# theirs, so that no other process is handed one between a test choosing it and its rank 0 listening on it
+PORT_BLOCK = 200
+FIRST_PORT = 20000
+ports_taken = set()
+
+
+def port_block(worker=None):
+    """This pytest-xdist worker's ports (gw0's block also serves a run without workers)."""
+    worker = worker or os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    start = FIRST_PORT + PORT_BLOCK * int(worker.removeprefix("gw"))
+    return range(start, start + PORT_BLOCK)
+
+
+def free_ports(n=1, *, worker=None):
+    """n loopback ports that nothing holds, from this worker's block, none handed out twice in one session."""
+    found = []
+    for port in port_block(worker):
+        if len(found) == n:
+            break
+        if port in ports_taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue              # held by someone, or in TIME_WAIT from a finished test
+        ports_taken.add(port)
+        found.append(port)
+    if len(found) < n:
+        raise RuntimeError(f"no {n} free ports left in {port_block(worker)}")
+    return found
+
+
+def free_port():
+    """One port, as free_ports."""
+    return free_ports(1)[0]
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ import io
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,11 @@ import torch.nn.functional as F
 import distributed as D
 import schedules
 import imagenet_models
-from conftest import ROOT
+import conftest
+from conftest import ROOT, free_port
 
 GLOBAL_BATCH, STEPS = 16, 5
 OPTIMIZERS = ("sgd", "lars", "rmsprop_to_sgd")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def join(rank, world, port):
@@ -219,6 +213,19 @@ def worker_torus(rank, port, out):
 def spawn(fn, world, out):
     mp.spawn(fn, args=(free_port(), str(out)), nprocs=world, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def test_the_tests_rendezvous_ports_are_free_unshared_and_outside_the_ephemeral_range():
+    import socket
+    mine, other = conftest.port_block("gw0"), conftest.port_block("gw1")
+    assert not set(mine) & set(other) and max(other) < 32768
+    handed = conftest.free_ports(3, worker="gw1")
+    with socket.socket() as held:                      # a port someone listens on is passed over
+        held.bind(("127.0.0.1", handed[-1] + 1))
+        held.listen()
+        after = conftest.free_ports(2, worker="gw1")
+    assert not set(handed) & set(after) and handed[-1] + 1 not in after
+    assert all(p in other for p in handed + after)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ import imagenet_data as idt
 import imagenet_fast as inf
 import imagenet_store as ims
 import schedules
-from conftest import ROOT
+from conftest import ROOT, free_ports
 from test_distributed import disk_full
 from settings import changed
 
@@ -41,16 +40,6 @@ def store(tmp_path_factory):
     ims.synthetic_imagefolder(root / "src", CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, sizes=(16, 28))
     ims.prepare(root / "src", root / "store", workers=1, log=lambda s: None)      # the JPEG store
     return root / "store"
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def cli_args(store, epochs, *extra):

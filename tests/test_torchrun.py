@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, synthetic_npz
+from conftest import ROOT, free_port, synthetic_npz
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +76,11 @@ def whitening_rank(rank, world, port, folder, argv):
 def test_every_rank_fits_the_whitening_of_the_whole_training_set(synth_npz, tmp_path):
     """The whitening filters are frozen parameters, which DDP never synchronises: every rank must fit them on the
     images one process would use (here all 256), not on its own shard."""
-    import socket
     import torch
     import torch.multiprocessing as mp
     argv = ["--recipe", "fast94", "--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "1", "--width", "0.0625",
             "--batch-size", "64"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(whitening_rank, args=(2, port, tmp_path, argv), nprocs=2)
+    mp.spawn(whitening_rank, args=(2, free_port(), tmp_path, argv), nprocs=2)
     fitted_whitening(tmp_path / "single.pt", argv)
     single, rank0, rank1 = (torch.load(tmp_path / f"{n}.pt") for n in ("single", "rank0", "rank1"))
     assert torch.equal(rank0, rank1)

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,7 +22,7 @@ import pytest
 import torch
 
 import imagenet_store as ims
-from conftest import ROOT, synthetic_npz
+from conftest import ROOT, free_port, synthetic_npz
 from test_distributed import killed_write
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="finds the workers in /proc")
@@ -43,12 +42,6 @@ def store(tmp_path_factory):
     ims.synthetic_imagefolder(root / "src", 4, 24, 8, sizes=(16, 28))
     ims.prepare(root / "src", root / "store", workers=1, log=lambda s: None)      # the JPEG store
     return root / "store"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def environment(job):
