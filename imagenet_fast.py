@@ -423,6 +423,8 @@ def clock_target(r, target):
 BEFORE_TRAINING = {"open_store": "opening the store", "place_data": "placing the store",
                    "warmup": "warming up (cuDNN's autotuning at every resolution)"}
 LESS_MEMORY = "a larger --accumulate (micro-batches), a smaller --batch-size or more GPUs need less on each"
+# after a kept checkpoint: each of those ways is another setting or number of ranks, which --resume refuses
+LESS_MEMORY_AFRESH = f"{LESS_MEMORY}, in a run started afresh (a checkpoint resumes only its own settings and ranks)"
 
 
 def main_train(args, changes, argv):
@@ -588,8 +590,9 @@ def train_runs(args, r, data, *, ctx, argv, store):
             return ctrl_c_exit(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out,
                                            checkpoint=checkpoint))
         except RuntimeError as e:   # where in the runs it stopped, and what is kept
-            return runtime_error_exit(e, ctx, ways=LESS_MEMORY, epoch=max(epochs, default=0) + 1, run=k + 1,
-                                      finished=len(runs), out=args.out, checkpoint=checkpoint)
+            epoch = max(epochs, default=0) + 1
+            return runtime_error_exit(e, ctx, ways=LESS_MEMORY_AFRESH if checkpoint and epoch > 1 else LESS_MEMORY,
+                                      epoch=epoch, run=k + 1, finished=len(runs), out=args.out, checkpoint=checkpoint)
         except OSError as e:        # the checkpoint's write, the one write inside a run, met a full disk
             if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise

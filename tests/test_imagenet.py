@@ -582,7 +582,9 @@ def test_running_out_of_memory_is_one_line_that_says_what_is_kept(store, tmp_pat
                           "--checkpoint", ckpt)
     assert (rc, err.strip().splitlines()[-1]) == (1, (
         f"error: out of memory on cpu (asked for 4.0 EiB more) in epoch 2 of run 1; the checkpoint of epoch 1 is kept "
-        f"in {ckpt} (--resume continues from it); no run finished, so nothing was written to {out}; {inf.LESS_MEMORY}"))
+        f"in {ckpt} (--resume continues from it); no run finished, so nothing was written to {out}; a larger "
+        f"--accumulate (micro-batches), a smaller --batch-size or more GPUs need less on each, in a run started afresh "
+        f"(a checkpoint resumes only its own settings and ranks)"))
     monkeypatch.setattr(inf, "rank_data", lambda *a, **k: host_refusal())           # inside place_data
     rc, _, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny")
     assert (rc, err.strip().splitlines()[-1]) == (
