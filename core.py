@@ -14,6 +14,7 @@ import stat
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 
 class Timer:
@@ -244,7 +245,16 @@ def print_summary(name, s, target, labels):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with an error as one line (`error: argument --tta: ...`, say_error's) and exit status 2."""
+    """argparse, with an error as one line (`error: argument --tta: ...`, say_error's) and exit status 2; a flag
+    given an empty value (`--device ""`, an unset shell variable) is refused, never read as its default."""
+
+    def _get_value(self, action, arg_string):
+        # argparse's one place where each given string becomes a value; a typed flag (a recipe's list, where an empty
+        # word is an empty list) reads "" its own way
+        if arg_string == "" and action.option_strings and action.type in (None, str, Path):
+            self.error(f"{action.option_strings[-1]} '': empty; give a value"
+                       + (", or leave the flag out for its default" if action.default is not None else ""))
+        return super()._get_value(action, arg_string)
 
     def error(self, message):
         say_error(message)

@@ -232,6 +232,9 @@ def test_exit_now_flushes_the_output_and_runs_nothing_more(tmp_path):
                                                     "or the other"),
     (["--ema-every", "2", "--ema-momentum", "0"], "--ema-momentum 0 leaves out what --ema-every 2 sets; give one or "
                                                   "the other"),
+    (["--device", ""], "--device '': empty; give a value"),          # an unset shell variable, never the default
+    (["--out="], "--out '': empty; give a value"),
+    (["--recipe", ""], "--recipe '': empty; give a value, or leave the flag out for its default"),
 ])
 def test_cifar_refuses_a_bad_run_flag_or_contradicting_switches_before_loading(flags, message, tmp_path, capsys,
                                                                              monkeypatch):
@@ -257,6 +260,7 @@ def test_cifar_refuses_a_run_shorter_than_one_step(tmp_path, capsys):
     (["--interrupt-after-epoch", "0", "--checkpoint", "c.pt"], "--interrupt-after-epoch must be positive"),
     (["--ema-every", "2", "--ema-momentum", "0"], "--ema-momentum 0 leaves out what --ema-every 2 sets; give one or "
                                                   "the other"),
+    (["--checkpoint", ""], "--checkpoint '': empty; give a value"),
 ])
 def test_imagenet_refuses_a_bad_run_flag_before_opening_the_store(flags, message, stores, capsys, monkeypatch):
     monkeypatch.setattr(inf, "open_store", lambda *a, **k: pytest.fail("opened"))
