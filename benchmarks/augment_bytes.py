@@ -6,7 +6,6 @@ sees in one call of each, and their times, alternating old and new in this one p
     python benchmarks/augment_bytes.py --data cifar10.npz    # 50,000 images, pad 4, 20 repetitions
     python benchmarks/augment_bytes.py --data data.npz --pad 2 --reps 10
 """
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+from core import Parser  # noqa: E402
 import cifar_data as cd  # noqa: E402
 from test_augment import crop_flip_by_masks  # noqa: E402
 from machine import alternating  # noqa: E402
@@ -44,7 +44,7 @@ def profiled(fn):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default="data/cifar10.npz", help="CIFAR-10 arrays (.npz, as --data-dir takes)")
     parser.add_argument("--pad", type=int, default=4)
     parser.add_argument("--reps", type=int, default=20)

@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from core import ratio_ci, summarize, write_json  # noqa: E402
+from core import Parser, ratio_ci, summarize, write_json  # noqa: E402
 
 PEERS = ROOT / "peers"
 PEER_FILES = {"e1": PEERS / "fulcrum-speedrun" / "fable-100m" / "recipes" / "e1_1.74s_single-gpu_CHAMPION.py",
@@ -398,7 +398,7 @@ def headline(rows, ours, peers=("e1", "hiverge")):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["compare", "worker"])
     p.add_argument("--sides", default="fast94_next,e1,hiverge", help="compare: our recipes, e1, hiverge")
     p.add_argument("--side", default=None, help="worker: the one side")

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from core import Parser  # noqa: E402
 import cifar10_fast as cf  # noqa: E402
 import torch_backend as tb  # noqa: E402
 
@@ -163,7 +164,7 @@ RECIPE_BATCH = 1536         # fast94_next's
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=13, help="images a step (bytes per image do not depend on it): a "
                    "prime that divides none of the network's sizes (its channels and sides: 2, 3, 7, 31), as 13 or 17")
     p.add_argument("--setting", action="append", default=[], help="functorch.NAME=VALUE or inductor.NAME=VALUE, "

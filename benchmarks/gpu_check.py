@@ -30,6 +30,7 @@ from unittest import mock
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from core import Parser  # noqa: E402
 import suite  # noqa: E402
 
 PIECES = ("env", "fast94_next_record", "fast94_fastest")
@@ -38,7 +39,7 @@ RUNS = {"fast94_next_record": {"fast94_next": 25, "record": 25},
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=None, help="CIFAR-10 as one .npz (as for the suite)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no work whose estimate overruns this")
     p.add_argument("--results", default=None, help="results folder (default results/; with --smoke a temporary one)")

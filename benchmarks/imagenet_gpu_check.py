@@ -41,7 +41,6 @@ PYTHONPATH=/tmp/site. A decoder whose package is missing is recorded as such; th
     python benchmarks/imagenet_gpu_check.py --smoke --out check.json  # tiny, on the CPU under the CUDA stand-in
 """
 import argparse
-import math
 import os
 import signal
 import subprocess
@@ -65,7 +64,7 @@ import imagenet_data as idt  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
 import imagenet_models  # noqa: E402
 import imagenet_store as ims  # noqa: E402
-from core import write_json  # noqa: E402
+from core import Parser, write_json  # noqa: E402
 from imagenet_throughput import forever, rate, step  # noqa: E402
 
 FULL = dict(images=25000, classes=100, side=500, batch_size=512, sizes=(160, 192), steps=10, warmup=3,
@@ -328,7 +327,7 @@ def summary(row):
 # ---------------------------------------------------------------------------------------------------- the command
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="every check tiny, on the CPU under the CUDA stand-in")
     p.add_argument("--images", type=int, default=None, help="training photos to write (default 25,000)")
     p.add_argument("--workers", type=int, default=None, help="processes writing, preparing and decoding on the CPU "

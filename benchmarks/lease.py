@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fulcrum_adapter as fa  # noqa: E402
-from core import CODE_VERSION_FILE, code_version  # noqa: E402
+from core import CODE_VERSION_FILE, Parser, code_version  # noqa: E402
 
 OURS = ("fast94_next", "fast94_fastest", "fast94_curriculum")
 PEERS = ("e1", "hiverge")
@@ -339,7 +339,7 @@ def print_plan(args, say=print):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["plan", "call1", "call2", "smoke"])
     p.add_argument("--sides", default=",".join(OURS + PEERS), help="our recipes, e1, hiverge (in this order)")
     p.add_argument("--runs", type=int, default=25, help="runs of each side (default 25)")
@@ -359,6 +359,9 @@ def parse_args(argv=None):
         p.error(f"{args.mode}: --out names the folder that comes back ($OUT)")
     if args.mode == "call2" and not args.data_dir:
         p.error("call2: --data-dir: CIFAR-10 as one .npz")
+    if not available_sides(args.sides.split(","), say=lambda line: None):
+        p.error(f"--sides {args.sides}: none of them is here; give our recipes (cifar10_fast.py --list-recipes) or "
+                f"the peers ({', '.join(PEERS)})")
     args.budget_s = args.budget_s or (DEVICE_BUDGET_S if args.mode == "plan" else 540.0 if args.mode != "smoke"
                                       else 600.0)
     return args

@@ -5,7 +5,6 @@ step of each, their medians and ratio. Both start from the same weights and grad
     python benchmarks/muon_step.py --before d37da60                  # fast94_muon, 20 repetitions
     python benchmarks/muon_step.py --before d37da60 --recipe fast94_next --reps 50
 """
-import argparse
 import copy
 import inspect
 import statistics
@@ -18,6 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from core import Parser  # noqa: E402
 import cifar10_fast as cf  # noqa: E402
 import optim  # noqa: E402
 import torch_backend as tb  # noqa: E402
@@ -48,7 +48,7 @@ def stepper(module, net, hp):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="the git revision whose optim.py is 'before'")
     parser.add_argument("--recipe", default="fast94_muon")
     parser.add_argument("--reps", type=int, default=20)

@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from core import Parser  # noqa: E402
 NM = "not measured"
 
 
@@ -708,7 +709,7 @@ def render(text, results):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="only compare; exit 1 if a document is out of date")
     p.add_argument("--results", default=str(ROOT / "results"), help="results folder (default results/)")
     p.add_argument("--root", default=str(ROOT), help="the folder holding README.md and docs/")

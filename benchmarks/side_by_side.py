@@ -92,7 +92,7 @@ import distributed as D  # noqa: E402
 import training as T  # noqa: E402
 from cli import environment  # noqa: E402
 from settings import flat  # noqa: E402
-from core import DataError, Table, UsageError, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
+from core import DataError, Parser, Table, UsageError, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
 
 # Our recipe → (the airbench package's trainer for the same target: its function suffix, the target accuracy).
 # airbench94_muon.py and the 2-second record are scripts, not in the package: the Muon recipes run beside train94.
@@ -383,7 +383,7 @@ def peer_script_flags(args):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default="fast94,fast95,fast96", help="comma-separated recipes of ours")
     p.add_argument("--runs", type=int, default=10, help="runs of ours per recipe")
     p.add_argument("--peer-runs", type=int, default=None, help="runs of the peer per recipe (default: --runs)")
@@ -508,9 +508,9 @@ def main(argv=None):
     # the time column: one clock for ours and the airbench package; a script's is its own (module docstring)
     clocks = (f"time as each reports it: ours, the recipe's own (from the network built to the end of its final "
               f"evaluation); {script.name}, as its output says" if script is not None else
-              f"time as each times itself: ours, the recipe's own (from the network built to the end of its final "
-              f"evaluation); the record's, its CUDA events as its table prints them (from its model reset and "
-              f"optimisers built to the end of its TTA evaluation)" if rec is not None else
+              "time as each times itself: ours, the recipe's own (from the network built to the end of its final "
+              "evaluation); the record's, its CUDA events as its table prints them (from its model reset and "
+              "optimisers built to the end of its TTA evaluation)" if rec is not None else
               "time: ours, the recipe's own; the airbench package's, around its train() and evaluation (its "
               "model construction inside, timed apart as construct_s)"
               if airbench is not None else "time: the recipe's own")

@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from core import die_with_parent, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
+from core import Parser, die_with_parent, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
 from machine import fingerprint  # noqa: E402
 
 TIERS = ("0", "1", "2", "3", "4", "cpu")
@@ -652,7 +652,7 @@ def describe(result):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-dir", default=None,
                    help="CIFAR-10 as for cifar10_fast.py (a .npz works offline); default: data/ (downloads), "
                         "or synthetic images with --smoke")

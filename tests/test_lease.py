@@ -77,6 +77,11 @@ def test_bad_flags_are_one_line(capsys):
             lease.main(argv)
         assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("error: call1: --out names the folder that comes back ($OUT)")
+    with pytest.raises(SystemExit) as e:
+        lease.main(["plan", "--sides", "fast94_later,e2"])
+    assert (e.value.code, capsys.readouterr().err) == (2, "error: --sides fast94_later,e2: none of them is here; give "
+                                                          "our recipes (cifar10_fast.py --list-recipes) or the peers "
+                                                          "(e1, hiverge)\n")
 
 
 def test_the_cache_goes_back_in_parts_and_comes_back_whole(tmp_path, monkeypatch):
