@@ -54,6 +54,12 @@ def pytest_sessionfinish(session):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def unmeasured_environment():
+    """os.environ without coverage.py's switch for measuring a subprocess (benchmarks/coverage_map.py): a process whose
+    files may not grow (RLIMIT_FSIZE) cannot write coverage's data, and would end in its traceback."""
+    return {k: v for k, v in os.environ.items() if k != "COVERAGE_PROCESS_CONFIG"}
+
+
 # Loopback ports for the tests' rendezvous: each pytest-xdist worker takes them from a block of its own below Linux's
 # ephemeral range (32768-60999 by default), where bind(0) and every outgoing connection (gloo's, torchrun's) take
 # theirs, so that no other process is handed one between a test choosing it and its rank 0 listening on it

@@ -13,7 +13,7 @@ from PIL import Image
 
 import core
 import imagenet_store as ims
-from conftest import ROOT
+from conftest import ROOT, unmeasured_environment
 
 RAW = ims.StoreSettings(format="raw", size=16)
 
@@ -71,7 +71,8 @@ def prepare_command(src, dst, limit=None):
         if limit else None
     return subprocess.run([sys.executable, "imagenet_fast.py", "prepare", "--src", str(src), "--dst", str(dst),
                            "--format", "raw", "--size", "16", "--shard-size", "2", "--workers", "1"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600, preexec_fn=set_limit)
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, preexec_fn=set_limit,
+                          env=unmeasured_environment() if limit else None)
 
 
 def test_prepare_on_a_full_disk_stops_in_one_line_and_resumes_once_there_is_room(tmp_path):

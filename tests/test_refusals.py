@@ -208,6 +208,24 @@ def test_the_cpu_is_named_by_its_model_not_its_architecture():
     assert devices.name("cpu") == (models[0] if models else platform.processor() or platform.machine())
 
 
+@pytest.mark.parametrize("cpuinfo", [None, "processor\t: 0\nBogoMIPS\t: 50.00\n"])     # no /proc; an ARM's
+def test_without_a_model_name_the_cpu_is_named_by_what_platform_knows(cpuinfo, monkeypatch):
+    import io
+    import platform
+    import devices
+
+    def cpuinfo_file(path, *args, **kwargs):
+        if cpuinfo is None:
+            raise FileNotFoundError(path)
+        return io.StringIO(cpuinfo)
+    monkeypatch.setattr(devices, "open", cpuinfo_file, raising=False)         # devices' own name for open
+    monkeypatch.setattr(platform, "processor", lambda: "")
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert devices.name("cpu") == "aarch64"
+    monkeypatch.setattr(platform, "processor", lambda: "arm")
+    assert devices.name("cpu") == "arm"
+
+
 def test_exit_now_flushes_the_output_and_runs_nothing_more(tmp_path):
     """After Ctrl-C the scripts leave by core.exit_now: the line printed, the status kept, and none of the
     interpreter's finalisation (here an atexit handler that would write a file) run after it."""

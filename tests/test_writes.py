@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import core
-from conftest import ROOT, main_output, synthetic_npz
+from conftest import ROOT, main_output, synthetic_npz, unmeasured_environment
 
 CIFAR = ["--device", "cpu", "--subset", "64", "--epochs", "1", "--width", "0.125", "--batch-size", "32", "--quiet"]
 
@@ -132,7 +132,8 @@ def test_the_kernel_refusing_the_results_write_keeps_the_result(npz, tmp_path):
     code = ("import resource, sys, runpy; resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200)); "
             f"sys.argv = ['cifar10_fast.py', *{[str(a) for a in ['--data-dir', npz, *CIFAR, '--out', out]]!r}]; "
             "runpy.run_path('cifar10_fast.py', run_name='__main__')")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                       env=unmeasured_environment())
     err = [line for line in r.stderr.strip().splitlines() if not line.startswith("warning: no GPU")]
     assert (r.returncode, err) == (1, [f"error: --out {out}: not written (File too large); the result is printed in "
                                        "full above, on stdout, as one line of JSON"]), r.stderr
