@@ -324,8 +324,8 @@ class Worker:
 
 def worker_argv(side, args):
     launcher = [sys.executable, *(["tests/standin_main.py"] if args.standin and is_peer(side) else [])]
-    return [*launcher, "benchmarks/fulcrum_adapter.py", "worker", "--side", side, "--data-dir", args.data_dir or "",
-            *(["--compile", args.compile] if args.compile else []), *(["--smoke"] if args.smoke else []),
+    return [*launcher, "benchmarks/fulcrum_adapter.py", "worker", "--side", side,
+            *(["--data-dir", args.data_dir] if args.data_dir else []), *(["--compile", args.compile] if args.compile else []), *(["--smoke"] if args.smoke else []),
             *(["--synthetic"] if args.synthetic else []), *(["--device", args.device] if args.device else [])]
 
 

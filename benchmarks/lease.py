@@ -83,7 +83,7 @@ def measured_times(folder):
     found = {"cold_s": {}, "warm_s": {}, "run_s": {}}
     for path in sorted(Path(folder).glob("*.json")):
         r = suite.load(path)
-        if not r or r.get("smoke") or "sides" not in r:
+        if not r or r.get("smoke") or "sides" not in r or path.name == "lease.json":     # a lease's: read below
             continue
         for name, side in r["sides"].items():
             if side.get("runs") and name in ASSUMED["run_s"]:
@@ -362,6 +362,7 @@ def parse_args(argv=None):
     if not available_sides(args.sides.split(","), say=lambda line: None):
         p.error(f"--sides {args.sides}: none of them is here; give our recipes (cifar10_fast.py --list-recipes) or "
                 f"the peers ({', '.join(PEERS)})")
+    args.smoke = args.mode == "smoke"          # the calls' own switch: the CPU's stand-ins, tiny
     args.budget_s = args.budget_s or (DEVICE_BUDGET_S if args.mode == "plan" else 540.0 if args.mode != "smoke"
                                       else 600.0)
     return args
