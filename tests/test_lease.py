@@ -18,20 +18,29 @@ import lease  # noqa: E402
 H200 = ROOT / "results" / "nvidia-h200"
 
 
-def test_the_planner_starts_from_the_h200s_measured_times():
-    found = lease.measured_times(H200)
+@pytest.fixture
+def suite_times(tmp_path):
+    """The H200's suite results without a lease's own figures (lease.json): the planner's logic tested on fixed
+    inputs, whatever a later lease measured."""
+    for path in H200.glob("*.json"):
+        if path.name != "lease.json":
+            shutil.copy(path, tmp_path)
+    return tmp_path
+
+
+def test_the_planner_starts_from_the_h200s_measured_times(suite_times):
+    found = lease.measured_times(suite_times)
     assert found["run_s"]["fast94_next"] == pytest.approx(1.1412, abs=1e-4)      # fast94_next.json, 91 runs
     assert found["cold_s"]["fast94_next"] == pytest.approx(164.0, abs=0.1)        # its first, cold, start
     assert found["warm_s"]["fast94_next"] == pytest.approx(46.3, abs=0.1)         # a later start, the cache filled
-    times, source = lease.times_for(["fast94_next", "e1"], H200)
+    times, source = lease.times_for(["fast94_next", "e1"], suite_times)
     assert times["run_s"] == {"fast94_next": found["run_s"]["fast94_next"], "e1": lease.ASSUMED["run_s"]["e1"]}
     assert source["run_s e1"] == "assumed" and source["run_s fast94_next"].startswith("measured")
 
 
-def test_an_earlier_leases_own_figures_come_first(tmp_path):
-    for path in H200.glob("*.json"):
-        shutil.copy(path, tmp_path)
-    (tmp_path / "lease.json").write_text(json.dumps({"wall_s": {"e1": 1.9, "fast94_next": 1.2},
+def test_an_earlier_leases_own_figures_come_first(suite_times):
+    tmp_path = suite_times
+    (tmp_path / "lease.json").write_text(json.dumps({"sides": ["fast94_next", "e1"], "wall_s": {"e1": 1.9, "fast94_next": 1.2},
                                                      "build_s": {"cold": {"e1": 99.0}, "warm": {"e1": 33.0}}}))
     found = lease.measured_times(tmp_path)
     assert found["run_s"]["e1"] == 1.9 and found["run_s"]["fast94_next"] == 1.2
@@ -39,9 +48,9 @@ def test_an_earlier_leases_own_figures_come_first(tmp_path):
     assert found["warm_s"]["e1"] == 33.0
 
 
-def test_the_rehearsal_brings_the_headline_home_inside_12_minutes_under_both_timings(capsys):
+def test_the_rehearsal_brings_the_headline_home_inside_12_minutes_under_both_timings(capsys, suite_times):
     sides = ["fast94_next", "fast94_fastest", "fast94_curriculum", "e1", "hiverge"]
-    times, _ = lease.times_for(sides, H200)
+    times, _ = lease.times_for(sides, suite_times)
     steps, done, ok = lease.plan(sides, n=25, budget_s=720, times=times)
     print("\n".join(lease.minute_by_minute(steps)))
     assert ok and steps[-1][1] <= 720 and steps[0][1] - steps[0][0] == 120       # the machine's start charged
@@ -58,16 +67,16 @@ def test_the_rehearsal_brings_the_headline_home_inside_12_minutes_under_both_tim
     assert [s for s in sides if not done[s]] == ["fast94_fastest", "fast94_curriculum"]
 
 
-def test_the_plan_command_prints_the_carry_lists_and_both_calls(capsys, tmp_path, monkeypatch):
+def test_the_plan_command_prints_the_carry_lists_and_both_calls(capsys, tmp_path, monkeypatch, suite_times):
     monkeypatch.setattr(lease, "VERSION_PATH", tmp_path / "code-version.json")   # the checkout stays as it was
-    assert lease.main(["plan", "--sides", "fast94_next,e1,hiverge", "--runs", "25"]) == 0
+    assert lease.main(["plan", "--sides", "fast94_next,e1,hiverge", "--runs", "25", "--results", str(suite_times)]) == 0
     out = capsys.readouterr().out
     assert 'call 1: carry [".gpudata/a", "peers", "code-version.json"]' in out
     assert 'call 2: carry [".gpudata/b", "peers", "code-version.json"]' in out
     assert json.loads((tmp_path / "code-version.json").read_text()) == lease.code_version()
     assert "benchmarks/lease.py call2 --out $OUT --data-dir /root/cifar10.npz --sides fast94_next,e1,hiverge " \
            "--runs 25" in out
-    assert lease.main(["plan", "--runs", "400"]) == 1                       # 400 rounds do not fit: said, exit 1
+    assert lease.main(["plan", "--runs", "400", "--results", str(suite_times)]) == 1                       # 400 rounds do not fit: said, exit 1
     assert "does NOT end" in capsys.readouterr().out
 
 
@@ -82,6 +91,19 @@ def test_bad_flags_are_one_line(capsys):
     assert (e.value.code, capsys.readouterr().err) == (2, "error: --sides fast94_later,e2: none of them is here; give "
                                                           "our recipes (cifar10_fast.py --list-recipes) or the peers "
                                                           "(e1, hiverge)\n")
+
+
+def test_the_calls_flags_give_each_worker_a_command_its_own_parser_takes():
+    """What the GPU machine runs, parsed as there (the smoke's own namespace leaves this path out): call 1 on random
+    data and call 2 on CIFAR-10 give the adapter its arguments and every worker flags without an empty value."""
+    for argv, synthetic in ((["call1", "--out", "o"], True), (["call2", "--out", "o", "--data-dir", "c.npz"], False)):
+        args = lease.parse_args(argv)
+        adapter = lease.adapter_args(args, sides=["fast94_next", "e1"], runs=2, synthetic=synthetic)
+        assert (adapter.smoke, adapter.synthetic, adapter.compile) == (False, synthetic, "max-autotune")
+        for side in ("fast94_next", "e1"):
+            command = fa.worker_argv(side, adapter)
+            worker = fa.parse_args(command[command.index("worker"):])
+            assert "" not in command and worker.data_dir == (None if synthetic else "c.npz")
 
 
 def test_the_cache_goes_back_in_parts_and_comes_back_whole(tmp_path, monkeypatch):
