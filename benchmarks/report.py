@@ -207,6 +207,29 @@ def t_side_by_side(results):
                   "time ratio, the peer's model construction left out as ours is [95% CI]"], rows)
 
 
+def t_lease(results):
+    """Each lease's headline (benchmarks/lease.py call2): our recipe beside each peer, the same runs under both
+    timings, the 6-view accuracy of each side."""
+    rows = []
+    for r in results.get("lease", []):
+        for pair in r["headline"]["ours_s"]["ratios"]:
+            ours, peer = pair.split("/")
+            a, b = (r["headline"]["ours_s"]["sides"][s] for s in (ours, peer))
+            accuracy = [f"{pct(x['accuracy_6view'], 0.94)} (p {pval(x.get('p_6view_above_target'))})" for x in (a, b)]
+            times = [f"{secs(r['headline'][t]['sides'][ours]['time'], False)} / "
+                     f"{secs(r['headline'][t]['sides'][peer]['time'], False)}, "
+                     + (interval(r["headline"][t]["ratios"][pair]) if r["headline"][t]["ratios"][
+                         pair] else "–") for t in ("ours_s", "fulcrum_s")]
+            rows.append([f"{ours} / {peer}", r.get("device_name") or NM, code(r.get("command", "–")),
+                         f"{a['n']} / {b['n']}", *accuracy, *times])
+    for peer in ("e1", "hiverge"):
+        if not any(row[0].endswith(f" / {peer}") for row in rows):
+            rows.append([f"fast94_next / {peer}", "GPU", "see docs/measuring.md, The lease", "–", NM, NM, NM, NM])
+    return table(["ours / peer", "device", "command", "n (ours / peer)", "our 6-view accuracy (p: mean > 94%)",
+                  "peer's 6-view accuracy (p: mean > 94%)", "our clock: mean time (ours / peer), ratio [95% CI]",
+                  "the Fulcrum harness's clock: mean time (ours / peer), ratio [95% CI]"], rows)
+
+
 def interval(ratio, *, n_of=None):
     """A ratio with its confidence interval, and the n of its denominator's runs where fewer than n_of counted."""
     fewer = n_of is not None and ratio.get("n_to", n_of) < n_of
@@ -676,7 +699,7 @@ TABLES = {"figure": t_figure, "tests": t_tests, "coverage": t_coverage, "env": t
           "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
-          "fast": t_fast, "side_by_side": t_side_by_side, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "cpu_layout": t_cpu_layout, "compile_cache": t_compile_cache,
+          "fast": t_fast, "side_by_side": t_side_by_side, "lease": t_lease, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "cpu_layout": t_cpu_layout, "compile_cache": t_compile_cache,
           "gpu_chunks": t_gpu_chunks,
           "torchrun": t_torchrun, "floor": t_floor, "op_counts": lambda r: t_op_counts(r, "optimisers"),
           "blurpool_ops": lambda r: t_op_counts(r, "blurpool"), "reading_path": t_reading_path}
