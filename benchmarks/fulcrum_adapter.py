@@ -39,7 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from core import Parser, ratio_ci, summarize, write_json  # noqa: E402
+import compile_carry  # noqa: E402
+from core import Parser, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
 
 PEERS = ROOT / "peers"
 PEER_FILES = {"e1": PEERS / "fulcrum-speedrun" / "fable-100m" / "recipes" / "e1_1.74s_single-gpu_CHAMPION.py",
@@ -49,6 +50,8 @@ STANDINS = {"e1": ROOT / "tests" / "peer_standins" / "e1_standin.py",
 FEEDBACK_N = 2000            # the harness grades the test set after its first 2,000 images
 SMOKE = {"subset": 256, "epochs": 1.0, "width": 0.0625, "batch_size": 64}
 TIMINGS = ("fulcrum_s", "ours_s")
+TERM_GRACE_S = 30.0         # a worker stopped at the deadline has this long to save its compiled graphs
+TARGET = 0.94
 
 
 def is_peer(side):
@@ -259,14 +262,19 @@ def worker(args):
     with tempfile.TemporaryDirectory() as folder:
         t0 = time.perf_counter()
         try:
+            carried = compile_carry.load(args.side, args.cache_in)     # an earlier lease's graphs: a warm build
             data = synthetic_arrays(*((512, 256) if args.smoke else ())) if args.synthetic else \
                 cd.take_subset(cd.load_cifar10(args.data_dir), SMOKE["subset"] if args.smoke else None)
-            side = build_side(args.side, data, compile_mode=args.compile, smoke=args.smoke, device=args.device,
-                              folder=folder)
+            with compile_carry.saved_on_sigterm(args.side, args.cache_out):     # the deadline keeps what compiled
+                side = build_side(args.side, data, compile_mode=args.compile, smoke=args.smoke, device=args.device,
+                                  folder=folder)
         except Exception as e:      # one line to the driver, whatever broke
             say("FAILED", {"side": args.side, "error": f"{type(e).__name__}: {e}"})
             return 1
-        say("BUILT", {"side": args.side, "build_s": time.perf_counter() - t0})
+        build_s = time.perf_counter() - t0
+        saved = compile_carry.save(args.side, args.cache_out) if args.cache_out else []
+        say("BUILT", {"side": args.side, "build_s": build_s, "carried_artifacts": carried,
+                      "saved_bytes": sum(p.stat().st_size for p in saved)})
         for line in sys.stdin:
             words = line.split()
             if not words or words[0] == "quit":
@@ -324,9 +332,11 @@ class Worker:
 
 def worker_argv(side, args):
     launcher = [sys.executable, *(["tests/standin_main.py"] if args.standin and is_peer(side) else [])]
+    given = {"--data-dir": args.data_dir, "--compile": args.compile, "--device": args.device,
+             "--cache-in": args.cache_in, "--cache-out": args.cache_out}
     return [*launcher, "benchmarks/fulcrum_adapter.py", "worker", "--side", side,
-            *(["--data-dir", args.data_dir] if args.data_dir else []), *(["--compile", args.compile] if args.compile else []), *(["--smoke"] if args.smoke else []),
-            *(["--synthetic"] if args.synthetic else []), *(["--device", args.device] if args.device else [])]
+            *[word for flag, value in given.items() if value for word in (flag, str(value))],
+            *(["--smoke"] if args.smoke else []), *(["--synthetic"] if args.synthetic else [])]
 
 
 def compare(args, say=print):
@@ -342,7 +352,9 @@ def compare(args, say=print):
             kind, what = w.next_message(deadline)
             if kind == "BUILT":
                 builds[s] = what["build_s"]
-                say(f"{s}: built in {what['build_s']:.1f} s")
+                carried = what.get("carried_artifacts")
+                say(f"{s}: built in {what['build_s']:.1f} s" + (f", {carried} carried artifacts loaded first"
+                                                                  if carried is not None else ""))
             else:
                 lost[s] = what["error"] if kind == "FAILED" else kind.lower()
                 say(f"{s}: not built: {lost[s]}")
@@ -368,7 +380,11 @@ def compare(args, say=print):
     finally:
         for w in workers.values():
             if w.proc.poll() is None and deadline is not None and time.time() > deadline:
-                w.proc.kill()
+                w.proc.terminate()      # a build in flight saves what it compiled (--cache-out), then ends
+                try:
+                    w.proc.wait(timeout=TERM_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
             w.stop()
         log.close()
     return rows, builds, lost
@@ -382,7 +398,8 @@ def load_json(path):
 
 
 def headline(rows, ours, peers=("e1", "hiverge")):
-    """{timing: {side: {n, time, accuracy}, "ratios": {f"{ours}/{peer}": ratio_ci}}} for both timings."""
+    """{timing: {"sides": {side: {n, time, accuracies, the 6-view's one-sided p of mean > TARGET}}, "ratios":
+    {f"{ours}/{peer}": ratio_ci}}} for both timings."""
     by_side = {}
     for row in rows:
         by_side.setdefault(row["side"], []).append(row)
@@ -390,6 +407,7 @@ def headline(rows, ours, peers=("e1", "hiverge")):
     for timing in TIMINGS:
         table = {s: {"n": len(rs), "time": summarize([r[timing] for r in rs]),
                      "accuracy_6view": summarize([r["tta6_acc"] for r in rs]),
+                     "p_6view_above_target": one_sided_p([r["tta6_acc"] for r in rs], TARGET),
                      "accuracy_own": summarize([r["own_acc"] for r in rs])} for s, rs in by_side.items()}
         ratios = {f"{o}/{p}": ratio_ci([r[timing] for r in by_side[o]], [r[timing] for r in by_side[p]])
                   for o in ours if o in by_side for p in peers if p in by_side}
@@ -415,6 +433,10 @@ def parse_args(argv=None):
     p.add_argument("--standin", action="store_true", help="the peers' workers under tests/cuda_standin.py (their "
                    "scripts call .cuda()); ours on the --device given")
     p.add_argument("--synthetic", action="store_true", help="random data of the real shapes (a compile warm-up)")
+    p.add_argument("--cache-in", default=None, help="a folder of carried compiled parts (benchmarks/compile_carry.py), "
+                   "loaded before each side's build")
+    p.add_argument("--cache-out", default=None, help="each side's compiled parts written here once built, or at "
+                   "the deadline")
     args = p.parse_args(argv)
     if args.runs < 0 or (args.budget_s is not None and args.budget_s <= 0):
         p.error("--runs must not be negative (0: the sides built alone, a warm-up) and --budget-s must be positive")

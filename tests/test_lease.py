@@ -1,6 +1,6 @@
-"""benchmarks/lease.py and benchmarks/fulcrum_adapter.py: the lease's plan rehearsed on a charged clock, the compile
-cache's parts, the standard 6-view evaluation, the headline under both timings, and both calls run tiny on the CPU
-with the peers' stand-ins (tests/peer_standins/)."""
+"""benchmarks/lease.py and benchmarks/fulcrum_adapter.py: the lease's plan rehearsed on a charged clock, what each
+call carries and brings back, the graphs kept for the next lease, the standard 6-view evaluation, the headline under
+both timings, and both calls run tiny on the CPU with the peers' stand-ins (tests/peer_standins/)."""
 import json
 import shutil
 import sys
@@ -13,6 +13,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import fulcrum_adapter as fa  # noqa: E402
+import compile_carry  # noqa: E402
 import lease  # noqa: E402
 
 H200 = ROOT / "results" / "nvidia-h200"
@@ -48,10 +49,11 @@ def test_an_earlier_leases_own_figures_come_first(suite_times):
     assert found["warm_s"]["e1"] == 33.0
 
 
-def test_the_rehearsal_brings_the_headline_home_inside_12_minutes_under_both_timings(capsys, suite_times):
+def test_the_rehearsal_brings_the_headline_home_inside_12_minutes_once_every_sides_graphs_are_carried(suite_times):
     sides = ["fast94_next", "fast94_fastest", "fast94_curriculum", "e1", "hiverge"]
     times, _ = lease.times_for(sides, suite_times)
-    steps, done, ok = lease.plan(sides, n=25, budget_s=720, times=times)
+    whole = {s: {"complete": True, "compiled_s": 0.0} for s in sides}
+    steps, done, ok, _ = lease.plan(sides, n=25, budget_s=720, times=times, carried=whole)
     print("\n".join(lease.minute_by_minute(steps)))
     assert ok and steps[-1][1] <= 720 and steps[0][1] - steps[0][0] == 120       # the machine's start charged
     assert all(done[s] >= 25 for s in lease.HEADLINE)
@@ -61,23 +63,99 @@ def test_the_rehearsal_brings_the_headline_home_inside_12_minutes_under_both_tim
         for peer in lease.PEERS:
             ci = h[timing]["ratios"][f"fast94_next/{peer}"]
             assert ci["low"] < ci["ratio"] < ci["high"] and h[timing]["sides"][peer]["n"] == 25
-    # a budget it cannot meet is said, and sides beyond the headline are the ones left out
-    _, done, ok = lease.plan(sides, n=25, budget_s=600, times=times)
-    assert not ok and all(done[s] == 25 for s in lease.HEADLINE)
-    assert [s for s in sides if not done[s]] == ["fast94_fastest", "fast94_curriculum"]
+    # a budget that holds the headline alone: the sides beyond it are the ones left out; one that does not: said
+    _, done, ok, _ = lease.plan(sides, n=25, budget_s=steps[-1][1] - 30, times=times, carried=whole)
+    assert ok and [s for s in sides if not done[s]] == ["fast94_fastest", "fast94_curriculum"]
+    assert not lease.plan(sides, n=25, budget_s=300, times=times, carried=whole)[2]
 
 
-def test_the_plan_command_prints_the_carry_lists_and_both_calls(capsys, tmp_path, monkeypatch, suite_times):
+def test_a_cold_build_the_lease_cannot_afford_compiles_until_call_1s_deadline_and_goes_on_in_the_next(suite_times):
+    sides = ["fast94_next", "e1", "hiverge"]
+    times, _ = lease.times_for(sides, suite_times)
+    steps, done, ok, deadline = lease.plan(sides, n=25, budget_s=720, times=times)          # nothing carried
+    slow = times["parallel_slowdown"]
+    assert not ok and done == {"fast94_next": 25, "e1": 0, "hiverge": 25}
+    assert times["cold_s"]["hiverge"] * slow <= deadline < times["cold_s"]["e1"] * slow
+    assert steps[-1][1] == pytest.approx(720)          # call 1's deadline: the device time the rest leaves
+    build = next(step for step in steps if step[3].startswith("every side built at once"))
+    assert build[1] - build[0] == pytest.approx(deadline + fa.TERM_GRACE_S) and "e1 compiling until" in build[3]
+    # the next lease: E1's graphs carried partly, charged its cold build less the seconds already compiled
+    partial = {"e1": {"complete": False, "compiled_s": deadline}}
+    charged = lease.charged_builds(sides, times, partial)
+    assert charged["e1"] == pytest.approx(times["cold_s"]["e1"] - deadline)
+    assert charged["hiverge"] == times["cold_s"]["hiverge"]
+    assert lease.charged_builds(["e1"], times, {"e1": {"complete": False, "compiled_s": 1e6}}) == {
+        "e1": times["warm_s"]["e1"]}                   # never below a warm build
+
+
+def test_the_plan_command_sizes_each_calls_carry_and_prints_both_commands(capsys, tmp_path, monkeypatch,
+                                                                         suite_times):
     monkeypatch.setattr(lease, "VERSION_PATH", tmp_path / "code-version.json")   # the checkout stays as it was
+    monkeypatch.setattr(lease, "CARRIED", tmp_path / ".lease-cache")
+    assert lease.main(["plan", "--sides", "fast94_next,e1,hiverge", "--runs", "25", "--results", str(suite_times)]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT end" in out and "this lease yields fast94_next, hiverge at n = 25, and e1's graphs so far" in out
+    assert 'call 1: carry [".gpudata/a", "peers", "code-version.json"]: ' in out and "carried graphs " \
+        "(.lease-cache/nvidia-h200): none: every build cold" in out
+    for side in ("fast94_next", "e1", "hiverge"):               # every side's graphs kept whole: the headline ends
+        compile_carry.write_parts(b"graphs", tmp_path / ".lease-cache" / "nvidia-h200", side)
     assert lease.main(["plan", "--sides", "fast94_next,e1,hiverge", "--runs", "25", "--results", str(suite_times)]) == 0
     out = capsys.readouterr().out
-    assert 'call 1: carry [".gpudata/a", "peers", "code-version.json"]' in out
-    assert 'call 2: carry [".gpudata/b", "peers", "code-version.json"]' in out
+    assert 'call 1: carry [".gpudata/a", "peers", "code-version.json", ".lease-cache/nvidia-h200"]: ' in out
+    assert 'call 2: carry [".gpudata/b", "peers", "code-version.json"]: ' in out and "MiB with the tree, inside " \
+        "the 64 MiB a call carries" in out
     assert json.loads((tmp_path / "code-version.json").read_text()) == lease.code_version()
+    assert "benchmarks/lease.py call1 --out $OUT --sides fast94_next,e1,hiverge --carried .lease-cache/nvidia-h200 " \
+           "--budget-s " in out
     assert "benchmarks/lease.py call2 --out $OUT --data-dir /root/cifar10.npz --sides fast94_next,e1,hiverge " \
            "--runs 25" in out
-    assert lease.main(["plan", "--runs", "400", "--results", str(suite_times)]) == 1                       # 400 rounds do not fit: said, exit 1
+    assert lease.main(["plan", "--runs", "400", "--results", str(suite_times)]) == 1   # 400 rounds do not fit: said
     assert "does NOT end" in capsys.readouterr().out
+    monkeypatch.setattr(lease, "CARRY_LIMIT", 1 << 20)          # a carry over the run tool's limit fails the plan
+    assert lease.main(["plan", "--sides", "fast94_next,e1,hiverge", "--results", str(suite_times)]) == 1
+    assert "OVER the 1 MiB a call carries" in capsys.readouterr().out
+
+
+def test_prepare_lays_the_data_out_for_the_two_calls_and_keeps_it_out_of_git(tmp_path, capsys):
+    parts, project = tmp_path / "parts", tmp_path / "project"
+    parts.mkdir()
+    (project / ".git" / "info").mkdir(parents=True)
+    (project / ".git" / "info" / "exclude").write_text("# git ls-files --others --exclude-from=.git/info/exclude")
+    names = ["cifar10_train_part1of2.npz", "cifar10_train_part2of2.npz", "cifar10_test.npz", "decode_cifar10_parts.py"]
+    for k, name in enumerate(names):
+        (parts / name).write_bytes(bytes(k + 1))
+    for _ in range(2):                                           # again: the same layout, the exclude line once
+        assert lease.prepare(parts, project / ".gpudata") == {"a": 1, "b": 2 + 3 + 4}
+    assert sorted(p.name for p in (project / ".gpudata" / "b").iterdir()) == sorted(names[1:])
+    assert (project / ".git" / "info" / "exclude").read_text().splitlines()[-1:] == ["/.gpudata/"]
+    assert (project / ".git" / "info" / "exclude").read_text().count("/.gpudata/") == 1
+    (parts / names[2]).unlink()
+    with pytest.raises(FileNotFoundError, match="no cifar10_test.npz"):
+        lease.prepare(parts, project / ".gpudata")
+
+
+def test_call_1s_graphs_are_trimmed_to_what_comes_back_and_kept_for_the_next_lease(tmp_path, monkeypatch):
+    out, carried = tmp_path / "out", tmp_path / ".lease-cache"
+    monkeypatch.setattr(lease, "CARRIED", carried)
+    monkeypatch.setattr(compile_carry, "PART_BYTES", 100)
+    compile_carry.write_parts(b"e" * 250, out, "e1")                # 3 parts
+    compile_carry.write_parts(b"h" * 150, out, "hiverge")           # 2 parts
+    compile_carry.write_parts(b"f" * 50, out, "fast94_next")        # 1 part: 6 beside call 1's 3 own files
+    said = []
+    assert lease.returnable(out, ["e1", "hiverge", "fast94_next"], say=said.append) == ["e1", "hiverge"]
+    assert said == ["fast94_next: its graphs (0.0 MiB in 1 parts) exceed what comes back: not sent"]
+    assert set(compile_carry.carried(out)) == {"e1", "hiverge"}
+    # call 1's record: hiverge built (its graphs whole), E1 stopped at the deadline (partly), E1 carried in already
+    (out / lease.COLD).write_text(json.dumps({"build_s": {"hiverge": 250.0}, "lost": {"e1": "deadline"},
+                                              "budget_s": 374.0, "carried": ["e1"]}))
+    (carried / "nvidia-h200").mkdir(parents=True)
+    (carried / "nvidia-h200" / lease.GRAPHS).write_text(json.dumps({"e1": {"complete": False, "compiled_s": 300.0}}))
+    assert set(lease.keep(out, "nvidia-h200", say=said.append)) == {"e1", "hiverge"}
+    assert lease.carried_graphs(carried / "nvidia-h200") == {"e1": {"complete": False, "compiled_s": 674.0},
+                                                            "hiverge": {"complete": True, "compiled_s": 250.0}}
+    assert b"".join(p.read_bytes() for p in compile_carry.part_paths(carried / "nvidia-h200", "e1")) == b"e" * 250
+    assert lease.keep(tmp_path / "absent", "nvidia-h200", say=said.append) == {}
+    assert said[-1].endswith("absent: no compiled parts (<side>.compiled.NN) to keep")
 
 
 def test_bad_flags_are_one_line(capsys):
@@ -86,6 +164,11 @@ def test_bad_flags_are_one_line(capsys):
             lease.main(argv)
         assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith("error: call1: --out names the folder that comes back ($OUT)")
+    for argv, line in ((["keep"], "error: keep: FOLDER: not a folder; name the one a call's files came back to"),
+                       (["plan", "x"], "error: plan: takes no folder (x); only keep does")):
+        with pytest.raises(SystemExit) as e:
+            lease.main(argv)
+        assert (e.value.code, capsys.readouterr().err.strip().splitlines()[-1]) == (2, line)
     with pytest.raises(SystemExit) as e:
         lease.main(["plan", "--sides", "fast94_later,e2"])
     assert (e.value.code, capsys.readouterr().err) == (2, "error: --sides fast94_later,e2: none of them is here; give "
@@ -98,29 +181,14 @@ def test_the_calls_flags_give_each_worker_a_command_its_own_parser_takes():
     data and call 2 on CIFAR-10 give the adapter its arguments and every worker flags without an empty value."""
     for argv, synthetic in ((["call1", "--out", "o"], True), (["call2", "--out", "o", "--data-dir", "c.npz"], False)):
         args = lease.parse_args(argv)
-        adapter = lease.adapter_args(args, sides=["fast94_next", "e1"], runs=2, synthetic=synthetic)
+        graphs = {"cache_in": ".lease-cache/nvidia-h200", "cache_out": "o"} if synthetic else {}
+        adapter = lease.adapter_args(args, sides=["fast94_next", "e1"], runs=2, synthetic=synthetic, **graphs)
         assert (adapter.smoke, adapter.synthetic, adapter.compile) == (False, synthetic, "max-autotune")
         for side in ("fast94_next", "e1"):
             command = fa.worker_argv(side, adapter)
             worker = fa.parse_args(command[command.index("worker"):])
             assert "" not in command and worker.data_dir == (None if synthetic else "c.npz")
-
-
-def test_the_cache_goes_back_in_parts_and_comes_back_whole(tmp_path, monkeypatch):
-    cache, out = tmp_path / "cache", tmp_path / "out"
-    (cache / "fxgraph").mkdir(parents=True)
-    out.mkdir()
-    blob = torch.randint(0, 256, (3000,), dtype=torch.uint8).numpy().tobytes()      # incompressible
-    (cache / "fxgraph" / "a.bin").write_bytes(blob)
-    monkeypatch.setattr(lease, "PART_BYTES", 1024)
-    parts = lease.pack(cache, out, say=lambda line: None)
-    assert len(parts) >= 3 and all(p.stat().st_size <= 1024 for p in parts)
-    fresh = tmp_path / "fresh"
-    lease.unpack(out, fresh, say=lambda line: None)
-    assert (fresh / "fxgraph" / "a.bin").read_bytes() == blob
-    monkeypatch.setattr(lease, "MAX_PARTS", 1)
-    said = []
-    assert lease.pack(cache, out, say=said.append) == [] and "not sent back" in said[0]
+            assert (worker.cache_in, worker.cache_out) == (graphs.get("cache_in"), graphs.get("cache_out"))
 
 
 def test_the_six_view_accuracy_is_the_recipes_flip_translate_tta_on_the_graded_split():
@@ -140,8 +208,8 @@ def test_smoke_runs_both_calls_with_ours_and_both_peers_stand_ins_under_both_tim
     out = capsys.readouterr().out
     assert "fast94_curriculum" not in out
     call1 = json.loads((tmp_path / "out1" / "lease_call1.json").read_text())
-    assert set(call1["cold_build_s"]) == {"fast94_next", "e1", "hiverge"} and call1["parts"]
-    assert "cache: " in out and "carried parts unpacked" in out                 # call 2 met a fresh machine
+    assert set(call1["build_s"]) == {"fast94_next", "e1", "hiverge"} and call1["lost"] == {}
+    assert "carried graphs: none" in out and call1["returned"] == {}          # nothing compiled on the CPU's smoke
     rows = [json.loads(line) for line in (tmp_path / "out2" / "rows.jsonl").read_text().splitlines()]
     assert [r["side"] for r in rows] == ["fast94_next", "e1", "hiverge"] * 2    # in turn, each as it ended
     assert all(0 <= r["tta6_acc"] <= 1 and r["fulcrum_s"] > 0 and r["ours_s"] > 0 for r in rows)   # both clocks read
@@ -149,6 +217,7 @@ def test_smoke_runs_both_calls_with_ours_and_both_peers_stand_ins_under_both_tim
     for timing in fa.TIMINGS:
         assert set(result["headline"][timing]["ratios"]) == {"fast94_next/e1", "fast94_next/hiverge"}
     assert set(result["build_s"]["cold"]) == set(result["build_s"]["warm"]) == {"fast94_next", "e1", "hiverge"}
+    assert result["command"].startswith("python3 benchmarks/lease.py smoke") and result["device_name"] == "CPU (smoke)"
 
 
 def test_gpu_checks_run_counts_come_from_its_command_line(monkeypatch):
