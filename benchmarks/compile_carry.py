@@ -71,6 +71,16 @@ def load(side, folder):
     return sum(len(keys) for keys in info.artifacts.values()) if info else 0
 
 
+def graph_counts():
+    """{"hit", "miss"}: the graphs this process found in inductor's cache and those it compiled ({} before torch
+    compiled anything)."""
+    if "torch" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import counters
+    got = counters["inductor"]
+    return {"hit": got["fxgraph_cache_hit"], "miss": got["fxgraph_cache_miss"]} if got else {}
+
+
 @contextlib.contextmanager
 def saved_on_sigterm(side, folder):
     """Inside: SIGTERM saves what the process has compiled so far, then ends it with status TERMINATED (a build

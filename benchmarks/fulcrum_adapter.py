@@ -274,7 +274,7 @@ def worker(args):
         build_s = time.perf_counter() - t0
         saved = compile_carry.save(args.side, args.cache_out) if args.cache_out else []
         say("BUILT", {"side": args.side, "build_s": build_s, "carried_artifacts": carried,
-                      "saved_bytes": sum(p.stat().st_size for p in saved)})
+                      "saved_bytes": sum(p.stat().st_size for p in saved), "graphs": compile_carry.graph_counts()})
         for line in sys.stdin:
             words = line.split()
             if not words or words[0] == "quit":
@@ -352,9 +352,10 @@ def compare(args, say=print):
             kind, what = w.next_message(deadline)
             if kind == "BUILT":
                 builds[s] = what["build_s"]
-                carried = what.get("carried_artifacts")
+                carried, graphs = what.get("carried_artifacts"), what.get("graphs") or {}
                 say(f"{s}: built in {what['build_s']:.1f} s" + (f", {carried} carried artifacts loaded first"
-                                                                  if carried is not None else ""))
+                                                                  if carried is not None else "")
+                    + (f"; graphs: {graphs['hit']} from the cache, {graphs['miss']} compiled" if graphs else ""))
             else:
                 lost[s] = what["error"] if kind == "FAILED" else kind.lower()
                 say(f"{s}: not built: {lost[s]}")

@@ -2,6 +2,7 @@
 call carries and brings back, the graphs kept for the next lease, the standard 6-view evaluation, the headline under
 both timings, and both calls run tiny on the CPU with the peers' stand-ins (tests/peer_standins/)."""
 import json
+import re
 import shutil
 import sys
 import warnings
@@ -189,6 +190,43 @@ def test_the_calls_flags_give_each_worker_a_command_its_own_parser_takes():
             worker = fa.parse_args(command[command.index("worker"):])
             assert "" not in command and worker.data_dir == (None if synthetic else "c.npz")
             assert (worker.cache_in, worker.cache_out) == (graphs.get("cache_in"), graphs.get("cache_out"))
+
+
+def test_a_worker_still_building_at_the_deadline_is_asked_to_stop_and_given_time_to_save(tmp_path, monkeypatch):
+    """compare's deadline: SIGTERM first (compile_carry.saved_on_sigterm saves there), SIGKILL only after the grace."""
+    marker = tmp_path / "saved"
+    program = ("import os, pathlib, signal, sys, time\n"
+               "def stop(*_):\n    time.sleep(0.5)\n    pathlib.Path(sys.argv[1]).write_text('saved')\n    os._exit(3)\n"
+               "signal.signal(signal.SIGTERM, stop)\nwhile True:\n    time.sleep(1)\n")
+    monkeypatch.setattr(fa, "worker_argv", lambda side, args: [sys.executable, "-c", program, str(marker)])
+    args = fa.parse_args(["compare", "--sides", "e1", "--runs", "0", "--synthetic", "--budget-s", "3"])
+    said = []
+    rows, builds, lost = fa.compare(args, say=said.append)
+    assert (rows, builds, lost, said) == ([], {}, {"e1": "deadline"}, ["e1: not built: deadline"])
+    assert marker.read_text() == "saved"
+
+
+@pytest.mark.slow       # a minute or two on a 2-core CPU: our recipe compiled twice
+def test_call_1s_graphs_kept_make_the_next_call_1s_build_warm(tmp_path, monkeypatch, capsys):
+    """The carry's whole path as the GPU machine takes it, ours compiled on the CPU (the peers' stand-ins compile
+    nothing): call 1 sends its graphs back, keep stores them, a call 1 on a fresh cache loads them and compiles none."""
+    compiled = fa.parse_args
+    monkeypatch.setattr(fa, "parse_args", lambda argv: compiled(argv + ["--compile", "default"]))
+    monkeypatch.setattr(lease, "CARRIED", tmp_path / ".lease-cache")
+    said = []
+    for k, carried in enumerate((None, tmp_path / ".lease-cache" / "cpu")):
+        out, cache = tmp_path / f"out{k}", tmp_path / f"cache{k}"
+        out.mkdir()
+        args = lease.parse_args(["call1", "--out", str(out), "--sides", "fast94_next,e1", "--budget-s", "900"])
+        args.smoke, args.cache, args.carried = True, cache, carried
+        with lease.fa_environment(lease.cache_environment(cache)):
+            assert lease.call1(args, say=said.append) == 0
+        if k == 0:
+            assert set(compile_carry.carried(out)) == {"fast94_next"}             # the stand-in compiles nothing
+            assert set(lease.keep(out, "cpu", say=said.append)) == {"fast94_next"}
+    first, second = [line for line in said if line.startswith("fast94_next: built in")]
+    assert "carried artifacts" not in first and re.search(r"from the cache, [1-9]\d* compiled$", first)
+    assert re.search(r", [1-9]\d* carried artifacts loaded first; graphs: [1-9]\d* from the cache, 0 compiled$", second)
 
 
 def test_the_six_view_accuracy_is_the_recipes_flip_translate_tta_on_the_graded_split():
