@@ -96,7 +96,7 @@ def measured_times(folder):
     found = {"cold_s": {}, "warm_s": {}, "run_s": {}}
     for path in sorted(Path(folder).glob("*.json")):
         r = suite.load(path)
-        if not r or r.get("smoke") or "sides" not in r or path.name == "lease.json":     # a lease's: read below
+        if not r or r.get("smoke") or "sides" not in r or path.name.startswith("lease"):     # a lease's: below
             continue
         for name, side in r["sides"].items():
             if side.get("runs") and name in ASSUMED["run_s"]:

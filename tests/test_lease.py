@@ -44,6 +44,7 @@ def test_an_earlier_leases_own_figures_come_first(suite_times):
     tmp_path = suite_times
     (tmp_path / "lease.json").write_text(json.dumps({"sides": ["fast94_next", "e1"], "wall_s": {"e1": 1.9, "fast94_next": 1.2},
                                                      "build_s": {"cold": {"e1": 99.0}, "warm": {"e1": 33.0}}}))
+    (tmp_path / lease.COLD).write_text(json.dumps({"call": 1, "sides": ["e1"], "build_s": {}}))   # call 1's record
     found = lease.measured_times(tmp_path)
     assert found["run_s"]["e1"] == 1.9 and found["run_s"]["fast94_next"] == 1.2
     assert found["cold_s"] == {"fast94_next": pytest.approx(164.0, abs=0.1), "e1": 99.0}
