@@ -329,7 +329,7 @@ def carried_graphs(folder):
 # ---------------------------------------------------------------------------------------------------
 # The calls, as the GPU machine runs them (and, tiny, the CPU's smoke)
 
-def carry_and_commands(sides, n, budget_s, kind=KIND, call1_s=CALL1_BUDGET_S):
+def carry_and_commands(sides, n, budget_s, *, kind=KIND, call1_s=CALL1_BUDGET_S):
     """The two `run` calls: (carry list, command) each; call 1 carries the kind's graphs where there are any and
     builds until call1_s."""
     s, graphs = ",".join(sides), f"{CARRIED.name}/{kind}"
@@ -458,8 +458,8 @@ def print_plan(args, say=print):
     say(f"{CODE_VERSION_FILE}: {json.loads(VERSION_PATH.read_text())}")
     tree = tree_bytes()
     compiled = [s for s in sides if done[s] or s in HEADLINE]      # a headline side unbuilt compiles for the next
-    for i, (carry, command) in enumerate(carry_and_commands(compiled, args.runs, args.budget_s, args.kind,
-                                                            max(deadline, 1.0)), 1):
+    for i, (carry, command) in enumerate(carry_and_commands(compiled, args.runs, args.budget_s, kind=args.kind,
+                                                            call1_s=max(deadline, 1.0)), 1):
         size = tree + sum(folder_bytes(ROOT / c) for c in carry if (ROOT / c).is_dir())
         say(f"call {i}: carry {json.dumps(carry)}: {size / 2**20:.1f} MiB with the tree, "
             + ("inside" if size <= CARRY_LIMIT else "OVER") + f" the {CARRY_LIMIT >> 20} MiB a call carries")
