@@ -272,9 +272,10 @@ def worker(args):
             say("FAILED", {"side": args.side, "error": f"{type(e).__name__}: {e}"})
             return 1
         build_s = time.perf_counter() - t0
-        saved = compile_carry.save(args.side, args.cache_out) if args.cache_out else []
+        if args.cache_out:
+            compile_carry.save(args.side, args.cache_out)
         say("BUILT", {"side": args.side, "build_s": build_s, "carried_artifacts": carried,
-                      "saved_bytes": sum(p.stat().st_size for p in saved), "graphs": compile_carry.graph_counts()})
+                      "graphs": compile_carry.graph_counts()})
         for line in sys.stdin:
             words = line.split()
             if not words or words[0] == "quit":

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import compile_carry  # noqa: E402
 import fulcrum_adapter as fa  # noqa: E402
 from core import CODE_VERSION_FILE, Parser, code_version  # noqa: E402
+from devices import size_text  # noqa: E402
 
 OURS = ("fast94_next", "fast94_fastest", "fast94_curriculum")
 PEERS = ("e1", "hiverge")
@@ -140,10 +141,15 @@ def charged_builds(sides, times, carried):
     return out
 
 
+def at_once(sides, times):
+    """How much longer each build takes with the sides built at once than alone."""
+    return times["parallel_slowdown"] if len(sides) > 1 else 1.0
+
+
 def call1_deadline(sides, *, n, times, build, budget_s):
     """(call 1's deadline for its builds, the sides built by it): the device seconds left once everything else is
     charged (at most CALL1_BUDGET_S), a build the lease cannot afford compiling until then and keeping what it got."""
-    slowdown = times["parallel_slowdown"] if len(sides) > 1 else 1.0
+    slowdown = at_once(sides, times)
     built, deadline = list(sides), CALL1_BUDGET_S
     for _ in range(len(sides) + 1):                 # fewer sides built leave more time: until the set holds
         rest = (times["start_s"] + 2 * times["transfer_s"] + times["copy_s"] + times["gap_s"] + times["decode_s"]
@@ -161,7 +167,7 @@ def charged_steps(sides, *, n, times, carried=None, budget_s=DEVICE_BUDGET_S):
     """([(start s, end s, call, what)], the sides call 1 builds, its deadline): the lease's steps as charged, every
     side built at once in call 1 (charged_builds), those built by its deadline run n times each in call 2."""
     carried = carried or {}
-    slowdown = times["parallel_slowdown"] if len(sides) > 1 else 1.0
+    slowdown = at_once(sides, times)
     build = charged_builds(sides, times, carried)
     deadline, built = call1_deadline(sides, n=n, times=times, build=build, budget_s=budget_s)
     stopped = [s for s in sides if s not in built]
@@ -260,7 +266,7 @@ def prepare(parts, gpudata, say=print):
         for name in names:
             shutil.copy(Path(parts) / name, folder / name)
         sizes[half] = sum(f.stat().st_size for f in folder.iterdir())
-        say(f"{folder}: {', '.join(names)} ({sizes[half] / 2**20:.1f} MiB)")
+        say(f"{folder}: {', '.join(names)} ({size_text(sizes[half])})")
     exclude, line = Path(gpudata).parent / ".git" / "info" / "exclude", f"/{Path(gpudata).name}/"
     text = exclude.read_text() if exclude.is_file() else ""
     if exclude.parent.is_dir() and line not in text.split():         # the data travels only where a call carries it
@@ -294,7 +300,7 @@ def returnable(out, keep_first, *, say=print):
         elif parts:
             for part in parts:
                 part.unlink()
-            say(f"{side}: its graphs ({size / 2**20:.1f} MiB in {len(parts)} parts) exceed what comes back: not sent")
+            say(f"{side}: its graphs ({size_text(size)} in {len(parts)} parts) exceed what comes back: not sent")
     return kept
 
 
@@ -311,7 +317,7 @@ def keep(returned, kind, say=print):
         before = known.get(side, {}).get("compiled_s", 0.0) if side in record.get("carried", []) else 0.0
         known[side] = {"complete": whole, "compiled_s": before + (record["build_s"][side] if whole else
                                                                    record.get("budget_s", 0.0))}
-        say(f"{side}: {found[side] / 2**20:.1f} MiB kept in {folder} "
+        say(f"{side}: {size_text(found[side])} kept in {folder} "
             + ("(whole)" if whole else f"(partial: {known[side]['compiled_s']:.0f} s compiled)"))
     if found:
         fa.write_json(folder / GRAPHS, known)
@@ -365,7 +371,7 @@ def call1(args, say=print):
     into $OUT (the unbuilt's as the deadline stops them); the record of its builds kept with the cache."""
     sides = available_sides(args.sides.split(","), say=say)
     carried = compile_carry.carried(args.carried)
-    say(f"carried graphs: {', '.join(f'{s} {b / 2**20:.1f} MiB' for s, b in carried.items()) or 'none'}")
+    say(f"carried graphs: {', '.join(f'{s} {size_text(b)}' for s, b in carried.items()) or 'none'}")
     start = time.time()
     _, builds, lost = fa.compare(adapter_args(args, sides=sides, runs=0, synthetic=True, budget_s=args.budget_s,
                                               cache_in=args.carried if carried else None, cache_out=args.out), say=say)
@@ -376,17 +382,17 @@ def call1(args, say=print):
     fa.write_json(Path(args.cache) / COLD, result)
     fa.write_json(Path(args.out) / COLD, result)
     for side, size in result["returned"].items():
-        say(f"{side}: its graphs, {size / 2**20:.1f} MiB, in $OUT (keep them: benchmarks/lease.py keep FOLDER)")
+        say(f"{side}: its graphs, {size_text(size)}, in $OUT (keep them: benchmarks/lease.py keep FOLDER)")
     return 1 if lost else 0
 
 
 def call2(args, say=print):
     """The sides call 1 built (all, on a machine without its record), built again from the disk's cache and run in
     turn, each row into $OUT/rows.jsonl as it ends; the headline into $OUT/lease.json."""
-    record = fa.load_json(Path(args.cache) / COLD)
-    if record is None:
+    record = fa.load_json(Path(args.cache) / COLD) or {}
+    if not record:
         say(f"no record of call 1 in {args.cache} (a fresh machine): every side is built here from nothing")
-    unbuilt = (record or {}).get("lost", {})
+    unbuilt = record.get("lost", {})
     for side, why in unbuilt.items():
         say(f"{side}: not built in call 1 ({why}): left out; its graphs so far came back in call 1's $OUT")
     sides = [s for s in available_sides(args.sides.split(","), say=say) if s not in unbuilt]
@@ -394,7 +400,7 @@ def call2(args, say=print):
     rows, builds, lost = fa.compare(adapter_args(args, sides=sides, runs=args.runs, synthetic=False, rows=rows_path,
                                                  budget_s=args.budget_s), say=say)
     h = fa.headline(rows, [s for s in sides if s not in PEERS])
-    cold = {s: b for s, b in (record or {}).get("build_s", {}).items() if s not in (record or {}).get("carried", [])}
+    cold = {s: b for s, b in record.get("build_s", {}).items() if s not in record.get("carried", [])}
     walls = {s: [r["wall_s"] for r in rows if r["side"] == s] for s in sides}
     import machine
     fa.write_json(Path(args.out) / "lease.json", {
@@ -461,14 +467,14 @@ def print_plan(args, say=print):
     for i, (carry, command) in enumerate(carry_and_commands(compiled, args.runs, args.budget_s, kind=args.kind,
                                                             call1_s=max(deadline, 1.0)), 1):
         size = tree + sum(folder_bytes(ROOT / c) for c in carry if (ROOT / c).is_dir())
-        say(f"call {i}: carry {json.dumps(carry)}: {size / 2**20:.1f} MiB with the tree, "
+        say(f"call {i}: carry {json.dumps(carry)}: {size_text(size)} with the tree, "
             + ("inside" if size <= CARRY_LIMIT else "OVER") + f" the {CARRY_LIMIT >> 20} MiB a call carries")
         say(f"call {i}: command {command}")
         ok = ok and size <= CARRY_LIMIT
     sizes = compile_carry.carried(CARRIED / args.kind)
     state = {s: "whole" if g["complete"] else f"partial, {g['compiled_s']:.0f} s compiled" for s, g in carried.items()}
     say(f"carried graphs ({CARRIED.name}/{args.kind}): "
-        + (", ".join(f"{s} {sizes[s] / 2**20:.1f} MiB ({state[s]})" for s in carried) or "none: every build cold"))
+        + (", ".join(f"{s} {size_text(sizes[s])} ({state[s]})" for s in carried) or "none: every build cold"))
     say("after call 1: python benchmarks/lease.py keep FILES_AT (its graphs, for the next lease); call 2 at once, on "
         "the machine still warm (a fresh one builds every side cold)")
     return 0 if ok else 1

@@ -75,9 +75,8 @@ def test_a_cold_build_the_lease_cannot_afford_compiles_until_call_1s_deadline_an
     sides = ["fast94_next", "e1", "hiverge"]
     times, _ = lease.times_for(sides, suite_times)
     steps, done, ok, deadline = lease.plan(sides, n=25, budget_s=720, times=times)          # nothing carried
-    slow = times["parallel_slowdown"]
     assert not ok and done == {"fast94_next": 25, "e1": 0, "hiverge": 25}
-    assert times["cold_s"]["hiverge"] * slow <= deadline < times["cold_s"]["e1"] * slow
+    assert 0 < deadline < lease.CALL1_BUDGET_S         # shortened so that the runs still fit the lease
     assert steps[-1][1] == pytest.approx(720)          # call 1's deadline: the device time the rest leaves
     build = next(step for step in steps if step[3].startswith("every side built at once"))
     assert build[1] - build[0] == pytest.approx(deadline + fa.TERM_GRACE_S) and "e1 compiling until" in build[3]
@@ -145,7 +144,7 @@ def test_call_1s_graphs_are_trimmed_to_what_comes_back_and_kept_for_the_next_lea
     compile_carry.write_parts(b"f" * 50, out, "fast94_next")        # 1 part: 6 beside call 1's 3 own files
     said = []
     assert lease.returnable(out, ["e1", "hiverge", "fast94_next"], say=said.append) == ["e1", "hiverge"]
-    assert said == ["fast94_next: its graphs (0.0 MiB in 1 parts) exceed what comes back: not sent"]
+    assert said == ["fast94_next: its graphs (50 B in 1 parts) exceed what comes back: not sent"]
     assert set(compile_carry.carried(out)) == {"e1", "hiverge"}
     # call 1's record: hiverge built (its graphs whole), E1 stopped at the deadline (partly), E1 carried in already
     (out / lease.COLD).write_text(json.dumps({"build_s": {"hiverge": 250.0}, "lost": {"e1": "deadline"},
