@@ -1,14 +1,17 @@
-"""The first ImageNet run on a GPU, as one script: does the input pipeline feed a ResNet-50? In order, each check's
-figures written to --out (JSON, rewritten after every check) as soon as it ends, so a cut-off run keeps them:
+"""The first ImageNet run on a GPU, as one script: does the input pipeline feed a ResNet-50 and a ResNet-18? In order,
+each check's figures written to --out (JSON, rewritten after every check) as soon as it ends, so a cut-off run keeps
+them, and a check not begun by --budget-s recorded as skipped:
 
-  images    a synthetic ImageFolder written in parallel: --images photos of --classes classes (10 validation images
-            a class), longer side 500 px, 4:3, 3:4 and square, JPEG quality 90, every fourth progressive
+  images    a synthetic ImageFolder of ImageNet's sizes written in parallel: --images photos of --classes classes (10
+            validation images a class), longer side drawn from 340 to 500 px, 4:3 three times in five, 3:4 and square
+            once each (expected mean 399 x 357 px; ImageNet's: about 400 x 350), JPEG quality 90, every fourth progressive
   prepare   imagenet_fast.py's JPEG store of it (imagenet_store.prepare), timed
   decoder   each decoder alone (nvJPEG through torchvision, nvImageCodec, the CPU's processes) at batch --batch-size,
-            at 160 and 192 px: images/s of imagenet_data.train_batches, as training reads them
-  step      the ResNet-50 step alone on batches already on the device (rn50_16ep: BlurPool, bf16, channels_last),
-            images/s and its peak memory beside imagenet_models' estimate of it
-  together  each GPU decoder feeding the step, images/s, and its share of the step alone (the goal: >= 0.95), its
+            at 160 and 224 px: images/s of imagenet_data.train_batches, as training reads them
+  step      each network's step alone on batches already on the device (rn50_16ep's ResNet-50 and rn18_16ep's
+            ResNet-18: BlurPool, bf16, channels_last, FFCV's batch of 512 and 1,024), images/s and its peak memory
+            beside imagenet_models' estimate of it
+  together  each GPU decoder feeding each step, images/s, and its share of the step alone (the goal: >= 0.95), its
             peak memory beside the estimate (the decoder's buffers counted: imagenet_models.input_bytes)
   train     imagenet_fast.py train --recipe rn50_16ep for about --train-steps steps with a checkpoint, killed
             (SIGKILL) in its second epoch and relaunched with --resume: both commands' exit status and seconds
@@ -22,9 +25,9 @@ nvJPEG's "hardware" and "software" paths (idt.nvjpeg_paths; "unknown" where nvJP
 the decoder's own name ("cpu", "nvimgcodec").
 
 Device time on one H100 or H200, estimated (not measured): a minute of start-up and writing 25,000 images on 16
-cores, about 30 s to prepare, 1 min for the decoders, step and together (4 x 13 batches of 512 at each size), 2 min
-for the 300 training steps twice started (cuDNN's warm-up in each), 20 s for the race and sync checks: about 5 min,
-inside 6 with the wheels' install.
+cores, about 30 s to prepare, 1.5 min for the decoders, steps and together (10 rows of 13 batches at each size), 2 min
+for the 300 training steps twice started (cuDNN's warm-up in each), 20 s for the race and sync checks: about 5.5 min,
+inside 6.5 with the wheels' install (ASSUMED as such by benchmarks/lease.py).
 
 The lent GPU machines have torch 2.11 (CUDA 13) and nothing else this needs: carry these wheels (27.9 MiB):
   nvidia_nvimgcodec_cu13-0.9.0.20-py3-none-manylinux_2_28_x86_64.whl                      25,044,224 bytes
@@ -38,6 +41,7 @@ and installed there by `python3 -m pip install -q --no-index --no-deps --target 
 PYTHONPATH=/tmp/site. A decoder whose package is missing is recorded as such; the other checks go on.
 
     python benchmarks/imagenet_gpu_check.py --out check.json          # on the GPU (or the suite's tier 4)
+    python benchmarks/imagenet_gpu_check.py --out check.json --budget-s 360   # no check begun after 6 minutes
     python benchmarks/imagenet_gpu_check.py --smoke --out check.json  # tiny, on the CPU under the CUDA stand-in
 """
 import argparse
@@ -67,42 +71,51 @@ import imagenet_store as ims  # noqa: E402
 from core import Parser, write_json  # noqa: E402
 from imagenet_throughput import forever, rate, step  # noqa: E402
 
-FULL = dict(images=25000, classes=100, side=500, batch_size=512, sizes=(160, 192), steps=10, warmup=3,
-            train_steps=300, sync_steps=20, recipe="rn50_16ep", model_flags=[])
-# the smoke pass: every check, tiny, under the stand-in (ResNet-50 replaced by the tiny network)
-SMOKE = dict(images=48, classes=4, side=48, batch_size=8, sizes=(24, 32), steps=2, warmup=1, train_steps=12,
-             sync_steps=3, recipe="tiny", model_flags=["--width", "8"])
+# nets: the steps' recipes, each at its own batch (FFCV's: 512, 1,024) where step_batch is None
+FULL = dict(images=25000, classes=100, sides=(340, 500), batch_size=512, sizes=(160, 224), steps=10, warmup=3,
+            train_steps=300, sync_steps=20, recipe="rn50_16ep", nets=("rn50_16ep", "rn18_16ep"), step_batch=None,
+            changes={}, model_flags=[])
+# the smoke pass: every check, tiny, under the stand-in (both ResNets replaced by the tiny network)
+SMOKE = dict(images=48, classes=4, sides=(36, 48), batch_size=8, sizes=(24, 32), steps=2, warmup=1, train_steps=12,
+             sync_steps=3, recipe="tiny", nets=("rn50_16ep", "rn18_16ep"), step_batch=8,
+             changes={"model": "resnet_tiny", "width": 8}, model_flags=["--width", "8"])
 DECODERS = ("gpu", "nvimgcodec", "cpu")
 VAL_PER_CLASS = 10
-SHAPES = ((4, 3), (3, 4), (1, 1))      # width : height
+SHAPES = ((4, 3), (4, 3), (4, 3), (3, 4), (1, 1))      # width : height, landscape the most, as in ImageNet
 
 
 # ---------------------------------------------------------------------------------------------------- the images
 
-def write_photos(root, split, start, stop, *, classes, side, seed=0):
+def write_photos(root, split, start, stop, *, classes, sides, seed=0):
     """Writes photos start ... stop - 1 of split into root/split/c<k>/: class k = i % classes, a colour and stripes
-    of its own plus noise; shape SHAPES[i % 3] at longer side `side`; JPEG quality 90, progressive every fourth."""
+    of its own plus noise; shape SHAPES[i % 5], its longer side drawn uniformly from sides (low, high); JPEG quality
+    90, progressive every fourth. Returns [(width, height)] of the photos."""
     rng = np.random.default_rng([seed, start, split == "val"])
     palette = np.random.default_rng(seed).integers(30, 226, (classes, 3))
+    shapes = []
     for i in range(start, stop):
-        k, (a, b) = i % classes, SHAPES[i % 3]
+        k, (a, b), side = i % classes, SHAPES[i % len(SHAPES)], int(rng.integers(sides[0], sides[1] + 1))
         w, h = (side, side * b // a) if a >= b else (side * a // b, side)
+        shapes.append((w, h))
         stripes = (np.arange(w) // (2 + k % 5) % 2 * 40 - 20)[None, :, None]
         x = palette[k] + stripes + rng.integers(-12, 13, (h, w, 3), dtype=np.int16)
         folder = Path(root) / split / f"c{k:03d}"
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(x.clip(0, 255).astype(np.uint8)).save(folder / f"{i:06d}.JPEG", quality=90,
                                                               progressive=i % 4 == 3)
+    return shapes
 
 
-def write_images(root, *, images, classes, side, workers):
-    """The synthetic ImageFolder at root, written by `workers` processes: its path."""
+def write_images(root, *, images, classes, sides, workers):
+    """The synthetic ImageFolder at root, written by `workers` processes: (its path, the training photos' mean width
+    and height)."""
     parts = [("train", a, min(a + 500, images)) for a in range(0, images, 500)]
     parts += [("val", a, min(a + 500, classes * VAL_PER_CLASS)) for a in range(0, classes * VAL_PER_CLASS, 500)]
     with ProcessPoolExecutor(workers) as pool:
-        for f in [pool.submit(write_photos, root, split, a, z, classes=classes, side=side) for split, a, z in parts]:
-            f.result()
-    return Path(root)
+        futures = [(split, pool.submit(write_photos, root, split, a, z, classes=classes, sides=sides))
+                   for split, a, z in parts]
+        train = np.array([wh for split, f in futures for wh in f.result() if split == "train"])
+    return Path(root), tuple(float(m) for m in train.mean(axis=0))
 
 
 # ---------------------------------------------------------------------------------------------------- the checks
@@ -156,42 +169,47 @@ def check_decoders(store, r, cfg, *, device, dtype, workers):
     return rows
 
 
-def check_step_and_together(store, r, cfg, *, device, dtype, workers, classes, smoke):
-    """The step alone on device tensors at each size (its images/s and peak memory), then each GPU decoder with it:
-    a row each."""
+def check_step_and_together(store, nets, cfg, *, device, dtype, workers, classes, smoke):
+    """Each network's step alone on device tensors at each size (its images/s and peak memory), then each GPU decoder
+    feeding it: a row each."""
     rows = []
-    timing = dict(device=device, warmup=cfg["warmup"], steps=cfg["steps"], batch_size=cfg["batch_size"])
-    bs, fmt = cfg["batch_size"], devices.memory_format(device)
-    alone = {}
-    for res in cfg["sizes"]:
-        net, opt = model(r, classes, device)
-        if not smoke:
-            torch.cuda.reset_peak_memory_stats(device)
-        x = torch.randn(bs, 3, res, res, device=device).to(dtype).contiguous(memory_format=fmt)
-        y = torch.randint(0, classes, (bs,), device=device)
-        alone[res] = rate(forever(lambda: [(x, y)]), lambda a, b: step(net, opt, a, b, device=device, dtype=dtype),
-                          **timing)
-        rows.append({"check": "step", "res": res, "batch": bs, "images_per_s": alone[res],
-                     "peak_memory_bytes": peak_memory(device, smoke),
-                     "estimated_bytes": estimated_memory(r, classes, bs, res, dtype=dtype, side=None)})
+    timing = dict(device=device, warmup=cfg["warmup"], steps=cfg["steps"])
+    fmt, alone = devices.memory_format(device), {}
+    for r in nets:
+        bs = cfg["step_batch"] or r.batch_size
+        for res in cfg["sizes"]:
+            net, opt = model(r, classes, device)
+            if not smoke:
+                torch.cuda.reset_peak_memory_stats(device)
+            x = torch.randn(bs, 3, res, res, device=device).to(dtype).contiguous(memory_format=fmt)
+            y = torch.randint(0, classes, (bs,), device=device)
+            alone[r.name, res] = rate(forever(lambda: [(x, y)]), lambda a, b: step(net, opt, a, b, device=device,
+                                                                                  dtype=dtype), batch_size=bs, **timing)
+            rows.append({"check": "step", "recipe": r.name, "model": r.network.model, "res": res, "batch": bs,
+                         "images_per_s": alone[r.name, res], "peak_memory_bytes": peak_memory(device, smoke),
+                         "estimated_bytes": estimated_memory(r, classes, bs, res, dtype=dtype, side=None)})
     for decoder in ("gpu", "nvimgcodec"):
         data, why = placed(store, device, decoder, workers)
-        for res in cfg["sizes"]:
-            row = {"check": "together", "decoder": decoder, "res": res, "batch": bs}
-            if data is None:
-                row["error"] = why
-            else:
+        for r in nets:
+            bs = cfg["step_batch"] or r.batch_size
+            for res in cfg["sizes"]:
+                row = {"check": "together", "decoder": decoder, "recipe": r.name, "model": r.network.model,
+                       "res": res, "batch": bs}
+                if data is None:
+                    rows.append({**row, "error": why})
+                    continue
                 net, opt = model(r, classes, device)
                 if not smoke:
                     torch.cuda.reset_peak_memory_stats(device)
                 before = dict(data.decoded)
                 row["images_per_s"] = rate(batches(data, r, res=res, batch_size=bs, device=device, dtype=dtype),
-                                           lambda a, b: step(net, opt, a, b, device=device, dtype=dtype), **timing)
-                row["of_step_alone"] = row["images_per_s"] / alone[res]
+                                           lambda a, b: step(net, opt, a, b, device=device, dtype=dtype),
+                                           batch_size=bs, **timing)
+                row["of_step_alone"] = row["images_per_s"] / alone[r.name, res]
                 row["decode_counts"] = decode_counts(data, before)
                 row["peak_memory_bytes"] = peak_memory(device, smoke)
-                row["estimated_bytes"] = estimated_memory(r, classes, bs, res, dtype=dtype, side=cfg["side"])
-            rows.append(row)
+                row["estimated_bytes"] = estimated_memory(r, classes, bs, res, dtype=dtype, side=cfg["sides"][1])
+                rows.append(row)
     return rows
 
 
@@ -318,7 +336,7 @@ def check_train(store, n_train, cfg, *, folder, smoke, timeout=240):
 def summary(row):
     """One line of a check's row (a training check: its commands' exit status and the resumed line)."""
     shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items() if k not in ("first", "resumed")}
-    if row["check"] == "train":
+    if row["check"] == "train" and "first" in row:
         shown.update(first_rc=row["first"]["returncode"], resumed_rc=row["resumed"]["returncode"],
                      resumed=row["resumed"]["resumed_line"])
     return " ".join(f"{k}={v}" for k, v in shown.items())
@@ -334,7 +352,11 @@ def parse_args(argv=None):
                                                              "(default: CPU count)")
     p.add_argument("--dir", default=None, help="where to write photos and store (default: a temporary folder)")
     p.add_argument("--out", default=None, help="the JSON result, rewritten after every check")
+    p.add_argument("--budget-s", type=float, default=None, help="seconds after which no check begins (the one in "
+                   "flight ends); those left are recorded as skipped (default: none)")
     args = p.parse_args(argv)
+    if args.budget_s is not None and not args.budget_s > 0:
+        p.error(f"--budget-s {args.budget_s:g}: must be positive")
     for flag in ("images", "workers"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag} {getattr(args, flag)}: must be positive")
@@ -363,6 +385,7 @@ def run(args, cfg, *, tmp, workers, standin, argv):
     """The checks in order, the result written after each; the exit status."""
     import machine
     from cli import environment
+    started = time.time()
     device = torch.device("cuda")
     smoke, dtype = standin is not None, devices.compute_dtype(device)
     rows = []
@@ -375,25 +398,30 @@ def run(args, cfg, *, tmp, workers, standin, argv):
         result["fingerprint"] = machine.fingerprint(device, False)
         devices.autotune(device)
     t = time.time()
-    src = write_images(tmp / "src", images=cfg["images"], classes=cfg["classes"], side=cfg["side"], workers=workers)
-    rows.append({"check": "images", "images": cfg["images"], "classes": cfg["classes"], "seconds": time.time() - t})
+    src, (width, height) = write_images(tmp / "src", images=cfg["images"], classes=cfg["classes"], sides=cfg["sides"],
+                                        workers=workers)
+    rows.append({"check": "images", "images": cfg["images"], "classes": cfg["classes"], "mean_width": width,
+                 "mean_height": height, "seconds": time.time() - t})
     t = time.time()
     ims.prepare(src, tmp / "store", workers=workers, log=lambda s: None)
     store = ims.open_store(tmp / "store")
     rows.append({"check": "prepare", "seconds": time.time() - t, "bytes": int(store.index["train"]["bytes"])})
     save(args.out, result)
     r, classes = inf.recipe(cfg["recipe"], **({"width": 8} if smoke else {})), len(store.index["classes"])
+    nets = [inf.recipe(name, **cfg["changes"]) for name in cfg["nets"]]
     common = dict(device=device, dtype=dtype, workers=workers)
-    rows += check_decoders(store, r, cfg, **common)
-    save(args.out, result)                          # after each check, so a cut-off run keeps what finished
-    rows += check_step_and_together(store, r, cfg, classes=classes, smoke=smoke, **common)
-    save(args.out, result)
-    rows += check_train(tmp / "store", len(store.train), cfg, folder=tmp / "train", smoke=smoke)
-    save(args.out, result)
-    rows += check_race(store, r, cfg, classes=classes, smoke=smoke, **common)
-    save(args.out, result)
-    rows += check_sync(store, r, cfg, classes=classes, standin=standin, **common)
-    save(args.out, result)
+    checks = (("decoder", lambda: check_decoders(store, r, cfg, **common)),
+              ("step", lambda: check_step_and_together(store, nets, cfg, classes=classes, smoke=smoke, **common)),
+              ("train", lambda: check_train(tmp / "store", len(store.train), cfg, folder=tmp / "train", smoke=smoke)),
+              ("race", lambda: check_race(store, r, cfg, classes=classes, smoke=smoke, **common)),
+              ("sync", lambda: check_sync(store, r, cfg, classes=classes, standin=standin, **common)))
+    for name, check in checks:
+        spent = time.time() - started
+        if args.budget_s is not None and spent >= args.budget_s:
+            rows.append({"check": name, "skipped": f"not begun: {spent:.0f} s spent of --budget-s {args.budget_s:g}"})
+        else:
+            rows += check()
+        save(args.out, result)                      # after each check, so a cut-off run keeps what finished
     for row in rows:
         print(summary(row))
     return 0

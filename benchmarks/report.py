@@ -281,6 +281,58 @@ def t_throughput(results):
          for _, c in counted])
 
 
+def t_imagenet_gpu(results):
+    """The first ImageNet run on a GPU (benchmarks/imagenet_gpu_check.py): each decoder alone, each network's step
+    alone and fed by each GPU decoder, at each size; then a line for the images, the killed run and the race."""
+    from devices import size_text
+    rows, lines = [], []
+    for r in results.get("imagenet_gpu_check", []):
+        for row in r["rows"]:
+            if row["check"] not in ("decoder", "step", "together") or "skipped" in row:
+                continue
+            memory = ("–" if row.get("peak_memory_bytes") is None else
+                      f"{size_text(row['peak_memory_bytes'])} ({size_text(row['estimated_bytes'])})")
+            counts = ", ".join(f"{path} {n}" for path, n in row.get("decode_counts", {}).items()) or "–"
+            rate = f"not run: {row['error']}" if "error" in row else f"{row['images_per_s']:.0f}"
+            share = f"{row['of_step_alone']:.3f}" if "of_step_alone" in row else "–"
+            net = f"`{row['recipe']}` ({row['model']})" if "recipe" in row else "–"
+            rows.append([device(r), WHAT[row["check"]], net, row["res"], row["batch"], row.get("decoder", "–"), rate,
+                         share, memory, counts])
+        lines += ["", imagenet_gpu_line(r)]
+    if not rows:
+        rows = [["GPU", WHAT["step"], f"`{name}` ({model})", res, "–", "–", NM, "–", NM, "–"]
+                for name, model in (("rn50_16ep", "resnet50"), ("rn18_16ep", "resnet18")) for res in (160, 224)]
+    return table(["device", "check", "recipe (network)", "res", "batch", "decoder", "images/s", "of the step alone",
+                  "peak memory (estimate)", "decodes by path"], rows) + lines
+
+
+WHAT = {"decoder": "decoder alone", "step": "step alone", "together": "decoder feeding the step"}
+
+
+def imagenet_gpu_line(r):
+    """The check's other rows in a line: its images, the training killed and resumed, the race, the host waits."""
+    by = {row["check"]: row for row in r["rows"]}
+    said = [f"Command: {code(r['command'])}"]
+    if "images" in by:
+        i = by["images"]
+        said.append(f"{i['images']:,} training JPEGs, mean {i['mean_width']:.0f} × {i['mean_height']:.0f} px")
+    for name in ("train", "race", "sync"):
+        row = by.get(name, {})
+        if "skipped" in row or not row:
+            said.append(f"{name}: {row.get('skipped', NM)}")
+        elif name == "train":
+            said.append(f"training killed (exit {row['first']['returncode']}) and resumed (exit "
+                        f"{row['resumed']['returncode']}: {row['resumed']['resumed_line'] or 'no resumed line'})")
+        elif name == "race":
+            races = [x for x in r["rows"] if x["check"] == "race" and "equal" in x]
+            said.append("the same batches quiet and under load: " + (", ".join(
+                f"{x['decoder']} {'equal' if x['equal'] else str(x['differing']) + ' differing'}" for x in races)
+                or NM))
+        else:
+            said.append(f"host waits over {row['steps']} steps: {row.get('host_waits', NM)}")
+    return "; ".join(said) + "."
+
+
 def t_prepare(results):
     rows = []
     for r in results.get("imagenet_prepare", []):
@@ -699,7 +751,7 @@ TABLES = {"figure": t_figure, "tests": t_tests, "coverage": t_coverage, "env": t
           "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
-          "fast": t_fast, "side_by_side": t_side_by_side, "lease": t_lease, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "cpu_layout": t_cpu_layout, "compile_cache": t_compile_cache,
+          "fast": t_fast, "side_by_side": t_side_by_side, "lease": t_lease, "imagenet_gpu": t_imagenet_gpu, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "cpu_layout": t_cpu_layout, "compile_cache": t_compile_cache,
           "gpu_chunks": t_gpu_chunks,
           "torchrun": t_torchrun, "floor": t_floor, "op_counts": lambda r: t_op_counts(r, "optimisers"),
           "blurpool_ops": lambda r: t_op_counts(r, "blurpool"), "reading_path": t_reading_path}

@@ -160,8 +160,9 @@ def pieces():
               needs=("gpu",), flags={s: flags_of(changes) for s, changes in ABLATIONS.items()}),
         Piece("imagenet_throughput", "4", "ResNet-50 as rn50_16ep trains it: loader, ceiling and together, images/s at "
               "160-224 px", "throughput", needs=("gpu",), extra=["--sizes", "160,192,224"]),
-        Piece("imagenet_gpu_check", "4", "the first ImageNet run: each decoder, the ResNet-50 step and both "
-              "together at 160 and 192 px, train killed and resumed, the stream race, host waits", "gpu_check",
+        Piece("imagenet_gpu_check", "4", "the first ImageNet run: each decoder, the ResNet-50 and ResNet-18 steps and "
+              "each with the GPU decoders at 160 and 224 px, train killed and resumed, the stream race, host waits",
+              "gpu_check",
               needs=("gpu",)),
         Piece("torchrun_fast94", "4", "fast94 under torchrun --nproc_per_node=1 (NCCL) against a plain run",
               "torchrun_cifar", {"plain": 10, "torchrun": 10}, {"plain": "fast94", "torchrun": "fast94"},

@@ -310,11 +310,12 @@ def test_imagenet_under_torchrun_with_two_ranks_on_two_gpus(stores, tmp_path):
 
 @pytest.fixture(scope="module")
 def photo_store(tmp_path_factory):
-    """A JPEG store of ImageNet's sizes: photos of longer side 500 (4:3, 3:4, square; every fourth progressive)."""
+    """A JPEG store of ImageNet's sizes: photos of longer side 340 to 500 (4:3, 3:4, square; every fourth
+    progressive)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from imagenet_gpu_check import write_images
+    from imagenet_gpu_check import FULL, write_images
     root = tmp_path_factory.mktemp("photos")
-    src = write_images(root / "src", images=48, classes=4, side=500, workers=1)
+    src, _ = write_images(root / "src", images=48, classes=4, sides=FULL["sides"], workers=1)
     ims.prepare(src, root / "store", workers=1, log=lambda s: None)
     return root / "store"
 

@@ -612,6 +612,8 @@ def test_the_gpu_check_runs_every_check_in_the_smoke_pass(smoke):
     rows = result["rows"]
     by = lambda check, **match: [r for r in rows if r["check"] == check and all(r[k] == v for k, v in match.items())]
     assert [r["check"] for r in rows[:2]] == ["images", "prepare"]
+    # ImageNet's sizes, tiny: longer sides 36 to 48, landscape three times in five (its expectation 39.9 x 35.7 px)
+    assert 36 * 0.75 < rows[0]["mean_height"] < rows[0]["mean_width"] <= 48
     sizes = [24, 32]
     for decoder in ("gpu", "cpu"):
         assert [r["res"] for r in by("decoder", decoder=decoder)] == sizes
@@ -627,17 +629,71 @@ def test_the_gpu_check_runs_every_check_in_the_smoke_pass(smoke):
     except ImportError:
         assert {r["error"] for r in by("decoder", decoder="nvimgcodec") + by("together", decoder="nvimgcodec")} == {
             f"--decoder nvimgcodec needs nvImageCodec: pip install {idt.nvimgcodec_package()}"}
-    assert [r["res"] for r in by("step")] == sizes and all(r["images_per_s"] > 0 for r in by("step"))
+    # both networks (each the tiny one here, as rn50_16ep's and rn18_16ep's recipes run it) at each size, alone and fed
+    nets = ["rn50_16ep", "rn18_16ep"]
+    assert [(r["recipe"], r["res"]) for r in by("step")] == [(n, res) for n in nets for res in sizes]
+    assert [(r["recipe"], r["res"]) for r in by("together", decoder="gpu")] == [(n, res) for n in nets for res in sizes]
+    assert all(r["images_per_s"] > 0 for r in by("step")) and {r["model"] for r in by("step")} == {"resnet_tiny"}
     assert all(r["of_step_alone"] > 0 for r in by("together", decoder="gpu"))
     # the estimate beside the measured peak (none under the stand-in): the decoder's buffers on top of the step's
-    for res in sizes:
-        (alone,), (fed,) = by("step", res=res), by("together", decoder="gpu", res=res)
-        assert alone["peak_memory_bytes"] is None and 0 < alone["estimated_bytes"] < fed["estimated_bytes"]
+    for net in nets:
+        for res in sizes:
+            (alone,), (fed,) = by("step", recipe=net, res=res), by("together", decoder="gpu", recipe=net, res=res)
+            assert alone["peak_memory_bytes"] is None and 0 < alone["estimated_bytes"] < fed["estimated_bytes"]
     (train,) = by("train")
     assert (train["first"]["returncode"], train["resumed"]["returncode"]) == (-signal.SIGKILL, 0)
     assert train["resumed"]["resumed_line"] == "resumed from epoch 1 of ckpt.pt"
     assert by("race", decoder="gpu")[0]["equal"] is True
     assert by("sync")[0]["host_waits"] == 0                     # the training thread never waited
+
+
+def test_the_imagenet_gpu_table_shows_each_decoder_step_and_pairing_and_a_line_of_the_other_checks():
+    gib = 1 << 30
+    step = lambda net, model, rate: {"check": "step", "recipe": net, "model": model, "res": 224, "batch": 512,
+                                     "images_per_s": rate, "peak_memory_bytes": 20 * gib, "estimated_bytes": 18 * gib}
+    result = {"command": "python benchmarks/imagenet_gpu_check.py", "fingerprint": {"device_name": "NVIDIA H200"},
+              "rows": [{"check": "images", "images": 25000, "classes": 100, "mean_width": 399.2, "mean_height": 356.6,
+                        "seconds": 50.0},
+                       {"check": "decoder", "decoder": "nvimgcodec", "res": 160, "batch": 512, "error": "no package"},
+                       {"check": "decoder", "decoder": "gpu", "res": 160, "batch": 512, "images_per_s": 9000.4,
+                        "decode_counts": {"hardware": 6000, "software": 656}},
+                       step("rn50_16ep", "resnet50", 3100.2), step("rn18_16ep", "resnet18", 9900.0),
+                       {**step("rn50_16ep", "resnet50", 3000.0), "check": "together", "decoder": "gpu",
+                        "of_step_alone": 0.9677, "decode_counts": {"hardware": 6656}},
+                       {"check": "train", "first": {"returncode": -9}, "resumed": {
+                           "returncode": 0, "resumed_line": "resumed from epoch 1 of ckpt.pt"}},
+                       {"check": "race", "decoder": "gpu", "equal": False, "differing": 2},
+                       {"check": "race", "decoder": "nvimgcodec", "error": "no package"},
+                       {"check": "sync", "skipped": "not begun: 361 s spent of --budget-s 360"}]}
+    lines = report.t_imagenet_gpu({"imagenet_gpu_check": [result]})
+    assert lines[2:7] == [
+        "| NVIDIA H200 | decoder alone | – | 160 | 512 | nvimgcodec | not run: no package | – | – | – |",
+        "| NVIDIA H200 | decoder alone | – | 160 | 512 | gpu | 9000 | – | – | hardware 6000, software 656 |",
+        "| NVIDIA H200 | step alone | `rn50_16ep` (resnet50) | 224 | 512 | – | 3100 | – | 20.0 GiB (18.0 GiB) | – |",
+        "| NVIDIA H200 | step alone | `rn18_16ep` (resnet18) | 224 | 512 | – | 9900 | – | 20.0 GiB (18.0 GiB) | – |",
+        "| NVIDIA H200 | decoder feeding the step | `rn50_16ep` (resnet50) | 224 | 512 | gpu | 3000 | 0.968 | "
+        "20.0 GiB (18.0 GiB) | hardware 6656 |"]
+    assert lines[7:] == ["", "Command: `python benchmarks/imagenet_gpu_check.py`; 25,000 training JPEGs, mean 399 × 357 "
+                         "px; training killed (exit -9) and resumed (exit 0: resumed from epoch 1 of ckpt.pt); the same "
+                         "batches quiet and under load: gpu 2 differing; sync: not begun: 361 s spent of --budget-s 360."]
+    empty = report.t_imagenet_gpu({})
+    assert len(empty) == 6 and all(row.count("not measured") == 2 for row in empty[2:])
+
+
+def test_the_gpu_check_begins_no_check_past_its_budget_and_says_so(tmp_path):
+    """--budget-s: the images and store are made, every check not begun by then is a row saying it was skipped, and
+    the result is written whole."""
+    out = tmp_path / "check.json"
+    r = subprocess.run([sys.executable, "benchmarks/imagenet_gpu_check.py", "--smoke", "--budget-s", "0.001", "--out",
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["check"] for row in rows] == ["images", "prepare", "decoder", "step", "train", "race", "sync"]
+    assert all(row["skipped"].startswith("not begun: ") and row["skipped"].endswith(" s spent of --budget-s 0.001")
+               for row in rows[2:])
+    bad = subprocess.run([sys.executable, "benchmarks/imagenet_gpu_check.py", "--smoke", "--budget-s", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith("--budget-s 0: must be positive")
 
 
 def test_the_gpu_check_is_one_command_whose_rows_are_its_result():
