@@ -27,7 +27,7 @@ the decoder's own name ("cpu", "nvimgcodec").
 Device time on one H100 or H200, estimated (not measured): a minute of start-up and writing 25,000 images on 16
 cores, about 30 s to prepare, 1.5 min for the decoders, steps and together (10 rows of 13 batches at each size), 2 min
 for the 300 training steps twice started (cuDNN's warm-up in each), 20 s for the race and sync checks: about 5.5 min,
-inside 6.5 with the wheels' install (ASSUMED as such by benchmarks/lease.py).
+inside 6.5 with the wheels' install (ASSUMED as such by benchmarks/lease_plan.py).
 
 The lent GPU machines have torch 2.11 (CUDA 13) and nothing else this needs: carry these wheels (27.9 MiB):
   nvidia_nvimgcodec_cu13-0.9.0.20-py3-none-manylinux_2_28_x86_64.whl                      25,044,224 bytes

@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import fulcrum_adapter as fa  # noqa: E402
 import compile_carry  # noqa: E402
 import lease  # noqa: E402
+import lease_plan as lp  # noqa: E402
 
 H200 = ROOT / "results" / "nvidia-h200"
 
@@ -31,12 +32,12 @@ def suite_times(tmp_path):
 
 
 def test_the_planner_starts_from_the_h200s_measured_times(suite_times):
-    found = lease.measured_times(suite_times)
+    found = lp.measured_times(suite_times)
     assert found["run_s"]["fast94_next"] == pytest.approx(1.1412, abs=1e-4)      # fast94_next.json, 91 runs
     assert found["cold_s"]["fast94_next"] == pytest.approx(164.0, abs=0.1)        # its first, cold, start
     assert found["warm_s"]["fast94_next"] == pytest.approx(46.3, abs=0.1)         # a later start, the cache filled
-    times, source = lease.times_for(["fast94_next", "e1"], suite_times)
-    assert times["run_s"] == {"fast94_next": found["run_s"]["fast94_next"], "e1": lease.ASSUMED["run_s"]["e1"]}
+    times, source = lp.times_for(["fast94_next", "e1"], suite_times)
+    assert times["run_s"] == {"fast94_next": found["run_s"]["fast94_next"], "e1": lp.ASSUMED["run_s"]["e1"]}
     assert source["run_s e1"] == "assumed" and source["run_s fast94_next"].startswith("measured")
 
 
@@ -45,7 +46,7 @@ def test_an_earlier_leases_own_figures_come_first(suite_times):
     (tmp_path / "lease.json").write_text(json.dumps({"sides": ["fast94_next", "e1"], "wall_s": {"e1": 1.9, "fast94_next": 1.2},
                                                      "build_s": {"cold": {"e1": 99.0}, "warm": {"e1": 33.0}}}))
     (tmp_path / lease.COLD).write_text(json.dumps({"call": 1, "sides": ["e1"], "build_s": {}}))   # call 1's record
-    found = lease.measured_times(tmp_path)
+    found = lp.measured_times(tmp_path)
     assert found["run_s"]["e1"] == 1.9 and found["run_s"]["fast94_next"] == 1.2
     assert found["cold_s"] == {"fast94_next": pytest.approx(164.0, abs=0.1), "e1": 99.0}
     assert found["warm_s"]["e1"] == 33.0
@@ -53,67 +54,111 @@ def test_an_earlier_leases_own_figures_come_first(suite_times):
 
 def test_the_rehearsal_brings_the_headline_home_inside_12_minutes_once_every_sides_graphs_are_carried(suite_times):
     sides = ["fast94_next", "fast94_fastest", "fast94_curriculum", "e1", "hiverge"]
-    times, _ = lease.times_for(sides, suite_times)
+    times, _ = lp.times_for(sides, suite_times)
     whole = {s: {"complete": True, "compiled_s": 0.0} for s in sides}
-    steps, done, ok, _ = lease.plan(sides, n=25, budget_s=720, times=times, carried=whole)
-    print("\n".join(lease.minute_by_minute(steps)))
-    assert ok and steps[-1][1] <= 720 and steps[0][1] - steps[0][0] == 120       # the machine's start charged
-    assert all(done[s] >= 25 for s in lease.HEADLINE)
-    assert [s[2] for s in steps] == sorted(s[2] for s in steps)                    # call 1, then call 2
-    h = fa.headline(lease.rehearsed_rows(done, times), [s for s in sides if done[s] and s not in lease.PEERS])
+    plan = lp.plan(sides, n=25, budget_s=720, times=times, carried=whole)
+    steps = plan.steps
+    print("\n".join(lp.minute_by_minute(steps)))
+    assert plan.ends and plan.calls == ("build", "run") and steps[-1].end <= 720
+    assert steps[0].end - steps[0].start == 120                                    # the machine's start charged
+    assert all(plan.runs[s] >= 25 for s in lp.HEADLINE)
+    assert [s.call for s in steps] == sorted(s.call for s in steps)                # call 1, then call 2
+    h = fa.headline(lp.rehearsed_rows(plan.runs, times), [s for s in sides if plan.runs[s] and s not in lp.PEERS])
     for timing in fa.TIMINGS:
-        for peer in lease.PEERS:
+        for peer in lp.PEERS:
             ci = h[timing]["ratios"][f"fast94_next/{peer}"]
             assert ci["low"] < ci["ratio"] < ci["high"] and h[timing]["sides"][peer]["n"] == 25
     # a budget that holds the headline alone: the sides beyond it are the ones left out; one that does not: said
-    _, done, ok, _ = lease.plan(sides, n=25, budget_s=steps[-1][1] - 30, times=times, carried=whole)
-    assert ok and [s for s in sides if not done[s]] == ["fast94_fastest", "fast94_curriculum"]
-    assert not lease.plan(sides, n=25, budget_s=300, times=times, carried=whole)[2]
+    fewer = lp.plan(sides, n=25, budget_s=steps[-1].end - 30, times=times, carried=whole)
+    assert fewer.ends and [s for s in sides if not fewer.runs[s]] == ["fast94_fastest", "fast94_curriculum"]
+    assert not lp.plan(sides, n=25, budget_s=300, times=times, carried=whole).ends
 
 
-def test_a_cold_build_the_lease_cannot_afford_compiles_until_call_1s_deadline_and_goes_on_in_the_next(suite_times):
+def test_imagenets_check_follows_the_headline_only_where_the_time_left_holds_it(suite_times, tmp_path):
     sides = ["fast94_next", "e1", "hiverge"]
-    times, _ = lease.times_for(sides, suite_times)
-    steps, done, ok, deadline = lease.plan(sides, n=25, budget_s=720, times=times)          # nothing carried
-    assert not ok and done == {"fast94_next": 25, "e1": 0, "hiverge": 25}
-    assert 0 < deadline < lease.CALL1_BUDGET_S         # shortened so that the runs still fit the lease
-    assert steps[-1][1] == pytest.approx(720)          # call 1's deadline: the device time the rest leaves
-    build = next(step for step in steps if step[3].startswith("every side built at once"))
-    assert build[1] - build[0] == pytest.approx(deadline + fa.TERM_GRACE_S) and "e1 compiling until" in build[3]
+    times, _ = lp.times_for(sides, suite_times)
+    whole = {s: {"complete": True, "compiled_s": 0.0} for s in sides}
+    alone = lp.plan(sides, n=25, budget_s=720, times=times, carried=whole)
+    check = sum(seconds for _, seconds, _, _ in lp.imagenet_parts(3, times))
+    assert alone.steps[-1].end + check > 720                                       # today's 12 minutes: no room
+    assert lp.plan(sides, n=25, budget_s=720, times=times, carried=whole, imagenet=True) == alone
+    roomy = lp.plan(sides, n=25, budget_s=alone.steps[-1].end + check, times=times, carried=whole, imagenet=True)
+    assert roomy.ends and roomy.calls == ("build", "run", "imagenet") and roomy.runs == alone.runs
+    assert roomy.steps[:len(alone.steps)] == alone.steps and roomy.steps[-1].what.startswith("ImageNet's GPU check")
+    # measured whole on this kind: wanted no more; a smoke's or a cut-off run's result is not that
+    assert not lp.imagenet_measured(tmp_path)
+    for smoke, rows, measured in ((True, [], False), (False, [{"check": "sync", "skipped": "not begun"}], False),
+                                  (False, [{"check": "sync", "host_waits": 0}], True)):
+        (tmp_path / lp.IMAGENET_RESULT).write_text(json.dumps({"smoke": smoke, "rows": rows}))
+        assert lp.imagenet_measured(tmp_path) is measured
+
+
+def test_a_headline_side_no_lease_can_build_in_time_compiles_alone_after_imagenets_check(suite_times):
+    """E1's cold build, longer than a lease: the compile shape. ImageNet's check first, where wanted, then E1 alone
+    until the device time left; nothing timed. The next lease charges E1's cold build less what was compiled, and
+    times the headline once that fits."""
+    sides = ["fast94_next", "e1", "hiverge"]
+    times, _ = lp.times_for(sides, suite_times)
+    plan = lp.plan(sides, n=25, budget_s=720, times=times, imagenet=True)          # nothing carried
+    assert (plan.shape, plan.calls, plan.built, plan.ends) == ("compile", ("imagenet", "build"), ["e1"], False)
+    assert plan.runs == {"fast94_next": 0, "e1": 0, "hiverge": 0}
+    assert 0 < plan.deadline < lp.CALL1_BUDGET_S and plan.steps[-1].end == pytest.approx(720)
+    assert [s.call for s in plan.steps] == [1, 1, 1, 1, 2, 2, 2] and plan.steps[3].what.startswith("ImageNet's")
+    build = plan.steps[-1]
+    assert build.end - build.start == pytest.approx(plan.deadline + fa.TERM_GRACE_S) and "e1 built alone" in build.what
+    assert lp.ends_in_time(plan.steps, 720)
+    # ImageNet's check measured: E1 alone for the whole of a build call
+    compiling = lp.plan(sides, n=25, budget_s=720, times=times)
+    assert compiling.calls == ("build",) and compiling.deadline == lp.CALL1_BUDGET_S
     # the next lease: E1's graphs carried partly, charged its cold build less the seconds already compiled
-    partial = {"e1": {"complete": False, "compiled_s": deadline}}
-    charged = lease.charged_builds(sides, times, partial)
-    assert charged["e1"] == pytest.approx(times["cold_s"]["e1"] - deadline)
+    partial = {"e1": {"complete": False, "compiled_s": plan.deadline}}
+    charged = lp.charged_builds(sides, times, partial)
+    assert charged["e1"] == pytest.approx(times["cold_s"]["e1"] - plan.deadline)
     assert charged["hiverge"] == times["cold_s"]["hiverge"]
-    assert lease.charged_builds(["e1"], times, {"e1": {"complete": False, "compiled_s": 1e6}}) == {
+    assert lp.charged_builds(["e1"], times, {"e1": {"complete": False, "compiled_s": 1e6}}) == {
         "e1": times["warm_s"]["e1"]}                   # never below a warm build
+    after = lp.plan(sides, n=25, budget_s=720, times=times, carried={"e1": {"complete": False, "compiled_s": 540.0}})
+    assert after.shape == "headline" and after.ends and after.runs == dict.fromkeys(sides, 25)
 
 
-def test_the_plan_command_sizes_each_calls_carry_and_prints_both_commands(capsys, tmp_path, monkeypatch,
+def test_the_plan_command_sizes_each_calls_carry_and_prints_every_command(capsys, tmp_path, monkeypatch,
                                                                          suite_times):
-    monkeypatch.setattr(lease, "VERSION_PATH", tmp_path / "code-version.json")   # the checkout stays as it was
-    monkeypatch.setattr(lease, "CARRIED", tmp_path / ".lease-cache")
-    assert lease.main(["plan", "--sides", "fast94_next,e1,hiverge", "--runs", "25", "--results", str(suite_times)]) == 1
+    monkeypatch.setattr(lp, "VERSION_PATH", tmp_path / "code-version.json")     # the checkout stays as it was
+    monkeypatch.setattr(lp, "CARRIED", tmp_path / ".lease-cache")
+    monkeypatch.setattr(lp, "WHEELS", tmp_path / ".whl")
+    (tmp_path / ".whl").mkdir()
+    plan = ["plan", "--sides", "fast94_next,e1,hiverge", "--runs", "25", "--results", str(suite_times)]
+    assert lease.main(plan) == 1
     out = capsys.readouterr().out
-    assert "does NOT end" in out and "this lease yields fast94_next, hiverge at n = 25, and e1's graphs so far" in out
-    assert 'call 1: carry [".gpudata/a", "peers", "code-version.json"]: ' in out and "carried graphs " \
+    assert "does NOT end" in out and "this lease yields ImageNet's GPU check and e1's graphs, compiled alone" in out
+    assert "call 1 (imagenet): .whl/ lacks nvidia_nvimgcodec_cu13, nvidia_nvjpeg, simplejpeg: fetch them" in out
+    assert "python3 benchmarks/imagenet_gpu_check.py --out $OUT/imagenet_gpu_check.json --budget-s 180 " in out
+    assert 'call 2 (build): carry ["peers", "code-version.json"]: ' in out and "carried graphs " \
         "(.lease-cache/nvidia-h200): none: every build cold" in out
+    assert "benchmarks/lease.py call1 --out $OUT --sides e1 --carried .lease-cache/nvidia-h200 --budget-s 180 " in out
     for side in ("fast94_next", "e1", "hiverge"):               # every side's graphs kept whole: the headline ends
         compile_carry.write_parts(b"graphs", tmp_path / ".lease-cache" / "nvidia-h200", side)
-    assert lease.main(["plan", "--sides", "fast94_next,e1,hiverge", "--runs", "25", "--results", str(suite_times)]) == 0
+    assert lease.main(plan) == 0
     out = capsys.readouterr().out
-    assert 'call 1: carry [".gpudata/a", "peers", "code-version.json", ".lease-cache/nvidia-h200"]: ' in out
-    assert 'call 2: carry [".gpudata/b", "peers", "code-version.json"]: ' in out and "MiB with the tree, inside " \
-        "the 64 MiB a call carries" in out
-    assert json.loads((tmp_path / "code-version.json").read_text()) == lease.code_version()
-    assert "benchmarks/lease.py call1 --out $OUT --sides fast94_next,e1,hiverge --carried .lease-cache/nvidia-h200 " \
-           "--budget-s " in out
+    assert "ImageNet's GPU check (6.2 min charged) does not fit after the headline: a later lease's" in out
+    assert 'call 1 (build): carry [".gpudata/a", "peers", "code-version.json", ".lease-cache/nvidia-h200"]: ' in out
+    assert 'call 2 (run): carry [".gpudata/b", "peers", "code-version.json"]: ' in out and "MiB with the tree, " \
+        "inside the 64 MiB a call carries" in out
+    assert json.loads((tmp_path / "code-version.json").read_text()) == lp.code_version()
+    assert "mkdir -p /root/c10 && cp .gpudata/a/* /root/c10/ && PYTHONUNBUFFERED=1 python3 benchmarks/lease.py call1 " \
+           "--out $OUT --sides fast94_next,e1,hiverge --carried .lease-cache/nvidia-h200 --budget-s " in out
     assert "benchmarks/lease.py call2 --out $OUT --data-dir /root/cifar10.npz --sides fast94_next,e1,hiverge " \
            "--runs 25" in out
+    for name in ("nvidia_nvimgcodec_cu13-0.9.0.20-py3-none-manylinux_2_28_x86_64.whl", "simplejpeg-1.9.0-cp312.whl",
+                 "nvidia_nvjpeg-13.3.2.43-py3-none-manylinux2014_x86_64.whl"):
+        (tmp_path / ".whl" / name).write_bytes(b"w")
+    assert lease.main([*plan, "--budget-s", "1200"]) == 0          # room for the check after the headline
+    out = capsys.readouterr().out
+    assert 'call 3 (imagenet): carry [".whl", "code-version.json"]: ' in out and "lacks" not in out
     assert lease.main(["plan", "--runs", "400", "--results", str(suite_times)]) == 1   # 400 rounds do not fit: said
     assert "does NOT end" in capsys.readouterr().out
-    monkeypatch.setattr(lease, "CARRY_LIMIT", 1 << 20)          # a carry over the run tool's limit fails the plan
-    assert lease.main(["plan", "--sides", "fast94_next,e1,hiverge", "--results", str(suite_times)]) == 1
+    monkeypatch.setattr(lp, "CARRY_LIMIT", 1 << 20)             # a carry over the run tool's limit fails the plan
+    assert lease.main(plan) == 1
     assert "OVER the 1 MiB a call carries" in capsys.readouterr().out
 
 
@@ -137,7 +182,7 @@ def test_prepare_lays_the_data_out_for_the_two_calls_and_keeps_it_out_of_git(tmp
 
 def test_call_1s_graphs_are_trimmed_to_what_comes_back_and_kept_for_the_next_lease(tmp_path, monkeypatch):
     out, carried = tmp_path / "out", tmp_path / ".lease-cache"
-    monkeypatch.setattr(lease, "CARRIED", carried)
+    monkeypatch.setattr(lp, "CARRIED", carried)
     monkeypatch.setattr(compile_carry, "PART_BYTES", 100)
     compile_carry.write_parts(b"e" * 250, out, "e1")                # 3 parts
     compile_carry.write_parts(b"h" * 150, out, "hiverge")           # 2 parts
@@ -152,7 +197,7 @@ def test_call_1s_graphs_are_trimmed_to_what_comes_back_and_kept_for_the_next_lea
     (carried / "nvidia-h200").mkdir(parents=True)
     (carried / "nvidia-h200" / lease.GRAPHS).write_text(json.dumps({"e1": {"complete": False, "compiled_s": 300.0}}))
     assert set(lease.keep(out, "nvidia-h200", say=said.append)) == {"e1", "hiverge"}
-    assert lease.carried_graphs(carried / "nvidia-h200") == {"e1": {"complete": False, "compiled_s": 674.0},
+    assert lp.carried_graphs(carried / "nvidia-h200") == {"e1": {"complete": False, "compiled_s": 674.0},
                                                             "hiverge": {"complete": True, "compiled_s": 250.0}}
     assert b"".join(p.read_bytes() for p in compile_carry.part_paths(carried / "nvidia-h200", "e1")) == b"e" * 250
     assert lease.keep(tmp_path / "absent", "nvidia-h200", say=said.append) == {}
@@ -212,7 +257,7 @@ def test_call_1s_graphs_kept_make_the_next_call_1s_build_warm(tmp_path, monkeypa
     nothing): call 1 sends its graphs back, keep stores them, a call 1 on a fresh cache loads them and compiles none."""
     compiled = fa.parse_args
     monkeypatch.setattr(fa, "parse_args", lambda argv: compiled(argv + ["--compile", "default"]))
-    monkeypatch.setattr(lease, "CARRIED", tmp_path / ".lease-cache")
+    monkeypatch.setattr(lp, "CARRIED", tmp_path / ".lease-cache")
     said = []
     for k, carried in enumerate((None, tmp_path / ".lease-cache" / "cpu")):
         out, cache = tmp_path / f"out{k}", tmp_path / f"cache{k}"
