@@ -13,20 +13,21 @@ them, and a check not begun by --budget-s recorded as skipped:
             beside imagenet_models' estimate of it
   together  each GPU decoder feeding each step, images/s, and its share of the step alone (the goal: >= 0.95), its
             peak memory beside the estimate (the decoder's buffers counted: imagenet_models.input_bytes)
-  train     imagenet_fast.py train --recipe rn50_16ep for about --train-steps steps with a checkpoint, killed
-            (SIGKILL) in its second epoch and relaunched with --resume: both commands' exit status and seconds
   race      the same seed's batches decoded quiet and under load (each batch feeding the step, with more work
             queued on the training stream): the batches' checksums must be equal (nvJPEG's stream bug, issues in
             docs/imagenet.md)
   sync      torch.cuda.set_sync_debug_mode("warn") over 20 steps of decoder and step together: the host waits
+  train     (last: the longest) imagenet_fast.py train --recipe rn50_16ep for about --train-steps steps with a
+            checkpoint, killed (SIGKILL) in its second epoch and relaunched with --resume: both commands' exit status
+            and seconds
 
 Beside each decoder's figures, its decode counts over that row's batches (the decoded counts of an imagenet_data.RankData):
 nvJPEG's "hardware" and "software" paths (idt.nvjpeg_paths; "unknown" where nvJPEG's library cannot be asked), or
 the decoder's own name ("cpu", "nvimgcodec").
 
 Device time on one H100 or H200, estimated (not measured): a minute of start-up and writing 25,000 images on 16
-cores, about 30 s to prepare, 1.5 min for the decoders, steps and together (10 rows of 13 batches at each size), 2 min
-for the 300 training steps twice started (cuDNN's warm-up in each), 20 s for the race and sync checks: about 5.5 min,
+cores, about 30 s to prepare, 1.5 min for the decoders, steps and together (10 rows of 13 batches at each size), 20 s
+for the race and sync checks, 2 min for the 300 training steps twice started (cuDNN's warm-up in each): about 5.5 min,
 inside 6.5 with the wheels' install (ASSUMED as such by benchmarks/lease_plan.py).
 
 The lent GPU machines have torch 2.11 (CUDA 13) and nothing else this needs: carry these wheels (27.9 MiB):
@@ -412,9 +413,9 @@ def run(args, cfg, *, tmp, workers, standin, argv):
     common = dict(device=device, dtype=dtype, workers=workers)
     checks = (("decoder", lambda: check_decoders(store, r, cfg, **common)),
               ("step", lambda: check_step_and_together(store, nets, cfg, classes=classes, smoke=smoke, **common)),
-              ("train", lambda: check_train(tmp / "store", len(store.train), cfg, folder=tmp / "train", smoke=smoke)),
               ("race", lambda: check_race(store, r, cfg, classes=classes, smoke=smoke, **common)),
-              ("sync", lambda: check_sync(store, r, cfg, classes=classes, standin=standin, **common)))
+              ("sync", lambda: check_sync(store, r, cfg, classes=classes, standin=standin, **common)),
+              ("train", lambda: check_train(tmp / "store", len(store.train), cfg, folder=tmp / "train", smoke=smoke)))
     for name, check in checks:
         spent = time.time() - started
         if args.budget_s is not None and spent >= args.budget_s:
