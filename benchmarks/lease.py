@@ -4,6 +4,7 @@ benchmarks/lease_plan.py lays out for the graphs already kept here.
 
     python benchmarks/lease.py prepare              # CIFAR-10's parts laid out for the two calls (.gpudata/a and b)
     python benchmarks/lease.py plan                 # the minute-by-minute plan, each call's carry (sized), its command
+    python benchmarks/lease.py plan --left-s S      # mid-lease, after a call: the rest, S the device's budget_left_s
     python benchmarks/lease.py call1 --out $OUT     # on the GPU, the build call: the sides compiled, graphs sent back
     python benchmarks/lease.py call2 --out $OUT --data-dir /root/cifar10.npz      # the run call: the sides timed
     python benchmarks/lease.py keep FOLDER          # here: the build call's returned graphs kept for the next lease
@@ -214,6 +215,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=None,
                    help=f"plan: the device seconds (default {DEVICE_BUDGET_S:.0f}); a call: its own (default "
                         f"{CALL1_BUDGET_S:.0f})")
+    p.add_argument("--left-s", type=float, default=None,
+                   help="plan, mid-lease: the device tool's budget_left_s, the machine held warm; plans the rest")
     p.add_argument("--kind", default=KIND, help=f"plan, keep: the device tool's kind (default {KIND})")
     p.add_argument("--results", default=None, help="plan: measured times from here (default results/<kind>)")
     p.add_argument("--out", default=None, help="a call: the folder whose files come back ($OUT)")
@@ -226,6 +229,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.runs < 2 or (args.budget_s is not None and args.budget_s <= 0):
         p.error("--runs must be at least 2 (a ratio's interval) and --budget-s positive")
+    if args.left_s is not None and (args.mode != "plan" or args.budget_s is not None or args.left_s <= 0):
+        p.error(f"--left-s {args.left_s:g}: plan's alone, positive, and instead of --budget-s (it sets the budget)")
     if args.mode in ("call1", "call2") and not args.out:
         p.error(f"{args.mode}: --out names the folder that comes back ($OUT)")
     if args.mode == "call2" and not args.data_dir:
@@ -238,6 +243,8 @@ def parse_args(argv=None):
         p.error(f"--sides {args.sides}: none of them is here; give our recipes (cifar10_fast.py --list-recipes) or "
                 f"the peers ({', '.join(PEERS)})")
     args.smoke = args.mode == "smoke"          # the calls' own switch: the CPU's stand-ins, tiny
+    if args.left_s:
+        args.budget_s = args.left_s - lease_plan.ASSUMED["warm_margin_s"]
     args.budget_s = args.budget_s or (DEVICE_BUDGET_S if args.mode == "plan" else CALL1_BUDGET_S
                                       if args.mode != "smoke" else 600.0)
     args.results = args.results or str(ROOT / "results" / args.kind)

@@ -38,6 +38,7 @@ IMAGENET_RESULT = "imagenet_gpu_check.json"
 DEVICE_BUDGET_S = 720.0                    # 12 of the lease's 15 minutes: the rest is the margin
 CALL_LIMIT_S = 600.0
 CALL1_BUDGET_S = 540.0                     # the build call's builds; then TERM_GRACE_S for the unbuilt to save
+MIN_BUILD_S = 60.0                         # a build call given less compiles too little to be worth its call
 CARRY_LIMIT = 64 << 20                     # the run tool's working tree, carried paths included
 VERSION_PATH = ROOT / CODE_VERSION_FILE    # where the run tool's carry finds it: the repository's root
 # Seconds on an H200 that nothing here has measured, each a stated assumption (docs/measuring.md, The lease):
@@ -60,7 +61,9 @@ ASSUMED = {
     "install_s": 10.0,           # the three wheels installed from the carried folder
     "imagenet_s": 330.0,         # ImageNet's check whole: its own estimate (benchmarks/imagenet_gpu_check.py)
     "longest_check_s": 150.0,    # its longest check (training killed and resumed): none begins later than this before
-}                                # the call's end
+                                 # the call's end
+    "warm_margin_s": 60.0,       # the margin a plan made mid-lease (--left-s) keeps: a call's overrun, files' return
+}
 
 
 class Step(NamedTuple):
@@ -182,11 +185,16 @@ def laid(parts):
 
 
 def arrival(call, times, what):
-    """A call's steps before its command: the machine's start (the first call) or the wait (a later one), then what
-    it carries in."""
-    first = (call, times["start_s"], "machine start", False) if call == 1 else \
+    """A call's steps before its command: the machine's start (the first call, the machine not yet held) or the wait
+    (a later one), then what it carries in."""
+    first = (call, times["start_s"], "machine start", False) if call == 1 and not times.get("held") else \
         (call, times["gap_s"], "between the calls (the machine held warm)", False)
     return [first, (call, times["transfer_s"], what, False)]
+
+
+def held(times):
+    """The charges of a lease whose machine is already held (a plan made mid-lease): no start, a call's wait."""
+    return {**times, "start_s": times["gap_s"], "held": True}
 
 
 def imagenet_parts(call, times):
@@ -252,7 +260,7 @@ def compile_lease(sides, *, times, carried, budget_s, imagenet):
     deadline = min(CALL1_BUDGET_S, budget_s - sum(seconds for _, seconds, _, _ in before) - fa.TERM_GRACE_S)
     build = charged_builds(sides, times, carried)
     whole = max(build[s] * at_once(sides, times) for s in sides)
-    built = f"{', '.join(sides)} built {'alone' if len(sides) == 1 else 'at once, no other side beside them'}"
+    built = f"{', '.join(sides)} built {'alone' if len(sides) == 1 else 'together, the other sides not built'}"
     what = (f"{built} on random data until {max(deadline, 0):.0f} s, its graphs so far sent back" if whole > deadline
             else f"{built} on random data, its graphs sent back")
     steps = laid([*before, (call, min(whole, max(deadline, 0.0) + fa.TERM_GRACE_S), what, True)])
@@ -272,9 +280,12 @@ def plan(sides, *, n, budget_s, times, carried=None, imagenet=False):
             kept.append(extra)
     lease = headline_lease([s for s in sides if s in kept], n=n, times=times, carried=carried, budget_s=budget_s)
     unbuilt = [s for s in headline if not lease.runs[s]]
-    if unbuilt:
-        return replace(compile_lease(unbuilt, times=times, carried=carried, budget_s=budget_s, imagenet=imagenet),
-                       runs=dict.fromkeys(sides, 0))
+    if unbuilt:                      # ImageNet's check kept only while the build call still gets its minute
+        for check in (True, False) if imagenet else (False,):
+            lease = compile_lease(unbuilt, times=times, carried=carried, budget_s=budget_s, imagenet=check)
+            if lease.deadline >= MIN_BUILD_S:
+                break
+        return replace(lease, runs=dict.fromkeys(sides, 0))
     runs = {s: lease.runs.get(s, 0) for s in sides}
     with_imagenet = laid([(s.call, s.end - s.start, s.what, s.in_command) for s in lease.steps]
                          + imagenet_parts(3, times))
@@ -373,6 +384,10 @@ def show(args, say=print):
     status (1 where the headline does not end or a carry is over the limit)."""
     sides = available_sides(args.sides.split(","), say=say)
     times, source = times_for(sides, args.results)
+    if args.left_s:                  # mid-lease: the machine held, what the device tool says is left less a margin
+        times = held(times)
+        say(f"mid-lease: {args.left_s:.0f} s of device time left, {times['warm_margin_s']:.0f} s kept back, the "
+            "machine held (no start charged)")
     carried = carried_graphs(CARRIED / args.kind)
     imagenet = not imagenet_measured(args.results)
     lease = plan(sides, n=args.runs, budget_s=args.budget_s, times=times, carried=carried, imagenet=imagenet)
@@ -381,10 +396,13 @@ def show(args, say=print):
     say(f"runs: {lease.runs}; headline ({', '.join(s for s in sides if s in HEADLINE)}, n = {args.runs}) "
         f"{'ends' if lease.ends else 'does NOT end'} at {lease.steps[-1].end / 60:.1f} min of "
         f"{args.budget_s / 60:.0f}")
-    if lease.shape == "compile":
+    if lease.shape == "compile" and lease.deadline < MIN_BUILD_S:
+        say(f"nothing fits: the build call would get {max(lease.deadline, 0):.0f} s, under the {MIN_BUILD_S:.0f} s "
+            "a build call is worth")
+    elif lease.shape == "compile":
         check = "ImageNet's GPU check and " if "imagenet" in lease.calls else ""
-        say(f"this lease yields {check}{', '.join(lease.built)}'s graphs, compiled alone (keep them), for a headline "
-            "lease to follow; the sides it could build are timed beside them there")
+        say(f"this lease yields {check}{', '.join(lease.built)}'s graphs (keep them), for a headline lease to "
+            "follow; the sides it could build are timed beside them there")
     elif imagenet and "imagenet" not in lease.calls:
         charged = sum(seconds for _, seconds, _, _ in imagenet_parts(3, times))
         say(f"ImageNet's GPU check ({charged / 60:.1f} min charged) does not fit after the headline: a later lease's")

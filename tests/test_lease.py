@@ -121,6 +121,33 @@ def test_a_headline_side_no_lease_can_build_in_time_compiles_alone_after_imagene
     assert after.shape == "headline" and after.ends and after.runs == dict.fromkeys(sides, 25)
 
 
+def test_a_plan_made_mid_lease_charges_no_start_keeps_a_margin_and_drops_imagenet_before_the_build(
+        suite_times, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(lp, "VERSION_PATH", tmp_path / "code-version.json")
+    monkeypatch.setattr(lp, "CARRIED", tmp_path / ".lease-cache")
+    sides = ["fast94_next", "e1", "hiverge"]
+    times, _ = lp.times_for(sides, suite_times)
+    warm = lp.held(times)
+    fresh, mid = (lp.plan(sides, n=25, budget_s=720, times=t, imagenet=True) for t in (times, warm))
+    assert fresh.steps[0].what == "machine start" and mid.steps[0].what.startswith("between the calls")
+    assert mid.deadline - fresh.deadline == pytest.approx(times["start_s"] - times["gap_s"])   # the start, given on
+    # too little left for the check and a build call's minute: the build alone; too little for that: nothing fits
+    check = sum(seconds for _, seconds, _, _ in lp.imagenet_parts(1, warm))
+    short = lp.plan(sides, n=25, budget_s=check + 60, times=warm, imagenet=True)
+    assert short.calls == ("build",) and short.deadline >= lp.MIN_BUILD_S
+    base = ["plan", "--sides", "fast94_next,e1,hiverge", "--results", str(suite_times)]
+    assert lease.main([*base, "--left-s", "30"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("mid-lease: 30 s of device time left, 60 s kept back, the machine held (no start charged)")
+    assert "nothing fits: the build call would get 0 s, under the 60 s a build call is worth" in out
+    for argv in ([*base, "--left-s", "300", "--budget-s", "200"], ["call1", "--out", "o", "--left-s", "300"],
+                 [*base, "--left-s", "0"]):
+        with pytest.raises(SystemExit) as e:
+            lease.main(argv)
+        assert e.value.code == 2 and capsys.readouterr().err.strip().endswith(
+            "plan's alone, positive, and instead of --budget-s (it sets the budget)")
+
+
 def test_the_plan_command_sizes_each_calls_carry_and_prints_every_command(capsys, tmp_path, monkeypatch,
                                                                          suite_times):
     monkeypatch.setattr(lp, "VERSION_PATH", tmp_path / "code-version.json")     # the checkout stays as it was
@@ -130,7 +157,7 @@ def test_the_plan_command_sizes_each_calls_carry_and_prints_every_command(capsys
     plan = ["plan", "--sides", "fast94_next,e1,hiverge", "--runs", "25", "--results", str(suite_times)]
     assert lease.main(plan) == 1
     out = capsys.readouterr().out
-    assert "does NOT end" in out and "this lease yields ImageNet's GPU check and e1's graphs, compiled alone" in out
+    assert "does NOT end" in out and "this lease yields ImageNet's GPU check and e1's graphs (keep them)" in out
     assert "call 1 (imagenet): .whl/ lacks nvidia_nvimgcodec_cu13, nvidia_nvjpeg, simplejpeg: fetch them" in out
     assert "python3 benchmarks/imagenet_gpu_check.py --out $OUT/imagenet_gpu_check.json --budget-s 180 " in out
     assert 'call 2 (build): carry ["peers", "code-version.json"]: ' in out and "carried graphs " \
