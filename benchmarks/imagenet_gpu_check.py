@@ -4,7 +4,8 @@ them, and a check not begun by --budget-s recorded as skipped:
 
   images    a synthetic ImageFolder of ImageNet's sizes written in parallel: --images photos of --classes classes (10
             validation images a class), longer side drawn from 340 to 500 px, 4:3 three times in five, 3:4 and square
-            once each (expected mean 399 x 357 px; ImageNet's: about 400 x 350), JPEG quality 90, every fourth progressive
+            once each (expected mean 399 x 357 px; ImageNet's: about 400 x 350), JPEG quality 90, every fourth
+            progressive
   prepare   imagenet_fast.py's JPEG store of it (imagenet_store.prepare), timed
   decoder   each decoder alone (nvJPEG through torchvision, nvImageCodec, the CPU's processes) at batch --batch-size,
             at 160 and 224 px: images/s of imagenet_data.train_batches, as training reads them

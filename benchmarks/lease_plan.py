@@ -374,8 +374,8 @@ def carry_and_commands(lease, *, n, budget_s, kind=KIND, times=ASSUMED):
     out["imagenet"] = (
         [WHEELS.name, CODE_VERSION_FILE],
         f"set -o pipefail; python3 -m pip install -q --no-index --no-deps --target /tmp/site {WHEELS.name}/*.whl && "
-        f"PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/imagenet_gpu_check.py --out $OUT/{IMAGENET_RESULT} "
-        f"--budget-s {checks_s:.0f} 2>&1 | tee $OUT/imagenet.log")
+        "PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/imagenet_gpu_check.py "
+        f"--out $OUT/{IMAGENET_RESULT} --budget-s {checks_s:.0f} 2>&1 | tee $OUT/imagenet.log")
     return {job: out[job] for job in lease.calls}
 
 
