@@ -7,7 +7,7 @@ benchmarks/lease_plan.py lays out for the graphs already kept here.
     python benchmarks/lease.py plan --left-s S      # mid-lease, after a call: the rest, S the device's budget_left_s
     python benchmarks/lease.py call1 --out $OUT     # on the GPU, the build call: the sides compiled, graphs sent back
     python benchmarks/lease.py call2 --out $OUT --data-dir /root/cifar10.npz      # the run call: the sides timed
-    python benchmarks/lease.py keep FOLDER          # here: the build call's returned graphs kept for the next lease
+    python benchmarks/lease.py keep FOLDER          # here, after each call: its graphs and its results kept
     python benchmarks/lease.py smoke                # both calls tiny on the CPU (the peers' stand-ins, CUDA's)
 
 The build call (call1) carries the graphs earlier leases compiled on this kind of GPU (.lease-cache/<kind>/,
@@ -87,6 +87,33 @@ def returnable(out, keep_first, *, say=print):
                 part.unlink()
             say(f"{side}: its graphs ({size_text(size)} in {len(parts)} parts) exceed what comes back: not sent")
     return kept
+
+
+# a call's files in $OUT and their names in results/<kind>/: the build call's, the run call's, ImageNet's check's
+RESULT_NAMES = {COLD: COLD, "call1.log": "lease_call1.log", "lease.json": "lease.json",
+                "rows.jsonl": "lease_rows.jsonl", "call2.log": "lease_call2.log",
+                lease_plan.IMAGENET_RESULT: lease_plan.IMAGENET_RESULT, "imagenet.log": "imagenet_gpu_check.log"}
+
+
+def kept_results(returned, results, say=print):
+    """A call's results and logs copied from its returned folder into results (results/<kind>/), named as
+    RESULT_NAMES says (the workers' log after its call), a smoke's refused: the names written."""
+    returned, results = Path(returned), Path(results)
+    lease, check = (fa.load_json(returned / name) or {} for name in ("lease.json", lease_plan.IMAGENET_RESULT))
+    if lease.get("device_name") == "CPU (smoke)" or check.get("smoke"):
+        say(f"{returned}: a smoke's files, not results: none kept in {results}")
+        return []
+    call = "call1" if (returned / COLD).is_file() else "call2" if (returned / "lease.json").is_file() else None
+    names = {**RESULT_NAMES, **({"workers.log": f"lease_{call}_workers.log"} if call else {})}
+    written = []
+    for name, kept in names.items():
+        if (returned / name).is_file():
+            results.mkdir(parents=True, exist_ok=True)
+            shutil.copy(returned / name, results / kept)
+            written.append(kept)
+    if written:
+        say(f"kept in {results}: {', '.join(written)}")
+    return written
 
 
 def keep(returned, kind, say=print):
@@ -218,7 +245,8 @@ def parse_args(argv=None):
     p.add_argument("--left-s", type=float, default=None,
                    help="plan, mid-lease: the device tool's budget_left_s, the machine held warm; plans the rest")
     p.add_argument("--kind", default=KIND, help=f"plan, keep: the device tool's kind (default {KIND})")
-    p.add_argument("--results", default=None, help="plan: measured times from here (default results/<kind>)")
+    p.add_argument("--results", default=None, help="plan: measured times from here; keep: the call's results to here "
+                                                    "(default results/<kind>)")
     p.add_argument("--out", default=None, help="a call: the folder whose files come back ($OUT)")
     p.add_argument("--data-dir", default=None, help="call2: CIFAR-10 as one .npz")
     p.add_argument("--cache", type=Path, default=CACHE, help="the compile cache's folder")
@@ -261,8 +289,9 @@ def main(argv=None):
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
-    if args.mode == "keep":
-        return 0 if keep(args.returned, args.kind) else 1
+    if args.mode == "keep":        # the graphs for the next lease, the results for README (benchmarks/report.py)
+        graphs, results = keep(args.returned, args.kind), kept_results(args.returned, args.results)
+        return 0 if graphs or results else 1
     if args.mode == "plan":
         return lease_plan.show(args)
     if args.mode == "smoke":

@@ -429,9 +429,8 @@ def show(args, say=print):
     state = {s: "whole" if g["complete"] else f"partial, {g['compiled_s']:.0f} s compiled" for s, g in carried.items()}
     say(f"carried graphs ({CARRIED.name}/{args.kind}): "
         + (", ".join(f"{s} {size_text(sizes[s])} ({state[s]})" for s in carried) or "none: every build cold"))
-    say("after the build call: python benchmarks/lease.py keep FILES_AT (its graphs, for the next lease)"
-        + ("; the run call at once, on the machine still warm (a fresh one builds every side cold)"
-           if "run" in lease.calls else "")
-        + (f"; after the ImageNet call: its {IMAGENET_RESULT} into results/{args.kind}/, then "
-           "python benchmarks/report.py" if "imagenet" in lease.calls else ""))
+    say(f"after each call: python benchmarks/lease.py keep FILES_AT (its graphs for the next lease, its results and "
+        f"logs into results/{args.kind}/), then python benchmarks/report.py; the calls back to back, on the machine "
+        "still warm (a fresh one builds every side cold); where a call ends far from its charge, plan the rest with "
+        "--left-s")
     return 0 if ok else 1

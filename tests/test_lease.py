@@ -238,6 +238,32 @@ def test_call_1s_graphs_are_trimmed_to_what_comes_back_and_kept_for_the_next_lea
     assert said[-1].endswith("absent: no compiled parts (<side>.compiled.NN) to keep")
 
 
+def test_keep_puts_each_calls_results_and_logs_in_the_kinds_results_and_refuses_a_smokes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(lp, "CARRIED", tmp_path / ".lease-cache")
+    results = tmp_path / "results" / "nvidia-h200"
+    calls = {"build": {lease.COLD: "{}", "call1.log": "built", "workers.log": "w1"},
+             "run": {"lease.json": json.dumps({"device_name": "NVIDIA H200"}), "rows.jsonl": "{}\n",
+                     "call2.log": "ran", "workers.log": "w2"},
+             "imagenet": {lp.IMAGENET_RESULT: json.dumps({"smoke": False, "rows": []}), "imagenet.log": "checked"}}
+    for job, files in calls.items():
+        folder = tmp_path / job
+        folder.mkdir()
+        for name, text in files.items():
+            (folder / name).write_text(text)
+        assert lease.main(["keep", str(folder), "--results", str(results)]) == 0
+    assert sorted(p.name for p in results.iterdir()) == sorted([
+        "lease_call1.json", "lease_call1.log", "lease_call1_workers.log", "lease.json", "lease_rows.jsonl",
+        "lease_call2.log", "lease_call2_workers.log", "imagenet_gpu_check.json", "imagenet_gpu_check.log"])
+    assert (results / "lease_call2_workers.log").read_text() == "w2"
+    smoke = tmp_path / "smoke"
+    smoke.mkdir()
+    (smoke / "lease.json").write_text(json.dumps({"device_name": "CPU (smoke)"}))
+    capsys.readouterr()
+    assert lease.main(["keep", str(smoke), "--results", str(tmp_path / "other")]) == 1
+    assert f"{smoke}: a smoke's files, not results: none kept in {tmp_path / 'other'}" in capsys.readouterr().out
+    assert not (tmp_path / "other").exists()
+
+
 def test_bad_flags_are_one_line(capsys):
     for argv in (["call2", "--out", "o"], ["plan", "--runs", "1"], ["call1"]):
         with pytest.raises(SystemExit) as e:
