@@ -92,7 +92,7 @@ def returnable(out, keep_first, *, say=print):
 # a call's files in $OUT and their names in results/<kind>/: the build call's, the run call's, ImageNet's check's
 RESULT_NAMES = {COLD: COLD, "call1.log": "lease_call1.log", "lease.json": "lease.json",
                 "rows.jsonl": "lease_rows.jsonl", "call2.log": "lease_call2.log",
-                lease_plan.IMAGENET_RESULT: lease_plan.IMAGENET_RESULT, "imagenet.log": "imagenet_gpu_check.log"}
+                lease_plan.IMAGENET_RESULT: lease_plan.IMAGENET_RESULT, "imagenet.log": "lease_imagenet.log"}
 
 
 def kept_results(returned, results, say=print):

@@ -253,7 +253,7 @@ def test_keep_puts_each_calls_results_and_logs_in_the_kinds_results_and_refuses_
         assert lease.main(["keep", str(folder), "--results", str(results)]) == 0
     assert sorted(p.name for p in results.iterdir()) == sorted([
         "lease_call1.json", "lease_call1.log", "lease_call1_workers.log", "lease.json", "lease_rows.jsonl",
-        "lease_call2.log", "lease_call2_workers.log", "imagenet_gpu_check.json", "imagenet_gpu_check.log"])
+        "lease_call2.log", "lease_call2_workers.log", "imagenet_gpu_check.json", "lease_imagenet.log"])
     assert (results / "lease_call2_workers.log").read_text() == "w2"
     smoke = tmp_path / "smoke"
     smoke.mkdir()
