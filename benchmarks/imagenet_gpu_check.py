@@ -2,12 +2,12 @@
 each check's figures written to --out (JSON, rewritten after every check) as soon as it ends, so a cut-off run keeps
 them, and a check not begun by --budget-s recorded as skipped:
 
-  images    a synthetic ImageFolder of ImageNet's sizes written in parallel: --images photos of --classes classes (10
+  images    a synthetic ImageFolder of ImageNet's sizes written in parallel: --images photos (25,000) of 100 classes (10
             validation images a class), longer side drawn from 340 to 500 px, 4:3 three times in five, 3:4 and square
             once each (expected mean 399 x 357 px; ImageNet's: about 400 x 350), JPEG quality 90, every fourth
             progressive
   prepare   imagenet_fast.py's JPEG store of it (imagenet_store.prepare), timed
-  decoder   each decoder alone (nvJPEG through torchvision, nvImageCodec, the CPU's processes) at batch --batch-size,
+  decoder   each decoder alone (nvJPEG through torchvision, nvImageCodec, the CPU's processes) at batch 512,
             at 160 and 224 px: images/s of imagenet_data.train_batches, as training reads them
   step      each network's step alone on batches already on the device (rn50_16ep's ResNet-50 and rn18_16ep's
             ResNet-18: BlurPool, bf16, channels_last, FFCV's batch of 512 and 1,024), images/s and its peak memory
@@ -18,7 +18,7 @@ them, and a check not begun by --budget-s recorded as skipped:
             queued on the training stream): the batches' checksums must be equal (nvJPEG's stream bug, issues in
             docs/imagenet.md)
   sync      torch.cuda.set_sync_debug_mode("warn") over 20 steps of decoder and step together: the host waits
-  train     (last: the longest) imagenet_fast.py train --recipe rn50_16ep for about --train-steps steps with a
+  train     (last: the longest) imagenet_fast.py train --recipe rn50_16ep for about 300 steps with a
             checkpoint, killed (SIGKILL) in its second epoch and relaunched with --resume: both commands' exit status
             and seconds
 
