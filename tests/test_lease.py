@@ -159,7 +159,7 @@ def test_the_plan_command_sizes_each_calls_carry_and_prints_every_command(capsys
     out = capsys.readouterr().out
     assert "does NOT end" in out and "this lease yields ImageNet's GPU check and e1's graphs (keep them)" in out
     assert "call 1 (imagenet): .whl/ lacks nvidia_nvimgcodec_cu13, nvidia_nvjpeg, simplejpeg: fetch them" in out
-    assert "python3 benchmarks/imagenet_gpu_check.py --out $OUT/imagenet_gpu_check.json --budget-s 180 " in out
+    assert "python3 benchmarks/imagenet_gpu_check.py --out $OUT/imagenet_gpu_check.json --budget-s 210 " in out
     assert 'call 2 (build): carry ["peers", "code-version.json"]: ' in out and "carried graphs " \
         "(.lease-cache/nvidia-h200): none: every build cold" in out
     assert "benchmarks/lease.py call1 --out $OUT --sides e1 --carried .lease-cache/nvidia-h200 --budget-s 180 " in out
@@ -168,7 +168,7 @@ def test_the_plan_command_sizes_each_calls_carry_and_prints_every_command(capsys
     line = next(x for x in out.splitlines() if x.startswith("call 1 (imagenet): timeout_s "))
     argv = line.split("benchmarks/imagenet_gpu_check.py ", 1)[1].split(" 2>&1")[0].split()
     check = imagenet_gpu_check.parse_args(argv)
-    assert (check.out, check.budget_s, check.smoke) == ("$OUT/imagenet_gpu_check.json", 180.0, False)
+    assert (check.out, check.budget_s, check.smoke) == ("$OUT/imagenet_gpu_check.json", 210.0, False)
     assert line.startswith("call 1 (imagenet): timeout_s 370; ")              # the check, its install and 30 s
     for side in ("fast94_next", "e1", "hiverge"):               # every side's graphs kept whole: the headline ends
         compile_carry.write_parts(b"graphs", tmp_path / ".lease-cache" / "nvidia-h200", side)
