@@ -25,6 +25,7 @@ import compile_carry  # noqa: E402
 import fulcrum_adapter as fa  # noqa: E402
 from core import CODE_VERSION_FILE, code_version  # noqa: E402
 from devices import size_text  # noqa: E402
+from install_size import folder_bytes  # noqa: E402
 
 OURS = ("fast94_next", "fast94_fastest", "fast94_curriculum")
 PEERS = ("e1", "hiverge")
@@ -76,13 +77,17 @@ class Step(NamedTuple):
 
 @dataclass(frozen=True)
 class LeasePlan:
-    shape: str                   # "headline" or "compile"
     calls: tuple                 # each call's job, in order: "imagenet", "build", "run"
     steps: list
     runs: dict                   # side: its timed runs in this lease
     built: list                  # the sides the build call compiles
     deadline: float              # the build call's, for its builds
     ends: bool                   # the headline ends inside the budget, each call inside CALL_LIMIT_S
+
+    @property
+    def shape(self):
+        """"headline" where the lease times the sides (a run call), else "compile"."""
+        return "headline" if "run" in self.calls else "compile"
 
 
 def available_sides(sides, *, say=print):
@@ -247,7 +252,7 @@ def headline_lease(sides, *, n, times, carried, budget_s):
         (2, max((times["warm_s"][s] for s in built), default=0.0) * slowdown,
          "every side call 1 built, built again from the disk's cache, at once (warm)", True),
         *((2, round_s, f"round {k + 1}: one timed run of each of {', '.join(built)}", True) for k in range(n))])
-    return LeasePlan("headline", ("build", "run"), steps, {s: n if s in built else 0 for s in sides}, list(sides),
+    return LeasePlan(("build", "run"), steps, {s: n if s in built else 0 for s in sides}, list(sides),
                      deadline, ends_in_time(steps, budget_s) and set(sides) & set(HEADLINE) <= set(built))
 
 
@@ -264,7 +269,7 @@ def compile_lease(sides, *, times, carried, budget_s, imagenet):
     what = (f"{built} on random data until {max(deadline, 0):.0f} s, its graphs so far sent back" if whole > deadline
             else f"{built} on random data, its graphs sent back")
     steps = laid([*before, (call, min(whole, max(deadline, 0.0) + fa.TERM_GRACE_S), what, True)])
-    return LeasePlan("compile", ("imagenet", "build") if imagenet else ("build",), steps, dict.fromkeys(sides, 0),
+    return LeasePlan(("imagenet", "build") if imagenet else ("build",), steps, dict.fromkeys(sides, 0),
                      list(sides), deadline, False)
 
 
@@ -286,13 +291,13 @@ def plan(sides, *, n, budget_s, times, carried=None, imagenet=False):
             if lease.deadline >= MIN_BUILD_S:
                 break
         return replace(lease, runs=dict.fromkeys(sides, 0))
-    runs = {s: lease.runs.get(s, 0) for s in sides}
-    with_imagenet = laid([(s.call, s.end - s.start, s.what, s.in_command) for s in lease.steps]
-                         + imagenet_parts(3, times))
-    if imagenet and lease.ends and ends_in_time(with_imagenet, budget_s):
-        return LeasePlan("headline", ("build", "run", "imagenet"), with_imagenet, runs, lease.built, lease.deadline,
-                         True)
-    return LeasePlan("headline", lease.calls, lease.steps, runs, lease.built, lease.deadline, lease.ends)
+    lease = replace(lease, runs={s: lease.runs.get(s, 0) for s in sides})
+    if imagenet and lease.ends:
+        with_imagenet = laid([(s.call, s.end - s.start, s.what, s.in_command) for s in lease.steps]
+                             + imagenet_parts(3, times))
+        if ends_in_time(with_imagenet, budget_s):
+            return replace(lease, calls=("build", "run", "imagenet"), steps=with_imagenet)
+    return lease
 
 
 def ends_in_time(steps, budget_s):
@@ -338,11 +343,6 @@ def tree_bytes(root=ROOT):
     names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
                            capture_output=True, text=True).stdout.split("\0")
     return sum((Path(root) / n).stat().st_size for n in names if n and (Path(root) / n).is_file())
-
-
-def folder_bytes(path):
-    path = Path(path)
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
 def missing_wheels(folder=None):
