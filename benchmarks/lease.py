@@ -36,6 +36,7 @@ import fulcrum_adapter as fa  # noqa: E402
 import lease_plan  # noqa: E402
 from core import Parser  # noqa: E402
 from devices import size_text  # noqa: E402
+from install_size import folder_bytes  # noqa: E402
 from lease_plan import CALL1_BUDGET_S, DEVICE_BUDGET_S, GRAPHS, KIND, OURS, PEERS, available_sides  # noqa: E402
 
 CACHE = Path("/root/lease-cache")          # on the GPU machine: one compile cache for every side
@@ -63,7 +64,7 @@ def prepare(parts, gpudata, say=print):
         folder.mkdir(parents=True)
         for name in names:
             shutil.copy(Path(parts) / name, folder / name)
-        sizes[half] = sum(f.stat().st_size for f in folder.iterdir())
+        sizes[half] = folder_bytes(folder)
         say(f"{folder}: {', '.join(names)} ({size_text(sizes[half])})")
     exclude, line = Path(gpudata).parent / ".git" / "info" / "exclude", f"/{Path(gpudata).name}/"
     text = exclude.read_text() if exclude.is_file() else ""
