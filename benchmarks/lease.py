@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import compile_carry  # noqa: E402
 import fulcrum_adapter as fa  # noqa: E402
 import lease_plan  # noqa: E402
+import suite  # noqa: E402
 from core import Parser  # noqa: E402
 from devices import size_text  # noqa: E402
 from install_size import folder_bytes  # noqa: E402
@@ -142,11 +143,6 @@ def keep(returned, kind, say=print):
 # ---------------------------------------------------------------------------------------------------
 # The calls, as the GPU machine runs them (and, tiny, the CPU's smoke)
 
-def cache_environment(cache):
-    return {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
-            "TORCHINDUCTOR_CACHE_DIR": str(cache), "TRITON_CACHE_DIR": str(Path(cache) / "triton")}
-
-
 def adapter_args(args, *, sides, runs, synthetic, rows=None, budget_s=None, cache_in=None, cache_out=None):
     argv = ["compare", "--sides", ",".join(sides), "--runs", str(runs), "--log", str(Path(args.out) / "workers.log"),
             *(["--synthetic"] if synthetic else ["--data-dir", args.data_dir]),
@@ -211,14 +207,13 @@ def call2(args, say=print):
 def smoke(args, say=print):
     """Both calls, tiny, on the CPU: the peers' stand-ins under CUDA's, a cache folder and an $OUT of its own."""
     import tempfile
-    import suite
     with tempfile.TemporaryDirectory() as tmp:
         out1, out2 = Path(tmp) / "out1", Path(tmp) / "out2"
         out1.mkdir()
         out2.mkdir()
         base = dict(vars(args), smoke=True, cache=Path(tmp) / "cache", budget_s=args.budget_s)
         base["cache"].mkdir()
-        with fa_environment(cache_environment(base["cache"])):
+        with suite.environment_of(suite.cache_environment(base["cache"])):
             rc1 = call1(argparse.Namespace(**{**base, "out": out1}), say=say)
             data = str(suite.synthetic_npz(Path(tmp) / "c.npz"))
             rc2 = call2(argparse.Namespace(**{**base, "out": out2, "data_dir": data}), say=say)
@@ -227,11 +222,6 @@ def smoke(args, say=print):
         if args.keep:
             shutil.copytree(tmp, args.keep, dirs_exist_ok=True)
     return rc1 or rc2
-
-
-def fa_environment(variables):
-    import suite
-    return suite.environment_of(variables)
 
 
 def parse_args(argv=None):
@@ -297,8 +287,9 @@ def main(argv=None):
         return lease_plan.show(args)
     if args.mode == "smoke":
         return smoke(args)
-    args.cache.mkdir(parents=True, exist_ok=True) if args.mode == "call1" else None
-    with fa_environment(cache_environment(args.cache)):
+    if args.mode == "call1":
+        args.cache.mkdir(parents=True, exist_ok=True)
+    with suite.environment_of(suite.cache_environment(args.cache)):
         return (call1 if args.mode == "call1" else call2)(args)
 
 

@@ -162,8 +162,7 @@ def pieces():
               "160-224 px", "throughput", needs=("gpu",), extra=["--sizes", "160,192,224"]),
         Piece("imagenet_gpu_check", "4", "the first ImageNet run: each decoder, the ResNet-50 and ResNet-18 steps and "
               "each with the GPU decoders at 160 and 224 px, train killed and resumed, the stream race, host waits",
-              "gpu_check",
-              needs=("gpu",)),
+              "gpu_check", needs=("gpu",)),
         Piece("torchrun_fast94", "4", "fast94 under torchrun --nproc_per_node=1 (NCCL) against a plain run",
               "torchrun_cifar", {"plain": 10, "torchrun": 10}, {"plain": "fast94", "torchrun": "fast94"},
               {"plain": 0.94, "torchrun": 0.94}, needs=("gpu", "nccl")),
@@ -294,11 +293,16 @@ def stop(*_):
 COMPILE_CACHE = ".compile-cache"   # under results/<machine>/; .gitignore keeps it out of the repository
 
 
-def compile_cache(results):
-    """The environment that makes every piece's process share torch.compile's caches (inductor's FX graph cache and
-    AOT autograd cache in one folder under the results, per machine): only the first process pays a cold compile."""
+def cache_environment(folder):
+    """The environment that makes every process started in it share torch.compile's caches in folder (inductor's FX
+    graph cache and AOT autograd cache; Triton's kernels under it, inductor's default): one cold compile."""
     return {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
-            "TORCHINDUCTOR_CACHE_DIR": str(Path(results) / COMPILE_CACHE)}
+            "TORCHINDUCTOR_CACHE_DIR": str(folder)}
+
+
+def compile_cache(results):
+    """cache_environment for the pieces of one machine: its folder under the results."""
+    return cache_environment(Path(results) / COMPILE_CACHE)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,7 @@ import fulcrum_adapter as fa  # noqa: E402
 import compile_carry  # noqa: E402
 import lease  # noqa: E402
 import lease_plan as lp  # noqa: E402
+import suite  # noqa: E402
 
 H200 = ROOT / "results" / "nvidia-h200"
 
@@ -324,7 +325,7 @@ def test_call_1s_graphs_kept_make_the_next_call_1s_build_warm(tmp_path, monkeypa
         out.mkdir()
         args = lease.parse_args(["call1", "--out", str(out), "--sides", "fast94_next,e1", "--budget-s", "900"])
         args.smoke, args.cache, args.carried = True, cache, carried
-        with lease.fa_environment(lease.cache_environment(cache)):
+        with suite.environment_of(suite.cache_environment(cache)):
             assert lease.call1(args, say=said.append) == 0
         if k == 0:
             assert set(compile_carry.carried(out)) == {"fast94_next"}             # the stand-in compiles nothing
