@@ -1,3 +1,4 @@
+import ctypes
 import os
 import signal
 import socket
@@ -12,10 +13,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = ROOT.parent / "shared" / "data" / "cifar10" / "parts"
 
-# pytest-xdist's workers share the cores (pytest.ini): each takes its share of torch's threads, so that no two
-# workers' thread pools spin against each other on one core
+# glibc maps each block over 32 MiB (a batch's activations) afresh and unmaps it when freed, so each CPU step
+# faulted its memory in again: blocks stay in the heap, in this process and in the commands the tests start
+M_TRIM_THRESHOLD, M_MMAP_MAX, HEAP_KEPT = -1, -4, 2 ** 31 - 1          # malloc.h's names
+os.environ.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(HEAP_KEPT))
+if sys.platform == "linux" and hasattr(ctypes.CDLL(None), "mallopt"):
+    ctypes.CDLL(None).mallopt(M_MMAP_MAX, 0)
+    ctypes.CDLL(None).mallopt(M_TRIM_THRESHOLD, HEAP_KEPT)
+
+# pytest-xdist's workers share the cores (pytest.ini): each takes its share of torch's threads, and so do the
+# commands its tests start (OMP_NUM_THREADS), so that no two thread pools spin against each other on one core
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
 
 def pytest_report_header(config):
