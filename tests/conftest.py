@@ -17,9 +17,10 @@ PARTS = ROOT.parent / "shared" / "data" / "cifar10" / "parts"
 # faulted its memory in again: blocks stay in the heap, in this process and in the commands the tests start
 M_TRIM_THRESHOLD, M_MMAP_MAX, HEAP_KEPT = -1, -4, 2 ** 31 - 1          # malloc.h's names
 os.environ.update(MALLOC_MMAP_MAX_="0", MALLOC_TRIM_THRESHOLD_=str(HEAP_KEPT))
-if sys.platform == "linux" and hasattr(ctypes.CDLL(None), "mallopt"):
-    ctypes.CDLL(None).mallopt(M_MMAP_MAX, 0)
-    ctypes.CDLL(None).mallopt(M_TRIM_THRESHOLD, HEAP_KEPT)
+LIBC = ctypes.CDLL(None) if sys.platform == "linux" else None
+if hasattr(LIBC, "mallopt"):                    # glibc's alone
+    LIBC.mallopt(M_MMAP_MAX, 0)
+    LIBC.mallopt(M_TRIM_THRESHOLD, HEAP_KEPT)
 
 # pytest-xdist's workers share the cores (pytest.ini): each takes its share of torch's threads, and so do the
 # commands its tests start (OMP_NUM_THREADS), so that no two thread pools spin against each other on one core
