@@ -40,7 +40,7 @@ from imagenet_data import (DECODERS, GPU_DECODERS, EpochWork, batch_indices, dec
                            loss_top1_top5, rank_data, train_batches)
 from imagenet_models import imagenet_network, check_memory, imagenet_optimizer
 from imagenet_recipes import RECIPES, RN50_16EP, Recipe, recipe, recipe_command
-from imagenet_store import FORMATS, StoreSettings, check_classes, kept, open_store, prepare
+from imagenet_store import FORMATS, StoreSettings, check_classes, check_prepare, kept, open_store, prepare
 from optim import set_lr
 from schedules import epoch_plans, plan, step_lr
 from settings import add_flags, changes_from, flag_error, flat, one_of
@@ -305,11 +305,11 @@ def parser():
     pp.add_argument("--format", default="jpeg", type=one_of(FORMATS), metavar="{" + ",".join(FORMATS) + "}",
                     help="jpeg: whole images, longer side <= --max-side, for full-quality training; raw: uint8 "
                          "pixels at --size, for low-resolution work (default: jpeg)")
-    pp.add_argument("--max-side", type=int, default=500, metavar="N",
+    pp.add_argument("--max-side", type=int, default=None, metavar="N",
                     help="jpeg: the longest side kept, in pixels (default: 500, as FFCV's)")
-    pp.add_argument("--quality", type=int, default=90, metavar="N",
+    pp.add_argument("--quality", type=int, default=None, metavar="N",
                     help="jpeg: the JPEG quality of re-encoded images (default: 90)")
-    pp.add_argument("--size", type=int, default=128, metavar="N",
+    pp.add_argument("--size", type=int, default=None, metavar="N",
                     help="raw: the stored images' shorter side, in pixels (default: 128)")
     pp.add_argument("--workers", type=int, default=None, metavar="N",
                     help="encoding processes (default: the CPU count)")
@@ -370,8 +370,7 @@ def parser():
 def main_prepare(args):
     finished = (Path(args.dst) / "index.json").is_file()       # then prepare says "already prepared" and writes nothing
     try:
-        settings = StoreSettings(format=args.format, size=args.size, max_side=args.max_side, quality=args.quality,
-                            max_aspect=args.max_aspect, exif_transpose=args.exif_transpose)
+        settings = store_settings(args)
         index = prepare(args.src, Path(args.dst), settings, workers=args.workers, shard_size=args.shard_size,
                         max_shards=args.max_shards)
     except (DataError, UsageError) as e:
@@ -384,12 +383,34 @@ def main_prepare(args):
         return 3
     if finished:
         return 0
-    shape = (f"longer side <= {args.max_side}" if args.format == "jpeg" else f"size {args.size}")
+    shape = (f"longer side <= {settings.max_side}" if settings.format == "jpeg" else f"size {settings.size}")
     gb = (index["train"]["bytes"] + index["val"]["bytes"]) / 1e9
+    too_large = index["train"]["too_large"] + index["val"]["too_large"]
     print(f"wrote {args.dst}: {len(index['classes'])} classes, {index['train']['count']} train and "
-          f"{index['val']['count']} val images, {args.format} at {shape}, {gb:.3f} GB; "
-          f"{index['train']['skipped'] + index['val']['skipped']} unreadable files skipped")
+          f"{index['val']['count']} val images, {settings.format} at {shape}, {gb:.3f} GB; "
+          f"{index['train']['skipped'] + index['val']['skipped'] - too_large} unreadable files skipped"
+          + (f", {too_large} too large" if too_large else ""))
     return 0
+
+
+# prepare's flags that one format reads and the other does not: (the format that reads them, what they set)
+FORMAT_FLAGS = {"max_side": ("jpeg", "a JPEG store's longer side"), "quality": ("jpeg", "the JPEG quality"),
+                "size": ("raw", "a raw store's shorter side")}
+
+
+def store_settings(args):
+    """The StoreSettings of prepare's flags (a flag not given: its default); a UsageError of one line for a flag out
+    of its range, or one that --format does not read, before anything is read or written."""
+    given = {k: getattr(args, k) for k in FORMAT_FLAGS if getattr(args, k) is not None}
+    settings = StoreSettings(format=args.format, max_aspect=args.max_aspect, exif_transpose=args.exif_transpose,
+                             **given)
+    check_prepare(settings, workers=args.workers, shard_size=args.shard_size, max_shards=args.max_shards)
+    for name, value in given.items():
+        fmt, what = FORMAT_FLAGS[name]
+        if fmt != args.format:
+            raise UsageError(f"--{name.replace('_', '-')} {value}: sets {what}; a {args.format} store does not read "
+                             f"it: leave it out, or give --format {fmt}")
+    return settings
 
 
 def check_train(args):

@@ -16,11 +16,15 @@ A split's file: its records back to back, then its index (a .npy array of ROW: o
 label), then a 16-byte footer (MAGIC, the index's offset as a little-endian uint64).
 """
 import contextlib
+import errno
+import fcntl
 import hashlib
 import io
 import json
 import os
+import socket
 import sys
+import warnings
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
@@ -83,12 +87,19 @@ def check_prepare(settings, *, workers=None, shard_size=1000, max_shards=None):
 # ---------------------------------------------------------------------------------------------
 
 def list_split(src, split, classes=None):
-    """(classes, [(path, label)], empty class names) of src/split/<class>/<image>: classes are train/'s sorted names,
-    as torchvision's ImageFolder numbers them, which val/ may lack but not add to; an empty class keeps its index."""
+    """(classes, [(path, label)], empty class names, files not read) of src/split/<class>/<image>: classes are
+    train/'s sorted names, as torchvision's ImageFolder numbers them, which val/ may lack but not add to; an empty
+    class keeps its index. Files not read: paths (relative to src/split) beside the class folders, or in them but
+    not images of EXTENSIONS. A folder that cannot be listed, or a class folder that is a link looping back, is a
+    DataError naming it."""
     d = Path(src) / split
     if not d.is_dir():
         raise DataError(f"{d}: no such folder (expected {Path(src) / split}/<class>/<image>)")
-    found = sorted(p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+    entries = [p for p in folder_entries(d) if not p.name.startswith(".")]
+    for p in entries:
+        check_not_a_loop(p, d)
+    found = sorted(p.name for p in entries if p.is_dir())
+    unread = sorted(p.name for p in entries if not p.is_dir())
     if not found:
         raise DataError(f"{d}: no class folders (expected {d}/<class>/<image>)")
     if classes is None:
@@ -97,13 +108,49 @@ def list_split(src, split, classes=None):
         raise DataError(f"{d}: classes {sorted(set(found) - set(classes))[:5]} are not in train/")
     items, empty = [], []
     for label, c in enumerate(classes):
-        folder = d / c
-        files = sorted(f for f in folder.iterdir() if f.suffix.lower() in EXTENSIONS and f.is_file()) \
-            if folder.is_dir() else []
+        inside = [f for f in folder_entries(d / c) if not f.name.startswith(".")] if (d / c).is_dir() else []
+        files = sorted(f for f in inside if f.suffix.lower() in EXTENSIONS and f.is_file())
+        unread += sorted(f"{c}/{f.name}" for f in set(inside) - set(files))
         if not files:
             empty.append(c)
         items += [(str(f), label) for f in files]
-    return classes, items, empty
+    return classes, items, empty, unread
+
+
+def folder_entries(folder):
+    """What folder holds; a DataError naming it where it cannot be listed (no permission, an I/O error)."""
+    try:
+        return list(folder.iterdir())
+    except OSError as e:
+        raise DataError(f"{folder}: cannot be listed ({e.strerror or e}); give this user read access to it") from None
+
+
+def check_not_a_loop(entry, split_dir):
+    """Raises DataError naming entry, a symbolic link in split_dir, where it loops: to itself (the kernel's ELOOP)
+    or to a folder that holds split_dir (a class of every class folder, holding no images)."""
+    if not entry.is_symlink():
+        return
+    try:
+        os.stat(entry)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise DataError(f"{entry}: a symbolic link that loops ({os.readlink(entry)}); a class folder must hold "
+                            "its images: remove the link, or make it point at one") from None
+        return                                           # a link to nothing: a file not read
+    target = entry.resolve()
+    if target.is_dir() and split_dir.resolve().is_relative_to(target):
+        raise DataError(f"{entry}: a symbolic link to {target}, which holds it (a loop); a class folder must hold its "
+                        "images: remove the link, or make it point at one")
+
+
+def unread_warning(folder, unread):
+    """The warning line that counts and names what prepare does not read of folder (list_split's unread)."""
+    beside = sum("/" not in u for u in unread)
+    parts = [f"{beside} beside the class folders" if beside else "",
+             f"{len(unread) - beside} in them that are not images ({' '.join(sorted(EXTENSIONS))})"
+             if len(unread) > beside else ""]
+    return (f"warning: {folder}: {len(unread)} not read, {' and '.join(p for p in parts if p)}: "
+            f"{', '.join(unread[:3])}{', ...' * (len(unread) > 3)}; a class's images go in {folder}/<class>/")
 
 
 def val_shape(w, h, size, *, max_aspect, step):
@@ -126,12 +173,39 @@ ORIENTATION = 0x0112     # the EXIF tag of how the pixels lie: 1 upright, 2..8 m
 
 def encode_image(path, split, settings):
     """One image as the store keeps it: (record bytes, height, width, whether it carries an EXIF orientation other
-    than upright); decoding failures raise. With exif_transpose set, such an image is stored upright."""
-    with Image.open(path) as im:
+    than upright, open_image's note of a large image or None); decoding failures raise. With exif_transpose set,
+    such an image is stored upright."""
+    im, large = open_image(path)
+    with im, warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)     # open_image's note says it in one line
         turned = im.getexif().get(ORIENTATION, 1) != 1
         if turned and settings.exif_transpose:
             im = ImageOps.exif_transpose(im)        # a new image, decoded: no longer the source's JPEG bytes
-        return (*encode_pixels(im, path, split, settings), turned)
+        return (*encode_pixels(im, path, split, settings), turned, large)
+
+
+class TooLarge(ValueError):
+    """An image with more pixels than PIL decodes (twice PIL.Image.MAX_IMAGE_PIXELS: its decompression bomb's)."""
+
+
+def open_image(path):
+    """(PIL's image at path, opened lazily, a note when it has more pixels than PIL.Image.MAX_IMAGE_PIXELS, else
+    None); TooLarge beyond twice that, which PIL refuses as a decompression bomb. PIL's own check is made here, so
+    that it says the image's size in one line and never prints its warning through prepare's progress bar."""
+    limit = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        im = Image.open(path)
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+    w, h = im.size
+    size = f"{w}x{h} pixels ({w * h / 1e6:.0f} megapixels)"
+    if limit and w * h > 2 * limit:
+        im.close()
+        raise TooLarge(f"too large: {size}, beyond the {2 * limit / 1e6:.0f} megapixels PIL decodes (its guard "
+                       "against decompression bombs)")
+    return im, (f"{size}, stored; PIL takes images beyond {limit / 1e6:.0f} megapixels for possible decompression "
+                "bombs" if limit and w * h > limit else None)
 
 
 def encode_pixels(im, path, split, settings):
@@ -170,17 +244,28 @@ def encode_pixels(im, path, split, settings):
 
 def encode_shard(items, split, settings):
     """Encodes one shard's images: ([(bytes, height, width, label)], [(path, reason)] of those that failed, the
-    number carrying an EXIF orientation)."""
-    records, errors, turned = [], [], 0
+    number carrying an EXIF orientation, [(path, note)] of those stored that PIL takes for possible decompression
+    bombs)."""
+    records, errors, turned, large = [], [], 0, []
     for path, label in items:
         try:
-            buf, h, w, oriented = encode_image(path, split, settings)
+            buf, h, w, oriented, note = encode_image(path, split, settings)
+        except TooLarge as e:
+            errors.append((path, str(e)))
+            continue
         except Exception as e:  # any decoding failure: report, skip, count
             errors.append((path, f"{type(e).__name__}: {e}".strip()))
             continue
         records.append((buf, h, w, label))
         turned += oriented
-    return records, errors, turned
+        if note:
+            large.append((path, note))
+    return records, errors, turned, large
+
+
+def too_large(skipped):
+    """How many of a split's skipped files (path, reason) were skipped as too large (TooLarge)."""
+    return sum(reason.startswith("too large: ") for _, reason in skipped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,14 +323,14 @@ def split_key(split, items, settings):
 
 
 def write_split(dst, split, items, settings, *, workers, shard_size, max_shards, log):
-    """Writes dst/<split>.store; returns ((rows, errors, images carrying an EXIF orientation) or None when stopped
-    by max_shards, shards written now).
+    """Writes dst/<split>.store; returns ((rows, errors, images carrying an EXIF orientation, [(path, note)] of large
+    images stored) or None when stopped by max_shards, shards written now).
     Shards are encoded in parallel and appended in order, a journal recording after each how far the files are good,
     so a stopped run resumes after the last whole shard; the index and footer come last."""
     data_p, rows_p, journal_p = (dst / f"{split}.{suffix}" for suffix in ("store.partial", "rows.partial",
                                                                           "journal.json"))
     key = split_key(split, items, settings)
-    journal = {"key": key, "shards": 0, "bytes": 0, "rows": 0, "errors": [], "turned": 0}
+    journal = {"key": key, "shards": 0, "bytes": 0, "rows": 0, "errors": [], "turned": 0, "large": []}
     if journal_p.is_file():
         old = json.loads(journal_p.read_text())
         if old.get("key") == key:
@@ -265,7 +350,7 @@ def write_split(dst, split, items, settings, *, workers, shard_size, max_shards,
             worker_pool(min(workers, max(1, len(todo)))) as pool:
         data.seek(journal["bytes"])
         rows.seek(journal["rows"] * ROW.itemsize)
-        for k, (records, errors, turned) in zip(todo, in_order(pool, encode_shard, [(shards[k], split, settings)
+        for k, (records, errors, turned, large) in zip(todo, in_order(pool, encode_shard, [(shards[k], split, settings)
                                                                             for k in todo], 2 * workers)):
             index = np.zeros(len(records), ROW)
             for r, (buf, h, w, label) in enumerate(records):
@@ -278,8 +363,10 @@ def write_split(dst, split, items, settings, *, workers, shard_size, max_shards,
                 os.fsync(f.fileno())
             for path, reason in errors:
                 tqdm.write(f"skipped {path}: {reason}", file=sys.stderr)    # above the bar, which stays whole
+            for path, note in large:
+                tqdm.write(f"note: {path}: {note}", file=sys.stderr)
             journal.update(shards=k + 1, rows=journal["rows"] + len(records), errors=journal["errors"] + errors,
-                           turned=journal.get("turned", 0) + turned)
+                           turned=journal.get("turned", 0) + turned, large=journal.get("large", []) + large)
             write_json(journal_p, journal)
             bar.set_postfix(skipped=len(journal["errors"]), MB=f"{journal['bytes'] / 1e6:.0f}", refresh=False)
             bar.update(len(shards[k]))
@@ -295,12 +382,14 @@ def write_split(dst, split, items, settings, *, workers, shard_size, max_shards,
     os.replace(data_p, dst / f"{split}.store")
     rows_p.unlink()
     journal_p.unlink()
-    return (index, [tuple(e) for e in journal["errors"]], journal.get("turned", 0)), len(todo)
+    return (index, [tuple(e) for e in journal["errors"]], journal.get("turned", 0),
+            [tuple(e) for e in journal.get("large", [])]), len(todo)
 
 
 def prepare(src, dst, settings=StoreSettings(), *, workers=None, shard_size=1000, max_shards=None, log=print):
-    """Builds the store; returns its index dict, or None when stopped by max_shards. Bad settings raise UsageError
-    before anything is written; an interrupted run resumes (write_split); the workers end with this process."""
+    """Builds the store; returns its index dict, or None when stopped by max_shards. Bad settings or a tree that
+    cannot make a classifier raise before anything is written; dst is held for this prepare alone (held_by_prepare);
+    an interrupted run resumes (write_split); the workers end with this process."""
     check_prepare(settings, workers=workers, shard_size=shard_size, max_shards=max_shards)
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
@@ -309,66 +398,147 @@ def prepare(src, dst, settings=StoreSettings(), *, workers=None, shard_size=1000
         raise UsageError(f"--dst {dst}: inside --src {src}, where the next prepare would take it for a class; give a "
                          "--dst outside --src")
     writable_folder(dst, "the store", "give --dst a folder you can write in")
-    classes, train, empty_train = list_split(src, "train")
-    _, val, empty_val = list_split(src, "val", classes)
+    classes, train, empty_train, unread_train = list_split(src, "train")
+    _, val, empty_val, unread_val = list_split(src, "val", classes)
     if not train:
         raise DataError(f"{src / 'train'}: no images (extensions {sorted(EXTENSIONS)})")
     if not val:
         raise DataError(f"{src / 'val'}: no images (extensions {sorted(EXTENSIONS)})")
-    index_path = dst / "index.json"
-    if index_path.is_file():
-        old = read_index(index_path, "delete it, or choose another --dst")
-        theirs = {**asdict(StoreSettings()), **(old.get("settings") or {})}       # a setting added since: its default
-        if theirs == asdict(settings) and old.get("source") == str(src.resolve()):
+    if len(classes) - len(empty_train) < 2:     # train would refuse the store: refused before it is written
+        having = [c for c in classes if c not in empty_train]
+        raise DataError(f"{src / 'train'}: one class" + (f" ({classes[0]})" if len(classes) == 1 else
+                        f" with images ({having[0]}; {len(empty_train)} empty)") + "; a classifier needs at least 2")
+    dst.mkdir(parents=True, exist_ok=True)
+    with held_by_prepare(dst):
+        old = prepared_before(src, dst, settings)
+        if old:
             log(f"{dst}: already prepared ({old['train']['count']} train, {old['val']['count']} val images)")
             return old
-        ours = asdict(settings)
-        differ = [f"--{k.replace('_', '-')} {theirs.get(k)}" for k in ours if theirs.get(k) != ours[k]]
-        raise DataError(f"{index_path}: holds another store ({', '.join(differ) or 'the same settings'} from "
-                        f"{old.get('source')}); choose another --dst")
-    for split, empty in (("train", empty_train), ("val", empty_val)):
-        for c in empty:
-            print(f"warning: {src / split / c}: no images; class {classes.index(c)} ({c}) is kept with 0 "
-                  f"{split} images", file=sys.stderr)
-    dst.mkdir(parents=True, exist_ok=True)
-    workers = workers or os.cpu_count() or 1
+        for split, empty, unread in (("train", empty_train, unread_train), ("val", empty_val, unread_val)):
+            for c in empty:
+                print(f"warning: {src / split / c}: no images; class {classes.index(c)} ({c}) is kept with 0 "
+                      f"{split} images", file=sys.stderr)
+            if unread:     # torchvision's ImageFolder passes them over without a word
+                print(unread_warning(src / split, unread), file=sys.stderr)
+        return write_store(src, dst, settings, classes, {"train": (train, empty_train), "val": (val, empty_val)},
+                           workers=workers or os.cpu_count() or 1, shard_size=shard_size, max_shards=max_shards,
+                           log=log)
+
+
+def prepared_before(src, dst, settings):
+    """The index of the store dst holds when it is this one (src's, with these settings), else None where it holds
+    none; a DataError of one line where it holds another."""
+    index_path = dst / "index.json"
+    if not index_path.is_file():
+        return None
+    old = read_index(index_path, "delete it, or choose another --dst")
+    theirs = {**asdict(StoreSettings()), **(old.get("settings") or {})}       # a setting added since: its default
+    if theirs == asdict(settings) and old.get("source") == str(src.resolve()):
+        return old
+    ours = asdict(settings)
+    differ = [f"--{k.replace('_', '-')} {theirs.get(k)}" for k in ours if theirs.get(k) != ours[k]]
+    raise DataError(f"{index_path}: holds another store ({', '.join(differ) or 'the same settings'} from "
+                    f"{old.get('source')}); choose another --dst")
+
+
+def write_store(src, dst, settings, classes, splits, *, workers, shard_size, max_shards, log):
+    """Writes both splits ({split: (items, empty classes)}) and then index.json; returns the index, or None when
+    stopped by max_shards. A full disk (or any failed write) is a DataError of one line naming what is kept: the
+    last whole shard, which the same command resumes from."""
     index = {"format": "imagenet_fast store", "version": STORE_VERSION, "settings": asdict(settings),
              "source": str(src.resolve()), "classes": classes}
-    try:         # a full disk (or any failed write) stops at the last whole shard, which the same command resumes from
+    try:
         left = max_shards
-        for split, items, empty in (("train", train, empty_train), ("val", val, empty_val)):
-            done_p, key = dst / f"{split}.done.json", split_key(split, items, settings)
-            done = json.loads(done_p.read_text()) if done_p.is_file() else {}
-            if done.get("key") == key and (dst / f"{split}.store").is_file():     # finished by a run that stopped later
-                rows, skipped, turned = (read_rows(dst / f"{split}.store"), [tuple(e) for e in done["skipped"]],
-                                         done.get("turned", 0))
-            else:
-                written, shards = write_split(dst, split, items, settings, workers=workers, shard_size=shard_size,
-                                              max_shards=left, log=log)
-                if written is None:
-                    log(f"stopped after --max-shards {max_shards} new shards; run again to resume")
-                    return None
-                rows, skipped, turned = written
-                write_json(done_p, {"key": key, "skipped": skipped, "turned": turned})
-                left = None if left is None else left - shards
+        for split, (items, empty) in splits.items():
+            written = stored_split(dst, split, items, settings, workers=workers, shard_size=shard_size,
+                                   max_shards=left, log=log)
+            if written is None:
+                log(f"stopped after --max-shards {max_shards} new shards; run again to resume")
+                return None
+            (rows, skipped, turned, large), shards = written
+            left = None if left is None else left - shards
             index[split] = {"count": int(len(rows)),
                             "per_class": np.bincount(rows["label"], minlength=len(classes)).tolist(),
                             "bytes": int(rows["nbytes"].sum()), "skipped": len(skipped),
-                            "skipped_files": [list(e) for e in skipped], "empty_classes": empty,
-                            "exif_oriented": turned}
-            log(f"{split}: {len(rows)} images stored ({index[split]['bytes'] / 1e9:.3f} GB of {settings.format}), "
-                f"{len(skipped)} unreadable and skipped, {len(empty)} empty classes")
-            if turned:
-                log(f"{split}: an EXIF orientation in {turned} image{'s' * (turned != 1)}: "
-                    + ("stored upright (re-encoded)" if settings.exif_transpose else
-                       "stored as the pixels lie, turned or mirrored (--exif-transpose stores them upright)"))
-        write_json(index_path, index)  # written last: its presence means the store is complete
+                            "skipped_files": [list(e) for e in skipped], "too_large": too_large(skipped),
+                            "large": len(large), "empty_classes": empty, "exif_oriented": turned}
+            for line in split_summary(split, index[split], settings):
+                log(line)
+        write_json(dst / "index.json", index)  # written last: its presence means the store is complete
     except OSError as e:
         raise DataError(f"{dst}: cannot write the store ({e.strerror or e}); {kept(dst)}; once there is room, "
                         "the same command resumes from there") from None
-    for split in ("train", "val"):
+    for split in splits:
         (dst / f"{split}.done.json").unlink()
     return index
+
+
+def stored_split(dst, split, items, settings, *, workers, shard_size, max_shards, log):
+    """((rows, skipped, images carrying an EXIF orientation, large images stored), shards written now) of a split
+    written by write_split, or found finished by a run that stopped later (its <split>.done.json); None when
+    max_shards stopped it."""
+    done_p, key = dst / f"{split}.done.json", split_key(split, items, settings)
+    done = json.loads(done_p.read_text()) if done_p.is_file() else {}
+    if done.get("key") == key and (dst / f"{split}.store").is_file():
+        return (read_rows(dst / f"{split}.store"), [tuple(e) for e in done["skipped"]], done.get("turned", 0),
+                [tuple(e) for e in done.get("large", [])]), 0
+    written, shards = write_split(dst, split, items, settings, workers=workers, shard_size=shard_size,
+                                  max_shards=max_shards, log=log)
+    if written is None:
+        return None
+    _, skipped, turned, large = written
+    write_json(done_p, {"key": key, "skipped": skipped, "turned": turned, "large": large})
+    return written, shards
+
+
+def split_summary(split, counts, settings):
+    """prepare's lines of what a split holds (its index.json entry, counts) and what it left out, and of the images
+    carrying an EXIF orientation where there are any."""
+    unreadable = counts["skipped"] - counts["too_large"]
+    line = (f"{split}: {counts['count']} images stored ({counts['bytes'] / 1e9:.3f} GB of {settings.format}), "
+            f"{unreadable} unreadable and skipped, "
+            + (f"{counts['too_large']} too large and skipped, " if counts["too_large"] else "")
+            + (f"{counts['large']} over {Image.MAX_IMAGE_PIXELS / 1e6:.0f} megapixels stored, " if counts["large"]
+               else "") + f"{len(counts['empty_classes'])} empty classes")
+    turned = counts["exif_oriented"]
+    return [line] + ([f"{split}: an EXIF orientation in {turned} image{'s' * (turned != 1)}: "
+                      + ("stored upright (re-encoded)" if settings.exif_transpose else
+                         "stored as the pixels lie, turned or mirrored (--exif-transpose stores them upright)")]
+                     if turned else [])
+
+
+LOCK = ".prepare.lock"      # in the store's folder while a prepare writes it: flock'ed, naming its holder
+
+
+@contextlib.contextmanager
+def held_by_prepare(dst):
+    """dst held by this prepare alone while it writes there: an exclusive flock on dst/LOCK, whose text names the
+    holder; a second prepare is a DataError of one line naming it. The file goes when this one ends (that of a holder
+    killed, whose lock went with it, is taken over)."""
+    path = dst / LOCK
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.read(fd, 200).decode(errors="replace").strip()
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise DataError(f"{path}: cannot be locked ({e.strerror or e}); give --dst a folder you can write in") \
+                    from None
+            raise DataError(f"--dst {dst}: another prepare is writing it ({holder or 'just started'}); wait for it to "
+                            "end, or give another --dst") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:      # not removed by the holder that just ended
+                break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
+        yield
+    finally:
+        path.unlink()
+        os.close(fd)
 
 
 def synthetic_imagefolder(root, classes=10, train_per_class=20, val_per_class=5, *, sizes=(24, 48), seed=0,

@@ -135,8 +135,8 @@ def test_store_contents(folder, store, raw_store):
 
 
 def test_a_landscape_validation_image_is_stored_wider_than_tall_and_as_pil_resizes_it(tmp_path):
-    src = ims.synthetic_imagefolder(tmp_path / "src", 1, 1, 1)
-    for old in (src / "val/c000").iterdir():
+    src = ims.synthetic_imagefolder(tmp_path / "src", 2, 1, 1)         # 2 classes: prepare refuses one
+    for old in (src / "val").glob("*/*"):
         old.unlink()
     y, x = np.mgrid[0:300, 0:400]
     smooth = np.stack([x * 255 / 400, y * 255 / 300, (x + y) * 255 / 700], -1).astype(np.uint8)
@@ -247,7 +247,7 @@ def test_bad_input_is_one_line_and_nonzero(folder, store, tmp_path, capsys):
     (tmp_path / "extra/val/zzz").mkdir()
     cases.append((tmp_path / "extra", f"{tmp_path / 'extra/val'}: classes ['zzz'] are not in train/"))
     for src, message in cases:
-        rc, _, err = run_main(capsys, "prepare", "--src", src, "--dst", tmp_path / "out", "--size", "16")
+        rc, _, err = run_main(capsys, "prepare", "--src", src, "--dst", tmp_path / "out")
         assert rc == 1, err
         assert err.strip().splitlines()[-1].startswith(f"error: {message}")
     rc, _, err = run_main(capsys, "prepare", "--src", folder, "--dst", store, "--format", "raw")

@@ -298,8 +298,12 @@ def test_top5_is_not_reported_of_5_classes_or_fewer(stores, capsys):
 
 
 def test_a_store_of_one_class_is_refused_for_training(tmp_path, capsys):
-    src = ims.synthetic_imagefolder(tmp_path / "src", 1, 8, 2, sizes=(16, 20))
+    """prepare refuses a tree of one class (test_prepare_refusals); a store that says it holds one (its index.json
+    written otherwise) is refused by train."""
+    src = ims.synthetic_imagefolder(tmp_path / "src", 2, 8, 2, sizes=(16, 20))
     ims.prepare(src, tmp_path / "one", ims.StoreSettings(format="raw", size=SIZE), workers=1, log=lambda s: None)
+    index = json.loads((tmp_path / "one" / "index.json").read_text())
+    (tmp_path / "one" / "index.json").write_text(json.dumps({**index, "classes": ["c000"]}))
     capsys.readouterr()                     # prepare's progress
     rc, _, err = run(capsys, "train", "--store", tmp_path / "one", *TINY)
     assert (rc, err) == (1, [f"error: {tmp_path / 'one'}: one class (c000); a classifier needs at least 2"])
