@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import errno
 import gc
+import hashlib
 import os
 import shlex
 import socket
@@ -225,10 +226,41 @@ def save_state(path, state, ctx, *, each_node=True, writers=None):
             dist.broadcast_object_list(box, src=0, group=writers)
             state, = box
         try:
-            write_atomic(path, lambda tmp: save_to_file(state, tmp))
+            state = on_host(state)      # the bytes torch.save writes, digested (torch's zip checks none of them)
+            digested = {**state, DIGEST: state_digest(state)}
+            write_atomic(path, lambda tmp: save_to_file(digested, tmp))
         except Exception as e:      # whatever stopped the write, the other ranks must hear of it
             error = f"cannot write the checkpoint {path}{on_rank(ctx)}: {why_not_written(e)}"
     agree_on_error(error, ctx)
+
+
+DIGEST = "sha256"       # the key of the digest save_state writes beside a state's own keys
+
+
+def state_digest(state):
+    """The sha256 (hex) of a state's contents in their order: each tensor's dtype, shape and bytes (on the host), each
+    other value's type and repr, each dict's keys."""
+    h = hashlib.sha256()
+    digest_into(h, state)
+    return h.hexdigest()
+
+
+def digest_into(h, value):
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(f"tensor {t.dtype} {tuple(t.shape)}:".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(value, dict):
+        h.update(f"dict {len(value)}:".encode())
+        for k, v in value.items():
+            h.update(f"{k!r}=".encode())
+            digest_into(h, v)
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__} {len(value)}:".encode())
+        for v in value:
+            digest_into(h, v)
+    else:
+        h.update(f"{type(value).__name__} {value!r};".encode())
 
 
 def on_host(state):
@@ -293,38 +325,64 @@ def remove_unfinished_writes(path):
 def load_newest_state(path, ctx=None, *, epoch_of=None):
     """(state, rank): the newest state saved by save_state that any rank holds at path (its node's own copy or
     a shared file; tensors on the CPU) and the rank that read it, or (None, None) when no rank holds one. Every rank
-    says which epoch_of(state) it holds (None: all alike); the lowest rank holding the latest reads it whole and
-    broadcasts it (one pickled copy in each rank's host memory), so an older copy is never used. A file that cannot
-    be read (or that epoch_of refuses with a DataError) is a DataError of one line, the same on every rank."""
+    says which epoch_of(state) it holds (None: all alike); the lowest rank holding the latest reads it whole, checks
+    its digest (read_copy) and broadcasts it (one pickled copy in each rank's host memory). A copy that cannot be read,
+    or that is damaged, is passed over with a warning for the next good one (the same epoch elsewhere first, then
+    older ones); where no rank holds a good copy, the first one's line is a DataError, the same on every rank."""
     held = held_epoch(path, ctx, epoch_of)
     every = [held]
     if ctx is not None and ctx.distributed:
         every = [None] * ctx.world_size
         dist.all_gather_object(every, held)
-    error = next((h for h in every if isinstance(h, str)), None)      # the same on every rank
-    epochs = [h for h in every if h is not None]
-    if error:
-        raise DataError(error)
-    if not epochs:
-        return None, None
-    holder, state = every.index(max(epochs)), None
+    errors = [h for h in every if isinstance(h, str)]      # the same on every rank
+    copies = sorted((-h[0], rank) for rank, h in enumerate(every) if isinstance(h, tuple))
+    tried = set()
+    for _, holder in copies:
+        if every[holder][1] in tried:      # the same file seen by another rank (a shared disk): read once
+            continue
+        tried.add(every[holder][1])
+        state, error, note = read_copy(path, ctx, holder)
+        if error:
+            errors.append(error)
+            continue
+        for line in errors:
+            print0(f"warning: {line}; rank {holder}'s copy is read instead", file=sys.stderr)
+        if note:
+            print0(f"warning: {note}", file=sys.stderr)
+        return state, holder
+    if errors:
+        raise DataError(errors[0])
+    return None, None
+
+
+def read_copy(path, ctx, holder):
+    """(state, None, a note or None) of the copy at path that rank `holder` reads whole and checks against the
+    digest save_state wrote with it, or (None, the line saying why it cannot be used, None); broadcast from holder to
+    every rank. A state without a digest (written before save_state wrote one) is used, its note saying so."""
+    state = error = note = None
     if ctx is None or ctx.rank == holder:
         try:    # CPU: random states must be there, and load_state_dict moves the rest where it belongs
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # its header was read: the rest of the file is damaged
             error = unreadable(path, ctx, e)
+        if isinstance(state, dict) and DIGEST in state:
+            if state.pop(DIGEST) != state_digest(state):
+                state, error = None, (f"{path}{on_rank(ctx)}: damaged since it was written (its contents' sha256 is "
+                                      "not the one written with it)")
+        elif error is None:
+            note = (f"{path}{on_rank(ctx)}: written without a digest (by an older version), so damage to its "
+                    "contents cannot be found; used as it is")
     if ctx is not None and ctx.distributed:
-        box = [state, error]
+        box = [state, error, note]
         dist.broadcast_object_list(box, src=holder)
-        state, error = box
-    if error:
-        raise DataError(error)
-    return state, holder
+        state, error, note = box
+    return state, error, note
 
 
 def held_epoch(path, ctx, epoch_of):
-    """epoch_of the checkpoint this rank finds at path, None when there is none, or the line saying why it cannot
-    be read; only its pickled header is read (the tensors are mapped, not loaded)."""
+    """(epoch_of the checkpoint this rank finds at path, the file's identity), None when there is none, or the line
+    saying why it cannot be read; only its pickled header is read (the tensors are mapped, not loaded). The identity
+    (inode, size, modification time) is the same for every rank that sees one file on a shared disk."""
     if not os.path.exists(path):
         return None
     try:
@@ -332,7 +390,8 @@ def held_epoch(path, ctx, epoch_of):
             header = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except Exception:   # mmap reads zip files alone: loaded whole, another file says what it is not
             header = torch.load(path, map_location="cpu", weights_only=True)
-        return epoch_of(header) if epoch_of else 0
+        found = os.stat(path)
+        return (epoch_of(header) if epoch_of else 0), (found.st_ino, found.st_size, found.st_mtime_ns)
     except DataError as e:
         return f"{path}{on_rank(ctx)}: {e}"
     except Exception as e:  # whatever reading it raises, the file is no checkpoint

@@ -11,6 +11,7 @@ holds the crop at the output resolution, then resized with PIL's antialiased bil
 filter (jpeg_decoder chooses the decoder; nvjpeg_paths counts which images nvJPEG's hardware engine takes). A raw store keeps each training image stretched to a square, so a box of the image is a box of the square:
 sampled with one affine grid for the batch on the device.
 """
+import io
 import math
 import multiprocessing
 import os
@@ -26,7 +27,7 @@ from PIL import Image
 
 import devices
 import distributed as D
-from core import UsageError, die_with_parent
+from core import DataError, UsageError, die_with_parent
 from imagenet_store import open_store, val_shape
 from settings import check_own, flag_error, knob, numbers
 
@@ -364,7 +365,19 @@ def decode_part(split, path, *, shape, start, rows, boxes):
     raw = WORKER["store"].format == "raw"
     for k, (r, box) in enumerate(zip(rows, boxes)):
         raw_shape = (int(records.rows["height"][r]), int(records.rows["width"][r])) if raw else None
-        out[start + k] = decode_crop(records.record(r), box=box, shape=shape[1:3], raw_shape=raw_shape)
+        try:
+            out[start + k] = decode_crop(records.record(r), box=box, shape=shape[1:3], raw_shape=raw_shape)
+        except Exception as e:      # the worker's traceback says nothing a user can act on: the record does
+            raise DataError(damaged_record(WORKER["store"], split, r, e)) from None
+
+
+def damaged_record(store, split, row, error):
+    """The line that names a record of a store's split (row `row` of its index) that its decoder refused."""
+    records = store.train if split == "train" else store.val
+    label = int(records.rows["label"][row])
+    return (f"{records.data.filename}: record {row} (a {split} image of class {store.index['classes'][label]}) "
+            f"cannot be decoded ({type(error).__name__}: {D.first_sentence(error)}); the store is damaged: prepare it "
+            "again")
 
 
 def decoding_pool(data):
@@ -707,12 +720,12 @@ def gpu_decoded(data, split, jobs, *, device):
     training stream waits for; with nvImageCodec (decodes_crops) each training image just its crop box.
     Which of nvJPEG's paths took each image is added to data.decoded (gpu_decode)."""
     side, jobs = devices.side_stream(device), list(jobs)
-    records = data.store.train if split == "train" else data.store.val
     # a thread of its own: torchvision's batched decode holds its calling thread until the decode ends
     reader = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
     cropped = split == "train" and decodes_crops(data.decoder)     # just each crop: boxes from (0, 0)
     try:
-        pending = decode_ahead(reader, data, records, jobs[0], side=side, device=device, cropped=cropped) if jobs else None
+        pending = (decode_ahead(reader, data, split, jobs[0], side=side, device=device, cropped=cropped) if jobs
+                   else None)
         for k, (_, res, arrays) in enumerate(jobs):
             images = pending.result()
             with devices.on_stream(side):
@@ -724,7 +737,7 @@ def gpu_decoded(data, split, jobs, *, device):
                 done = devices.record(side)
             del images
             if k + 1 < len(jobs):
-                pending = decode_ahead(reader, data, records, jobs[k + 1], side=side, device=device,
+                pending = decode_ahead(reader, data, split, jobs[k + 1], side=side, device=device,
                                        cropped=cropped)
             handed_over(done, device, (crops, *small))
             yield crops, small
@@ -732,13 +745,38 @@ def gpu_decoded(data, split, jobs, *, device):
         reader.shutdown(cancel_futures=True)
 
 
-def decode_ahead(reader, data, records, job, *, side, device, cropped):
-    """The future of a job's images (gpu_decoded's job: store rows of `records`, output shape, small host arrays)
-    decoded by data.decoder in the reader thread; cropped: each just its box (the training index's)."""
+def decode_ahead(reader, data, split, job, *, side, device, cropped):
+    """The future of a job's images (gpu_decoded's job: store rows of split, output shape, small host arrays)
+    decoded by data.decoder in the reader thread (gpu_decode_rows); cropped: each just its box (the training
+    index's)."""
     rows, _, arrays = job
     boxes = arrays[0][TOP:WIDTH + 1].T if cropped else None
-    return reader.submit(gpu_decode, [records.record(r) for r in rows], side, data.decoded, device=device,
-                         decoder=data.decoder, boxes=boxes)
+    return reader.submit(gpu_decode_rows, data, split, rows, side, device=device, boxes=boxes)
+
+
+def gpu_decode_rows(data, split, rows, side, *, device, boxes=None):
+    """gpu_decode of the records of a store split's rows by data.decoder; where the decoder fails on a record that
+    PIL cannot decode either, a DataError naming that record (damaged_record), else the decoder's error."""
+    records = data.store.train if split == "train" else data.store.val
+    encoded = [records.record(r) for r in rows]
+    try:
+        return gpu_decode(encoded, side, data.decoded, device=device, decoder=data.decoder, boxes=boxes)
+    except RuntimeError as e:
+        bad = next((r for r, record in zip(rows, encoded) if not pil_decodes(record)), None)
+        if bad is None:
+            raise
+        raise DataError(damaged_record(data.store, split, bad, e)) from None
+
+
+def pil_decodes(record):
+    """Whether PIL decodes the encoded image record (at its smallest DCT scale: a check, not a use)."""
+    try:
+        with Image.open(io.BytesIO(np.asarray(record).tobytes())) as im:
+            im.draft("RGB", (1, 1))
+            im.load()
+        return True
+    except Exception:       # whatever PIL raises, the record is not an image it reads
+        return False
 
 
 def gpu_decode(records, side, counts, *, device, decoder="gpu", boxes=None):

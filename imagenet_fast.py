@@ -465,6 +465,9 @@ def main_train(args, changes, argv):
         return 2
     try:
         return train_command(args, r, ctx=ctx, argv=argv)
+    except DataError as e:              # a damaged record met by the warm-up (train_runs says those of a run)
+        say_error(e, each_node=True)
+        return 1
     except KeyboardInterrupt as e:       # before the runs (train_runs says where a run stopped)
         return ctrl_c_exit(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint,
                                        during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"))

@@ -1,4 +1,5 @@
 """distributed.py on CPU: gloo process groups spawned on 127.0.0.1, compared with one process on the whole batch."""
+import contextlib
 import dataclasses
 import errno
 import io
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 
 import pytest
 import torch
@@ -142,6 +144,13 @@ def checkpoints(ctx, out):
     if ctx.rank == 1:
         D.save_state(path("on_1.pt"), {"step": 2}, D.Context())       # rank 1's folder alone
     res["on_1.pt"] = attempt(D.load_newest_state, path("on_1.pt"), ctx, epoch_of=epoch_of)
+    for name, damaged in (("damaged_on_0.pt", [0]), ("damaged_on_both.pt", [0, 1])):    # each node its copy
+        D.save_state(path(name), {"step": 4, "w": torch.linspace(-1, 1, 1000)}, own_node)
+        if ctx.rank in damaged:
+            damage_tensors(path(name), records=1)
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            got = attempt(D.load_newest_state, path(name), ctx, epoch_of=epoch_of)
+        res[name] = (got, said.getvalue())
     real_save = torch.save
     if ctx.is_main:
         torch.save = disk_full
@@ -149,7 +158,7 @@ def checkpoints(ctx, out):
         res["full"] = attempt(D.save_state, path("full.pt"), {"step": 1}, ctx, each_node=False)
     finally:
         torch.save = real_save
-    res["left"] = sorted(os.listdir(node))
+    res["left"], res["node"] = sorted(os.listdir(node)), node
     return res
 
 
@@ -166,6 +175,23 @@ def disk_full(state, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     except OSError:
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+
+def damage_tensors(path, records=2):
+    """Flips an exponent bit of every 7th float32 in the `records` largest tensors of torch's zip file at path, in
+    place, as a failing disk or a bad copy would: the file still loads (torch checks nothing of the tensors' bytes).
+    Returns the names of the records changed."""
+    with zipfile.ZipFile(path) as z:
+        largest = sorted((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: -i.file_size)[:records]
+    data = bytearray(open(path, "rb").read())
+    for info in largest:
+        at = info.header_offset             # its local header: 30 bytes, then its name and its extra field
+        name, extra = (int.from_bytes(data[at + k:at + k + 2], "little") for k in (26, 28))
+        start = at + 30 + name + extra      # the tensor's bytes, stored as they are (torch does not deflate them)
+        for k in range(start + 3, start + info.file_size, 28):
+            data[k] ^= 0x40
+    open(path, "wb").write(bytes(data))
+    return [i.filename for i in largest]
 
 
 class Bucket:
@@ -295,6 +321,20 @@ def test_each_node_writes_its_own_copy_and_every_rank_resumes_from_the_newest_co
         assert res["on_1.pt"] == ({"step": 2}, 1)          # rank 0 has none: rank 1's, not a fresh start
 
 
+def test_a_damaged_copy_is_passed_over_for_another_nodes_good_one_and_refused_where_none_is_good(two_ranks):
+    """Each node's copy of the same state, rank 0's damaged in its tensors' bytes: every rank reads rank 1's good
+    copy, rank 0 printing one warning that names the damaged one; both damaged: the same one line on every rank."""
+    for r, res in enumerate(two_ranks):
+        (state, holder), said = res["damaged_on_0.pt"]
+        assert holder == 1 and state["step"] == 4 and torch.equal(state["w"], torch.linspace(-1, 1, 1000))
+        assert said == ("" if r else f"warning: {two_ranks[0]['node']}/damaged_on_0.pt on rank 0: damaged since it "
+                        "was written (its contents' sha256 is not the one written with it); rank 1's copy is read "
+                        "instead\n")
+        got, said = res["damaged_on_both.pt"]
+        assert got == (f"DataError: {two_ranks[0]['node']}/damaged_on_both.pt on rank 0: damaged since it was written "
+                       "(its contents' sha256 is not the one written with it)") and said == ""
+
+
 def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_with_its_line(two_ranks):
     """A full disk under rank 0: every rank (rank 1 wrote nothing and would otherwise wait at the next collective)
     raises the same line naming the path and the error; the write's temporary file is gone."""
@@ -302,7 +342,8 @@ def test_a_checkpoint_rank_0_cannot_write_stops_every_rank_with_its_line(two_ran
         assert re.fullmatch(r"DataError: cannot write the checkpoint \S+/node0/full\.pt on rank 0: No space left on "
                             r"device \(ENOSPC\)", res["full"]), res["full"]
         assert res["full"] == two_ranks[0]["full"]
-    assert two_ranks[0]["left"] == ["bad.pt", "ckpt.pt", "each.pt", "newer_on_0.pt", "newer_on_1.pt"]
+    assert two_ranks[0]["left"] == ["bad.pt", "ckpt.pt", "damaged_on_0.pt", "damaged_on_both.pt", "each.pt",
+                                    "newer_on_0.pt", "newer_on_1.pt"]
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import imagenet_store as ims
 import optim
 import schedules
 from conftest import ROOT, ctrl_c_heard, failing_on_call, host_refusal
+from test_distributed import damage_tensors
 from settings import changed
 
 SIZE = 24
@@ -778,13 +779,13 @@ def test_resume_restores_random_states_whatever_the_checkpoint_loaded_them_as(st
     train(resume_recipe(), data, seed=3, checkpoint=tmp_path / "full.pt")
     with pytest.raises(SystemExit):
         train(resume_recipe(), data, seed=3, checkpoint=tmp_path / "c.pt", interrupt_after=1)
-    real = torch.load
+    real = D.load_newest_state
 
-    def elsewhere(*args, **kwargs):
-        state = real(*args, **kwargs)
+    def elsewhere(*args, **kwargs):      # once read and checked against its digest
+        state, holder = real(*args, **kwargs)
         state["rng"] = [[t.to(torch.int64) for t in rank] for rank in state["rng"]]
-        return state
-    monkeypatch.setattr(torch, "load", elsewhere)
+        return state, holder
+    monkeypatch.setattr(D, "load_newest_state", elsewhere)
     train(resume_recipe(), data, seed=3, checkpoint=tmp_path / "c.pt", resume=True)
     monkeypatch.undo()
     assert same_tensors(saved(tmp_path / "full.pt")["model"], saved(tmp_path / "c.pt")["model"])
@@ -808,6 +809,68 @@ def test_unreadable_checkpoint_is_one_line(store, tmp_path, capsys):
     assert rc == 1     # other settings: refused, as before
     rc, out, _ = run_main(capsys, *args, "--checkpoint", tmp_path / "good.pt")
     assert rc == 0 and f"resumed from epoch 1 of {tmp_path / 'good.pt'}" in out
+
+
+def test_a_checkpoint_damaged_in_its_tensors_is_refused_and_one_without_a_digest_resumes_with_a_warning(
+        store, tmp_path, capsys):
+    """Exponent bits flipped in the two largest tensors: torch loads the file as ever, and without its digest the
+    run would resume from other weights without a word; with it, one line and exit status 1. A checkpoint written
+    before digests were (the same state, no digest) resumes, and a warning says that damage cannot be found in it."""
+    args = ["train", "--store", store, "--recipe", "tiny", "--device", "cpu", "--epochs", "1", "--width", "4",
+            "--warmup-epochs", "0.25", "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE, "--resume"]
+    rc, _, _ = run_main(capsys, *args, "--checkpoint", tmp_path / "good.pt")
+    assert rc == 0
+    shutil.copy(tmp_path / "good.pt", tmp_path / "damaged.pt")
+    assert len(damage_tensors(tmp_path / "damaged.pt")) == 2
+    assert torch.load(tmp_path / "damaged.pt", weights_only=True)["progress"]["epoch"] == 1     # torch sees nothing
+    rc, out, err = run_main(capsys, *args, "--checkpoint", tmp_path / "damaged.pt")
+    assert (rc, err.strip().splitlines()[1:]) == (1, [
+        f"error: {tmp_path / 'damaged.pt'}: damaged since it was written (its contents' sha256 is not the one "
+        "written with it)"]), err
+    assert "resumed from" not in out
+    state = torch.load(tmp_path / "good.pt", weights_only=True)
+    del state[D.DIGEST]
+    torch.save(state, tmp_path / "old.pt")
+    rc, out, err = run_main(capsys, *args, "--checkpoint", tmp_path / "old.pt")
+    assert rc == 0 and f"resumed from epoch 1 of {tmp_path / 'old.pt'}" in out
+    assert err.strip().splitlines()[1:] == [
+        f"warning: {tmp_path / 'old.pt'}: written without a digest (by an older version), so damage to its contents "
+        "cannot be found; used as it is"], err
+
+
+def damaged_copy(store, dst, split, rows):
+    """A copy of the store at dst with the records of `rows` of split overwritten past their first two bytes (a
+    JPEG's start-of-image marker): what a failing disk or a bad copy leaves."""
+    shutil.copytree(store, dst)
+    index = ims.read_rows(dst / f"{split}.store")
+    with open(dst / f"{split}.store", "r+b") as f:
+        for r in rows:
+            f.seek(int(index["offset"][r]) + 2)
+            f.write(bytes(min(200, int(index["nbytes"][r]) - 2)))
+    return dst
+
+
+DAMAGED = "cannot be decoded (ValueError: tjDecompressHeader3(): Could not determine subsampling level of JPEG image)"
+
+
+def test_a_damaged_record_stops_the_run_in_one_line_naming_the_store_and_the_record(store, tmp_path, capsys):
+    """A damaged validation record (met once the epoch has trained), then every training record damaged: one line
+    naming the store's file and the record, exit status 1, none of the decoding worker's tracebacks."""
+    args = ["train", "--recipe", "tiny", "--device", "cpu", "--epochs", "1", "--width", "4", "--warmup-epochs",
+            "0.25", "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE]
+    s = ims.open_store(store)
+    bad = damaged_copy(store, tmp_path / "val", "val", [5])
+    rc, _, err = run_main(capsys, *args, "--store", bad)
+    assert (rc, err.strip().splitlines()[1:]) == (1, [
+        f"error: {bad / 'val.store'}: record 5 (a val image of class {s.index['classes'][s.val.labels[5]]}) "
+        f"{DAMAGED}; the store is damaged: prepare it again"]), err
+    bad = damaged_copy(store, tmp_path / "train", "train", range(len(s.train)))
+    rc, _, err = run_main(capsys, *args, "--store", bad)
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 2 and "Traceback" not in err, err
+    record = re.fullmatch(rf"error: {re.escape(str(bad / 'train.store'))}: record (\d+) \(a train image of class "
+                          rf"(c\d+)\) {re.escape(DAMAGED)}; the store is damaged: prepare it again", lines[1])
+    assert record and s.index["classes"][s.train.labels[int(record[1])]] == record[2], lines[1]
 
 
 def test_a_rank_reads_only_its_share_of_a_raw_store_in_place(raw_store, monkeypatch):

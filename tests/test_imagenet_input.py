@@ -3,6 +3,7 @@ on the GPU decoder, no host wait in a GPU-decoded training batch, validation dec
 decoding workers' start and number, the epochs' draws made ahead, and which of nvJPEG's paths decoded each image."""
 import io
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import imagenet_store as ims
 import training
 from conftest import ROOT, small_jpeg_store
 from cuda_standin import StandIn
+from test_imagenet import damaged_copy
 
 pytestmark = pytest.mark.usefixtures("one_thread")     # conftest's: tiny networks on a shared 2-core machine
 
@@ -128,6 +130,21 @@ def test_validation_decodes_on_the_gpu_when_training_does_and_sees_what_the_cpu_
         for (x, y), (wx, wy) in zip(got, want):
             assert x.shape == wx.shape and torch.equal(y, wy)
             assert (x - wx).abs().mean() < 4, (crop, (x - wx).abs().mean())
+
+
+def test_a_record_the_gpu_decoder_refuses_is_named_in_one_line(store, tmp_path):
+    """A damaged validation record decoded by nvJPEG (the stand-in's: torchvision's decode on the host): nvJPEG's
+    error on the batch becomes the line naming the record that PIL cannot decode either; the others decode."""
+    bad = damaged_copy(store, tmp_path / "bad", "val", [6])
+    s = ims.open_store(bad)
+    with StandIn():
+        data = idt.rank_data(s, torch.device("cuda"), decoder="gpu")
+        with pytest.raises(D.DataError) as e:
+            list(idt.val_batches(data, idt.ValidationSettings(res=24), 4, device=torch.device("cuda")))
+    assert re.fullmatch(rf"{re.escape(str(bad / 'val.store'))}: record 6 \(a val image of class "
+                        rf"{s.index['classes'][s.val.labels[6]]}\) cannot be decoded \(RuntimeError: .+\); the store "
+                        r"is damaged: prepare it again", str(e.value)), str(e.value)
+    assert [r for r in range(len(s.val)) if not idt.pil_decodes(s.val.record(r))] == [6]
 
 
 def test_the_default_workers_leave_a_core_to_the_training_thread_and_one_to_the_reader(monkeypatch):
