@@ -459,6 +459,21 @@ def sync_batch_norm_stats(model, ctx, counted=None):
         bn.running_var.copy_((square - mean ** 2) * N / (N - 1))
 
 
+def broadcast_buffers(model, ctx):
+    """Every rank's buffers of model (its batch-norm statistics, which each rank's own batches move) become rank 0's,
+    as DistributedDataParallel's forward makes them: so that every rank evaluates one model, the one rank 0's
+    checkpoint keeps. One broadcast a dtype."""
+    buffers = list(model.buffers())
+    if not ctx.distributed or not buffers:
+        return
+    for dtype in sorted({b.dtype for b in buffers}, key=str):       # the same order on every rank
+        group = [b for b in buffers if b.dtype == dtype]
+        flat = torch.cat([b.reshape(-1) for b in group])
+        dist.broadcast(flat, 0)
+        for b, part in zip(group, flat.split([b.numel() for b in group])):
+            b.copy_(part.view_as(b))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Communication hooks
 

@@ -33,8 +33,8 @@ from cli import (HelpFormatter, add_run_flags, check_run, cpu_warning, ctrl_c_ex
                  recipe_list, run_record, runtime_error_exit)
 from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_now, print_summary, say_error,
                   summarize_runs, with_progress, write_result)
-from distributed import (barrier, checkpoint_writers, leave, leave_together, print0, register_comm_hook,
-                         sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
+from distributed import (barrier, broadcast_buffers, checkpoint_writers, leave, leave_together, print0,
+                         register_comm_hook, sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
 from imagenet_data import (DECODERS, GPU_DECODERS, EpochWork, batch_indices, decode_text, draw_epoch, jpeg_decoder,
                            loss_top1_top5, rank_data, train_batches)
@@ -236,14 +236,16 @@ def accumulated_step(forward, opt, batch, *, ctx, label_smoothing, dtype, scaler
 def validation_metrics(r, run, data, val, *, ctx, dtype, final):
     """{"val_loss", "top1", "top5"} of the weights the run evaluates (the EMA's when there is one) over the whole
     validation set (each rank its part, summed), each image seen as val (a Validation) says; the final one with the
-    recipe's TTA. With last-batch statistics, every rank first takes the global batch's."""
+    recipe's TTA. With last-batch statistics, every rank first takes the global batch's; under torchrun every rank
+    then takes rank 0's batch-norm statistics, so that all evaluate the weights rank 0's checkpoint keeps."""
     if r.bn_stats == "last_batch":
         sync_batch_norm_stats(run.model, ctx)
         if run.average and run.average.model is not None:
             sync_batch_norm_stats(run.average.model, ctx, counted=run.model)
     tta = val.tta if final else "none"
-    loss, top1, top5 = loss_top1_top5(evaluation_model(run.model, run.average), data, val, tta=tta, device=ctx.device,
-                                dtype=dtype, ctx=ctx)
+    model = evaluation_model(run.model, run.average)
+    broadcast_buffers(model, ctx)           # each rank evaluates its part of the set: all of them with one model
+    loss, top1, top5 = loss_top1_top5(model, data, val, tta=tta, device=ctx.device, dtype=dtype, ctx=ctx)
     return {"val_loss": loss, "top1": top1, "top5": top5}
 
 

@@ -4,8 +4,10 @@ shared filesystem. Each rank records which images it trained on (known by their 
 memory, and what it evaluated."""
 import contextlib
 import datetime
+import gc
 import io
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -426,3 +428,86 @@ def test_fastai_tables_change_size_batch_crops_and_validation_by_phase(presets, 
     assert got == pytest.approx(want)
     assert res["target"] == 0.93 and res["settings"]["target_top5"] == 0.93 and res["settings"]["zero_init"]
     assert "time to 93.00% top-5" in ranks[0]["phases"][NAMES.index(name)]["stdout"]
+
+
+# --- validation at any number of ranks --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def raw_store(store):
+    """The raw store of the same tree as the JPEG store."""
+    ims.prepare(store.parent / "src", store.parent / "raw", ims.StoreSettings(format="raw", size=SIZE), workers=1,
+                log=lambda s: None)
+    return store.parent / "raw"
+
+
+def validation_worker(rank, world, ports, stores, out):
+    """`imagenet_fast.py train` of one epoch on each store in turn as this rank, recording what its last evaluation
+    held (its validation rows), read (the records its decoding workers were given) and pushed through the model, the
+    figures it returned and the weights it evaluated; saved to out/rank<rank>.pt."""
+    torch.set_num_threads(1)
+    gc.freeze()     # forked: what the fork server imported is not scanned by each collection (distributed.leave's two)
+    seen, real_decoded, real_evaluate = [], idt.decoded, inf.loss_top1_top5
+
+    def decoded(data, split, jobs, **kwargs):
+        jobs = list(jobs)
+        if split == "val":
+            seen[-1]["read"] += [int(r) for job in jobs for r in job[0]]
+        return real_decoded(data, split, jobs, **kwargs)
+
+    def evaluate(model, data, *args, **kwargs):
+        count = [0]
+        hook = model.register_forward_pre_hook(lambda m, inputs: count.__setitem__(0, count[0] + len(inputs[0])))
+        seen[-1]["read"] = []
+        result = real_evaluate(model, data, *args, **kwargs)
+        hook.remove()
+        seen[-1].update(rows=data.val_rows.tolist(), images=count[0], result=result,
+                        state={k: v.clone() for k, v in model.state_dict().items()})
+        return result
+
+    idt.decoded, inf.loss_top1_top5 = decoded, evaluate
+    for port, store in zip(ports, stores):
+        seen.append({"read": []})
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        stderr = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+            seen[-1]["rc"] = inf.main(cli_args(store, 1, "--batch-size", 42, "--loader-workers", 1))
+        seen[-1]["stderr"] = stderr.getvalue()
+        D.leave(D.Context(distributed=True))
+    torch.save(seen, os.path.join(out, f"rank{rank}.pt"))
+
+
+@pytest.mark.usefixtures("one_thread")     # conftest's: the reference evaluation's tiny network, on a shared machine
+@pytest.mark.parametrize("world", [3, 6, 7])
+def test_validation_counts_every_image_once_at_any_number_of_ranks(store, raw_store, tmp_path, world):
+    """An epoch of training on `world` gloo ranks (a global batch of 42, which 3, 6 and 7 divide), then the final
+    evaluation, of the JPEG store and of the raw one: 32 validation images, which none of 3, 6 and 7 divides. The
+    ranks hold disjoint parts that cover the validation set, each reads its own part's records once and pushes each
+    image through the model once (twice with the flip), and every rank returns the figures of one process evaluating
+    the same weights on the whole set. The ranks are forked from a server that imported torch once: 16 spawned
+    interpreters would each import it, and a fork of this process, which runs threads, could deadlock."""
+    stores = [store, raw_store]
+    multiprocessing.set_forkserver_preload(["imagenet_fast", "test_imagenet_ranks"])
+    mp.start_processes(validation_worker, args=(world, free_ports(2), [str(s) for s in stores], str(tmp_path)),
+                       nprocs=world, join=True, start_method="forkserver")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    r = inf.recipe("tiny", **HP)
+    for k, path in enumerate(stores):
+        runs = [rank[k] for rank in ranks]
+        assert [run["rc"] for run in runs] == [0] * world, [run["stderr"][-1500:] for run in runs]
+        s = ims.open_store(path)
+        assert len(s.val) == 32 and len(s.val) % world
+        rows = [run["rows"] for run in runs]
+        assert sorted(i for part in rows for i in part) == list(range(len(s.val))), rows      # each once, all
+        assert all(sorted(run["read"]) == run["rows"] for run in runs), [run["read"] for run in runs]
+        views = 2 if r.validation.tta == "flip" else 1
+        assert sum(run["images"] for run in runs) == views * len(s.val)
+        model = inf.imagenet_network(r, CLASSES)
+        model.load_state_dict(runs[0]["state"])
+        data = inf.rank_data(s, torch.device("cpu"), workers=1)
+        loss, top1, top5 = inf.loss_top1_top5(model, data, r.validation, tta=r.validation.tta,
+                                              device=torch.device("cpu"), dtype=torch.float32)
+        data.pool.shutdown()
+        for run in runs:
+            assert run["result"][1:] == (top1, top5) and run["result"][0] == pytest.approx(loss, rel=1e-5), path
