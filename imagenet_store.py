@@ -521,11 +521,10 @@ def held_by_prepare(dst):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                break           # a file system without locks: prepare runs without one
             holder = os.read(fd, 200).decode(errors="replace").strip()
             os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise DataError(f"{path}: cannot be locked ({e.strerror or e}); give --dst a folder you can write in") \
-                    from None
             raise DataError(f"--dst {dst}: another prepare is writing it ({holder or 'just started'}); wait for it to "
                             "end, or give another --dst") from None
         with contextlib.suppress(FileNotFoundError):
@@ -537,7 +536,8 @@ def held_by_prepare(dst):
         os.write(fd, f"process {os.getpid()} on {socket.gethostname()}".encode())
         yield
     finally:
-        path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
         os.close(fd)
 
 

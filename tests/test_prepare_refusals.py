@@ -6,6 +6,7 @@ the same store, and photos beyond PIL's limits.
 
 The full disk is the kernel's own refusal of a file past RLIMIT_FSIZE (EFBIG) in a subprocess: the same path through
 the code as ENOSPC (a write that fails part-way through a shard), with no mount needed."""
+import errno
 import json
 import os
 import shutil
@@ -209,10 +210,12 @@ def test_a_flag_the_format_does_not_read_is_refused_in_one_line(src, tmp_path, c
     assert (rc, err) == (2, [f"error: {message}"]) and not (tmp_path / "dst").exists()
 
 
-def test_a_second_prepare_into_the_same_store_is_refused_naming_the_first_and_leaves_nothing(src, tmp_path, capfd):
+def test_a_second_prepare_into_the_same_store_is_refused_naming_the_first_and_leaves_nothing(src, tmp_path, capfd,
+                                                                                           monkeypatch):
     """While one prepare holds --dst (its lock, taken here as a prepare takes it), another into it stops in one line
     naming the holder and writes nothing; once the holder ends no lock file is left, and a lock file left by a
-    holder that was killed (no lock held on it) is taken over and removed."""
+    holder that was killed (no lock held on it) is taken over and removed. On a file system without locks, prepare
+    runs without one."""
     dst = tmp_path / "dst"
     dst.mkdir()
     with ims.held_by_prepare(dst):
@@ -224,6 +227,12 @@ def test_a_second_prepare_into_the_same_store_is_refused_naming_the_first_and_le
     (dst / ims.LOCK).write_text("process 1 on a machine since rebooted")
     rc, _, _ = prepare_main(capfd, src, dst)
     assert rc == 0 and sorted(os.listdir(dst)) == ["index.json", "train.store", "val.store"]
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(ims.fcntl, "flock", no_locks)
+    rc, _, _ = prepare_main(capfd, src, tmp_path / "unlocked")
+    assert rc == 0 and sorted(os.listdir(tmp_path / "unlocked")) == ["index.json", "train.store", "val.store"]
 
 
 def test_a_photo_too_large_for_pil_is_skipped_and_a_large_one_stored_each_in_one_line(src, tmp_path, capfd):
