@@ -367,7 +367,9 @@ def decode_part(split, path, *, shape, start, rows, boxes):
         raw_shape = (int(records.rows["height"][r]), int(records.rows["width"][r])) if raw else None
         try:
             out[start + k] = decode_crop(records.record(r), box=box, shape=shape[1:3], raw_shape=raw_shape)
-        except Exception as e:      # the worker's traceback says nothing a user can act on: the record does
+        except Exception as e:      # a damaged record: named, not the worker's traceback; anything else raised whole
+            if raw or pil_decodes(records.record(r)):
+                raise
             raise DataError(damaged_record(WORKER["store"], split, r, e)) from None
 
 

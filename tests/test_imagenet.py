@@ -873,6 +873,19 @@ def test_a_damaged_record_stops_the_run_in_one_line_naming_the_store_and_the_rec
     assert record and s.index["classes"][s.train.labels[int(record[1])]] == record[2], lines[1]
 
 
+def test_a_decoding_failure_on_a_record_pil_decodes_is_raised_as_it_is_not_blamed_on_the_store(store, monkeypatch):
+    """Only a record that PIL cannot decode either is called damaged: another failure (here a stand-in for a bug in
+    the crop's arithmetic) reaches the caller whole, from the decoding worker."""
+    def broken(record, **kwargs):
+        raise ValueError("a bug, not the data")
+    monkeypatch.setattr(idt, "decode_crop", broken)             # before the workers are forked: theirs too
+    data = idt.rank_data(ims.open_store(store), torch.device("cpu"), workers=1)
+    with pytest.raises(ValueError, match="^a bug, not the data$"):
+        list(idt.decoded(data, "train", [(data.train_rows[:2], np.array([[0, 0, 8, 8]] * 2), (8, 8), (np.zeros(2),))],
+                         device=torch.device("cpu")))
+    data.pool.shutdown()
+
+
 def test_a_rank_reads_only_its_share_of_a_raw_store_in_place(raw_store, monkeypatch):
     """Under torchrun, a rank's raw store in host memory stays the memory-mapped file (nothing copied, nothing
     pinned whole), and its batches gather only rows of its share."""
