@@ -212,6 +212,9 @@ class KeptStdout:
 
     def __init__(self, stream):
         self.stream, self.kept_in, self.lost = stream, None, None
+        # read by what is imported while a command runs (sympy's pretty printer, through torch): here, not through
+        # __getattr__, so the same functions run however the command was started (benchmarks/reading_path.py)
+        self.encoding, self.errors = getattr(stream, "encoding", "utf-8"), getattr(stream, "errors", "strict")
         self.held = contextlib.ExitStack()        # what the command holds until it returns (claim_output's lock)
 
     def _do(self, action):
