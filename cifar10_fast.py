@@ -29,15 +29,16 @@ from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_F
                              RECIPES, Recipe, journey_recipes, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, low_resolution,
                         upload_normalised, num_classes, pair, take_subset, dataset_on_device)
-from cli import (HelpFormatter, add_run_flags, check_run, check_whole, cpu_warning, ctrl_c_exit, interrupted, join_ranks,
-                 phase_of, recipe_list, run_record, runtime_error_exit)
+from cli import (HelpFormatter, add_run_flags, check_run, check_whole, claim_output, command, cpu_warning, ctrl_c_exit,
+                 interrupted, join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
 from core import (DataError, Heartbeat, Parser, UsageError, exit_now, print_summary, say_error, summarize_runs,
-                  with_progress, write_result)
+                  torchvision_mismatch, with_progress, write_result)
 from distributed import Context, barrier, leave, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
-from torch_backend import build_model, fit_whitening, loss_and_accuracy, pools_to_one_pixel, tta_views, whitening_bias
+from torch_backend import (TTASettings, build_model, fit_whitening, loss_and_accuracy, pools_to_one_pixel, tta_views,
+                           whitening_bias)
 from training import (EpochClock, RunOptions, averaging, check_finite_loss, epoch_table,
                       evaluation_model, run_seeds, strict_compile, train_step, warmup_calls)
 
@@ -241,6 +242,7 @@ class Options(RunOptions):
     verbose: bool = False
     on_run: object = None
     on_epoch: object = None
+    data_flag: str = "data"          # how a message names the data: train()'s data="FILE.npz", or a script's flag
 
 
 @dataclass(kw_only=True)
@@ -311,8 +313,9 @@ def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
     if not isinstance(recipe_or_name, (Recipe, str)):
         raise UsageError(f"train: the recipe must be a Recipe or a recipe's name, not {type(recipe_or_name).__name__}")
     if data is not None and not isinstance(data, (str, os.PathLike, dict)):
+        what = f"of shape {tuple(data.shape)}" if hasattr(data, "shape") else f"{data!r:.40}"     # not an array's repr
         raise UsageError(f"train: data must be a path (a .npz, a data folder, an unpacked archive) or a dict of the "
-                         f"four arrays, not {type(data).__name__} {data!r:.40}")
+                         f"four arrays, not {type(data).__name__} {what}")
     r = recipe_or_name if isinstance(recipe_or_name, Recipe) else recipe(recipe_or_name, **changes)
     check_run(o.runs, o.target, seed=o.seed, eval_every=o.eval_every, precision=o.precision)
     if o.compile not in (None, *COMPILE_MODES):
@@ -323,8 +326,12 @@ def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
     device = torch.device(ctx.device) if ctx else devices.resolve(o.device)
     ctx = ctx or Context(device=str(device))
     with Heartbeat(f"loading {data or 'data'}", on=o.progress and not isinstance(data, dict)):
-        arrays = check_arrays(data, "data") if isinstance(data, dict) else load(data or "data", dataset)
+        arrays = (check_arrays(as_numpy(data), "data") if isinstance(data, dict)
+                  else load(data or "data", dataset, flag=o.data_flag))
     stats = channel_stats(arrays["train_images"])        # the whole training set's, whatever the subset
+    if not any(stats[1]):
+        raise DataError(f"{data if isinstance(data, (str, os.PathLike)) else 'data'}: every pixel of every training "
+                        f"image is ({', '.join(f'{m:g}' for m in stats[0])}); there is nothing to learn")
     check_subset(subset, len(arrays["train_labels"]))
     arrays = take_subset(arrays, subset)
     check_data(r, arrays, ctx, say=print if o.verbose else None)
@@ -336,6 +343,11 @@ def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
               + (f", {ctx.world_size} ranks of {r.batch_size // ctx.world_size} images per step" if ctx.distributed
                  else ""), flush=True)
     return r, arrays, stats, ctx
+
+
+def as_numpy(arrays):
+    """A dict of the four arrays with any torch tensor among them as a numpy array (a copy in host memory)."""
+    return {k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in arrays.items()}
 
 
 def count_flops(r, data, *, batch=2):
@@ -417,28 +429,59 @@ def say_estimate(r, epoch_s, *, runs, n_train):
 def scores(model, images, labels, *, tta=None, stats=None, batch_size=1000):
     """{"loss", "accuracy"} of a trained network (Result.model) on images, with test-time augmentation `tta` (a
     TTASettings, or None). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by the statistics
-    train() keeps on the model, or stats = (mean, std)), or a tensor already normalised on the model's device."""
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"scores: model must be a trained network (Result.model), not {type(model).__name__}")
-    if not isinstance(images, (np.ndarray, torch.Tensor)) or images.ndim != 4:
-        raise UsageError("scores: images must be a numpy array (N, H, W, 3) of uint8 or a normalised tensor (N, 3, H, "
-                         f"W), not {type(images).__name__} of shape {getattr(images, 'shape', '?')}")
-    if not hasattr(labels, "__len__") or len(labels) != len(images):
-        raise UsageError(f"scores: labels must hold one label for each of the {len(images)} images, not "
-                         f"{type(labels).__name__}" + (f" of {len(labels)}" if hasattr(labels, "__len__") else ""))
-    if tta is not None:
-        check(tta)
+    train() keeps on the model, or stats = (mean, std)), or a float tensor (N, 3, H, W) already normalised."""
+    dtype = check_scores_input(model, images, labels, tta)
     device = next(model.parameters()).device
     if isinstance(images, np.ndarray):
         stats = stats or getattr(model, "normalisation", None)
         if stats is None:
             raise UsageError("scores: give stats=(mean, std), the training images' (a network train() returned "
                              "keeps them)")
-        images = upload_normalised(images, device, dtype=torch.float32, stats=stats)
-    labels = torch.as_tensor(labels, device=device).long()
+        images = upload_normalised(np.ascontiguousarray(images), device, dtype=dtype, stats=stats)
+    images = images.to(device, dtype)
+    labels = torch.as_tensor(np.asarray(labels) if isinstance(labels, (list, tuple)) else labels, device=device).long()
     loss, accuracy = loss_and_accuracy(model, images, labels, tta=tta, batch_size=batch_size,
-                                       dtype=devices.compute_dtype(device), memory_format=devices.memory_format(device))
+                                       dtype=dtype if dtype == torch.float64 else devices.compute_dtype(device),
+                                       memory_format=devices.memory_format(device))
     return {"loss": loss, "accuracy": accuracy}
+
+
+def check_scores_input(model, images, labels, tta):
+    """Raises UsageError (one line) unless scores() can evaluate model on images and labels with tta; returns the
+    dtype the images are normalised in: the model's float32, or float64 (a network train(precision="fp64") made)."""
+    if not isinstance(model, torch.nn.Module) or not any(True for _ in model.parameters()):
+        raise UsageError(f"scores: model must be a trained network (Result.model), not {type(model).__name__}")
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float32, torch.float64):
+        raise UsageError(f"scores: the model's parameters are {str(dtype)[6:]}; give it in float32 (or float64)")
+    kind, shape = type(images).__name__, tuple(getattr(images, "shape", ()))
+    if isinstance(images, np.ndarray) and (images.dtype != np.uint8 or images.ndim != 4 or shape[3] != 3):
+        raise UsageError(f"scores: images are a numpy array of {images.dtype} {shape}; expected uint8 (N, H, W, 3), "
+                         "pixels 0..255 as train() takes them (or a normalised float tensor (N, 3, H, W))")
+    if isinstance(images, torch.Tensor) and (not images.is_floating_point() or images.ndim != 4 or shape[1] != 3):
+        raise UsageError(f"scores: images are a tensor of {str(images.dtype)[6:]} {shape}; expected normalised floats "
+                         "(N, 3, H, W) (or uint8 pixels as a numpy array (N, H, W, 3))")
+    if not isinstance(images, (np.ndarray, torch.Tensor)):
+        raise UsageError(f"scores: images must be a numpy array (N, H, W, 3) of uint8 or a normalised tensor (N, 3, H, "
+                         f"W), not {kind}")
+    if len(images) == 0:
+        raise UsageError("scores: no images (N = 0)")
+    if not hasattr(labels, "__len__") or len(labels) != len(images):
+        raise UsageError(f"scores: labels must hold one label for each of the {len(images)} images, not "
+                         f"{type(labels).__name__}" + (f" of {len(labels)}" if hasattr(labels, "__len__") else ""))
+    values = np.asarray(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
+    heads = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    classes = heads[-1].out_features if heads else None          # the network's classes: its last layer's outputs
+    if not np.issubdtype(values.dtype, np.integer) or values.min() < 0 or classes and values.max() >= classes:
+        raise UsageError(f"scores: labels must be whole numbers 0..{classes - 1 if classes else 'C-1'}" +
+                         (f" (the model's {classes} classes)" if classes else "") + f", not {values.dtype} "
+                         f"{values.min()}..{values.max()}")
+    if tta is not None and not isinstance(tta, TTASettings):
+        raise UsageError(f"scores: tta must be a TTASettings (a recipe's: result.recipe.tta) or None, not "
+                         f"{type(tta).__name__} {tta!r:.40}")
+    if tta is not None:
+        check(tta)
+    return dtype
 
 
 def check_subset(subset, n_train=None):
@@ -464,6 +507,10 @@ def check_data(r, arrays, ctx, say=None):
         raise flag_error("epochs", r.epochs, f"shorter than one step (an epoch here is {steps} step"
                          f"{'s' * (steps > 1)} of {batch * ctx.world_size} images); give at least "
                          f"{'1' if steps == 1 else f'1/{steps}'}")
+    ghost = r.batch_norm.ghost_batch
+    if ghost and batch % ghost:
+        raise flag_error("bn_ghost_batch", ghost, f"must divide each rank's batch into whole groups (--batch-size "
+                         f"{r.batch_size} over {ctx.world_size} ranks: {batch} images)")
     if len(np.unique(arrays["train_labels"])) < 2:
         raise UsageError(f"the {n_train} training images are all of one class (label {arrays['train_labels'][0]}); a "
                          "classifier needs at least 2 (a larger --subset?)")
@@ -531,13 +578,17 @@ BEFORE_TRAINING = {"recipe_and_data": "loading the data",
                    "warmup": "warming up (cuDNN's autotuning, or torch.compile compiling)"}
 
 
+@command
 def main(argv=None):
-    """The command line: the recipe and every flag checked, this process's place among torchrun's ranks joined, the
-    runs trained (train()), their summary printed and --out written after every run; the exit status."""
+    """The command line: the recipe and every flag checked, --out claimed, this process's place among torchrun's ranks
+    joined, the runs trained (train()), their summary printed and --out written after every run; the exit status."""
     args, changes = parse_args(argv)
     if args.list_recipes:
         print(recipe_list(RECIPES))
         return 0
+    if mismatch := torchvision_mismatch():          # before any import of torchvision fails in a traceback
+        say_error(mismatch)
+        return 1
     try:            # every flag, before any data is loaded (what depends on the data: in train(), before training)
         r = recipe(args.recipe, **changes)
         if args.print_recipe:
@@ -547,6 +598,7 @@ def main(argv=None):
         check_subset(args.subset)
         check_run(args.runs, args.target, seed=args.seed, device=args.device, out=args.out,
                   eval_every=args.eval_every)
+        claim_output(args.out if os.environ.get("RANK", "0") == "0" else None)      # the rank that writes it
         ctx = join_ranks(args)
     except UsageError as e:
         say_error(e)
@@ -554,8 +606,8 @@ def main(argv=None):
     device, where = torch.device(ctx.device), {"run": 1, "epoch": 1, "finished": 0}
     if devices.is_cpu(device) and ctx.is_main:
         given = {"subset"} if args.subset is not None else set()
-        print(cpu_warning([f"--{name}" for name in ("subset", "epochs", "width") if name not in given | set(changes)]),
-              file=sys.stderr)
+        print(cpu_warning([f"--{name}" for name in ("subset", "epochs", "width") if name not in given | set(changes)],
+                          devices.compute_dtype(device, args.precision)), file=sys.stderr)
 
     def save(result, complete):     # after every run: a run cut short, or a failure later, never loses the others
         if args.out and ctx.is_main:
@@ -569,6 +621,7 @@ def main(argv=None):
         save(result, False)
     try:
         result = train(r, args.data_dir, subset=args.subset, dataset=args.dataset, ctx=ctx, on_run=run_done,
+                       data_flag="--data-dir",
                        on_epoch=lambda row: where.update(epoch=row["epoch"] + 1), runs=args.runs,
                        seed=args.seed, target=args.target, eval_every=args.eval_every, precision=args.precision,
                        compile=args.compile, verbose=ctx.is_main, progress=ctx.is_main and not args.quiet)
@@ -576,9 +629,10 @@ def main(argv=None):
     except (UsageError, DataError) as e:
         say_error(e)
         return 2 if isinstance(e, UsageError) else 1
-    except KeyboardInterrupt as e:
-        return ctrl_c_exit(interrupted(where["epoch"], where["run"], where["finished"], out=args.out,
-                                       during=phase_of(e, BEFORE_TRAINING)))
+    except KeyboardInterrupt as e:          # Ctrl-C, or SIGTERM
+        how, status = stop_of(e)
+        return ctrl_c_exit(interrupted(where["epoch"], where["run"], where["finished"], out=args.out, how=how,
+                                       during=phase_of(e, BEFORE_TRAINING)), status)
     except RuntimeError as e:       # out of memory, or a peer lost: one line; else raised whole
         return runtime_error_exit(e, ctx, ways="a smaller --batch-size or --width needs less", out=args.out,
                                   epoch=where["epoch"], run=where["run"], finished=where["finished"],
@@ -601,6 +655,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     status = main()
-    if status == 130:
-        exit_now(status)        # Ctrl-C: at once, not seconds later (torch.compile's state finalised)
+    if status in (130, 143):
+        exit_now(status)        # Ctrl-C, SIGTERM: at once, not seconds later (torch.compile's state finalised)
     sys.exit(status)

@@ -43,6 +43,10 @@ class Recipe:
         if self.ema and self.lookahead:
             raise UsageError("--ema-momentum and --lookahead-momentum: one weight average at a time; set the other "
                              "to 0")
+        ghost = self.batch_norm.ghost_batch
+        if ghost and self.batch_size % ghost:       # GhostBatchNorm would fall back to the whole batch's statistics
+            raise flag_error("bn_ghost_batch", ghost, f"must divide --batch-size {self.batch_size} into whole groups "
+                             "(0: the whole batch's statistics)")
         for side in sorted(set(self.augment.resolution_schedule)):
             if not pools_to_one_pixel(self, side):
                 raise flag_error("resolution_schedule", self.augment.resolution_schedule,

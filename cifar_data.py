@@ -6,6 +6,8 @@ calls and applied to all images at once.
 Bad data raises core.DataError with one line naming the file and what is wrong.
 """
 import contextlib
+import errno
+import hashlib
 import io
 import os
 import pickle
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import devices
-from core import DataError, made_folder, write_atomic, writable_folder
+from core import DataError, made_folder, not_a_file, write_atomic, writable_folder
 from settings import knob
 
 # ---------------------------------------------------------------------------------------------
@@ -49,9 +51,16 @@ MEAN = (125.307, 122.950, 113.865)
 STD = (62.993, 62.089, 66.705)
 
 
-def download(url, path, progress=True):
+def data_argument(flag, value):
+    """How a user gives `value` as the data: `--data-dir VALUE` on the command line (flag "--data-dir"), `data="VALUE"`
+    in a library call (flag "data")."""
+    return f"{flag} {value}" if flag.startswith("-") else f'{flag}="{value}"'
+
+
+def download(url, path, progress=True, *, flag="--data-dir"):
     """Downloads url to path with torchvision's downloader (its tqdm bar on stderr unless progress is off),
-    under a temporary name renamed only when complete, so no half file is ever left under the final name."""
+    under a temporary name renamed only when complete, so no half file is ever left under the final name; a failure
+    says how to give the data instead, by `flag` (data_argument)."""
     from torchvision.datasets.utils import download_url     # here: importing torchvision takes a second or two
     path = Path(path)
     if progress:
@@ -64,8 +73,8 @@ def download(url, path, progress=True):
                 download_url(url, os.path.dirname(tmp), os.path.basename(tmp))
         except (OSError, RuntimeError) as e:      # URLError, HTTPError, "File not found", too many redirects
             raise DataError(f"{url}: download failed ({e}); put {path.name} in {path.parent}, or give the data as one "
-                            "file: --data-dir FILE.npz holding train_images (N, 32, 32, 3) uint8, train_labels (N,), "
-                            "test_images and test_labels") from e
+                            f"file: {data_argument(flag, 'FILE.npz')} holding train_images (N, 32, 32, 3) uint8, "
+                            "train_labels (N,), test_images and test_labels") from e
     write_atomic(path, write)
 
 
@@ -84,7 +93,7 @@ def _batches_to_arrays(read, where, spec):
     def load(name):
         try:
             d = pickle.loads(read(name), encoding="bytes")
-            x = np.asarray(d[b"data"], dtype=np.uint8)
+            x = np.asarray(d[b"data"])
             y = np.asarray(d[spec["labels"]])
         except DataError:
             raise
@@ -92,11 +101,30 @@ def _batches_to_arrays(read, where, spec):
             raise DataError(f"{where}/{name}: not a {spec['title']} batch ({type(e).__name__}: {e})") from e
         if x.ndim != 2 or x.shape[1] != 3072 or len(x) != len(y):
             raise DataError(f"{where}/{name}: wrong shapes (data {x.shape}, labels {y.shape}); expected (N, 3072) and (N,)")
-        return x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), y
+        return as_pixels(x, f"{where}/{name}").reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), y
     train, test = [load(name) for name in spec["train"]], [load(name) for name in spec["test"]]
     join = lambda batches, i: np.concatenate([batch[i] for batch in batches])
     return {"train_images": join(train, 0), "train_labels": join(train, 1),
             "test_images": join(test, 0), "test_labels": join(test, 1)}
+
+
+def as_pixels(x, source):
+    """x as uint8, or a DataError naming source where a value is not a whole number in 0..255 (which uint8 would wrap:
+    256 to 0)."""
+    if x.dtype == np.uint8:
+        return x
+    numbers = np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)
+    if not numbers or x.size and not (x.min() >= 0 and x.max() <= 255 and np.array_equal(x, np.round(x))):
+        values = f" {x.min()}..{x.max()}" if numbers and x.size else ""
+        raise DataError(f"{source}: pixel values{values} of dtype {x.dtype}; expected whole numbers 0..255")
+    return x.astype(np.uint8)
+
+
+def published_md5s(spec):
+    """{batch file: md5} of the dataset's official unpacked folder, as torchvision publishes them."""
+    from torchvision.datasets import CIFAR10, CIFAR100
+    published = CIFAR10 if spec is DATASETS["cifar10"] else CIFAR100
+    return dict(published.train_list + published.test_list)
 
 
 def read_archive(path, spec=DATASETS["cifar10"]):
@@ -115,12 +143,21 @@ def read_archive(path, spec=DATASETS["cifar10"]):
         raise DataError(f"{path}: truncated or corrupt archive ({e})") from e
 
 
-def read_batches_dir(folder, spec=DATASETS["cifar10"]):
+def read_batches_dir(folder, spec=DATASETS["cifar10"], *, flag="--data-dir"):
+    """The four arrays of an unpacked folder of the official pickles, each file's md5 checked against its published
+    one before it is unpickled (as torchvision's CIFAR10 checks them): unpickling runs whatever code a file holds."""
+    md5s = published_md5s(spec)
+
     def read(name):
         f = folder / name
         if not f.is_file():
             raise DataError(f"{f}: missing")
-        return f.read_bytes()
+        blob = f.read_bytes()
+        if (md5 := hashlib.md5(blob, usedforsecurity=False).hexdigest()) != md5s[name]:
+            raise DataError(f"{f}: not {spec['title']}'s published {name} (md5 {md5}, expected {md5s[name]}); not "
+                            "unpickled, as a pickle can run code: unpack the official archive again, or give the data "
+                            f"as one file: {data_argument(flag, 'FILE.npz')}")
+        return blob
     return _batches_to_arrays(read, folder, spec)
 
 
@@ -134,7 +171,12 @@ def read_npz(path):
             missing = [k for k in KEYS if k not in z.files]
             if missing:
                 raise DataError(f"{path}: missing arrays {missing}; it holds {sorted(z.files)}, expected {list(KEYS)}")
-            return {k: z[k] for k in KEYS}
+            arrays = {k: z[k] for k in KEYS}
+        for k, v in arrays.items():        # numpy hands a member that is not .npy data back as its bytes
+            if not isinstance(v, np.ndarray):
+                raise DataError(f"{path}: {k}.npy is not .npy data (numpy.save's format); write the file with "
+                                "numpy.savez")
+        return arrays
     except DataError:
         raise
     except Exception as e:
@@ -176,7 +218,8 @@ def check_arrays(d, source, preset=None):
                             "32x32 (leave out --dataset to train on your own data)")
     check_classes(d, source, spec)
     label_type = np.uint8 if num_classes(d) <= 256 else np.int64
-    return {k: (d[k].astype(label_type) if k.endswith("labels") else d[k]) for k in KEYS}
+    # images C-contiguous, copied only where they are not (a reversed view: torch takes no negative strides)
+    return {k: (d[k].astype(label_type) if k.endswith("labels") else np.ascontiguousarray(d[k])) for k in KEYS}
 
 
 def check_classes(d, source, spec=None):
@@ -218,7 +261,7 @@ def channel_stats(images, chunk=1 << 20):
             counts[c] += np.bincount(pixels[i:i + chunk, c], minlength=256)
     values, n = np.arange(256.0), counts.sum(1)
     mean = counts @ values / n
-    std = np.sqrt(counts @ values ** 2 / n - mean ** 2)
+    std = np.sqrt(np.maximum(counts @ values ** 2 / n - mean ** 2, 0))      # a constant channel: 0, never NaN
     # 0.001: the precision of CIFAR-10's MEAN and STD, which its statistics then equal exactly (bit-for-bit training)
     return tuple(np.round(mean, 3).tolist()), tuple(np.round(std, 3).tolist())
 
@@ -236,36 +279,55 @@ def write_cache(path, d):
     write_atomic(path, write)
 
 
-def load(path="data", dataset=None, *, download_ok=True, archive=None, url=None, progress=True):
+def data_path_error(p):
+    """The one line for a --data-dir that is neither a .npz file (any case of the suffix) nor a folder, or None:
+    what is there instead (a fifo, a device, a folder named .npz, a loop of links) or that nothing is."""
+    npz = p.suffix.lower() == ".npz"
+    try:
+        os.stat(p)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{p}: is a loop of symbolic links"
+        return f"{p}: no such file" if npz else None
+    kind = not_a_file(p)
+    if npz and kind:
+        return f"{p}: is {kind}, not a .npz file"
+    if not npz and kind not in (None, "a folder"):
+        return f"{p}: is {kind}; expected a .npz file or a folder"
+    if not npz and kind is None:
+        return f"{p}: expected a .npz file or a folder"
+    return None
+
+
+def load(path="data", dataset=None, *, download_ok=True, archive=None, url=None, progress=True, flag="--data-dir"):
     """Four numpy arrays (images uint8 NHWC, labels uint8 or int64) from `path`: a .npz (check_arrays), a folder of
     the official pickles, or a data folder (its cache, else its official archive, downloaded if absent). `dataset`: a
-    folder's (None: cifar10) or what a .npz must be (None: one's own); `archive`, `url`: for tests."""
+    folder's (None: cifar10) or what a .npz must be (None: one's own); `flag`: how a message names the data
+    (data_argument); `archive`, `url`: for tests."""
     p = Path(path)
-    if p.suffix == ".npz":
-        if not p.is_file():
-            raise DataError(f"{p}: no such file")
+    if error := data_path_error(p):
+        raise DataError(error)
+    if p.suffix.lower() == ".npz":
         return check_arrays(read_npz(p), p, dataset)
     dataset = dataset or "cifar10"
     spec = DATASETS[dataset]
     archive, url = archive or spec["archive"], url or spec["url"]
-    if p.exists() and not p.is_dir():
-        raise DataError(f"{p}: expected a .npz file or a folder")
     if (p / spec["train"][0]).is_file():
-        return check_arrays(read_batches_dir(p, spec), p, dataset)
+        return check_arrays(read_batches_dir(p, spec, flag=flag), p, dataset)
     cache = p / spec["cache"]
     if cache.is_file():
         return check_arrays(read_npz(cache), cache, dataset)
     if (p / spec["folder"] / spec["train"][0]).is_file():
-        d = check_arrays(read_batches_dir(p / spec["folder"], spec), p / spec["folder"], dataset)
+        d = check_arrays(read_batches_dir(p / spec["folder"], spec, flag=flag), p / spec["folder"], dataset)
     else:
         tgz = p / archive["name"]
         if not tgz.is_file():
             if not download_ok:
                 raise DataError(f"{tgz}: not found and downloading is off")
-            writable_folder(p, f"{spec['title']}'s download", "give --data-dir a folder you can write in, or the data "
-                            "as one file: --data-dir FILE.npz")
+            writable_folder(p, f"{spec['title']}'s download", f"give {flag} a folder you can write in, or the data as "
+                            f"one file: {data_argument(flag, 'FILE.npz')}")
             with made_folder(p):
-                download(url, tgz, progress)
+                download(url, tgz, progress, flag=flag)
         verify_archive(tgz, archive)
         d = check_arrays(read_archive(tgz, spec), tgz, dataset)
     write_cache(cache, d)
@@ -287,7 +349,7 @@ def upload_normalised(x, device, *, dtype, stats, pad=0):
     wide = devices.wide_dtype(dtype)
     x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).to(wide)
     mean, std = (torch.tensor(v, device=device, dtype=wide).view(1, -1, 1, 1) for v in stats)
-    x = (x - mean) / std
+    x = (x - mean) / torch.where(std > 0, std, 1.0)        # a constant channel (std 0) normalised to 0, not NaN
     return (F.pad(x, (pad,) * 4, mode="reflect") if pad else x).to(dtype)
 
 

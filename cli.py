@@ -4,8 +4,11 @@ line Ctrl-C leaves, and the record of where and how a run ran, for its JSON file
 their settings (settings.py).
 """
 import argparse
+import contextlib
 import dataclasses
 import datetime
+import errno
+import functools
 import math
 import os
 import platform
@@ -13,12 +16,13 @@ import signal
 import shutil
 import sys
 import textwrap
+import threading
 import traceback
 
 import torch
 
 import devices
-from core import UsageError, check_output, close_progress, first_to_say
+from core import UsageError, check_output, close_progress, first_to_say, output_lock
 from distributed import HOOKS, comm_hook, first_sentence, init_from_env, leave, print0
 from settings import flag_error, flat
 
@@ -169,13 +173,119 @@ def phase_of(error, phases):
     return next((phases[name] for name in reversed(names) if name in phases), None)
 
 
-def ctrl_c_exit(line):
-    """Exit status 130 once Ctrl-C's one line (interrupted()'s) is printed, over any progress bar. Under torchrun, whose
-    own status is then 1 (it stops its workers and reports the signal), interrupt_once has kept its second SIGINT from
-    cutting this short."""
+def ctrl_c_exit(line, status=130):
+    """Exit status 130 (or `status`: SIGTERM's 143) once Ctrl-C's one line (interrupted()'s) is printed, over any
+    progress bar. Under torchrun, whose own status is then 1 (it stops its workers and reports the signal),
+    interrupt_once has kept its second SIGINT from cutting this short."""
     close_progress()
     print0(line, file=sys.stderr)
-    return 130
+    return status
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (how SLURM, docker and CI stop a job), met as Ctrl-C is: the same line of what was kept, exit status
+    128 + SIGTERM."""
+    status = 128 + signal.SIGTERM
+    how = "terminated (SIGTERM)"
+
+
+def stop_of(error):
+    """(how interrupted() says it, the exit status) of a KeyboardInterrupt: Ctrl-C's, or SIGTERM's (Terminated)."""
+    return (error.how, error.status) if isinstance(error, Terminated) else ("interrupted", 130)
+
+
+def terminate_once(signum, frame):
+    """SIGTERM's handler: raises Terminated where the work is; a second SIGTERM (torchrun forwards the one it caught)
+    is ignored."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
+
+
+class StdoutGone(Exception):
+    """stdout cannot be written (its reader gone, its disk full) and no file keeps the results."""
+
+
+class KeptStdout:
+    """sys.stdout for a command whose reader may go (`| head`) or whose disk may fill: the first write that fails
+    sends all later output to /dev/null; then, unless kept_in names the file the results go to (the work goes on),
+    StdoutGone is raised. A closed pipe is quiet, as with other command-line tools; another error says so once."""
+
+    def __init__(self, stream):
+        self.stream, self.kept_in, self.lost = stream, None, None
+        # read by what is imported while a command runs (sympy's pretty printer, through torch): here, not through
+        # __getattr__, so the same functions run however the command was started (benchmarks/reading_path.py)
+        self.encoding, self.errors = getattr(stream, "encoding", "utf-8"), getattr(stream, "errors", "strict")
+        self.held = contextlib.ExitStack()        # what the command holds until it returns (claim_output's lock)
+
+    def _do(self, action):
+        if self.lost is None:
+            try:
+                return action(self.stream)
+            except OSError as e:
+                self.lost = e
+                self._drop_the_rest()
+                if e.errno != errno.EPIPE and self.kept_in:
+                    print(f"warning: stdout: cannot write ({e.strerror or e}); the rest of the output is dropped, the "
+                          f"results still go to {self.kept_in}", file=sys.stderr, flush=True)
+                if not self.kept_in:
+                    raise StdoutGone(e) from None
+        return None
+
+    def _drop_the_rest(self):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:        # the stream's own file onto /dev/null: what it still buffers, and Python's last flush, go nowhere
+            os.dup2(devnull, self.stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            self.stream = open(os.devnull, "w")
+        finally:
+            os.close(devnull)
+
+    def write(self, text):
+        written = self._do(lambda stream: stream.write(text))
+        return len(text) if written is None else written
+
+    def flush(self):
+        self._do(lambda stream: stream.flush())
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def claim_output(path, flag="--out"):
+    """For the command running (command()): path is this process's alone to write until it returns (core.output_lock:
+    another's is refused, OutputLocked, a UsageError), and a lost stdout lets the work go on, its results kept there.
+    None claims nothing."""
+    stdout = sys.stdout
+    if isinstance(stdout, KeptStdout) and path is not None:
+        stdout.held.enter_context(output_lock(path, flag))
+        stdout.kept_in = path
+
+
+def command(main):
+    """main(argv) run as a command line: its stdout a KeptStdout (a lost stdout stops it with exit status 141, as
+    SIGPIPE would, quietly for a closed pipe, else with one line and status 1) and SIGTERM, unless a caller handles
+    it, raising Terminated; both undone when it returns."""
+    @functools.wraps(main)
+    def run(argv=None):
+        stdout = KeptStdout(sys.stdout)
+        # only where SIGTERM is unclaimed (a caller's own handler, benchmarks/suite.py's, stays), in the main thread
+        here = (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+        before = signal.signal(signal.SIGTERM, terminate_once) if here else None
+        try:
+            with contextlib.redirect_stdout(stdout), stdout.held:
+                return main(argv)
+        except StdoutGone as e:
+            error = e.args[0]
+            if error.errno == errno.EPIPE:
+                return 128 + signal.SIGPIPE
+            close_progress()
+            print(f"error: stdout: cannot write ({error.strerror or error}); stopped", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            if here:
+                signal.signal(signal.SIGTERM, before)
+    return run
 
 
 def interrupt_once(signum, frame):
@@ -209,10 +319,10 @@ def recipe_list(recipes, width=100):
     return "\n".join(lines)
 
 
-def cpu_warning(untaken):
-    """The warning of a run on the CPU, with the advice of untaken (the ways to shrink the work that this run has not
-    already taken: "--subset", "--width"), if any."""
-    line = "warning: no GPU in use: training on the CPU in float32, which is slow"
+def cpu_warning(untaken, dtype=torch.float32):
+    """The warning of a run on the CPU in dtype (--precision's), with the advice of untaken (the ways to shrink the
+    work that this run has not already taken: "--subset", "--width"), if any."""
+    line = f"warning: no GPU in use: training on the CPU in {str(dtype).removeprefix('torch.')}, which is slow"
     if not untaken:
         return line
     ways = untaken[0] if len(untaken) == 1 else f"{', '.join(untaken[:-1])} and {untaken[-1]}"

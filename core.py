@@ -304,6 +304,33 @@ def exit_now(status):
     os._exit(status)
 
 
+def torchvision_mismatch():
+    """One line when the installed torchvision was built for another torch than the installed one (it then fails on
+    import, "operator torchvision::nms does not exist"), from the packages' metadata alone (the torch it requires);
+    None when they match, or when either is missing."""
+    import re
+    from importlib import metadata
+    try:
+        torch_version, vision_version = metadata.version("torch"), metadata.version("torchvision")
+        wanted = [re.sub(r"[\s()]", "", r)[len("torch"):] for r in metadata.requires("torchvision") or ()
+                  if re.fullmatch(r"torch\s*\(?\s*[=<>!~].*", r)]
+    except metadata.PackageNotFoundError:
+        return None
+    given = lambda v: tuple(int(n) for n in re.findall(r"\d+", v.split("+")[0])[:3])
+    release = lambda v: given(v) + (0,) * (3 - len(given(v)))          # 2.5 is 2.5.0
+    have = release(torch_version)
+    broken = {"==": lambda v: have[:len(given(v))] != given(v), ">=": lambda v: have < release(v),     # ==2.11.* too
+              "<=": lambda v: have > release(v), ">": lambda v: have <= release(v), "<": lambda v: have >= release(v)}
+    requirement = ",".join(wanted)
+    for condition in requirement.split(",") if wanted else ():
+        op = next((op for op in broken if condition.startswith(op)), None)
+        if op and broken[op](condition[len(op):]):
+            return (f"torchvision {vision_version} requires torch{requirement}, but torch {torch_version} is "
+                    "installed: the two do not work together (importing torchvision fails); install a matching pair: "
+                    "pip uninstall -y torchvision && pip install -r requirements.txt")
+    return None
+
+
 class DataError(Exception):
     """Bad or missing data: the message names the file and what is wrong."""
 
@@ -403,6 +430,8 @@ def check_output(path, flag):
     kind = not_a_file(p)
     if kind == "a folder":
         raise UsageError(f"{flag} {path}: is a folder; give a file name")
+    if os.fspath(path).endswith(("/", os.sep)):            # abspath drops the slash: a folder meant, and none there
+        raise UsageError(f"{flag} {path}: names a folder (a trailing /), and there is none; give a file name")
     if kind:
         raise UsageError(f"{flag} {path}: is {kind}, not a regular file; give a new file's name or a file's")
     parent = os.path.dirname(p)
@@ -417,6 +446,51 @@ def check_output(path, flag):
                         prefix="." + os.path.basename(p) + ".")
     except DataError as e:
         raise UsageError(f"{flag} {path}: {e}") from None
+
+
+class OutputLocked(UsageError):
+    """Another process holds the lock of the file this one would write (output_lock)."""
+
+
+@contextlib.contextmanager
+def output_lock(path, flag):
+    """While inside, this process alone writes `path`: an exclusive lock (flock) on a file beside it, .NAME.lock,
+    holding this process's id and removed on leaving; a second process asking for it raises OutputLocked (one line,
+    naming the holder). None locks nothing."""
+    if path is None:
+        yield
+        return
+    import fcntl
+    folder = os.path.dirname(os.path.abspath(path))
+    lock = os.path.join(folder, "." + os.path.basename(os.fspath(path)) + ".lock")
+    made = [d for d in [folder, *map(str, Path(folder).parents)] if not os.path.exists(d)]
+    os.makedirs(folder, exist_ok=True)       # as write_atomic would; removed again below if still empty
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            raise OutputLocked(f"{flag} {path}: another run is writing it (process {holder or 'unknown'}); give "
+                               f"another {flag}, or wait for that run to end") from None
+        try:                # the file locked is still the one at its name (not one its last holder removed)
+            if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        with contextlib.suppress(OSError):      # the id is for the refusal's line; a full disk may refuse it
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.remove(lock)           # before the lock is let go: the next writer makes a file of its own
+        os.close(fd)
+        for d in made:
+            with contextlib.suppress(OSError):      # not empty: the results are in it
+                os.rmdir(d)
 
 
 def default_file_mode():

@@ -22,6 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from core import torchvision_mismatch
+if __name__ == "__main__" and torchvision_mismatch():       # one line, before imagenet_models' import of it fails
+    sys.exit(f"error: {torchvision_mismatch()}")
+
 import numpy as np
 import torch
 import torch.nn.functional as F

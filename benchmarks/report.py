@@ -33,14 +33,27 @@ def side_by_side_pieces():
 DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
 
 
+class ResultsError(Exception):
+    """A results file the report cannot read: its one line names the file (nothing is rewritten)."""
+
+
 def load_results(folder, smoke=False):
-    """{piece: [result, ...]} over every device folder, devices in name order; smoke results only if asked."""
+    """{piece: [result, ...]} over every device folder, devices in name order; smoke results only if asked. A file
+    that is not a JSON object (empty, cut short, another kind of file) raises ResultsError: a table drawn without it
+    would say "not measured" of what was measured."""
     out = {}
     for path in sorted(Path(folder).glob("*/*.json")):
         try:
-            r = json.loads(path.read_text())
-        except ValueError:
-            continue
+            text = path.read_text()
+            r = json.loads(text)
+        except (OSError, ValueError) as e:          # UnicodeDecodeError is a ValueError
+            why = ("empty" if not text.strip() else f"not JSON: {e}") if isinstance(e, json.JSONDecodeError) else (
+                e.strerror if isinstance(e, OSError) else "not UTF-8 text")
+            raise ResultsError(f"{path}: not a readable results file ({why}); restore it (git checkout -- FILE) or "
+                               "remove it") from None
+        if not isinstance(r, dict):
+            raise ResultsError(f"{path}: a JSON {type(r).__name__}, not a results record (a JSON object); restore it "
+                               "(git checkout -- FILE) or remove it")
         if smoke or not r.get("smoke"):
             out.setdefault(r.get("piece", path.stem), []).append(r)
     return out
@@ -789,7 +802,19 @@ def main(argv=None):
     p.add_argument("--results", default=str(ROOT / "results"), help="results folder (default results/)")
     p.add_argument("--root", default=str(ROOT), help="the folder holding README.md and docs/")
     args = p.parse_args(argv)
-    results = load_results(args.results)
+    missing = [doc for doc in DOCS if not (Path(args.root) / doc).is_file()]
+    if missing:
+        print(f"error: --root {args.root}: no {missing[0]} there (the folder holding README.md and docs/)",
+              file=sys.stderr)
+        return 2
+    if not Path(args.results).is_dir():
+        print(f"error: --results {args.results}: no such folder", file=sys.stderr)
+        return 2
+    try:
+        results = load_results(args.results)
+    except ResultsError as e:
+        print(f"error: {e}; nothing rewritten", file=sys.stderr)
+        return 1
     stale = []
     for doc in DOCS:
         path = Path(args.root) / doc

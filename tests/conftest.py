@@ -29,6 +29,13 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())
 
 
+def pytest_configure(config):
+    """A torchvision built for another torch stops the run with one line, before a test file imports it."""
+    from core import torchvision_mismatch
+    if line := torchvision_mismatch():
+        pytest.exit(f"error: {line}", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 def pytest_report_header(config):
     """The versions a run used, in pytest's header beside its own and Python's."""
     import torchvision

@@ -115,9 +115,9 @@ def test_running_out_of_memory_is_one_line_that_keeps_the_finished_runs(synth_np
     assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0]
 
 
-def interrupted(args, after):
-    """Runs cifar10_fast.py with args, presses Ctrl-C (SIGINT) once `after` matches a line of its stdout; (exit status,
-    stdout, stderr)."""
+def interrupted(args, after, sig=signal.SIGINT):
+    """Runs cifar10_fast.py with args, presses Ctrl-C (SIGINT, or sends `sig`) once `after` matches a line of its
+    stdout; (exit status, stdout, stderr)."""
     # unbuffered: the line arrives when printed, not when a full pipe buffer is flushed (on a quiet machine, after
     # the run it announces has ended)
     proc = subprocess.Popen([sys.executable, str(ROOT / "cifar10_fast.py"), *args], cwd=ROOT, text=True,
@@ -128,7 +128,7 @@ def interrupted(args, after):
         lines.append(line)
         if re.match(after, line):
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
     return proc.returncode, "".join(lines) + out, err
 
@@ -144,6 +144,85 @@ def test_ctrl_c_is_one_line_and_keeps_the_finished_runs(synth_npz, tmp_path):
                         err.strip().splitlines()[-1]), err
     res = json.loads(out.read_text())
     assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0]
+
+
+def test_sigterm_is_met_as_ctrl_c_is_one_line_exit_143_and_the_finished_runs_kept(synth_npz, tmp_path):
+    """SIGTERM, how SLURM, docker and CI stop a job."""
+    out = tmp_path / "r.json"
+    rc, stdout, err = interrupted(["--data-dir", str(synth_npz), "--device", "cpu", "--epochs", "20", "--width",
+                                   "0.0625", "--batch-size", "64", "--runs", "3", "--out", str(out)],
+                                  after=r"run 2/3", sig=signal.SIGTERM)
+    assert rc == 143 and "Traceback" not in err, err
+    assert re.fullmatch(rf"terminated \(SIGTERM\) in epoch \d+ of run 2; 1 finished run kept in {re.escape(str(out))}",
+                        err.strip().splitlines()[-1]), err
+    res = json.loads(out.read_text())
+    assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0]
+    assert sorted(os.listdir(tmp_path)) == ["r.json"]                   # its lock let go
+
+
+TWO_RUNS = ["--device", "cpu", "--epochs", "1", "--width", "0.0625", "--batch-size", "64", "--runs", "2", "--quiet"]
+
+
+def read_first_line_then_close(args, env=None):
+    """Runs cifar10_fast.py with args as `| head -1` would: its first line of stdout read, the pipe then closed;
+    (exit status, that line, stderr's lines but the CPU's warning)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "cifar10_fast.py"), *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    proc.wait(timeout=300)
+    return proc.returncode, first, [line for line in err.splitlines() if not line.startswith("warning: no GPU")]
+
+
+def test_a_pipe_closed_early_keeps_the_runs_going_into_out_quietly(synth_npz, tmp_path):
+    out = tmp_path / "r.json"
+    rc, first, err = read_first_line_then_close(["--data-dir", str(synth_npz), *TWO_RUNS, "--out", str(out)])
+    assert (rc, err) == (0, []) and first.startswith("recipe myrtle24 on ")
+    res = json.loads(out.read_text())
+    assert res["complete"] and [r["seed"] for r in res["runs"]] == [0, 1]
+
+
+def test_a_pipe_closed_early_without_out_stops_quietly_as_sigpipe_would(synth_npz):
+    rc, first, err = read_first_line_then_close(["--data-dir", str(synth_npz), *TWO_RUNS])
+    assert (rc, err) == (141, []) and first.startswith("recipe myrtle24 on ")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose every write fails")
+def test_stdout_on_a_full_device_is_one_line_and_the_runs_still_reach_out(synth_npz, tmp_path):
+    out = tmp_path / "r.json"
+    with open("/dev/full", "w") as full:
+        for flags, status, line in (
+                ([], 1, "error: stdout: cannot write (No space left on device); stopped"),
+                (["--out", str(out)], 0, "warning: stdout: cannot write (No space left on device); the rest of the "
+                                         f"output is dropped, the results still go to {out}")):
+            r = subprocess.run([sys.executable, str(ROOT / "cifar10_fast.py"), "--data-dir", str(synth_npz),
+                                *TWO_RUNS, *flags], cwd=ROOT, text=True, stdout=full, stderr=subprocess.PIPE,
+                               timeout=600)
+            err = [e for e in r.stderr.splitlines() if not e.startswith("warning: no GPU")]
+            assert (r.returncode, err) == (status, [line]), r.stderr
+    assert [r["seed"] for r in json.loads(out.read_text())["runs"]] == [0, 1]
+
+
+def test_a_second_run_writing_the_same_out_is_refused_in_one_line_and_the_first_keeps_it(synth_npz, tmp_path,
+                                                                                         capsys):
+    import cifar10_fast as cf
+    import core
+    out = tmp_path / "r.json"
+    args = ["--data-dir", str(synth_npz), *TWO_RUNS, "--runs", "1", "--out", str(out)]
+    with core.output_lock(out, "--out"):              # the first run, still writing
+        assert cf.main(args) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: no GPU")]
+        assert err == [f"error: --out {out}: another run is writing it (process {os.getpid()}); give another --out, "
+                       "or wait for that run to end"]
+        assert not out.exists()
+    assert cf.main(args) == 0 and sorted(os.listdir(tmp_path)) == ["r.json"]     # once it ends; no lock left
+
+
+def test_a_ghost_batch_that_does_not_divide_the_batch_is_refused_before_loading(tmp_path):
+    r = run_cli("--bn-ghost-batch", "7", "--data-dir", str(tmp_path / "absent.npz"), "--device", "cpu")
+    assert (r.returncode, r.stderr.strip().splitlines()) == (2, [
+        "error: --bn-ghost-batch 7: must divide --batch-size 512 into whole groups (0: the whole batch's statistics)"])
 
 
 def printed_recipe(script, args, capsys):

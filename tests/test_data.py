@@ -2,6 +2,7 @@ import functools
 import hashlib
 import http.server
 import io
+import os
 import pickle
 import re
 import socket
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import cifar10_fast as cf
 import cifar_data as cd
@@ -41,6 +43,17 @@ def make_archive(path, n=6, dataset="cifar10", tamper=None):
                 expected[f"{split}_images"].append(x)
                 expected[f"{split}_labels"].append(np.array(y))
     return {k: np.concatenate(v) for k, v in expected.items()}
+
+
+def unpacked(tgz, folder, monkeypatch, dataset="cifar10"):
+    """tgz unpacked into folder, its batch files taken as the published ones (cifar_data.published_md5s): the folder
+    of the official archive, unpacked, as this small archive stands for it. Returns the folder of the batches."""
+    with tarfile.open(tgz) as tar:
+        tar.extractall(folder, filter="data")
+    batches = folder / cd.DATASETS[dataset]["folder"]
+    md5s = {f.name: hashlib.md5(f.read_bytes()).hexdigest() for f in batches.iterdir()}
+    monkeypatch.setattr(cd, "published_md5s", lambda spec: md5s)
+    return batches
 
 
 def spec_of(path):
@@ -87,11 +100,10 @@ def test_truncated_archive_is_reported_and_leaves_no_cache(tmp_path):
     assert leftovers(tmp_path) == []
 
 
-def test_unpacked_batches_folder(tmp_path):
+def test_unpacked_batches_folder(tmp_path, monkeypatch):
     tgz = tmp_path / "cifar-10-python.tar.gz"
     expected = make_archive(tgz)
-    with tarfile.open(tgz) as tar:
-        tar.extractall(tmp_path / "x", filter="data")
+    unpacked(tgz, tmp_path / "x", monkeypatch)
     d = cd.load_cifar10(tmp_path / "x" / "cifar-10-batches-py", download_ok=False)
     np.testing.assert_array_equal(d["test_images"], expected["test_images"])
     d = cd.load_cifar10(tmp_path / "x", download_ok=False)   # a data folder holding the unpacked folder
@@ -119,12 +131,10 @@ def test_a_bad_archive_member_is_named_and_leaves_no_cache(tmp_path, tamper, mes
     assert leftovers(tmp_path) == []
 
 
-def test_an_unpacked_folder_missing_a_batch_is_named(tmp_path):
+def test_an_unpacked_folder_missing_a_batch_is_named(tmp_path, monkeypatch):
     tgz = tmp_path / "cifar-10-python.tar.gz"
     make_archive(tgz)
-    with tarfile.open(tgz) as tar:
-        tar.extractall(tmp_path / "x", filter="data")
-    batches = tmp_path / "x" / "cifar-10-batches-py"
+    batches = unpacked(tgz, tmp_path / "x", monkeypatch)
     (batches / "data_batch_4").unlink()
     with pytest.raises(cd.DataError, match=rf"^{re.escape(str(batches / 'data_batch_4'))}: missing$"):
         cd.load_cifar10(tmp_path / "x", download_ok=False)
@@ -244,13 +254,12 @@ def test_cifar100_downloads_as_cifar10_does(tmp_path, served):
     assert not (tmp_path / "other").exists()
 
 
-def test_the_command_line_trains_on_cifar100(tmp_path, capsys):
+def test_the_command_line_trains_on_cifar100(tmp_path, capsys, monkeypatch):
     """--dataset cifar100 reads an unpacked cifar-100-python/ folder in --data-dir, offline."""
     import cifar10_fast as cf
     tgz = tmp_path / "cifar-100-python.tar.gz"
     make_archive(tgz, n=500, dataset="cifar100")
-    with tarfile.open(tgz) as tar:
-        tar.extractall(tmp_path / "data", filter="data")
+    unpacked(tgz, tmp_path / "data", monkeypatch, "cifar100")
     assert cf.main(["--dataset", "cifar100", "--data-dir", str(tmp_path / "data"), "--device", "cpu", "--recipe",
                     "fast94", "--epochs", "1", "--width", "0.0625", "--batch-size", "100"]) == 0
     assert "500 training and 500 test images of 32x32 pixels, 100 classes" in capsys.readouterr().out
@@ -339,3 +348,100 @@ def test_the_command_line_refuses_a_stray_label_and_cifar100_said_of_10_classes_
         assert cf.main(["--data-dir", str(tmp_path / name), "--device", "cpu", *flags]) == 1
         err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: no GPU")]
         assert err == [f"error: {tmp_path / name}: {message}"]
+
+
+class Payload:
+    """A pickle that, unpickled, writes a file: what a doctored batch file could run instead."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (Path(self.marker).write_text, ("ran",))
+
+
+def test_an_unpacked_batch_is_checked_against_its_published_md5_and_never_unpickled_otherwise(tmp_path, capsys):
+    assert cd.published_md5s(cd.DATASETS["cifar10"])["data_batch_1"] == "c99cafc152244af753f735de768cd75f"
+    assert cd.published_md5s(cd.DATASETS["cifar100"])["test"] == "f0ef6b0ae62326f3e7ffdfab6717acfc"
+    tgz, marker = tmp_path / "cifar-10-python.tar.gz", tmp_path / "ran"
+    make_archive(tgz, tamper={"data_batch_1": pickle.dumps(Payload(marker))})
+    with tarfile.open(tgz) as tar:
+        tar.extractall(tmp_path / "x", filter="data")
+    batch = tmp_path / "x" / "cifar-10-batches-py" / "data_batch_1"
+    md5 = hashlib.md5(batch.read_bytes()).hexdigest()
+    for folder in (tmp_path / "x", batch.parent):              # a data folder holding it, and the folder itself
+        assert cf.main(["--data-dir", str(folder), "--device", "cpu"]) == 1
+        err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: no GPU")]
+        assert err == [f"error: {batch}: not CIFAR-10's published data_batch_1 (md5 {md5}, expected "
+                       "c99cafc152244af753f735de768cd75f); not unpickled, as a pickle can run code: unpack the "
+                       "official archive again, or give the data as one file: --data-dir FILE.npz"]
+    assert not marker.exists() and not (tmp_path / "x" / cd.CACHE_NAME).exists()
+    pickle.loads(batch.read_bytes())                            # what unpickling it would have done
+    assert marker.read_text() == "ran"
+
+
+@pytest.mark.parametrize("data, message", [
+    (np.full((6, 3072), 300.0), "pixel values 300.0..300.0 of dtype float64; expected whole numbers 0..255"),
+    (np.linspace(0, 300, 6 * 3072).reshape(6, 3072), "pixel values 0.0..300.0 of dtype float64; expected whole "
+                                                     "numbers 0..255"),
+    (np.full((6, 3072), 0.5), "pixel values 0.5..0.5 of dtype float64; expected whole numbers 0..255"),
+    (np.full((6, 3072), -1), "pixel values -1..-1 of dtype int64; expected whole numbers 0..255"),
+    (np.full((6, 3072), "a"), "pixel values of dtype <U1; expected whole numbers 0..255"),
+])
+def test_pixels_a_batch_holds_outside_0_to_255_or_not_whole_are_refused_not_wrapped(tmp_path, data, message):
+    tgz = tmp_path / "cifar-10-python.tar.gz"
+    make_archive(tgz, tamper={"data_batch_2": pickle.dumps({b"data": data, b"labels": [0] * 6})})
+    with pytest.raises(cd.DataError) as e:
+        cd.load_cifar10(tmp_path, download_ok=False, archive=spec_of(tgz))
+    assert str(e.value) == f"{tgz}/data_batch_2: {message}"
+    assert leftovers(tmp_path) == []
+    make_archive(tgz, tamper={"data_batch_2": pickle.dumps({b"data": np.full((6, 3072), 255.0), b"labels": [0] * 6})})
+    assert (cd.load_cifar10(tmp_path, download_ok=False, archive=spec_of(tgz))["train_images"][6:12] == 255).all()
+
+
+def test_an_npz_whose_members_are_not_npy_data_is_one_line(tmp_path, capsys):
+    import zipfile
+    with zipfile.ZipFile(tmp_path / "fake.npz", "w") as z:
+        for key in cd.KEYS:
+            z.writestr(f"{key}.npy", b"not an array")
+    assert cf.main(["--data-dir", str(tmp_path / "fake.npz"), "--device", "cpu"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: no GPU")]
+    assert err == [f"error: {tmp_path / 'fake.npz'}: train_images.npy is not .npy data (numpy.save's format); "
+                   "write the file with numpy.savez"]
+
+
+def test_each_data_path_that_is_no_npz_file_says_what_it_is(tmp_path):
+    np.savez(tmp_path / "upper.npz", **synthetic_arrays(64, 32))
+    (tmp_path / "upper.npz").rename(tmp_path / "UPPER.NPZ")
+    os.mkfifo(tmp_path / "fifo.npz")
+    (tmp_path / "folder.npz").mkdir()
+    os.symlink(tmp_path / "loop.npz", tmp_path / "loop.npz")
+    os.symlink("/dev/zero", tmp_path / "zero.npz")
+    cases = {"fifo.npz": "is a fifo, not a .npz file", "folder.npz": "is a folder, not a .npz file",
+             "loop.npz": "is a loop of symbolic links", "zero.npz": "is a character device, not a .npz file",
+             "absent.npz": "no such file", "/dev/zero": "is a character device; expected a .npz file or a folder"}
+    for name, message in cases.items():
+        with pytest.raises(cd.DataError) as e:
+            cd.load(tmp_path / name)
+        assert str(e.value) == f"{tmp_path / name}: {message}"
+    assert len(cd.load(tmp_path / "UPPER.NPZ")["train_labels"]) == 64            # the suffix in any case
+
+
+def test_a_constant_channels_statistics_are_a_zero_spread_and_it_normalises_to_zero():
+    images = np.zeros((4, 8, 8, 3), np.uint8)
+    images[..., 0] = np.arange(4)[:, None, None]
+    images[..., 1] = 200
+    mean, std = cd.channel_stats(images)
+    assert std[1:] == (0.0, 0.0) and std[0] > 0 and mean[1:] == (200.0, 0.0)
+    x = cd.upload_normalised(images, "cpu", dtype=torch.float32, stats=(mean, std))
+    assert torch.isfinite(x).all() and (x[:, 1:] == 0).all()
+
+
+def test_images_all_one_colour_are_refused_on_the_command_line_naming_the_file(tmp_path, capsys):
+    d = synthetic_arrays(64, 32)
+    d["train_images"][:] = 0
+    np.savez(tmp_path / "black.npz", **d)
+    assert cf.main(["--data-dir", str(tmp_path / "black.npz"), "--device", "cpu"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: no GPU")]
+    assert err == [f"error: {tmp_path / 'black.npz'}: every pixel of every training image is (0, 0, 0); there is "
+                   "nothing to learn"]

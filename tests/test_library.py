@@ -1,6 +1,7 @@
 """cifar10_fast as a library (train, evaluate), on data of one's own (any number of classes, any image size,
 normalised by its own statistics), reproducibility, in-epoch progress, and devices other than CUDA."""
 import ast
+import copy
 import os
 import re
 import subprocess
@@ -27,17 +28,17 @@ def npz(tmp_path_factory):
 
 
 def test_the_readme_example_runs_as_written_with_the_checkout_on_the_path(cifar10_npz, tmp_path):
-    """README's library example, word for word, on the real CIFAR-10 and on whatever device this machine has (its
-    CPU in CI), in a folder of its own whose data folder holds the cache a first run writes, importing the modules
-    from the checkout (PYTHONPATH), as README says."""
+    """README's library example, word for word, offline, on the real CIFAR-10 given as README's Set up says
+    ($CIFAR10_NPZ) and on whatever device this machine has (its CPU in CI), in a folder of its own, importing the
+    modules from the checkout (PYTHONPATH), as README says."""
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
     work = tmp_path / "work"
-    (work / "data").mkdir(parents=True)
+    work.mkdir()
     real = np.load(cifar10_npz)         # the first 5,000 training and 1,000 test images: a shorter evaluation
-    np.savez(work / "data" / cd.CACHE_NAME, **cd.take_subset({k: real[k] for k in cd.KEYS}, 5000, 1000))
+    np.savez(tmp_path / "cifar10.npz", **cd.take_subset({k: real[k] for k in cd.KEYS}, 5000, 1000))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=work,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "CIFAR10_NPZ": str(tmp_path / "cifar10.npz")})
     assert r.returncode == 0, r.stderr[-2000:]
     printed = ast.literal_eval(r.stdout.strip().splitlines()[-1])
     # measured on this project's 2-core CPU (seed 0): 0.343; chance is 0.1
@@ -142,8 +143,8 @@ def test_cifar10s_statistics_are_the_old_constants_and_train_as_before(cifar10_n
     arrays = cd.load_cifar10(cifar10_npz)
     assert cd.channel_stats(arrays["train_images"]) == (cd.MEAN, cd.STD)
     arrays = cd.take_subset(arrays, None, 500)
-    result = cf.train("myrtle10", data=arrays, subset=1000, device="cpu", epochs=1, width=1 / 8, batch_size=200)
-    r = cf.recipe("myrtle10", width=1 / 8, epochs=1, batch_size=200)
+    result = cf.train("myrtle10", data=arrays, subset=1000, device="cpu", epochs=1, width=1 / 8, batch_size=160)
+    r = cf.recipe("myrtle10", width=1 / 8, epochs=1, batch_size=160)
     arrays = cd.take_subset(arrays, 1000)
     data = cd.dataset_on_device(arrays, CPU, dtype=torch.float32, pad=r.augment.crop_pad, stats=(cd.MEAN, cd.STD))
     before = train_once(r, data)
@@ -266,8 +267,7 @@ def test_the_clock_starts_once_the_network_is_built_and_counts_the_whitening_fit
     (lambda: cf.scores(None, np.zeros((2, 32, 32, 3), np.uint8), [0, 1]),
      "scores: model must be a trained network (Result.model), not NoneType"),
     (lambda: cf.scores(torch.nn.Linear(2, 2), [1, 2], [0, 1]),
-     "scores: images must be a numpy array (N, H, W, 3) of uint8 or a normalised tensor (N, 3, H, W), not list of "
-     "shape ?"),
+     "scores: images must be a numpy array (N, H, W, 3) of uint8 or a normalised tensor (N, 3, H, W), not list"),
     (lambda: cf.scores(torch.nn.Linear(2, 2), np.zeros((2, 32, 32, 3), np.uint8), [0]),
      "scores: labels must hold one label for each of the 2 images, not list of 1"),
 ])
@@ -302,3 +302,103 @@ def test_a_run_shorter_than_one_step_and_one_class_of_training_images_are_refuse
         cf.train("myrtle24", data, device="cpu", width=1 / 16, batch_size=32)
     assert str(e.value) == "the 64 training images are all of one class (label 3); a classifier needs at least 2 (a " \
                            "larger --subset?)"
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny fast94 trained a step on synthetic data: (its Result, the data)."""
+    data = synthetic_arrays(128, 64)
+    return cf.train("fast94", data=data, **{**TINY, "epochs": 0.5}), data
+
+
+def scores_of(trained, images=None, labels=None, **kwargs):
+    result, data = trained
+    return cf.scores(result.model, data["test_images"] if images is None else images,
+                     data["test_labels"] if labels is None else labels, **kwargs)
+
+
+@pytest.mark.parametrize("images, labels, kwargs, message", [
+    (lambda x: x.transpose(0, 3, 1, 2), None, {},
+     "scores: images are a numpy array of uint8 (64, 3, 32, 32); expected uint8 (N, H, W, 3), pixels 0..255 as train() "
+     "takes them (or a normalised float tensor (N, 3, H, W))"),
+    (lambda x: x.astype(np.float32) / 255, None, {},
+     "scores: images are a numpy array of float32 (64, 32, 32, 3); expected uint8 (N, H, W, 3), pixels 0..255 as "
+     "train() takes them (or a normalised float tensor (N, 3, H, W))"),
+    (lambda x: torch.from_numpy(x), None, {},
+     "scores: images are a tensor of uint8 (64, 32, 32, 3); expected normalised floats (N, 3, H, W) (or uint8 pixels "
+     "as a numpy array (N, H, W, 3))"),
+    (lambda x: x[:0], lambda y: y[:0], {}, "scores: no images (N = 0)"),
+    (None, lambda y: y.astype(np.int64) + 20, {},
+     "scores: labels must be whole numbers 0..9 (the model's 10 classes), not int64 20..29"),
+    (None, lambda y: np.linspace(-1.5, 7.5, len(y)), {},
+     "scores: labels must be whole numbers 0..9 (the model's 10 classes), not float64 -1.5..7.5"),
+    (None, None, {"tta": "all"},
+     "scores: tta must be a TTASettings (a recipe's: result.recipe.tta) or None, not str 'all'"),
+])
+def test_scores_refuses_what_it_cannot_evaluate_in_one_line(trained, images, labels, kwargs, message):
+    _, data = trained
+    x = images(data["test_images"]) if images else None
+    y = labels(data["test_labels"]) if labels else None
+    with pytest.raises(core.UsageError) as e:
+        scores_of(trained, x, y, **kwargs)
+    assert str(e.value) == message
+
+
+def test_scores_of_a_float64_model_are_its_float32_copys_and_a_half_one_is_refused(trained):
+    result, data = trained
+    model64 = copy_of(result.model).double()
+    wide = cf.scores(model64, data["test_images"], data["test_labels"], tta=result.recipe.tta)
+    assert wide["accuracy"] == scores_of(trained, tta=result.recipe.tta)["accuracy"]
+    assert wide["loss"] == pytest.approx(scores_of(trained, tta=result.recipe.tta)["loss"], rel=1e-5)
+    with pytest.raises(core.UsageError) as e:
+        cf.scores(copy_of(result.model).half(), data["test_images"], data["test_labels"])
+    assert str(e.value) == "scores: the model's parameters are float16; give it in float32 (or float64)"
+
+
+def copy_of(model):
+    return copy.deepcopy(model)
+
+
+def test_train_takes_torch_tensors_and_reversed_views_as_it_takes_arrays():
+    data = synthetic_arrays(128, 64)
+    flipped = {**data, "train_images": data["train_images"][:, ::-1]}       # negative strides: a view, not a copy
+    assert flipped["train_images"].strides[1] < 0
+    runs = [cf.train("fast94", data=d, **{**TINY, "epochs": 0.5}) for d in (
+        data, {k: torch.from_numpy(v) for k, v in data.items()},
+        flipped, {**flipped, "train_images": flipped["train_images"].copy()})]
+    state = [r.model.state_dict() for r in runs]
+    assert all(torch.equal(state[0][k], state[1][k]) for k in state[0])          # tensors: the arrays' run
+    assert all(torch.equal(state[2][k], state[3][k]) for k in state[2])          # a view: its copy's run
+
+
+def test_an_array_given_as_data_is_named_by_its_shape_not_its_values():
+    with pytest.raises(core.UsageError) as e:
+        cf.train("fast94", data=np.zeros((10, 32, 32, 3), np.uint8), **TINY)
+    assert str(e.value) == ("train: data must be a path (a .npz, a data folder, an unpacked archive) or a dict of the "
+                            "four arrays, not ndarray of shape (10, 32, 32, 3)")
+
+
+def test_offline_the_library_names_its_own_argument_not_the_flag(tmp_path, monkeypatch):
+    import socket
+    with socket.socket() as s:                             # a port nobody listens on: the download is refused
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/cifar-10-python.tar.gz"
+    monkeypatch.setitem(cd.DATASETS["cifar10"], "url", url)
+    with pytest.raises(core.DataError) as e:
+        cf.train("fast94", data=tmp_path / "data", **TINY)
+    assert str(e.value).endswith(f"; put cifar-10-python.tar.gz in {tmp_path / 'data'}, or give the data as one "
+                                 'file: data="FILE.npz" holding train_images (N, 32, 32, 3) uint8, train_labels (N,), '
+                                 "test_images and test_labels") and "--data-dir" not in str(e.value)
+
+
+def test_a_constant_channel_trains_to_a_finite_loss_and_images_all_one_colour_are_refused():
+    data = synthetic_arrays(128, 64)
+    data["train_images"][..., 2], data["test_images"][..., 2] = 0, 0        # a blue channel of zeros
+    assert cd.channel_stats(data["train_images"])[1][2] == 0
+    for name in ("fast94", "myrtle24"):
+        result = cf.train(name, data=data, **{**TINY, "epochs": 1})
+        assert all(np.isfinite(row["train_loss"]) and np.isfinite(row["test_loss"]) for row in result.rows), name
+    data["train_images"][:] = 7
+    with pytest.raises(core.DataError) as e:
+        cf.train("fast94", data=data, **TINY)
+    assert str(e.value) == "data: every pixel of every training image is (7, 7, 7); there is nothing to learn"

@@ -157,3 +157,125 @@ def test_readme_figure_and_caption_come_from_results_and_check_finds_them_stale(
     assert "fast94 1.830 s" in (root / "README.md").read_text()
     report.draw_figure(report.figure_rows(report.load_results(tmp_path / "results")), root / report.FIGURE)
     assert (root / report.FIGURE).read_bytes() == drawn            # the same rows, the same bytes
+
+
+def test_the_cpu_warning_and_the_header_name_one_precision(capsys, tmp_path):
+    from conftest import synthetic_arrays
+    import numpy as np
+    np.savez(tmp_path / "d.npz", **synthetic_arrays(128, 64))
+    assert cf.main(["--data-dir", str(tmp_path / "d.npz"), "--device", "cpu", "--precision", "fp16", "--recipe",
+                    "fast94", "--epochs", "0.5", "--width", "0.0625", "--batch-size", "64", "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert out.err.splitlines()[0].startswith("warning: no GPU in use: training on the CPU in float16, which is slow")
+    assert out.out.startswith("recipe fast94 on ") and "(cpu, float16)" in out.out.splitlines()[0]
+
+
+def readme_recipe_names():
+    """Every `name` in README's Recipes table."""
+    import re
+    from conftest import ROOT
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Recipes"):].split("\n\n")[1]
+    return set(re.findall(r"`([a-z0-9_]+)`", table)), "journey stages" in table
+
+
+def test_readmes_recipe_table_names_every_recipe_the_scripts_list():
+    names, journey = readme_recipe_names()
+    stages = {s["name"] for s in cf.JOURNEY}
+    assert journey and set(cf.RECIPES) - stages - names == set() and set(inf.RECIPES) - names == set()
+    assert names - set(cf.RECIPES) - set(inf.RECIPES) == set()          # and no recipe that is gone
+
+
+@pytest.fixture
+def report_root(tmp_path):
+    """(report's main, a copy of README.md and docs/, a copy of results/) in tmp_path."""
+    import shutil
+    import sys
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report
+    shutil.copytree(ROOT / "docs", tmp_path / "root" / "docs")
+    shutil.copy(ROOT / "README.md", tmp_path / "root" / "README.md")
+    shutil.copytree(ROOT / "results", tmp_path / "results")
+    return report, tmp_path / "root", tmp_path / "results"
+
+
+@pytest.mark.parametrize("content, why", [
+    (lambda text: text[:len(text) // 2], "not JSON: "),
+    (lambda text: "", "empty"),
+    (lambda text: bytes(range(256)) * 4, "not UTF-8 text"),
+    (lambda text: "[1, 2]", None),
+])
+def test_report_refuses_an_unreadable_results_file_in_one_line_and_rewrites_nothing(report_root, capsys, content,
+                                                                                    why):
+    report, root, results = report_root
+    bad = results / "nvidia-h200" / "fast94.json"
+    new = content(bad.read_text())
+    bad.write_bytes(new) if isinstance(new, bytes) else bad.write_text(new)
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    assert report.main(["--root", str(root), "--results", str(results)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    tail = "restore it (git checkout -- FILE) or remove it; nothing rewritten"
+    if why is None:
+        assert err == [f"error: {bad}: a JSON list, not a results record (a JSON object); {tail}"]
+    else:
+        assert len(err) == 1 and err[0].startswith(f"error: {bad}: not a readable results file ({why}")
+        assert err[0].endswith(f"); {tail}")
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+
+
+def test_report_refuses_a_root_or_results_folder_that_is_not_there(report_root, capsys, tmp_path):
+    report, root, results = report_root
+    assert report.main(["--root", str(tmp_path / "nowhere"), "--results", str(results)]) == 2
+    assert report.main(["--root", str(root), "--results", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --root {tmp_path / 'nowhere'}: no README.md there (the folder holding README.md and docs/)",
+        f"error: --results {tmp_path / 'none'}: no such folder"]
+
+
+def fake_torchvision(folder, requires):
+    """A torchvision in folder whose metadata requires `requires` of torch and whose import fails as one built for
+    another torch does; returns the environment that finds it first."""
+    import os
+    info = folder / "torchvision-0.26.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torchvision\nVersion: 0.26.0\n"
+                                   f"Requires-Dist: numpy\nRequires-Dist: torch ({requires})\n")
+    (folder / "torchvision").mkdir()
+    (folder / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    return {**os.environ, "PYTHONPATH": str(folder)}
+
+
+def test_a_torchvision_built_for_another_torch_is_one_line_in_the_scripts_and_the_tests(tmp_path):
+    import subprocess
+    import sys
+    import torch
+    from conftest import ROOT
+    env = fake_torchvision(tmp_path / "site", "==1.0.0")
+    line = (f"error: torchvision 0.26.0 requires torch==1.0.0, but torch {torch.__version__.split('+')[0]} is "
+            "installed: the two do not work together (importing torchvision fails); install a matching pair: pip "
+            "uninstall -y torchvision && pip install -r requirements.txt")
+    for command, status, said in (
+            (["cifar10_fast.py", "--data-dir", str(tmp_path / "d.npz")], 1, line),
+            (["imagenet_fast.py", "train", "--store", str(tmp_path)], 1, line),
+            (["-m", "pytest", "-p", "no:cacheprovider", "tests/test_core.py"], 4, f"Exit: {line}")):
+        r = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        said_lines = [x for x in (r.stdout + r.stderr).splitlines() if x.strip()]
+        assert (r.returncode, said_lines) == (status, [said]), r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("requires, torch_version, mismatched", [
+    ("==2.11.0", "2.14.1", True), ("==2.11.0", "2.11.0+cu130", False), (">=2.14.0", "2.11.0", True),
+    (">=2.14.0", "2.14.1", False), (">=2.4,<2.12", "2.14.1", True), ("!=2.5.0", "2.14.1", False),
+    ("==2.11.*", "2.11.0", False), ("<=2.5", "2.5.0", False), (">2.5", "2.5.0", True)])
+def test_the_torchvision_check_reads_which_torch_it_requires(monkeypatch, requires, torch_version, mismatched):
+    from importlib import metadata
+    import core
+    versions = {"torch": torch_version, "torchvision": "0.26.0"}
+    monkeypatch.setattr(metadata, "version", lambda name: versions[name])
+    monkeypatch.setattr(metadata, "requires", lambda name: ["numpy", f"torch ({requires})", "scipy ; extra == 'x'"])
+    line = core.torchvision_mismatch()
+    assert (line is not None) == mismatched
+    if mismatched:
+        assert line.startswith(f"torchvision 0.26.0 requires torch{requires}, but torch {torch_version} is installed")

@@ -95,6 +95,28 @@ def test_the_command_line_refuses_a_fifo_and_a_device_as_out_before_loading(tmp_
     assert os.path.exists(fifo) and not os.path.isfile(fifo)
 
 
+def test_an_out_with_a_trailing_slash_and_no_such_folder_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    import cifar10_fast as cf
+    monkeypatch.setattr(cf, "load", lambda *a, **k: pytest.fail("loaded"))
+    rc, _, err = cifar(capsys, "--data-dir", tmp_path / "x.npz", *CIFAR, "--out", f"{tmp_path / 'results'}/")
+    assert (rc, err) == (2, [f"error: --out {tmp_path / 'results'}/: names a folder (a trailing /), and there is none; "
+                             "give a file name"]), err
+    (tmp_path / "results").mkdir()
+    with pytest.raises(core.UsageError) as e:
+        core.check_output(f"{tmp_path / 'results'}/", "--out")
+    assert str(e.value) == f"--out {tmp_path / 'results'}/: is a folder; give a file name"
+    assert os.listdir(tmp_path) == ["results"] and os.listdir(tmp_path / "results") == []
+
+
+def test_out_in_a_folder_not_yet_made_is_written_and_its_lock_leaves_nothing(npz, tmp_path, capsys):
+    out = tmp_path / "a" / "b" / "r.json"
+    rc, _, err = cifar(capsys, "--data-dir", npz, *CIFAR, "--out", out)
+    assert (rc, err) == (0, []) and os.listdir(out.parent) == ["r.json"]
+    rc, _, err = cifar(capsys, "--data-dir", tmp_path / "absent.npz", *CIFAR, "--out", tmp_path / "c" / "r.json")
+    assert (rc, err) == (1, [f"error: {tmp_path / 'absent.npz'}: no such file"])
+    assert sorted(os.listdir(tmp_path)) == ["a"]          # no results: the folder made for them removed
+
+
 def test_imagenet_refuses_a_device_as_checkpoint_and_a_fifo_as_out(tmp_path, char_device, capsys):
     import imagenet_fast as inf
     fifo = tmp_path / "fifo"
