@@ -3,7 +3,7 @@
     python benchmarks/compare.py --sides fast94_next,e1,hiverge,airbench94 --runs 25 --data-dir cifar10.npz
     python benchmarks/compare.py --sides e1,fast94_next,hiverge --build-only --cache-dir ~/cc     # compile, then exit
     python benchmarks/compare.py --sides fast94_next,e1,hiverge --runs 25 --budget-s 500 --cache-dir ~/cc \\
-        --data-dir cifar10.npz                                  # builds warm from ~/cc; ends cleanly at 500 s
+        --data-dir cifar10.npz --profile traces                 # warm from ~/cc; a traced run each; ends at 500 s
     python benchmarks/compare.py --smoke      # every side tiny on the CPU, under tests/cuda_standin.py
 
 Sides: our recipes (cifar10_fast.py --list-recipes); e1 (fulcrumresearch/cifar-10-speedrun's champion file), hiverge
@@ -462,7 +462,7 @@ class Built:
 
     def __init__(self, side, args, folder):
         import torch
-        self.side, self.sleeps = side, Sleeps()
+        self.side, self.sleeps, self.standin = side, Sleeps(), args.smoke       # --smoke: the CPU stands in
         started = time.time()
         try:
             torch.manual_seed(BUILD_SEED)
@@ -495,10 +495,30 @@ class Built:
         return "ROW", {"side": self.side, "seed": seed, **clocks, **checked, "valid": not checked["weights_changed"],
                        "wall_s": time.perf_counter() - t0}
 
+    def profiled(self, path):
+        """One more run of the side, untimed, under torch.profiler (the CPU's work, and the GPU's but under the
+        stand-in), its trace written to path, gzip'd Chrome JSON: ("PROFILED", what) or ("FAILED", what)."""
+        import gzip
+        import shutil
+        import torch
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                              if not self.standin else [])
+        try:
+            with torch.profiler.profile(activities=activities) as prof:
+                self.handle.run(BUILD_SEED)
+                synchronize()
+            with tempfile.TemporaryDirectory() as tmp:
+                prof.export_chrome_trace(str(Path(tmp) / "trace.json"))
+                with open(Path(tmp) / "trace.json", "rb") as f, gzip.open(path, "wb") as out:
+                    shutil.copyfileobj(f, out)
+        except Exception as e:
+            return "FAILED", {"side": self.side, "error": f"{type(e).__name__}: {e}"}
+        return "PROFILED", {"side": self.side, "trace": str(path), "bytes": Path(path).stat().st_size}
+
 
 def worker(args):
-    """--worker SIDE: the side built, then a ROW line for each `run SEED` read from stdin, until `quit` or its end; the
-    protocol alone on stdout (the peers' own prints go to stderr)."""
+    """--worker SIDE: the side built, then a ROW line for each `run SEED` read from stdin (a PROFILED line for each
+    `profile PATH`), until `quit` or its end; the protocol alone on stdout (the peers' own prints go to stderr)."""
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     say = lambda kind, what: print(f"{kind} {json.dumps(what)}", file=protocol, flush=True)
@@ -511,7 +531,7 @@ def worker(args):
             words = line.split()
             if not words or words[0] == "quit":
                 break
-            say(*built.row(int(words[1])))
+            say(*(built.profiled(words[1]) if words[0] == "profile" else built.row(int(words[1]))))
     return 0
 
 
@@ -542,14 +562,20 @@ class Process:
             if line is None:
                 return "LOST", None
             kind, _, what = line.partition(" ")
-            if kind in ("BUILT", "ROW", "FAILED"):
+            if kind in ("BUILT", "ROW", "PROFILED", "FAILED"):
                 return kind, json.loads(what)
 
     def built(self, deadline):
         return self.message(deadline)
 
     def run(self, seed, deadline):
-        self.proc.stdin.write(f"run {seed}\n")
+        return self.ask(f"run {seed}", deadline)
+
+    def profile(self, path, deadline):
+        return self.ask(f"profile {path}", deadline)
+
+    def ask(self, line, deadline):
+        self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         return self.message(deadline)
 
@@ -579,6 +605,9 @@ class InProcess:
 
     def run(self, seed, deadline):
         return self.b.row(seed)
+
+    def profile(self, path, deadline):
+        return self.b.profiled(path)
 
     def stop(self, now=False):
         pass
@@ -638,6 +667,8 @@ def compare(args, *, rows_path, say=print, on_row=lambda rows: None):
         handles, builds, lost = built_one_at_a_time(args.sides, start, deadline, say)
         rows = []
         try:
+            if args.profile and not args.build_only:
+                profiled(handles, args.profile, deadline=deadline, lost=lost, say=say)
             if not args.build_only:
                 run_in_turn(handles, args, rows=rows, rows_path=rows_path, deadline=deadline, lost=lost, say=say,
                             on_row=lambda rows: on_row(rows, builds, lost))
@@ -651,6 +682,20 @@ def compare(args, *, rows_path, say=print, on_row=lambda rows: None):
             tail = " ".join(log.read().strip().splitlines()[-3:])[-300:]
             lost = {s: f"{why}: {tail}" if why == "its process ended" else why for s, why in lost.items()}
     return rows, builds, lost
+
+
+def profiled(handles, folder, *, deadline, lost, say):
+    """Each built side's one extra run, untimed, under torch.profiler, its trace into folder/<side>.trace.json.gz."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for side, handle in handles.items():
+        kind, what = handle.profile(str(Path(folder).resolve() / f"{side}.trace.json.gz"), deadline)
+        if kind == "PROFILED":
+            say(f"{side}: one untimed run profiled: {what['trace']} ({what['bytes'] / 2 ** 20:.1f} MiB)")
+        elif kind == "FAILED":
+            say(f"{side}: not profiled: {what['error']}")      # the comparison goes on without its trace
+        else:
+            lost[side] = "stopped at the budget while profiled" if kind == "DEADLINE" else "its process ended"
+            say(f"{side}: {lost[side]}")
 
 
 def run_in_turn(handles, args, *, rows, rows_path, deadline, lost, say, on_row=lambda rows: None):
@@ -721,6 +766,8 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", default=None, help="keep torch's compile caches here, and build from them")
     p.add_argument("--out", default=None, help="the headline as JSON (default results/<device>/compare_<sides>.json)")
     p.add_argument("--rows", default=None, help="each run's row, appended as it ends (default: beside --out)")
+    p.add_argument("--profile", default=None, help="before the timed runs, one untimed run of each side under "
+                   "torch.profiler, its trace into this folder as <side>.trace.json.gz (Chrome's format)")
     p.add_argument("--log", default=None, help="append the sides' own output here (default: shown only on failure)")
     p.add_argument("--smoke", action="store_true", help="every side tiny on the CPU under the CUDA stand-in, with the "
                    "peers' stand-ins (tests/), its files in a temporary folder unless --out names one")
@@ -772,7 +819,16 @@ def per_side(text, sides, flag):
 
 
 def command_of(argv):
-    return shlex.join(["python", "benchmarks/compare.py", *argv])
+    """The command as a result records it: where its files went (--out, --rows, --log, --profile) left out."""
+    kept, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in ("--out", "--rows", "--log", "--profile"):
+            skip = True
+        elif not word.startswith(("--out=", "--rows=", "--log=", "--profile=")):
+            kept.append(word)
+    return shlex.join(["python", "benchmarks/compare.py", *kept])
 
 
 def main(argv=None):
