@@ -200,7 +200,8 @@ def t_fast(results):
             st = s["stats"]
             rows.append([recipe, device(r), command_of(r, s["command"]), commit_of(r), n_of(s),
                          pct(st["accuracy"], 0.94), pval(st["p_mean_above_target"]), timed(st),
-                         pflop(st.get("flops_per_run")), f"{st['tflops_per_s']:.0f}" if st.get("tflops_per_s") else "–"])
+                         pflop(st.get("flops_per_run")),
+                         f"{st['tflops_per_s']:.0f}" if st.get("tflops_per_s") else "–"])
         if not found:
             rows.append([recipe, "GPU", "see docs/measuring.md", "–", "–", NM, NM, NM,
                          pflop(counted(results, recipe), " (counted)"), NM])
@@ -228,7 +229,8 @@ def t_side_by_side(results):
                   "time ratio, the peer's model construction left out as ours is [95% CI]"], rows)
 
 
-COMPARE_COMMAND = "python benchmarks/compare.py --sides fast94_next,e1,hiverge,airbench94 --runs 25 --data-dir cifar10.npz"
+COMPARE_COMMAND = ("python benchmarks/compare.py --sides fast94_next,e1,hiverge,airbench94 --runs 25 "
+                   "--data-dir cifar10.npz")
 PEER_NAMES = {"hiverge": "the 2-second record (hiverge)", "e1": "E1 (Fulcrum)"}
 
 
@@ -499,6 +501,27 @@ def t_compile_cache(results):
         "", f"Command: {', '.join(cmds)} (each run a fresh process)."]
 
 
+def t_build_counts(results):
+    """What E1's build does (benchmarks/build_counts.py, counted on the CPU): each compiled function's graphs by the
+    layout of their first input, its CUDA graph captures and the sleeps it asks for."""
+    found = results.get("build_counts", [])
+    if not found:
+        return [f"E1's build, counted: {NM}."]
+    r, by = found[-1], {}
+    for c in r["compiles"]:
+        x = c["first_input"]
+        layout = "–" if x is None else (f"{'×'.join(map(str, x['shape']))} {x['dtype']}, strides "
+                                        f"({', '.join(map(str, x['stride']))})"
+                                        + (": channels-last" if len(x["stride"]) == 4 and x["stride"][1] == 1 else ""))
+        by[c["function"], layout] = by.get((c["function"], layout), 0) + 1
+    return table(["compiled function", "its graphs' first input", "graphs compiled"],
+                 [[f"`{f}`", layout, n] for (f, layout), n in by.items()]) + [
+        "", f"{len(r['compiles'])} graphs in all; {r['captures']} CUDA graphs captured ({r['replays']} replays); "
+            f"{r['sleeps']} sleep of {r['sleeps_s']:.0f} s asked for (skipped). Counted on {device(r)} (n = 1, "
+            f"{commit_of(r)}): {code(r['command'])}, E1's batch cut to {r['batch']} and its data to {r['images']} "
+            "random images."]
+
+
 def t_gpu_chunks(results):
     """Every chunk the suite ran on a GPU, oldest first: where a GPU's seconds went."""
     rows = []
@@ -669,12 +692,15 @@ def t_coverage(results):
     if not found:
         return [f"Coverage: {NM}."]
     r = found[-1]
-    rows = []
+    rows, gone = [], [name for name in r["files"] if not (ROOT / name).is_file()]
     for name, f in r["files"].items():
         ran = 1 - len(f["missing lines"]) / max(1, f["statements"])
         taken = 1 - len(f["missing branches"]) / max(1, f["branches"])
-        rows.append([code(name), f["statements"], f"{ran:.1%}", f["branches"], f"{taken:.1%}"])
-    lines = [f"Measured on {device(r)} (n = 1, tests exit status {r['tests_exit_status']}): {code(r['command'])}.", ""]
+        if name not in gone:
+            rows.append([code(name), f["statements"], f"{ran:.1%}", f["branches"], f"{taken:.1%}"])
+    lines = [f"Measured on {device(r)} (n = 1, tests exit status {r['tests_exit_status']}, {commit_of(r)}): "
+             f"{code(r['command'])}" + (f"; {len(gone)} modules it measured are gone since, left out" if gone else "")
+             + ".", ""]
     lines += table(["module", "statements", "run", "branches", "taken"], rows)
     unrun = r["devices_unrun"]
     lines += ["", f"`devices.py`'s lines that no CPU test runs: {len(unrun)}" + (":" if unrun else ".")]
@@ -863,7 +889,8 @@ def t_recipes(results):
     on a GPU and the one its peer published."""
     import cifar10_recipes as cr
     ours, stages = ours_on_a_gpu(results), {s["name"] for s in cr.JOURNEY}
-    rows = [[f"`{name}`", r.doc, ours.get(name, "not measured on a GPU"), cr.PUBLISHED.get(name, "none (an idea of ours)")]
+    rows = [[f"`{name}`", r.doc, ours.get(name, "not measured on a GPU"),
+             cr.PUBLISHED.get(name, "none (an idea of ours)")]
             for name, r in cr.RECIPES.items() if name not in stages]
     return table(["recipe", "what", "ours on a GPU (mean accuracy, time, device, n, code)",
                   "published by its peer (not measured here)"], rows)
@@ -891,7 +918,7 @@ TABLES = {"figure": t_figure, "recipes": t_recipes, "tests": t_tests, "coverage"
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
           "fast": t_fast, "side_by_side": t_side_by_side, "compare": t_compare, "imagenet_gpu": t_imagenet_gpu, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "cpu_layout": t_cpu_layout, "compile_cache": t_compile_cache,
-          "gpu_chunks": t_gpu_chunks,
+          "gpu_chunks": t_gpu_chunks, "build_counts": t_build_counts,
           "torchrun": t_torchrun, "floor": t_floor, "op_counts": lambda r: t_op_counts(r, "optimisers"),
           "blurpool_ops": lambda r: t_op_counts(r, "blurpool"), "reading_path": t_reading_path}
 

@@ -23,12 +23,12 @@ finished piece written at once as JSON under results/<device>/ (the only source 
   tier cpu  the CPU demonstration README quotes
 
 Each piece runs the project's own command lines (recorded in its result) in a fresh process, with --out
-rewritten after every run; a piece of ours beside others is benchmarks/compare.py's comparison. An interrupted piece keeps the runs it finished: the suite merges them into
-its result while it runs, and the next call goes on from them (seeds continue). --budget-s never starts
-work whose estimate (the piece's earlier chunks on this device, else what the device's other pieces of its
-kind measured, else counted FLOPs over the measured matmul rate) would overrun it: a piece that does not
-fit whole runs a chunk of the runs that fit, and the suite stops a command that is still running at the
-deadline. One line per piece.
+rewritten after every run; a piece of ours beside others is benchmarks/compare.py's comparison. An interrupted
+piece keeps the runs it finished: the suite merges them into its result while it runs, and the next command goes
+on from them (seeds continue). --budget-s never starts work whose estimate (the piece's earlier chunks on this
+device, else what the device's other pieces of its kind measured, else counted FLOPs over the measured matmul rate)
+would overrun it: a piece that does not fit whole runs a chunk of the runs that fit, and the suite stops a command
+that is still running at the deadline. One line per piece.
 """
 import argparse
 import contextlib
