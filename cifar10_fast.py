@@ -26,7 +26,7 @@ import devices
 # the recipes, re-exported: cf.recipe("fast94"), cf.FAST94, cf.RECIPES, cf.JOURNEY
 from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_APART,  # noqa: F401
                              FAST94_MUON, FAST94_NEXT, FAST94_NEXT_LOWRES, FAST95, FAST96, JOURNEY, MYRTLE10, MYRTLE24,
-                             RECIPES, Recipe, journey_recipes, recipe)
+                             RECIPES, Recipe, journey_recipes, measured, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, low_resolution,
                         upload_normalised, num_classes, pair, take_subset, dataset_on_device)
 from cli import (HelpFormatter, add_run_flags, check_run, check_whole, claim_output, command, cpu_warning, ctrl_c_exit,
@@ -584,7 +584,7 @@ def main(argv=None):
     joined, the runs trained (train()), their summary printed and --out written after every run; the exit status."""
     args, changes = parse_args(argv)
     if args.list_recipes:
-        print(recipe_list(RECIPES))
+        print(recipe_list(RECIPES, notes=measured()))
         return 0
     if mismatch := torchvision_mismatch():          # before any import of torchvision fails in a traceback
         say_error(mismatch)

@@ -308,14 +308,16 @@ def interrupted(epoch, run, finished, *, out=None, checkpoint=None, during=None,
     return line
 
 
-def recipe_list(recipes, width=100):
-    """What --list-recipes prints: a header, then each recipe's name and its doc, wrapped in a column of its own so
-    that no line is longer than width."""
+def recipe_list(recipes, width=100, *, notes=None):
+    """What --list-recipes prints: a header, then each recipe's name and its doc (and its note, where notes has one:
+    CIFAR-10's measured figure beside the published), wrapped in a column of its own so that no line is longer than
+    width."""
     names = max(map(len, recipes)) + 2
     lines = [f"{'recipe':{names}}what it trains (--print-recipe --recipe NAME: its every setting)"]
     for name, r in recipes.items():
         doc = textwrap.wrap(r.doc, width - names) or [""]
-        lines += [f"{name:{names}}{doc[0]}", *(" " * names + line for line in doc[1:])]
+        note = textwrap.wrap(f"measured: {notes[name]}", width - names) if notes and name in notes else []
+        lines += [f"{name:{names}}{doc[0]}", *(" " * names + line for line in doc[1:] + note)]
     return "\n".join(lines)
 
 

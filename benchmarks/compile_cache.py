@@ -1,7 +1,7 @@
 """What a shared compile cache saves: the compiled warm-up of a recipe (cifar10_fast.build with --compile: every
 graph a timed run meets, compiled before its clock) timed in a fresh process with an empty inductor cache (cold) and
 again in a fresh process reading the cache the first one left (warm), as the suite's pieces now share one
-(benchmarks/suite.py, compile_cache). Pairs of (cold, warm), each pair with a cache folder of its own.
+(benchmarks/suite.py, compile_cache; benchmarks/compare.py --cache-dir). Pairs of (cold, warm), each pair with a cache folder of its own.
 
     python benchmarks/compile_cache.py --out results/<machine>/compile_cache.json
     python benchmarks/compile_cache.py --recipe fast94_next --device cuda --mode max-autotune --pairs 1
@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare import cache_environment  # noqa: E402
 from core import Parser, Table, summarize, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +47,7 @@ def warm_up_seconds(cache, *, recipe, device, mode, width, n, seed=0):
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "conftest_free.py").write_text(ARRAYS)
         code = CHILD.format(root=str(ROOT), recipe=recipe, device=device, mode=mode, width=width, n=n, seed=seed)
-        env = {**os.environ, "PYTHONPATH": tmp, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-               "TORCHINDUCTOR_AUTOGRAD_CACHE": "1", "TORCHINDUCTOR_CACHE_DIR": str(cache)}
+        env = {**os.environ, "PYTHONPATH": tmp, **cache_environment(cache)}
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
     if out.returncode:
         raise SystemExit(f"error: the warm-up failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -64,8 +64,8 @@ def main(argv=None):
     p.add_argument("--pairs", type=int, default=2, help="(cold, warm) pairs (default 2)")
     p.add_argument("--warm-seed", type=int, default=0,
                    help="the warm process's images drawn with this seed (default 0: the cold one's); another seed "
-                        "asks whether a cache filled on one set of images serves another (the lease warms on random "
-                        "images, then trains on CIFAR-10)")
+                        "asks whether a cache filled on one set of images serves another (compare.py --build-only "
+                        "compiles on random images, the comparison then trains on CIFAR-10)")
     p.add_argument("--out", default=None, help="write the result as JSON (a results/ file for benchmarks/report.py)")
     args = p.parse_args(argv)
     if args.pairs < 1 or args.images < 1 or args.width <= 0:

@@ -28,19 +28,19 @@ the decoder's own name ("cpu", "nvimgcodec").
 
 Device time on one H100 or H200, estimated (not measured): a minute of start-up and writing 25,000 images on 16
 cores, about 30 s to prepare, 1.5 min for the decoders, steps and together (10 rows of 13 batches at each size), 20 s
-for the race and sync checks, 2 min for the 300 training steps twice started (cuDNN's warm-up in each): about 5.5 min,
-inside 6.5 with the wheels' install (ASSUMED as such by benchmarks/lease_plan.py).
+for the race and sync checks, 2 min for the 300 training steps twice started (cuDNN's warm-up in each): about 5.5 min.
 
-The lent GPU machines have torch 2.11 (CUDA 13) and nothing else this needs: carry these wheels (27.9 MiB):
+What it needs beyond torch: simplejpeg, and nvImageCodec and nvJPEG's wheels for the GPU decoders (27.9 MiB for
+Python 3.12 on Linux, CUDA 13):
   nvidia_nvimgcodec_cu13-0.9.0.20-py3-none-manylinux_2_28_x86_64.whl                      25,044,224 bytes
   nvidia_nvjpeg-13.3.2.43-py3-none-manylinux2014_x86_64.manylinux_2_17_x86_64.whl          3,847,265 bytes
   simplejpeg-1.9.0-cp312-cp312-manylinux2014_x86_64.manylinux_2_17_x86_64.manylinux_2_28_x86_64.whl  407,547 bytes
-fetched here by
+on a machine without a network, downloaded elsewhere by
   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \\
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d wheels \\
       nvidia-nvimgcodec-cu13==0.9.0.20 nvidia-nvjpeg==13.3.2.43 simplejpeg==1.9.0
-and installed there by `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl` with
-PYTHONPATH=/tmp/site. A decoder whose package is missing is recorded as such; the other checks go on.
+and installed by `python3 -m pip install --no-index --no-deps wheels/*.whl`. A decoder whose package is missing is
+recorded as such; the other checks go on.
 
     python benchmarks/imagenet_gpu_check.py --out check.json          # on the GPU (or the suite's tier 4)
     python benchmarks/imagenet_gpu_check.py --out check.json --budget-s 360   # no check begun after 6 minutes

@@ -1,13 +1,16 @@
 """Writes every results table of README.md and docs/*.md from results/ (and the scaling model's table in
 docs/scaling.md from scaling.py), so that no figure is typed by hand: each table sits between
 `<!-- report:NAME -->` and `<!-- /report:NAME -->` and is replaced whole; a piece with no result reads
-"not measured". It draws README's picture too (FIGURE: our recipes' time per run beside the peers'), a PNG that
-carries the digest of what it draws, so that --check finds it stale without comparing pixels.
+"not measured". It draws README's picture too (FIGURE: ours beside the fastest peer measured on the device, then
+beside airbench), a PNG that carries the digest of what it draws, so that --check finds it stale without comparing
+pixels; and it writes the line above each recipe in cifar10_recipes.py: our figure on a GPU beside the published one.
 
-    python benchmarks/report.py             # rewrite the tables and redraw the figure
-    python benchmarks/report.py --check     # exit 1, naming the tables or the figure, if they differ from results/
+    python benchmarks/report.py             # rewrite the tables and the recipes' lines, redraw the figure
+    python benchmarks/report.py --check     # exit 1, naming what differs from results/
 
-results/<device>/<piece>.json are written by benchmarks/suite.py (smoke results are never shown).
+results/<device>/*.json are written by benchmarks/suite.py and benchmarks/compare.py (smoke results are never
+shown); a table shows each result's command where its script is still here, and the commit it ran, or that it names
+none.
 """
 import argparse
 import difflib
@@ -55,6 +58,7 @@ def load_results(folder, smoke=False):
             raise ResultsError(f"{path}: a JSON {type(r).__name__}, not a results record (a JSON object); restore it "
                                "(git checkout -- FILE) or remove it")
         if smoke or not r.get("smoke"):
+            r["_file"] = f"results/{path.parent.name}/{path.name}"      # where a table says it is kept
             out.setdefault(r.get("piece", path.stem), []).append(r)
     return out
 
@@ -106,6 +110,23 @@ def n_of(side):
 
 def code(cmd):
     return f"`{cmd}`"
+
+
+def command_of(r, cmd):
+    """A result's command as the tables show it: as typed where its script is still here, else the file its record is
+    kept in (a script since folded into benchmarks/compare.py)."""
+    script = next((w for w in cmd.split() if w.endswith(".py")), None)
+    if script and (ROOT / script).is_file():
+        return code(cmd)
+    return f"an earlier script since folded into `benchmarks/compare.py` (its command in {r.get('_file', 'results/')})"
+
+
+def commit_of(r):
+    """The code a result ran, in words: its commit (and whether it had changes not committed), or that it names none."""
+    ran = r.get("code") or {}
+    if not ran.get("commit"):
+        return "commit not recorded"
+    return f"commit {ran['commit'][:7]}" + (" with uncommitted changes" if ran.get("dirty") else "")
 
 
 def table(header, rows):
@@ -174,12 +195,12 @@ def t_plain(results, pieces, target=0.94, cpu=False):
         found = sides(results, piece, recipe)
         for r, s in found:
             st = s["stats"]
-            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"], target),
-                         pval(st["p_mean_above_target"]), timed(st), secs(st["time_to_target"], std=False),
-                         f"{100 * st['fraction_reaching_target']:.0f}%"])
+            rows.append([recipe, device(r), command_of(r, s["command"]), commit_of(r), n_of(s),
+                         pct(st["accuracy"], target), pval(st["p_mean_above_target"]), timed(st),
+                         secs(st["time_to_target"], std=False), f"{100 * st['fraction_reaching_target']:.0f}%"])
         if not found and not cpu:
-            rows.append([recipe, "GPU", "see Reproduce", "–", NM, NM, NM, NM, NM])
-    return table(["recipe", "device", "command", "n", "final test accuracy (mean ± std)",
+            rows.append([recipe, "GPU", "see docs/measuring.md", "–", "–", NM, NM, NM, NM, NM])
+    return table(["recipe", "device", "command", "code", "n", "final test accuracy (mean ± std)",
                   f"p (mean > {100 * target:.0f}%)", "time (mean ± std)", f"time to {100 * target:.0f}% (mean)",
                   f"runs reaching {100 * target:.0f}%"], rows)
 
@@ -190,13 +211,14 @@ def t_fast(results):
         found = sides(results, recipe, recipe)
         for r, s in found:
             st = s["stats"]
-            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"], 0.94),
-                         pval(st["p_mean_above_target"]), timed(st), pflop(st.get("flops_per_run")),
+            rows.append([recipe, device(r), command_of(r, s["command"]), commit_of(r), n_of(s),
+                         pct(st["accuracy"], 0.94), pval(st["p_mean_above_target"]), timed(st),
+                         pflop(st.get("flops_per_run")),
                          f"{st['tflops_per_s']:.0f}" if st.get("tflops_per_s") else "–"])
         if not found:
-            rows.append([recipe, "GPU", "see Reproduce", "–", NM, NM, NM, pflop(counted(results, recipe), " (counted)"),
-                         NM])
-    return table(["recipe", "device", "command", "n", "accuracy (mean ± std)", "p (mean > target)",
+            rows.append([recipe, "GPU", "see docs/measuring.md", "–", "–", NM, NM, NM,
+                         pflop(counted(results, recipe), " (counted)"), NM])
+    return table(["recipe", "device", "command", "code", "n", "accuracy (mean ± std)", "p (mean > target)",
                   "time (mean ± std)", "FLOPs per run", "achieved TFLOP/s"], rows)
 
 
@@ -207,24 +229,36 @@ def t_side_by_side(results):
         for r in found:
             a, b = r["sides"][recipe], r["sides"][peer]
             ratio, after = r.get("time_ratio"), r.get("time_ratio_after_construction")
-            rows.append([f"{recipe} / {peer}", device(r), f"{n_of(a)} / {n_of(b)}",
+            rows.append([f"{recipe} / {peer}", device(r), commit_of(r), f"{n_of(a)} / {n_of(b)}",
                          f"{pct(a['stats']['accuracy'], a.get('target'))} (p {pval(a['stats']['p_mean_above_target'])})",
                          f"{pct(b['stats']['accuracy'], b.get('target'))} (p {pval(b['stats']['p_mean_above_target'])})"
                          if b["runs"] else "not run (needs `pip install airbench` and a GPU)",
                          f"{timed(a['stats'], False)} / {timed(b['stats'], False)}",
                          interval(ratio) if ratio else "–", interval(after, n_of=len(b["runs"])) if after else NM])
         if not found:
-            rows.append([f"{recipe} / {peer}", "GPU", "–", NM, NM, NM, NM, NM])
-    return table(["ours / peer", "device", "n (ours / peer)", "our accuracy (p: mean > target)",
+            rows.append([f"{recipe} / {peer}", "GPU", "–", "–", NM, NM, NM, NM, NM])
+    return table(["ours / peer", "device", "code", "n (ours / peer)", "our accuracy (p: mean > target)",
                   "peer's accuracy (p: mean > target)", "mean time (ours / peer)", "time ratio [95% CI]",
                   "time ratio, the peer's model construction left out as ours is [95% CI]"], rows)
 
 
-def t_lease(results):
-    """Each lease's headline (benchmarks/lease.py call2): our recipe beside each peer, the same runs under both
-    timings, the 6-view accuracy of each side."""
+COMPARE_COMMAND = ("python benchmarks/compare.py --sides fast94_next,e1,hiverge,airbench94 --runs 25 "
+                   "--data-dir cifar10.npz")
+PEER_NAMES = {"hiverge": "the 2-second record (hiverge)", "e1": "E1 (Fulcrum)"}
+
+
+def comparisons(results):
+    """Every comparison measured (benchmarks/compare.py's, and one from an earlier script), its builds alone left out:
+    each result whose headline holds both clocks."""
+    return [r for found in results.values() for r in found
+            if "ours_s" in r.get("headline", {}) and not r.get("build_only")]
+
+
+def t_compare(results):
+    """Each comparison's headline: each of our recipes beside each peer, the same runs under both clocks, the 6-view
+    accuracy of each side; a row for each of E1 and the record not yet measured."""
     rows = []
-    for r in results.get("lease", []):
+    for r in comparisons(results):
         for pair in r["headline"]["ours_s"]["ratios"]:
             ours, peer = pair.split("/")
             a, b = (r["headline"]["ours_s"]["sides"][s] for s in (ours, peer))
@@ -233,12 +267,12 @@ def t_lease(results):
                      f"{secs(r['headline'][t]['sides'][peer]['time'], False)}, "
                      + (interval(r["headline"][t]["ratios"][pair]) if r["headline"][t]["ratios"][
                          pair] else "–") for t in ("ours_s", "fulcrum_s")]
-            rows.append([f"{ours} / {peer}", r.get("device_name") or NM, code(r.get("command", "–")),
-                         f"{a['n']} / {b['n']}", *accuracy, *times])
+            rows.append([f"{ours} / {peer}", r.get("device_name") or NM, command_of(r, r.get("command", "–")),
+                         commit_of(r), f"{a['n']} / {b['n']}", *accuracy, *times])
     for peer in ("e1", "hiverge"):
         if not any(row[0].endswith(f" / {peer}") for row in rows):
-            rows.append([f"fast94_next / {peer}", "GPU", "see docs/measuring.md, The lease", "–", NM, NM, NM, NM])
-    return table(["ours / peer", "device", "command", "n (ours / peer)", "our 6-view accuracy (p: mean > 94%)",
+            rows.append([f"fast94_next / {peer}", "GPU", code(COMPARE_COMMAND), "–", "–", NM, NM, NM, NM])
+    return table(["ours / peer", "device", "command", "code", "n (ours / peer)", "our 6-view accuracy (p: mean > 94%)",
                   "peer's 6-view accuracy (p: mean > 94%)", "our clock: mean time (ours / peer), ratio [95% CI]",
                   "the Fulcrum harness's clock: mean time (ours / peer), ratio [95% CI]"], rows)
 
@@ -480,8 +514,29 @@ def t_compile_cache(results):
         "", f"Command: {', '.join(cmds)} (each run a fresh process)."]
 
 
+def t_build_counts(results):
+    """What E1's build does (benchmarks/build_counts.py, counted on the CPU): each compiled function's graphs by the
+    layout of their first input, its CUDA graph captures and the sleeps it asks for."""
+    found = results.get("build_counts", [])
+    if not found:
+        return [f"E1's build, counted: {NM}."]
+    r, by = found[-1], {}
+    for c in r["compiles"]:
+        x = c["first_input"]
+        layout = "–" if x is None else (f"{'×'.join(map(str, x['shape']))} {x['dtype']}, strides "
+                                        f"({', '.join(map(str, x['stride']))})"
+                                        + (": channels-last" if len(x["stride"]) == 4 and x["stride"][1] == 1 else ""))
+        by[c["function"], layout] = by.get((c["function"], layout), 0) + 1
+    return table(["compiled function", "its graphs' first input", "graphs compiled"],
+                 [[f"`{f}`", layout, n] for (f, layout), n in by.items()]) + [
+        "", f"{len(r['compiles'])} graphs in all; {r['captures']} CUDA graphs captured ({r['replays']} replays); "
+            f"{r['sleeps']} sleep of {r['sleeps_s']:.0f} s asked for (skipped). Counted on {device(r)} (n = 1, "
+            f"{commit_of(r)}): {code(r['command'])}, E1's batch cut to {r['batch']} and its data to {r['images']} "
+            "random images."]
+
+
 def t_gpu_chunks(results):
-    """Every chunk the suite ran on a GPU, oldest first: where a lease's seconds went."""
+    """Every chunk the suite ran on a GPU, oldest first: where a GPU's seconds went."""
     rows = []
     for piece, found in results.items():
         for r in found:
@@ -567,8 +622,8 @@ def t_cpu_accuracy(results):
         found = sides(results, "cpu_accuracy", recipe)
         for r, s in found:
             st = s["stats"]
-            rows.append([recipe, device(r), code(s["command"]), n_of(s), pct(st["accuracy"], 0.94),
-                         pval(st["p_mean_above_target"]), secs(st["time"], std=False)])
+            rows.append([recipe, device(r), command_of(r, s["command"]), commit_of(r), n_of(s),
+                         pct(st["accuracy"], 0.94), pval(st["p_mean_above_target"]), secs(st["time"], std=False)])
             n, mean, p = len(s["runs"]), st["accuracy"]["mean"], st["p_mean_above_target"]
             if mean is None:
                 continue
@@ -589,8 +644,8 @@ def t_cpu_accuracy(results):
             if base != recipe and r["sides"].get(base, {}).get("runs"):       # a recipe with flags: against its own
                 verdicts.append(against(recipe, s["runs"], base, r["sides"][base]["runs"]))
         if not found:
-            rows.append([recipe, "CPU", "see docs/measuring.md", "–", NM, NM, NM])
-    return table(["recipe", "device", "command", "n", "final test accuracy (mean ± std)", "p (mean > 94%)",
+            rows.append([recipe, "CPU", "see docs/measuring.md", "–", "–", NM, NM, NM])
+    return table(["recipe", "device", "command", "code", "n", "final test accuracy (mean ± std)", "p (mean > 94%)",
                   "time of a run on this CPU (mean)"], rows) + ([""] + [" ".join(verdicts)] if verdicts else [])
 
 
@@ -650,12 +705,15 @@ def t_coverage(results):
     if not found:
         return [f"Coverage: {NM}."]
     r = found[-1]
-    rows = []
+    rows, gone = [], [name for name in r["files"] if not (ROOT / name).is_file()]
     for name, f in r["files"].items():
         ran = 1 - len(f["missing lines"]) / max(1, f["statements"])
         taken = 1 - len(f["missing branches"]) / max(1, f["branches"])
-        rows.append([code(name), f["statements"], f"{ran:.1%}", f["branches"], f"{taken:.1%}"])
-    lines = [f"Measured on {device(r)} (n = 1, tests exit status {r['tests_exit_status']}): {code(r['command'])}.", ""]
+        if name not in gone:
+            rows.append([code(name), f["statements"], f"{ran:.1%}", f["branches"], f"{taken:.1%}"])
+    lines = [f"Measured on {device(r)} (n = 1, tests exit status {r['tests_exit_status']}, {commit_of(r)}): "
+             f"{code(r['command'])}" + (f"; {len(gone)} modules it measured are gone since, left out" if gone else "")
+             + ".", ""]
     lines += table(["module", "statements", "run", "branches", "taken"], rows)
     unrun = r["devices_unrun"]
     lines += ["", f"`devices.py`'s lines that no CPU test runs: {len(unrun)}" + (":" if unrun else ".")]
@@ -665,16 +723,51 @@ def t_coverage(results):
 
 
 # ----------------------------------------------------------------------------------------------
-# README's figure: time per run, ours beside the peer of each side-by-side piece
+# README's figure: ours beside the fastest peer measured on the device, then beside airbench
 
 FIGURE = "docs/figures/time_to_94.png"
 
 
-def figure_rows(results):
-    """For each side-by-side piece measured (on each device), our side then the peer's: what the figure draws, each
-    mean time per run with the 95% t-interval of the mean (time: training and final evaluation, as each side's
-    clock counts it)."""
+def interval_row(name, time, *, ours, group, r, n, accuracy, ratio=None, fulcrum_ratio=None):
+    """A figure row: a side's mean time per run and the 95% t-interval of the mean."""
     from scipy.stats import t
+    mean, std, k = time["mean"], time["std"], time["n"]
+    half = float(t.ppf(0.975, k - 1)) * std / math.sqrt(k) if k > 1 else 0.0
+    return {"group": group, "side": name, "ours": ours, "device": r.get("device_name") or device(r),
+            "mean": round(mean, 6), "low": round(mean - half, 6), "high": round(mean + half, 6), "n": n,
+            "accuracy": accuracy, "ratio": ratio, "fulcrum_ratio": fulcrum_ratio,
+            "command": command_of(r, r.get("command") or r.get("_command", "")), "commit": commit_of(r)}
+
+
+def fastest_peer_rows(results):
+    """For each device, the comparison whose peer was fastest there (our clock): each of our recipes in it, then that
+    peer (6-view accuracy)."""
+    best = {}
+    for r in comparisons(results):
+        sides = r["headline"]["ours_s"]["sides"]
+        for pair, ci in r["headline"]["ours_s"]["ratios"].items():
+            ours, peer = pair.split("/")
+            if ci and peer in PEER_NAMES and (r["device_name"] not in best or
+                                              sides[peer]["time"]["mean"] < best[r["device_name"]][2]):
+                best[r["device_name"]] = (r, peer, sides[peer]["time"]["mean"])
+    rows = []
+    for r, peer, _ in best.values():
+        h = r["headline"]
+        for pair, ci in h["ours_s"]["ratios"].items():
+            ours = pair.split("/")[0]
+            if pair.endswith(f"/{peer}") and ci:
+                accuracy = lambda s: pct(h["ours_s"]["sides"][s]["accuracy_6view"], 0.94)
+                rows.append(interval_row(ours, h["ours_s"]["sides"][ours]["time"], ours=True, group=peer, r=r,
+                                         n=str(h["ours_s"]["sides"][ours]["n"]), accuracy=accuracy(ours),
+                                         ratio=interval(ci), fulcrum_ratio=interval(h["fulcrum_s"]["ratios"][pair])
+                                         if h["fulcrum_s"]["ratios"].get(pair) else None))
+                rows.append(interval_row(peer, h["ours_s"]["sides"][peer]["time"], ours=False, group=peer, r=r,
+                                         n=str(h["ours_s"]["sides"][peer]["n"]), accuracy=accuracy(peer)))
+    return rows
+
+
+def airbench_rows(results):
+    """For each side-by-side piece measured beside airbench, our side then the peer's (the recipe's own accuracy)."""
     rows = []
     for recipe, peer in side_by_side_pieces():
         for r in results.get(recipe, []):
@@ -682,15 +775,20 @@ def figure_rows(results):
                 continue
             for name in (recipe, peer):
                 side, st = r["sides"][name], r["sides"][name]["stats"]
-                mean, std, n = st["time"]["mean"], st["time"]["std"], st["time"]["n"]
-                half = float(t.ppf(0.975, n - 1)) * std / math.sqrt(n) if n > 1 else 0.0
-                rows.append({"piece": recipe, "side": name, "ours": name == recipe, "device": device(r),
-                             "mean": round(mean, 6), "low": round(mean - half, 6), "high": round(mean + half, 6),
-                             "n": n_of(side).replace(" (partial, of", " of").rstrip(")"),
-                             "accuracy": pct(st["accuracy"], side.get("target")),
-                             "ratio": interval(r["time_ratio"]) if name == recipe and r.get("time_ratio") else None,
-                             "command": side["command"]})
+                rows.append(interval_row(name, st["time"], ours=name == recipe, group=peer,
+                                         r={**r, "_command": r["sides"][recipe]["command"]},
+                                         n=n_of(side).replace(" (partial, of", " of").rstrip(")"),
+                                         accuracy=pct(st["accuracy"], side.get("target")),
+                                         ratio=interval(r["time_ratio"]) if name == recipe and r.get("time_ratio")
+                                         else None))
     return rows
+
+
+def figure_rows(results):
+    """What the figure draws, pairs of rows (ours, then the peer beside it): ours beside the fastest peer measured on
+    each device, then beside airbench; each mean time per run on our clock (training and the final evaluation) with
+    the 95% t-interval of the mean."""
+    return fastest_peer_rows(results) + airbench_rows(results)
 
 
 def figure_digest(rows):
@@ -701,13 +799,13 @@ def figure_digest(rows):
 
 def draw_figure(rows, path):
     """The figure as a PNG at path: a row per side, its mean time per run and 95% interval, ours above the peer
-    beside it; a fixed size and resolution and no date or software in its metadata, so the same rows give the same
-    file, which carries their digest (figure_digest)."""
+    beside it, the fastest peer's pair first; a fixed size and resolution and no date or software in its metadata,
+    so the same rows give the same file, which carries their digest (figure_digest)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     devices = sorted({row["device"] for row in rows})
-    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(rows)), dpi=110)
+    fig, ax = plt.subplots(figsize=(8, 1.4 + 0.45 * len(rows)), dpi=110)
     for y, row in enumerate(rows):
         color = "tab:blue" if row["ours"] else "tab:gray"
         ax.errorbar(row["mean"], y, xerr=[[row["mean"] - row["low"]], [row["high"] - row["mean"]]], fmt="o",
@@ -715,16 +813,17 @@ def draw_figure(rows, path):
         ratio = f"\n{row['ratio']} x the peer's time" if row["ratio"] else ""
         ax.annotate(f"{row['mean']:.3f} s [{row['low']:.3f}, {row['high']:.3f}]{ratio}", (row["high"], y),
                     xytext=(8, 0), textcoords="offset points", va="center", fontsize=8, color=color)
-    labels = [f"{row['side']}" + ("" if row["ours"] else f" (peer of {row['piece']})") + f"\nn = {row['n']}"
+    peers = {"hiverge": "the 2-second record", "e1": "E1"}
+    labels = [f"{row['side']} ({'ours' if row['ours'] else peers.get(row['side'], 'peer')})\nn = {row['n']}"
               + (f", {row['device']}" if len(devices) > 1 else "") for row in rows]
     ax.set_yticks(range(len(rows)), labels, fontsize=8)
-    for y in range(1, len(rows) - 1, 2):       # a line between one piece's pair and the next
-        ax.axhline(y + 0.5, color="0.85", linewidth=0.8)
+    for y in range(1, len(rows) - 1, 2):       # a line between one pair and the next, darker where the peers change
+        ax.axhline(y + 0.5, color="0.4" if rows[y]["group"] != rows[y + 1]["group"] else "0.85", linewidth=0.8)
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlim(0, 1.5 * max(row["high"] for row in rows))
-    ax.set_xlabel("seconds per run: training and final evaluation, mean and its 95% interval", fontsize=8)
-    ax.set_title(f"CIFAR-10 to a mean test accuracy of 94%, runs alternating with the peer's\non one "
-                 f"{', '.join(devices)}", fontsize=9)
+    ax.set_xlabel("seconds per run on our clock: training and final evaluation, mean and its 95% interval", fontsize=8)
+    ax.set_title(f"CIFAR-10 to a mean of 94% on one {', '.join(devices)}: ours beside the fastest peer measured\n"
+                 "there, then beside airbench (runs in turn, the same data)", fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -741,31 +840,98 @@ def figure_is_current(rows, path):
         return image.info.get("Description") == figure_digest(rows)
 
 
+def pair_sentence(ours, peer):
+    return (f"{ours['side']} {ours['mean']:.3f} s [{ours['low']:.3f}, {ours['high']:.3f}] (n = {ours['n']}, accuracy "
+            f"{ours['accuracy']}) against {peer['side']} {peer['mean']:.3f} s [{peer['low']:.3f}, {peer['high']:.3f}] "
+            f"(n = {peer['n']}, accuracy {peer['accuracy']}), time ratio {ours['ratio'] or '–'}"
+            + (f" ({ours['fulcrum_ratio']} on the Fulcrum harness's clock)" if ours.get("fulcrum_ratio") else "")
+            + f"; measured by {ours['command']}, {ours['commit']}")
+
+
 def t_figure(results):
-    """README's figure and its caption: what it shows, on which device, n and the commands."""
+    """README's figure and its caption: what it shows, on which device, n, the commands and their commits."""
     rows = figure_rows(results)
     if not rows:
         return [f"Time per run beside the peers: {NM}."]
-    pairs = [(ours, peer) for ours, peer in zip(rows[::2], rows[1::2])]
-    sides = "; ".join(
-        f"{ours['side']} {ours['mean']:.3f} s [{ours['low']:.3f}, {ours['high']:.3f}] (n = {ours['n']}, accuracy "
-        f"{ours['accuracy']}) against {peer['side']} {peer['mean']:.3f} s [{peer['low']:.3f}, {peer['high']:.3f}] "
-        f"(n = {peer['n']}, accuracy {peer['accuracy']}), time ratio {ours['ratio'] or '–'}" for ours, peer in pairs)
-    commands = "; ".join(sorted({code(ours["command"]) for ours, _ in pairs}))
+    pairs = list(zip(rows[::2], rows[1::2]))
+    fastest = [(o, p) for o, p in pairs if p["side"] in PEER_NAMES]
+    others = [(o, p) for o, p in pairs if p["side"] not in PEER_NAMES]
     devices = ", ".join(sorted({row["device"] for row in rows}))
-    return [f"![Time per run of our CIFAR-10 recipes and the peers beside them]({FIGURE})", "",
-            f"*Time per run on CIFAR-10, ours and the peer's runs alternating on one {devices} with the same data "
-            f"(mean and its 95% interval): {sides}. The peer's time includes its model construction, which ours "
-            f"leaves out. Measured by {commands}; drawn by `python benchmarks/report.py` from results/.*"]
+    said = ([f"Beside the fastest peer measured there, {PEER_NAMES[fastest[0][1]['side']]}, each side in a process of "
+             f"its own (6-view accuracy, the Fulcrum harness's evaluation): "
+             + "; ".join(pair_sentence(o, p) for o, p in fastest) + "."] if fastest else
+            [f"Beside E1 and the 2-second record: {NM}."])
+    said += ([f"Below, beside airbench (its time includes its model construction, which ours leaves out): "
+              + "; ".join(pair_sentence(o, p) for o, p in others) + "."] if others else [])
+    return [f"![Time per run of our CIFAR-10 recipes beside the fastest peer and airbench]({FIGURE})", "",
+            f"*Time per run on CIFAR-10 on one {devices}, runs in turn with the peer's on the same data (our clock, "
+            f"from the network built to the end of the final evaluation; mean and its 95% interval). "
+            + " ".join(said) + " Drawn by `python benchmarks/report.py` from results/.*"]
 
 
-TABLES = {"figure": t_figure, "tests": t_tests, "coverage": t_coverage, "env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling,
+# ----------------------------------------------------------------------------------------------
+# Each CIFAR-10 recipe's evidence: our figure on a GPU beside its peer's published one, above its definition
+
+RECIPES_FILE = "cifar10_recipes.py"
+
+
+def ours_on_a_gpu(results):
+    """{recipe: our figure on a GPU in words}: mean accuracy and time (our clock), the device, n and the commit of
+    the measurement with the most runs (the suite's pieces and the comparisons)."""
+    import cifar10_recipes as cr
+    best = {}
+    for found in results.values():
+        for r in found:
+            gpu = (r.get("device_name") or r.get("fingerprint", {}).get("device_name") or "CPU").removeprefix("NVIDIA ")
+            if gpu.startswith("CPU"):
+                continue
+            suite_sides = r["sides"] if isinstance(r.get("sides"), dict) else {}     # a comparison's: a list
+            measured = [(name, side["stats"]["n"], side["stats"]["accuracy"], side["stats"]["time"])
+                        for name, side in suite_sides.items() if side.get("runs") and side.get("stats")]
+            measured += [(name, side["n"], side["accuracy_own"], side["time"])
+                         for name, side in r.get("headline", {}).get("ours_s", {}).get("sides", {}).items()]
+            for name, n, acc, time in measured:
+                if name in cr.RECIPES and n and (name not in best or n > best[name][0]):
+                    best[name] = (n, f"{pct(acc, 0.94).split(' ±')[0]}, {time['mean']:.2f} s ({gpu}, n = {n}, "
+                                     f"{commit_of(r).replace(' with uncommitted changes', ' + local changes')})")
+    return {name: text for name, (_, text) in best.items()}
+
+
+def t_recipes(results):
+    """README's table of the CIFAR-10 recipes (the journey's stages in --list-recipes): what each trains, our figure
+    on a GPU and the one its peer published."""
+    import cifar10_recipes as cr
+    ours, stages = ours_on_a_gpu(results), {s["name"] for s in cr.JOURNEY}
+    rows = [[f"`{name}`", r.doc, ours.get(name, "not measured on a GPU"),
+             cr.PUBLISHED.get(name, "none (an idea of ours)")]
+            for name, r in cr.RECIPES.items() if name not in stages]
+    return table(["recipe", "what", "ours on a GPU (mean accuracy, time, device, n, code)",
+                  "published by its peer (not measured here)"], rows)
+
+
+def with_measured(source, results):
+    """cifar10_recipes.py's source with the line above each recipe's definition its evidence: our figure on a GPU (or
+    "not measured on a GPU") and the one its peer published (cifar10_recipes.PUBLISHED)."""
+    import cifar10_recipes as cr
+    ours, lines = ours_on_a_gpu(results), source.split("\n")
+    for name, i in sorted(cr.definitions(lines).items(), key=lambda item: -item[1]):
+        indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+        line = (f"{indent}# measured: {ours.get(name, 'not measured on a GPU')}; published: "
+                f"{cr.PUBLISHED.get(name, 'none (an idea of ours)')}")
+        if i and cr.MEASURED.match(lines[i - 1]):
+            lines[i - 1] = line
+        else:
+            lines.insert(i, line)
+    return "\n".join(lines)
+
+
+TABLES = {"figure": t_figure, "recipes": t_recipes, "tests": t_tests, "coverage": t_coverage, "env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling,
           "scaling_recipes": t_scaling_recipes,
           "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
-          "fast": t_fast, "side_by_side": t_side_by_side, "lease": t_lease, "imagenet_gpu": t_imagenet_gpu, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "cpu_layout": t_cpu_layout, "compile_cache": t_compile_cache,
-          "gpu_chunks": t_gpu_chunks,
+          "fast": t_fast, "side_by_side": t_side_by_side, "compare": t_compare, "imagenet_gpu": t_imagenet_gpu, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "cpu_layout": t_cpu_layout, "compile_cache": t_compile_cache,
+          "gpu_chunks": t_gpu_chunks, "build_counts": t_build_counts,
           "torchrun": t_torchrun, "floor": t_floor, "op_counts": lambda r: t_op_counts(r, "optimisers"),
           "blurpool_ops": lambda r: t_op_counts(r, "blurpool"), "reading_path": t_reading_path}
 
@@ -816,14 +982,14 @@ def main(argv=None):
         print(f"error: {e}; nothing rewritten", file=sys.stderr)
         return 1
     stale = []
-    for doc in DOCS:
+    for doc in DOCS + (RECIPES_FILE,):
         path = Path(args.root) / doc
         old = path.read_text()
         unknown = sorted({m.group(2) for m in MARK.finditer(old)} - set(TABLES) - {"outcomes"})
         if unknown:
             print(f"error: {doc}: unknown report tables {unknown}", file=sys.stderr)
             return 2
-        new = render(old, results)
+        new = with_measured(old, results) if doc == RECIPES_FILE else render(old, results)
         if new != old:
             stale.append(doc)
             if args.check:

@@ -10,8 +10,7 @@ finished piece written at once as JSON under results/<device>/ (the only source 
             bf16 matmul rate (8192^3, mean of 10 after warm-up), device-to-device copy bandwidth, and the
             counted FLOPs of every recipe; every other result embeds this fingerprint
   tier 1    fast94_next (n=100, --compile max-autotune) beside the 2-second record's own cifar10_speedrun.py
-            (n=50; fetched into peers/cifar10-speedrun/, only its run count edited); then fast94 (n=100)
-            alternating with airbench's train94 (n=25)
+            (n=50; cloned into peers/cifar10-speedrun/); then fast94 (n=100) beside airbench's train94 (n=25)
   tier 2    fast94_fastest and its ablations in turn with fast94_next in one process (50 each); fast94_next
             and fast94_muon beside airbench94 (100 / 25); fast94_next_lowres, our idea, compiled as fast94_next
             is (50); fast95 beside airbench95 (25 / 10); myrtle24 (5); myrtle10 (10)
@@ -24,12 +23,12 @@ finished piece written at once as JSON under results/<device>/ (the only source 
   tier cpu  the CPU demonstration README quotes
 
 Each piece runs the project's own command lines (recorded in its result) in a fresh process, with --out
-rewritten after every run. An interrupted piece keeps the runs it finished: the suite merges them into
-its result while it runs, and the next call goes on from them (seeds continue). --budget-s never starts
-work whose estimate (the piece's earlier chunks on this device, else what the device's other pieces of its
-kind measured, else counted FLOPs over the measured matmul rate) would overrun it: a piece that does not
-fit whole runs a chunk of the runs that fit, and the suite stops a command that is still running at the
-deadline. One line per piece.
+rewritten after every run; a piece of ours beside others is benchmarks/compare.py's comparison. An interrupted
+piece keeps the runs it finished: the suite merges them into its result while it runs, and the next command goes
+on from them (seeds continue). --budget-s never starts work whose estimate (the piece's earlier chunks on this
+device, else what the device's other pieces of its kind measured, else counted FLOPs over the measured matmul rate)
+would overrun it: a piece that does not fit whole runs a chunk of the runs that fit, and the suite stops a command
+that is still running at the deadline. One line per piece.
 """
 import argparse
 import contextlib
@@ -53,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from core import Parser, die_with_parent, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
+from compare import PEERS, cache_environment, environment_of, peer_missing  # noqa: E402
 from machine import fingerprint  # noqa: E402
 
 TIERS = ("0", "1", "2", "3", "4", "cpu")
@@ -71,12 +71,8 @@ SMOKE_CIFAR = ["--subset", "256", "--epochs", "1", "--width", "0.0625", "--batch
 # a recipe of its own), all in turn in one process. Its switches: the lower-FLOP schedule, whose ablation is
 # fast94_next itself, and the optimisers' step as one compiled function (--compile-optimizer).
 FASTEST_SIDES = ("fast94_next", "fast94_fastest", "fast94_fastest_optimizers_apart")
-# The record's script (benchmarks/side_by_side.py --peer record) and, for planning only, what each of its runs costs
-# beyond its clock: its GPU spin of 6e9 cycles before each run (about 3 s at 2 GHz) and loading its data (estimated)
-RECORD_SCRIPT = "cifar10_speedrun.py"
-RECORD_DIR = ROOT / "peers" / "cifar10-speedrun"
-RECORD_STANDIN = ROOT / "tests" / "record_standin"      # the smoke pass's stand-in for it, on the CPU
-RECORD_EXTRA_S = 3.5
+# The peers' sides in compare.py's names: the record's is hiverge's (cifar10_speedrun.py), kept here as "record"
+COMPARE_SIDE = {"record": "hiverge"}
 # fast94 with each trick switched off in turn, as settings by flag name (cf.recipe("fast94", **changes)): what the
 # ablation piece runs and experiments.ipynb trains; the first is fast94 itself, the one each drop is measured from
 ABLATIONS = {"fast94": {}, "no whitening": {"whiten": False}, "no whitening bias": {"whiten_bias": False},
@@ -92,8 +88,8 @@ class Piece:
     name: str
     tier: str
     title: str
-    kind: str                        # fingerprint | cifar | side_by_side | torchrun_cifar | torchrun_imagenet |
-    #                                  throughput | gpu_check (the last two: one command, its rows)
+    kind: str                        # fingerprint | cifar | side_by_side | beside_record | alternating (the three:
+    #                                  compare.py) | torchrun_cifar | torchrun_imagenet | throughput | gpu_check
     sides: dict = field(default_factory=dict)
     recipes: dict = field(default_factory=dict)
     targets: dict = field(default_factory=dict)
@@ -127,8 +123,8 @@ def pieces():
     return [
         Piece("env", "0", "environment fingerprint and counted FLOPs", "fingerprint"),
         # the record's own script beside the recipe of its configuration: the comparison that names the project
-        Piece("fast94_next_record", "1", f"fast94_next (n=100) beside the 2-second record's own {RECORD_SCRIPT} "
-              "(n=50; its run count edited), compiled max-autotune", "beside_record",
+        Piece("fast94_next_record", "1", "fast94_next (n=100) beside the 2-second record's own cifar10_speedrun.py "
+              "(n=50), compiled max-autotune", "beside_record",
               {"fast94_next": 100, "record": 50},
               {"fast94_next": "fast94_next", "record": "fast94_next"}, {"fast94_next": 0.94, "record": 0.94},
               "max-autotune", ("gpu", "record")),
@@ -233,25 +229,15 @@ def chunk_for(piece, want, done, ctx, *, whole=False):
         argv = ["python", "cifar10_fast.py", "--recipe", piece.recipes[side], *piece.flags.get(side, []), "--runs",
                 str(want[side]), *seed, "--data-dir", ctx["data"], *compile_, *(smoke or piece.extra), *device, *out]
         return Chunk(argv, lambda o: {side: cifar_runs(o)}, lambda o: {side: o.get("flops", {}).get("total")})
-    if piece.kind in ("side_by_side", "beside_record"):
-        ours, peer = list(piece.sides)
-        seed = ["--seed", str(done[ours])] if done.get(ours) else []
-        record = (["--peer", "record"] + (["--record-dir", str(ctx["record_dir"])] if ctx.get("record_dir") else [])
-                  if piece.kind == "beside_record" else [])
-        argv = ["python", "benchmarks/side_by_side.py", "--recipes", piece.recipes[ours], "--runs",
-                str(want.get(ours, 0)), "--peer-runs", str(want.get(peer, 0)), *seed, "--data-dir", ctx["data"],
-                *compile_, *(record if want.get(peer) else ["--peer", "none"]), *smoke, *device, *out]
-        r = piece.recipes[ours]
-        mine = lambda o: o.get("recipes", {}).get(r, {})
-        return Chunk(argv, lambda o: {ours: mine(o).get("ours", []), peer: mine(o).get("peer", [])},
-                     lambda o: {ours: mine(o).get("flops", {}).get("total")})
-    if piece.kind == "alternating":            # every side the same runs, seeds going on from the first's
-        names = [piece.recipes[s] for s in piece.sides]
-        argv = ["python", "benchmarks/side_by_side.py", "--recipes", ",".join(names), "--alternate", "--peer", "none",
-                "--runs", str(want[side]), *seed, "--data-dir", ctx["data"], *compile_, *smoke, *device, *out]
-        mine = lambda o, s: o.get("recipes", {}).get(piece.recipes[s], {})
-        return Chunk(argv, lambda o: {s: mine(o, s).get("ours", []) for s in piece.sides},
-                     lambda o: {s: mine(o, s).get("flops", {}).get("total") for s in piece.sides})
+    if piece.kind in TOGETHER:          # benchmarks/compare.py: each side built alone, then their runs in turn
+        sides = [s for s in piece.sides if want.get(s)]
+        named = lambda counts: ",".join(f"{COMPARE_SIDE.get(s, s)}={counts.get(s, 0)}" for s in sides)
+        argv = ["python", "benchmarks/compare.py", "--sides", ",".join(COMPARE_SIDE.get(s, s) for s in sides),
+                "--runs", named(want), "--seed", named(done), "--data-dir", ctx["data"],
+                "--compile", piece.compile or "none", *(["--smoke", "--in-process"] if ctx["smoke"] else []), *device,
+                *(out and [*out, "--rows", ctx["out"] + ".rows"])]
+        return Chunk(argv, lambda o: compared_runs(o, sides), lambda o: {     # ours alone count their FLOPs
+            s: b["flops_per_run"] for s, b in o.get("builds", {}).items() if b.get("flops_per_run")})
     launcher = ["python"] if side == "plain" else ["torchrun", "--standalone", "--nproc_per_node=1"]
     if piece.kind == "torchrun_cifar":
         argv = [*launcher, "cifar10_fast.py", "--recipe", piece.recipes[side], "--runs", str(want[side]), *seed,
@@ -262,6 +248,14 @@ def chunk_for(piece, want, done, ctx, *, whole=False):
                 "--runs", str(want[side]), *seed, *device, *out]
         return Chunk(argv, lambda o: {side: imagenet_runs(o)})
     raise ValueError(f"no commands for a {piece.kind} piece")
+
+
+def compared_runs(out, sides):
+    """{side: its valid runs} from a compare.py result, each with the suite's final_acc (the side's own accuracy) and
+    time (our clock)."""
+    rows = [r for r in out.get("rows", []) if r.get("valid", True)]
+    return {s: [{**r, "final_acc": r["own_acc"], "time": r["ours_s"]} for r in rows
+                if r["side"] == COMPARE_SIDE.get(s, s)] for s in sides}
 
 
 def one_command_argv(piece, ctx, whole=False):
@@ -293,31 +287,9 @@ def stop(*_):
 COMPILE_CACHE = ".compile-cache"   # under results/<machine>/; .gitignore keeps it out of the repository
 
 
-def cache_environment(folder):
-    """The environment that makes every process started in it share torch.compile's caches in folder (inductor's FX
-    graph cache and AOT autograd cache; Triton's kernels under it, inductor's default): one cold compile."""
-    return {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
-            "TORCHINDUCTOR_CACHE_DIR": str(folder)}
-
-
 def compile_cache(results):
-    """cache_environment for the pieces of one machine: its folder under the results."""
+    """compare.cache_environment for the pieces of one machine: its folder under the results."""
     return cache_environment(Path(results) / COMPILE_CACHE)
-
-
-@contextlib.contextmanager
-def environment_of(variables):
-    """os.environ with `variables` set while inside, as it was after."""
-    old = {k: os.environ.get(k) for k in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def launch(argv, log, *, deadline, in_process, on_poll):
@@ -470,8 +442,8 @@ def run_flops(recipe, f):
 
 
 def per_run_s(piece, side, result, *, fp, flops, elsewhere=None):
-    """Seconds one more run of a side should take (the record's with RECORD_EXTRA_S more): run_s's."""
-    return run_s(piece, side, result, fp=fp, flops=flops, elsewhere=elsewhere) + RECORD_EXTRA_S * (side == "record")
+    """Seconds one more run of a side should take: run_s's."""
+    return run_s(piece, side, result, fp=fp, flops=flops, elsewhere=elsewhere)
 
 
 def run_s(piece, side, result, *, fp, flops, elsewhere=None):
@@ -671,15 +643,15 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cuda (default when present) or cpu")
     p.add_argument("--smoke", action="store_true",
                    help="everything with tiny settings and n=2, in this process, into a temporary folder; on the CPU "
-                        "unless --device says otherwise (benchmarks/gpu_check.py --smoke: CUDA's CPU stand-in)")
+                        "unless --device says otherwise (the comparisons: the peers' stand-ins under CUDA's)")
     p.add_argument("--in-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the commands inside this process rather than each in a new one (default: with --smoke)")
     p.add_argument("--list", action="store_true", help="print the pieces and exit")
     return p.parse_args(argv)
 
 
-def main(argv=None, *, n=None):
-    """The suite's command line; n: {piece: {side: runs}} where a caller (benchmarks/gpu_check.py) sets them."""
+def main(argv=None):
+    """The suite's command line: its exit status."""
     args = parse_args(argv)
     all_pieces = pieces()
     if args.list:
@@ -719,17 +691,15 @@ def main(argv=None, *, n=None):
         results = results / fp["slug"]
         results.mkdir(parents=True, exist_ok=True)
         copy_to = Path(args.copy_to) if args.copy_to else None
-        try:
-            importlib.import_module("airbench")        # installed and importable: the peer can run
-            peer = device.type == "cuda"
-        except ImportError:
-            peer = False
-        ctx = {"smoke": args.smoke, "data": data, "device": "cpu" if device.type == "cpu" else None, "peer": peer,
-               "results": results, "copy_to": copy_to, "tmp": tmp, "out": str(Path(tmp) / "out.json"),
+        # the peers: their stand-ins in the smoke pass; airbench only on a CUDA GPU
+        missing = {side: peer_missing(side, args.smoke) for side in ("airbench94", "hiverge")}
+        if device.type != "cuda" and not args.smoke:
+            missing["airbench94"] = "airbench runs only on a CUDA GPU"
+        ctx = {"smoke": args.smoke, "data": data, "device": "cpu" if device.type == "cpu" else None,
+               "peer": missing["airbench94"], "record": missing["hiverge"], "results": results, "copy_to": copy_to,
+               "tmp": tmp, "out": str(Path(tmp) / "out.json"),
                "in_process": args.smoke if args.in_process is None else args.in_process, "torch_device": device,
-               "fingerprint": fp, "deadline": deadline, "n": n or {},
-               "record_dir": RECORD_STANDIN.relative_to(ROOT) if args.smoke else None,   # None: side_by_side's default
-               "record": ((RECORD_STANDIN if args.smoke else RECORD_DIR) / RECORD_SCRIPT).is_file()}
+               "fingerprint": fp, "deadline": deadline}
         say(f"suite on {fp['device_name']} (torch {fp['torch']}): results in {results}"
             + (f", budget {args.budget_s:.0f} s" if deadline else "") + ("; SMOKE (tiny settings)" if args.smoke else ""))
         try:
@@ -759,7 +729,7 @@ def run_tiers(args, ctx, chosen, say):
             say(f"env: {fp['device_name']}, {fp['matmul_dtype']} matmul {fp['matmul_tflops']:.1f} TFLOP/s, "
                 f"copy {fp['copy_gbps']:.0f} GB/s; FLOPs of {len(flops)} recipes counted")
             continue
-        reason = skip_reason(piece, device, args.smoke, ctx["peer"])
+        reason = skip_reason(piece, device, args.smoke)
         if reason:
             say(f"{piece.name}: skipped: {reason}")
             continue
@@ -771,17 +741,14 @@ def run_tiers(args, ctx, chosen, say):
 
 
 def sized(piece, args, ctx):
-    """(the piece with the runs this call wants of each side, a note for its line): scaled (scale), set where
-    ctx["n"] names its sides, and with a side that cannot run here at 0 runs, said in the note."""
+    """(the piece with the runs this call wants of each side, a note for its line): scaled (scale), and with a side
+    that cannot run here (ctx["peer"], ctx["record"]: why not) at 0 runs, said in the note."""
     scaled, note = scale(piece, smoke_runs(piece) if args.smoke else None, args.runs_scale), ""
-    if not args.smoke:
-        scaled.sides = {**scaled.sides, **ctx.get("n", {}).get(piece.name, {})}
-    if not ctx["peer"] and "peer" in piece.needs:
-        note = "; the peer's side skipped: " + ("airbench runs only on a CUDA GPU" if ctx["torch_device"].type != "cuda"
-                                                else "run `pip install airbench`")
+    if ctx["peer"] and "peer" in piece.needs:
+        note = f"; the peer's side skipped: {ctx['peer']}"
         scaled.sides = {s: (0 if s.startswith("airbench") else n) for s, n in scaled.sides.items()}
-    if not ctx["record"] and "record" in piece.needs:
-        note += f"; the record's side skipped: fetch its {RECORD_SCRIPT} into {RECORD_DIR.relative_to(ROOT)}/"
+    if ctx["record"] and "record" in piece.needs:
+        note += f"; the record's side skipped: {ctx['record']}"
         scaled.sides = {s: (0 if s == "record" else n) for s, n in scaled.sides.items()}
     return scaled, note
 
@@ -792,7 +759,7 @@ def smoke_runs(piece):
     return 1 if len(piece.sides) > 3 else 2
 
 
-def skip_reason(piece, device, smoke, peer):
+def skip_reason(piece, device, smoke):
     if "nccl" in piece.needs and device.type != "cuda" and not smoke:      # the smoke pass: torchrun over gloo
         return "needs a GPU (torchrun with NCCL)"
     if "gpu" in piece.needs and device.type != "cuda" and not smoke:

@@ -299,7 +299,10 @@ class StandIn(TorchFunctionMode):
                 return self.tag(func(*args, **kwargs), index)
         pin = kwargs.pop("pin_memory", False) if name in FACTORIES else False
         out = kwargs.get("out")
-        device = self.device_of(name, args, {k: v for k, v in kwargs.items() if k != "out"})
+        if name in FACTORIES and out is not None:             # a factory makes its values on its out's device
+            device = self.on.get(tree_flatten(out)[0][0])
+        else:
+            device = self.device_of(name, args, {k: v for k, v in kwargs.items() if k != "out"})
         if name in RANDOM or "generator" in kwargs:
             self.check_generator(name, kwargs, device)
         if out is not None and {self.on.get(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)} != {device}:
@@ -329,10 +332,11 @@ class StandIn(TorchFunctionMode):
         if getter == "grad":
             grad = func(*args)
             return self.tag(grad, self.on.get(t)) if grad is not None else None
-        if func.__name__ == "__set__":              # t.data = value moves t to value's device
+        if func.__name__ == "__set__":              # t.data = value moves t to value's device (t's own, for t itself)
+            device = self.on.get(args[1])
             func(*args)
             self.untag(t)
-            self.tag(t, self.on.get(args[1]))
+            self.tag(t, device)
             return None
         return self.tag(func(*args), self.on.get(t))
 

@@ -100,3 +100,7 @@ def test_benchmarks_readme_says_what_each_script_is_once():
     """benchmarks/README.md: every script of benchmarks/ in one of its tables, once, and no script that is gone."""
     listed = re.findall(r"^\| `([a-z_0-9]+\.py)` \|", (ROOT / "benchmarks" / "README.md").read_text(), re.M)
     assert sorted(listed) == sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+
+
+def test_readme_stays_a_face_of_at_most_300_lines_the_rest_in_docs():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300

@@ -44,8 +44,8 @@ def test_smoke_runs_every_piece(smoke):
     lines = out.strip().splitlines()
     assert [line.split(":")[0] for line in lines[1:]] == SMOKE_PIECES          # one line per piece, in tier order
     by_name = dict(line.split(": ", 1) for line in lines[1:])
-    assert by_name["fast94"].startswith("complete") and "the peer's side skipped: airbench runs only on a CUDA GPU" \
-        in by_name["fast94"]
+    assert by_name["fast94"].startswith("complete") and "airbench94 2/2" in by_name["fast94"]   # its stand-in
+    assert "record 2/2" in by_name["fast94_next_record"]
     (device,) = folder.iterdir()
     assert sorted(p.stem for p in device.glob("*.json")) == sorted(SMOKE_PIECES)
     # a side that is a recipe and its flags, run with them
@@ -56,7 +56,7 @@ def test_smoke_runs_every_piece(smoke):
 
 @pytest.mark.slow
 def test_the_torchrun_pieces_train_under_torchrun_as_the_plain_command_does_run_for_run(tmp_path):
-    """The torchrun pieces, whole, over gloo: the suite's own store, commands and parsing as a GPU lease runs them;
+    """The torchrun pieces, whole, over gloo: the suite's own store, commands and parsing as a GPU runs them;
     one rank under torchrun trains as the plain command does, run for run."""
     r = run_suite("--smoke", "--results", tmp_path, "--pieces", ",".join(TORCHRUN_PIECES))
     assert r.returncode == 0, r.stdout + r.stderr
@@ -116,7 +116,7 @@ def test_every_result_holds_command_runs_statistics_flops_and_the_fingerprint(sm
     r = json.loads((device / "fast94.json").read_text())
     assert r["complete"] and r["fingerprint"] == fp and r["smoke"]
     side = r["sides"]["fast94"]
-    assert side["command"].startswith("python benchmarks/side_by_side.py --recipes fast94 --runs 2")
+    assert side["command"].startswith("python benchmarks/compare.py --sides fast94,airbench94 --runs fast94=2,airbench94=2")
     assert [run["seed"] for run in side["runs"]] == [0, 1]
     st = side["stats"]
     accs = [run["final_acc"] for run in side["runs"]]
@@ -489,7 +489,8 @@ def test_cpu_accuracy_has_a_row_for_every_recipe_of_the_tier_in_its_order():
                                  "sides": {"fast94_next": side(13), "fast94": side(2), "fast94_muon": side(3)}}]}
     rows = [line.split(" | ") for line in report.t_cpu_accuracy(results)[2:] if line.startswith("| ")]
     assert [row[0].strip("| ") for row in rows] == list(suite.CPU_ACCURACY)
-    assert [row[3] for row in rows] == ["13", "2 (partial, of 5)", "3 (partial, of 5)"] + ["–"] * (len(rows) - 3)
+    assert [row[4] for row in rows] == ["13", "2 (partial, of 5)", "3 (partial, of 5)"] + ["–"] * (len(rows) - 3)
+    assert {row[3] for row in rows[:3]} == {"commit not recorded"}
 
 
 def test_measuring_md_gives_the_cpu_accuracy_tiers_recipes_and_n_as_the_suite_has_them():
@@ -705,23 +706,30 @@ def test_the_gpu_check_is_one_command_whose_rows_are_its_result():
         "python", "benchmarks/imagenet_gpu_check.py", "--smoke"]
 
 
-def test_the_record_beside_fast94_next_is_one_command_planned_with_the_records_spin_before_each_run():
+def test_the_record_beside_fast94_next_is_one_comparison_its_runs_spread_over_ours():
     piece = next(pc for pc in suite.pieces() if pc.name == "fast94_next_record")
     assert (piece.tier, piece.kind, piece.sides) == ("1", "beside_record", {"fast94_next": 100, "record": 50})
     ours = [{"seed": i, "final_acc": 0.94, "time": 1.1, "wall_s": 1.2} for i in range(4)]
-    theirs = [{"run": k, "final_acc": 0.94, "time": 2.0} for k in (1, 2)]
+    theirs = [{"seed": k, "final_acc": 0.94, "time": 2.0} for k in (0, 1)]
     result = {"sides": {"fast94_next": {"name": "fast94_next", "n_wanted": 100, "runs": ours},
                         "record": {"name": "record", "n_wanted": 50, "runs": theirs}}, "chunks": [{"setup_s": 100.0}]}
     want, est, rest = suite.plan(piece, result, fp={}, flops={}, left_s=None)
     assert want == {"fast94_next": 96, "record": 48}
-    assert rest == pytest.approx(100 + 96 * 1.2 + 48 * (2.0 + suite.RECORD_EXTRA_S))      # its clock, its spin
-    ctx = {"out": "o.json", "device": None, "smoke": False, "data": "c.npz", "record_dir": None}
-    argv = suite.chunk_for(piece, {"fast94_next": 13, "record": 25}, {"fast94_next": 4, "record": 2}, ctx).argv
-    assert argv == ["python", "benchmarks/side_by_side.py", "--recipes", "fast94_next", "--runs", "13", "--peer-runs",
-                    "25", "--seed", "4", "--data-dir", "c.npz", "--compile", "max-autotune", "--peer", "record", "--out",
-                    "o.json"]
+    assert rest == pytest.approx(100 + 96 * 1.2 + 48 * 2.0)
+    ctx = {"out": "o.json", "device": None, "smoke": False, "data": "c.npz"}
+    chunk = suite.chunk_for(piece, {"fast94_next": 13, "record": 25}, {"fast94_next": 4, "record": 2}, ctx)
+    assert chunk.argv == ["python", "benchmarks/compare.py", "--sides", "fast94_next,hiverge", "--runs",
+                          "fast94_next=13,hiverge=25", "--seed", "fast94_next=4,hiverge=2", "--data-dir", "c.npz",
+                          "--compile", "max-autotune", "--out", "o.json", "--rows", "o.json.rows"]
+    row = lambda side, seed, valid=True: {"side": side, "seed": seed, "own_acc": 0.94, "ours_s": 1.0 + seed,
+                                          "valid": valid}
+    out = {"rows": [row("fast94_next", 4), row("hiverge", 2), row("hiverge", 3, valid=False)],
+           "builds": {"fast94_next": {"flops_per_run": 2.0}, "hiverge": {}}}
+    runs = chunk.parse(out)         # the record's side as the suite names it; a run whose weights changed left out
+    assert [r["seed"] for r in runs["record"]] == [2] and runs["record"][0]["time"] == 3.0
+    assert runs["fast94_next"][0]["final_acc"] == 0.94 and chunk.flops(out) == {"fast94_next": 2.0}
     alone = suite.chunk_for(piece, {"fast94_next": 3, "record": 0}, {}, ctx).argv
-    assert alone[alone.index("--peer") + 1] == "none"                      # the record's side done: ours alone
+    assert alone[alone.index("--sides") + 1] == "fast94_next"               # the record's side done: ours alone
 
 
 def test_fast94_fastest_and_its_ablations_run_in_turn_in_one_command_each_side_its_own_runs_and_ratio():
@@ -729,14 +737,16 @@ def test_fast94_fastest_and_its_ablations_run_in_turn_in_one_command_each_side_i
     apart = "fast94_fastest_optimizers_apart"
     assert list(piece.sides) == ["fast94_next", "fast94_fastest", apart] and piece.kind == "alternating"
     ctx = {"out": "o.json", "device": None, "smoke": False, "data": "c.npz"}
-    chunk = suite.chunk_for(piece, {"fast94_next": 10, "fast94_fastest": 10}, {"fast94_next": 5}, ctx)
-    assert chunk.argv[:10] == ["python", "benchmarks/side_by_side.py", "--recipes",
-                               f"fast94_next,fast94_fastest,{apart}", "--alternate", "--peer", "none", "--runs", "10",
-                               "--seed"] and chunk.argv[10] == "5"
-    out = {"recipes": {"fast94_next": {"ours": [{"time": 1.0}], "flops": {"total": 2.0}},
-                       "fast94_fastest": {"ours": [{"time": 0.9}], "flops": {"total": 1.0}}}}
-    assert chunk.parse(out) == {"fast94_next": [{"time": 1.0}], "fast94_fastest": [{"time": 0.9}], apart: []}
-    assert chunk.flops(out) == {"fast94_next": 2.0, "fast94_fastest": 1.0, apart: None}
+    chunk = suite.chunk_for(piece, {"fast94_next": 10, "fast94_fastest": 10, apart: 10}, {"fast94_next": 5}, ctx)
+    assert chunk.argv[:8] == ["python", "benchmarks/compare.py", "--sides", f"fast94_next,fast94_fastest,{apart}",
+                              "--runs", f"fast94_next=10,fast94_fastest=10,{apart}=10", "--seed",
+                              f"fast94_next=5,fast94_fastest=0,{apart}=0"]
+    out = {"rows": [{"side": "fast94_next", "ours_s": 1.0, "own_acc": 0.94}, {"side": "fast94_fastest", "ours_s": 0.9,
+                                                                              "own_acc": 0.94}],
+           "builds": {"fast94_next": {"flops_per_run": 2.0}, "fast94_fastest": {"flops_per_run": 1.0}}}
+    assert {s: [r["time"] for r in runs] for s, runs in chunk.parse(out).items()} == {
+        "fast94_next": [1.0], "fast94_fastest": [0.9], apart: []}
+    assert chunk.flops(out) == {"fast94_next": 2.0, "fast94_fastest": 1.0}
     runs = lambda times: [{"seed": i, "final_acc": 0.94, "time": t} for i, t in enumerate(times)]
     result = {"kind": "alternating", "sides": {
         "fast94_next": {"name": "fast94_next", "target": 0.94, "n_wanted": 3, "runs": runs([1.0, 1.1, 1.2])},

@@ -141,6 +141,7 @@ def test_readme_figure_and_caption_come_from_results_and_check_finds_them_stale(
     root = tmp_path / "root"
     shutil.copytree(ROOT / "docs", root / "docs")
     shutil.copy(ROOT / "README.md", root / "README.md")
+    shutil.copy(ROOT / "cifar10_recipes.py", root / "cifar10_recipes.py")       # report.py writes its evidence lines
     shutil.copytree(ROOT / "results", tmp_path / "results")
     assert report.figure_is_current(report.figure_rows(results), ROOT / report.FIGURE)     # the committed one
     check = ["--check", "--root", str(root), "--results", str(tmp_path / "results")]
@@ -171,12 +172,14 @@ def test_the_cpu_warning_and_the_header_name_one_precision(capsys, tmp_path):
 
 
 def readme_recipe_names():
-    """Every `name` in README's Recipes table."""
+    """(every `name` in the first column of README's Recipes tables, whether the section names the journey)."""
     import re
     from conftest import ROOT
     readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## Recipes"):].split("\n\n")[1]
-    return set(re.findall(r"`([a-z0-9_]+)`", table)), "journey stages" in table
+    section = readme[readme.index("## Recipes"):]
+    section = section[:section.index("\n## ", 1)]
+    first_cells = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]
+    return set(re.findall(r"`([a-z0-9_]+)`", " ".join(first_cells))), "the journey" in section
 
 
 def test_readmes_recipe_table_names_every_recipe_the_scripts_list():
@@ -196,6 +199,7 @@ def report_root(tmp_path):
     import report
     shutil.copytree(ROOT / "docs", tmp_path / "root" / "docs")
     shutil.copy(ROOT / "README.md", tmp_path / "root" / "README.md")
+    shutil.copy(ROOT / "cifar10_recipes.py", tmp_path / "root" / "cifar10_recipes.py")
     shutil.copytree(ROOT / "results", tmp_path / "results")
     return report, tmp_path / "root", tmp_path / "results"
 

@@ -1,7 +1,9 @@
 """A stand-in for E1's champion file (fulcrumresearch/cifar-10-speedrun) on the CPU: the hooks its harness drives and
 nothing it trains well. setup() builds once (and sleeps 60 s after, as the real one does) and, called again, resets
 the model to untrained and draws its epochs' batches; train(model, extra, ctx) steps through them and calls
-ctx.validate; Model.eval_forward gives logits. Data from CIFAR_DATA/{train,test}.pt, as the real one reads it."""
+ctx.validate; Model.eval_forward gives logits. Data from CIFAR_DATA/{train,test}.pt, as the real one reads it.
+For the tests of a harness: E1_STANDIN_EVAL_CHANGES_WEIGHTS=1 makes eval_forward change a weight (as an evaluation
+that trains would), E1_STANDIN_RUNS_BEFORE_A_HANG=N makes every run after the first N hang in train() for 10 minutes."""
 import os
 import time
 
@@ -34,6 +36,9 @@ class Model(nn.Module):
         return self.head(F.adaptive_avg_pool2d(x, 4).flatten(1))
 
     def eval_forward(self, x):
+        if os.environ.get("E1_STANDIN_EVAL_CHANGES_WEIGHTS"):
+            with torch.no_grad():
+                self.head.bias.add_(1e-3)
         return self.forward(x)
 
 
@@ -57,6 +62,9 @@ def setup():
 
 
 def train(model, extra, ctx):
+    _CACHE["runs"] = _CACHE.get("runs", 0) + 1
+    if _CACHE["runs"] > int(os.environ.get("E1_STANDIN_RUNS_BEFORE_A_HANG", 1 << 30)):
+        time.sleep(600)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for x, y in extra["batches"]:
         F.cross_entropy(model(x), y).backward()
