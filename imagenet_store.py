@@ -420,7 +420,9 @@ def prepare(src, dst, settings=StoreSettings(), *, workers=None, shard_size=1000
                       f"{split} images", file=sys.stderr)
             if unread:     # torchvision's ImageFolder passes them over without a word
                 print(unread_warning(src / split, unread), file=sys.stderr)
-        return write_store(src, dst, settings, classes, {"train": (train, empty_train), "val": (val, empty_val)},
+        index = {"format": "imagenet_fast store", "version": STORE_VERSION, "settings": asdict(settings),
+                 "source": str(src.resolve()), "classes": classes}
+        return write_store(dst, settings, index, {"train": (train, empty_train), "val": (val, empty_val)},
                            workers=workers or os.cpu_count() or 1, shard_size=shard_size, max_shards=max_shards,
                            log=log)
 
@@ -441,12 +443,11 @@ def prepared_before(src, dst, settings):
                     f"{old.get('source')}); choose another --dst")
 
 
-def write_store(src, dst, settings, classes, splits, *, workers, shard_size, max_shards, log):
-    """Writes both splits ({split: (items, empty classes)}) and then index.json; returns the index, or None when
-    stopped by max_shards. A full disk (or any failed write) is a DataError of one line naming what is kept: the
-    last whole shard, which the same command resumes from."""
-    index = {"format": "imagenet_fast store", "version": STORE_VERSION, "settings": asdict(settings),
-             "source": str(src.resolve()), "classes": classes}
+def write_store(dst, settings, index, splits, *, workers, shard_size, max_shards, log):
+    """Writes both splits ({split: (items, empty classes)}) and then index.json (`index`, the store's identity, with
+    each split's counts); returns the index, or None when stopped by max_shards. A full disk (or any failed write) is a
+    DataError of one line naming what is kept: the last whole shard, which the same command resumes from."""
+    classes = index["classes"]
     try:
         left = max_shards
         for split, (items, empty) in splits.items():

@@ -728,14 +728,15 @@ def t_coverage(results):
 FIGURE = "docs/figures/time_to_94.png"
 
 
-def interval_row(name, time, *, ours, group, r, n, accuracy, ratio=None, fulcrum_ratio=None):
-    """A figure row: a side's mean time per run and the 95% t-interval of the mean."""
+def interval_row(name, time, *, ours, group, r, n, accuracy, ratios=(None, None)):
+    """A figure row: a side's mean time per run and the 95% t-interval of the mean; ratios: its time ratio to the
+    peer under our clock and under the Fulcrum harness's (None where not measured)."""
     from scipy.stats import t
     mean, std, k = time["mean"], time["std"], time["n"]
     half = float(t.ppf(0.975, k - 1)) * std / math.sqrt(k) if k > 1 else 0.0
     return {"group": group, "side": name, "ours": ours, "device": r.get("device_name") or device(r),
             "mean": round(mean, 6), "low": round(mean - half, 6), "high": round(mean + half, 6), "n": n,
-            "accuracy": accuracy, "ratio": ratio, "fulcrum_ratio": fulcrum_ratio,
+            "accuracy": accuracy, "ratio": ratios[0], "fulcrum_ratio": ratios[1],
             "command": command_of(r, r.get("command") or r.get("_command", "")), "commit": commit_of(r)}
 
 
@@ -759,8 +760,8 @@ def fastest_peer_rows(results):
                 accuracy = lambda s: pct(h["ours_s"]["sides"][s]["accuracy_6view"], 0.94)
                 rows.append(interval_row(ours, h["ours_s"]["sides"][ours]["time"], ours=True, group=peer, r=r,
                                          n=str(h["ours_s"]["sides"][ours]["n"]), accuracy=accuracy(ours),
-                                         ratio=interval(ci), fulcrum_ratio=interval(h["fulcrum_s"]["ratios"][pair])
-                                         if h["fulcrum_s"]["ratios"].get(pair) else None))
+                                         ratios=(interval(ci), interval(h["fulcrum_s"]["ratios"][pair])
+                                                 if h["fulcrum_s"]["ratios"].get(pair) else None)))
                 rows.append(interval_row(peer, h["ours_s"]["sides"][peer]["time"], ours=False, group=peer, r=r,
                                          n=str(h["ours_s"]["sides"][peer]["n"]), accuracy=accuracy(peer)))
     return rows
@@ -779,8 +780,8 @@ def airbench_rows(results):
                                          r={**r, "_command": r["sides"][recipe]["command"]},
                                          n=n_of(side).replace(" (partial, of", " of").rstrip(")"),
                                          accuracy=pct(st["accuracy"], side.get("target")),
-                                         ratio=interval(r["time_ratio"]) if name == recipe and r.get("time_ratio")
-                                         else None))
+                                         ratios=(interval(r["time_ratio"]) if name == recipe and r.get("time_ratio")
+                                                 else None, None)))
     return rows
 
 
