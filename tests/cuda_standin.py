@@ -300,6 +300,8 @@ class StandIn(TorchFunctionMode):
         pin = kwargs.pop("pin_memory", False) if name in FACTORIES else False
         out = kwargs.get("out")
         device = self.device_of(name, args, {k: v for k, v in kwargs.items() if k != "out"})
+        if device is None and out is not None and name in FACTORIES:       # torch.randperm(n, out=t): t's device
+            device = self.device_of(name, (), {"out": out})
         if name in RANDOM or "generator" in kwargs:
             self.check_generator(name, kwargs, device)
         if out is not None and {self.on.get(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)} != {device}:
