@@ -146,6 +146,7 @@ class StandIn(TorchFunctionMode):
         self.pinned = {}                            # data_ptr of pinned host memory -> a weak reference to its owner
         self.counts = Counter()
         self.ops = Counter()                        # operations on a GPU, by name
+        self.kernels = Counter()                    # ... by name and their tensors' dtypes and shapes (launched())
         self.calls = []                             # (what, *details): streams, events, waits, decodes, in order
         self.threads = []                           # the name of the thread that made each call
         self.streams = []
@@ -293,10 +294,8 @@ class StandIn(TorchFunctionMode):
                 if name in COPIES:
                     self.counts["to_gpu"] += 1
                     self.counts["blocking"] += 1          # the host's data is copied as it waits
-                else:
-                    self.counts["gpu_ops"] += 1
-                    self.ops[name] += 1
-                return self.tag(func(*args, **kwargs), index)
+                    return self.tag(func(*args, **kwargs), index)
+                return self.launched(name, self.tag(func(*args, **kwargs), index))
         pin = kwargs.pop("pin_memory", False) if name in FACTORIES else False
         out = kwargs.get("out")
         device = self.device_of(name, args, {k: v for k, v in kwargs.items() if k != "out"})
@@ -317,10 +316,19 @@ class StandIn(TorchFunctionMode):
         if pin:
             self.pin(result)
         if device is not None:
-            self.counts["gpu_ops"] += 1
-            self.ops[name] += 1
+            self.launched(name, (args, kwargs))
             self.tag(result, device)
         return result
+
+    def launched(self, name, tensors):
+        """Counts an operation on a GPU, by name, and by name with the dtypes and shapes of `tensors` (its inputs; a
+        factory's output), which it returns: a key the process has not met is a kernel it launches for the first
+        time (loaded, or autotuned, then)."""
+        self.counts["gpu_ops"] += 1
+        self.ops[name] += 1
+        shapes = tuple((t.dtype, tuple(t.shape)) for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor))
+        self.kernels[(name, *shapes)] += 1
+        return tensors
 
     def attribute(self, getter, func, args):
         t = args[0]
@@ -517,7 +525,7 @@ class StandIn(TorchFunctionMode):
                 out = target(*args, **kwargs)
             if graphs:
                 out = tree_map(lambda t: replayed(static, t) if isinstance(t, torch.Tensor) else t, out)
-            gpu.counts["gpu_ops"] += 1
+            gpu.launched(f"compiled {getattr(model, '__qualname__', type(model).__name__)}", (args, kwargs))
             return gpu.tag(out, device)
         if isinstance(compiled, nn.Module):
             compiled.forward = call
