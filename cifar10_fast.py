@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 
 import numpy as np
@@ -184,40 +184,14 @@ class WithLoss(torch.nn.Module):
                                        reduction="sum")
 
 
-def warmup(r, data, *, device, dtype, ctx, net, calls=1):
-    """Runs off the clock what a timed run meets (cuDNN autotuning, library loading, torch.compile, CUDA graphs): the
-    whitening fit, `calls` steps at each training resolution and every evaluation (plain, TTA) `calls` times, with
-    the whitening bias trained and detached (under torchrun never detached), on the Network `net` (which each run
-    resets) at a rate that moves nothing. calls: training.warmup_calls(the compile mode)."""
-    memory_format = devices.memory_format(device)
-    # the whitening fit loads cuSOLVER
-    fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])
-    bias = whitening_bias(net.module)
-    opts = make_optimizers(net.module, r, 1, ctx.world_size, own_rates=[bias])
-    set_lr(opts, 1e-9)
-    gen = devices.generator(device, 0)  # a generator of its own: the runs' random streams stay as they were
-    flip_base = flip_bits(len(data["train_labels"]), gen, device)
-    states = (True, False) if bias and not ctx.distributed else (True,)
-    steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), r.batch_size // ctx.world_size, r.epochs)
-    image_size = tuple(data["test_images"].shape[-2:])
-    first_epoch_at = {}         # each side the run trains at: the first epoch at it
-    for epoch in range(math.ceil(total_steps / steps_per_epoch)):
-        first_epoch_at.setdefault(r.augment.resolution(epoch, image_size), epoch)
-    for epoch in first_epoch_at.values():
-        for state in states:
-            bias and bias.param.requires_grad_(state)
-            for _ in range(calls):
-                x, y = next(epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
-                                          flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
-                train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
-    for state in states:
-        bias and bias.param.requires_grad_(state)
-        for tta in (None, r.tta):
-            for _ in range(calls):
-                loss_and_accuracy(net.eval_forward, data["test_images"], data["test_labels"], tta=tta, dtype=dtype,
-                                  memory_format=memory_format)
-    bias and bias.param.requires_grad_(True)
-    devices.synchronize(device)
+def warmup(r, built, o, *, ctx, calls=1):
+    """Runs off the clock, `calls` times (training.warmup_calls), a whole run of recipe r on the Built from the
+    first run's seed, so that the first timed run meets nothing new: every graph it calls compiled (those alone) and
+    its CUDA graphs captured and replayed, every kernel loaded and autotuned, every buffer already in the caching
+    allocator. A run resets the network and re-seeds each stream it draws from: the runs' numbers stay as they were."""
+    for _ in range(calls):
+        train_run(r, built, replace(o, progress=False), ctx=ctx, seed=o.seed)
+    devices.synchronize(torch.device(ctx.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,12 +371,14 @@ def build(r, arrays, o, *, ctx, stats=None):
     data = {**device_data(arrays, r, ctx, device, dtype=dtype, stats=stats), "stats": stats}
     flops = count_flops(r, {**data, "train_labels": torch.empty(len(arrays["train_labels"]))})
     net = build_network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data.get("num_classes", 10))
+    built = Built(data=data, network=net, flops=flops)
     if not devices.is_cpu(device) or o.compile:
         devices.autotune(device)
+        calls = warmup_calls(o.compile)
         what = "compiling every graph the runs meet (torch.compile)" if o.compile else "cuDNN's autotuning"
-        with Heartbeat(f"warm-up: {what}", on=o.progress):
-            warmup(r, data, device=device, dtype=dtype, ctx=ctx, net=net, calls=warmup_calls(o.compile))
-    return Built(data=data, network=net, flops=flops)
+        with Heartbeat(f"warm-up: {calls} whole run{'s' * (calls > 1)} off the clock, {what}", on=o.progress):
+            warmup(r, built, o, ctx=ctx, calls=calls)
+    return built
 
 
 def say_estimate(r, epoch_s, *, runs, n_train):

@@ -7,16 +7,19 @@ the CPU's decode, which imagenet_data.nvjpeg_hardware is told is its software pa
 What it checks, as CUDA does: no operation mixes a tensor on the GPU with one in host memory (but for a 0-dim
 host tensor, a scalar), host indices into a GPU tensor are fine and GPU indices into a host tensor are not,
 `out=` and a random generator on the operation's device, no numpy view of GPU memory, pinning only host memory,
-`record_stream` only of GPU tensors on a stream of their device. What it counts: operations on the GPU, copies
-to and from it (and which of them block the host: pageable memory, host data made into a GPU tensor by torch.tensor
-and its like, reading a value), host waits (and the operators known to wait inside, WAITING_INSIDE).
+`record_stream` only of GPU tensors on a stream of their device. What it counts: operations on the GPU (by name, and by
+name with their tensors' dtypes and shapes: the kernels a process launches for the first time), copies to and
+from it (and which of them block the host: pageable memory, host data made into a GPU tensor by torch.tensor and
+its like, reading a value), host waits (and the operators known to wait inside, WAITING_INSIDE), and on request
+the most memory its tensors held.
 
 What it cannot see: kernel speed; a host wait inside a C++ operator not in WAITING_INSIDE; a C++ operator that
 groups tensors by their real device (the fused optimisers': a GradScaler's scale is moved "to the CPU" there, a
 blocking copy here that a GPU does not make); races between streams (each stream's work runs at once, in order:
 the tests of stream order read the calls it records); memory limits beyond the free memory it is told to report;
 device mixes inside a compiled graph (dynamo traces the CPU tensors; the same code runs eagerly under it
-elsewhere); CUDA's random numbers (a GPU generator here draws the CPU's).
+elsewhere); which calls CUDA-graph trees record (it counts each compiled call, not the tree's paths); CUDA's random
+numbers (a GPU generator here draws the CPU's).
 
     with StandIn(gpus=2) as gpu:     # or: python tests/standin_main.py cifar10_fast.py --recipe ...
         cifar10_fast.main([...])
@@ -136,12 +139,13 @@ ACTIVE = []          # the stand-ins entered, innermost last
 
 class StandIn(TorchFunctionMode):
     """The stand-in for `gpus` CUDA devices, each reporting `memory` bytes in all and whatever the tensors on it
-    leave of that free, and `sms` multiprocessors. A context manager: inside it, torch.cuda answers as a machine with
-    these GPUs would."""
+    leave of that free, and `sms` multiprocessors; with `peaks`, keeping the most bytes its tensors held after any
+    operation (`peak`, slow). A context manager: inside it, torch.cuda answers as a machine with these GPUs would."""
 
-    def __init__(self, gpus=1, *, memory=80 << 30, name="NVIDIA stand-in (CPU)", float64=True, sms=132):
+    def __init__(self, gpus=1, *, memory=80 << 30, name="NVIDIA stand-in (CPU)", float64=True, sms=132, peaks=False):
         super().__init__()
         self.gpus, self.memory, self.name, self.float64, self.sms = gpus, memory, name, float64, sms
+        self.peaks, self.peak = peaks, 0            # with peaks: the most bytes on the GPUs after any operation
         self.on = WeakTensorKeyDictionary()         # tensor -> the index of the GPU it is on
         self.pinned = {}                            # data_ptr of pinned host memory -> a weak reference to its owner
         self.counts = Counter()
@@ -316,8 +320,8 @@ class StandIn(TorchFunctionMode):
         if pin:
             self.pin(result)
         if device is not None:
-            self.launched(name, (args, kwargs))
             self.tag(result, device)
+            self.launched(name, (args, kwargs))
         return result
 
     def launched(self, name, tensors):
@@ -328,6 +332,8 @@ class StandIn(TorchFunctionMode):
         self.ops[name] += 1
         shapes = tuple((t.dtype, tuple(t.shape)) for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor))
         self.kernels[(name, *shapes)] += 1
+        if self.peaks:
+            self.peak = max(self.peak, sum(self.allocated(i) for i in range(self.gpus)))
         return tensors
 
     def attribute(self, getter, func, args):

@@ -523,7 +523,7 @@ def test_compiled_step_gives_the_eager_loss_and_gradients():
     r, data = settings.changed(r, epochs=1, whiten_bias_epochs=0.5), tiny_data(16, n_test=8)
     step = torch.compile(cf.WithLoss(net, r.label_smoothing), backend="eager")
     eager = cf.Network(module=net, train_forward=step, eval_forward=step, recipe=r)
-    cf.warmup(r, data, device=CPU, dtype=torch.float32, ctx=D.Context(), net=eager, calls=1)
+    cf.warmup(r, cf.Built(data=data, network=eager), cf.Options(target=2.0), ctx=D.Context(), calls=1)
     assert len(train_once(r, data, net=eager, target=2.0)["rows"]) == 1
 
 
