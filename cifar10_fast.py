@@ -63,7 +63,8 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     flip_base = flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
     clock = EpochClock(device, columns=COLUMNS, accuracy="test_acc", target=o.target, eval_every=o.eval_every)
     fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # timed
-    average = averaging(net.module, ema=r.ema, lookahead=r.lookahead)
+    average = averaging(net.module, ema=r.ema, lookahead=r.lookahead, tail=r.lookahead_tail,
+                        steps_per_epoch=steps_per_epoch)
     step, hint = 0, f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         losses, correct, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0

@@ -174,6 +174,17 @@ class LookaheadSettings:
     every: int = knob(5, above=0, whole=True, doc="steps between the slow weights' updates")
 
 
+@dataclass(frozen=True, kw_only=True)
+class LookaheadTailSettings:
+    """Lookahead over the run's last steps (Fulcrum Research's E1, 2026: its "EMA-lookahead tail"), LookaheadTail."""
+    PREFIX = "lookahead_tail"
+    OFF = ("decay", 0.0)
+    decay: float = knob(0.7, low=0, high=1, doc="what the average keeps of itself at each update")
+    every: int = knob(4, above=0, whole=True, doc="steps between the updates")
+    epochs: float = knob(0.625, above=0, doc="the tail's length: it starts this many epochs (rounded up to whole "
+                         "steps) before the run ends (E1: 20 steps of 32)")
+
+
 class ExponentialAverage:
     """Exponential moving average of a model's parameters and batch-norm statistics, updated every `every` steps
     with decay momentum**every (so `momentum` is per step); the averaged model is the one evaluated."""
@@ -222,13 +233,42 @@ class LookaheadAverage:
         torch._foreach_copy_(self.slow, state)
 
 
-def averaging(model, *, ema=None, lookahead=None):
-    """The run's weight averaging from its settings (each with .momentum and .every, or None): EMA, lookahead or
-    None."""
+class LookaheadTail:
+    """Lookahead over a run's last `steps` steps (E1): the average starts as the weights and batch-norm statistics at
+    the tail's first step, then every `every` steps
+        ema <- decay ema + (1 - decay) w;  w <- ema"""
+    model = None
+
+    def __init__(self, model, decay, every, steps):
+        self.ema = [t.detach().clone() for t in float_state(model)]     # made once; the tail's start fills it
+        self.decay, self.every, self.steps = decay, every, steps
+
+    @torch.no_grad()
+    def update(self, model, step, total_steps):
+        since = step - max(total_steps - self.steps, 0)     # from 0, the weights as built: those cloned above
+        if since == 0:
+            torch._foreach_copy_(self.ema, float_state(model))
+        elif since > 0 and since % self.every == 0:
+            weights = float_state(model)
+            torch._foreach_lerp_(self.ema, weights, 1 - self.decay)
+            torch._foreach_copy_(weights, self.ema)
+
+    def state_dict(self):
+        return self.ema
+
+    def load_state_dict(self, state):
+        torch._foreach_copy_(self.ema, state)
+
+
+def averaging(model, *, ema=None, lookahead=None, tail=None, steps_per_epoch=None):
+    """The run's weight averaging from its settings (EMASettings, LookaheadSettings, LookaheadTailSettings, or None):
+    EMA, lookahead, lookahead's tail (its length from the run's steps_per_epoch) or None."""
     if ema:
         return ExponentialAverage(model, ema.momentum, ema.every)
     if lookahead:
         return LookaheadAverage(model, lookahead.momentum, lookahead.every)
+    if tail:
+        return LookaheadTail(model, tail.decay, tail.every, math.ceil(tail.epochs * steps_per_epoch))
     return None
 
 
