@@ -31,15 +31,15 @@ from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, fl
                         upload_normalised, num_classes, pair, take_subset, dataset_on_device)
 from cli import (HelpFormatter, add_run_flags, check_run, check_whole, cpu_warning, ctrl_c_exit, interrupted, join_ranks,
                  phase_of, recipe_list, run_record, runtime_error_exit)
-from core import (DataError, Heartbeat, Parser, UsageError, exit_now, print_summary, say_error, summarize_runs,
-                  with_progress, write_result)
+from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_now, print_summary, say_error,
+                  summarize_runs, with_progress, write_result)
 from distributed import Context, barrier, leave, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
 from torch_backend import build_model, fit_whitening, loss_and_accuracy, pools_to_one_pixel, tta_views, whitening_bias
 from training import (EpochClock, RunOptions, averaging, check_finite_loss, epoch_table,
-                      evaluation_model, run_seeds, strict_compile, train_step, warmup_calls)
+                      evaluation_model, profiled, run_seeds, strict_compile, train_step, warmup_calls)
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -207,13 +207,14 @@ PROGRESS_AFTER_S = 5.0          # an epoch that looks longer shows its steps on 
 @dataclass(kw_only=True)
 class Options(RunOptions):
     """How train() runs a recipe (not what it computes): training.RunOptions, and where, how many runs from which seed,
-    compiled or not, the table and results on stdout (verbose); on_run(Result so far) follows every run,
-    on_epoch(row) every epoch."""
+    compiled or not, the table and results on stdout (verbose), the file of the first run's torch.profiler trace
+    (profile); on_run(Result so far) follows every run, on_epoch(row) every epoch."""
     device: object = None
     runs: int = 1
     seed: int = 0
     compile: str = None
     verbose: bool = False
+    profile: str = None
     on_run: object = None
     on_epoch: object = None
 
@@ -252,8 +253,10 @@ def train(recipe_or_name, data=None, *, subset=None, dataset=None, ctx=None, **c
                     say_estimate(r, row["epoch_time"], runs=o.runs, n_train=len(arrays["train_labels"]))
                 o.on_epoch and o.on_epoch(row)
             compiled_before = compile_counts()      # a graph made inside a run: one the warm-up did not meet
-            result = {**train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done),
-                      **compiled_since(compiled_before)}
+            profile = o.profile if k == 0 and ctx.is_main else None     # the first timed run's, after the warm-up
+            with profiled(profile, device):
+                result = {**train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done),
+                          **compiled_since(compiled_before), **({"profiled": True} if profile else {})}
             last = result_so_far(r, result, results, built=built, o=o, stats=stats,
                                  wall_s=time.perf_counter() - started)
             o.on_run and o.on_run(last)
@@ -290,6 +293,7 @@ def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
                          f"four arrays, not {type(data).__name__} {data!r:.40}")
     r = recipe_or_name if isinstance(recipe_or_name, Recipe) else recipe(recipe_or_name, **changes)
     check_run(o.runs, o.target, seed=o.seed, eval_every=o.eval_every, precision=o.precision)
+    check_output(o.profile, "--profile")
     if o.compile not in (None, *COMPILE_MODES):
         raise flag_error("compile", o.compile, f"must be one of {', '.join(COMPILE_MODES)} (or None: not compiled)")
     check_subset(subset)
@@ -494,6 +498,10 @@ def parser():
                    help="the test accuracy whose first epoch stops the clock (default: 0.94)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="write the recipe, environment, per-epoch rows and summary there as JSON (default: none)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="write a torch.profiler trace (Chrome's JSON) of the first timed run, after the warm-up (the "
+                        "GPU's kernels on a GPU), and print its top kernels by time on stderr; that run's time is the "
+                        "profiler's too (default: none)")
     p.add_argument("--compile", default=None, choices=COMPILE_MODES,
                    help="torch.compile the network in this mode, once, in the untimed warm-up; reduce-overhead also "
                         "captures CUDA graphs (default: not compiled)")
@@ -524,6 +532,7 @@ def main(argv=None):
         check_subset(args.subset)
         check_run(args.runs, args.target, seed=args.seed, device=args.device, out=args.out,
                   eval_every=args.eval_every)
+        check_output(args.profile, "--profile")
         ctx = join_ranks(args)
     except UsageError as e:
         say_error(e)
@@ -548,7 +557,8 @@ def main(argv=None):
         result = train(r, args.data_dir, subset=args.subset, dataset=args.dataset, ctx=ctx, on_run=run_done,
                        on_epoch=lambda row: where.update(epoch=row["epoch"] + 1), runs=args.runs,
                        seed=args.seed, target=args.target, eval_every=args.eval_every, precision=args.precision,
-                       compile=args.compile, verbose=ctx.is_main, progress=ctx.is_main and not args.quiet)
+                       compile=args.compile, profile=args.profile, verbose=ctx.is_main,
+                       progress=ctx.is_main and not args.quiet)
         barrier()                 # leave together
     except (UsageError, DataError) as e:
         say_error(e)

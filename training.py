@@ -7,6 +7,8 @@ imagenet_checkpoints.py's.
 """
 import copy
 import math
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import devices
-from core import DataError, Table
+from core import DataError, Table, write_atomic
 from settings import knob
 
 
@@ -132,6 +134,39 @@ class EpochClock:
         """{"train_time", "final_eval_time", "time" (the two together), "time_to_target"} of the run so far."""
         return {"train_time": self.clock.total, "final_eval_time": self.final_eval_time,
                 "time": self.clock.total + self.final_eval_time, "time_to_target": self.time_to_target}
+
+
+@contextmanager
+def profiled(path, device, *, rows=12, file=None):
+    """While inside, torch.profiler records the CPU's operators and, on a CUDA GPU, its kernels; then the trace is
+    written to path (Chrome's JSON, for Perfetto or chrome://tracing) and its top kernels by time printed on file
+    (stderr). path None: nothing recorded."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    on_gpu = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * on_gpu]) as prof:
+        yield
+        devices.synchronize(device)
+    write_atomic(path, prof.export_chrome_trace)
+    print(f"wrote a trace of the run to {path}\n" + top_kernels(prof, rows), file=file or sys.stderr, flush=True)
+
+
+def top_kernels(prof, rows=12):
+    """A table of the events of torch.profiler's `prof` that took the most time: the GPU's kernels (their time on
+    it) where any were recorded, else the CPU's operators (their own time), with their calls and share of the total."""
+    from torch.autograd import DeviceType
+    events = prof.key_averages()
+    chosen = [e for e in events if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
+    time, what = (lambda e: e.self_device_time_total), "kernels by their time on the GPU"
+    if not chosen:
+        chosen = [e for e in events if e.self_cpu_time_total > 0]
+        time, what = (lambda e: e.self_cpu_time_total), "operators by their own time on the CPU (no GPU kernels)"
+    total = sum(time(e) for e in chosen)
+    top = sorted(chosen, key=time, reverse=True)[:rows]
+    lines = [f"top {len(top)} {what}, of {total / 1e3:.1f} ms in all:", f"{'ms':>9} {'share':>6} {'calls':>6}  name"]
+    return "\n".join(lines + [f"{time(e) / 1e3:9.3f} {time(e) / total:6.1%} {e.count:6d}  {e.key[:100]}" for e in top])
 
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")     # torch.compile's modes that capture CUDA graphs

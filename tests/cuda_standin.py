@@ -2,7 +2,8 @@
 they are on `cuda:N`, and every operation is checked as CUDA checks it. Whole commands run under it as they run
 on a GPU: `devices.py` sees GPUs, its streams, events, pinned buffers and clocks, and nvJPEG, are stood in (nvJPEG by
 the CPU's decode, which imagenet_data.nvjpeg_hardware is told is its software path), autocast runs in the same dtype,
-`torch.compile` compiles, nested tensors stay on their GPU, and torchrun's ranks join over gloo.
+`torch.compile` compiles, torch.profiler records the CPU's activity alone, nested tensors stay on their GPU, and
+torchrun's ranks join over gloo.
 
 What it checks, as CUDA does: no operation mixes a tensor on the GPU with one in host memory (but for a 0-dim
 host tensor, a scalar), host indices into a GPU tensor are fine and GPU indices into a host tensor are not,
@@ -460,6 +461,10 @@ class StandIn(TorchFunctionMode):
             real_decode, input, *a, device=device, **k))
         import imagenet_data
         patch(imagenet_data, "nvjpeg_hardware", lambda device: False)    # the CPU's decode stands in: software alone
+        # torch.profiler's CUDA activity would record CUDA events on a machine without a GPU
+        real_profile, cuda = torch.profiler.profile, torch.profiler.ProfilerActivity.CUDA
+        patch(torch.profiler, "profile", lambda *a, activities=None, **k: real_profile(
+            *a, activities=[x for x in activities or [torch.profiler.ProfilerActivity.CPU] if x != cuda], **k))
         real_nested = torch.nested.nested_tensor        # a C function the mode does not see: tagged here
         patch(torch.nested, "nested_tensor", lambda tensors, *a, **k: self.tag(
             real_nested(tensors, *a, **k), self.device_of("nested_tensor", (tensors,), {})))

@@ -243,6 +243,35 @@ def test_the_warm_up_run_leaves_the_timed_runs_numbers_as_they_were(monkeypatch,
     assert rows(warmed) == rows(cold) and len(rows(cold)) == 4
 
 
+def test_profile_writes_a_trace_of_the_first_timed_run_and_prints_its_top_kernels(npz, tmp_path, capsys, one_thread):
+    """--profile FILE on a GPU (here the stand-in, whose profiler records the CPU's activity alone): Chrome's JSON of
+    the run after the warm-up, its operators in it, the table of the top ones by time on stderr, and the run's
+    record marked as profiled."""
+    trace, out = tmp_path / "trace.json", tmp_path / "r.json"
+    with StandIn():
+        assert cf.main(["--recipe", "fast94_next", "--data-dir", str(npz), "--width", "0.0625", "--batch-size", "32",
+                        "--epochs", "1", "--precision", "fp32", "--quiet", "--profile", str(trace), "--out",
+                        str(out)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {"aten::convolution", "aten::convolution_backward"} <= {e.get("name") for e in events}
+    table = capsys.readouterr().err.split(f"wrote a trace of the run to {trace}\n")[1].splitlines()
+    assert table[0].startswith("top 12 operators by their own time on the CPU (no GPU kernels), of ")
+    assert table[1].split() == ["ms", "share", "calls", "name"] and len(table) >= 14
+    assert all(re.fullmatch(r" *\d+\.\d{3} +\d+\.\d% +\d+  \S.*", row) for row in table[2:14])
+    assert [run.get("profiled") for run in json.loads(out.read_text())["runs"]] == [True]
+
+
+@pytest.mark.parametrize("where, message", [("folder", "is a folder; give a file name"),
+                                            ("a_file/trace.json", "is a file, not a folder")])
+def test_a_profile_that_cannot_be_written_is_one_line_before_any_training(tmp_path, capsys, where, message):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "a_file").write_text("")
+    path = tmp_path / where
+    assert cf.main(["--recipe", "fast94_next", "--data-dir", str(tmp_path / "no.npz"), "--profile", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --profile {path}: ") and err[0].endswith(message)
+
+
 def test_in_float32_the_selective_views_read_no_output_a_cuda_graph_has_overwritten(npz):
     """With CUDA graphs (reduce-overhead, max-autotune) a call's outputs are overwritten by the next call's; in
     float32 `.float()` is no copy, so keeping the plain pass's outputs of every batch read overwritten ones."""
