@@ -161,8 +161,10 @@ def main(argv=None):
         print(f"record's {name}, compiled by Inductor on this CPU: {counts['kernels']} fused kernel(s), "
               f"{counts['library_calls']} library call(s) a call")
     if args.out:
+        import machine
         write_json(args.out, {"piece": "augment_launches", **result,
-                              "command": "python benchmarks/augment_launches.py" + " --inductor" * args.inductor})
+                              "command": "python benchmarks/augment_launches.py" + " --inductor" * args.inductor,
+                              "fingerprint": machine.fingerprint(torch.device("cpu"), True)})
     return 0
 
 
