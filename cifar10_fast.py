@@ -186,10 +186,9 @@ class WithLoss(torch.nn.Module):
 
 
 def warmup(r, built, o, *, ctx, calls=1):
-    """Runs off the clock, `calls` times (training.warmup_calls), a whole run of recipe r on the Built from the
-    first run's seed, so that the first timed run meets nothing new: every graph it calls compiled (those alone) and
-    its CUDA graphs captured and replayed, every kernel loaded and autotuned, every buffer already in the caching
-    allocator. A run resets the network and re-seeds each stream it draws from: the runs' numbers stay as they were."""
+    """Runs off the clock, `calls` times (training.warmup_calls), a whole run of r on the Built from the first run's
+    seed, so that the first timed run meets nothing new (graphs compiled and captured, kernels loaded and autotuned,
+    buffers cached); each run resets the network and re-seeds its streams, so the runs' numbers stay as they were."""
     for _ in range(calls):
         train_run(r, built, replace(o, progress=False), ctx=ctx, seed=o.seed)
     devices.synchronize(torch.device(ctx.device))

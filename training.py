@@ -1,7 +1,8 @@
 """The parts of a training loop, each loop written out in its own script (cifar10_fast.train_run,
 imagenet_fast.train_run). Both scripts share a run's independent random streams (run_seeds), how a run runs
 (RunOptions), the clock of its epochs and the table of their rows (EpochClock, epoch_table), the finite-loss check and weight averaging
-(EMA, lookahead). CIFAR-10's alone: its step (train_step), its warm-up's call count and a compiled run's strictness.
+(EMA, lookahead). CIFAR-10's alone: its step (train_step), lookahead's tail (LookaheadTail), a run's profile
+(profiled), its warm-up's call count and a compiled run's strictness.
 The clock underneath is devices.timer, batch-norm statistics over ranks distributed.py's, ImageNet's checkpoints
 imagenet_checkpoints.py's.
 """
