@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 
 import numpy as np
@@ -31,8 +31,8 @@ from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, fl
                         upload_normalised, num_classes, pair, take_subset, dataset_on_device)
 from cli import (HelpFormatter, add_run_flags, check_run, check_whole, claim_output, command, cpu_warning, ctrl_c_exit,
                  interrupted, join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
-from core import (DataError, Heartbeat, Parser, UsageError, exit_now, print_summary, say_error, summarize_runs,
-                  torchvision_mismatch, with_progress, write_result)
+from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_now, print_summary, say_error,
+                  summarize_runs, torchvision_mismatch, with_progress, write_result)
 from distributed import Context, barrier, leave, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
 from schedules import per_rank_batch, run_steps
@@ -40,7 +40,7 @@ from settings import add_flags, as_flags, changes_from, check, command_text, fla
 from torch_backend import (TTASettings, build_model, fit_whitening, loss_and_accuracy, pools_to_one_pixel, tta_views,
                            whitening_bias)
 from training import (EpochClock, RunOptions, averaging, check_finite_loss, epoch_table,
-                      evaluation_model, run_seeds, strict_compile, train_step, warmup_calls)
+                      evaluation_model, profiled, run_seeds, strict_compile, train_step, warmup_calls)
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -64,7 +64,8 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     flip_base = flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
     clock = EpochClock(device, columns=COLUMNS, accuracy="test_acc", target=o.target, eval_every=o.eval_every)
     fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # timed
-    average = averaging(net.module, ema=r.ema, lookahead=r.lookahead)
+    average = averaging(net.module, ema=r.ema, lookahead=r.lookahead, tail=r.lookahead_tail,
+                        steps_per_epoch=steps_per_epoch)
     step, hint = 0, f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         losses, correct, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
@@ -185,40 +186,13 @@ class WithLoss(torch.nn.Module):
                                        reduction="sum")
 
 
-def warmup(r, data, *, device, dtype, ctx, net, calls=1):
-    """Runs off the clock what a timed run meets (cuDNN autotuning, library loading, torch.compile, CUDA graphs): the
-    whitening fit, `calls` steps at each training resolution and every evaluation (plain, TTA) `calls` times, with
-    the whitening bias trained and detached (under torchrun never detached), on the Network `net` (which each run
-    resets) at a rate that moves nothing. calls: training.warmup_calls(the compile mode)."""
-    memory_format = devices.memory_format(device)
-    # the whitening fit loads cuSOLVER
-    fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])
-    bias = whitening_bias(net.module)
-    opts = make_optimizers(net.module, r, 1, ctx.world_size, own_rates=[bias])
-    set_lr(opts, 1e-9)
-    gen = devices.generator(device, 0)  # a generator of its own: the runs' random streams stay as they were
-    flip_base = flip_bits(len(data["train_labels"]), gen, device)
-    states = (True, False) if bias and not ctx.distributed else (True,)
-    steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), r.batch_size // ctx.world_size, r.epochs)
-    image_size = tuple(data["test_images"].shape[-2:])
-    first_epoch_at = {}         # each side the run trains at: the first epoch at it
-    for epoch in range(math.ceil(total_steps / steps_per_epoch)):
-        first_epoch_at.setdefault(r.augment.resolution(epoch, image_size), epoch)
-    for epoch in first_epoch_at.values():
-        for state in states:
-            bias and bias.param.requires_grad_(state)
-            for _ in range(calls):
-                x, y = next(epoch_batches(data, r.augment, gen, memory_format=memory_format, epoch=epoch,
-                                          flip_base=flip_base, batch_size=r.batch_size // ctx.world_size))
-                train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
-    for state in states:
-        bias and bias.param.requires_grad_(state)
-        for tta in (None, r.tta):
-            for _ in range(calls):
-                loss_and_accuracy(net.eval_forward, data["test_images"], data["test_labels"], tta=tta, dtype=dtype,
-                                  memory_format=memory_format)
-    bias and bias.param.requires_grad_(True)
-    devices.synchronize(device)
+def warmup(r, built, o, *, ctx, calls=1):
+    """Runs off the clock, `calls` times (training.warmup_calls), a whole run of r on the Built from the first run's
+    seed, so that the first timed run meets nothing new (graphs compiled and captured, kernels loaded and autotuned,
+    buffers cached); each run resets the network and re-seeds its streams, so the runs' numbers stay as they were."""
+    for _ in range(calls):
+        train_run(r, built, replace(o, progress=False), ctx=ctx, seed=o.seed)
+    devices.synchronize(torch.device(ctx.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,13 +207,14 @@ PROGRESS_AFTER_S = 5.0          # an epoch that looks longer shows its steps on 
 @dataclass(kw_only=True)
 class Options(RunOptions):
     """How train() runs a recipe (not what it computes): training.RunOptions, and where, how many runs from which seed,
-    compiled or not, the table and results on stdout (verbose); on_run(Result so far) follows every run,
-    on_epoch(row) every epoch."""
+    compiled or not, the table and results on stdout (verbose), the file of the first run's torch.profiler trace
+    (profile); on_run(Result so far) follows every run, on_epoch(row) every epoch."""
     device: object = None
     runs: int = 1
     seed: int = 0
     compile: str = None
     verbose: bool = False
+    profile: str = None
     on_run: object = None
     on_epoch: object = None
     data_flag: str = "data"          # how a message names the data: train()'s data="FILE.npz", or a script's flag
@@ -279,8 +254,10 @@ def train(recipe_or_name, data=None, *, subset=None, dataset=None, ctx=None, **c
                     say_estimate(r, row["epoch_time"], runs=o.runs, n_train=len(arrays["train_labels"]))
                 o.on_epoch and o.on_epoch(row)
             compiled_before = compile_counts()      # a graph made inside a run: one the warm-up did not meet
-            result = {**train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done),
-                      **compiled_since(compiled_before)}
+            profile = o.profile if k == 0 and ctx.is_main else None     # the first timed run's, after the warm-up
+            with profiled(profile, device):
+                result = {**train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done),
+                          **compiled_since(compiled_before), **({"profiled": True} if profile else {})}
             last = result_so_far(r, result, results, built=built, o=o, stats=stats,
                                  wall_s=time.perf_counter() - started)
             o.on_run and o.on_run(last)
@@ -318,6 +295,7 @@ def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
                          f"four arrays, not {type(data).__name__} {what}")
     r = recipe_or_name if isinstance(recipe_or_name, Recipe) else recipe(recipe_or_name, **changes)
     check_run(o.runs, o.target, seed=o.seed, eval_every=o.eval_every, precision=o.precision)
+    check_output(o.profile, "--profile")
     if o.compile not in (None, *COMPILE_MODES):
         raise flag_error("compile", o.compile, f"must be one of {', '.join(COMPILE_MODES)} (or None: not compiled)")
     check_subset(subset)
@@ -409,12 +387,14 @@ def build(r, arrays, o, *, ctx, stats=None):
     data = {**device_data(arrays, r, ctx, device, dtype=dtype, stats=stats), "stats": stats}
     flops = count_flops(r, {**data, "train_labels": torch.empty(len(arrays["train_labels"]))})
     net = build_network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data.get("num_classes", 10))
+    built = Built(data=data, network=net, flops=flops)
     if not devices.is_cpu(device) or o.compile:
         devices.autotune(device)
+        calls = warmup_calls(o.compile)
         what = "compiling every graph the runs meet (torch.compile)" if o.compile else "cuDNN's autotuning"
-        with Heartbeat(f"warm-up: {what}", on=o.progress):
-            warmup(r, data, device=device, dtype=dtype, ctx=ctx, net=net, calls=warmup_calls(o.compile))
-    return Built(data=data, network=net, flops=flops)
+        with Heartbeat(f"warm-up: {calls} whole run{'s' * (calls > 1)} off the clock, {what}", on=o.progress):
+            warmup(r, built, o, ctx=ctx, calls=calls)
+    return built
 
 
 def say_estimate(r, epoch_s, *, runs, n_train):
@@ -564,6 +544,10 @@ def parser():
                    help="the test accuracy whose first epoch stops the clock (default: 0.94)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="write the recipe, environment, per-epoch rows and summary there as JSON (default: none)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="write a torch.profiler trace (Chrome's JSON) of the first timed run, after the warm-up (the "
+                        "GPU's kernels on a GPU), and print its top kernels by time on stderr; that run's time is the "
+                        "profiler's too (default: none)")
     p.add_argument("--compile", default=None, choices=COMPILE_MODES,
                    help="torch.compile the network in this mode, once, in the untimed warm-up; reduce-overhead also "
                         "captures CUDA graphs (default: not compiled)")
@@ -598,6 +582,7 @@ def main(argv=None):
         check_subset(args.subset)
         check_run(args.runs, args.target, seed=args.seed, device=args.device, out=args.out,
                   eval_every=args.eval_every)
+        check_output(args.profile, "--profile")
         claim_output(args.out if os.environ.get("RANK", "0") == "0" else None)      # the rank that writes it
         ctx = join_ranks(args)
     except UsageError as e:
@@ -624,7 +609,8 @@ def main(argv=None):
                        data_flag="--data-dir",
                        on_epoch=lambda row: where.update(epoch=row["epoch"] + 1), runs=args.runs,
                        seed=args.seed, target=args.target, eval_every=args.eval_every, precision=args.precision,
-                       compile=args.compile, verbose=ctx.is_main, progress=ctx.is_main and not args.quiet)
+                       compile=args.compile, profile=args.profile, verbose=ctx.is_main,
+                       progress=ctx.is_main and not args.quiet)
         barrier()                 # leave together
     except (UsageError, DataError) as e:
         say_error(e)

@@ -390,8 +390,9 @@ class AugmentSettings:
 
 
 def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, device=None, order=None):
-    """Every random number of one epoch of n images of `size` augmented as `augment` says, in at most seven calls,
-    the order from the generator `order` (by default the same). Alternate flips (Jordan 2024) and jitter:
+    """Every random number of one epoch of n images of `size` augmented as `augment` says, in at most six calls,
+    the order from the generator `order` (by default the same); jitter's two factors are the rows of draws["jitter"].
+    Alternate flips (Jordan 2024) and jitter:
         flip_i = flip_base_i xor (epoch odd);  x <- (x + b) c,  b ~ U(±jitter_brightness), c ~ 1 + U(±jitter_contrast)"""
     pad, flip, cutout = augment.crop_pad, augment.flip, augment.cutout
     jitter = (augment.jitter_brightness, augment.jitter_contrast)
@@ -402,7 +403,7 @@ def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, d
     if flip == "random":
         draws["flip"] = flip_bits(n, generator, device)
     elif flip == "alternate":
-        draws["flip"] = flip_base ^ bool(epoch % 2)
+        draws["flip"] = ~flip_base if epoch % 2 else flip_base
     elif flip != "none":
         raise ValueError(f"flip must be none, random or alternate, not {flip!r}")
     if cutout:
@@ -414,7 +415,10 @@ def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, d
             draws["cy"], draws["cx"] = draw(h - cutout + 1, (n,)), draw(w - cutout + 1, (n,))
     if any(jitter):
         u = torch.rand(2, n, device=device, generator=generator) * 2 - 1
-        draws["brightness"], draws["contrast"] = u[0] * jitter[0], 1 + u[1] * jitter[1]
+        u[0].mul_(jitter[0])
+        u[1].mul_(jitter[1]).add_(1)
+        draws["jitter"] = u         # one tensor, so that one gather puts both factors in the epoch's order
+        draws["brightness"], draws["contrast"] = u
     return draws
 
 
@@ -422,20 +426,26 @@ def flip_bits(n, generator, device=None):
     return torch.rand(n, device=device or generator.device, generator=generator) < 0.5
 
 
-def crop_flip(x, size, *, dy=None, dx=None, flip=None):
+def crop_flip(x, size, *, dy=None, dx=None, flip=None, order=None, channels_last=False):
     """Windows of `size` at per-image offsets (dy, dx) from padded images x, mirrored where flip is set (None: offset
-    0, no flip), in one gather: row and column indices broadcast from (N, 1, h, 1) and (N, 1, 1, w), so the images
-    are read once and the crops written once."""
+    0, no flip), of the images in `order` (None: as they are), in one gather: row and column indices (N, h) and
+    (N, w) broadcast, so the images are read once and the crops written once, NCHW or channels_last."""
     n, c = x.shape[:2]
     h, w = pair(size)
     i = torch.arange(h, device=x.device)
-    j = torch.arange(w, device=x.device)
-    rows = (i if dy is None else dy[:, None] + i).expand(n, h)
+    j = i if w == h else torch.arange(w, device=x.device)
+    rows = i if dy is None else dy[:, None] + i
     cols = j if flip is None else torch.where(flip[:, None], w - 1 - j, j)
-    cols = (cols if dx is None else dx[:, None] + cols).expand(n, w)
-    image = torch.arange(n, device=x.device).view(-1, 1, 1, 1)
+    cols = cols if dx is None else dx[:, None] + cols
+    image = torch.arange(n, device=x.device) if order is None else order
+    if order is not None:           # the per-image indices in the order too
+        rows = rows if dy is None else rows[order]
+        cols = cols if dx is None and flip is None else cols[order]
+    rows, cols = rows.view(-1, h), cols.view(-1, w)
+    if channels_last:       # the channels sliced, not indexed, come last: the (N, h, w, C) gathered is NCHW's layout
+        return x[image.view(-1, 1, 1), :, rows.view(-1, h, 1), cols.view(-1, 1, w)].permute(0, 3, 1, 2)
     channel = torch.arange(c, device=x.device).view(1, -1, 1, 1)
-    return x[image, channel, rows.view(n, 1, h, 1), cols.view(n, 1, 1, w)]
+    return x[image.view(-1, 1, 1, 1), channel, rows.view(-1, 1, h, 1), cols.view(-1, 1, 1, w)]
 
 
 def cutout_mask(cy, cx, size, patch):
@@ -448,24 +458,25 @@ def cutout_mask(cy, cx, size, patch):
     return (inside(cy, h)[:, :, None] & inside(cx, w)[:, None, :])[:, None]
 
 
-def augment_images(images, draws, size, cutout):
-    """Applies one epoch's draws to all (padded) images at once; returns them unshuffled."""
-    x = images
-    if "dy" in draws or "flip" in draws:
-        x = crop_flip(images, size, dy=draws.get("dy"), dx=draws.get("dx"), flip=draws.get("flip"))
-    if "brightness" in draws:
-        per_image = lambda v: v.view(-1, 1, 1, 1).to(x.dtype)
-        x = (x + per_image(draws["brightness"])) * per_image(draws["contrast"])
+def augment_images(images, draws, size, cutout, *, order=None, memory_format=torch.contiguous_format):
+    """Applies one epoch's draws to all (padded) images at once; returns them in `order` (None: as they are), in
+    memory_format: cropped, flipped, shuffled and laid out by one gather, then jittered and cut out in place."""
+    x = crop_flip(images, size, dy=draws.get("dy"), dx=draws.get("dx"), flip=draws.get("flip"), order=order,
+                  channels_last=memory_format == torch.channels_last)
+    in_order = lambda t: t if order is None else t[..., order]
+    if "jitter" in draws:
+        brightness, contrast = (f.view(-1, 1, 1, 1) for f in in_order(draws["jitter"]).to(x.dtype))
+        x.add_(brightness).mul_(contrast)
     if "cy" in draws:
-        x = x.masked_fill(cutout_mask(draws["cy"], draws["cx"], size, cutout), 0)
+        x.masked_fill_(cutout_mask(in_order(draws["cy"]), in_order(draws["cx"]), size, cutout), 0)
     return x
 
 
-def low_resolution(x, size):
+def low_resolution(x, size, *, memory_format=torch.preserve_format):
     """x resized to `size`, a side or (height, width) (bilinear, antialiased: each output pixel averages the input
-    it covers)."""
+    it covers), in memory_format."""
     return F.interpolate(devices.float32_or_wider(x), size=pair(size), mode="bilinear", antialias=True,
-                         align_corners=False).to(x.dtype)
+                         align_corners=False).to(x.dtype, memory_format=memory_format)
 
 
 def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):
@@ -476,12 +487,13 @@ def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=
     size = tuple(data["test_images"].shape[-2:])
     x, y = data["train_images"], data["train_labels"]
     draws = draw_augmentation(len(x), size, a, generator=generator, epoch=epoch, flip_base=flip_base, device=x.device,
-                          order=order)
-    x = augment_images(x, draws, size, a.cutout)[draws["perm"]]
+                              order=order)
     side = augment.resolution(epoch, size)
-    if pair(side) != size:
-        x = low_resolution(x, side)
-    x = x.contiguous(memory_format=memory_format)
+    resized = pair(side) != size        # resized from NCHW, and laid out as memory_format by the resize's cast
+    x = augment_images(x, draws, size, a.cutout, order=draws["perm"],
+                       memory_format=torch.contiguous_format if resized else memory_format)
+    if resized:
+        x = low_resolution(x, side, memory_format=memory_format)
     y = y[draws["perm"]]
     for i in range(len(x) // batch_size):
         yield x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]

@@ -60,6 +60,8 @@ class LRSettings:
     knots: tuple = knob((0, 5 / 24, 1), low=0, high=1, doc="where the rate's linear pieces meet, as fractions of the "
                         "run")
     values: tuple = knob((0.0, 0.4, 0.0), low=0, doc="the rate at each knot (in --lr-units)")
+    floor: float = knob(0.0, low=0, high=1, doc="the rate never falls below this fraction of its peak: linear down "
+                        "to it, then held (E1: 0.05; 0: no floor)")
 
     def check(self):
         if len(self.knots) != len(self.values):
@@ -69,7 +71,12 @@ class LRSettings:
             raise flag_error("lr_knots", self.knots, "must not decrease")
 
     def at(self, t):
-        """The rate at t, a fraction of the run: linear between the knots, constant beyond the ends."""
+        """The rate at t, a fraction of the run: linear between the knots, constant beyond the ends, and at least
+        floor × the peak where there is a floor."""
+        rate = self.linear_at(t)
+        return max(rate, self.floor * max(self.values)) if self.floor else rate
+
+    def linear_at(self, t):
         k, v = self.knots, self.values
         i = next((i for i in range(len(k)) if t <= k[i]), None)
         if i is None or i == 0 or k[i] == k[i - 1]:

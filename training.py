@@ -1,12 +1,15 @@
 """The parts of a training loop, each loop written out in its own script (cifar10_fast.train_run,
 imagenet_fast.train_run). Both scripts share a run's independent random streams (run_seeds), how a run runs
 (RunOptions), the clock of its epochs and the table of their rows (EpochClock, epoch_table), the finite-loss check and weight averaging
-(EMA, lookahead). CIFAR-10's alone: its step (train_step), its warm-up's call count and a compiled run's strictness.
+(EMA, lookahead). CIFAR-10's alone: its step (train_step), lookahead's tail (LookaheadTail), a run's profile
+(profiled), its warm-up's call count and a compiled run's strictness.
 The clock underneath is devices.timer, batch-norm statistics over ranks distributed.py's, ImageNet's checkpoints
 imagenet_checkpoints.py's.
 """
 import copy
 import math
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import devices
-from core import DataError, Table
+from core import DataError, Table, write_atomic
 from settings import knob
 
 
@@ -134,6 +137,39 @@ class EpochClock:
                 "time": self.clock.total + self.final_eval_time, "time_to_target": self.time_to_target}
 
 
+@contextmanager
+def profiled(path, device, *, rows=12, file=None):
+    """While inside, torch.profiler records the CPU's operators and, on a CUDA GPU, its kernels; then the trace is
+    written to path (Chrome's JSON, for Perfetto or chrome://tracing) and its top kernels by time printed on file
+    (stderr). path None: nothing recorded."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    on_gpu = torch.device(device).type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * on_gpu]) as prof:
+        yield
+        devices.synchronize(device)
+    write_atomic(path, prof.export_chrome_trace)
+    print(f"wrote a trace of the run to {path}\n" + top_kernels(prof, rows), file=file or sys.stderr, flush=True)
+
+
+def top_kernels(prof, rows=12):
+    """A table of the events of torch.profiler's `prof` that took the most time: the GPU's kernels (their time on
+    it) where any were recorded, else the CPU's operators (their own time), with their calls and share of the total."""
+    from torch.autograd import DeviceType
+    events = prof.key_averages()
+    chosen = [e for e in events if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
+    time, what = (lambda e: e.self_device_time_total), "kernels by their time on the GPU"
+    if not chosen:
+        chosen = [e for e in events if e.self_cpu_time_total > 0]
+        time, what = (lambda e: e.self_cpu_time_total), "operators by their own time on the CPU (no GPU kernels)"
+    total = sum(time(e) for e in chosen)
+    top = sorted(chosen, key=time, reverse=True)[:rows]
+    lines = [f"top {len(top)} {what}, of {total / 1e3:.1f} ms in all:", f"{'ms':>9} {'share':>6} {'calls':>6}  name"]
+    return "\n".join(lines + [f"{time(e) / 1e3:9.3f} {time(e) / total:6.1%} {e.count:6d}  {e.key[:100]}" for e in top])
+
+
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")     # torch.compile's modes that capture CUDA graphs
 
 
@@ -172,6 +208,17 @@ class LookaheadSettings:
     OFF = ("momentum", 0.0)
     momentum: float = knob(0.95, low=0, high=1, doc="per step, scaled by (step / steps)^3 over the run")
     every: int = knob(5, above=0, whole=True, doc="steps between the slow weights' updates")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LookaheadTailSettings:
+    """Lookahead over the run's last steps (Fulcrum Research's E1, 2026: its "EMA-lookahead tail"), LookaheadTail."""
+    PREFIX = "lookahead_tail"
+    OFF = ("decay", 0.0)
+    decay: float = knob(0.7, low=0, high=1, doc="what the average keeps of itself at each update")
+    every: int = knob(4, above=0, whole=True, doc="steps between the updates")
+    epochs: float = knob(0.625, above=0, doc="the tail's length: it starts this many epochs (rounded up to whole "
+                         "steps) before the run ends (E1: 20 steps of 32)")
 
 
 class ExponentialAverage:
@@ -222,13 +269,42 @@ class LookaheadAverage:
         torch._foreach_copy_(self.slow, state)
 
 
-def averaging(model, *, ema=None, lookahead=None):
-    """The run's weight averaging from its settings (each with .momentum and .every, or None): EMA, lookahead or
-    None."""
+class LookaheadTail:
+    """Lookahead over a run's last `steps` steps (E1): the average starts as the weights and batch-norm statistics at
+    the tail's first step, then every `every` steps
+        ema <- decay ema + (1 - decay) w;  w <- ema"""
+    model = None
+
+    def __init__(self, model, decay, every, steps):
+        self.ema = [t.detach().clone() for t in float_state(model)]     # made once; the tail's start fills it
+        self.decay, self.every, self.steps = decay, every, steps
+
+    @torch.no_grad()
+    def update(self, model, step, total_steps):
+        since = step - max(total_steps - self.steps, 0)     # from 0, the weights as built: those cloned above
+        if since == 0:
+            torch._foreach_copy_(self.ema, float_state(model))
+        elif since > 0 and since % self.every == 0:
+            weights = float_state(model)
+            torch._foreach_lerp_(self.ema, weights, 1 - self.decay)
+            torch._foreach_copy_(weights, self.ema)
+
+    def state_dict(self):
+        return self.ema
+
+    def load_state_dict(self, state):
+        torch._foreach_copy_(self.ema, state)
+
+
+def averaging(model, *, ema=None, lookahead=None, tail=None, steps_per_epoch=None):
+    """The run's weight averaging from its settings (EMASettings, LookaheadSettings, LookaheadTailSettings, or None):
+    EMA, lookahead, lookahead's tail (its length from the run's steps_per_epoch) or None."""
     if ema:
         return ExponentialAverage(model, ema.momentum, ema.every)
     if lookahead:
         return LookaheadAverage(model, lookahead.momentum, lookahead.every)
+    if tail:
+        return LookaheadTail(model, tail.decay, tail.every, math.ceil(tail.epochs * steps_per_epoch))
     return None
 
 

@@ -54,7 +54,8 @@ def main(argv=None):
     data = cd.dataset_on_device(arrays, torch.device("cpu"), dtype=torch.float32, pad=args.pad)
     x = data["train_images"]
     n, c, size = len(x), x.shape[1], arrays["test_images"].shape[1]
-    r = cd.draw_augmentation(n, size, pad=args.pad, flip="random", cutout=0, generator=torch.Generator().manual_seed(0))
+    r = cd.draw_augmentation(n, size, cd.AugmentSettings(crop_pad=args.pad, flip="random", cutout=0),
+                             generator=torch.Generator().manual_seed(0))
     old = lambda: crop_flip_by_masks(x, r, size)
     new = lambda: cd.crop_flip(x, size, dy=r["dy"], dx=r["dx"], flip=r["flip"])
     print(f"{n} images {tuple(x.shape[1:])} {x.dtype}, crops of {size}, pad {args.pad}, flip random; "

@@ -2,21 +2,25 @@
 they are on `cuda:N`, and every operation is checked as CUDA checks it. Whole commands run under it as they run
 on a GPU: `devices.py` sees GPUs, its streams, events, pinned buffers and clocks, and nvJPEG, are stood in (nvJPEG by
 the CPU's decode, which imagenet_data.nvjpeg_hardware is told is its software path), autocast runs in the same dtype,
-`torch.compile` compiles, nested tensors stay on their GPU, and torchrun's ranks join over gloo.
+`torch.compile` compiles, torch.profiler records the CPU's activity alone, nested tensors stay on their GPU, and
+torchrun's ranks join over gloo.
 
 What it checks, as CUDA does: no operation mixes a tensor on the GPU with one in host memory (but for a 0-dim
 host tensor, a scalar), host indices into a GPU tensor are fine and GPU indices into a host tensor are not,
 `out=` and a random generator on the operation's device, no numpy view of GPU memory, pinning only host memory,
-`record_stream` only of GPU tensors on a stream of their device. What it counts: operations on the GPU, copies
-to and from it (and which of them block the host: pageable memory, host data made into a GPU tensor by torch.tensor
-and its like, reading a value), host waits (and the operators known to wait inside, WAITING_INSIDE).
+`record_stream` only of GPU tensors on a stream of their device. What it counts: operations on the GPU (by name, and by
+name with their tensors' dtypes and shapes: the kernels a process launches for the first time), copies to and
+from it (and which of them block the host: pageable memory, host data made into a GPU tensor by torch.tensor and
+its like, reading a value), host waits (and the operators known to wait inside, WAITING_INSIDE), and on request
+the most memory its tensors held.
 
 What it cannot see: kernel speed; a host wait inside a C++ operator not in WAITING_INSIDE; a C++ operator that
 groups tensors by their real device (the fused optimisers': a GradScaler's scale is moved "to the CPU" there, a
 blocking copy here that a GPU does not make); races between streams (each stream's work runs at once, in order:
 the tests of stream order read the calls it records); memory limits beyond the free memory it is told to report;
 device mixes inside a compiled graph (dynamo traces the CPU tensors; the same code runs eagerly under it
-elsewhere); CUDA's random numbers (a GPU generator here draws the CPU's).
+elsewhere); which calls CUDA-graph trees record (it counts each compiled call, not the tree's paths); CUDA's random
+numbers (a GPU generator here draws the CPU's).
 
     with StandIn(gpus=2) as gpu:     # or: python tests/standin_main.py cifar10_fast.py --recipe ...
         cifar10_fast.main([...])
@@ -136,16 +140,18 @@ ACTIVE = []          # the stand-ins entered, innermost last
 
 class StandIn(TorchFunctionMode):
     """The stand-in for `gpus` CUDA devices, each reporting `memory` bytes in all and whatever the tensors on it
-    leave of that free, and `sms` multiprocessors. A context manager: inside it, torch.cuda answers as a machine with
-    these GPUs would."""
+    leave of that free, and `sms` multiprocessors; with `peaks`, keeping the most bytes its tensors held after any
+    operation (`peak`, slow). A context manager: inside it, torch.cuda answers as a machine with these GPUs would."""
 
-    def __init__(self, gpus=1, *, memory=80 << 30, name="NVIDIA stand-in (CPU)", float64=True, sms=132):
+    def __init__(self, gpus=1, *, memory=80 << 30, name="NVIDIA stand-in (CPU)", float64=True, sms=132, peaks=False):
         super().__init__()
         self.gpus, self.memory, self.name, self.float64, self.sms = gpus, memory, name, float64, sms
+        self.peaks, self.peak = peaks, 0            # with peaks: the most bytes on the GPUs after any operation
         self.on = WeakTensorKeyDictionary()         # tensor -> the index of the GPU it is on
         self.pinned = {}                            # data_ptr of pinned host memory -> a weak reference to its owner
         self.counts = Counter()
         self.ops = Counter()                        # operations on a GPU, by name
+        self.kernels = Counter()                    # ... by name and their tensors' dtypes and shapes (launched())
         self.calls = []                             # (what, *details): streams, events, waits, decodes, in order
         self.threads = []                           # the name of the thread that made each call
         self.streams = []
@@ -293,16 +299,13 @@ class StandIn(TorchFunctionMode):
                 if name in COPIES:
                     self.counts["to_gpu"] += 1
                     self.counts["blocking"] += 1          # the host's data is copied as it waits
-                else:
-                    self.counts["gpu_ops"] += 1
-                    self.ops[name] += 1
-                return self.tag(func(*args, **kwargs), index)
+                    return self.tag(func(*args, **kwargs), index)
+                return self.launched(name, self.tag(func(*args, **kwargs), index))
         pin = kwargs.pop("pin_memory", False) if name in FACTORIES else False
         out = kwargs.get("out")
-        if name in FACTORIES and out is not None:             # a factory makes its values on its out's device
-            device = self.on.get(tree_flatten(out)[0][0])
-        else:
-            device = self.device_of(name, args, {k: v for k, v in kwargs.items() if k != "out"})
+        device = self.device_of(name, args, {k: v for k, v in kwargs.items() if k != "out"})
+        if device is None and out is not None and name in FACTORIES:       # torch.randperm(n, out=t): t's device
+            device = self.device_of(name, (), {"out": out})
         if name in RANDOM or "generator" in kwargs:
             self.check_generator(name, kwargs, device)
         if out is not None and {self.on.get(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)} != {device}:
@@ -318,10 +321,21 @@ class StandIn(TorchFunctionMode):
         if pin:
             self.pin(result)
         if device is not None:
-            self.counts["gpu_ops"] += 1
-            self.ops[name] += 1
             self.tag(result, device)
+            self.launched(name, (args, kwargs))
         return result
+
+    def launched(self, name, tensors):
+        """Counts an operation on a GPU, by name, and by name with the dtypes and shapes of `tensors` (its inputs; a
+        factory's output), which it returns: a key the process has not met is a kernel it launches for the first
+        time (loaded, or autotuned, then)."""
+        self.counts["gpu_ops"] += 1
+        self.ops[name] += 1
+        shapes = tuple((t.dtype, tuple(t.shape)) for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor))
+        self.kernels[(name, *shapes)] += 1
+        if self.peaks:
+            self.peak = max(self.peak, sum(self.allocated(i) for i in range(self.gpus)))
+        return tensors
 
     def attribute(self, getter, func, args):
         t = args[0]
@@ -448,6 +462,10 @@ class StandIn(TorchFunctionMode):
             real_decode, input, *a, device=device, **k))
         import imagenet_data
         patch(imagenet_data, "nvjpeg_hardware", lambda device: False)    # the CPU's decode stands in: software alone
+        # torch.profiler's CUDA activity would record CUDA events on a machine without a GPU
+        real_profile, cuda = torch.profiler.profile, torch.profiler.ProfilerActivity.CUDA
+        patch(torch.profiler, "profile", lambda *a, activities=None, **k: real_profile(
+            *a, activities=[x for x in activities or [torch.profiler.ProfilerActivity.CPU] if x != cuda], **k))
         real_nested = torch.nested.nested_tensor        # a C function the mode does not see: tagged here
         patch(torch.nested, "nested_tensor", lambda tensors, *a, **k: self.tag(
             real_nested(tensors, *a, **k), self.device_of("nested_tensor", (tensors,), {})))
@@ -519,7 +537,7 @@ class StandIn(TorchFunctionMode):
                 out = target(*args, **kwargs)
             if graphs:
                 out = tree_map(lambda t: replayed(static, t) if isinstance(t, torch.Tensor) else t, out)
-            gpu.counts["gpu_ops"] += 1
+            gpu.launched(f"compiled {getattr(model, '__qualname__', type(model).__name__)}", (args, kwargs))
             return gpu.tag(out, device)
         if isinstance(compiled, nn.Module):
             compiled.forward = call

@@ -1,7 +1,13 @@
+import sys
+
 import pytest
 import torch
 
 import cifar_data as cd
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import augment_launches  # noqa: E402
 
 
 def padded_index_images(n, size=32, pad=4):
@@ -134,3 +140,69 @@ def test_the_one_gather_crops_and_flips_exactly_as_the_masked_selects_did(dtype,
             r[k][:len(every)] = fixed[k]
     out = cd.augment_images(x, r, size, cutout=0)
     assert torch.equal(out, crop_flip_by_masks(x, r, size)) and out.is_contiguous()
+
+
+def epoch_as_it_was(data, augment, generator, *, memory_format, epoch=0, flip_base=None):
+    """One epoch's images and labels as epoch_batches made them before one gather shuffled and laid them out, kept as
+    its reference: the draws' arithmetic out of place, crop and flip (the masked selects above), jitter, cutout, then
+    the order's gather, the resize and a copy into memory_format."""
+    size = tuple(data["test_images"].shape[-2:])
+    x, y, n = data["train_images"], data["train_labels"], len(data["train_labels"])
+    draw = lambda high: torch.randint(0, high, (2, n), generator=generator)
+    r = {"perm": torch.randperm(n, generator=generator)}
+    if augment.crop_pad:
+        r["dy"], r["dx"] = draw(2 * augment.crop_pad + 1)
+    if augment.flip != "none":
+        r["flip"] = cd.flip_bits(n, generator) if augment.flip == "random" else flip_base ^ bool(epoch % 2)
+    if augment.cutout:
+        r["cy"], r["cx"] = draw(size[0] - augment.cutout + 1)
+    x = crop_flip_by_masks(x, r, size)
+    if augment.jitter_brightness or augment.jitter_contrast:
+        u = torch.rand(2, n, generator=generator) * 2 - 1
+        per_image = lambda v: v.view(-1, 1, 1, 1).to(x.dtype)
+        x = (x + per_image(u[0] * augment.jitter_brightness)) * per_image(1 + u[1] * augment.jitter_contrast)
+    if augment.cutout:
+        x = x.masked_fill(cd.cutout_mask(r["cy"], r["cx"], size, augment.cutout), 0)
+    x, side = x[r["perm"]], augment.resolution(epoch, size)
+    if cd.pair(side) != size:
+        x = cd.low_resolution(x, side)
+    return x.contiguous(memory_format=memory_format), y[r["perm"]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("augment, epoch", [
+    (cd.AugmentSettings(crop_pad=2, flip="alternate", cutout=0, jitter_brightness=0.1399, jitter_contrast=0.1308), 0),
+    (cd.AugmentSettings(crop_pad=2, flip="alternate", cutout=0, jitter_brightness=0.1399, jitter_contrast=0.1308), 1),
+    (cd.AugmentSettings(crop_pad=2, flip="alternate", cutout=0, jitter_brightness=0.1399, jitter_contrast=0.1308,
+                        resolution_schedule=(24, 28)), 1),
+    (cd.AugmentSettings(crop_pad=4, flip="random", cutout=8), 0),
+    (cd.AugmentSettings(crop_pad=0, flip="none", cutout=0), 0)])
+def test_one_gather_shuffles_and_lays_out_the_epoch_giving_the_images_and_labels_the_steps_before_it_gave(
+        dtype, memory_format, augment, epoch):
+    """fast94_next's augmentation (even and odd epochs, and at a side of a resolution schedule), myrtle24's and none:
+    the same draws from one seed give the same images bit for bit, in the same order and layout."""
+    n = 96
+    data = {"train_images": torch.randn(n, 3, 32 + 2 * augment.crop_pad, 32 + 2 * augment.crop_pad).to(dtype),
+            "train_labels": torch.arange(n) % 10, "test_images": torch.zeros(1, 3, 32, 32)}
+    base = cd.flip_bits(n, torch.Generator().manual_seed(1))
+    new, old = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+    batches = list(cd.epoch_batches(data, augment, new, batch_size=n // 3, memory_format=memory_format, epoch=epoch,
+                                    flip_base=base))
+    x, y = epoch_as_it_was(data, augment, old, memory_format=memory_format, epoch=epoch, flip_base=base)
+    assert torch.equal(torch.cat([b for b, _ in batches]), x) and torch.equal(torch.cat([l for _, l in batches]), y)
+    assert all(b.is_contiguous(memory_format=memory_format) for b, _ in batches)
+    assert torch.equal(new.get_state(), old.get_state())          # as many random numbers drawn
+
+
+@pytest.mark.parametrize("recipe, epoch, launches, passes", [("fast94_next", 0, 21, 3.22), ("fast94_next", 1, 22, 3.22),
+                                                             ("fast94_curriculum", 0, 25, 6.91)])
+def test_an_epochs_augmentation_launches_fewer_kernels_and_passes_over_the_images_fewer_times(
+        recipe, epoch, launches, passes):
+    """Counted as CUDA runs it (benchmarks/augment_launches.py): fast94_next's epoch in 21 kernel launches (22 in an
+    odd epoch: its flips negated) and three passes over the images (the gather, then the jitter's add and multiply in
+    place; the rest is their indices), where it took 25 launches and 5.14 passes before one gather shuffled and laid
+    it out. The record's loader, counted the same way with its own file: 65 launches (66 in an odd epoch), 2
+    compiled-graph calls, 3.0 passes (4.0 in an odd epoch)."""
+    counts = augment_launches.ours(recipe, epoch)
+    assert (counts["launches"], counts["graph_calls"], counts["passes"]) == (launches, 0, passes)

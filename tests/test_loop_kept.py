@@ -31,8 +31,9 @@ from conftest import ROOT, synthetic_arrays  # noqa: E402
 
 PATH = ROOT / "tests" / "data" / "loop_reference.json"
 CIFAR = ["myrtle24", "myrtle10", "fast94", "fast94_muon", "fast94_next", "fast94_next_lowres", "fast94_curriculum"]
-# the resolution curriculum's sides, one epoch each in the 3 epochs every run here has
-CIFAR_CHANGES = {"fast94_curriculum": dict(resolution_schedule=(24, 28))}
+# the resolution curriculum's sides, one epoch each in the 3 epochs every run here has, and its lookahead tail over
+# the last 3 of the 12 steps updating at each (its floored rate holds from step 11)
+CIFAR_CHANGES = {"fast94_curriculum": dict(resolution_schedule=(24, 28), lookahead_tail_every=1)}
 IMAGENET = {"imagenet_tiny": dict(ema_momentum=0.9, ema_every=5),
             "imagenet_lars": dict(lars=True, lars_trust=0.02),
             "imagenet_rmsprop_sgd": dict(rmsprop=True, rmsprop_beta_center=1.0, rmsprop_beta_period=2.0)}

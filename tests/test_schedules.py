@@ -29,6 +29,19 @@ def test_the_cifar_rate_has_a_flat_tail_like_myrtle10():
     assert step.at(0.5) == 1.0                                      # a step: its first value
 
 
+def test_a_floor_holds_the_rate_at_a_fraction_of_its_peak_as_e1s_schedule_does():
+    """E1 (fast94_curriculum): lr = peak × max(1 − s / 272, 0.05) at step s of 284 (its decay over 8.5 epochs of
+    32 steps, the run 8.875); without a floor the same knots fall to 0."""
+    r = cf.recipe("fast94_curriculum")
+    e1 = [0.5415 * max(1 - s / 272, 0.05) for s in range(284)]
+    assert [r.lr.at(s / 284) for s in range(284)] == pytest.approx(e1, rel=1e-12)
+    assert r.lr.at(258 / 284) > 0.05 * 0.5415 == r.lr.at(259 / 284) == r.lr.at(1.0)
+    assert changed(r, lr_floor=0).lr.at(1.0) == 0.0
+    assert schedules.LRSettings(knots=(0, 0.2, 1), values=(0.1, 1.0, 0.0), floor=0.5).at(0) == 0.5   # of the peak
+    with pytest.raises(UsageError, match=r"^--lr-floor 1.5: must be between 0 and 1$"):
+        changed(r, lr_floor=1.5)
+
+
 def test_the_cifar_rate_refuses_bad_knots_in_one_line():
     with pytest.raises(UsageError, match="must have the same length"):
         cf.recipe("myrtle24", lr_knots=(0, 1), lr_values=(0,))

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -192,6 +193,83 @@ def test_a_timed_run_never_waits_for_the_gpu_before_its_final_evaluation_and_rea
     assert waits(start, final) == {"host_waits": 0, "blocking": 0}
     assert waits(final, end) == {"host_waits": 1, "blocking": 2}
     assert [row["epoch"] for row in result["rows"]] == [1, 2, 3] and result["rows"][-1]["test_acc"] is not None
+
+
+@pytest.mark.parametrize("recipe", ["fast94_next", "fast94_curriculum"])
+def test_the_first_timed_run_meets_nothing_new_and_counts_as_every_later_run(recipe, monkeypatch, one_thread,
+                                                                           aot_eager):
+    """Under reduce-overhead (dynamo's graphs; CUDA-graph trees record a path on its second call): three runs, each
+    with the same operations, copies, blocking copies, host waits and graphs compiled (none); the first launches no
+    kernel (an operation with its dtypes and shapes) that the warm-up had not, calls every compiled path the
+    warm-up called 3 times or more, and holds no more memory at its peak. With the warm-up that was not a whole run,
+    fast94_next's first run launched 21 kernels new to the process (the metrics' argmax and sums, Muon's
+    renormalisation), the curriculum's 17, and the later runs none."""
+    r = cf.recipe(recipe, width=1 / 16, batch_size=32, **({"epochs": 3} if recipe == "fast94_next" else {}))
+    snaps, real_build = [], cf.build
+
+    def snap():
+        snaps.append((dict(gpu.counts), Counter(gpu.kernels), cf.compile_counts(), gpu.peak))
+        gpu.peak = 0
+
+    def build(*args, **kwargs):
+        built = real_build(*args, **kwargs)
+        snap()
+        return built
+    monkeypatch.setattr(cf, "build", build)
+    with StandIn(peaks=True) as gpu:
+        cf.train(r, synthetic_arrays(n_train=128, n_test=64), device="cuda", runs=3, compile="reduce-overhead",
+                 eval_every=0, on_run=lambda result: snap())
+    runs = [({k: b[0].get(k, 0) - a[0].get(k, 0) for k in b[0]}, b[1] - a[1], [y - x for x, y in zip(a[2], b[2])],
+             b[3]) for a, b in zip(snaps, snaps[1:])]
+    assert runs[0][0] == runs[1][0] == runs[2][0] and runs[0][1] == runs[1][1] == runs[2][1]
+    assert all(graphs == [0, 0] for _, _, graphs, _ in runs)
+    warm = snaps[0][1]
+    assert not [key for key in runs[0][1] if key not in warm]
+    assert all(warm[key] >= 3 for key in runs[0][1] if key[0].startswith("compiled"))
+    assert runs[0][3] <= snaps[0][3]
+
+
+def test_the_warm_up_run_leaves_the_timed_runs_numbers_as_they_were(monkeypatch, one_thread):
+    """Two runs after the warm-up (a whole run from the first run's seed) train as two runs without one: the same
+    per-epoch losses and accuracies, bit for bit."""
+    r = cf.recipe("fast94_next", width=1 / 16, batch_size=32, epochs=2)
+    arrays = synthetic_arrays(n_train=128, n_test=64)
+    rows = lambda result: [[row[k] for k in ("train_loss", "train_acc", "test_loss", "test_acc")]
+                           for run in result.runs for row in run["rows"]]
+    with StandIn():
+        warmed = cf.train(r, arrays, device="cuda", runs=2, seed=5, precision="fp32")
+        monkeypatch.setattr(cf, "warmup", lambda *args, **kwargs: None)
+        cold = cf.train(r, arrays, device="cuda", runs=2, seed=5, precision="fp32")
+    assert rows(warmed) == rows(cold) and len(rows(cold)) == 4
+
+
+def test_profile_writes_a_trace_of_the_first_timed_run_and_prints_its_top_kernels(npz, tmp_path, capsys, one_thread):
+    """--profile FILE on a GPU (here the stand-in, whose profiler records the CPU's activity alone): Chrome's JSON of
+    the run after the warm-up, its operators in it, the table of the top ones by time on stderr, and the run's
+    record marked as profiled."""
+    trace, out = tmp_path / "trace.json", tmp_path / "r.json"
+    with StandIn():
+        assert cf.main(["--recipe", "fast94_next", "--data-dir", str(npz), "--width", "0.0625", "--batch-size", "32",
+                        "--epochs", "1", "--precision", "fp32", "--quiet", "--profile", str(trace), "--out",
+                        str(out)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {"aten::convolution", "aten::convolution_backward"} <= {e.get("name") for e in events}
+    table = capsys.readouterr().err.split(f"wrote a trace of the run to {trace}\n")[1].splitlines()
+    assert table[0].startswith("top 12 operators by their own time on the CPU (no GPU kernels), of ")
+    assert table[1].split() == ["ms", "share", "calls", "name"] and len(table) >= 14
+    assert all(re.fullmatch(r" *\d+\.\d{3} +\d+\.\d% +\d+  \S.*", row) for row in table[2:14])
+    assert [run.get("profiled") for run in json.loads(out.read_text())["runs"]] == [True]
+
+
+@pytest.mark.parametrize("where, message", [("folder", "is a folder; give a file name"),
+                                            ("a_file/trace.json", "is a file, not a folder")])
+def test_a_profile_that_cannot_be_written_is_one_line_before_any_training(tmp_path, capsys, where, message):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "a_file").write_text("")
+    path = tmp_path / where
+    assert cf.main(["--recipe", "fast94_next", "--data-dir", str(tmp_path / "no.npz"), "--profile", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --profile {path}: ") and err[0].endswith(message)
 
 
 def test_in_float32_the_selective_views_read_no_output_a_cuda_graph_has_overwritten(npz):

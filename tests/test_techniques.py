@@ -13,6 +13,7 @@ import settings
 import torch_backend as tb
 import training as T
 from conftest import synthetic_arrays, train_once
+from core import UsageError
 
 CPU = torch.device("cpu")
 
@@ -127,6 +128,34 @@ def test_lookahead_matches_its_formula():
     torch.testing.assert_close(model.weight.detach(), expected)
     la.update(model, 10, 10)                                              # scheduled: 0.95^5 × (10 / 10)^3
     torch.testing.assert_close(la.slow[0], expected)
+
+
+def test_lookaheads_tail_is_e1s_average_of_the_last_steps():
+    """E1's tail over a run of 30 steps, its last 2.5 epochs of 4 steps (10), every 4: the weights and batch-norm statistics at step 20 start
+    the average; at steps 24 and 28 ema <- 0.7 ema + 0.3 w and the weights take it; nothing at other steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    tail = T.averaging(model, tail=T.LookaheadTailSettings(decay=0.7, every=4, epochs=2.5), steps_per_epoch=4)
+    state = lambda: [t.clone() for t in T.float_state(model)]
+    ema = None
+    for step in range(1, 31):
+        with torch.no_grad():
+            for t in T.float_state(model):
+                t.add_(torch.randn_like(t))                               # a step moves weights and statistics
+        moved = state()
+        tail.update(model, step, 30)
+        if step == 20:
+            ema = moved
+        elif step in (24, 28):
+            ema = [0.7 * e + 0.3 * w for e, w in zip(ema, moved)]
+            moved = ema
+        for a, b in zip(state(), moved):
+            torch.testing.assert_close(a, b)
+    assert tail.model is None and T.evaluation_model(model, tail) is model
+    with pytest.raises(UsageError, match=r"^--lookahead-momentum and --lookahead-tail-decay: one weight average at a "
+                                         r"time; set the other to 0$"):
+        cf.recipe("fast94_curriculum", lookahead_momentum=0.95)
+    assert cf.recipe("fast94_curriculum", lookahead_tail_decay=0).lookahead_tail is None
 
 
 def test_decoupled_weight_decay_does_not_depend_on_lr_or_bias_multiplier():
@@ -523,7 +552,7 @@ def test_compiled_step_gives_the_eager_loss_and_gradients():
     r, data = settings.changed(r, epochs=1, whiten_bias_epochs=0.5), tiny_data(16, n_test=8)
     step = torch.compile(cf.WithLoss(net, r.label_smoothing), backend="eager")
     eager = cf.Network(module=net, train_forward=step, eval_forward=step, recipe=r)
-    cf.warmup(r, data, device=CPU, dtype=torch.float32, ctx=D.Context(), net=eager, calls=1)
+    cf.warmup(r, cf.Built(data=data, network=eager), cf.Options(target=2.0), ctx=D.Context(), calls=1)
     assert len(train_once(r, data, net=eager, target=2.0)["rows"]) == 1
 
 

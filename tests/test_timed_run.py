@@ -1,6 +1,7 @@
 """What a timed CIFAR-10 run does besides training: its GPU clock marks epochs without waiting and is read once; it
-stops on a loss that is not finite, in one line naming the epoch, keeping the runs before; and its untimed warm-up
-calls every compiled path the run meets as often as CUDA-graph trees need to record it."""
+stops on a loss that is not finite, in one line naming the epoch, keeping the runs before; and its untimed warm-up,
+a whole run, calls every compiled path the run meets, and no other, as often as CUDA-graph trees need to record it,
+so that the first timed run meets nothing new."""
 import json
 from collections import Counter
 
@@ -99,27 +100,42 @@ def test_the_warm_up_calls_each_path_three_times_where_torch_compile_captures_cu
     assert [T.warmup_calls(mode) for mode in (None, "default", "reduce-overhead", "max-autotune")] == [1, 1, 3, 3]
 
 
-def test_the_warm_up_calls_every_path_a_timed_run_meets_as_often_as_cuda_graph_trees_need(one_thread):
-    """Each resolution and state of the whitening bias in training, each evaluation batch (plain, selective views):
-    every one met in the warm-up reduce-overhead's 3 times or more, a training step exactly 3 times."""
-    r = cf.recipe("fast94_next_lowres", width=1 / 16, batch_size=32, epochs=3, resolution_schedule=(16,),
-                  whiten_bias_epochs=1.5)
-    arrays, ctx, device = synthetic_arrays(n_train=128, n_test=64), D.Context(device="cpu"), torch.device("cpu")
-    stats = cd.channel_stats(arrays["train_images"])
-    data = cf.device_data(arrays, r, ctx, device, dtype=torch.float32, stats=stats)
+def warm_and_timed_paths(r, arrays, calls, **options):
+    """(Counter of the paths the warm-up calls, Counter of those a timed run then calls) of recipe r on the CPU,
+    through Paths."""
+    ctx, device = D.Context(device="cpu"), torch.device("cpu")
+    data = cf.device_data(arrays, r, ctx, device, dtype=torch.float32, stats=cd.channel_stats(arrays["train_images"]))
     torch.manual_seed(0)
     net = tb.build_model(r, device)
     forward = Paths(net)
-    paths = cf.Network(module=net, train_forward=forward, eval_forward=forward, recipe=r)
-    calls = T.warmup_calls("reduce-overhead")
-    cf.warmup(r, data, device=device, dtype=torch.float32, ctx=ctx, net=paths, calls=calls)
+    built = cf.Built(data=data, network=cf.Network(module=net, train_forward=forward, eval_forward=forward, recipe=r))
+    cf.warmup(r, built, cf.Options(**options), ctx=ctx, calls=calls)
     warm, forward.calls = forward.calls, Counter()
-    train_once(r, data, net=paths, eval_every=1)
-    met = set(forward.calls)
+    cf.train_run(r, built, cf.Options(**options), ctx=ctx, seed=0)
+    return warm, forward.calls
+
+
+def test_the_warm_up_calls_every_path_a_timed_run_meets_and_no_other_as_often_as_cuda_graph_trees_need(one_thread):
+    """Each resolution and state of the whitening bias in training, each evaluation batch (plain, selective views):
+    every one met in the warm-up reduce-overhead's 3 times or more, and nothing the run does not meet (the warm-up
+    trained every side with the bias on and off: here a 16 px path with the bias off, which no run takes)."""
+    r = cf.recipe("fast94_next_lowres", width=1 / 16, batch_size=32, epochs=3, resolution_schedule=(16,),
+                  whiten_bias_epochs=1.5)
+    calls = T.warmup_calls("reduce-overhead")
+    warm, met = warm_and_timed_paths(r, synthetic_arrays(n_train=128, n_test=64), calls, eval_every=1)
     training = {path for path in met if path[1]}
-    assert {path[0][-1] for path in training} == {16, 32} and {path[2] for path in training} == {True, False}
-    assert met <= set(warm) and min(warm[path] for path in met) >= calls
-    assert {warm[path] for path in training} == {calls}
+    assert {(path[0][-1], path[2]) for path in training} == {(16, True), (32, True), (32, False)}
+    assert set(warm) == set(met) and min(warm[path] for path in met) >= calls
+
+
+def test_the_curriculums_warm_up_trains_the_four_paths_its_runs_train_not_six(one_thread):
+    """fast94_curriculum's whitening bias trains in its first 0.19 epochs, all at 24 px: its runs train at 24 px with
+    the bias on and off and at 28 and 32 px with it off. The warm-up that called each side with the bias on and off
+    compiled 6 training graphs (forward and backward each), 2 of them never used."""
+    r = cf.recipe("fast94_curriculum", width=1 / 16, batch_size=32)
+    warm, met = warm_and_timed_paths(r, synthetic_arrays(n_train=128, n_test=64), 1, eval_every=0)
+    training = {(path[0][-1], path[2]) for path in warm if path[1]}
+    assert training == {(24, True), (24, False), (28, False), (32, False)} and set(warm) == set(met)
 
 
 def test_the_gpu_clock_marks_without_waiting_and_reads_every_mark_waiting_for_the_last_alone(monkeypatch):
