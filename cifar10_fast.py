@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 import devices
 # the recipes, re-exported: cf.recipe("fast94"), cf.FAST94, cf.RECIPES, cf.JOURNEY
-from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_APART,  # noqa: F401
-                             FAST94_MUON, FAST94_NEXT, FAST94_NEXT_LOWRES, FAST95, FAST96, JOURNEY, MYRTLE10, MYRTLE24,
+from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_MUON,  # noqa: F401
+                             FAST94_NEXT, FAST94_NEXT_LOWRES, FAST95, FAST96, JOURNEY, MYRTLE10, MYRTLE24,
                              RECIPES, Recipe, journey_recipes, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, low_resolution,
                         upload_normalised, num_classes, pair, take_subset, dataset_on_device)

@@ -68,9 +68,9 @@ CPU_ACCURACY = {"fast94_next": 13, "fast94": 13, "fast94_muon": 13, "fast94_next
                 "fast94_next_lowres --epochs 7.89": 13}
 SMOKE_CIFAR = ["--subset", "256", "--epochs", "1", "--width", "0.0625", "--batch-size", "64"]
 # fast94_fastest's piece: fast94_next, then fast94_fastest, then each ablation (fast94_fastest with one switch left out,
-# a recipe of its own), all in turn in one process. Its switches: the lower-FLOP schedule, whose ablation is
-# fast94_next itself, and the optimisers' step as one compiled function (--compile-optimizer).
-FASTEST_SIDES = ("fast94_next", "fast94_fastest", "fast94_fastest_optimizers_apart")
+# a recipe of its own), all in turn in one process. Its switch: the lower-FLOP schedule, whose ablation is fast94_next
+# itself.
+FASTEST_SIDES = ("fast94_next", "fast94_fastest")
 # The record's script (benchmarks/side_by_side.py --peer record) and, for planning only, what each of its runs costs
 # beyond its clock: its GPU spin of 6e9 cycles before each run (about 3 s at 2 GHz) and loading its data (estimated)
 RECORD_SCRIPT = "cifar10_speedrun.py"

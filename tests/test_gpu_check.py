@@ -31,7 +31,7 @@ def test_the_smoke_pass_runs_the_record_beside_fast94_next_then_fast94_fastest_i
     fastest = json.loads((device / "fast94_fastest.json").read_text())
     assert list(fastest["sides"]) == list(suite.FASTEST_SIDES) and fastest["kind"] == "alternating"
     assert fastest["sides"]["fast94_fastest"]["command"].startswith(
-        "python benchmarks/side_by_side.py --recipes fast94_next,fast94_fastest,fast94_fastest_optimizers_apart "
+        "python benchmarks/side_by_side.py --recipes fast94_next,fast94_fastest "
         "--alternate --peer none --runs 2")
     assert all([run["seed"] for run in side["runs"]] == [0, 1] for side in fastest["sides"].values())
     ratio = fastest["time_ratios"]["fast94_fastest"]

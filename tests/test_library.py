@@ -48,7 +48,7 @@ def test_cifar10_fast_re_exports_every_named_recipe():
     """cf.FAST94 and its kin: each recipe cifar10_recipes.py names, the same object, from the script's module."""
     import cifar10_recipes
     named = [k for k, v in vars(cifar10_recipes).items() if isinstance(v, cifar10_recipes.Recipe)]
-    assert "FAST94_FASTEST_OPTIMIZERS_APART" in named
+    assert "FAST94_CURRICULUM" in named
     assert [k for k in named if getattr(cf, k, None) is not getattr(cifar10_recipes, k)] == []
 
 
