@@ -190,15 +190,16 @@ def test_the_step_with_its_loss_in_the_forward_is_the_plain_step():
     r = cf.recipe("fast94_next", width=1 / 16, batch_size=16)
     net, twin, x, y = whitened_twins(r)
     with_loss = cf.WithLoss(twin, r.label_smoothing)
-    logits, loss = with_loss(x, y)
+    logits, loss, sums = with_loss(x, y)
     assert torch.equal(logits, net(x)) and torch.equal(with_loss(x), logits)
     assert torch.equal(loss, F.cross_entropy(logits.float(), y, label_smoothing=r.label_smoothing, reduction="sum"))
+    assert sums.tolist() == [loss.item(), (logits.argmax(1) == y).sum().item()]
     plain, fused = (optim.make_optimizers(m, r, own_rates=[tb.whitening_bias(m)])
                      for m in (net, twin))
     for opts in (plain, fused):
         optim.set_lr(opts, max(r.lr.values))
-    _, a = T.train_step(net, plain, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
-    _, b = T.train_step(with_loss, fused, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
+    a = T.train_step(net, plain, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)[0]
+    b = T.train_step(with_loss, fused, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)[0]
     assert torch.equal(a, b)
     assert all(torch.equal(p, q) for p, q in zip(net.parameters(), twin.parameters()))
 
@@ -213,8 +214,8 @@ def test_compiled_and_eager_steps_give_the_same_loss():
     for opts in (eager, compiled):
         optim.set_lr(opts, max(r.lr.values))
     for _ in range(3):
-        _, a = T.train_step(net, eager, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
-        _, b = T.train_step(forward, compiled, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
+        a = T.train_step(net, eager, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)[0]
+        b = T.train_step(forward, compiled, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)[0]
         assert b.item() == pytest.approx(a.item(), rel=1e-4)
     for p, q in zip(net.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
@@ -514,8 +515,8 @@ def test_compiled_step_gives_the_eager_loss_and_gradients():
     assert isinstance(step._orig_mod, cf.WithLoss) and compiled.eval_forward is step
     tb.fit_whitening(net, x, 16)
     twin = copy.deepcopy(net)
-    _, a = T.train_step(step, [], x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
-    _, b = T.train_step(twin, [], x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
+    a = T.train_step(step, [], x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)[0]
+    b = T.train_step(twin, [], x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)[0]
     assert a.item() == pytest.approx(b.item(), rel=1e-5)
     for p, q in zip(net.parameters(), twin.parameters()):
         assert (p.grad is None) == (q.grad is None)
