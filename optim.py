@@ -113,7 +113,8 @@ def muon_apply(params, updates, group, *, renorm, lr):
     """Each bank back to norm sqrt(rows) where renorm (a 0-d bool tensor; where false each scale is 1, and x × 1 is
     x), then its orthogonalised update at lr (a 0-d tensor) × sqrt(max(1, rows / cols)), the banks of each scale
     together, then the decoupled decay:  w = (w sqrt(rows) / |w| - lr scale u)(1 - lr weight_decay)"""
-    torch._foreach_mul_(params, [torch.where(renorm, p.norm().reciprocal() * len(p) ** 0.5, 1.0) for p in params])
+    norms = torch._foreach_norm(params)         # one ATen call for every bank: a few kernels, not one a bank
+    torch._foreach_mul_(params, [torch.where(renorm, n.reciprocal() * len(p) ** 0.5, 1.0) for n, p in zip(norms, params)])
     by_scale = {}
     for p, u in zip(params, updates):
         by_scale.setdefault(max(1.0, u.shape[0] / u.shape[1]) ** 0.5, []).append((p, u.view_as(p)))
@@ -126,7 +127,7 @@ def muon_apply(params, updates, group, *, renorm, lr):
 
 def renorm_due(step, last, renorm_every, total_steps):
     """Whether Muon renormalises at `step`, `last` the step it last did: every k steps, k from k0 to k1 over the run
-    (0: never); of Python numbers a bool, of 0-d tensors a 0-d tensor (the same arithmetic: x // 1 is int(x))."""
+    (0: never)."""
     k0, k1 = renorm_every
     return k0 > 0 and step - last >= k0 + (k1 - k0) * step / total_steps // 1
 
@@ -148,20 +149,12 @@ def sgd_foreach(params, buffers, rate, *, weight_decay, momentum, nesterov):
 
 def sgd_muon_step(sgd, muon, *, momentum, nesterov):
     """One step of every group, the rates 0-d tensors: SGD's, a (params, buffers, rate, unit, weight_decay) a group
-    (rate x unit its step size), and Muon's, muon (None, or (filters, buffers, rate, unit, clock, group): clock a
-    tensor of its step, last renormalisation and total steps, so that whether it renormalises is decided on the
-    device, and no run's length is a constant of the graph)."""
+    (rate x unit its step size), and Muon's, muon (None, or (filters, buffers, rate, unit, renorm, group): renorm a
+    0-d bool tensor, whether this step renormalises, so that neither it nor the rate changes the graph)."""
     for params, buffers, rate, unit, weight_decay in sgd:
         sgd_foreach(params, buffers, rate * unit, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
     if muon:
-        params, buffers, rate, unit, clock, group = muon
-        step, last, total = clock[0], clock[1], clock[2]        # views: their updates land in clock
-        step.add_(1)
-        renorm = renorm_due(step, last, group["renorm_every"], total)
-        if renorm is False:
-            renorm = torch.zeros((), dtype=torch.bool, device=step.device)
-        else:
-            last.copy_(torch.where(renorm, step, last))
+        params, buffers, rate, unit, renorm, group = muon
         updates = muon_updates(params, buffers, group)
         updates = orthogonalised(updates, params, group, newton_schulz_padded if group["batched"] else newton_schulz)
         muon_apply(params, updates, group, renorm=renorm, lr=rate * unit)
@@ -170,7 +163,9 @@ def sgd_muon_step(sgd, muon, *, momentum, nesterov):
 class SGDAndMuon(torch.optim.Optimizer):
     """The optimiser of a recipe with Muon (make_optimizers): its SGD groups and Muon's ("filters", muon_group)
     stepping as one function, sgd_muon_step, the rates 0-d tensors set_lr fills: compiled where Newton–Schulz is
-    (CUDA; one graph whatever the rates, a second once the whitening bias is detached), eager elsewhere."""
+    (CUDA; one graph whatever the rates, a second once the whitening bias is detached), eager elsewhere. Muon's
+    clock (its steps, its last renormalisation) is the host's: whether a step renormalises depends on the step alone,
+    and the device is told by a 0-d flag, filled where it changes (fill)."""
 
     def __init__(self, groups, *, momentum, nesterov, compile=None, compile_backend="inductor"):
         super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
@@ -185,12 +180,19 @@ class SGDAndMuon(torch.optim.Optimizer):
         # each group's (rate, unit), by position: the schedule's rate x its unit, or its own rate as set_lr fills it
         self.rates = [(own[id(g)], 1.0) if id(g) in own else (self.lr, g["lr_unit"]) for g in self.param_groups]
         muon = next((g for g in self.param_groups if g.get("name") == "filters"), None)
-        # Muon's settings the step reads (constants of its graph), and its clock: step, last renormalisation, total.
-        # One tensor, not three 0-d ones: torch 2.11's compile drops an in-place update of a 0-d float64 CPU input
+        # Muon's settings the step reads (constants of its graph), its clock and whether this step renormalises
         self.muon = muon and {k: muon[k] for k in MUON_STEP_SETTINGS}
-        self.clock = muon and torch.stack([scalar(), scalar(), scalar(muon["total_steps"])])
+        self.muon_steps = self.last_renorm = 0
+        self.renorm = torch.zeros((), dtype=torch.bool, device=device)
+        self.filled = {}                # id of a 0-d tensor: the value it was last filled with
         for g in self.param_groups:
             momentum_buffers(self.state, g["params"], g.get("momentum_dtype"))
+
+    def fill(self, scalar, value):
+        """scalar (a 0-d tensor of this optimiser) filled with value, unless it holds it already: a launch, no wait."""
+        if self.filled.get(id(scalar)) != value:
+            scalar.fill_(value)
+            self.filled[id(scalar)] = value
 
     def function(self):
         """sgd_muon_step, compiled or eager as `compile` and the device say."""
@@ -206,7 +208,11 @@ class SGDAndMuon(torch.optim.Optimizer):
                 continue
             buffers = [self.state[p]["momentum"] for p in params]
             if g.get("name") == "filters":
-                muon = (params, buffers, rate, unit, self.clock, self.muon)
+                self.muon_steps += 1
+                if renorm_due(self.muon_steps, self.last_renorm, g["renorm_every"], g["total_steps"]):
+                    self.last_renorm = self.muon_steps
+                self.fill(self.renorm, self.last_renorm == self.muon_steps)
+                muon = (params, buffers, rate, unit, self.renorm, self.muon)
             else:
                 sgd.append((params, buffers, rate, unit, g["weight_decay"]))
         self.function()(sgd, muon, momentum=self.defaults["momentum"], nesterov=self.defaults["nesterov"])
@@ -330,9 +336,9 @@ def set_lr(opts, lr, step=0, epoch=0.0):
     coming step, which RMSprop-to-SGD's hand-over reads."""
     for opt in opts:
         if isinstance(opt, SGDAndMuon):
-            opt.lr.fill_(lr)
+            opt.fill(opt.lr, lr)
             for g, rate in opt.own_rates:
-                rate.fill_(group_rate(g, lr, step))
+                opt.fill(rate, group_rate(g, lr, step))
             continue
         for g in opt.param_groups:
             g["lr"], g["epoch"] = group_rate(g, lr, step), epoch

@@ -45,10 +45,24 @@ from core import Parser  # noqa: E402
 RECORD = Path(__file__).resolve().parents[1] / "peers" / "cifar10-speedrun" / "cifar10_speedrun.py"
 RECORD_CLONE = "git clone https://github.com/hiverge/cifar10-speedrun peers/cifar10-speedrun"
 RECORD_BATCH = 1536
+RECORD_RUN_STEPS = 243          # its ceil(7.59 × len(train_loader)), 32 batches of 1,536 an epoch
+
+
+def record_renormalising_steps(total=RECORD_RUN_STEPS):
+    """How many of the record's steps its Muon renormalises the filters at: those a norm_freq of
+    2 + int(15 × step / total) or more after the last."""
+    last = count = 0
+    for step in range(1, total + 1):
+        if step - last >= 2 + int(15 * step / total):
+            last, count = step, count + 1
+    return count
 # Inductor as on a GPU: its realisation thresholds, and scatter-add generated (a GPU's atomic add) rather than left
 # to ATen, which the CPU's C++ backend alone does by default
 GPU_LOWERING = {**fusion_bytes.GPU_THRESHOLDS, ("inductor", "cpp.fallback_scatter_reduce_sum"): False}
 COUNT_BATCH = 13          # a prime that divides none of the network's sizes (fusion_bytes' choice)
+# a fallback that launches more than one kernel: ATen's _foreach_norm on its fast path (foreach_launches), its
+# tensors of one dtype and layout (a network's filters) and fewer than MAX_TENSORS[1]
+FALLBACK_LAUNCHES = {"_foreach_norm": 3}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -66,11 +80,15 @@ def scheduled(nodes, lists=()):
         if isinstance(node, NopKernelSchedulerNode):
             continue
         if not isinstance(node, ExternKernelSchedulerNode):
-            kernels.append({i for i, names in enumerate(lists) if names & set(node.get_operation_names())})
+            held = {i for i, names in enumerate(lists) if names & set(node.get_operation_names())}
+            if len({len(lists[i]) for i in held}) > 1:      # a GPU fuses foreach lists of one length alone
+                raise ValueError("a kernel holds foreach lists of different lengths: not counted as a GPU's")
+            kernels.append(held)
         elif not isinstance(node.node, ir.MultiOutput):
             extern += 1
             if isinstance(node.node, ir.FallbackKernel) or type(node.node).__name__.endswith("Fallback"):
                 fallbacks.append(str(node.node.op_overload).removeprefix("aten.").split(".")[0])
+                extern += FALLBACK_LAUNCHES.get(fallbacks[-1], 1) - 1
     merged = []                                      # kernels sharing a foreach list, joined
     for held in kernels:
         joined = [m for m in merged if m & held]
@@ -120,7 +138,8 @@ def training_graphs(loss_of, x, y):
 
 def recipe_network(name, *, width=1.0, side=32, batch=COUNT_BATCH, **changes):
     """(a function of (images, labels) to their summed loss as recipe `name`'s compiled step computes it (its network
-    in train mode, channels_last, bf16 autocast, the whitening bias detached), a batch of images and labels)."""
+    in train mode, channels_last, bf16 autocast, the whitening bias detached), a batch of bf16 images, as a GPU's
+    run holds them, and labels)."""
     r = cf.recipe(name, width=width, **changes)
     torch.manual_seed(0)
     net = tb.build_model(r, "cpu", memory_format=torch.channels_last).train()
@@ -133,7 +152,7 @@ def recipe_network(name, *, width=1.0, side=32, batch=COUNT_BATCH, **changes):
     def loss_of(x, y):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return step(x, y)[1]
-    x = torch.randn(batch, 3, side, side).to(memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, side, side, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
     return loss_of, x, torch.randint(0, 10, (batch,))
 
 
@@ -304,40 +323,41 @@ def as_cuda():
         yield
 
 
-def recipe_step(name, *, step=4, **changes):
-    """(CudaLaunches of recipe `name`'s step at `step` (the optimisers' state made at the first, graphs compiled),
-    from set_lr through its optimisers and the per-step metrics of cifar10_fast.train_run; its per-step outputs are
-    random), the network at full width, channels_last and float32 as on CUDA."""
+def recipe_steps(name, steps=21, **changes):
+    """[CudaLaunches of each of recipe `name`'s first `steps` steps], from set_lr through its optimisers and the sums
+    of cifar10_fast.train_run, the gradients random, the whitening bias detached (as after its first 0.19 epochs: one
+    compiled graph), the network at full width, channels_last and float32 as on CUDA, 243 steps a run."""
     r = cf.recipe(name, **changes)
     torch.manual_seed(0)
     model = tb.build_model(r, "cpu", memory_format=torch.channels_last)
     tb.fit_whitening(model, torch.randn(64, 3, 32, 32), 32)
-    bias = replace(tb.whitening_bias(model), until_step=1) if tb.whitening_bias(model) else None
+    bias = replace(tb.whitening_bias(model), until_step=0) if tb.whitening_bias(model) else None
     torch._dynamo.reset()
     compiled = lambda fn, backend="inductor": outside_the_mode(torch.compile(fn, backend=backend, dynamic=False))
     with as_cuda(), counting_graphs(), mock.patch.object(optim, "compiled", functools.cache(compiled)):
         opts = optim.make_optimizers(model, r, steps_per_epoch=32, own_rates=[bias])
-        logits, loss = torch.randn(r.batch_size, 10), torch.randn(())
-        y = torch.randint(0, 10, (r.batch_size,))
-        losses, correct = torch.zeros(()), torch.zeros(())
-        for k in range(step):
+        sums, step_sums = torch.zeros(2), torch.zeros(2)       # step_sums: the compiled step's output
+        counts = []
+        for k in range(steps):
             if bias:
                 bias.param.requires_grad_(k < bias.until_step)
             for p in model.parameters():
                 p.grad = torch.randn_like(p) if p.requires_grad else None
             with CudaLaunches() as count, count.graphs():
-                optim.set_lr(opts, max(r.lr.values) * (1 - k / 100), k)
+                optim.set_lr(opts, max(r.lr.values) * (1 - k / 243), k)
                 for opt in opts:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-                losses, correct = losses + loss, correct + (logits.argmax(1) == y).sum()
-    return count
+                sums = sums + step_sums                                 # cifar10_fast.train_run's sums
+            counts.append(count)
+    return counts
 
 
-def record_step(*, step=4, renorm=False):
-    """CudaLaunches of the record's step at `step` (or, renorm, the first at which its Muon rescales the filters):
-    its learning rates set, its fused SGD and its Muon stepping with its compiled Newton–Schulz, zero_grad; the
-    network at full size in fp16 and channels_last, as its main() builds it."""
+def record_steps(steps=6):
+    """{"plain", "renormalising"}: CudaLaunches of the record's last step of the first `steps` at which its Muon
+    renormalises the filters and of the last at which it does not: its learning rates set, its fused SGD and its Muon
+    stepping with its compiled Newton–Schulz, zero_grad; the network at full size in fp16 and channels_last, as its
+    main() builds it."""
     record = record_module()
     torch.manual_seed(0)
     model = record.CifarNet().to(memory_format=torch.channels_last)
@@ -346,25 +366,25 @@ def record_step(*, step=4, renorm=False):
     norm_biases = [p for n, p in model.named_parameters() if "norm" in n and p.requires_grad]
     sgd = torch.optim.SGD([dict(params=[model.whiten.bias], lr=0.0573), dict(params=norm_biases, lr=0.0573),
                            dict(params=[model.head.weight], lr=0.5415)], momentum=0.825, nesterov=True, fused=True)
-    muon = record.Muon(filters, lr=0.205, momentum=0.655, nesterov=True, total_train_steps=248,
+    muon = record.Muon(filters, lr=0.205, momentum=0.655, nesterov=True, total_train_steps=RECORD_RUN_STEPS,
                        weight_decay=1.0418e-6 * RECORD_BATCH)
     muon.param_groups[0]["momentum_buffer_dtype"] = torch.half
     torch._dynamo.reset()
     with counting_graphs(), mock.patch.object(record, "_zeropower_via_newtonschulz5",
                                               outside_the_mode(record._zeropower_via_newtonschulz5)):
-        for k in range(step + 8):
+        counts = {}
+        for k in range(steps):
             for p in model.parameters():        # the whitening bias detached, as after its first 0.19 epochs
                 p.grad = torch.randn_like(p) if p.requires_grad and p is not model.whiten.bias else None
-            renorms = muon.step_count + 1 - muon.last_norm_step >= 2 + int(15 * (muon.step_count + 1) / 248)
+            last = muon.last_norm_step
             with CudaLaunches() as count, count.graphs():
                 for i, group in enumerate(sgd.param_groups + muon.param_groups):
-                    group["lr"] = (0.0573, 0.0573, 0.5415, 0.205)[i] * (1 - k / 248)
+                    group["lr"] = (0.0573, 0.0573, 0.5415, 0.205)[i] * (1 - k / RECORD_RUN_STEPS)
                 for opt in (sgd, muon):
                     opt.step()
                     opt.zero_grad(set_to_none=True)
-            if k >= step - 1 and renorms == renorm:
-                return count
-    raise AssertionError("no step of that kind")
+            counts["renormalising" if muon.last_norm_step != last else "plain"] = count
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -391,14 +411,15 @@ def main(argv=None):
         print(f"error: {RECORD} is missing: {RECORD_CLONE} (or --no-record)", file=sys.stderr)
         return 2
     for name in args.recipes:
-        step = recipe_step(name)
-        print(f"{name}: {summary(training_graphs(*recipe_network(name)), step)}")
-        print(f"  launches by operation: {step.by_op}")
+        steps = recipe_steps(name)
+        print(f"{name}: {summary(training_graphs(*recipe_network(name)), steps[-1])}; by step "
+              f"{[s.launches for s in steps]}")
+        print(f"  launches by operation: {steps[-1].by_op}")
     if not args.no_record:
-        plain, renorm = record_step(), record_step(renorm=True)
-        print(f"the record: {summary(training_graphs(*record_network()), plain)}; {renorm.launches} at a step that "
-              "renormalises its filters")
-        print(f"  launches by operation: {plain.by_op}")
+        steps = record_steps()
+        print(f"the record: {summary(training_graphs(*record_network()), steps['plain'])}; "
+              f"{steps['renormalising'].launches} at a step that renormalises its filters")
+        print(f"  launches by operation: {steps['plain'].by_op}")
     return 0
 
 
