@@ -114,7 +114,8 @@ def muon_apply(params, updates, group, *, renorm, lr):
     x), then its orthogonalised update at lr (a 0-d tensor) × sqrt(max(1, rows / cols)), the banks of each scale
     together, then the decoupled decay:  w = (w sqrt(rows) / |w| - lr scale u)(1 - lr weight_decay)"""
     norms = torch._foreach_norm(params)         # one ATen call for every bank: a few kernels, not one a bank
-    torch._foreach_mul_(params, [torch.where(renorm, n.reciprocal() * len(p) ** 0.5, 1.0) for n, p in zip(norms, params)])
+    torch._foreach_mul_(params, [torch.where(renorm, n.reciprocal() * len(p) ** 0.5, 1.0)
+                                 for n, p in zip(norms, params)])
     by_scale = {}
     for p, u in zip(params, updates):
         by_scale.setdefault(max(1.0, u.shape[0] / u.shape[1]) ** 0.5, []).append((p, u.view_as(p)))
