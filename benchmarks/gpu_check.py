@@ -16,8 +16,8 @@ Device time, an estimate made before any GPU ran it (inputs: the H200's measured
 side_by_side command, 252 s for fast94 and 164 s for fast94_next, results/nvidia-h200/; fast94_next's 1.14 s a run;
 the record's own cold start taken as fast94_next's, its 6e9-cycle spin before each run about 3 s, its run 1.1 s):
 1 about 20 s; 2 about 165 + 25 x 1.2 + 165 + 25 x 4.5 = 470 s; 3 about 60 (fast94_next warm from the shared compile
-cache) + 150 (fast94_fastest's second resolution cold) + 30 (its compiled optimiser step, cold; not measured) + 30 x
-1.2 = 276 s: about 13 minutes in all, more than one call's 10. So --budget-s (default 540) stops it cleanly where
+cache) + 150 (fast94_fastest's second resolution cold) + 30 (its compiled optimiser step, cold; not measured) + 20 x
+1.2 = 264 s: about 13 minutes in all, more than one call's 10. So --budget-s (default 540) stops it cleanly where
 its estimate would overrun, and the same command in a second call goes on from the finished runs.
 """
 import argparse
