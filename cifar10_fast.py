@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 import devices
 # the recipes, re-exported: cf.recipe("fast94"), cf.FAST94, cf.RECIPES, cf.JOURNEY
-from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_FASTEST_OPTIMIZERS_APART,  # noqa: F401
-                             FAST94_MUON, FAST94_NEXT, FAST94_NEXT_LOWRES, FAST95, FAST96, JOURNEY, MYRTLE10, MYRTLE24,
+from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_MUON,  # noqa: F401
+                             FAST94_NEXT, FAST94_NEXT_LOWRES, FAST95, FAST96, JOURNEY, MYRTLE10, MYRTLE24,
                              RECIPES, Recipe, journey_recipes, measured, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, low_resolution,
                         upload_normalised, num_classes, pair, take_subset, dataset_on_device)
@@ -40,7 +40,7 @@ from settings import add_flags, as_flags, changes_from, check, command_text, fla
 from torch_backend import (TTASettings, build_model, fit_whitening, loss_and_accuracy, pools_to_one_pixel, tta_views,
                            whitening_bias)
 from training import (EpochClock, RunOptions, averaging, check_finite_loss, epoch_table,
-                      evaluation_model, profiled, run_seeds, strict_compile, train_step, warmup_calls)
+                      evaluation_model, profiled, run_seeds, step_sums, strict_compile, train_step, warmup_calls)
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -68,7 +68,7 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
                         steps_per_epoch=steps_per_epoch)
     step, hint = 0, f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
-        losses, correct, seen = torch.zeros((), device=device), torch.zeros((), device=device), 0
+        sums, seen = torch.zeros(2, device=device), 0         # the epoch's summed loss and correct predictions
         steps = min(steps_per_epoch, total_steps - step)          # the last epoch may be cut short
         # each epoch at its side in the resolution schedule (r.augment.resolution), resized in epoch_batches
         batches = islice(epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
@@ -78,15 +78,14 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
             set_lr(opts, lr, step)
             if bias and not ctx.distributed:        # DDP wants every gradient: the bias's rate goes to 0 instead
                 bias.param.requires_grad_(step < bias.until_step)
-            logits, loss = train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
-            step += 1
+            sums = sums + train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
+            step, seen = step + 1, seen + len(y)
             if average:
                 average.update(net.module, step, total_steps)
-            losses, correct, seen = losses + loss, correct + (logits.argmax(1) == y).sum(), seen + len(y)
         last = step == total_steps
         if r.lookahead and last:
             average.finish(net.module)           # lookahead: the slow weights end the run
-        clock.stop(torch.stack([losses, correct]), seen, epoch=epoch + 1, lr=lr)      # read where the host waits
+        clock.stop(sums, seen, epoch=epoch + 1, lr=lr)      # read where the host waits
         if clock.evaluates(epoch, last=last):
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
                 loss, acc = loss_and_accuracy(evaluation_model(net.eval_forward, average), data["test_images"],
@@ -170,8 +169,9 @@ def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10):
 
 
 class WithLoss(torch.nn.Module):
-    """The network, and given labels also its summed loss: compiled (compile_step), the forward and the loss are one
-    graph, and AOTAutograd compiles their backward as one graph with it. Called without labels it is the network."""
+    """The network, and given labels also its summed loss and training.step_sums: compiled (compile_step), the
+    forward, the loss and the sums are one graph, and AOTAutograd compiles their backward as one graph with it. Called
+    without labels it is the network."""
     takes_labels = True
 
     def __init__(self, net, label_smoothing):
@@ -182,8 +182,9 @@ class WithLoss(torch.nn.Module):
         logits = self.net(x)
         if y is None:
             return logits
-        return logits, F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=self.label_smoothing,
-                                       reduction="sum")
+        loss = F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=self.label_smoothing,
+                               reduction="sum")
+        return logits, loss, step_sums(logits, loss, y)
 
 
 def warmup(r, built, o, *, ctx, calls=1):

@@ -243,18 +243,10 @@ FAST94_NEXT_LOWRES = replace(FAST94_NEXT, name="fast94_next_lowres",
                              augment=replace(FAST94_NEXT.augment, resolution_schedule=(24, 24)))
 
 # Our fastest 94% attempt: fast94_next_lowres with 0.3 epochs more at 32 px, which win back the low-resolution epochs'
-# accuracy (94.07% +- 0.16 on the CPU, n = 13, at 0.242 PFLOP of training against fast94_next's 0.264). The switches
-# that keep fast94_next's per-step losses join it as they land; each stays an ablation beside it (docs/perf-notes.md).
+# accuracy (94.07% +- 0.16 on the CPU, n = 13, at 0.242 PFLOP of training against fast94_next's 0.264).
 # measured: not measured on a GPU; published: none (an idea of ours)
 FAST94_FASTEST = replace(FAST94_NEXT_LOWRES, name="fast94_fastest",
-                         doc="fast94_next_lowres for 7.89 epochs, the optimisers' step as one compiled function: our "
-                             "lower-FLOP schedule (target 94%)", epochs=7.89,
-                         sgd=replace(FAST94_NEXT_LOWRES.sgd, compile_optimizer=True))
-# its ablations: each with one switch left out
-# measured: not measured on a GPU; published: none (an idea of ours)
-FAST94_FASTEST_OPTIMIZERS_APART = replace(FAST94_FASTEST, name="fast94_fastest_optimizers_apart",
-                                          doc="fast94_fastest with SGD and Muon stepping apart, as fast94_next's do",
-                                          sgd=FAST94_NEXT_LOWRES.sgd)
+                         doc="fast94_next_lowres for 7.89 epochs: our lower-FLOP schedule (target 94%)", epochs=7.89)
 
 # A resolution curriculum and its tail (Fulcrum Research's E1, 2026, published: 94.05% in 1.828 s on an A100,
 # n = 200): fast94_fastest's first epochs at 24 then 28 px, the rest at 32, the rate linear to 5% of its peak at 8.5
@@ -276,12 +268,12 @@ FAST94_CURRICULUM = replace(FAST94_FASTEST, name="fast94_curriculum",
 RECIPES = {r.name: r for r in (MYRTLE24, MYRTLE10)}
 RECIPES.update(journey_recipes(JOURNEY))
 RECIPES.update({r.name: r for r in (FAST94, FAST95, FAST96, FAST94_MUON, FAST94_NEXT, FAST94_NEXT_LOWRES,
-                                      FAST94_FASTEST_OPTIMIZERS_APART, FAST94_FASTEST, FAST94_CURRICULUM)})
+                                      FAST94_FASTEST, FAST94_CURRICULUM)})
 
 
 # What each recipe's peer published (by its authors, not measured here), beside our figure on a GPU; the journey's
 # stages: Myrtle's V100 times (JOURNEY's published_v100_s).
-PUBLISHED = {
+PEERS_PUBLISHED = {
     "myrtle24": "94%, 79 s (V100, Myrtle)", "myrtle10": "94.1%, 26 s (V100, Myrtle)",
     "fast94": "94%, 3.83 s (A100, airbench94)", "fast95": "none quoted here (airbench95)",
     "fast96": "96.03%, 34.7 s (A100, airbench96)", "fast94_muon": "94.01%, 2.59 s (A100, airbench94_muon.py)",

@@ -76,103 +76,6 @@ class MuonSettings:
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
     momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"), doc="the dtype of Muon's momentum buffers")
     batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call (the record)")
-    foreach: bool = knob(True, doc="momentum, update, renormalisation and decay as foreach operations over the "
-                                    "banks: the same numbers in a few launches")
-
-
-# Ours: torch.optim.Muon is absent from torch 2.4 (which we support), takes 2-D weights only and averages momentum
-class Muon(torch.optim.Optimizer):
-    """Muon (Jordan et al. 2024): SGD momentum whose update of each weight matrix (a conv bank as out × in·k·k) is
-    orthogonalised by newton_schulz and scaled by sqrt(max(1, rows/cols)); decoupled weight_decay. renorm_every
-    (k0, k1; airbench94_muon): each bank back to norm sqrt(out) every k steps, k linear from k0 to k1 (0: never)."""
-
-    def __init__(self, params, lr, *, momentum=0.9, nesterov=True, ns_steps=5, ns_coeffs=MUON_COEFFS,
-                 renorm_every=(0, 0), total_steps=1, weight_decay=0.0, momentum_dtype=None, batched=False,
-                 foreach=False, compile=None, compile_backend="inductor"):
-        super().__init__(params, dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                                      ns_coeffs=tuple(ns_coeffs), renorm_every=tuple(renorm_every),
-                                      total_steps=total_steps, weight_decay=weight_decay,
-                                      momentum_dtype=momentum_dtype, batched=batched, foreach=foreach, step=0,
-                                      last_renorm=0))
-        self.compile, self.compile_backend = compile, compile_backend
-
-    def orthogonaliser(self, batched, device):
-        """newton_schulz_padded (batched) or newton_schulz, compiled or eager as `compile` and the device say."""
-        fn = newton_schulz_padded if batched else newton_schulz
-        on = devices.compiles_helpers(device) if self.compile is None else self.compile
-        return compiled(fn, self.compile_backend) if on else fn
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            # the step count lives in the group, so state_dict() carries it
-            group["step"] += 1
-            buffers = momentum_buffers(self.state, params, group["momentum_dtype"])
-            updates = (self.foreach_updates if group.get("foreach") else self.updates)(params, buffers, group)
-            updates = orthogonalised(updates, params, group, self.orthogonaliser(group["batched"], params[0].device))
-            renorm = renorm_due(group["step"], group["last_renorm"], group["renorm_every"], group["total_steps"])
-            if renorm:
-                group["last_renorm"] = group["step"]
-            (self.foreach_apply if group.get("foreach") else self.apply)(params, updates, group, renorm=renorm)
-
-    @staticmethod
-    def updates(params, buffers, group):
-        """Each bank's momentum buffer updated in place; its update (Nesterov's or the buffer), one tensor at a time."""
-        m, updates = group["momentum"], []
-        for p, buf in zip(params, buffers):
-            buf.mul_(m).add_(p.grad)
-            updates.append(p.grad.add(buf, alpha=m) if group["nesterov"] else buf)
-        return updates
-
-    @staticmethod
-    def foreach_updates(params, buffers, group):
-        """updates() as foreach operations over every bank at once: the same numbers, a few launches."""
-        grads, m = [p.grad for p in params], group["momentum"]
-        if buffers[0].dtype in (torch.float16, torch.bfloat16):   # a Python scalar would be rounded to their dtype
-            m = torch.full((), m, dtype=torch.float32, device=buffers[0].device)
-        torch._foreach_mul_(buffers, m)
-        torch._foreach_add_(buffers, grads)
-        return torch._foreach_add(grads, buffers, alpha=group["momentum"]) if group["nesterov"] else buffers
-
-    @staticmethod
-    def apply(params, updates, group, *, renorm):
-        """Each bank back to norm sqrt(rows) (renorm), then its orthogonalised update and decay, one at a time."""
-        if renorm:
-            for p in params:
-                p.mul_(len(p) ** 0.5 / p.norm())
-        for p, u in zip(params, updates):
-            p.add_(u.view_as(p), alpha=-group["lr"] * max(1.0, u.shape[0] / u.shape[1]) ** 0.5)
-            if group["weight_decay"]:
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-
-    @staticmethod
-    def foreach_apply(params, updates, group, *, renorm, lr=None):
-        """apply() as foreach operations, the banks of each update scale together: the same numbers, a few
-        launches (sqrt(rows) / norm is norm's reciprocal times sqrt(rows), as Python's float / tensor computes it).
-        lr: the group's, or a 0-d tensor; renorm: a bool, or a 0-d tensor (where false, each scale is 1: x * 1 is x)."""
-        lr = group["lr"] if lr is None else lr
-        if isinstance(renorm, torch.Tensor):        # sgd_muon_step's: each bank's norm, which Inductor fuses
-            torch._foreach_mul_(params, [torch.where(renorm, p.norm().reciprocal() * len(p) ** 0.5, 1.0)
-                                         for p in params])
-        elif renorm:
-            scales = torch._foreach_reciprocal(torch._foreach_norm(params))
-            torch._foreach_mul_(scales, [len(p) ** 0.5 for p in params])
-            torch._foreach_mul_(params, scales)
-        by_scale = {}
-        for p, u in zip(params, updates):
-            by_scale.setdefault(max(1.0, u.shape[0] / u.shape[1]) ** 0.5, []).append((p, u.view_as(p)))
-        for scale, pairs in by_scale.items():
-            banks, steps = [p for p, _ in pairs], [u for _, u in pairs]
-            if isinstance(lr, torch.Tensor):        # a tensor is no foreach alpha: the steps scaled first
-                torch._foreach_add_(banks, torch._foreach_mul(steps, (-lr * scale).to(steps[0].dtype)))
-            else:
-                torch._foreach_add_(banks, steps, alpha=-lr * scale)
-        if group["weight_decay"]:
-            decay = 1 - lr * group["weight_decay"]
-            torch._foreach_mul_(params, decay.to(params[0].dtype) if isinstance(lr, torch.Tensor) else decay)
 
 
 def momentum_buffers(state, params, dtype):
@@ -185,6 +88,17 @@ def momentum_buffers(state, params, dtype):
     return [state[p]["momentum"] for p in params]
 
 
+def muon_updates(params, buffers, group):
+    """Muon's momentum over every bank at once, its buffers updated in place; the updates (Nesterov's, or the buffers):
+        v = momentum v + g,  u = g + momentum v (nesterov) or v"""
+    grads, m = [p.grad for p in params], group["momentum"]
+    if buffers[0].dtype in (torch.float16, torch.bfloat16):   # a Python scalar would be rounded to their dtype
+        m = torch.full((), m, dtype=torch.float32, device=buffers[0].device)
+    torch._foreach_mul_(buffers, m)
+    torch._foreach_add_(buffers, grads)
+    return torch._foreach_add(grads, buffers, alpha=group["momentum"]) if group["nesterov"] else buffers
+
+
 def orthogonalised(updates, params, group, ns):
     """Each bank's update as a matrix (out × in·k·k) through ns (newton_schulz, or newton_schulz_padded with
     group["batched"]), in bfloat16, or float64 in a float64 run."""
@@ -195,9 +109,26 @@ def orthogonalised(updates, params, group, ns):
     return [ns(u, group["ns_steps"], group["ns_coeffs"], dtype=dtype) for u in updates]
 
 
+def muon_apply(params, updates, group, *, renorm, lr):
+    """Each bank back to norm sqrt(rows) where renorm (a 0-d bool tensor; where false each scale is 1, and x × 1 is
+    x), then its orthogonalised update at lr (a 0-d tensor) × sqrt(max(1, rows / cols)), the banks of each scale
+    together, then the decoupled decay:  w = (w sqrt(rows) / |w| - lr scale u)(1 - lr weight_decay)"""
+    norms = torch._foreach_norm(params)         # one ATen call for every bank: a few kernels, not one a bank
+    torch._foreach_mul_(params, [torch.where(renorm, n.reciprocal() * len(p) ** 0.5, 1.0)
+                                 for n, p in zip(norms, params)])
+    by_scale = {}
+    for p, u in zip(params, updates):
+        by_scale.setdefault(max(1.0, u.shape[0] / u.shape[1]) ** 0.5, []).append((p, u.view_as(p)))
+    for scale, pairs in by_scale.items():           # a tensor is no foreach alpha: the steps scaled first
+        banks, steps = [p for p, _ in pairs], [u for _, u in pairs]
+        torch._foreach_add_(banks, torch._foreach_mul(steps, (-lr * scale).to(steps[0].dtype)))
+    if group["weight_decay"]:
+        torch._foreach_mul_(params, (1 - lr * group["weight_decay"]).to(params[0].dtype))
+
+
 def renorm_due(step, last, renorm_every, total_steps):
     """Whether Muon renormalises at `step`, `last` the step it last did: every k steps, k from k0 to k1 over the run
-    (0: never); of Python numbers a bool, of 0-d tensors a 0-d tensor (the same arithmetic: x // 1 is int(x))."""
+    (0: never)."""
     k0, k1 = renorm_every
     return k0 > 0 and step - last >= k0 + (k1 - k0) * step / total_steps // 1
 
@@ -219,27 +150,23 @@ def sgd_foreach(params, buffers, rate, *, weight_decay, momentum, nesterov):
 
 def sgd_muon_step(sgd, muon, *, momentum, nesterov):
     """One step of every group, the rates 0-d tensors: SGD's, a (params, buffers, rate, unit, weight_decay) a group
-    (rate x unit its step size), and Muon's, muon (None, or (filters, buffers, rate, unit, clock, group): clock a
-    tensor of its step, last renormalisation and total steps, so that whether it renormalises is decided on the
-    device, and no run's length is a constant of the graph)."""
+    (rate x unit its step size), and Muon's, muon (None, or (filters, buffers, rate, unit, renorm, group): renorm a
+    0-d bool tensor, whether this step renormalises, so that neither it nor the rate changes the graph)."""
     for params, buffers, rate, unit, weight_decay in sgd:
         sgd_foreach(params, buffers, rate * unit, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
     if muon:
-        params, buffers, rate, unit, clock, group = muon
-        step, last, total = clock[0], clock[1], clock[2]        # views: their updates land in clock
-        step.add_(1)
-        renorm = renorm_due(step, last, group["renorm_every"], total)
-        if renorm is not False:
-            last.copy_(torch.where(renorm, step, last))
-        updates = Muon.foreach_updates(params, buffers, group)
+        params, buffers, rate, unit, renorm, group = muon
+        updates = muon_updates(params, buffers, group)
         updates = orthogonalised(updates, params, group, newton_schulz_padded if group["batched"] else newton_schulz)
-        Muon.foreach_apply(params, updates, group, renorm=renorm, lr=rate * unit)
+        muon_apply(params, updates, group, renorm=renorm, lr=rate * unit)
 
 
 class SGDAndMuon(torch.optim.Optimizer):
-    """make_optimizers' SGD groups and Muon's ("filters") stepping as one function, sgd_muon_step, the rates 0-d
-    tensors set_lr fills: compiled where Newton–Schulz is (CUDA; one graph whatever the rates, a second once the
-    whitening bias is detached), eager elsewhere. The two optimisers' numbers within rounding."""
+    """The optimiser of a recipe with Muon (make_optimizers): its SGD groups and Muon's ("filters", muon_group)
+    stepping as one function, sgd_muon_step, the rates 0-d tensors set_lr fills: compiled where Newton–Schulz is
+    (CUDA; one graph whatever the rates, a second once the whitening bias is detached), eager elsewhere. Muon's
+    clock (its steps, its last renormalisation) is the host's: whether a step renormalises depends on the step alone,
+    and the device is told by a 0-d flag, filled where it changes (fill)."""
 
     def __init__(self, groups, *, momentum, nesterov, compile=None, compile_backend="inductor"):
         super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
@@ -254,12 +181,19 @@ class SGDAndMuon(torch.optim.Optimizer):
         # each group's (rate, unit), by position: the schedule's rate x its unit, or its own rate as set_lr fills it
         self.rates = [(own[id(g)], 1.0) if id(g) in own else (self.lr, g["lr_unit"]) for g in self.param_groups]
         muon = next((g for g in self.param_groups if g.get("name") == "filters"), None)
-        # Muon's settings the step reads (constants of its graph), and its clock: step, last renormalisation, total.
-        # One tensor, not three 0-d ones: torch 2.11's compile drops an in-place update of a 0-d float64 CPU input
+        # Muon's settings the step reads (constants of its graph), its clock and whether this step renormalises
         self.muon = muon and {k: muon[k] for k in MUON_STEP_SETTINGS}
-        self.clock = muon and torch.stack([scalar(), scalar(), scalar(muon["total_steps"])])
+        self.muon_steps = self.last_renorm = 0
+        self.renorm = torch.zeros((), dtype=torch.bool, device=device)
+        self.filled = {}                # id of a 0-d tensor: the value it was last filled with
         for g in self.param_groups:
             momentum_buffers(self.state, g["params"], g.get("momentum_dtype"))
+
+    def fill(self, scalar, value):
+        """scalar (a 0-d tensor of this optimiser) filled with value, unless it holds it already: a launch, no wait."""
+        if self.filled.get(id(scalar)) != value:
+            scalar.fill_(value)
+            self.filled[id(scalar)] = value
 
     def function(self):
         """sgd_muon_step, compiled or eager as `compile` and the device say."""
@@ -275,13 +209,39 @@ class SGDAndMuon(torch.optim.Optimizer):
                 continue
             buffers = [self.state[p]["momentum"] for p in params]
             if g.get("name") == "filters":
-                muon = (params, buffers, rate, unit, self.clock, self.muon)
+                self.muon_steps += 1
+                if renorm_due(self.muon_steps, self.last_renorm, g["renorm_every"], g["total_steps"]):
+                    self.last_renorm = self.muon_steps
+                self.fill(self.renorm, self.last_renorm == self.muon_steps)
+                muon = (params, buffers, rate, unit, self.renorm, self.muon)
             else:
                 sgd.append((params, buffers, rate, unit, g["weight_decay"]))
         self.function()(sgd, muon, momentum=self.defaults["momentum"], nesterov=self.defaults["nesterov"])
 
 
 MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "renorm_every", "weight_decay")
+
+
+def muon_group(filters, *, lr_unit=1.0, momentum=0.9, nesterov=True, ns_steps=5, ns_coeffs=MUON_COEFFS,
+               renorm_every=(0, 0), total_steps=1, weight_decay=0.0, momentum_dtype=None, batched=False):
+    """SGDAndMuon's parameter group of Muon for the conv filters: orthogonalised momentum, each bank's update (out ×
+    in·k·k) by newton_schulz and scaled by sqrt(max(1, rows/cols)); decoupled weight_decay; renorm_every (k0, k1;
+    airbench94_muon): each bank back to norm sqrt(out) every k steps, k linear from k0 to k1 over total_steps (0:
+    never)."""
+    return {"params": list(filters), "name": "filters", "lr_unit": lr_unit, "until_step": None, "momentum": momentum,
+            "nesterov": nesterov, "ns_steps": ns_steps, "ns_coeffs": tuple(ns_coeffs),
+            "renorm_every": tuple(renorm_every), "total_steps": total_steps, "weight_decay": weight_decay,
+            "momentum_dtype": momentum_dtype, "batched": batched}
+
+
+# Ours: torch.optim.Muon is absent from torch 2.4 (which we support), takes 2-D weights only and averages momentum
+def Muon(filters, lr, *, compile=None, compile_backend="inductor", **settings):  # noqa: N802 (an optimiser's name)
+    """An SGDAndMuon of Muon alone (muon_group's settings) at the rate lr: the one Muon step, for a network's
+    filters on their own."""
+    opt = SGDAndMuon([muon_group(filters, **settings)], momentum=0.0, nesterov=False, compile=compile,
+                     compile_backend=compile_backend)
+    opt.lr.fill_(lr)
+    return opt
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -297,8 +257,6 @@ class SGDSettings:
     nesterov: bool = knob(True, doc="Nesterov's momentum")
     weight_decay: float = knob(5e-4, low=0, doc="the weight decay (in --lr-units)")
     bias_lr_mult: float = knob(1.0, low=0, doc="batch norm's biases learn at this times the rate")
-    compile_optimizer: bool = knob(False, doc="SGD's and Muon's steps as one function of foreach operations, the "
-                                   "rates 0-d tensors (SGDAndMuon), compiled on CUDA")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -323,8 +281,8 @@ MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=()):
     """The optimisers of a run of recipe r (set_lr sets their steps from the schedule's lr): SGD on the summed loss of b
-    images a rank of `world`, in units by r.sgd.lr_units (docs/cifar10.md), and Muon (r.muon) for the conv filters;
-    with r.sgd.compile_optimizer, both as one SGDAndMuon. own_rates: OwnRate, a group each (None: none).
+    images a rank of `world`, in units by r.sgd.lr_units (docs/cifar10.md), and Muon (r.muon) for the conv filters,
+    the two as one SGDAndMuon. own_rates: OwnRate, a group each (None: none).
         SGD lr = lr x unit x scale,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
         decay per step = lr x unit x wd x b (myrtle), / peak otherwise;  Muon lr = muon.lr x lr / peak
         scale = bias_lr_mult (batch-norm biases), an own rate's lr_mult to its until_step (to 0 if linear), 1
@@ -344,13 +302,11 @@ def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=()):
                    "until_step": None} for k, scale in (("weights", 1.0), ("bn_biases", sgd.bias_lr_mult)) if groups[k]]
     groups_sgd += [{"params": [o.param], "lr_unit": unit * o.lr_mult, "weight_decay": decay(o.lr_mult), "name": o.name,
                     "peak": peak, "until_step": o.until_step, "linear": o.linear} for o in own_rates]
-    muon = [muon_for(groups["filters"], r, steps_per_epoch=steps_per_epoch, world=world)] if groups["filters"] else []
-    if sgd.compile_optimizer:
-        return [SGDAndMuon(groups_sgd + [g for opt in muon for g in opt.param_groups], momentum=m,
-                           nesterov=sgd.nesterov)]
+    if groups["filters"]:
+        return [SGDAndMuon(groups_sgd + [muon_for(groups["filters"], r, steps_per_epoch=steps_per_epoch, world=world)],
+                           momentum=m, nesterov=sgd.nesterov)]
     device = next(model.parameters()).device
-    return [torch.optim.SGD(groups_sgd, lr=0.0, momentum=m, nesterov=sgd.nesterov, **devices.sgd_options(device)),
-            *muon]
+    return [torch.optim.SGD(groups_sgd, lr=0.0, momentum=m, nesterov=sgd.nesterov, **devices.sgd_options(device))]
 
 
 def check_own_rates(model, own_rates):
@@ -366,13 +322,13 @@ def check_own_rates(model, own_rates):
 
 
 def muon_for(filters, r, *, steps_per_epoch, world):
-    """Muon with the settings r.muon for the filters, at muon.lr x the schedule's lr / its peak."""
+    """muon_group of the filters with the settings r.muon, at muon.lr x the schedule's lr / its peak."""
     muon, bs = r.muon, r.batch_size // world
-    return Muon([{"params": filters, "lr_unit": muon.lr / max(r.lr.values), "name": "filters", "until_step": None}],
-                lr=0.0, momentum=muon.momentum, nesterov=r.sgd.nesterov, ns_steps=muon.ns_steps,
-                ns_coeffs=muon.ns_coeffs, renorm_every=muon.renorm_every,
-                total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)), weight_decay=muon.weight_decay * bs * world,
-                momentum_dtype=MOMENTUM_DTYPES[muon.momentum_dtype], batched=muon.batched, foreach=muon.foreach)
+    return muon_group(filters, lr_unit=muon.lr / max(r.lr.values), momentum=muon.momentum, nesterov=r.sgd.nesterov,
+                      ns_steps=muon.ns_steps, ns_coeffs=muon.ns_coeffs, renorm_every=muon.renorm_every,
+                      total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)),
+                      weight_decay=muon.weight_decay * bs * world, momentum_dtype=MOMENTUM_DTYPES[muon.momentum_dtype],
+                      batched=muon.batched)
 
 
 def set_lr(opts, lr, step=0, epoch=0.0):
@@ -381,9 +337,9 @@ def set_lr(opts, lr, step=0, epoch=0.0):
     coming step, which RMSprop-to-SGD's hand-over reads."""
     for opt in opts:
         if isinstance(opt, SGDAndMuon):
-            opt.lr.fill_(lr)
+            opt.fill(opt.lr, lr)
             for g, rate in opt.own_rates:
-                rate.fill_(group_rate(g, lr, step))
+                opt.fill(rate, group_rate(g, lr, step))
             continue
         for g in opt.param_groups:
             g["lr"], g["epoch"] = group_rate(g, lr, step), epoch

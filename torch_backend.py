@@ -176,14 +176,12 @@ def final_max_pool(net):
 
 
 class GlobalMaxPool(nn.Module):
-    """The maximum over each channel's map, whatever its size. Under --deterministic (torch's deterministic
-    algorithms) it is amax, whose backward has a deterministic CUDA version; otherwise adaptive max-pooling, the
-    same maximum, whose backward is one kernel (with atomic adds on a GPU) where amax's is several."""
+    """The maximum over each channel's map, whatever its size, as amax: Inductor compiles its backward (the gradient to
+    the maximum, shared equally among ties) into its own kernels, deterministic on CUDA, where adaptive max-pooling's
+    backward is left to ATen's kernel (atomic adds on a GPU, which Inductor cannot fuse)."""
 
     def forward(self, x):
-        if torch.are_deterministic_algorithms_enabled():
-            return x.amax((2, 3), keepdim=True)
-        return F.adaptive_max_pool2d(x, 1)
+        return x.amax((2, 3), keepdim=True)
 
 
 @dataclass(frozen=True)

@@ -41,20 +41,27 @@ class RunOptions:
 
 def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
     """One step on the batch-summed loss (CIFAR-10's; ImageNet's is imagenet_fast.accumulated_step): forward (with its
-    loss, when forward computes it: cifar10_fast.WithLoss), backward, every optimiser. Returns the logits and the
-    batch's summed loss, detached (nothing waits for them)."""
+    loss and step_sums, when forward computes them: cifar10_fast.WithLoss), backward, every optimiser. Returns
+    step_sums (nothing waits for them)."""
     with devices.autocast(x.device, dtype):
         if getattr(forward, "takes_labels", False):
-            logits, loss = forward(x, y)
+            _, loss, sums = forward(x, y)
         else:
             logits = forward(x)
             loss = F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=label_smoothing,
                                    reduction="sum")
+            sums = step_sums(logits, loss, y)
     loss.backward()
     for opt in optimizers:
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return logits.detach(), loss.detach()
+    return sums
+
+
+def step_sums(logits, loss, y):
+    """[the batch's summed loss, its correct predictions], detached, in the loss's dtype (counts exact below 2^24):
+    what an epoch adds up for its table, inside a compiled step's graph where it has one."""
+    return torch.stack([loss.detach(), (logits.detach().argmax(1) == y).sum().to(loss.dtype)])
 
 
 def check_finite_loss(mean_loss, *, epoch, hint):

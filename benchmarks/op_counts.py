@@ -6,18 +6,16 @@ CPU, counted by a dispatch mode (the count depends on neither the batch nor the 
               optim.py has it (foreach operations) and as the per-tensor loops it replaced (kept below as references)
   blurpool    forward and backward of rn50_16ep's ResNet-50 with BlurPool as imagenet_models builds it (one zero-padded
               depthwise convolution, as FFCV's) and with the reflection-padded BlurPool it replaced (re-created below)
-  cifar10     one opt.step() of each CIFAR-10 optimiser of fast94, fast94_muon and fast94_next (full width): SGD as
-              the CPU runs it and fused (as CUDA runs it), Muon eager as a loop over the filter banks and as foreach
-              operations (--muon-foreach), and the Newton–Schulz share of Muon's (compiled on CUDA)
   cifar10_flops  the FLOPs of a run (cifar10_fast.count_flops, CIFAR-10's shapes) of the recipes with a resolution
               schedule and of the curriculum's alternatives: the steps at each side, training and the whole run
 
     python benchmarks/op_counts.py --out results/<machine>/op_counts.json
     python benchmarks/op_counts.py --flops --out results/<machine>/op_counts.json    # cifar10_flops alone, the rest kept
+
+A CIFAR-10 training step's kernels, as CUDA launches them, are counted by benchmarks/step_counts.py.
 """
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
@@ -29,8 +27,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import cifar10_fast as cf  # noqa: E402
 import imagenet_models  # noqa: E402
 import imagenet_recipes  # noqa: E402
-import optim  # noqa: E402
-import torch_backend as tb  # noqa: E402
 from core import Parser, write_json  # noqa: E402
 
 
@@ -142,106 +138,6 @@ def blurpool_operations(blur=imagenet_models.BlurPool):
     return count.n
 
 
-def counted(fn, counts):
-    """fn, appending the Count of each call to `counts`."""
-    def call(*args, **kwargs):
-        with Count() as count:
-            out = fn(*args, **kwargs)
-        counts.append(count)
-        return out
-    return call
-
-
-CIFAR_RECIPES = ("fast94", "fast94_muon", "fast94_next")
-
-
-def cifar_step_operations(name, *, fused, step=3, **changes):
-    """{"sgd", "muon", "newton_schulz"} and each's "_launches": the aten operations of recipe `name`'s opt.step() at
-    `step` (its state made at the first; fast94_next renormalises at the second, not the third), random gradients,
-    SGD fused (as on CUDA) or not (the CPU's), Muon eager with its Newton–Schulz share (compiled on CUDA)."""
-    r = cf.recipe(name, **changes)
-    torch.manual_seed(0)
-    model = tb.build_model(r, "cpu")
-    tb.fit_whitening(model, torch.randn(64, 3, 32, 32), 32)
-    with mock.patch.object(optim.devices, "sgd_options", lambda device: {"fused": True} if fused else {}):
-        opts = optim.make_optimizers(model, r, steps_per_epoch=32,
-                                     own_rates=[replace(tb.whitening_bias(model), until_step=step)])
-    ns = []
-    for k in range(step):
-        optim.set_lr(opts, max(r.lr.values), k)
-        for p in model.parameters():
-            p.grad = torch.randn_like(p) if p.requires_grad else None
-        ns.clear()
-        counts = []
-        batched = "newton_schulz_padded" if r.muon and r.muon.batched else "newton_schulz"
-        with mock.patch.object(optim, batched, counted(getattr(optim, batched), ns)):
-            for opt in opts:
-                with Count() as count:
-                    opt.step()
-                counts.append(count)
-    muon = counts[1] if len(counts) > 1 else None
-    return {"sgd": counts[0].n, "sgd_launches": counts[0].launches, "muon": muon and muon.n,
-            "muon_launches": muon and muon.launches, "newton_schulz": muon and sum(c.n for c in ns),
-            "newton_schulz_launches": muon and sum(c.launches for c in ns)}
-
-
-def compiled_kernels(step):
-    """{"graph_calls", "kernels", "library_calls", "outside", "outside_launches", "guard_reads"}: what one call of step
-    runs, seen by torch.profiler with Inductor's CPU kernels recorded (compile first, inside kernel_profile()): the
-    torch.compile'd graphs called, the kernels they run (Inductor's own; library calls: matmuls and fallbacks), the
-    aten operations run outside them (of which launches: not views) and those of dynamo's guards (reads of 0-d float64
-    CPU tensors, which it treats as numbers; a CUDA tensor it does not read)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    counts = dict.fromkeys(("graph_calls", "kernels", "library_calls", "outside", "outside_launches", "guard_reads"), 0)
-    for e in prof.events():
-        parents = []
-        parent = e.cpu_parent
-        while parent is not None:
-            parents.append(parent.name)
-            parent = parent.cpu_parent
-        in_graph = parents and parents[0].startswith("## Call CompiledFxGraph")
-        if e.name.startswith("## Call CompiledFxGraph"):
-            counts["graph_calls"] += 1
-        elif in_graph:
-            counts["kernels" if "cpp_fused" in e.name else "library_calls"] += 1
-        elif e.name.startswith("aten::") and not any(n.startswith(("aten::", "## Call")) for n in parents):
-            guard = "TorchDynamo Cache Lookup" in parents
-            counts["guard_reads" if guard else "outside"] += 1
-            op = getattr(torch.ops.aten, e.name[6:])
-            counts["outside_launches"] += not guard and not any(getattr(op, o).is_view for o in op.overloads())
-    return counts
-
-
-def kernel_profile():
-    """Inductor's generated CPU kernels recorded by torch.profiler (set while a graph compiles)."""
-    import torch._inductor.config
-    return torch._inductor.config.patch({"cpp.enable_kernel_profile": True})
-
-
-def one_step_operations(name, *, one_step, step=3, **changes):
-    """compiled_kernels of recipe name's optimisers' step at `step` (as cifar_step_operations) compiled by Inductor on
-    this CPU as on CUDA: with one_step, SGDAndMuon's one function (--compile-optimizer); without, fused SGD beside Muon
-    with its Newton–Schulz compiled. Also "set_lr": the aten operations of set_lr (its fills)."""
-    torch._dynamo.reset()
-    r = cf.recipe(name, compile_optimizer=one_step, **changes)
-    torch.manual_seed(0)
-    model = tb.build_model(r, "cpu")
-    with mock.patch.object(optim.devices, "sgd_options", lambda device: {"fused": True}), \
-            mock.patch.object(optim.devices, "compiles_helpers", lambda device: True):
-        opts = optim.make_optimizers(model, r, steps_per_epoch=32,
-                                     own_rates=[replace(tb.whitening_bias(model), until_step=step)])
-    with kernel_profile(), mock.patch.object(optim.devices, "compiles_helpers", lambda device: True):
-        for k in range(step):
-            set_lr = lambda: optim.set_lr(opts, max(r.lr.values) * (1 - k / 10), k)
-            counts = {"set_lr": compiled_kernels(set_lr)["outside"]}
-            for p in model.parameters():
-                p.grad = torch.randn_like(p) if p.requires_grad else None
-            counts.update(compiled_kernels(lambda: [opt.step() for opt in opts]))
-    return counts
-
-
 # (recipe, its changes): the recipes that train at more than one side, and the curriculum's alternatives
 SCHEDULES = [("fast94_next", {}), ("fast94_next_lowres", {}), ("fast94_fastest", {}), ("fast94_curriculum", {}),
              ("fast94_curriculum", {"epochs": 7.89}), ("fast94_curriculum", {"epochs": 8.5}),
@@ -269,8 +165,7 @@ def schedule_flops():
 
 
 def measure():
-    """{"optimisers": [rows], "blurpool": [rows], "cifar10": [rows], "cifar10_one_step": [rows]} of operation
-    counts."""
+    """{"optimisers": [rows], "blurpool": [rows], "cifar10_flops": [rows]} of operation and FLOP counts."""
     backward, sgd = step_operations("goyal_8k", fused_sgd)
     rows = [{"step": "forward and backward alone", "ours": backward, "loop": None},
             {"step": "SGD, fused=True (what CUDA runs)", "ours": sgd, "loop": None}]
@@ -281,15 +176,7 @@ def measure():
              "operations": blurpool_operations()},
             {"blurpool": "reflection pad, then an unpadded convolution (the one it replaced)",
              "operations": blurpool_operations(ReflectBlurPool)}]
-    cifar = [{"recipe": name, "fused_sgd": fused, "muon_foreach": False,
-              **cifar_step_operations(name, fused=fused, **({"muon_foreach": False} if name != "fast94" else {}))}
-             for name in CIFAR_RECIPES for fused in (False, True)]
-    cifar += [{"recipe": name, "fused_sgd": True, "muon_foreach": True,
-               **cifar_step_operations(name, fused=True, muon_foreach=True)} for name in CIFAR_RECIPES[1:]]
-    one_step = [{"recipe": "fast94_next", "one_step": one, **one_step_operations("fast94_next", one_step=one)}
-                for one in (False, True)]
-    return {"optimisers": rows, "blurpool": blur, "cifar10": cifar, "cifar10_one_step": one_step,
-            "cifar10_flops": schedule_flops()}
+    return {"optimisers": rows, "blurpool": blur, "cifar10_flops": schedule_flops()}
 
 
 def print_schedule_flops(rows):
@@ -321,19 +208,6 @@ def main(argv=None):
         print(f"{row['step']:34s} {row['ours']:6d}" + (f"  (as a loop: {row['loop']})" if row["loop"] else ""))
     for row in result["blurpool"]:
         print(f"BlurPool, {row['blurpool']}: {row['operations']}")
-    print("one opt.step() of each CIFAR-10 optimiser: aten operations (of which kernel launches)")
-    for row in result["cifar10"]:
-        print(f"{row['recipe']:12s} SGD{' fused' if row['fused_sgd'] else ''} {row['sgd']} ({row['sgd_launches']})"
-              + (f"; Muon{' foreach' if row['muon_foreach'] else ''} {row['muon']} ({row['muon_launches']}), "
-                 f"Newton–Schulz {row['newton_schulz']} ({row['newton_schulz_launches']}) of them"
-                 if row["muon"] else ""))
-    print("one step of fast94_next's optimisers, compiled by Inductor on this CPU as on CUDA: operations outside "
-          "compiled graphs (of which kernel launches); compiled-graph calls and the kernels they run")
-    for row in result["cifar10_one_step"]:
-        print(f"{'SGD and Muon as one step' if row['one_step'] else 'fused SGD, Muon, Newton–Schulz compiled':40s} "
-              f"set_lr {row['set_lr']}; step {row['outside']} ({row['outside_launches']}) outside, "
-              f"{row['graph_calls']} graph call(s): {row['kernels']} Inductor kernels + {row['library_calls']} library "
-              f"calls; {row['guard_reads']} guard reads")
     print_schedule_flops(result["cifar10_flops"])
     if args.out:
         import machine

@@ -904,7 +904,7 @@ def t_recipes(results):
     import cifar10_recipes as cr
     ours, stages = ours_on_a_gpu(results), {s["name"] for s in cr.JOURNEY}
     rows = [[f"`{name}`", r.doc, ours.get(name, "not measured on a GPU"),
-             cr.PUBLISHED.get(name, "none (an idea of ours)")]
+             cr.PEERS_PUBLISHED.get(name, "none (an idea of ours)")]
             for name, r in cr.RECIPES.items() if name not in stages]
     return table(["recipe", "what", "ours on a GPU (mean accuracy, time, device, n, code)",
                   "published by its peer (not measured here)"], rows)
@@ -912,13 +912,13 @@ def t_recipes(results):
 
 def with_measured(source, results):
     """cifar10_recipes.py's source with the line above each recipe's definition its evidence: our figure on a GPU (or
-    "not measured on a GPU") and the one its peer published (cifar10_recipes.PUBLISHED)."""
+    "not measured on a GPU") and the one its peer published (cifar10_recipes.PEERS_PUBLISHED)."""
     import cifar10_recipes as cr
     ours, lines = ours_on_a_gpu(results), source.split("\n")
     for name, i in sorted(cr.definitions(lines).items(), key=lambda item: -item[1]):
         indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
         line = (f"{indent}# measured: {ours.get(name, 'not measured on a GPU')}; published: "
-                f"{cr.PUBLISHED.get(name, 'none (an idea of ours)')}")
+                f"{cr.PEERS_PUBLISHED.get(name, 'none (an idea of ours)')}")
         if i and cr.MEASURED.match(lines[i - 1]):
             lines[i - 1] = line
         else:

@@ -68,9 +68,9 @@ CPU_ACCURACY = {"fast94_next": 13, "fast94": 13, "fast94_muon": 13, "fast94_next
                 "fast94_next_lowres --epochs 7.89": 13}
 SMOKE_CIFAR = ["--subset", "256", "--epochs", "1", "--width", "0.0625", "--batch-size", "64"]
 # fast94_fastest's piece: fast94_next, then fast94_fastest, then each ablation (fast94_fastest with one switch left out,
-# a recipe of its own), all in turn in one process. Its switches: the lower-FLOP schedule, whose ablation is
-# fast94_next itself, and the optimisers' step as one compiled function (--compile-optimizer).
-FASTEST_SIDES = ("fast94_next", "fast94_fastest", "fast94_fastest_optimizers_apart")
+# a recipe of its own), all in turn in one process. Its switch: the lower-FLOP schedule, whose ablation is fast94_next
+# itself.
+FASTEST_SIDES = ("fast94_next", "fast94_fastest")
 # The peers' sides in compare.py's names: the record's is hiverge's (cifar10_speedrun.py), kept here as "record"
 COMPARE_SIDE = {"record": "hiverge"}
 # fast94 with each trick switched off in turn, as settings by flag name (cf.recipe("fast94", **changes)): what the

@@ -331,7 +331,9 @@ class StandIn(TorchFunctionMode):
         time (loaded, or autotuned, then)."""
         self.counts["gpu_ops"] += 1
         self.ops[name] += 1
-        shapes = tuple((t.dtype, tuple(t.shape)) for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor))
+        # a nested tensor (torchvision's batched decode) has no one shape: its components' count stands for it
+        shapes = tuple((t.dtype, tuple(t.shape) if not t.is_nested else ('nested', t.size(0)))
+                       for t in tree_flatten(tensors)[0] if isinstance(t, torch.Tensor))
         self.kernels[(name, *shapes)] += 1
         if self.peaks:
             self.peak = max(self.peak, sum(self.allocated(i) for i in range(self.gpus)))

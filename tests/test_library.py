@@ -49,7 +49,7 @@ def test_cifar10_fast_re_exports_every_named_recipe():
     """cf.FAST94 and its kin: each recipe cifar10_recipes.py names, the same object, from the script's module."""
     import cifar10_recipes
     named = [k for k, v in vars(cifar10_recipes).items() if isinstance(v, cifar10_recipes.Recipe)]
-    assert "FAST94_FASTEST_OPTIMIZERS_APART" in named
+    assert "FAST94_CURRICULUM" in named
     assert [k for k in named if getattr(cf, k, None) is not getattr(cifar10_recipes, k)] == []
 
 
@@ -171,9 +171,6 @@ def test_deterministic_runs_with_one_seed_have_identical_parameters(npz, determi
     for recipe in ("fast94", "myrtle10"):
         a, b = (cf.train(recipe, data=npz, seed=3, **TINY).model.state_dict() for _ in range(2))
         assert all(torch.equal(a[k], b[k]) for k in a)
-    # the same maximum either way; under deterministic algorithms through amax, whose CUDA backward is deterministic
-    x = torch.randn(4, 8, 5, 5)
-    torch.testing.assert_close(tb.GlobalMaxPool()(x), torch.nn.AdaptiveMaxPool2d(1)(x), rtol=0, atol=0)
 
 
 def test_a_long_epoch_shows_its_progress_on_stderr(npz, capsys, monkeypatch):

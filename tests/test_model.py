@@ -192,3 +192,19 @@ def test_flip_tta_averages_logits_of_image_and_mirror():
     loss, acc = tb.loss_and_accuracy(model, x, y, tta=tb.TTASettings(views="flip"), batch_size=4)
     assert loss == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
     assert acc == pytest.approx((logits.argmax(1) == y).float().mean().item())
+
+
+def test_global_max_pool_is_adaptive_max_pooling_and_shares_a_ties_gradient():
+    """The maximum of each map, and its gradient to the maximum, as adaptive max-pooling's (no ties: random maps);
+    a tie (a map of equal values) shares the gradient equally, where adaptive max-pooling gives it to one element."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 5, 5, dtype=torch.float64, requires_grad=True)
+    twin = x.detach().clone().requires_grad_()
+    g = torch.randn(4, 8, 1, 1, dtype=torch.float64)
+    ours, theirs = tb.GlobalMaxPool()(x), F.adaptive_max_pool2d(twin, 1)
+    (ours * g).sum().backward()
+    (theirs * g).sum().backward()
+    assert torch.equal(ours, theirs) and torch.equal(x.grad, twin.grad)
+    tie = torch.zeros(1, 1, 2, 2, requires_grad=True)
+    tb.GlobalMaxPool()(tie).sum().backward()
+    assert torch.equal(tie.grad, torch.full((1, 1, 2, 2), 0.25))
