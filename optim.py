@@ -222,16 +222,23 @@ class SGDAndMuon(torch.optim.Optimizer):
 MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "renorm_every", "weight_decay")
 
 
-def muon_group(filters, *, lr_unit=1.0, momentum=0.9, nesterov=True, ns_steps=5, ns_coeffs=MUON_COEFFS,
-               renorm_every=(0, 0), total_steps=1, weight_decay=0.0, momentum_dtype=None, batched=False):
-    """SGDAndMuon's parameter group of Muon for the conv filters: orthogonalised momentum, each bank's update (out ×
-    in·k·k) by newton_schulz and scaled by sqrt(max(1, rows/cols)); decoupled weight_decay; renorm_every (k0, k1;
-    airbench94_muon): each bank back to norm sqrt(out) every k steps, k linear from k0 to k1 over total_steps (0:
-    never)."""
-    return {"params": list(filters), "name": "filters", "lr_unit": lr_unit, "until_step": None, "momentum": momentum,
-            "nesterov": nesterov, "ns_steps": ns_steps, "ns_coeffs": tuple(ns_coeffs),
-            "renorm_every": tuple(renorm_every), "total_steps": total_steps, "weight_decay": weight_decay,
-            "momentum_dtype": momentum_dtype, "batched": batched}
+# Muon's settings in SGDAndMuon's group, and their defaults (Jordan et al. 2024's)
+MUON_DEFAULTS = {"lr_unit": 1.0, "momentum": 0.9, "nesterov": True, "ns_steps": 5, "ns_coeffs": MUON_COEFFS,
+                 "renorm_every": (0, 0), "total_steps": 1, "weight_decay": 0.0, "momentum_dtype": None,
+                 "batched": False}
+
+
+def muon_group(filters, **settings):
+    """SGDAndMuon's parameter group of Muon for the conv filters (MUON_DEFAULTS changed by `settings`): orthogonalised
+    momentum, each bank's update (out × in·k·k) by newton_schulz and scaled by sqrt(max(1, rows/cols)); decoupled
+    weight_decay; renorm_every (k0, k1; airbench94_muon): each bank back to norm sqrt(out) every k steps, k linear from
+    k0 to k1 over total_steps (0: never)."""
+    unknown = set(settings) - set(MUON_DEFAULTS)
+    if unknown:
+        raise TypeError(f"muon_group: no setting {', '.join(sorted(unknown))}")
+    group = {**MUON_DEFAULTS, **settings}
+    return {**group, "params": list(filters), "name": "filters", "until_step": None,
+            "ns_coeffs": tuple(group["ns_coeffs"]), "renorm_every": tuple(group["renorm_every"])}
 
 
 # Ours: torch.optim.Muon is absent from torch 2.4 (which we support), takes 2-D weights only and averages momentum

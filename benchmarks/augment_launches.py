@@ -54,6 +54,41 @@ class EpochCount(TorchDispatchMode):
                 "passes": round(self.written / self.epoch_bytes, 2), "ops": dict(self.ops), "graphs": dict(self.graphs)}
 
 
+
+def compiled_kernels(step):
+    """{"graph_calls", "kernels", "library_calls", "outside", "outside_launches", "guard_reads"}: what one call of step
+    runs, seen by torch.profiler with Inductor's CPU kernels recorded (compile first, inside kernel_profile()): the
+    torch.compile'd graphs called, the kernels they run (Inductor's own; library calls: matmuls and fallbacks), the
+    aten operations run outside them (of which launches: not views) and those of dynamo's guards (reads of 0-d float64
+    CPU tensors, which it treats as numbers; a CUDA tensor it does not read)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    counts = dict.fromkeys(("graph_calls", "kernels", "library_calls", "outside", "outside_launches", "guard_reads"), 0)
+    for e in prof.events():
+        parents = []
+        parent = e.cpu_parent
+        while parent is not None:
+            parents.append(parent.name)
+            parent = parent.cpu_parent
+        in_graph = parents and parents[0].startswith("## Call CompiledFxGraph")
+        if e.name.startswith("## Call CompiledFxGraph"):
+            counts["graph_calls"] += 1
+        elif in_graph:
+            counts["kernels" if "cpp_fused" in e.name else "library_calls"] += 1
+        elif e.name.startswith("aten::") and not any(n.startswith(("aten::", "## Call")) for n in parents):
+            guard = "TorchDynamo Cache Lookup" in parents
+            counts["guard_reads" if guard else "outside"] += 1
+            op = getattr(torch.ops.aten, e.name[6:])
+            counts["outside_launches"] += not guard and not any(getattr(op, o).is_view for o in op.overloads())
+    return counts
+
+
+def kernel_profile():
+    """Inductor's generated CPU kernels recorded by torch.profiler (set while a graph compiles)."""
+    import torch._inductor.config
+    return torch._inductor.config.patch({"cpp.enable_kernel_profile": True})
+
 def ours(recipe, epoch, n=BATCHES * BATCH):
     """EpochCount.summary() of cifar_data.epoch_batches's epoch `epoch` of recipe (a name), consumed whole, as CUDA
     runs it (its compute dtype and channels_last)."""
@@ -76,12 +111,10 @@ def ours(recipe, epoch, n=BATCHES * BATCH):
 
 
 def record_module():
-    """The record's file imported (benchmarks/fulcrum_adapter.import_file), its compiled functions' eager bodies
-    kept as `eager_<name>`."""
-    if not RECORD.is_file():
-        raise SystemExit(f"{RECORD}: missing; git clone https://github.com/hiverge/cifar10-speedrun {RECORD.parent}")
-    from fulcrum_adapter import import_file
-    record = import_file(RECORD, "cifar10_speedrun")
+    """The record's file imported (step_counts.record_module), its compiled functions' eager bodies kept as
+    `eager_<name>`."""
+    import step_counts
+    record = step_counts.record_module()
     for name in RECORD_GRAPHS:
         setattr(record, f"eager_{name}", getattr(record, name)._torchdynamo_orig_callable)
     return record
@@ -121,18 +154,17 @@ def record(epochs=3, n=BATCHES * BATCH):
 
 
 def record_graph_kernels():
-    """{name: op_counts.compiled_kernels of one call} of the record's two per-epoch compiled functions, compiled by
+    """{name: compiled_kernels of one call} of the record's two per-epoch compiled functions, compiled by
     Inductor on this CPU (its fused kernels, and its library calls: the random seeds)."""
-    import op_counts
     rec = record_module()
     x = torch.randn(BATCHES * BATCH, 3, 36, 36).half().to(memory_format=torch.channels_last)
     calls = {"batch_crop": lambda: rec.batch_crop(x, 32),
              "batch_color_jitter": lambda: rec.batch_color_jitter(x[..., :32, :32], 0.1399, 0.1308)}
     counted = {}
-    with op_counts.kernel_profile():
+    with kernel_profile():
         for name, call in calls.items():
             call()
-            counted[name] = op_counts.compiled_kernels(call)
+            counted[name] = compiled_kernels(call)
     return counted
 
 
