@@ -8,10 +8,10 @@
 
 `prepare` writes an ImageFolder tree (train/<class>/*, val/<class>/*) once, in worker processes, into a store that
 `train` memory-maps (imagenet_store.py; docs/imagenet.md gives the format). `train` draws random-resized crops of
-the whole image, decodes them on the GPU or in the CPU's worker processes, and augments them on the device
-(imagenet_data.py). A recipe is a small typed tree (imagenet_recipes.Recipe); any setting is also a flag. This file
-holds the training loop (train_run) and the command line; the networks, the optimiser and the memory they take are
-imagenet_models.py's, the checkpoints imagenet_checkpoints.py's.
+the whole image, decodes them on the GPU or in the CPU's worker processes (imagenet_decoders.py, imagenet_workers.py)
+and augments them on the device (imagenet_data.py). A recipe is a small typed tree (imagenet_recipes.Recipe); any
+setting is also a flag. This file holds the training loop (train_run) and the command line; the networks, the
+optimiser and the memory they take are imagenet_models.py's, the checkpoints imagenet_checkpoints.py's.
 """
 import contextlib
 import errno
@@ -40,8 +40,8 @@ from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_n
 from distributed import (barrier, broadcast_buffers, checkpoint_writers, leave, leave_together, print0,
                          register_comm_hook, sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
-from imagenet_data import (DECODERS, GPU_DECODERS, EpochWork, batch_indices, decode_text, draw_epoch, jpeg_decoder,
-                           loss_top1_top5, rank_data, train_batches)
+from imagenet_data import EpochWork, batch_indices, draw_epoch, loss_top1_top5, rank_data, train_batches
+from imagenet_decoders import DECODERS, GPU_DECODERS, decoded_by_text, jpeg_decoder
 from imagenet_models import imagenet_network, check_memory, imagenet_optimizer
 from imagenet_recipes import RECIPES, RN50_16EP, Recipe, recipe, recipe_command
 from imagenet_store import FORMATS, StoreSettings, check_classes, check_prepare, kept, open_store, prepare
@@ -56,7 +56,7 @@ from training import EpochClock, averaging, check_finite_loss, epoch_table, eval
 # ---------------------------------------------------------------------------------------------
 
 COLUMNS = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
-           "total_time", "decode"]      # decode: imagenet_data.decode_text, which of nvJPEG's paths took the images
+           "total_time", "decode"]      # decode: which decoder, or nvJPEG's paths, took the images (decoded_by_text)
 SMALL_STORE = 10_000      # more training images than this: the CPU warning suggests a smaller store
 PROGRESS_AFTER_S = 5.0    # an epoch that looks longer shows its steps on stderr
 
@@ -107,7 +107,7 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
         seen = steps * p.batch
         trained["trained_epochs"] += 1
         trained["trained_steps"] += steps
-        decoded = decode_text(data.decoded - decoded)
+        decoded = decoded_by_text(data.decoded - decoded)
         last = p.epoch == r.epochs - 1
         if r.lookahead and last:
             average.finish(model)                # lookahead: the slow weights end the run

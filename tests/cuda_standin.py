@@ -1,8 +1,8 @@
 """A CPU stand-in for CUDA GPUs: every tensor computes in CPU memory, but the ones the program put on the GPU say
 they are on `cuda:N`, and every operation is checked as CUDA checks it. Whole commands run under it as they run
 on a GPU: `devices.py` sees GPUs, its streams, events, pinned buffers and clocks, and nvJPEG, are stood in (nvJPEG by
-the CPU's decode, which imagenet_data.nvjpeg_hardware is told is its software path), autocast runs in the same dtype,
-`torch.compile` compiles, nested tensors stay on their GPU, and torchrun's ranks join over gloo.
+the CPU's decode, which imagenet_decoders.nvjpeg_hardware is told is its software path), autocast runs in the same
+dtype, `torch.compile` compiles, nested tensors stay on their GPU, and torchrun's ranks join over gloo.
 
 What it checks, as CUDA does: no operation mixes a tensor on the GPU with one in host memory (but for a 0-dim
 host tensor, a scalar), host indices into a GPU tensor are fine and GPU indices into a host tensor are not,
@@ -442,8 +442,8 @@ class StandIn(TorchFunctionMode):
         real_decode = torchvision.io.decode_jpeg
         patch(torchvision.io, "decode_jpeg", lambda input, *a, device="cpu", **k: self.nvjpeg(
             real_decode, input, *a, device=device, **k))
-        import imagenet_data
-        patch(imagenet_data, "nvjpeg_hardware", lambda device: False)    # the CPU's decode stands in: software alone
+        import imagenet_decoders
+        patch(imagenet_decoders, "nvjpeg_hardware", lambda device: False)   # the CPU's decode stands in: software
         real_nested = torch.nested.nested_tensor        # a C function the mode does not see: tagged here
         patch(torch.nested, "nested_tensor", lambda tensors, *a, **k: self.tag(
             real_nested(tensors, *a, **k), self.device_of("nested_tensor", (tensors,), {})))

@@ -20,9 +20,11 @@ from torchvision import transforms
 
 import distributed as D
 import imagenet_data as idt
+import imagenet_decoders as idec
 import imagenet_fast as inf
 import imagenet_models
 import imagenet_store as ims
+import imagenet_workers
 import optim
 import schedules
 from conftest import ROOT, ctrl_c_heard, failing_on_call, host_refusal
@@ -329,7 +331,7 @@ def test_a_training_crop_can_come_from_the_sides_of_a_landscape_photo(tmp_path):
     edge = (left == 0) & (bw < square[0] + 40)       # a small crop at the left edge, mostly in the side strip
     assert edge.any()
     box = boxes[edge.nonzero()[0, 0]].tolist()
-    crop = idt.decode_crop(s.train.record(i), box=box, shape=(32, 32)).astype(float)
+    crop = idec.cpu_crop(s.train.record(i), box=box, shape=(32, 32)).astype(float)
     with Image.open(src / "train/c0/0.JPEG") as im:
         t, l, bh_, bw_ = box
         direct = np.asarray(im.convert("RGB").resize((32, 32), Image.BILINEAR, box=(l, t, l + bw_, t + bh_)), float)
@@ -364,9 +366,9 @@ def test_the_cpu_and_gpu_decoders_crop_alike(store):
     rows = np.arange(8)
     h, w = s.train.rows["height"][rows], s.train.rows["width"][rows]
     boxes = idt.crop_boxes(h, w, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), generator=torch.Generator().manual_seed(0))
-    images = idt.decode_jpeg([s.train.record(r) for r in rows], "cpu")
+    images = idec.decode_jpeg([s.train.record(r) for r in rows], "cpu")
     gpu = idt.crop_resize_images(images, boxes.T.contiguous(), 16)
-    cpu = torch.stack([torch.from_numpy(idt.decode_crop(s.train.record(r), box=b.tolist(), shape=(16, 16)).copy())
+    cpu = torch.stack([torch.from_numpy(idec.cpu_crop(s.train.record(r), box=b.tolist(), shape=(16, 16)).copy())
                        for r, b in zip(rows, boxes)]).permute(0, 3, 1, 2).float()
     assert (gpu - cpu).abs().mean() < 4
 
@@ -692,7 +694,7 @@ def test_streamed_batches_equal_indexed_batches(raw_store):
     draws = idt.draw_epoch(data, inf.recipe("tiny").augment, torch.Generator().manual_seed(0))
     order = [draws.perm[i:i + 16] for i in range(0, len(draws.perm) - 15, 16)]
     smalls = [idt.batch_index(data, draws, idx, data.shapes("train")) for idx in order]
-    for idx, (x, small) in zip(order, idt.gathered(data, smalls, device=torch.device("cuda"))):
+    for idx, (x, small) in zip(order, idt.raw_batches(data, smalls, device=torch.device("cuda"))):
         assert torch.equal(x.cpu(), data.pixels[idx]) and np.array_equal(small[0][idt.LABEL].cpu(), data.train_y[idx])
 
 
@@ -878,11 +880,11 @@ def test_a_decoding_failure_on_a_record_pil_decodes_is_raised_as_it_is_not_blame
     the crop's arithmetic) reaches the caller whole, from the decoding worker."""
     def broken(record, **kwargs):
         raise ValueError("a bug, not the data")
-    monkeypatch.setattr(idt, "decode_crop", broken)             # before the workers are forked: theirs too
+    monkeypatch.setattr(imagenet_workers, "cpu_crop", broken)   # before the workers are forked: theirs too
     data = idt.rank_data(ims.open_store(store), torch.device("cpu"), workers=1)
     with pytest.raises(ValueError, match="^a bug, not the data$"):
-        list(idt.decoded(data, "train", [(data.train_rows[:2], np.array([[0, 0, 8, 8]] * 2), (8, 8), (np.zeros(2),))],
-                         device=torch.device("cpu")))
+        list(idt.cpu_batches(data, "train", [(data.train_rows[:2], np.array([[0, 0, 8, 8]] * 2), (8, 8),
+                                             (np.zeros(2),))], device=torch.device("cpu")))
     data.pool.shutdown()
 
 
@@ -898,7 +900,7 @@ def test_a_rank_reads_only_its_share_of_a_raw_store_in_place(raw_store, monkeypa
     draws = idt.draw_epoch(data, inf.recipe("tiny").augment, torch.Generator().manual_seed(0))
     shapes = data.shapes("train")
     smalls = [idt.batch_index(data, draws, draws.perm[i:i + 8], shapes) for i in range(0, 24, 8)]
-    batches = list(idt.gathered(data, smalls, device=torch.device("cpu")))
+    batches = list(idt.raw_batches(data, smalls, device=torch.device("cpu")))
     rows = data.train_rows[draws.perm]
     assert torch.equal(torch.cat([x for x, _ in batches]), torch.from_numpy(s.train_pixels()[rows]))
     assert torch.equal(torch.cat([small[0][idt.LABEL] for _, small in batches]), torch.from_numpy(s.train.labels[rows]))

@@ -59,7 +59,7 @@ def worker(rank, world, ports, store, out, phases, moves, full_disk):
     record = {"epochs": [], "placed": [], "evaluated": [], "read": {"train": set(), "val": set()}}
 
     real_batches, real_place, real_evaluate, real_decoded = (inf.train_batches, inf.rank_data, inf.loss_top1_top5,
-                                                             idt.decoded)
+                                                             idt.cpu_batches)
 
     def batches(data, augment, draws, **kwargs):  # one call an epoch: the store rows of the images this rank steps on
         steps = len(draws.perm) // kwargs["batch_size"]
@@ -87,7 +87,7 @@ def worker(rank, world, ports, store, out, phases, moves, full_disk):
                                     "state": {k: v.clone() for k, v in model.state_dict().items()}})
         return result
 
-    inf.train_batches, inf.rank_data, inf.loss_top1_top5, idt.decoded = batches, place, evaluate, decoded
+    inf.train_batches, inf.rank_data, inf.loss_top1_top5, idt.cpu_batches = batches, place, evaluate, decoded
     real_torus, record["torus"] = D.torus_allreduce_hook, []
 
     def torus(state, bucket):               # how many buckets each phase sent over the 2D torus
@@ -446,7 +446,7 @@ def validation_worker(rank, world, ports, stores, out):
     figures it returned and the weights it evaluated; saved to out/rank<rank>.pt."""
     torch.set_num_threads(1)
     gc.freeze()     # forked: what the fork server imported is not scanned by each collection (distributed.leave's two)
-    seen, real_decoded, real_evaluate = [], idt.decoded, inf.loss_top1_top5
+    seen, real_decoded, real_evaluate = [], idt.cpu_batches, inf.loss_top1_top5
 
     def decoded(data, split, jobs, **kwargs):
         jobs = list(jobs)
@@ -464,7 +464,7 @@ def validation_worker(rank, world, ports, stores, out):
                         state={k: v.clone() for k, v in model.state_dict().items()})
         return result
 
-    idt.decoded, inf.loss_top1_top5 = decoded, evaluate
+    idt.cpu_batches, inf.loss_top1_top5 = decoded, evaluate
     for port, store in zip(ports, stores):
         seen.append({"read": []})
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
