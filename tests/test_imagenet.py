@@ -28,6 +28,7 @@ import imagenet_workers
 import optim
 import schedules
 from conftest import ROOT, ctrl_c_heard, failing_on_call, host_refusal
+from imagefolders import synthetic_imagefolder
 from test_distributed import damage_tensors
 from settings import changed
 
@@ -64,7 +65,7 @@ def run_main(capsys, *args):
 
 def make_folder(root):
     """4 learnable classes, a truncated JPEG and a non-image .JPEG, and an empty class folder."""
-    src = ims.synthetic_imagefolder(root, CLASSES, train_per_class=24, val_per_class=8, sizes=(20, 40))
+    src = synthetic_imagefolder(root, CLASSES, train_per_class=24, val_per_class=8, sizes=(20, 40))
     good = (src / "train/c001/00000.JPEG").read_bytes()
     (src / "train/c001/truncated.JPEG").write_bytes(good[:len(good) // 2])
     (src / "val/c002/text.JPEG").write_text("not an image")
@@ -138,7 +139,7 @@ def test_store_contents(folder, store, raw_store):
 
 
 def test_a_landscape_validation_image_is_stored_wider_than_tall_and_as_pil_resizes_it(tmp_path):
-    src = ims.synthetic_imagefolder(tmp_path / "src", 2, 1, 1)         # 2 classes: prepare refuses one
+    src = synthetic_imagefolder(tmp_path / "src", 2, 1, 1)         # 2 classes: prepare refuses one
     for old in (src / "val").glob("*/*"):
         old.unlink()
     y, x = np.mgrid[0:300, 0:400]
@@ -243,10 +244,10 @@ def test_bad_input_is_one_line_and_nonzero(folder, store, tmp_path, capsys):
     (tmp_path / "empty/train/a").mkdir(parents=True)
     (tmp_path / "empty/val/a").mkdir(parents=True)
     cases.append((tmp_path / "empty", f"{tmp_path / 'empty/train'}: no images (extensions "))
-    ims.synthetic_imagefolder(tmp_path / "noval", 1, 1, 1)
+    synthetic_imagefolder(tmp_path / "noval", 1, 1, 1)
     (tmp_path / "noval/val/c000/00000.JPEG").unlink()
     cases.append((tmp_path / "noval", f"{tmp_path / 'noval/val'}: no images (extensions "))
-    ims.synthetic_imagefolder(tmp_path / "extra", 1, 1, 1)
+    synthetic_imagefolder(tmp_path / "extra", 1, 1, 1)
     (tmp_path / "extra/val/zzz").mkdir()
     cases.append((tmp_path / "extra", f"{tmp_path / 'extra/val'}: classes ['zzz'] are not in train/"))
     for src, message in cases:
@@ -615,7 +616,7 @@ def alive(pid):
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
 def test_prepare_killed_leaves_no_decoding_worker(tmp_path):
-    src = ims.synthetic_imagefolder(tmp_path / "src", 4, 40, 2, sizes=(300, 400))
+    src = synthetic_imagefolder(tmp_path / "src", 4, 40, 2, sizes=(300, 400))
     proc = subprocess.Popen([sys.executable, str(ROOT / "imagenet_fast.py"), "prepare", "--src", str(src), "--dst",
                              str(tmp_path / "store"), "--workers", "2", "--shard-size", "2"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -978,7 +979,7 @@ def test_a_dst_that_cannot_be_written_is_one_line_and_leaves_nothing(folder, tmp
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
 def test_ctrl_c_in_prepare_is_one_line_keeps_the_whole_shards_and_the_same_command_resumes(folder, store, tmp_path):
-    src = ims.synthetic_imagefolder(tmp_path / "src", 4, 60, 2, sizes=(200, 300))
+    src = synthetic_imagefolder(tmp_path / "src", 4, 60, 2, sizes=(200, 300))
     cmd = [sys.executable, str(ROOT / "imagenet_fast.py"), "prepare", "--src", str(src), "--dst", str(tmp_path / "s"),
            "--workers", "2", "--shard-size", "4"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -1010,7 +1011,7 @@ def test_ctrl_c_in_prepare_is_one_line_keeps_the_whole_shards_and_the_same_comma
 def test_prepare_killed_before_its_workers_start_their_watch_leaves_no_worker(tmp_path):
     """The parent's pid is read by the parent: workers that start their watch only after prepare was killed still
     see it gone (reading their parent's pid themselves, they would find their new parent and wait forever)."""
-    src = ims.synthetic_imagefolder(tmp_path / "src", 4, 10, 2, sizes=(20, 40))
+    src = synthetic_imagefolder(tmp_path / "src", 4, 10, 2, sizes=(20, 40))
     script = tmp_path / "slow_workers.py"
     script.write_text(f"""
 import concurrent.futures, os, sys, time

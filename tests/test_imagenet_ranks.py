@@ -28,6 +28,7 @@ import imagenet_fast as inf
 import imagenet_store as ims
 import schedules
 from conftest import ROOT, free_ports
+from imagefolders import synthetic_imagefolder
 from test_distributed import disk_full
 from settings import changed
 
@@ -39,7 +40,7 @@ HP = dict(width=4, batch_size=16, min_res=SIZE, max_res=SIZE, val_res=SIZE, warm
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("in")
-    ims.synthetic_imagefolder(root / "src", CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, sizes=(16, 28))
+    synthetic_imagefolder(root / "src", CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, sizes=(16, 28))
     ims.prepare(root / "src", root / "store", workers=1, log=lambda s: None)      # the JPEG store
     return root / "store"
 
