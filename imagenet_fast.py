@@ -16,6 +16,7 @@ optimiser and the memory they take are imagenet_models.py's, the checkpoints ima
 import contextlib
 import errno
 import io
+import os
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +34,8 @@ import torch.nn.functional as F
 import devices
 import scaling
 import training
-from cli import (HelpFormatter, add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, phase_of,
-                 recipe_list, run_record, runtime_error_exit)
+from cli import (HelpFormatter, add_run_flags, check_run, claim_output, command, cpu_warning, ctrl_c_exit, interrupted,
+                 join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
 from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_now, print_summary, say_error,
                   summarize_runs, with_progress, write_result)
 from distributed import (barrier, broadcast_buffers, checkpoint_writers, leave, leave_together, print0,
@@ -377,14 +378,16 @@ def main_prepare(args):
     finished = (Path(args.dst) / "index.json").is_file()       # then prepare says "already prepared" and writes nothing
     try:
         settings = store_settings(args)
+        claim_output(args.dst, "--dst", lock=False)         # a lost stdout: the store is still written (its own lock)
         index = prepare(args.src, Path(args.dst), settings, workers=args.workers, shard_size=args.shard_size,
                         max_shards=args.max_shards)
     except (DataError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
-    except KeyboardInterrupt:
-        print(f"interrupted; {kept(args.dst)}; the same command resumes from there", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:          # Ctrl-C, or SIGTERM
+        how, status = stop_of(e)
+        print(f"{how}; {kept(args.dst)}; the same command resumes from there", file=sys.stderr)
+        return status
     if index is None:
         return 3
     if finished:
@@ -465,6 +468,7 @@ def main_train(args, changes, argv):
             return 0
         args.target = clock_target(r, args.target)
         check_train(args)
+        claim_output(args.out if os.environ.get("RANK", "0") == "0" else None)      # the rank that writes it
         ctx = join_ranks(args, r.comm_hook)
     except UsageError as e:
         say_error(e)
@@ -474,9 +478,10 @@ def main_train(args, changes, argv):
     except DataError as e:              # a damaged record met by the warm-up (train_runs says those of a run)
         say_error(e, each_node=True)
         return 1
-    except KeyboardInterrupt as e:       # before the runs (train_runs says where a run stopped)
-        return ctrl_c_exit(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint,
-                                       during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"))
+    except KeyboardInterrupt as e:       # Ctrl-C or SIGTERM, before the runs (train_runs says where a run stopped)
+        how, status = stop_of(e)
+        return ctrl_c_exit(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint, how=how,
+                                       during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"), status)
     except RuntimeError as e:       # out of memory, or a peer lost: one line; else raised whole
         return runtime_error_exit(e, ctx, ways=LESS_MEMORY, epoch=1, run=1, finished=0, out=args.out,
                                   checkpoint=args.checkpoint,
@@ -503,7 +508,8 @@ def train_command(args, r, *, ctx, argv):
         if devices.is_cpu(device) and ctx.is_main:
             taken = {"a small store": len(store.train) <= SMALL_STORE, "few --epochs": args.epochs is not None,
                      "--model resnet_tiny": r.network.model == "resnet_tiny"}
-            print(cpu_warning([way for way, done in taken.items() if not done]), file=sys.stderr)
+            print(cpu_warning([way for way, done in taken.items() if not done],
+                              devices.compute_dtype(device, args.precision)), file=sys.stderr)
         data = place_data(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
         check_batch(r, world=ctx.world_size, n_train=len(store.train))    # placed first: only a tiny store fails it
     except (ValueError, DataError) as e:         # UsageError is a ValueError
@@ -609,16 +615,17 @@ def train_runs(args, r, data, *, ctx, argv, store):
             print0(f"run {k + 1}/{args.runs} (seed {seed})")
         table = epoch_table(COLUMNS, file=None if ctx.is_main else io.StringIO())
         checkpoint = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
-        try:
+        try:        # an epoch counted before its row is shown: a stop once the row is out names its checkpoint
             result = train_run(r, data, replace(o, checkpoint=checkpoint), ctx=ctx, seed=seed,
-                               on_epoch=lambda row: (table.append(row if five else {**row, "top5": None}),
-                                                     epochs.append(row["epoch"])))
+                               on_epoch=lambda row: (epochs.append(row["epoch"]),
+                                                     table.append(row if five else {**row, "top5": None})))
         except DataError as e:
             say_error(e)            # the checkpoint's, the loss's: the same on every rank
             return 1
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:       # Ctrl-C, or SIGTERM
+            how, status = stop_of(e)
             return ctrl_c_exit(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out,
-                                           checkpoint=checkpoint))
+                                           checkpoint=checkpoint, how=how), status)
         except RuntimeError as e:   # where in the runs it stopped, and what is kept
             epoch = max(epochs, default=0) + 1
             return runtime_error_exit(e, ctx, ways=LESS_MEMORY_AFRESH if checkpoint and epoch > 1 else LESS_MEMORY,
@@ -659,7 +666,10 @@ def write_failed(error):
     return 1
 
 
+@command
 def main(argv=None):
+    """The command line: simulate (scaling.py's), prepare or train, with --out claimed by one train at a time, a lost
+    stdout kept from losing the work, and SIGTERM met as Ctrl-C (cli.command); the exit status."""
     argv_list = sys.argv[1:] if argv is None else list(argv)
     if argv_list[:1] == ["simulate"]:
         return scaling.main_simulate(argv_list[1:])
@@ -671,6 +681,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     status = main()
-    if status == 130:
-        exit_now(status)        # Ctrl-C: at once, not seconds later (torch.compile's state finalised)
+    if status in (130, 143):
+        exit_now(status)        # Ctrl-C, SIGTERM: at once, not seconds later (torch.compile's state finalised)
     sys.exit(status)

@@ -614,6 +614,14 @@ def alive(pid):
         return False
 
 
+def left_alive(pids, seconds=10.0):
+    """Those of pids still running once they have had `seconds` to end."""
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
 def test_prepare_killed_leaves_no_decoding_worker(tmp_path):
     src = synthetic_imagefolder(tmp_path / "src", 4, 40, 2, sizes=(300, 400))
@@ -625,11 +633,7 @@ def test_prepare_killed_leaves_no_decoding_worker(tmp_path):
     assert proc.poll() is None, "prepare finished before its workers could be seen"
     proc.kill()                                                   # SIGKILL: the parent gets no chance to clean up
     proc.wait()
-    for _ in range(100):
-        if not any(alive(w) for w in workers):
-            break
-        time.sleep(0.1)
-    assert [w for w in workers if alive(w)] == []
+    assert left_alive(workers) == []
 
 
 def test_imagenet_takes_the_learning_rates_batch_from_lr_scale_base(store, monkeypatch):
@@ -995,11 +999,7 @@ def test_ctrl_c_in_prepare_is_one_line_keeps_the_whole_shards_and_the_same_comma
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert re.fullmatch(rf"interrupted; \d+ whole train shards \(\d+ images\) kept in {tmp_path / 's'}; the same "
                         r"command resumes from there", last), last
-    for _ in range(100):
-        if not any(alive(w) for w in workers):
-            break
-        time.sleep(0.1)
-    assert [w for w in workers if alive(w)] == []
+    assert left_alive(workers) == []
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "already written" in again.stdout, again.stderr[-2000:]
     whole = subprocess.run([*cmd[:6], str(tmp_path / "whole"), *cmd[7:]], cwd=ROOT, capture_output=True, timeout=300)
