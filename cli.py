@@ -251,13 +251,13 @@ class KeptStdout:
         return getattr(self.stream, name)
 
 
-def claim_output(path, flag="--out"):
+def claim_output(path, flag="--out", *, lock=True):
     """For the command running (command()): path is this process's alone to write until it returns (core.output_lock:
-    another's is refused, OutputLocked, a UsageError), and a lost stdout lets the work go on, its results kept there.
-    None claims nothing."""
+    another's is refused, OutputLocked, a UsageError; lock=False: path has a lock of its own, as prepare's store does),
+    and a lost stdout lets the work go on, its results kept there. None claims nothing."""
     stdout = sys.stdout
     if isinstance(stdout, KeptStdout) and path is not None:
-        stdout.held.enter_context(output_lock(path, flag))
+        stdout.held.enter_context(output_lock(path, flag) if lock else contextlib.nullcontext())
         stdout.kept_in = path
 
 

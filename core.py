@@ -342,9 +342,10 @@ class UsageError(ValueError):
 def die_with_parent(parent, ignore_interrupt=False):
     """In a child process: end when the process `parent` ends, even by SIGKILL (Linux's PR_SET_PDEATHSIG; elsewhere a
     thread that watches its pid); its pid is read by the parent, since the child's parent may by then be another.
-    ignore_interrupt: Ctrl-C is the parent's to handle."""
+    ignore_interrupt: Ctrl-C and SIGTERM (sent to a process group by `timeout` and SLURM) are the parent's to handle."""
     if ignore_interrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)        # PR_SET_PDEATHSIG, SIGKILL

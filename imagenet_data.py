@@ -1,21 +1,18 @@
 """ImageNet batches from the store (imagenet_store.py): this process's share placed (and, of a JPEG store under
 torchrun, dealt anew each epoch), random-resized crops of the whole image drawn as torchvision defines them, decoded
-one batch ahead in the CPU's worker processes or on the GPU, augmented on the device with no wait for the host; and
-the validation views. The settings they read: CropAugmentSettings and ValidationSettings.
+one batch ahead in the CPU's worker processes (imagenet_workers.py) or on the GPU (imagenet_decoders.py), augmented
+on the device with no wait for the host; and the validation views. The settings they read: CropAugmentSettings and
+ValidationSettings.
 
 Training crops follow torchvision's RandomResizedCrop.get_params exactly (crop_boxes): the area a fraction of the
 image's uniform in `crop_scale`, the log aspect uniform in log `crop_ratio`, whole pixels, the first of 10 draws that
-fits, else a centre crop. A JPEG store's crop is decoded at the smallest DCT scale (1, 1/2, 1/4, 1/8) that still
-holds the crop at the output resolution, then resized with PIL's antialiased bilinear filter; on a GPU
-(decoder "gpu") torchvision's nvJPEG decodes the batch's images and all its crops are resized at once with the same
-filter (jpeg_decoder chooses the decoder; nvjpeg_paths counts which images nvJPEG's hardware engine takes). A raw store keeps each training image stretched to a square, so a box of the image is a box of the square:
-sampled with one affine grid for the batch on the device.
+fits, else a centre crop. A JPEG store's crop is decoded on the CPU at the smallest DCT scale that still holds it
+(imagenet_decoders.cpu_crop), or on a GPU the batch's images are decoded (imagenet_decoders.jpeg_decoder chooses the
+decoder) and all its crops are resized at once with PIL's antialiased bilinear filter (crop_resize_images). A raw
+store keeps each training image stretched to a square, so a box of the image is a box of the square: sampled with
+one affine grid for the batch on the device.
 """
-import io
 import math
-import multiprocessing
-import os
-import tempfile
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, wait
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,12 +20,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 
 import devices
 import distributed as D
-from core import DataError, UsageError, die_with_parent
-from imagenet_store import open_store, val_shape
+from imagenet_decoders import GPU_DECODERS, check_cpu_decoder, decodes_crops, gpu_row_images
+from imagenet_store import val_shape
+from imagenet_workers import STAGED, decode_part, decoding_pool, default_workers, staging
 from settings import check_own, flag_error, knob, numbers
 
 MEAN = (123.675, 116.28, 103.53)  # the usual ImageNet statistics, 0..255 scale
@@ -111,300 +108,6 @@ def val_view(height, width, *, res, crop, max_aspect=2.0):
     s = max(ow / width, oh / height)
     bw, bh = min(width, ow / s), min(height, oh / s)
     return ((height - bh) / 2, (width - bw) / 2, bh, bw), (oh, ow)
-
-
-# ---------------------------------------------------------------------------------------------
-# One image, on the CPU
-# ---------------------------------------------------------------------------------------------
-
-def decode_crop(record, *, box, shape, raw_shape=None):
-    """The box (top, left, height, width) of one record resized to shape (height, width) with PIL's antialiased
-    bilinear filter: uint8 HWC. A JPEG is decoded by simplejpeg at the smallest DCT scale that keeps the box at least
-    as large as the output (as PIL's draft); raw_shape (h, w) marks a raw record of those pixels."""
-    top, left, bh, bw = (float(v) for v in box)
-    oh, ow = shape
-    if raw_shape is not None:
-        pixels = np.asarray(record).reshape(*raw_shape, 3)
-    else:
-        import simplejpeg       # here, not at the top: the GPU decoder and raw stores run without it
-        H, W, _, _ = simplejpeg.decode_jpeg_header(record)
-        room = min(W // math.ceil(W * ow / bw), H // math.ceil(H * oh / bh))
-        f = next(f for f in (8, 4, 2, 1) if f <= max(room, 1))     # libjpeg's eighths in between decode slower
-        pixels = simplejpeg.decode_jpeg(record, colorspace="RGB", min_height=-(-H // f), min_width=-(-W // f))
-        sy, sx = pixels.shape[0] / H, pixels.shape[1] / W
-        top, left, bh, bw = top * sy, left * sx, bh * sy, bw * sx
-    im = Image.fromarray(pixels)
-    return np.asarray(im.resize((ow, oh), Image.BILINEAR, box=(left, top, left + bw, top + bh)))
-
-
-def check_cpu_decoder():
-    """Raises UsageError (one line) when the CPU decoder's simplejpeg cannot be imported."""
-    try:
-        import simplejpeg  # noqa: F401
-    except ImportError:
-        raise UsageError("--decoder cpu decodes JPEGs with simplejpeg, which is not installed: pip install simplejpeg "
-                         "(or --decoder gpu on a CUDA GPU)") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# A batch decoded on the GPU: which decoder, nvJPEG (torchvision) and nvImageCodec, and which images nvJPEG's
-# hardware engine takes
-# ---------------------------------------------------------------------------------------------
-
-DECODERS = ("auto", "cpu", "gpu", "nvimgcodec")
-GPU_DECODERS = {"gpu": "nvJPEG", "nvimgcodec": "nvImageCodec"}     # batched on the device: what each runs
-
-
-def jpeg_decoder(device, choice="auto"):
-    """Where JPEG records are decoded: "gpu" (nvJPEG, batched, through torchvision) on a CUDA device, else "cpu"
-    (simplejpeg in worker processes); "nvimgcodec" (NVIDIA's nvImageCodec, batched) when asked. A choice not in
-    DECODERS, a GPU decoder on another device, or nvImageCodec not installed is a ValueError of one line."""
-    if choice not in DECODERS:
-        raise ValueError(f"--decoder {choice}: choose from {', '.join(DECODERS)}")
-    cuda = torch.device(device).type == "cuda"
-    if choice in GPU_DECODERS and not cuda:
-        raise ValueError(f"--decoder {choice} needs a CUDA device ({GPU_DECODERS[choice]}); this run is on {device}")
-    if choice == "nvimgcodec":
-        nvimgcodec_module()
-    return ("gpu" if cuda else "cpu") if choice == "auto" else choice
-
-
-def nvimgcodec_package():
-    """The pip package of nvImageCodec built for torch's CUDA: nvidia-nvimgcodec-cu12 or nvidia-nvimgcodec-cu13."""
-    return f"nvidia-nvimgcodec-cu{(torch.version.cuda or '12').split('.')[0]}"
-
-
-def nvimgcodec_module():
-    """nvImageCodec's Python module, imported on first use (an optional install); a UsageError of one line naming
-    its pip package when it is missing."""
-    try:
-        from nvidia import nvimgcodec
-    except ImportError:
-        raise UsageError(f"--decoder nvimgcodec needs nvImageCodec: pip install {nvimgcodec_package()}") from None
-    return nvimgcodec
-
-
-def decodes_crops(decoder):
-    """Whether the decoder decodes just each image's crop box (nvImageCodec's region-of-interest decode) rather
-    than the whole image."""
-    return decoder == "nvimgcodec"
-
-
-def decode_jpeg(records, device, *, decoder="gpu", boxes=None):
-    """A list of encoded JPEGs (uint8 numpy arrays) -> a list of CHW uint8 RGB images on device, in their order,
-    decoded in one batched call on the current stream: "gpu": nvJPEG through torchvision (no extra install;
-    docs/perf-notes.md), whole images; "nvimgcodec": nvImageCodec, each image just its box of boxes (n, 4)."""
-    if decoder == "nvimgcodec":
-        return nvimgcodec_decoder(device).decode(records, boxes)
-    import warnings
-    from torchvision.io import ImageReadMode, decode_jpeg as decode
-    with warnings.catch_warnings():     # deprecated in torchvision 0.29 for TorchCodec's, which needs torch >= 2.11
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return decode([torch.from_numpy(np.asarray(r)) for r in records], mode=ImageReadMode.RGB, device=device)
-
-
-NVIMGCODEC = {}     # device index -> its NvImageCodec, made on first use
-
-
-def nvimgcodec_decoder(device):
-    """This process's NvImageCodec for the CUDA device (one a GPU, kept: making one sets up nvJPEG's state)."""
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    if index not in NVIMGCODEC:
-        NVIMGCODEC[index] = NvImageCodec(index)
-    return NVIMGCODEC[index]
-
-
-class NvImageCodec:
-    """nvImageCodec's batched decoder on one GPU. Its images live in nvImageCodec's memory, not torch's caching
-    allocator, so record_stream cannot keep them: each batch is held until the next call, by which time the caller
-    has drained the stream that read it (imagenet_data.gpu_decoded drains before every decode)."""
-
-    def __init__(self, index):
-        self.nv, self.index, self.held = nvimgcodec_module(), index, []
-        self.decoder = self.nv.Decoder(device_id=index)
-        self.params = self.nv.DecodeParams(color_spec=self.nv.ColorSpec.RGB)
-
-    def source(self, record, box):
-        """What to decode of one record: the whole code stream, or its region (top, left, height, width)."""
-        stream = self.nv.CodeStream(np.ascontiguousarray(record))
-        if box is None:
-            return stream
-        top, left, h, w = (int(v) for v in box)
-        region = self.nv.Region(top, left, top + h, left + w)
-        if hasattr(stream, "get_sub_code_stream"):           # newer versions; older ones take a DecodeSource
-            return stream.get_sub_code_stream(region=region)
-        return self.nv.DecodeSource(stream, region)
-
-    def decode(self, records, boxes=None):
-        """The records (each just its box when boxes are given) as CHW uint8 tensors on this GPU, decoded on the
-        current stream, which the tensors are ordered after (DLPack's stream handshake)."""
-        boxes = [None] * len(records) if boxes is None else boxes
-        stream = torch.cuda.current_stream(self.index)
-        images = self.decoder.decode([self.source(r, b) for r, b in zip(records, boxes)], params=self.params,
-                                     cuda_stream=stream.cuda_stream)
-        failed = [i for i, image in enumerate(images) if image is None]
-        if failed:
-            raise RuntimeError(f"nvImageCodec could not decode {len(failed)} of the batch's {len(images)} JPEGs "
-                               f"(the first at position {failed[0]})")
-        self.held = images
-        return [torch.from_dlpack(image).permute(2, 0, 1) for image in images]
-
-
-NVJPEG_BACKEND_HARDWARE = 3     # nvjpegBackend_t, nvjpeg.h
-
-
-def nvjpeg_hardware(device):
-    """Whether nvJPEG has its hardware decoder on this CUDA device (A100, H100, ...), as torchvision's batched decode
-    asks it: a handle of NVJPEG_BACKEND_HARDWARE made by the nvJPEG library torchvision loaded (ctypes, ours: torch
-    and torchvision do not tell); None where that library cannot be found or asked."""
-    index = torch.device(device).index
-    if index not in NVJPEG_HARDWARE:
-        NVJPEG_HARDWARE[index] = ask_nvjpeg_hardware(device)
-    return NVJPEG_HARDWARE[index]
-
-
-NVJPEG_HARDWARE = {}        # device index -> nvjpeg_hardware's answer, asked once
-
-
-def ask_nvjpeg_hardware(device):
-    import ctypes
-    import torchvision.io.image  # noqa: F401  (loads torchvision's image library, and with it nvJPEG's)
-    try:
-        with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps if "libnvjpeg" in line), None)
-        if path is None:
-            return None
-        lib, handle = ctypes.CDLL(path), ctypes.c_void_p()
-        with torch.cuda.device(torch.device(device)):
-            status = lib.nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, None, None, 0, ctypes.byref(handle))
-        if status == 0:
-            lib.nvjpegDestroy(handle)
-        return status == 0
-    except (OSError, AttributeError):
-        return None
-
-
-HARDWARE_SAMPLING = {(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (4, 2)}     # luma's factors over chroma's (1, 1)
-
-
-def jpeg_frame(record):
-    """(the SOFn marker, sample precision, each component's (horizontal, vertical) sampling factors) of an encoded
-    JPEG, from its markers; None where its frame header cannot be found."""
-    i = 2
-    while i + 10 <= len(record):
-        if record[i] != 0xFF:
-            return None
-        marker = int(record[i + 1])
-        if marker == 0xFF:                  # a fill byte
-            i += 1
-            continue
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            n = int(record[i + 9])
-            factors = [(int(record[i + 11 + 3 * k]) >> 4, int(record[i + 11 + 3 * k]) & 15) for k in range(n)
-                       if i + 11 + 3 * k < len(record)]
-            return marker, int(record[i + 4]), factors
-        i += 2 + (int(record[i + 2]) << 8 | int(record[i + 3]))
-    return None
-
-
-def hardware_decodable(record):
-    """Whether nvJPEG's hardware decoder takes this JPEG (as its nvjpegDecodeBatchedSupported does, to our reading
-    of nvJPEG's documentation): baseline Huffman, 8 bits, grey or three components with full-resolution chroma
-    beside luma at one of HARDWARE_SAMPLING. Progressive JPEGs, among others, go to its software path."""
-    frame = jpeg_frame(record)
-    if frame is None or frame[0] != 0xC0 or frame[1] != 8 or len(frame[2]) not in (1, 3):
-        return False
-    return len(frame[2]) == 1 or (frame[2][0] in HARDWARE_SAMPLING and frame[2][1] == frame[2][2] == (1, 1))
-
-
-def nvjpeg_paths(records, device):
-    """How many of the encoded JPEGs torchvision's batched nvJPEG decode sends down each path on device: "hardware"
-    (its hardware decoder: hardware_decodable records where nvjpeg_hardware), "software" (the rest, decoded one by
-    one), or "unknown" for the hardware-decodable ones where nvjpeg_hardware cannot tell."""
-    hardware = nvjpeg_hardware(device)
-    counts = {"hardware": 0, "software": 0, "unknown": 0}
-    for r in records:
-        eligible = hardware is not False and hardware_decodable(r)
-        counts["software" if not eligible else "hardware" if hardware else "unknown"] += 1
-    return counts
-
-
-# ---------------------------------------------------------------------------------------------
-# The decoding workers: processes (no lock shared between them) writing into shared memory
-# ---------------------------------------------------------------------------------------------
-
-WORKER = {}     # in a decoding worker: the store it inherited and the staging buffers it has opened
-STAGED = 3      # staging buffers: the batch the caller works on and the two decoding meanwhile
-
-
-def default_workers(processes_on_node=1):
-    """How many decoding processes a training process starts: its share of the cores this process may run on, less
-    one for the training thread and one for the reader thread, at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, processes_on_node) - 2)
-
-
-def worker_start(parent, store):
-    """A decoding worker's set-up: it ends with its parent and leaves Ctrl-C to it, and keeps the store it inherited
-    (forked: the memory-mapped file itself, nothing copied) or opens it from its folder (spawned)."""
-    die_with_parent(parent, True)
-    WORKER.update(store=open_store(store) if isinstance(store, str) else store, buffers={})
-
-
-def decode_part(split, path, *, shape, start, rows, boxes):
-    """In a decoding worker: decode_crop of each store row of split into images start, start + 1, ... of the
-    staging file at path, a uint8 (n, height, width, 3) batch at its start."""
-    buffers = WORKER["buffers"]
-    if path not in buffers:
-        while len(buffers) >= STAGED:            # the staging buffers take turns; an older one was replaced
-            del buffers[next(iter(buffers))]
-        buffers[path] = np.memmap(path, dtype=np.uint8, mode="r+")
-    out = buffers[path][:math.prod(shape)].reshape(shape)
-    records = WORKER["store"].train if split == "train" else WORKER["store"].val
-    raw = WORKER["store"].format == "raw"
-    for k, (r, box) in enumerate(zip(rows, boxes)):
-        raw_shape = (int(records.rows["height"][r]), int(records.rows["width"][r])) if raw else None
-        try:
-            out[start + k] = decode_crop(records.record(r), box=box, shape=shape[1:3], raw_shape=raw_shape)
-        except Exception as e:      # a damaged record: named, not the worker's traceback; anything else raised whole
-            if raw or pil_decodes(records.record(r)):
-                raise
-            raise DataError(damaged_record(WORKER["store"], split, r, e)) from None
-
-
-def damaged_record(store, split, row, error):
-    """The line that names a record of a store's split (row `row` of its index) that its decoder refused."""
-    records = store.train if split == "train" else store.val
-    label = int(records.rows["label"][row])
-    return (f"{records.data.filename}: record {row} (a {split} image of class {store.index['classes'][label]}) "
-            f"cannot be decoded ({type(error).__name__}: {D.first_sentence(error)}); the store is damaged: prepare it "
-            "again")
-
-
-def decoding_pool(data):
-    """data's decoding workers, started on first use: `data.workers` processes that end with this one, forked from it
-    (so they share its memory-mapped store) while it has not started CUDA, else spawned (a fork would copy CUDA's
-    threads and driver state half-made), each opening the store from its folder."""
-    if data.pool is None:
-        forked = not torch.cuda.is_initialized()
-        store = data.store if forked else os.path.dirname(data.store.train.data.filename)
-        data.pool = ProcessPoolExecutor(data.workers, mp_context=multiprocessing.get_context(
-            "fork" if forked else "spawn"), initializer=worker_start, initargs=(os.getpid(), store))
-    return data.pool
-
-
-def staging(data, slot, nbytes):
-    """The shared file of staging buffer `slot` (0 ... STAGED - 1), holding at least nbytes: (its path, a uint8 numpy
-    view of it). A larger one replaces it when needed. In /dev/shm where it has room for all of them (a full one would
-    kill the writer with SIGBUS; containers often give it 64 MB), else in the temporary folder's page cache."""
-    held = data.staging.get(slot)
-    if held is None or held[1].nbytes < nbytes:
-        shm = os.path.isdir("/dev/shm") and os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
-        f = tempfile.NamedTemporaryFile(prefix="decode-", dir="/dev/shm" if shm and shm > 2 * STAGED * nbytes else None)
-        f.truncate(max(nbytes, 1))
-        data.staging[slot] = held = (f, np.memmap(f.name, dtype=np.uint8, mode="r+"))   # the file goes with f
-    return held[0].name, held[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -610,19 +313,6 @@ def normalised_batch(x, factors, constants, *, dtype, memory_format):
     return normalise(x, constants).to(dtype).contiguous(memory_format=memory_format)
 
 
-def decode_text(counts):
-    """How an epoch's images were decoded, in a table's column (counts: the change in RankData.decoded over it): "cpu",
-    "nvimgcodec", nvJPEG's "<hardware>h/<software>s" ("?" for hardware-decodable images where nvjpeg_hardware cannot
-    tell), or "-" (a raw store's, nothing to decode)."""
-    for name in ("cpu", "nvimgcodec"):
-        if counts.get(name):
-            return name
-    if not any(counts.get(k) for k in ("hardware", "software", "unknown")):
-        return "-"
-    hardware = f"{counts['unknown']}?" if counts.get("unknown") else f"{counts.get('hardware', 0)}h"
-    return f"{hardware}/{counts.get('software', 0)}s"
-
-
 def on_device(arrays, device):
     """A batch's small host arrays on the device (devices.to_device: nothing waits)."""
     return tuple(devices.to_device(a, device) for a in arrays)
@@ -636,7 +326,7 @@ def handed_over(done, device, tensors):
         devices.keep_alive(t, device)
 
 
-def gathered(data, smalls, *, device):
+def raw_batches(data, smalls, *, device):
     """(uint8 NHWC squares, the batch's small tensors) on the device for each batch's small host arrays
     (batch_index), from a raw store's pixels: gathered there when they are on the device; from host memory to a GPU,
     into two alternating pinned buffers, copied on a side stream while the current batch computes."""
@@ -670,7 +360,7 @@ def gathered(data, smalls, *, device):
         yield xb, small
 
 
-def decoded(data, split, jobs, *, device):
+def cpu_batches(data, split, jobs, *, device):
     """(uint8 NHWC batch, its small tensors) on the device for each job (store rows, boxes, output shape, small host
     arrays), decoded by the worker processes (decoding_pool) into STAGED shared buffers, STAGED - 1 batches ahead (and
     counted in data.decoded, as "cpu", or "raw" for a raw store's validation); on
@@ -714,13 +404,13 @@ def decoded(data, split, jobs, *, device):
         wait(futures)
 
 
-def gpu_decoded(data, split, jobs, *, device):
+def gpu_batches(data, split, jobs, *, device):
     """(float NCHW crops, the batch's small tensors) on the device for each job (store rows of split, output side or
     (height, width), small host arrays: the first holds the boxes, at rows TOP ... WIDTH of a training batch's index,
     or as float32 (4, n) of a validation batch's): the images nvJPEG-decoded (decode_jpeg) in a thread while
     the training thread queues the step before, then cropped and resized (crop_resize_images) on a side stream the
     training stream waits for; with nvImageCodec (decodes_crops) each training image just its crop box.
-    Which of nvJPEG's paths took each image is added to data.decoded (gpu_decode)."""
+    Which of nvJPEG's paths took each image is added to data.decoded (gpu_images)."""
     side, jobs = devices.side_stream(device), list(jobs)
     # a thread of its own: torchvision's batched decode holds its calling thread until the decode ends
     reader = ThreadPoolExecutor(1, thread_name_prefix="nvjpeg")
@@ -748,48 +438,12 @@ def gpu_decoded(data, split, jobs, *, device):
 
 
 def decode_ahead(reader, data, split, job, *, side, device, cropped):
-    """The future of a job's images (gpu_decoded's job: store rows of split, output shape, small host arrays)
-    decoded by data.decoder in the reader thread (gpu_decode_rows); cropped: each just its box (the training
+    """The future of a job's images (gpu_batches's job: store rows of split, output shape, small host arrays)
+    decoded by data.decoder in the reader thread (gpu_row_images); cropped: each just its box (the training
     index's)."""
     rows, _, arrays = job
     boxes = arrays[0][TOP:WIDTH + 1].T if cropped else None
-    return reader.submit(gpu_decode_rows, data, split, rows, side, device=device, boxes=boxes)
-
-
-def gpu_decode_rows(data, split, rows, side, *, device, boxes=None):
-    """gpu_decode of the records of a store split's rows by data.decoder; where the decoder fails on a record that
-    PIL cannot decode either, a DataError naming that record (damaged_record), else the decoder's error."""
-    records = data.store.train if split == "train" else data.store.val
-    encoded = [records.record(r) for r in rows]
-    try:
-        return gpu_decode(encoded, side, data.decoded, device=device, decoder=data.decoder, boxes=boxes)
-    except RuntimeError as e:
-        bad = next((r for r, record in zip(rows, encoded) if not pil_decodes(record)), None)
-        if bad is None:
-            raise
-        raise DataError(damaged_record(data.store, split, bad, e)) from None
-
-
-def pil_decodes(record):
-    """Whether PIL decodes the encoded image record (at its smallest DCT scale: a check, not a use)."""
-    try:
-        with Image.open(io.BytesIO(np.asarray(record).tobytes())) as im:
-            im.draft("RGB", (1, 1))
-            im.load()
-        return True
-    except Exception:       # whatever PIL raises, the record is not an image it reads
-        return False
-
-
-def gpu_decode(records, side, counts, *, device, decoder="gpu", boxes=None):
-    """In the reader thread: the encoded records decoded on the side stream (decode_jpeg, by `decoder`, each
-    just its box of boxes where given), added to the Counter counts: by nvJPEG's path each took
-    (nvjpeg_paths), or under the decoder's name."""
-    # nvJPEG's own stream waits on nothing (torchvision pull request 9606): side's queued reads must end first
-    devices.drain(side)
-    counts.update(nvjpeg_paths(records, device) if decoder == "gpu" else {decoder: len(records)})
-    with devices.on_stream(side):
-        return decode_jpeg(records, device, decoder=decoder, boxes=boxes)
+    return reader.submit(gpu_row_images, data, split, rows, side, device=device, boxes=boxes)
 
 
 def batch_indices(data, draws, batch_size):
@@ -819,14 +473,14 @@ def train_batches(data, augment, draws, *, res, batch_size, device, dtype, small
     if data.store.format == "raw":
         wide = devices.wide_dtype(dtype)
         batches = ((crop_resize(xb.permute(0, 3, 1, 2).to(wide), small[0], res), small)
-                   for xb, small in gathered(data, smalls, device=device))
+                   for xb, small in raw_batches(data, smalls, device=device))
     elif data.decoder in GPU_DECODERS:
-        batches = gpu_decoded(data, "train", [(data.train_rows[idx], res, s) for idx, s in zip(order, smalls)],
+        batches = gpu_batches(data, "train", [(data.train_rows[idx], res, s) for idx, s in zip(order, smalls)],
                               device=device)
     else:
         jobs = [(data.train_rows[idx], draws.boxes[idx], (res, res), s) for idx, s in zip(order, smalls)]
         batches = ((xb.permute(0, 3, 1, 2).to(devices.wide_dtype(dtype)), small)
-                   for xb, small in decoded(data, "train", jobs, device=device))
+                   for xb, small in cpu_batches(data, "train", jobs, device=device))
     for x, small in batches:
         x = torch.where(small[0][FLIP].bool().view(-1, 1, 1, 1), x.flip(3), x)
         yield (normalised_batch(x, small[1] if len(small) > 1 else None, constants, dtype=dtype, memory_format=memory_format),
@@ -860,9 +514,9 @@ def val_batches(data, val, batch_size, *, device):
     jobs = val_jobs(data, val, batch_size)
     if data.store.format == "jpeg" and data.decoder in GPU_DECODERS:
         gpu_jobs = [(r, s, (np.asarray(b, np.float32).T.copy(), data.val_y[pos])) for pos, r, b, s in jobs]
-        return ((x, small[1]) for x, small in gpu_decoded(data, "val", gpu_jobs, device=device))
+        return ((x, small[1]) for x, small in gpu_batches(data, "val", gpu_jobs, device=device))
     cpu_jobs = [(r, b, s, (data.val_y[pos],)) for pos, r, b, s in jobs]
-    return ((xb.permute(0, 3, 1, 2).float(), y) for xb, (y,) in decoded(data, "val", cpu_jobs, device=device))
+    return ((xb.permute(0, 3, 1, 2).float(), y) for xb, (y,) in cpu_batches(data, "val", cpu_jobs, device=device))
 
 
 @torch.no_grad()

@@ -8,14 +8,15 @@
 
 `prepare` writes an ImageFolder tree (train/<class>/*, val/<class>/*) once, in worker processes, into a store that
 `train` memory-maps (imagenet_store.py; docs/imagenet.md gives the format). `train` draws random-resized crops of
-the whole image, decodes them on the GPU or in the CPU's worker processes, and augments them on the device
-(imagenet_data.py). A recipe is a small typed tree (imagenet_recipes.Recipe); any setting is also a flag. This file
-holds the training loop (train_run) and the command line; the networks, the optimiser and the memory they take are
-imagenet_models.py's, the checkpoints imagenet_checkpoints.py's.
+the whole image, decodes them on the GPU or in the CPU's worker processes (imagenet_decoders.py, imagenet_workers.py)
+and augments them on the device (imagenet_data.py). A recipe is a small typed tree (imagenet_recipes.Recipe); any
+setting is also a flag. This file holds the training loop (train_run) and the command line; the networks, the
+optimiser and the memory they take are imagenet_models.py's, the checkpoints imagenet_checkpoints.py's.
 """
 import contextlib
 import errno
 import io
+import os
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -33,15 +34,15 @@ import torch.nn.functional as F
 import devices
 import scaling
 import training
-from cli import (HelpFormatter, add_run_flags, check_run, cpu_warning, ctrl_c_exit, interrupted, join_ranks, phase_of,
-                 recipe_list, run_record, runtime_error_exit)
+from cli import (HelpFormatter, add_run_flags, check_run, claim_output, command, cpu_warning, ctrl_c_exit, interrupted,
+                 join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
 from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_now, print_summary, say_error,
                   summarize_runs, with_progress, write_result)
 from distributed import (barrier, broadcast_buffers, checkpoint_writers, leave, leave_together, print0,
                          register_comm_hook, sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
-from imagenet_data import (DECODERS, GPU_DECODERS, EpochWork, batch_indices, decode_text, draw_epoch, jpeg_decoder,
-                           loss_top1_top5, rank_data, train_batches)
+from imagenet_data import EpochWork, batch_indices, draw_epoch, loss_top1_top5, rank_data, train_batches
+from imagenet_decoders import DECODERS, GPU_DECODERS, decoded_by_text, jpeg_decoder
 from imagenet_models import imagenet_network, check_memory, imagenet_optimizer
 from imagenet_recipes import RECIPES, RN50_16EP, Recipe, recipe, recipe_command
 from imagenet_store import FORMATS, StoreSettings, check_classes, check_prepare, kept, open_store, prepare
@@ -56,7 +57,7 @@ from training import EpochClock, averaging, check_finite_loss, epoch_table, eval
 # ---------------------------------------------------------------------------------------------
 
 COLUMNS = ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5", "epoch_time",
-           "total_time", "decode"]      # decode: imagenet_data.decode_text, which of nvJPEG's paths took the images
+           "total_time", "decode"]      # decode: which decoder, or nvJPEG's paths, took the images (decoded_by_text)
 SMALL_STORE = 10_000      # more training images than this: the CPU warning suggests a smaller store
 PROGRESS_AFTER_S = 5.0    # an epoch that looks longer shows its steps on stderr
 
@@ -107,7 +108,7 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
         seen = steps * p.batch
         trained["trained_epochs"] += 1
         trained["trained_steps"] += steps
-        decoded = decode_text(data.decoded - decoded)
+        decoded = decoded_by_text(data.decoded - decoded)
         last = p.epoch == r.epochs - 1
         if r.lookahead and last:
             average.finish(model)                # lookahead: the slow weights end the run
@@ -377,14 +378,16 @@ def main_prepare(args):
     finished = (Path(args.dst) / "index.json").is_file()       # then prepare says "already prepared" and writes nothing
     try:
         settings = store_settings(args)
+        claim_output(args.dst, "--dst", lock=False)         # a lost stdout: the store is still written (its own lock)
         index = prepare(args.src, Path(args.dst), settings, workers=args.workers, shard_size=args.shard_size,
                         max_shards=args.max_shards)
     except (DataError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, UsageError) else 1
-    except KeyboardInterrupt:
-        print(f"interrupted; {kept(args.dst)}; the same command resumes from there", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:          # Ctrl-C, or SIGTERM
+        how, status = stop_of(e)
+        print(f"{how}; {kept(args.dst)}; the same command resumes from there", file=sys.stderr)
+        return status
     if index is None:
         return 3
     if finished:
@@ -465,6 +468,7 @@ def main_train(args, changes, argv):
             return 0
         args.target = clock_target(r, args.target)
         check_train(args)
+        claim_output(args.out if os.environ.get("RANK", "0") == "0" else None)      # the rank that writes it
         ctx = join_ranks(args, r.comm_hook)
     except UsageError as e:
         say_error(e)
@@ -474,9 +478,10 @@ def main_train(args, changes, argv):
     except DataError as e:              # a damaged record met by the warm-up (train_runs says those of a run)
         say_error(e, each_node=True)
         return 1
-    except KeyboardInterrupt as e:       # before the runs (train_runs says where a run stopped)
-        return ctrl_c_exit(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint,
-                                       during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"))
+    except KeyboardInterrupt as e:       # Ctrl-C or SIGTERM, before the runs (train_runs says where a run stopped)
+        how, status = stop_of(e)
+        return ctrl_c_exit(interrupted(1, 1, 0, out=args.out, checkpoint=args.checkpoint, how=how,
+                                       during=phase_of(e, BEFORE_TRAINING) or "preparing the runs"), status)
     except RuntimeError as e:       # out of memory, or a peer lost: one line; else raised whole
         return runtime_error_exit(e, ctx, ways=LESS_MEMORY, epoch=1, run=1, finished=0, out=args.out,
                                   checkpoint=args.checkpoint,
@@ -503,7 +508,8 @@ def train_command(args, r, *, ctx, argv):
         if devices.is_cpu(device) and ctx.is_main:
             taken = {"a small store": len(store.train) <= SMALL_STORE, "few --epochs": args.epochs is not None,
                      "--model resnet_tiny": r.network.model == "resnet_tiny"}
-            print(cpu_warning([way for way, done in taken.items() if not done]), file=sys.stderr)
+            print(cpu_warning([way for way, done in taken.items() if not done],
+                              devices.compute_dtype(device, args.precision)), file=sys.stderr)
         data = place_data(r, store, args, ctx=ctx, decoder=decoder, progress=progress)
         check_batch(r, world=ctx.world_size, n_train=len(store.train))    # placed first: only a tiny store fails it
     except (ValueError, DataError) as e:         # UsageError is a ValueError
@@ -609,16 +615,17 @@ def train_runs(args, r, data, *, ctx, argv, store):
             print0(f"run {k + 1}/{args.runs} (seed {seed})")
         table = epoch_table(COLUMNS, file=None if ctx.is_main else io.StringIO())
         checkpoint = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
-        try:
+        try:        # an epoch counted before its row is shown: a stop once the row is out names its checkpoint
             result = train_run(r, data, replace(o, checkpoint=checkpoint), ctx=ctx, seed=seed,
-                               on_epoch=lambda row: (table.append(row if five else {**row, "top5": None}),
-                                                     epochs.append(row["epoch"])))
+                               on_epoch=lambda row: (epochs.append(row["epoch"]),
+                                                     table.append(row if five else {**row, "top5": None})))
         except DataError as e:
             say_error(e)            # the checkpoint's, the loss's: the same on every rank
             return 1
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:       # Ctrl-C, or SIGTERM
+            how, status = stop_of(e)
             return ctrl_c_exit(interrupted(max(epochs, default=0) + 1, k + 1, len(runs), out=args.out,
-                                           checkpoint=checkpoint))
+                                           checkpoint=checkpoint, how=how), status)
         except RuntimeError as e:   # where in the runs it stopped, and what is kept
             epoch = max(epochs, default=0) + 1
             return runtime_error_exit(e, ctx, ways=LESS_MEMORY_AFRESH if checkpoint and epoch > 1 else LESS_MEMORY,
@@ -659,7 +666,10 @@ def write_failed(error):
     return 1
 
 
+@command
 def main(argv=None):
+    """The command line: simulate (scaling.py's), prepare or train, with --out claimed by one train at a time, a lost
+    stdout kept from losing the work, and SIGTERM met as Ctrl-C (cli.command); the exit status."""
     argv_list = sys.argv[1:] if argv is None else list(argv)
     if argv_list[:1] == ["simulate"]:
         return scaling.main_simulate(argv_list[1:])
@@ -671,6 +681,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     status = main()
-    if status == 130:
-        exit_now(status)        # Ctrl-C: at once, not seconds later (torch.compile's state finalised)
+    if status in (130, 143):
+        exit_now(status)        # Ctrl-C, SIGTERM: at once, not seconds later (torch.compile's state finalised)
     sys.exit(status)

@@ -2,9 +2,10 @@
 crops: imagenet_data.crop_boxes) decoded from a JPEG store into host memory by --workers workers, at each of --sizes:
 
   threads_pil          PIL with libjpeg's DCT scaling (draft) on a thread pool: the loader before this benchmark
-  threads_simplejpeg   imagenet_data.decode_crop (simplejpeg's DCT-scaled decode, PIL's resize) on a thread pool
-  processes_pil        PIL's draft decode in forked worker processes writing into shared memory (imagenet_data.decoded)
-  processes_simplejpeg imagenet_data.decoded as it is: decode_crop in forked worker processes, into shared memory
+  threads_simplejpeg   imagenet_decoders.cpu_crop (simplejpeg's DCT-scaled decode, PIL's resize) on a thread pool
+  processes_pil        PIL's draft decode in forked worker processes writing into shared memory
+                       (imagenet_data.cpu_batches)
+  processes_simplejpeg imagenet_data.cpu_batches as it is: cpu_crop in forked worker processes, into shared memory
   pil_dataloader       torchvision's ImageFolder + RandomResizedCrop + flip in DataLoader worker processes, decoding
                        the original files with PIL (the usual PyTorch pipeline), as many workers
 
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import imagenet_data as idt  # noqa: E402
 import imagenet_store as ims  # noqa: E402
+import imagenet_workers  # noqa: E402
 from core import Parser, Table, write_json  # noqa: E402
 from imagenet_throughput import photos  # noqa: E402
 
@@ -80,20 +82,20 @@ def batches(method, store, src, *, res, batch_size, workers, seed):
                                                    num_workers=workers, persistent_workers=False)
     data = idt.rank_data(store, torch.device("cpu"), workers=workers)
     gen = torch.Generator().manual_seed(seed)
-    real = idt.decode_crop
+    real = imagenet_workers.cpu_crop
     if method.endswith("_pil"):
-        idt.decode_crop = pil_decode_crop          # the forked workers inherit it
+        imagenet_workers.cpu_crop = pil_decode_crop          # the forked workers inherit it
     try:
         while True:
             draws = idt.draw_epoch(data, idt_augment(), gen)
             order = [draws.perm[i:i + batch_size] for i in range(0, len(draws.perm) - batch_size + 1, batch_size)]
             jobs = [(data.train_rows[idx], draws.boxes[idx], (res, res), ()) for idx in order]
             if method.startswith("threads"):
-                yield from threaded(idt.decode_crop, store, jobs, workers)
+                yield from threaded(imagenet_workers.cpu_crop, store, jobs, workers)
             else:
-                yield from (x for x, _ in idt.decoded(data, "train", jobs, device=torch.device("cpu")))
+                yield from (x for x, _ in idt.cpu_batches(data, "train", jobs, device=torch.device("cpu")))
     finally:
-        idt.decode_crop = real
+        imagenet_workers.cpu_crop = real
         if data.pool is not None:
             data.pool.shutdown()
 

@@ -23,7 +23,7 @@ them, and a check not begun by --budget-s recorded as skipped:
             and seconds
 
 Beside each decoder's figures, its decode counts over that row's batches (the decoded counts of an imagenet_data.RankData):
-nvJPEG's "hardware" and "software" paths (idt.nvjpeg_paths; "unknown" where nvJPEG's library cannot be asked), or
+nvJPEG's "hardware" and "software" paths (idec.nvjpeg_paths; "unknown" where nvJPEG's library cannot be asked), or
 the decoder's own name ("cpu", "nvimgcodec").
 
 Device time on one H100 or H200, estimated (not measured): a minute of start-up and writing 25,000 images on 16
@@ -67,6 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import devices  # noqa: E402
 import imagenet_data as idt  # noqa: E402
+import imagenet_decoders as idec  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
 import imagenet_models  # noqa: E402
 import imagenet_store as ims  # noqa: E402
@@ -137,7 +138,7 @@ def batches(data, r, *, res, batch_size, device, dtype, seed=0):
 def placed(store, device, decoder, workers):
     """The store placed for a decoder, or the one line saying why that decoder cannot run here."""
     try:
-        return idt.rank_data(store, device, decoder=idt.jpeg_decoder(device, decoder), workers=workers), None
+        return idt.rank_data(store, device, decoder=idec.jpeg_decoder(device, decoder), workers=workers), None
     except (ValueError, ImportError) as e:
         return None, str(e)
 

@@ -8,8 +8,8 @@ with BlurPool for rn50_16ep), at each resolution in --sizes, in one run:
             with PIL (the usual PyTorch pipeline), alone; as many workers as our loader has decoding processes, its
             batches finished as ours are (on the device, normalised, in the compute dtype and layout)
   decode    how the loader's images (those of loader and together) were decoded: by nvJPEG's hardware decoder and its
-            software path ("<hardware>h/<software>s", imagenet_data.decode_text; the JSON's "decoded" counts them),
-            or "cpu"
+            software path ("<hardware>h/<software>s", imagenet_decoders.decoded_by_text; the JSON's "decoded" counts
+            them), or "cpu"
 
 and, beside them, what predicts a GPU's speed, counted per step under the CPU stand-in for a CUDA GPU
 (tests/cuda_standin.py) for each store format and place: the operations launched on the GPU and the copies that
@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import devices  # noqa: E402
 import imagenet_data as idt  # noqa: E402
+import imagenet_decoders as idec  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
 import imagenet_store as ims  # noqa: E402
 import distributed as D  # noqa: E402
@@ -155,7 +156,7 @@ def parse_args(argv=None):
     p.add_argument("--count-batch", type=int, default=4, help="the smaller batch of the counts (default 4)")
     p.add_argument("--count-recipe", default=None, help="the model of the counts as this recipe trains it (default: "
                                                          "--recipe's)")
-    p.add_argument("--decoder", default="auto", type=one_of(idt.DECODERS),
+    p.add_argument("--decoder", default="auto", type=one_of(idec.DECODERS),
                    help="auto: nvJPEG on a CUDA GPU, else the CPU's decoding processes")
     p.add_argument("--no-pil", action="store_true", help="skip the PIL comparison")
     p.add_argument("--dir", default=None, help="where to write photos and store (default: a temporary folder)")
@@ -198,7 +199,7 @@ def main(argv=None):
     try:
         r = inf.recipe(args.recipe)
         counted_recipe = inf.recipe(args.count_recipe) if args.count_recipe else r     # checked before any work
-        decoder = idt.jpeg_decoder(device, args.decoder)
+        decoder = idec.jpeg_decoder(device, args.decoder)
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -247,7 +248,7 @@ def main(argv=None):
             table.append({"res": res, "loader": loader, "ceiling": ceiling, "together": together,
                           "together/ceil": together / ceiling,
                           "loader/core": None if decoder == "gpu" else loader / workers, "pil/core": pil,
-                          "decode": idt.decode_text(decoded), "decoded": dict(decoded)})
+                          "decode": idec.decoded_by_text(decoded), "decoded": dict(decoded)})
         print("the loader is the bottleneck where loader < ceiling; together/ceil is the share of the model's speed "
               "that training keeps")
         counts = counted(counted_recipe, Path(tmp), batch_size=args.count_batch, classes=classes)

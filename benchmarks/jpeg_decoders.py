@@ -9,7 +9,7 @@ a fixed order, after a warm-up pass. Rows:
   pil_draft_crop      PIL with libjpeg's DCT scaling (draft) to the smallest scale that keeps the crop at --res,
                       then the crop resized (the CPU decoder before simplejpeg)
   simplejpeg_crop     simplejpeg's decode at the same DCT scale, then PIL's resize of the crop: what
-                      imagenet_data.decode_crop does
+                      imagenet_decoders.cpu_crop does
   torchvision_decode  torchvision.io.decode_jpeg on the CPU (libjpeg-turbo), the whole image
   simplejpeg_decode   simplejpeg.decode_jpeg, the whole image
 
@@ -30,6 +30,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import imagenet_data as idt  # noqa: E402
+import imagenet_decoders as idec  # noqa: E402
 from core import Parser, Table, write_json  # noqa: E402
 from cpu_loaders import pil_decode_crop  # noqa: E402
 from imagenet_throughput import photos  # noqa: E402
@@ -48,7 +49,7 @@ def methods(res):
         return pil_decode_crop(data, box=box, shape=(res, res))
 
     def simplejpeg_crop(data, box):
-        return idt.decode_crop(data, box=box, shape=(res, res))
+        return idec.cpu_crop(data, box=box, shape=(res, res))
     out = {"pil_decode": pil_decode, "pil_crop": pil_crop, "pil_draft_crop": pil_draft_crop,
            "simplejpeg_crop": simplejpeg_crop}
     try:

@@ -526,8 +526,10 @@ def synthetic_npz(path, n_train=512, n_test=256, seed=0):
 def synthetic_store(folder, smoke):
     """A generated ImageFolder prepared into a store, for the ImageNet torchrun piece."""
     import imagenet_store
-    src = imagenet_store.synthetic_imagefolder(Path(folder) / "src", 10, 16 if smoke else 128, 4 if smoke else 32,
-                                               sizes=(32, 48))
+    if str(ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(ROOT / "tests"))
+    from imagefolders import synthetic_imagefolder          # the tests' generated trees
+    src = synthetic_imagefolder(Path(folder) / "src", 10, 16 if smoke else 128, 4 if smoke else 32, sizes=(32, 48))
     imagenet_store.prepare(src, Path(folder) / "store", log=lambda s: None)      # the JPEG store, as by default
     return str(Path(folder) / "store")
 

@@ -252,8 +252,9 @@ def synthetic_npz(tmp_path_factory, n_train, n_test):
 def small_jpeg_store(tmp_path_factory):
     """A JPEG store of 4 classes (12 training and 4 validation images each, 20 to 40 px) in a fresh folder."""
     import imagenet_store as ims
+    from imagefolders import synthetic_imagefolder
     root = tmp_path_factory.mktemp("in")
-    ims.synthetic_imagefolder(root / "src", 4, 12, 4, sizes=(20, 40))
+    synthetic_imagefolder(root / "src", 4, 12, 4, sizes=(20, 40))
     ims.prepare(root / "src", root / "jpeg", ims.StoreSettings(format="jpeg"), workers=1, log=lambda s: None)
     return root / "jpeg"
 

@@ -1,9 +1,9 @@
 """A CPU stand-in for CUDA GPUs: every tensor computes in CPU memory, but the ones the program put on the GPU say
 they are on `cuda:N`, and every operation is checked as CUDA checks it. Whole commands run under it as they run
 on a GPU: `devices.py` sees GPUs, its streams, events, pinned buffers and clocks, and nvJPEG, are stood in (nvJPEG by
-the CPU's decode, which imagenet_data.nvjpeg_hardware is told is its software path), autocast runs in the same dtype,
-`torch.compile` compiles, torch.profiler records the CPU's activity alone, nested tensors stay on their GPU, and
-torchrun's ranks join over gloo.
+the CPU's decode, which imagenet_decoders.nvjpeg_hardware is told is its software path), autocast runs in the same
+dtype, `torch.compile` compiles, torch.profiler records the CPU's activity alone, nested tensors stay on their GPU,
+and torchrun's ranks join over gloo.
 
 What it checks, as CUDA does: no operation mixes a tensor on the GPU with one in host memory (but for a 0-dim
 host tensor, a scalar), host indices into a GPU tensor are fine and GPU indices into a host tensor are not,
@@ -462,8 +462,8 @@ class StandIn(TorchFunctionMode):
         real_decode = torchvision.io.decode_jpeg
         patch(torchvision.io, "decode_jpeg", lambda input, *a, device="cpu", **k: self.nvjpeg(
             real_decode, input, *a, device=device, **k))
-        import imagenet_data
-        patch(imagenet_data, "nvjpeg_hardware", lambda device: False)    # the CPU's decode stands in: software alone
+        import imagenet_decoders
+        patch(imagenet_decoders, "nvjpeg_hardware", lambda device: False)   # the CPU's decode stands in: software
         # torch.profiler's CUDA activity would record CUDA events on a machine without a GPU
         real_profile, cuda = torch.profiler.profile, torch.profiler.ProfilerActivity.CUDA
         patch(torch.profiler, "profile", lambda *a, activities=None, **k: real_profile(

@@ -114,12 +114,12 @@ def test_running_out_of_memory_is_one_line_that_keeps_the_finished_runs(synth_np
     assert not res["complete"] and [r["seed"] for r in res["runs"]] == [0]
 
 
-def interrupted(args, after, sig=signal.SIGINT):
-    """Runs cifar10_fast.py with args, presses Ctrl-C (SIGINT, or sends `sig`) once `after` matches a line of its
-    stdout; (exit status, stdout, stderr)."""
+def interrupted(args, after, sig=signal.SIGINT, *, script="cifar10_fast.py"):
+    """Runs script (cifar10_fast.py) with args, presses Ctrl-C (SIGINT, or sends `sig`) once `after` matches a line of
+    its stdout; (exit status, stdout, stderr)."""
     # unbuffered: the line arrives when printed, not when a full pipe buffer is flushed (on a quiet machine, after
     # the run it announces has ended)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "cifar10_fast.py"), *args], cwd=ROOT, text=True,
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             preexec_fn=ctrl_c_heard)
     lines = []
@@ -162,10 +162,10 @@ def test_sigterm_is_met_as_ctrl_c_is_one_line_exit_143_and_the_finished_runs_kep
 TWO_RUNS = ["--device", "cpu", "--epochs", "1", "--width", "0.0625", "--batch-size", "64", "--runs", "2", "--quiet"]
 
 
-def read_first_line_then_close(args, env=None):
-    """Runs cifar10_fast.py with args as `| head -1` would: its first line of stdout read, the pipe then closed;
-    (exit status, that line, stderr's lines but the CPU's warning)."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "cifar10_fast.py"), *args], cwd=ROOT, text=True,
+def read_first_line_then_close(args, env=None, *, script="cifar10_fast.py"):
+    """Runs script (cifar10_fast.py) with args as `| head -1` would: its first line of stdout read, the pipe then
+    closed; (exit status, that line, stderr's lines but the CPU's warning)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     first = proc.stdout.readline()
     proc.stdout.close()

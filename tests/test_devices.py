@@ -10,7 +10,7 @@ import torch
 import cli
 import core
 import devices
-import imagenet_data as idt
+import imagenet_decoders as idec
 from conftest import fake_cuda_events
 
 
@@ -177,7 +177,7 @@ def test_what_is_compiled_and_fused_on_each_device(name, compiled, sgd):
     ("cpu", "auto", "cpu"), ("cuda", "auto", "gpu"), ("cuda:1", "auto", "gpu"), ("cuda", "cpu", "cpu"),
     ("mps", "auto", "cpu"), ("cuda:0", "gpu", "gpu")])
 def test_where_jpeg_records_are_decoded(name, choice, decoder):
-    assert idt.jpeg_decoder(name, choice) == decoder == idt.jpeg_decoder(torch.device(name), choice)
+    assert idec.jpeg_decoder(name, choice) == decoder == idec.jpeg_decoder(torch.device(name), choice)
 
 
 @pytest.mark.parametrize("name, choice, message", [
@@ -186,7 +186,7 @@ def test_where_jpeg_records_are_decoded(name, choice, decoder):
     ("cuda", "nvjpeg", "--decoder nvjpeg: choose from auto, cpu, gpu, nvimgcodec")])
 def test_a_decoder_the_device_cannot_run_is_one_line(name, choice, message):
     with pytest.raises(ValueError) as e:
-        idt.jpeg_decoder(name, choice)
+        idec.jpeg_decoder(name, choice)
     assert str(e.value) == message
 
 

@@ -20,12 +20,15 @@ from torchvision import transforms
 
 import distributed as D
 import imagenet_data as idt
+import imagenet_decoders as idec
 import imagenet_fast as inf
 import imagenet_models
 import imagenet_store as ims
+import imagenet_workers
 import optim
 import schedules
 from conftest import ROOT, ctrl_c_heard, failing_on_call, host_refusal
+from imagefolders import synthetic_imagefolder
 from test_distributed import damage_tensors
 from settings import changed
 
@@ -62,7 +65,7 @@ def run_main(capsys, *args):
 
 def make_folder(root):
     """4 learnable classes, a truncated JPEG and a non-image .JPEG, and an empty class folder."""
-    src = ims.synthetic_imagefolder(root, CLASSES, train_per_class=24, val_per_class=8, sizes=(20, 40))
+    src = synthetic_imagefolder(root, CLASSES, train_per_class=24, val_per_class=8, sizes=(20, 40))
     good = (src / "train/c001/00000.JPEG").read_bytes()
     (src / "train/c001/truncated.JPEG").write_bytes(good[:len(good) // 2])
     (src / "val/c002/text.JPEG").write_text("not an image")
@@ -136,7 +139,7 @@ def test_store_contents(folder, store, raw_store):
 
 
 def test_a_landscape_validation_image_is_stored_wider_than_tall_and_as_pil_resizes_it(tmp_path):
-    src = ims.synthetic_imagefolder(tmp_path / "src", 2, 1, 1)         # 2 classes: prepare refuses one
+    src = synthetic_imagefolder(tmp_path / "src", 2, 1, 1)         # 2 classes: prepare refuses one
     for old in (src / "val").glob("*/*"):
         old.unlink()
     y, x = np.mgrid[0:300, 0:400]
@@ -241,10 +244,10 @@ def test_bad_input_is_one_line_and_nonzero(folder, store, tmp_path, capsys):
     (tmp_path / "empty/train/a").mkdir(parents=True)
     (tmp_path / "empty/val/a").mkdir(parents=True)
     cases.append((tmp_path / "empty", f"{tmp_path / 'empty/train'}: no images (extensions "))
-    ims.synthetic_imagefolder(tmp_path / "noval", 1, 1, 1)
+    synthetic_imagefolder(tmp_path / "noval", 1, 1, 1)
     (tmp_path / "noval/val/c000/00000.JPEG").unlink()
     cases.append((tmp_path / "noval", f"{tmp_path / 'noval/val'}: no images (extensions "))
-    ims.synthetic_imagefolder(tmp_path / "extra", 1, 1, 1)
+    synthetic_imagefolder(tmp_path / "extra", 1, 1, 1)
     (tmp_path / "extra/val/zzz").mkdir()
     cases.append((tmp_path / "extra", f"{tmp_path / 'extra/val'}: classes ['zzz'] are not in train/"))
     for src, message in cases:
@@ -329,7 +332,7 @@ def test_a_training_crop_can_come_from_the_sides_of_a_landscape_photo(tmp_path):
     edge = (left == 0) & (bw < square[0] + 40)       # a small crop at the left edge, mostly in the side strip
     assert edge.any()
     box = boxes[edge.nonzero()[0, 0]].tolist()
-    crop = idt.decode_crop(s.train.record(i), box=box, shape=(32, 32)).astype(float)
+    crop = idec.cpu_crop(s.train.record(i), box=box, shape=(32, 32)).astype(float)
     with Image.open(src / "train/c0/0.JPEG") as im:
         t, l, bh_, bw_ = box
         direct = np.asarray(im.convert("RGB").resize((32, 32), Image.BILINEAR, box=(l, t, l + bw_, t + bh_)), float)
@@ -364,9 +367,9 @@ def test_the_cpu_and_gpu_decoders_crop_alike(store):
     rows = np.arange(8)
     h, w = s.train.rows["height"][rows], s.train.rows["width"][rows]
     boxes = idt.crop_boxes(h, w, scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), generator=torch.Generator().manual_seed(0))
-    images = idt.decode_jpeg([s.train.record(r) for r in rows], "cpu")
+    images = idec.decode_jpeg([s.train.record(r) for r in rows], "cpu")
     gpu = idt.crop_resize_images(images, boxes.T.contiguous(), 16)
-    cpu = torch.stack([torch.from_numpy(idt.decode_crop(s.train.record(r), box=b.tolist(), shape=(16, 16)).copy())
+    cpu = torch.stack([torch.from_numpy(idec.cpu_crop(s.train.record(r), box=b.tolist(), shape=(16, 16)).copy())
                        for r, b in zip(rows, boxes)]).permute(0, 3, 1, 2).float()
     assert (gpu - cpu).abs().mean() < 4
 
@@ -611,9 +614,17 @@ def alive(pid):
         return False
 
 
+def left_alive(pids, seconds=10.0):
+    """Those of pids still running once they have had `seconds` to end."""
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
 def test_prepare_killed_leaves_no_decoding_worker(tmp_path):
-    src = ims.synthetic_imagefolder(tmp_path / "src", 4, 40, 2, sizes=(300, 400))
+    src = synthetic_imagefolder(tmp_path / "src", 4, 40, 2, sizes=(300, 400))
     proc = subprocess.Popen([sys.executable, str(ROOT / "imagenet_fast.py"), "prepare", "--src", str(src), "--dst",
                              str(tmp_path / "store"), "--workers", "2", "--shard-size", "2"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -622,11 +633,7 @@ def test_prepare_killed_leaves_no_decoding_worker(tmp_path):
     assert proc.poll() is None, "prepare finished before its workers could be seen"
     proc.kill()                                                   # SIGKILL: the parent gets no chance to clean up
     proc.wait()
-    for _ in range(100):
-        if not any(alive(w) for w in workers):
-            break
-        time.sleep(0.1)
-    assert [w for w in workers if alive(w)] == []
+    assert left_alive(workers) == []
 
 
 def test_imagenet_takes_the_learning_rates_batch_from_lr_scale_base(store, monkeypatch):
@@ -692,7 +699,7 @@ def test_streamed_batches_equal_indexed_batches(raw_store):
     draws = idt.draw_epoch(data, inf.recipe("tiny").augment, torch.Generator().manual_seed(0))
     order = [draws.perm[i:i + 16] for i in range(0, len(draws.perm) - 15, 16)]
     smalls = [idt.batch_index(data, draws, idx, data.shapes("train")) for idx in order]
-    for idx, (x, small) in zip(order, idt.gathered(data, smalls, device=torch.device("cuda"))):
+    for idx, (x, small) in zip(order, idt.raw_batches(data, smalls, device=torch.device("cuda"))):
         assert torch.equal(x.cpu(), data.pixels[idx]) and np.array_equal(small[0][idt.LABEL].cpu(), data.train_y[idx])
 
 
@@ -878,11 +885,11 @@ def test_a_decoding_failure_on_a_record_pil_decodes_is_raised_as_it_is_not_blame
     the crop's arithmetic) reaches the caller whole, from the decoding worker."""
     def broken(record, **kwargs):
         raise ValueError("a bug, not the data")
-    monkeypatch.setattr(idt, "decode_crop", broken)             # before the workers are forked: theirs too
+    monkeypatch.setattr(imagenet_workers, "cpu_crop", broken)   # before the workers are forked: theirs too
     data = idt.rank_data(ims.open_store(store), torch.device("cpu"), workers=1)
     with pytest.raises(ValueError, match="^a bug, not the data$"):
-        list(idt.decoded(data, "train", [(data.train_rows[:2], np.array([[0, 0, 8, 8]] * 2), (8, 8), (np.zeros(2),))],
-                         device=torch.device("cpu")))
+        list(idt.cpu_batches(data, "train", [(data.train_rows[:2], np.array([[0, 0, 8, 8]] * 2), (8, 8),
+                                             (np.zeros(2),))], device=torch.device("cpu")))
     data.pool.shutdown()
 
 
@@ -898,7 +905,7 @@ def test_a_rank_reads_only_its_share_of_a_raw_store_in_place(raw_store, monkeypa
     draws = idt.draw_epoch(data, inf.recipe("tiny").augment, torch.Generator().manual_seed(0))
     shapes = data.shapes("train")
     smalls = [idt.batch_index(data, draws, draws.perm[i:i + 8], shapes) for i in range(0, 24, 8)]
-    batches = list(idt.gathered(data, smalls, device=torch.device("cpu")))
+    batches = list(idt.raw_batches(data, smalls, device=torch.device("cpu")))
     rows = data.train_rows[draws.perm]
     assert torch.equal(torch.cat([x for x, _ in batches]), torch.from_numpy(s.train_pixels()[rows]))
     assert torch.equal(torch.cat([small[0][idt.LABEL] for _, small in batches]), torch.from_numpy(s.train.labels[rows]))
@@ -976,7 +983,7 @@ def test_a_dst_that_cannot_be_written_is_one_line_and_leaves_nothing(folder, tmp
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads processes from /proc")
 def test_ctrl_c_in_prepare_is_one_line_keeps_the_whole_shards_and_the_same_command_resumes(folder, store, tmp_path):
-    src = ims.synthetic_imagefolder(tmp_path / "src", 4, 60, 2, sizes=(200, 300))
+    src = synthetic_imagefolder(tmp_path / "src", 4, 60, 2, sizes=(200, 300))
     cmd = [sys.executable, str(ROOT / "imagenet_fast.py"), "prepare", "--src", str(src), "--dst", str(tmp_path / "s"),
            "--workers", "2", "--shard-size", "4"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -992,11 +999,7 @@ def test_ctrl_c_in_prepare_is_one_line_keeps_the_whole_shards_and_the_same_comma
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert re.fullmatch(rf"interrupted; \d+ whole train shards \(\d+ images\) kept in {tmp_path / 's'}; the same "
                         r"command resumes from there", last), last
-    for _ in range(100):
-        if not any(alive(w) for w in workers):
-            break
-        time.sleep(0.1)
-    assert [w for w in workers if alive(w)] == []
+    assert left_alive(workers) == []
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "already written" in again.stdout, again.stderr[-2000:]
     whole = subprocess.run([*cmd[:6], str(tmp_path / "whole"), *cmd[7:]], cwd=ROOT, capture_output=True, timeout=300)
@@ -1008,7 +1011,7 @@ def test_ctrl_c_in_prepare_is_one_line_keeps_the_whole_shards_and_the_same_comma
 def test_prepare_killed_before_its_workers_start_their_watch_leaves_no_worker(tmp_path):
     """The parent's pid is read by the parent: workers that start their watch only after prepare was killed still
     see it gone (reading their parent's pid themselves, they would find their new parent and wait forever)."""
-    src = ims.synthetic_imagefolder(tmp_path / "src", 4, 10, 2, sizes=(20, 40))
+    src = synthetic_imagefolder(tmp_path / "src", 4, 10, 2, sizes=(20, 40))
     script = tmp_path / "slow_workers.py"
     script.write_text(f"""
 import concurrent.futures, os, sys, time

@@ -15,8 +15,10 @@ from PIL import Image
 
 import distributed as D
 import imagenet_data as idt
+import imagenet_decoders as idec
 import imagenet_fast as inf
 import imagenet_store as ims
+import imagenet_workers
 import training
 from conftest import ROOT, small_jpeg_store
 from cuda_standin import StandIn
@@ -144,19 +146,19 @@ def test_a_record_the_gpu_decoder_refuses_is_named_in_one_line(store, tmp_path):
     assert re.fullmatch(rf"{re.escape(str(bad / 'val.store'))}: record 6 \(a val image of class "
                         rf"{s.index['classes'][s.val.labels[6]]}\) cannot be decoded \(RuntimeError: .+\); the store "
                         r"is damaged: prepare it again", str(e.value)), str(e.value)
-    assert [r for r in range(len(s.val)) if not idt.pil_decodes(s.val.record(r))] == [6]
+    assert [r for r in range(len(s.val)) if not idec.pil_decodes(s.val.record(r))] == [6]
 
 
 def test_the_default_workers_leave_a_core_to_the_training_thread_and_one_to_the_reader(monkeypatch):
     for cores, processes, workers in ((16, 1, 14), (16, 8, 1), (4, 1, 2), (2, 1, 1), (1, 1, 1), (64, 4, 14)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
-        assert idt.default_workers(processes) == workers
+        assert imagenet_workers.default_workers(processes) == workers
 
 
 def decode_first_batch(data):
     rows = data.train_rows[:4]
     boxes = np.array([[0, 0, 10, 10]] * 4)
-    (x, _), = idt.decoded(data, "train", [(rows, boxes, (8, 8), (np.zeros(4),))], device=torch.device("cpu"))
+    (x, _), = idt.cpu_batches(data, "train", [(rows, boxes, (8, 8), (np.zeros(4),))], device=torch.device("cpu"))
     return x.clone()
 
 
@@ -245,19 +247,19 @@ def test_nvjpegs_paths_are_counted_from_each_jpegs_frame_header(subsampling, lum
     """Baseline JPEGs (4:4:4, 4:2:2, 4:2:0, grey) go to the hardware decoder where the device has one, progressive
     ones to the software path; where the hardware cannot be asked, the baseline ones are "unknown"."""
     baseline, progressive, grey = baseline_and_progressive(subsampling)
-    assert idt.jpeg_frame(baseline) == (0xC0, 8, [luma, (1, 1), (1, 1)])
-    assert idt.jpeg_frame(progressive)[0] == 0xC2 and idt.jpeg_frame(grey) == (0xC0, 8, [(1, 1)])
-    assert idt.jpeg_frame(np.frombuffer(b"\xff\xd8not a jpeg", np.uint8)) is None
+    assert idec.jpeg_frame(baseline) == (0xC0, 8, [luma, (1, 1), (1, 1)])
+    assert idec.jpeg_frame(progressive)[0] == 0xC2 and idec.jpeg_frame(grey) == (0xC0, 8, [(1, 1)])
+    assert idec.jpeg_frame(np.frombuffer(b"\xff\xd8not a jpeg", np.uint8)) is None
     records = [baseline, progressive, grey, baseline]
     for hardware, want in ((True, dict(hardware=3, software=1, unknown=0)),
                            (False, dict(hardware=0, software=4, unknown=0)),
                            (None, dict(hardware=0, software=1, unknown=3))):
-        monkeypatch.setattr(idt, "nvjpeg_hardware", lambda device, h=hardware: h)
-        counts = idt.nvjpeg_paths(records, "cuda")
+        monkeypatch.setattr(idec, "nvjpeg_hardware", lambda device, h=hardware: h)
+        counts = idec.nvjpeg_paths(records, "cuda")
         assert counts == want
-        assert idt.decode_text(counts) == {True: "3h/1s", False: "0h/4s", None: "3?/1s"}[hardware]
-    assert idt.decode_text({"cpu": 5}) == "cpu" and idt.decode_text({"nvimgcodec": 5}) == "nvimgcodec"
-    assert idt.decode_text({}) == "-"
+        assert idec.decoded_by_text(counts) == {True: "3h/1s", False: "0h/4s", None: "3?/1s"}[hardware]
+    assert idec.decoded_by_text({"cpu": 5}) == "cpu" and idec.decoded_by_text({"nvimgcodec": 5}) == "nvimgcodec"
+    assert idec.decoded_by_text({}) == "-"
 
 
 def fp16_update(scaler, *, step=None):

@@ -28,6 +28,7 @@ import imagenet_fast as inf
 import imagenet_store as ims
 import schedules
 from conftest import ROOT, free_ports
+from imagefolders import synthetic_imagefolder
 from test_distributed import disk_full
 from settings import changed
 
@@ -39,7 +40,7 @@ HP = dict(width=4, batch_size=16, min_res=SIZE, max_res=SIZE, val_res=SIZE, warm
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("in")
-    ims.synthetic_imagefolder(root / "src", CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, sizes=(16, 28))
+    synthetic_imagefolder(root / "src", CLASSES, TRAIN_PER_CLASS, VAL_PER_CLASS, sizes=(16, 28))
     ims.prepare(root / "src", root / "store", workers=1, log=lambda s: None)      # the JPEG store
     return root / "store"
 
@@ -59,7 +60,7 @@ def worker(rank, world, ports, store, out, phases, moves, full_disk):
     record = {"epochs": [], "placed": [], "evaluated": [], "read": {"train": set(), "val": set()}}
 
     real_batches, real_place, real_evaluate, real_decoded = (inf.train_batches, inf.rank_data, inf.loss_top1_top5,
-                                                             idt.decoded)
+                                                             idt.cpu_batches)
 
     def batches(data, augment, draws, **kwargs):  # one call an epoch: the store rows of the images this rank steps on
         steps = len(draws.perm) // kwargs["batch_size"]
@@ -87,7 +88,7 @@ def worker(rank, world, ports, store, out, phases, moves, full_disk):
                                     "state": {k: v.clone() for k, v in model.state_dict().items()}})
         return result
 
-    inf.train_batches, inf.rank_data, inf.loss_top1_top5, idt.decoded = batches, place, evaluate, decoded
+    inf.train_batches, inf.rank_data, inf.loss_top1_top5, idt.cpu_batches = batches, place, evaluate, decoded
     real_torus, record["torus"] = D.torus_allreduce_hook, []
 
     def torus(state, bucket):               # how many buckets each phase sent over the 2D torus
@@ -446,7 +447,7 @@ def validation_worker(rank, world, ports, stores, out):
     figures it returned and the weights it evaluated; saved to out/rank<rank>.pt."""
     torch.set_num_threads(1)
     gc.freeze()     # forked: what the fork server imported is not scanned by each collection (distributed.leave's two)
-    seen, real_decoded, real_evaluate = [], idt.decoded, inf.loss_top1_top5
+    seen, real_decoded, real_evaluate = [], idt.cpu_batches, inf.loss_top1_top5
 
     def decoded(data, split, jobs, **kwargs):
         jobs = list(jobs)
@@ -464,7 +465,7 @@ def validation_worker(rank, world, ports, stores, out):
                         state={k: v.clone() for k, v in model.state_dict().items()})
         return result
 
-    idt.decoded, inf.loss_top1_top5 = decoded, evaluate
+    idt.cpu_batches, inf.loss_top1_top5 = decoded, evaluate
     for port, store in zip(ports, stores):
         seen.append({"read": []})
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),

@@ -26,6 +26,7 @@ import imagenet_data as idt  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
 import imagenet_store as ims  # noqa: E402
 from conftest import ROOT, synthetic_arrays  # noqa: E402
+from imagefolders import synthetic_imagefolder  # noqa: E402
 
 PATH = ROOT / "tests" / "data" / "loop_reference.json"
 CIFAR = ["myrtle24", "myrtle10", "fast94", "fast94_muon", "fast94_next", "fast94_next_lowres", "fast94_curriculum"]
@@ -71,7 +72,7 @@ def imagenet(name, folder, **changes):
     lossless images made in folder."""
     store = Path(folder) / "store"
     if not (store / "index.json").is_file():
-        ims.synthetic_imagefolder(Path(folder) / "src", 4, 24, 8, sizes=(24, 24), lossless=True)
+        synthetic_imagefolder(Path(folder) / "src", 4, 24, 8, sizes=(24, 24), lossless=True)
         ims.prepare(Path(folder) / "src", store, ims.StoreSettings(format="raw", size=24), workers=1, log=lambda s: None)
     data = idt.rank_data(ims.open_store(store), torch.device("cpu"), workers=1)
     r = inf.recipe("tiny", width=8, epochs=3, batch_size=16, min_res=24, max_res=24, val_res=24,

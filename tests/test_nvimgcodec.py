@@ -17,6 +17,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 
 import cuda_standin
 import imagenet_data as idt
+import imagenet_decoders as idec
 import imagenet_fast as inf
 import imagenet_store as ims
 from conftest import small_jpeg_store
@@ -95,7 +96,7 @@ def fake(monkeypatch):
     gpu = StandIn()
     module = FakeNvImgCodec(gpu)
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", module)
-    monkeypatch.setattr(idt, "NVIMGCODEC", {})
+    monkeypatch.setattr(idec, "NVIMGCODEC", {})
     monkeypatch.setattr(torch, "from_dlpack", lambda image: OnGpu(image.tensor, gpu))
     monkeypatch.setattr(cuda_standin.Stream, "cuda_stream", property(lambda s: 1000 + s.id), raising=False)
     return gpu, module
@@ -107,20 +108,20 @@ def store(tmp_path_factory):
 
 
 def test_nvimgcodec_is_chosen_by_name_on_a_cuda_device(fake):
-    assert idt.jpeg_decoder("cuda", "nvimgcodec") == "nvimgcodec" == idt.jpeg_decoder("cuda:1", "nvimgcodec")
-    assert idt.decodes_crops("nvimgcodec") and not idt.decodes_crops("gpu")
+    assert idec.jpeg_decoder("cuda", "nvimgcodec") == "nvimgcodec" == idec.jpeg_decoder("cuda:1", "nvimgcodec")
+    assert idec.decodes_crops("nvimgcodec") and not idec.decodes_crops("gpu")
     with pytest.raises(ValueError) as e:
-        idt.jpeg_decoder("cpu", "nvimgcodec")
+        idec.jpeg_decoder("cpu", "nvimgcodec")
     assert str(e.value) == "--decoder nvimgcodec needs a CUDA device (nvImageCodec); this run is on cpu"
 
 
 def test_without_nvimgcodec_the_choice_is_one_line_naming_the_pip_package(monkeypatch, store, capsys):
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)          # import fails, as where it is not installed
     with pytest.raises(ValueError) as e:
-        idt.jpeg_decoder("cuda", "nvimgcodec")
+        idec.jpeg_decoder("cuda", "nvimgcodec")
     assert str(e.value) == f"--decoder nvimgcodec needs nvImageCodec: pip install {PACKAGE}"
     monkeypatch.setattr(torch.version, "cuda", "12.8")
-    assert idt.nvimgcodec_package() == "nvidia-nvimgcodec-cu12"
+    assert idec.nvimgcodec_package() == "nvidia-nvimgcodec-cu12"
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     with StandIn():
         rc = inf.main(["train", "--store", str(store), "--recipe", "tiny", "--decoder", "nvimgcodec"])
@@ -161,7 +162,7 @@ def test_nvimgcodec_decodes_our_crop_boxes_in_our_order_into_the_batches_nvjpeg_
     reader = [c for c, t in zip(gpu.calls[calls:], gpu.threads[calls:]) if t.startswith("nvjpeg")]
     assert reader[:4] == [("host_wait", side), ("enter_stream", side), ("nvimgcodec", side.cuda_stream),
                           ("exit_stream", side)]
-    assert idt.NVIMGCODEC[0].held and len(idt.NVIMGCODEC[0].held) == 8      # the last batch, kept
+    assert idec.NVIMGCODEC[0].held and len(idec.NVIMGCODEC[0].held) == 8      # the last batch, kept
 
 
 def test_an_image_nvimgcodec_cannot_decode_is_one_line(fake):
@@ -172,7 +173,7 @@ def test_an_image_nvimgcodec_cannot_decode_is_one_line(fake):
     module.fail_at = 2
     with gpu:
         with pytest.raises(RuntimeError) as e:
-            idt.decode_jpeg([record] * 4, torch.device("cuda"), decoder="nvimgcodec")
+            idec.decode_jpeg([record] * 4, torch.device("cuda"), decoder="nvimgcodec")
     assert str(e.value) == "nvImageCodec could not decode 1 of the batch's 4 JPEGs (the first at position 2)"
 
 

@@ -21,6 +21,7 @@ from PIL import Image
 import core
 import imagenet_store as ims
 from conftest import ROOT, unmeasured_environment
+from imagefolders import synthetic_imagefolder
 
 RAW = ims.StoreSettings(format="raw", size=16)
 
@@ -35,7 +36,7 @@ def turned_jpeg(path, size=(20, 30), orientation=6):
 
 @pytest.fixture
 def src(tmp_path):
-    root = ims.synthetic_imagefolder(tmp_path / "src", 2, 3, 1, sizes=(16, 20))
+    root = synthetic_imagefolder(tmp_path / "src", 2, 3, 1, sizes=(16, 20))
     turned_jpeg(root / "train" / "c000" / "turned.jpg")
     return root
 
@@ -84,7 +85,7 @@ def prepare_command(src, dst, limit=None):
 
 def test_prepare_on_a_full_disk_stops_in_one_line_and_resumes_once_there_is_room(tmp_path):
     """Records of 768 bytes in shards of 2: a 4,000-byte limit stops the training split's store in its third shard."""
-    src = ims.synthetic_imagefolder(tmp_path / "src", 2, 4, 1, sizes=(16, 20))
+    src = synthetic_imagefolder(tmp_path / "src", 2, 4, 1, sizes=(16, 20))
     full = prepare_command(src, tmp_path / "dst", limit=4000)
     assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr
     assert full.stderr.strip().splitlines()[-1] == (
@@ -135,7 +136,7 @@ def test_a_folder_that_cannot_be_listed_is_named_in_one_line(src, tmp_path):
     code = ("import sys, imagenet_fast as inf\n"
             "for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):\n"
             "    print(inf.main(['prepare', '--src', src, '--dst', dst, '--workers', '1']))\n")
-    other = ims.synthetic_imagefolder(tmp_path / "other", 2, 1, 1, sizes=(16, 16))
+    other = synthetic_imagefolder(tmp_path / "other", 2, 1, 1, sizes=(16, 16))
     (src / "train" / "c001").chmod(0o000)
     (other / "train").chmod(0o300)            # writable and searchable, not readable: its entries cannot be listed
     try:
@@ -186,7 +187,7 @@ def test_files_prepare_does_not_read_are_counted_and_named_in_a_warning(src, tmp
 @pytest.mark.parametrize("empty", [False, True])
 def test_a_tree_of_one_class_is_refused_before_anything_is_written(tmp_path, capfd, empty):
     """One class folder (or two, one of them empty): train would refuse the store, so prepare refuses the tree."""
-    one = ims.synthetic_imagefolder(tmp_path / "one", 1, 2, 1, sizes=(16, 16))
+    one = synthetic_imagefolder(tmp_path / "one", 1, 2, 1, sizes=(16, 16))
     if empty:
         (one / "train" / "c001").mkdir()
     rc, _, err = prepare_main(capfd, one, tmp_path / "dst")

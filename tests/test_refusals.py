@@ -12,6 +12,7 @@ import core
 import imagenet_fast as inf
 import imagenet_store as ims
 from conftest import main_output
+from imagefolders import synthetic_imagefolder
 
 SIZE = 16
 TINY = ["--recipe", "tiny", "--device", "cpu", "--width", "4", "--batch-size", "8", "--min-res", SIZE, "--max-res",
@@ -24,7 +25,7 @@ def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("stores")
     out = []
     for name, per_class in (("a", 6), ("b", 8)):
-        src = ims.synthetic_imagefolder(root / f"src_{name}", 4, per_class, 2, sizes=(16, 20), seed=len(out))
+        src = synthetic_imagefolder(root / f"src_{name}", 4, per_class, 2, sizes=(16, 20), seed=len(out))
         ims.prepare(src, root / name, ims.StoreSettings(format="raw", size=SIZE), workers=1, shard_size=64,
                     log=lambda s: None)
         out.append(root / name)
@@ -300,7 +301,7 @@ def test_top5_is_not_reported_of_5_classes_or_fewer(stores, capsys):
 def test_a_store_of_one_class_is_refused_for_training(tmp_path, capsys):
     """prepare refuses a tree of one class (test_prepare_refusals); a store that says it holds one (its index.json
     written otherwise) is refused by train."""
-    src = ims.synthetic_imagefolder(tmp_path / "src", 2, 8, 2, sizes=(16, 20))
+    src = synthetic_imagefolder(tmp_path / "src", 2, 8, 2, sizes=(16, 20))
     ims.prepare(src, tmp_path / "one", ims.StoreSettings(format="raw", size=SIZE), workers=1, log=lambda s: None)
     index = json.loads((tmp_path / "one" / "index.json").read_text())
     (tmp_path / "one" / "index.json").write_text(json.dumps({**index, "classes": ["c000"]}))

@@ -26,6 +26,7 @@ import imagenet_store as ims
 import torch_backend as tb
 from conftest import ROOT, synthetic_arrays, synthetic_npz, train_once
 from cuda_standin import StandIn
+from imagefolders import synthetic_imagefolder
 
 TINY = ["--width", "0.0625", "--batch-size", "32", "--epochs", "3"]
 
@@ -38,7 +39,7 @@ def npz(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     root = tmp_path_factory.mktemp("in")
-    ims.synthetic_imagefolder(root / "src", 4, 12, 4, sizes=(20, 40))
+    synthetic_imagefolder(root / "src", 4, 12, 4, sizes=(20, 40))
     for fmt in ims.FORMATS:
         ims.prepare(root / "src", root / fmt, ims.StoreSettings(format=fmt, size=24), workers=1, log=lambda s: None)
     return {fmt: root / fmt for fmt in ims.FORMATS}

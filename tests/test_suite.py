@@ -14,7 +14,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import core  # noqa: E402
-import imagenet_data as idt  # noqa: E402
+import imagenet_decoders as idec  # noqa: E402
 import report  # noqa: E402
 import suite  # noqa: E402
 
@@ -629,7 +629,7 @@ def test_the_gpu_check_runs_every_check_in_the_smoke_pass(smoke):
         import nvidia.nvimgcodec  # noqa: F401
     except ImportError:
         assert {r["error"] for r in by("decoder", decoder="nvimgcodec") + by("together", decoder="nvimgcodec")} == {
-            f"--decoder nvimgcodec needs nvImageCodec: pip install {idt.nvimgcodec_package()}"}
+            f"--decoder nvimgcodec needs nvImageCodec: pip install {idec.nvimgcodec_package()}"}
     # both networks (each the tiny one here, as rn50_16ep's and rn18_16ep's recipes run it) at each size, alone and fed
     nets = ["rn50_16ep", "rn18_16ep"]
     assert [(r["recipe"], r["res"]) for r in by("step")] == [(n, res) for n in nets for res in sizes]

@@ -23,6 +23,7 @@ import torch
 
 import imagenet_store as ims
 from conftest import ROOT, free_port, synthetic_npz
+from imagefolders import synthetic_imagefolder
 from test_distributed import killed_write
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="finds the workers in /proc")
@@ -39,7 +40,7 @@ TINY = ["--recipe", "tiny", "--device", "cpu", "--width=4", "--batch-size=16", "
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     root = tmp_path_factory.mktemp("in")
-    ims.synthetic_imagefolder(root / "src", 4, 24, 8, sizes=(16, 28))
+    synthetic_imagefolder(root / "src", 4, 24, 8, sizes=(16, 28))
     ims.prepare(root / "src", root / "store", workers=1, log=lambda s: None)      # the JPEG store
     return root / "store"
 

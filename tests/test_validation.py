@@ -9,6 +9,7 @@ import distributed as D
 import imagenet_fast as inf
 import scaling
 from conftest import synthetic_npz
+from imagefolders import synthetic_imagefolder
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +178,7 @@ def test_under_torchrun_only_rank_0_prints_the_error(tmp_path, capsys, monkeypat
     (["--format", "png"], "error: argument --format: 'png' is not one of jpeg, raw"),
 ])
 def test_prepare_flags_are_checked_before_anything_is_written(flags, message, tmp_path, capsys):
-    import imagenet_store as ims
-    src = ims.synthetic_imagefolder(tmp_path / "src", 2, 2, 1)
+    src = synthetic_imagefolder(tmp_path / "src", 2, 2, 1)
     rc, err = run(inf.main, ["prepare", "--src", src, "--dst", tmp_path / "store", *flags], capsys)
     assert (rc, err) == (2, [message])
     assert not (tmp_path / "store").exists()

@@ -18,6 +18,7 @@ import pytest
 
 import core
 from conftest import ROOT, main_output, synthetic_npz, unmeasured_environment
+from imagefolders import synthetic_imagefolder
 
 CIFAR = ["--device", "cpu", "--subset", "64", "--epochs", "1", "--width", "0.125", "--batch-size", "32", "--quiet"]
 
@@ -177,7 +178,7 @@ def test_the_pre_flight_write_meets_a_full_disk(tmp_path, monkeypatch):
 def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_epoch_before(tmp_path, capsys, monkeypatch):
     import imagenet_fast as inf
     import imagenet_store as ims
-    src = ims.synthetic_imagefolder(tmp_path / "src", 4, 6, 2, sizes=(16, 20))
+    src = synthetic_imagefolder(tmp_path / "src", 4, 6, 2, sizes=(16, 20))
     ims.prepare(src, tmp_path / "store", ims.StoreSettings(format="raw", size=16), workers=1, log=lambda s: None)
     capsys.readouterr()
     real, calls = inf.save_checkpoint, []
