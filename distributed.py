@@ -1,6 +1,7 @@
 """Data-parallel training on torch.distributed: process groups, sharding, DDP wrapping, checkpoints that every
 rank can resume from, gradient communication hooks (fp16, bf16, 2D torus) and batch-norm statistics averaged
-over ranks. The large-batch optimisers are in optim.py; the scaling model over many GPUs in scaling.py.
+over ranks. The large-batch optimisers (LARS, RMSprop-to-SGD) are in imagenet_models.py; the scaling model over
+many GPUs in scaling.py.
 
     torchrun --nproc_per_node=8 cifar10_fast.py ...            # the scripts call init_from_env(), wrap_ddp(), ...
 

@@ -44,11 +44,6 @@ def per_rank_batch(global_batch, world):
     return global_batch // world
 
 
-def linear_scaled_lr(base_lr, global_batch, base_batch=256):
-    """Goyal et al. 2017, linear scaling rule: multiply the learning rate by k when the batch grows k times."""
-    return base_lr * global_batch / base_batch
-
-
 # ----------------------------------------------------------------------------------------------------------
 # CIFAR-10: the rate over the run
 

@@ -49,11 +49,6 @@ def test_the_cifar_rate_refuses_bad_knots_in_one_line():
         cf.recipe("myrtle24", lr_knots=(0, 0.5, 0.2), lr_values=(0, 1, 0))
 
 
-def test_linear_scaling():
-    assert schedules.linear_scaled_lr(0.1, 8192) == pytest.approx(3.2)
-    assert schedules.linear_scaled_lr(0.4, 2048, base_batch=512) == pytest.approx(1.6)
-
-
 def test_slow_start_lr_is_akiba_et_al_s_schedule_at_its_knots():
     # 90 epochs: 0.5 η for 40, 0.075 η for 30, 0.01 η for 15, 0.001 η for 5
     knots = {0: 0.5, 39.99: 0.5, 40: 0.075, 69.99: 0.075, 70: 0.01, 84.99: 0.01, 85: 0.001, 90: 0.001}
