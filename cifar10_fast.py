@@ -31,16 +31,20 @@ from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, fl
                         upload_normalised, num_classes, pair, take_subset, dataset_on_device)
 from cli import (HelpFormatter, add_run_flags, check_run, check_whole, claim_output, command, cpu_warning, ctrl_c_exit,
                  interrupted, join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
-from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_now, print_summary, say_error,
-                  summarize_runs, torchvision_mismatch, with_progress, write_result)
+from core import DataError, Parser, UsageError, say_error
 from distributed import Context, barrier, leave, register_comm_hook, shard, wrap_ddp
 from optim import make_optimizers, set_lr
+from outputs import check_output, write_result
+from processes import exit_now
+from progress import Heartbeat, with_progress
+from run_statistics import print_summary, summarize_runs
 from schedules import per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
 from torch_backend import (TTASettings, build_model, fit_whitening, loss_and_accuracy, pools_to_one_pixel, tta_views,
                            whitening_bias)
 from training import (EpochClock, RunOptions, averaging, check_finite_loss, epoch_table,
                       evaluation_model, profiled, run_seeds, step_sums, strict_compile, train_step, warmup_calls)
+from versions import torchvision_mismatch
 
 # ---------------------------------------------------------------------------------------------
 # One run

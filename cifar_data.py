@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 import devices
-from core import DataError, made_folder, not_a_file, write_atomic, writable_folder
+from core import DataError
+from outputs import made_folder, not_a_file, writable_folder, write_atomic
 from settings import knob
 
 # ---------------------------------------------------------------------------------------------

@@ -22,8 +22,10 @@ import traceback
 import torch
 
 import devices
-from core import UsageError, check_output, close_progress, first_to_say, output_lock
+from core import UsageError, first_to_say
 from distributed import HOOKS, comm_hook, first_sentence, init_from_env, leave, print0
+from outputs import check_output, output_lock
+from progress import close_progress
 from settings import flag_error, flat
 
 
@@ -33,7 +35,7 @@ PRECISION_CHOICES = ("auto", *devices.PRECISIONS)         # --precision's choice
 def check_run(runs, target, *, seed=0, device=None, out=None, eval_every=1, precision="auto"):
     """Raises UsageError unless runs is a whole number of at least 1, seed and eval_every whole and not negative,
     target a fraction above 0, precision one of PRECISION_CHOICES, the device exists (devices.resolve) and a file can be
-    written at out (core.check_output)."""
+    written at out (outputs.check_output)."""
     check_whole("runs", runs, "must be at least 1", low=1)
     check_whole("seed", seed, "must not be negative (the runs' seeds: seed, seed + 1, ...)")
     check_whole("eval_every", eval_every, "must not be negative (0: evaluate only after the last epoch)")
@@ -252,7 +254,7 @@ class KeptStdout:
 
 
 def claim_output(path, flag="--out", *, lock=True):
-    """For the command running (command()): path is this process's alone to write until it returns (core.output_lock:
+    """For the command running (command()): path is this process's alone to write until it returns (outputs.output_lock:
     another's is refused, OutputLocked, a UsageError; lock=False: path has a lock of its own, as prepare's store does),
     and a lost stdout lets the work go on, its results kept there. None claims nothing."""
     stdout = sys.stdout

@@ -1,7 +1,7 @@
 """Every decision that depends on the device, in one place: which device --device names (and, under torchrun, which
 GPU a rank takes), whether two devices are the same one, where a store and its buffers live, how to wait for the
-device, its compute dtype, memory layout and autocast, cuDNN's autotuning and determinism, random generators, the
-communication backend, and the side streams and events that overlap copies with compute.
+device and time it, its compute dtype, memory layout and autocast, cuDNN's autotuning and determinism, random
+generators, the communication backend, and the side streams and events that overlap copies with compute.
 
 A device type other than CUDA (mps, xpu, ...) takes the generic path through torch.<type>, and never reaches a
 torch.cuda function. Streams and events exist on CUDA alone; elsewhere their helpers do nothing. On a CPU the tests
@@ -10,12 +10,13 @@ run the CUDA path under a stand-in for the GPU that answers torch.cuda's calls (
 import os
 import platform
 import re
+import time
 from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import torch
 
-from core import Timer, UsageError
+from core import UsageError
 
 # ---------------------------------------------------------------------------------------------
 # Which device
@@ -132,6 +133,25 @@ def synchronize(device):
             module.synchronize()        # the current device of its type (torch.mps.synchronize takes no device)
 
 
+class Timer:
+    """Wall-clock timer that synchronises the device before every reading: timer() returns the seconds since the
+    previous call and adds them to timer.total unless include=False (work that must not count, such as evaluation)."""
+
+    def __init__(self, synchronize=None):
+        self.synchronize = synchronize or (lambda: None)
+        self.synchronize()
+        self.last = time.perf_counter()
+        self.total = 0.0
+
+    def __call__(self, include=True):
+        self.synchronize()
+        now = time.perf_counter()
+        dt, self.last = now - self.last, now
+        if include:
+            self.total += dt
+        return dt
+
+
 def timer(device):
     """The run's clock: on a CUDA GPU an EventTimer (CUDA events, as airbench and the speedrun records time, read
     after the run without waiting inside it); elsewhere a HostTimer that waits for the device at every mark."""
@@ -141,7 +161,7 @@ def timer(device):
 
 
 class HostTimer(Timer):
-    """core.Timer with EventTimer's marks: each read at once, the host waiting for the device there (nothing to
+    """Timer with EventTimer's marks: each read at once, the host waiting for the device there (nothing to
     wait for on the CPU)."""
     reads_later = False
 
@@ -164,7 +184,7 @@ class HostTimer(Timer):
 class EventTimer:
     """The GPU's time between CUDA events recorded on the device's current stream: mark() records one and returns at
     once; read() waits for the last and reads them all, so a run waits for its clock once, at its end. Calling it
-    marks and reads (core.Timer's reading: seconds since the previous one, added to total unless include=False)."""
+    marks and reads (Timer's reading: seconds since the previous one, added to total unless include=False)."""
     reads_later = True
 
     def __init__(self, device):

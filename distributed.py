@@ -34,7 +34,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 import devices
-from core import DataError, die_with_parent, square_grid, write_atomic
+from core import DataError
+from outputs import write_atomic
+from processes import die_with_parent
+from scaling import square_grid
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from core import torchvision_mismatch
+from versions import torchvision_mismatch
 if __name__ == "__main__" and torchvision_mismatch():       # one line, before imagenet_models' import of it fails
     sys.exit(f"error: {torchvision_mismatch()}")
 
@@ -36,8 +36,7 @@ import scaling
 import training
 from cli import (HelpFormatter, add_run_flags, check_run, claim_output, command, cpu_warning, ctrl_c_exit, interrupted,
                  join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
-from core import (DataError, Heartbeat, Parser, UsageError, check_output, exit_now, print_summary, say_error,
-                  summarize_runs, with_progress, write_result)
+from core import DataError, Parser, UsageError, say_error
 from distributed import (barrier, broadcast_buffers, checkpoint_writers, leave, leave_together, print0,
                          register_comm_hook, sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
@@ -47,6 +46,10 @@ from imagenet_models import imagenet_network, check_memory, imagenet_optimizer
 from imagenet_recipes import RECIPES, RN50_16EP, Recipe, recipe, recipe_command
 from imagenet_store import FORMATS, StoreSettings, check_classes, check_prepare, kept, open_store, prepare
 from optim import set_lr
+from outputs import check_output, write_result
+from processes import exit_now
+from progress import Heartbeat, with_progress
+from run_statistics import print_summary, summarize_runs
 from schedules import epoch_plans, plan, step_lr
 from settings import add_flags, changes_from, flag_error, flat, one_of
 from torch_backend import set_ghost_groups
@@ -660,7 +663,7 @@ def train_runs(args, r, data, *, ctx, argv, store):
 
 
 def write_failed(error):
-    """Exit status 1 once --out's failed write (core.write_result's DataError, the result printed) says so in one
+    """Exit status 1 once --out's failed write (outputs.write_result's DataError, the result printed) says so in one
     line, torchrun ended without restarts."""
     say_error(error)
     return 1

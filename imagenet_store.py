@@ -34,7 +34,9 @@ import numpy as np
 from PIL import Image, ImageOps
 from tqdm import tqdm
 
-from core import DataError, UsageError, die_with_parent, writable_folder, write_json
+from core import DataError, UsageError
+from outputs import writable_folder, write_json
+from processes import die_with_parent
 
 STORE_VERSION = 3      # 3: one indexed file per split, jpeg or raw, whole images (2 kept a centre square per image)
 FORMATS = ("jpeg", "raw")

@@ -12,9 +12,10 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import torch
 
-from core import DataError, die_with_parent
+from core import DataError
 from imagenet_decoders import cpu_crop, damaged_record, pil_decodes
 from imagenet_store import open_store
+from processes import die_with_parent
 
 WORKER = {}     # in a decoding worker: the store it inherited and the staging buffers it has opened
 STAGED = 3      # staging buffers: the batch the caller works on and the two decoding meanwhile

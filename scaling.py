@@ -1,5 +1,6 @@
-"""The alpha-beta model of how a data-parallel training step scales with the GPU count, and its comparison
-with the published many-GPU ImageNet runs. Pure Python arithmetic: no torch, nothing is run on a GPU.
+"""The alpha-beta model of how a data-parallel training step scales with the GPU count, with the 2D torus's grid it
+assumes (square_grid, which distributed.py's torus all-reduce uses too), and its comparison with the published
+many-GPU ImageNet runs. Pure Python arithmetic: no torch, nothing is run on a GPU.
 
     python scaling.py --gpus 8,64,512,2048 --step-time 0.1 --model-mb 51.2 --link-gbps 50
     python scaling.py --published                 # our model against the published figures
@@ -11,7 +12,13 @@ import math
 import sys
 from dataclasses import dataclass
 
-from core import Parser, square_grid
+from core import Parser
+
+
+def square_grid(world):
+    """rows x cols = world with rows <= cols as close as possible (32 x 32 for 1,024): the 2D torus's grid."""
+    rows = max(r for r in range(1, math.isqrt(world) + 1) if world % r == 0)
+    return rows, world // rows
 
 
 def allreduce_time(nbytes, gpus, algorithm, *, link_gbps, latency_us):

@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 import devices
-from core import DataError, Table, write_atomic
+from core import DataError
+from outputs import write_atomic
+from progress import Table
 from settings import knob
 
 
@@ -71,7 +73,7 @@ def check_finite_loss(mean_loss, *, epoch, hint):
 
 
 def epoch_table(columns, file=None):
-    """The per-epoch table both scripts print (core.Table): accuracies and losses to 4 decimals, times to 2, each
+    """The per-epoch table both scripts print (progress.Table): accuracies and losses to 4 decimals, times to 2, each
     column as wide as its name or its numbers, under 100 characters for either script's columns."""
     return Table(columns, width=7, file=file, formats={"epoch_time": ".2f", "total_time": ".2f"},
                  widths={"epoch": 6, "res": 4, "batch": 6, "lr": 8, "decode": 11})

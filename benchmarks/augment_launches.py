@@ -21,7 +21,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]
 import cifar10_fast as cf  # noqa: E402
 import cifar_data as cd  # noqa: E402
 import devices  # noqa: E402
-from core import Parser, write_json  # noqa: E402
+from core import Parser  # noqa: E402
+from outputs import write_json  # noqa: E402
 from cuda_standin import StandIn  # noqa: E402
 
 BATCHES = 32                    # an epoch's steps at 50,000 images and batch 1,536

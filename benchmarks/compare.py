@@ -54,7 +54,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from core import Parser, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
+from core import Parser  # noqa: E402
+from outputs import write_json  # noqa: E402
+from run_statistics import one_sided_p, ratio_ci, summarize  # noqa: E402
 
 PEERS_DIR = ROOT / "peers"
 STANDINS = ROOT / "tests" / "peer_standins"

@@ -17,7 +17,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare import cache_environment  # noqa: E402
-from core import Parser, Table, summarize, write_json  # noqa: E402
+from core import Parser  # noqa: E402
+from outputs import write_json  # noqa: E402
+from progress import Table  # noqa: E402
+from run_statistics import summarize  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # One fresh process: the recipe's compiled warm-up on synthetic data of the real shapes, timed; prints seconds.

@@ -21,8 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cifar10_fast as cf  # noqa: E402
 import torch_backend as tb  # noqa: E402
 import training as T  # noqa: E402
-from core import Parser, Table, write_json  # noqa: E402
+from core import Parser  # noqa: E402
 from optim import make_optimizers, set_lr  # noqa: E402
+from outputs import write_json  # noqa: E402
+from progress import Table  # noqa: E402
 
 LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
 

@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import imagenet_data as idt  # noqa: E402
 import imagenet_store as ims  # noqa: E402
 import imagenet_workers  # noqa: E402
-from core import Parser, Table, write_json  # noqa: E402
+from core import Parser  # noqa: E402
+from outputs import write_json  # noqa: E402
+from progress import Table  # noqa: E402
 from imagenet_throughput import photos  # noqa: E402
 
 METHODS = ("threads_pil", "threads_simplejpeg", "processes_pil", "processes_simplejpeg", "pil_dataloader")

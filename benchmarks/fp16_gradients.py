@@ -20,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cifar10_fast as cf  # noqa: E402
 import cifar_data as cd  # noqa: E402
 import torch_backend as tb  # noqa: E402
-from core import DataError, Parser, Table, UsageError, write_json  # noqa: E402
+from core import DataError, Parser, UsageError  # noqa: E402
 from optim import make_optimizers, set_lr  # noqa: E402
+from outputs import write_json  # noqa: E402
+from progress import Table  # noqa: E402
 from schedules import run_steps  # noqa: E402
 
 NORMAL, SUBNORMAL = 2.0 ** -14, 2.0 ** -24

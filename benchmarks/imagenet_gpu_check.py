@@ -71,7 +71,8 @@ import imagenet_decoders as idec  # noqa: E402
 import imagenet_fast as inf  # noqa: E402
 import imagenet_models  # noqa: E402
 import imagenet_store as ims  # noqa: E402
-from core import Parser, write_json  # noqa: E402
+from core import Parser  # noqa: E402
+from outputs import write_json  # noqa: E402
 from imagenet_throughput import forever, rate, step  # noqa: E402
 
 # nets: the steps' recipes, each at its own batch (FFCV's: 512, 1,024) where step_batch is None

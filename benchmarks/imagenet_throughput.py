@@ -48,8 +48,10 @@ import imagenet_fast as inf  # noqa: E402
 import imagenet_store as ims  # noqa: E402
 import distributed as D  # noqa: E402
 from cli import environment  # noqa: E402
+from outputs import write_json  # noqa: E402
+from progress import Table  # noqa: E402
 from settings import one_of  # noqa: E402
-from core import Parser, Table, UsageError, write_json  # noqa: E402
+from core import Parser, UsageError  # noqa: E402
 
 
 def step(model, opt, x, y, *, device, dtype):

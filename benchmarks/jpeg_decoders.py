@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import imagenet_data as idt  # noqa: E402
 import imagenet_decoders as idec  # noqa: E402
-from core import Parser, Table, write_json  # noqa: E402
+from core import Parser  # noqa: E402
+from outputs import write_json  # noqa: E402
+from progress import Table  # noqa: E402
 from cpu_loaders import pil_decode_crop  # noqa: E402
 from imagenet_throughput import photos  # noqa: E402
 

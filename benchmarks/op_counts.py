@@ -27,7 +27,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import cifar10_fast as cf  # noqa: E402
 import imagenet_models  # noqa: E402
 import imagenet_recipes  # noqa: E402
-from core import Parser, write_json  # noqa: E402
+from core import Parser  # noqa: E402
+from outputs import write_json  # noqa: E402
 
 
 class Count(TorchDispatchMode):

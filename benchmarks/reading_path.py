@@ -2,10 +2,11 @@
 short run of `cifar10_fast.py --recipe NAME` calls, with the recipe's own definition and the setting types it uses,
 in lines (each function's whole span, once) and files, and of those lines how many are code (not blank, a comment or
 a docstring); and how many calls `main` makes to reach the training step. Counted apart, as what a reader may skip:
-the flags, checks, warm-up and records (the command line, settings.py, cli.py, core.py, check* and the setting types'
-check methods, the FLOP count, the summary), joining torchrun's ranks (distributed.py's set-up, called for one
-process too) and devices.py's decisions (a line or two each, named for what they decide). A reference script given
-with --peer is counted whole, as its reader reads it. Characters are counted over the same lines as lines are.
+the flags, checks, warm-up and records (the command line, settings.py, cli.py, core.py and the modules of what a run
+prints and writes, check* and the setting types' check methods, the FLOP count, the summary), joining torchrun's
+ranks (distributed.py's set-up, called for one process too) and devices.py's decisions (a line or two each, named for
+what they decide). A reference script given with --peer is counted whole, as its reader reads it. Characters are
+counted over the same lines as lines are.
 
 Where each technique is touched: a line of code (comments and docstrings left out, string literals kept) touches a
 technique when one of the technique's patterns (TECHNIQUES: identifiers and setting values both our code and
@@ -33,9 +34,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
-from core import Parser, Table, write_json  # noqa: E402
+from core import Parser  # noqa: E402
+from outputs import write_json  # noqa: E402
+from progress import Table  # noqa: E402
 
-SKIPPABLE_MODULES = {"settings.py", "cli.py", "core.py"}       # flags, checks, tables, progress, records
+SKIPPABLE_MODULES = {"settings.py", "cli.py", "core.py", "progress.py", "outputs.py", "run_statistics.py",
+                     "processes.py", "versions.py"}      # flags, checks, tables, progress, records
 SKIPPABLE = ("main", "parse_args", "check", "recipe_and_data", "warmup", "say_estimate", "count_flops",
              "compile_counts", "strict_compile", "take_subset", "read_npz", "load", "channel_stats", "num_classes",
              "run_record", "result_so_far", "per_rank_batch", "pools_to_one_pixel")

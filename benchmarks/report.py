@@ -615,7 +615,7 @@ def t_scaling_recipes(results):
 def t_cpu_accuracy(results):
     """The record recipes' accuracy at full size on the CPU (the suite's cpu_accuracy piece): n so far, mean ± std,
     the one-sided p of "mean > 94%", and the mean time of a run on the CPU (not a speed figure)."""
-    from core import detectable_gap
+    from run_statistics import detectable_gap
     from suite import CPU_ACCURACY
     rows, verdicts = [], []
     for recipe in CPU_ACCURACY:                 # the tier's order
@@ -652,7 +652,7 @@ def t_cpu_accuracy(results):
 def against(name, runs, base, base_runs):
     """One sentence: a side's mean final accuracy against another's on the same device, with the p of a one-sided
     Welch t-test in the direction the means differ."""
-    from core import one_sided_welch_p, summarize
+    from run_statistics import one_sided_welch_p, summarize
     xs, ys = [r["final_acc"] for r in runs], [r["final_acc"] for r in base_runs]
     gap = summarize(xs)["mean"] - summarize(ys)["mean"]
     p = one_sided_welch_p(xs, ys) if gap >= 0 else one_sided_welch_p(ys, xs)

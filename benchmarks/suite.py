@@ -51,7 +51,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from core import Parser, die_with_parent, one_sided_p, ratio_ci, summarize, write_json  # noqa: E402
+from core import Parser  # noqa: E402
+from outputs import write_json  # noqa: E402
+from processes import die_with_parent  # noqa: E402
+from run_statistics import one_sided_p, ratio_ci, summarize  # noqa: E402
 from compare import PEERS, cache_environment, environment_of, peer_missing  # noqa: E402
 from machine import fingerprint  # noqa: E402
 

@@ -31,7 +31,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 def pytest_configure(config):
     """A torchvision built for another torch stops the run with one line, before a test file imports it."""
-    from core import torchvision_mismatch
+    from versions import torchvision_mismatch
     if line := torchvision_mismatch():
         pytest.exit(f"error: {line}", returncode=pytest.ExitCode.USAGE_ERROR)
 

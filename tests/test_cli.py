@@ -206,10 +206,10 @@ def test_stdout_on_a_full_device_is_one_line_and_the_runs_still_reach_out(synth_
 def test_a_second_run_writing_the_same_out_is_refused_in_one_line_and_the_first_keeps_it(synth_npz, tmp_path,
                                                                                          capsys):
     import cifar10_fast as cf
-    import core
+    import outputs
     out = tmp_path / "r.json"
     args = ["--data-dir", str(synth_npz), *TWO_RUNS, "--runs", "1", "--out", str(out)]
-    with core.output_lock(out, "--out"):              # the first run, still writing
+    with outputs.output_lock(out, "--out"):           # the first run, still writing
         assert cf.main(args) == 2
         err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: no GPU")]
         assert err == [f"error: --out {out}: another run is writing it (process {os.getpid()}); give another --out, "

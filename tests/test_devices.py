@@ -153,6 +153,15 @@ def test_another_device_type_never_reaches_torch_cuda(monkeypatch):
     assert devices.free_memory("cpu") is None and devices.accelerator("cpu") is None
 
 
+def test_timer_excludes_what_it_is_told_to():
+    calls = []
+    t = devices.Timer(lambda: calls.append(1))
+    a = t()
+    b = t(include=False)
+    assert t.total == pytest.approx(a)
+    assert len(calls) == 3 and b >= 0
+
+
 def test_the_clock_reads_cuda_events_on_a_gpu_and_waits_on_the_device_elsewhere(monkeypatch):
     """On a CUDA device the run's clock is the GPU's time between CUDA events (as the references time); elsewhere
     the host's clock after a device synchronise."""
@@ -162,7 +171,7 @@ def test_the_clock_reads_cuda_events_on_a_gpu_and_waits_on_the_device_elsewhere(
     assert t() == pytest.approx(0.25e-3) and made[1].waited
     assert t(include=False) == pytest.approx(1.5e-3)
     assert t() == pytest.approx(0.25e-3) and t.total == pytest.approx(0.5e-3)
-    assert isinstance(devices.timer("cpu"), core.Timer)
+    assert isinstance(devices.timer("cpu"), devices.Timer)
 
 
 @pytest.mark.parametrize("name, compiled, sgd", [

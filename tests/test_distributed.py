@@ -418,8 +418,8 @@ def test_checkpoint_disk_full_mid_write_keeps_the_previous_one_and_says_why(tmp_
 
 def killed_write(path):
     """write_atomic of path killed by SIGKILL midway, in a process of its own: what a killed run leaves."""
-    code = ("import os, signal, sys, core; core.write_atomic(sys.argv[1], lambda tmp: (open(tmp, 'wb').write(b'x' * "
-            "1000), os.kill(os.getpid(), signal.SIGKILL)))")
+    code = ("import os, signal, sys, outputs; outputs.write_atomic(sys.argv[1], lambda tmp: (open(tmp, 'wb').write("
+            "b'x' * 1000), os.kill(os.getpid(), signal.SIGKILL)))")
     done = subprocess.run([sys.executable, "-c", code, str(path)], cwd=ROOT, capture_output=True)
     assert done.returncode == -signal.SIGKILL, done.stderr
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import core
 import imagenet_fast as inf
+import outputs
 from conftest import ROOT, small_jpeg_store
 from imagefolders import synthetic_imagefolder
 from test_cli import interrupted, read_first_line_then_close
@@ -54,7 +54,7 @@ def test_sigterm_in_train_is_one_line_exit_143_and_the_checkpoint_kept(store, tm
 def test_a_second_train_writing_the_same_out_is_refused_in_one_line_and_the_first_keeps_it(store, tmp_path, capsys):
     out = tmp_path / "r.json"
     args = ["train", "--store", store, *TINY, "--epochs", "1", "--out", out]
-    with core.output_lock(out, "--out"):              # the first run, still writing
+    with outputs.output_lock(out, "--out"):           # the first run, still writing
         assert run_main(capsys, *args) == (2, "", [f"error: --out {out}: another run is writing it (process "
                                                    f"{os.getpid()}); give another --out, or wait for that run to end"])
         assert not out.exists()

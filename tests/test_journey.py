@@ -6,7 +6,7 @@ import pytest
 
 import cifar10_fast as cf
 from conftest import synthetic_arrays
-from core import summarize_runs
+from run_statistics import summarize_runs
 
 
 def test_every_stage_is_a_recipe_in_order_with_a_published_time():

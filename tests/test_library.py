@@ -15,6 +15,7 @@ import torch
 import cifar10_fast as cf
 import cifar_data as cd
 import core
+import progress
 import torch_backend as tb
 from conftest import ROOT, pattern_arrays, synthetic_arrays, synthetic_npz, train_once
 
@@ -174,7 +175,7 @@ def test_deterministic_runs_with_one_seed_have_identical_parameters(npz, determi
 
 
 def test_a_long_epoch_shows_its_progress_on_stderr(npz, capsys, monkeypatch):
-    monkeypatch.setattr(core.Progress, "every_s", 0.0)        # a line per step (30 s apart when not a terminal)
+    monkeypatch.setattr(progress.Progress, "every_s", 0.0)        # a line per step (30 s apart when not a terminal)
     monkeypatch.setattr(cf, "PROGRESS_AFTER_S", 0.0)          # every epoch counts as long
     cf.train("fast94", data=npz, verbose=True, progress=True, **{**TINY, "epochs": 2})
     out, err = capsys.readouterr()
@@ -192,7 +193,7 @@ def test_a_long_epoch_shows_its_progress_on_stderr(npz, capsys, monkeypatch):
 def test_progress_shows_every_long_phase_on_stderr_and_nothing_when_off(npz, capsys, monkeypatch):
     """A phase that turns out long (here: any, the threshold 0) says so on stderr while it runs and when it ends:
     loading, the compiled warm-up, each epoch, the final evaluation; with progress off, stderr stays empty."""
-    monkeypatch.setattr(core.Heartbeat, "after_s", 0.0)
+    monkeypatch.setattr(progress.Heartbeat, "after_s", 0.0)
     monkeypatch.setattr(cf, "PROGRESS_AFTER_S", 0.0)
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model=None, mode=None, **kw: real(model, **{**kw, "backend": "eager"}))
@@ -210,8 +211,8 @@ def test_progress_shows_every_long_phase_on_stderr_and_nothing_when_off(npz, cap
 def test_a_short_epoch_shows_no_progress(npz, capsys, monkeypatch):
     """Epochs whose steps take no time (progress's clock stands still: a loaded machine cannot make them look long)
     show no bar, and an evaluation shorter than the heartbeat's threshold no line."""
-    monkeypatch.setattr(core, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
-    monkeypatch.setattr(core.Heartbeat, "after_s", 1e9)
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: 0.0))
+    monkeypatch.setattr(progress.Heartbeat, "after_s", 1e9)
     data = cd.dataset_on_device(np.load(npz), CPU, dtype=torch.float32, pad=2)
     r = cf.recipe("fast94", width=1 / 16, epochs=2, batch_size=64)
     train_once(r, data, progress=True)        # train_run alone: no estimate

@@ -18,7 +18,7 @@ import torch
 import cifar10_fast as cf
 import notebook_pace as pace
 from conftest import ROOT, synthetic_arrays
-from core import one_sided_welch_p
+from run_statistics import one_sided_welch_p
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import suite  # noqa: E402

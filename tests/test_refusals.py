@@ -11,6 +11,8 @@ import torch
 import core
 import imagenet_fast as inf
 import imagenet_store as ims
+import outputs
+import progress
 from conftest import main_output
 from imagefolders import synthetic_imagefolder
 
@@ -133,15 +135,15 @@ def test_the_results_table_counts_the_global_batch_as_the_schedule_does(stores):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 def test_an_out_that_cannot_be_written_is_refused_before_any_work(stores, capsys, monkeypatch):
     """/proc admits no new file, whatever its permissions say (as root they say yes): --out is tried by writing."""
-    monkeypatch.setattr(core.os, "access", lambda *a: True)
+    monkeypatch.setattr(outputs.os, "access", lambda *a: True)
     rc, _, err = run(capsys, "train", "--store", stores[0], *TINY, "--out", "/proc/r.json")
     assert rc == 2 and err == ["error: --out /proc/r.json: /proc: cannot write --out's file there (No such file or "
                                "directory); give a path in a folder you can write in"]
 
 
 def test_an_out_is_tried_by_writing_and_nothing_is_left(tmp_path):
-    core.check_output(tmp_path / "new" / "r.json", "--out")
-    core.check_output(tmp_path / "r.json", "--out")
+    outputs.check_output(tmp_path / "new" / "r.json", "--out")
+    outputs.check_output(tmp_path / "r.json", "--out")
     assert os.listdir(tmp_path) == []
 
 
@@ -196,7 +198,7 @@ def test_close_progress_ends_a_bar_left_open():
     from tqdm import tqdm
     bar = tqdm(total=10, file=io.StringIO())
     bar.update(3)
-    core.close_progress()
+    progress.close_progress()
     assert bar not in tqdm._instances and bar.disable
 
 
@@ -228,12 +230,12 @@ def test_without_a_model_name_the_cpu_is_named_by_what_platform_knows(cpuinfo, m
 
 
 def test_exit_now_flushes_the_output_and_runs_nothing_more(tmp_path):
-    """After Ctrl-C the scripts leave by core.exit_now: the line printed, the status kept, and none of the
+    """After Ctrl-C the scripts leave by processes.exit_now: the line printed, the status kept, and none of the
     interpreter's finalisation (here an atexit handler that would write a file) run after it."""
     import subprocess
     late = tmp_path / "late"
-    code = (f"import atexit, sys, core; atexit.register(open, {str(late)!r}, 'w'); print('kept', end=''); "
-            "print('line', file=sys.stderr, end=''); core.exit_now(130)")
+    code = (f"import atexit, sys, processes; atexit.register(open, {str(late)!r}, 'w'); print('kept', end=''); "
+            "print('line', file=sys.stderr, end=''); processes.exit_now(130)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": os.path.dirname(core.__file__)})
     assert (r.returncode, r.stdout, r.stderr) == (130, "kept", "line") and not late.exists()

@@ -5,7 +5,6 @@ import sys
 
 import pytest
 
-import core
 import scaling
 
 
@@ -15,9 +14,9 @@ def test_unknown_algorithm_is_an_exact_error():
 
 
 def test_square_grid():
-    assert core.square_grid(1024) == (32, 32)
-    assert core.square_grid(2048) == (32, 64)
-    assert core.square_grid(4) == (2, 2) and core.square_grid(7) == (1, 7)
+    assert scaling.square_grid(1024) == (32, 32)
+    assert scaling.square_grid(2048) == (32, 64)
+    assert scaling.square_grid(4) == (2, 2) and scaling.square_grid(7) == (1, 7)
 
 
 SIM = dict(step_time_s=0.1, model_bytes=100e6, buckets=4, batch_per_gpu=32)

@@ -13,9 +13,9 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import core  # noqa: E402
 import imagenet_decoders as idec  # noqa: E402
 import report  # noqa: E402
+import run_statistics  # noqa: E402
 import suite  # noqa: E402
 
 
@@ -412,7 +412,7 @@ def test_the_test_time_sentence_names_the_versions_pytests_header_printed():
     ([0.94], "mean is 94% here, on neither side (n = 1: too few runs to say more).")])
 def test_cpu_accuracy_says_whether_a_mean_below_94_is_significant_by_the_other_side_of_its_t_test(accuracies,
                                                                                                    verdict):
-    from core import one_sided_p
+    from run_statistics import one_sided_p
     side = {"runs": [{"seed": i} for i in range(len(accuracies))], "n_wanted": 13, "command": "python x.py",
             "stats": {"accuracy": {"mean": sum(accuracies) / len(accuracies), "std": 0.001, "n": len(accuracies)},
                       "p_mean_above_target": one_sided_p(accuracies, 0.94), "time": {"mean": 1.0}}}
@@ -427,7 +427,7 @@ def test_cpu_accuracy_says_whether_a_mean_below_94_is_significant_by_the_other_s
                                "Welch t-test, n = 3 and 4)."),
     ([0.9410], "0.21 points above `fast94_next_lowres`'s (n = 1 and 4: too few runs to say more).")])
 def test_cpu_accuracy_sets_a_recipe_with_flags_against_its_own_recipe_by_welchs_test(flagged, said):
-    from core import summarize
+    from run_statistics import summarize
     def side(accs):
         return {"runs": [{"seed": i, "final_acc": a} for i, a in enumerate(accs)], "n_wanted": 5, "command": "x",
                 "stats": {"accuracy": summarize(accs), "p_mean_above_target": None, "time": {"mean": 1.0}}}
@@ -518,11 +518,11 @@ def test_the_time_ratio_after_the_peers_model_construction_takes_the_peer_runs_t
         "fast94": {"name": "fast94", "n_wanted": 3, "target": 0.94, "runs": ours},
         "airbench94": {"name": "airbench94", "n_wanted": 3, "target": 0.94, "runs": theirs}}}
     r = suite.finish(result, {})
-    after = core.ratio_ci([1.5, 1.6, 1.7], [2.0, 2.1, 1.9])
+    after = run_statistics.ratio_ci([1.5, 1.6, 1.7], [2.0, 2.1, 1.9])
     assert r["time_ratio_after_construction"] == pytest.approx({"of": "fast94", "to": "airbench94", "n_to": 3, **after})
     assert r["time_ratio"]["ratio"] == pytest.approx(1.6 / 2.1333333)          # the clock as it ran, beside it
     del theirs[1]["construct_s"]                    # a run from before its construction was timed apart
-    after = core.ratio_ci([1.5, 1.6, 1.7], [2.0, 1.9])
+    after = run_statistics.ratio_ci([1.5, 1.6, 1.7], [2.0, 1.9])
     assert suite.finish(result, {})["time_ratio_after_construction"] == pytest.approx(
         {"of": "fast94", "to": "airbench94", "n_to": 2, **after})
     del theirs[0]["construct_s"]

@@ -8,7 +8,8 @@ import pytest
 import cifar10_fast as cf
 import imagenet_fast as inf
 from conftest import small_jpeg_store
-from core import DataError, fit
+from core import DataError
+from progress import fit
 from training import epoch_table
 
 CIFAR_ROW = {"epoch": 1, "lr": 0.4, "train_loss": 1.7511622, "train_acc": 0.5102336, "test_loss": None,
@@ -275,11 +276,11 @@ def test_a_torchvision_built_for_another_torch_is_one_line_in_the_scripts_and_th
     ("==2.11.*", "2.11.0", False), ("<=2.5", "2.5.0", False), (">2.5", "2.5.0", True)])
 def test_the_torchvision_check_reads_which_torch_it_requires(monkeypatch, requires, torch_version, mismatched):
     from importlib import metadata
-    import core
+    import versions as installed
     versions = {"torch": torch_version, "torchvision": "0.26.0"}
     monkeypatch.setattr(metadata, "version", lambda name: versions[name])
     monkeypatch.setattr(metadata, "requires", lambda name: ["numpy", f"torch ({requires})", "scipy ; extra == 'x'"])
-    line = core.torchvision_mismatch()
+    line = installed.torchvision_mismatch()
     assert (line is not None) == mismatched
     if mismatched:
         assert line.startswith(f"torchvision 0.26.0 requires torch{requires}, but torch {torch_version} is installed")

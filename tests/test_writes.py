@@ -11,12 +11,14 @@ import io
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 
 import pytest
 
 import core
+import outputs
 from conftest import ROOT, main_output, synthetic_npz, unmeasured_environment
 from imagefolders import synthetic_imagefolder
 
@@ -51,12 +53,12 @@ def test_check_output_refuses_every_file_that_is_not_regular_in_one_line(tmp_pat
     try:
         for path, kind in files.items():
             with pytest.raises(core.UsageError) as e:
-                core.check_output(path, "--out")
+                outputs.check_output(path, "--out")
             assert str(e.value) == f"--out {path}: is {kind}, not a regular file; give a new file's name or a file's"
     finally:
         s.close()
     (tmp_path / "r.json").write_text("old")
-    core.check_output(tmp_path / "r.json", "--out")            # a regular file: replaced at the end, as before
+    outputs.check_output(tmp_path / "r.json", "--out")            # a regular file: replaced at the end, as before
     assert (tmp_path / "r.json").read_text() == "old"
 
 
@@ -65,7 +67,7 @@ def test_write_atomic_never_renames_onto_a_fifo_or_a_device(tmp_path, char_devic
     os.mkfifo(fifo)
     for path, kind in ((fifo, "a fifo"), (char_device, "a character device")):
         with pytest.raises(core.DataError) as e:
-            core.write_json(path, {"a": 1})
+            outputs.write_json(path, {"a": 1})
         assert str(e.value) == f"{path}: is {kind}, not a regular file; nothing written there"
     assert os.path.exists(fifo) and not os.path.isfile(fifo) and os.listdir(tmp_path) == ["fifo"]
 
@@ -74,7 +76,7 @@ def test_write_atomic_checks_again_after_writing(tmp_path):
     """A path that became a fifo while the file was written is still not renamed onto; no temporary is left."""
     out = tmp_path / "r.json"
     with pytest.raises(core.DataError):
-        core.write_atomic(out, lambda tmp: (open(tmp, "w").write("{}"), os.mkfifo(out)))
+        outputs.write_atomic(out, lambda tmp: (open(tmp, "w").write("{}"), os.mkfifo(out)))
     assert not os.path.isfile(out) and os.listdir(tmp_path) == ["r.json"]
 
 
@@ -104,7 +106,7 @@ def test_an_out_with_a_trailing_slash_and_no_such_folder_is_refused_before_loadi
                              "give a file name"]), err
     (tmp_path / "results").mkdir()
     with pytest.raises(core.UsageError) as e:
-        core.check_output(f"{tmp_path / 'results'}/", "--out")
+        outputs.check_output(f"{tmp_path / 'results'}/", "--out")
     assert str(e.value) == f"--out {tmp_path / 'results'}/: is a folder; give a file name"
     assert os.listdir(tmp_path) == ["results"] and os.listdir(tmp_path / "results") == []
 
@@ -138,7 +140,7 @@ class FullDisk(io.StringIO):
 def test_a_full_disk_at_the_results_write_prints_the_result_whole_and_exits_1(npz, tmp_path, capsys, monkeypatch):
     out = tmp_path / "r.json"
     out.write_text("the previous results\n")
-    monkeypatch.setattr(core, "open", lambda *a, **k: FullDisk(), raising=False)
+    monkeypatch.setattr(outputs, "open", lambda *a, **k: FullDisk(), raising=False)
     rc, stdout, err = cifar(capsys, "--data-dir", npz, *CIFAR, "--out", out)
     assert (rc, err) == (1, [f"error: --out {out}: not written (No space left on device); the result is printed in "
                              "full above, on stdout, as one line of JSON"]), err
@@ -167,9 +169,9 @@ def test_the_pre_flight_write_meets_a_full_disk(tmp_path, monkeypatch):
     """The trial file holds a byte: on a full disk its write fails, so --out is refused before any work."""
     def full(fd, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(core.os, "write", full)
+    monkeypatch.setattr(outputs.os, "write", full)
     with pytest.raises(core.UsageError) as e:
-        core.check_output(tmp_path / "r.json", "--out")
+        outputs.check_output(tmp_path / "r.json", "--out")
     assert str(e.value) == (f"--out {tmp_path / 'r.json'}: {tmp_path}: cannot write --out's file there (No space "
                             "left on device); give a path in a folder you can write in")
     assert os.listdir(tmp_path) == []
@@ -197,3 +199,28 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_keeps_the_epoch_before(tmp_
     assert (rc, err) == (1, [f"error: --checkpoint {checkpoint}: not written after epoch 2 (No space left on device); "
                              f"the checkpoint of epoch 1 is kept in {checkpoint} (--resume continues from it)"]), err
     assert checkpoint.is_file()
+
+
+def test_write_json_is_atomic_on_failure(tmp_path):
+    p = tmp_path / "r.json"
+    outputs.write_json(p, {"a": 1})
+    written = json.loads(p.read_text())
+    assert written["a"] == 1 and set(written) == {"a", "code"}
+
+    def broken(tmp):
+        open(tmp, "w").write("half")
+        raise RuntimeError("disk full")
+    with pytest.raises(RuntimeError):
+        outputs.write_atomic(p, broken)
+    assert json.loads(p.read_text()) == written         # old file untouched
+    assert [f.name for f in tmp_path.iterdir()] == ["r.json"]   # no temporary left
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_written_files_get_the_permissions_open_gives(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        outputs.write_json(tmp_path / "r.json", {"a": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == mode
