@@ -171,14 +171,18 @@ FAST94 = Recipe(
     epochs=9.9, batch_size=1024, label_smoothing=0.2,
     network=NetworkSettings(model="fastnet", block_widths=(64, 256, 256), block_depth=2, act="gelu",
                             dirac_init=True, output_scale=1 / 9),
-    batch_norm=BatchNormSettings(momentum=0.4, eps=1e-12, freeze_scale=True),
+    batch_norm=BatchNormSettings(momentum=0.4, eps=1e-12, freeze_scale=True),      # 0.6 in airbench's convention
     whitening=WhiteningSettings(size=2, pad=0, both_signs=True, eps=5e-4, fit=WHITENING_FITS["airbench94"],
                                 bias=WhiteningBiasSettings(epochs=3)),
+    # the rate per 1024 images over the Nesterov gain (its hyp['opt']['lr']): from 0.2x to its peak at 23% of the run,
+    # then to 0.07x
     lr=LRSettings(knots=(0, 0.23, 1), values=(0.2 * 11.5, 11.5, 0.07 * 11.5)),
-    sgd=SGDSettings(lr_units="decoupled", momentum=0.85, nesterov=True, weight_decay=0.0153, bias_lr_mult=64.0),
+    sgd=SGDSettings(lr_units="decoupled", momentum=0.85, nesterov=True,
+                    weight_decay=0.0153,                    # per 1024 images, decoupled from the rate (its hyp['opt'])
+                    bias_lr_mult=64.0),                     # batch norm's biases 64x the rate (its bias_scaler)
     augment=AugmentSettings(crop_pad=2, flip="alternate", cutout=0),
     tta=TTASettings(views="flip_translate", weights="airbench"),
-    lookahead=LookaheadSettings(momentum=0.95, every=5))
+    lookahead=LookaheadSettings(momentum=0.95, every=5))   # every 5 steps, decay 0.95^5 x (step / steps)^3
 
 # airbench95 widens fast94; airbench96 (legacy/airbench96.py) widens it to 128/384/512 with a third convolution per
 # block (the residual added before the last activation), translate 4, cutout 12, 37 epochs, lr 9 per 1024 warming up
@@ -208,32 +212,42 @@ FAST94_MUON = replace(
     network=replace(FAST94.network, head_unit_std=True, output_scale=1.0),
     whitening=replace(FAST94.whitening, bias=WhiteningBiasSettings(epochs=3, lr_mult=0.053 / 0.67, init="default",
                                                                    decay="linear")),
-    lr=LRSettings(knots=(0, 1), values=(0.67, 0.0)),
-    sgd=SGDSettings(lr_units="sum", momentum=0.85, nesterov=True, weight_decay=2e-6, bias_lr_mult=0.053 / 0.67),
-    muon=MuonSettings(lr=0.24, momentum=0.6, ns_steps=3, renorm_every=(1, 1)), lookahead=None)
+    lr=LRSettings(knots=(0, 1), values=(0.67, 0.0)),      # the head's rate a step (torch's units): its 0.67, to 0
+    sgd=SGDSettings(lr_units="sum", momentum=0.85, nesterov=True,
+                    weight_decay=2e-6,                      # per image of the batch: its wd = 2e-6 x 2,000
+                    bias_lr_mult=0.053 / 0.67),             # batch norm's biases at its 0.053
+    muon=MuonSettings(lr=0.24, momentum=0.6, ns_steps=3,
+                      renorm_every=(1, 1)),                 # the filters back to their norm every step, as it does
+    lookahead=None)
 
-# The 2-second record (hiverge/cifar10-speedrun, cifar10_speedrun.py). Ours
-# differs in: bf16 autocast with float32 weights and batch norm, Newton-Schulz in bf16 (theirs: all in fp16), and no
-# rescaling of the Newton-Schulz input before its normalisation (theirs divides it away again).
+# The 2-second record (hiverge/cifar10-speedrun, cifar10_speedrun.py), each number its main()'s. Ours differs in: bf16
+# autocast with float32 weights and batch norm, Newton-Schulz in bf16 (theirs: all in fp16), and no rescaling of the
+# Newton-Schulz input before its normalisation (theirs divides it away again).
 # measured: 94.01%, 1.14 s (H200, n = 91, commit not recorded); published: 94.01%, 2.015 s (A100, hiverge)
 FAST94_NEXT = Recipe(
     name="fast94_next", doc="the 2-second record's configuration: batched Newton-Schulz, SiLU, jitter, selective TTA, "
                             "7.59 epochs at batch 1536 (target 94%)",
-    epochs=7.59, batch_size=1536, label_smoothing=0.09,
+    epochs=7.59,                # ceil(7.59 x 32) = 243 steps of 1,536 images: its total_train_steps
+    batch_size=1536,            # images a step: its training_batch_size
+    label_smoothing=0.09,
     network=NetworkSettings(model="fastnet", block_widths=(64, 256, 256), block_depth=2, act="silu",
                             dirac_init=True, output_scale=1.0, head_unit_std=True),
     batch_norm=BatchNormSettings(momentum=1 - 0.5566, eps=1e-12, freeze_scale=True),      # 0.5566 in their convention
     whitening=WhiteningSettings(size=2, pad=0, both_signs=True, eps=5e-4, act="gelu", fit=WHITENING_FITS["record"],
-                                bias=WhiteningBiasSettings(epochs=0.19, lr_mult=0.0573 / 0.5415, init="default",
-                                                           decay="linear")),
-    lr=LRSettings(knots=(0, 1), values=(0.5415, 0.0)),
-    sgd=SGDSettings(lr_units="sum", momentum=0.825, nesterov=True, weight_decay=1.0418e-6,
-                    bias_lr_mult=0.0573 / 0.5415),
-    muon=MuonSettings(lr=0.205, momentum=0.655, ns_steps=3, ns_coeffs=(3.4576, -4.7391, 2.0843),
-                      renorm_every=(2, 17), weight_decay=1.0418e-6, momentum_dtype="fp16", batched=True),
+                                bias=WhiteningBiasSettings(epochs=0.19,        # ceil(0.19 x 32) = 7 steps
+                                                           lr_mult=0.0573 / 0.5415,    # its bias_lr over its head_lr
+                                                           init="default", decay="linear")),
+    lr=LRSettings(knots=(0, 1), values=(0.5415, 0.0)),     # the head's rate a step (torch's units): its head_lr, to 0
+    sgd=SGDSettings(lr_units="sum", momentum=0.825, nesterov=True,
+                    weight_decay=1.0418e-6,                 # per image of the batch: its wd = 1.0418e-6 x 1,536
+                    bias_lr_mult=0.0573 / 0.5415),          # batch norm's biases at its bias_lr
+    muon=MuonSettings(lr=0.205, momentum=0.655, ns_steps=3,
+                      ns_coeffs=(3.4576, -4.7391, 2.0843),  # its tuned quintic (Jordan et al.'s: MUON_COEFFS)
+                      renorm_every=(2, 17),                 # its norm_freq = 2 + int(15 x progress): 2 to 17 steps
+                      weight_decay=1.0418e-6, momentum_dtype="fp16", batched=True),
     augment=AugmentSettings(crop_pad=2, flip="alternate", cutout=0, jitter_brightness=0.1399,
                             jitter_contrast=0.1308),
-    tta=TTASettings(views="flip_translate", fraction=0.25, weights="equal"),
+    tta=TTASettings(views="flip_translate", fraction=0.25, weights="equal"),   # the 25% least confident images
     compile_step=True)
 
 # measured: not measured on a GPU; published: none (an idea of ours)
