@@ -33,15 +33,15 @@ from cli import (HelpFormatter, add_run_flags, check_run, check_whole, claim_out
                  interrupted, join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
 from core import DataError, Parser, UsageError, say_error
 from distributed import Context, barrier, leave, register_comm_hook, shard, wrap_ddp
-from optim import make_optimizers, set_lr
+from optim import MasterWeights, make_optimizers, set_lr, steps_masters
 from outputs import check_output, write_result
 from processes import exit_now
 from progress import Heartbeat, with_progress
 from run_statistics import print_summary, summarize_runs
 from schedules import per_rank_batch, run_steps
 from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
-from torch_backend import (TTASettings, build_model, fit_whitening, loss_and_accuracy, pools_to_one_pixel, tta_views,
-                           whitening_bias)
+from torch_backend import (TTASettings, build_model, fit_whitening, hold_weights, loss_and_accuracy,
+                           pools_to_one_pixel, tta_views, whitening_bias)
 from training import (EpochClock, RunOptions, averaging, check_finite_loss, epoch_table,
                       evaluation_model, profiled, run_seeds, step_sums, strict_compile, train_step, warmup_calls)
 from versions import torchvision_mismatch
@@ -61,15 +61,16 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
     steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), batch, r.epochs)
     seeds = run_seeds(seed, ctx.rank)          # the network, the data's order and its augmentation: 3 streams
-    net.reset(seeds["init"])
+    masters = net.reset(seeds["init"])         # the float32 weights of those the network holds in bf16 (a GPU's)
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
     bias = whitening_bias(net.module, steps_per_epoch)     # at a rate of its own, then detached (airbench94)
-    opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, own_rates=[bias])
+    opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, own_rates=[bias], masters=masters)
     flip_base = flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
     clock = EpochClock(device, columns=COLUMNS, accuracy="test_acc", target=o.target, eval_every=o.eval_every)
-    fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:])  # timed
+    fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:],
+                  masters)                                                                             # timed
     average = averaging(net.module, ema=r.ema, lookahead=r.lookahead, tail=r.lookahead_tail,
-                        steps_per_epoch=steps_per_epoch)
+                        steps_per_epoch=steps_per_epoch, masters=masters)
     step, hint = 0, f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         sums, seen = torch.zeros(2, device=device), 0         # the epoch's summed loss and correct predictions
@@ -101,7 +102,7 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
             on_epoch and on_epoch(row)
         clock.resume()
     return {"seed": seed, "rows": clock.rows, "final_acc": clock.rows[-1]["test_acc"], **clock.times(),
-            "model": evaluation_model(net.module, average)}
+            "model": evaluation_model(net.module, average, masters)}
 
 
 def compile_counts():
@@ -149,19 +150,32 @@ class Network:
 
     def reset(self, seed):
         """Re-initialises the module's state (weights, batch-norm statistics) as torch.manual_seed(seed) and
-        build_model would build it afresh."""
+        build_model would build it afresh, in place; returns the MasterWeights of the weights it holds in a lower
+        precision (held_weights), their float32 values as built."""
         torch.manual_seed(seed)
         device = next(self.module.parameters()).device
         fresh = build_model(self.recipe, device, memory_format=devices.memory_format(device),
                             num_classes=self.num_classes)
         self.module.load_state_dict(fresh.state_dict())
+        return MasterWeights.of_fresh(self.module, fresh)
 
 
-def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10):
-    """The Network of recipe r: a training step calls it in DDP under torchrun (an evaluation the module itself), and
-    torch.compile'd with compile_mode (with r.compile_step, as WithLoss), which an evaluation then calls too."""
+def held_weights(r, dtype, distributed=False):
+    """The dtype a network of recipe r holds its autocast_weights in, computing in `dtype`: that dtype (bf16 on a GPU),
+    where its optimiser steps float32 masters of them (optim.steps_masters) and no DDP would all-reduce their
+    gradients in it; else None (float32, cast by autocast at every step)."""
+    low = dtype in (torch.bfloat16, torch.float16)
+    return dtype if low and steps_masters(r) and not distributed else None
+
+
+def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10, dtype=torch.float32):
+    """The Network of recipe r computing in dtype, its weights held as held_weights says: a training step calls it in
+    DDP under torchrun (an evaluation the module itself), and torch.compile'd with compile_mode (with r.compile_step, as
+    WithLoss), which an evaluation then calls too."""
     distributed = ctx is not None and ctx.distributed
     module = build_model(r, device, memory_format=devices.memory_format(device), num_classes=num_classes)
+    if held := held_weights(r, dtype, distributed):
+        hold_weights(module, held)
     forward = register_comm_hook(wrap_ddp(module, ctx, ctx.bucket_mb), ctx.hook) if distributed else module
     if compile_mode:
         if r.compile_step:
@@ -391,7 +405,8 @@ def build(r, arrays, o, *, ctx, stats=None):
     dtype = devices.compute_dtype(device, o.precision)
     data = {**device_data(arrays, r, ctx, device, dtype=dtype, stats=stats), "stats": stats}
     flops = count_flops(r, {**data, "train_labels": torch.empty(len(arrays["train_labels"]))})
-    net = build_network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data.get("num_classes", 10))
+    net = build_network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data.get("num_classes", 10),
+                        dtype=dtype)
     built = Built(data=data, network=net, flops=flops)
     if not devices.is_cpu(device) or o.compile:
         devices.autotune(device)

@@ -221,7 +221,7 @@ FAST94_MUON = replace(
     lookahead=None)
 
 # The 2-second record (hiverge/cifar10-speedrun, cifar10_speedrun.py), each number its main()'s. Ours differs in: bf16
-# autocast with float32 weights and batch norm, Newton-Schulz in bf16 (theirs: all in fp16), and no rescaling of the
+# weights with float32 masters and batch norm, Newton-Schulz in bf16 (theirs: all in fp16), and no rescaling of the
 # Newton-Schulz input before its normalisation (theirs divides it away again).
 # measured: 94.01%, 1.14 s (H200, n = 91, commit not recorded); published: 94.01%, 2.015 s (A100, hiverge)
 FAST94_NEXT = Recipe(

@@ -311,8 +311,8 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float
 
 
 def compute_dtype(device, precision="auto"):
-    """The autocast dtype --precision names; auto: bf16 on a CUDA GPU, float32 on other devices (the weights and
-    batch-norm statistics stay float32 either way, but for fp64: the whole computation in float64)."""
+    """The autocast dtype --precision names; auto: bf16 on a CUDA GPU, float32 on other devices (batch-norm statistics
+    and the weights' float32 masters stay float32 either way, but for fp64: the whole computation in float64)."""
     if precision == "auto":
         precision = "bf16" if torch.device(device).type == "cuda" else "fp32"
     return PRECISIONS[precision]

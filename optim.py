@@ -7,6 +7,7 @@ Myrtle's or the decoupled learning-rate units), and set_lr, which sets every gro
 Papers:
   Jordan et al. 2024, Muon (github.com/KellerJordan/Muon)
 """
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -78,20 +79,21 @@ class MuonSettings:
     batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call (the record)")
 
 
-def momentum_buffers(state, params, dtype):
-    """Each parameter's momentum buffer in state, made (zeros, of `dtype`; a float64 run's in float64) on the first
-    call only: not setdefault, whose argument would allocate every step."""
-    exact = params[0].dtype == torch.float64
-    for p in params:
+def momentum_buffers(state, params, dtype, weights=None):
+    """Each parameter's momentum buffer in state, made (zeros like its weight in `weights`, else like it, of `dtype`; a
+    float64 run's in float64) on the first call only: not setdefault, whose argument would allocate every step."""
+    weights = weights or params
+    exact = weights[0].dtype == torch.float64
+    for p, w in zip(params, weights):
         if "momentum" not in state[p]:
-            state[p]["momentum"] = torch.zeros_like(p, dtype=None if exact else dtype)
+            state[p]["momentum"] = torch.zeros_like(w, dtype=None if exact else dtype)
     return [state[p]["momentum"] for p in params]
 
 
-def muon_updates(params, buffers, group):
+def muon_updates(grads, buffers, group):
     """Muon's momentum over every bank at once, its buffers updated in place; the updates (Nesterov's, or the buffers):
         v = momentum v + g,  u = g + momentum v (nesterov) or v"""
-    grads, m = [p.grad for p in params], group["momentum"]
+    m = group["momentum"]
     if buffers[0].dtype in (torch.float16, torch.bfloat16):   # a Python scalar would be rounded to their dtype
         m = torch.full((), m, dtype=torch.float32, device=buffers[0].device)
     torch._foreach_mul_(buffers, m)
@@ -136,10 +138,52 @@ def renorm_due(step, last, renorm_every, total_steps):
 # ----------------------------------------------------------------------------------------------------------
 # SGD and Muon as one compiled step
 
-def sgd_foreach(params, buffers, rate, *, weight_decay, momentum, nesterov):
+class MasterWeights:
+    """The float32 masters of the parameters a network holds in a lower precision (its copies, in autocast's dtype,
+    which the forward reads as autocast would have cast them), by position: what the optimiser steps, weight averaging
+    averages and the whitening fit writes, the copies then taking their values. Empty where nothing is held."""
+
+    def __init__(self, copies=(), masters=()):
+        self.copies, self.masters = list(copies), list(masters)
+        self.of = {id(c): m for c, m in zip(self.copies, self.masters)}
+
+    @classmethod
+    def of_fresh(cls, model, fresh):
+        """The masters of model's lower-precision parameters: the same parameters of `fresh`, a network of the same
+        build just initialised in float32 (values never rounded)."""
+        pairs = [(p, q.detach()) for p, q in zip(model.parameters(), fresh.parameters()) if p.dtype != q.dtype]
+        return cls([p for p, _ in pairs], [q for _, q in pairs])
+
+    def __bool__(self):
+        return bool(self.copies)
+
+    def weights(self, params):
+        """params, each held one as its master."""
+        return [self.of.get(id(p), p) for p in params]
+
+    def held(self, params):
+        """(the copies among params, their masters), or None where params holds none."""
+        copies = [p for p in params if id(p) in self.of]
+        return (copies, self.weights(copies)) if copies else None
+
+    @torch.no_grad()
+    def refresh(self):
+        """The copies take their masters' values, rounded to their dtype."""
+        if self.copies:
+            torch._foreach_copy_(self.copies, self.masters)
+
+    def float_copy(self, model):
+        """A copy of model holding its masters' float32 values where it holds copies: what a run returns."""
+        out = copy.deepcopy(model)
+        for p, q in zip(model.parameters(), out.parameters()):
+            if id(p) in self.of:
+                q.data = self.of[id(p)].clone()
+        return out
+
+
+def sgd_foreach(params, grads, buffers, rate, *, weight_decay, momentum, nesterov):
     """torch.optim.SGD's step (its arithmetic, in its order) as foreach operations, rate a 0-d tensor:
         d = g + weight_decay w,  v = momentum v + d,  w = w - rate (d + momentum v if nesterov, else v)"""
-    grads = [p.grad for p in params]
     if weight_decay:
         grads = torch._foreach_add(grads, params, alpha=weight_decay)
     torch._foreach_mul_(buffers, momentum)
@@ -149,16 +193,25 @@ def sgd_foreach(params, buffers, rate, *, weight_decay, momentum, nesterov):
 
 
 def sgd_muon_step(sgd, muon, *, momentum, nesterov):
-    """One step of every group, the rates 0-d tensors: SGD's, a (params, buffers, rate, unit, weight_decay) a group
-    (rate x unit its step size), and Muon's, muon (None, or (filters, buffers, rate, unit, renorm, group): renorm a
-    0-d bool tensor, whether this step renormalises, so that neither it nor the rate changes the graph)."""
-    for params, buffers, rate, unit, weight_decay in sgd:
-        sgd_foreach(params, buffers, rate * unit, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov)
+    """One step of every group, the rates 0-d tensors: SGD's, a (weights, grads, buffers, rate, unit, weight_decay,
+    held) a group (rate x unit its step size), and Muon's, muon (None, or (filters, grads, buffers, rate, unit, renorm,
+    group, held): renorm a 0-d bool tensor, whether this step renormalises, so that neither it nor the rate changes the
+    graph). A weight the network holds in a lower precision steps as its float32 master, its gradient upcast
+    (exactly); then its group's held (MasterWeights.held: the copies, their masters) takes the masters' values, rounded
+    as autocast rounded them (a list as long as the group's, which a GPU's foreach kernel fuses with its update)."""
+    upcast = lambda grads, weights: [g.to(w.dtype) for g, w in zip(grads, weights)]
+    for weights, grads, buffers, rate, unit, weight_decay, held in sgd:
+        sgd_foreach(weights, upcast(grads, weights), buffers, rate * unit, weight_decay=weight_decay,
+                    momentum=momentum, nesterov=nesterov)
+        if held:
+            torch._foreach_copy_(*held)
     if muon:
-        params, buffers, rate, unit, renorm, group = muon
-        updates = muon_updates(params, buffers, group)
-        updates = orthogonalised(updates, params, group, newton_schulz_padded if group["batched"] else newton_schulz)
-        muon_apply(params, updates, group, renorm=renorm, lr=rate * unit)
+        filters, grads, buffers, rate, unit, renorm, group, held = muon
+        updates = muon_updates(upcast(grads, filters), buffers, group)
+        updates = orthogonalised(updates, filters, group, newton_schulz_padded if group["batched"] else newton_schulz)
+        muon_apply(filters, updates, group, renorm=renorm, lr=rate * unit)
+        if held:
+            torch._foreach_copy_(*held)
 
 
 class SGDAndMuon(torch.optim.Optimizer):
@@ -166,11 +219,13 @@ class SGDAndMuon(torch.optim.Optimizer):
     stepping as one function, sgd_muon_step, the rates 0-d tensors set_lr fills: compiled where Newton–Schulz is
     (CUDA; one graph whatever the rates, a second once the whitening bias is detached), eager elsewhere. Muon's
     clock (its steps, its last renormalisation) is the host's: whether a step renormalises depends on the step alone,
-    and the device is told by a 0-d flag, filled where it changes (fill)."""
+    and the device is told by a 0-d flag, filled where it changes (fill). masters (MasterWeights): the float32 weights
+    it steps for the parameters the network holds in a lower precision, whose copies it then writes."""
 
-    def __init__(self, groups, *, momentum, nesterov, compile=None, compile_backend="inductor"):
+    def __init__(self, groups, *, momentum, nesterov, masters=None, compile=None, compile_backend="inductor"):
         super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
         self.compile, self.compile_backend = compile, compile_backend
+        self.masters = masters or MasterWeights()
         device = groups[0]["params"][0].device
         scalar = lambda value=0: torch.full((), value, dtype=torch.float64 if devices.has_float64(device)
                                             else torch.float32, device=device)
@@ -187,7 +242,7 @@ class SGDAndMuon(torch.optim.Optimizer):
         self.renorm = torch.zeros((), dtype=torch.bool, device=device)
         self.filled = {}                # id of a 0-d tensor: the value it was last filled with
         for g in self.param_groups:
-            momentum_buffers(self.state, g["params"], g.get("momentum_dtype"))
+            momentum_buffers(self.state, g["params"], g.get("momentum_dtype"), self.masters.weights(g["params"]))
 
     def fill(self, scalar, value):
         """scalar (a 0-d tensor of this optimiser) filled with value, unless it holds it already: a launch, no wait."""
@@ -207,15 +262,16 @@ class SGDAndMuon(torch.optim.Optimizer):
             params = [p for p in g["params"] if p.grad is not None]
             if not params:
                 continue
-            buffers = [self.state[p]["momentum"] for p in params]
+            weights, grads = self.masters.weights(params), [p.grad for p in params]
+            buffers, held = [self.state[p]["momentum"] for p in params], self.masters.held(params)
             if g.get("name") == "filters":
                 self.muon_steps += 1
                 if renorm_due(self.muon_steps, self.last_renorm, g["renorm_every"], g["total_steps"]):
                     self.last_renorm = self.muon_steps
                 self.fill(self.renorm, self.last_renorm == self.muon_steps)
-                muon = (params, buffers, rate, unit, self.renorm, self.muon)
+                muon = (weights, grads, buffers, rate, unit, self.renorm, self.muon, held)
             else:
-                sgd.append((params, buffers, rate, unit, g["weight_decay"]))
+                sgd.append((weights, grads, buffers, rate, unit, g["weight_decay"], held))
         self.function()(sgd, muon, momentum=self.defaults["momentum"], nesterov=self.defaults["nesterov"])
 
 
@@ -286,10 +342,11 @@ class OwnRate:
 MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=()):
+def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=(), masters=None):
     """The optimisers of a run of recipe r (set_lr sets their steps from the schedule's lr): SGD on the summed loss of b
     images a rank of `world`, in units by r.sgd.lr_units (docs/cifar10.md), and Muon (r.muon) for the conv filters,
-    the two as one SGDAndMuon. own_rates: OwnRate, a group each (None: none).
+    the two as one SGDAndMuon. own_rates: OwnRate, a group each (None: none). masters: MasterWeights, which only
+    SGDAndMuon steps (steps_masters).
         SGD lr = lr x unit x scale,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
         decay per step = lr x unit x wd x b (myrtle), / peak otherwise;  Muon lr = muon.lr x lr / peak
         scale = bias_lr_mult (batch-norm biases), an own rate's lr_mult to its until_step (to 0 if linear), 1
@@ -311,9 +368,18 @@ def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=()):
                     "peak": peak, "until_step": o.until_step, "linear": o.linear} for o in own_rates]
     if groups["filters"]:
         return [SGDAndMuon(groups_sgd + [muon_for(groups["filters"], r, steps_per_epoch=steps_per_epoch, world=world)],
-                           momentum=m, nesterov=sgd.nesterov)]
+                           momentum=m, nesterov=sgd.nesterov, masters=masters)]
+    if masters:
+        raise ValueError(f"make_optimizers: {r.name}'s optimiser (SGD) steps its parameters themselves; it keeps no "
+                         "float32 masters (steps_masters)")
     device = next(model.parameters()).device
     return [torch.optim.SGD(groups_sgd, lr=0.0, momentum=m, nesterov=sgd.nesterov, **devices.sgd_options(device))]
+
+
+def steps_masters(r):
+    """Whether make_optimizers' optimiser for recipe r steps float32 masters of the weights a network holds in a lower
+    precision: SGDAndMuon, a recipe with Muon (torch.optim.SGD updates the parameters themselves)."""
+    return r.muon is not None
 
 
 def check_own_rates(model, own_rates):

@@ -244,7 +244,9 @@ class Whitening(nn.Conv2d):
                 nn.init.zeros_(self.bias)
 
     @torch.no_grad()
-    def fit(self, images):
+    def fit(self, images, master=None):
+        """The filters fitted to images, written into `master` (float32, of filters held in a lower precision: what
+        they are then rounded from) and the weight."""
         k, fit = self.w.size, self.w.fit
         patches = devices.float32_or_wider(images[:self.w.fit.images]).unfold(2, k, 1).unfold(3, k, 1)  # N,3,H',W',k,k
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
@@ -260,7 +262,11 @@ class Whitening(nn.Conv2d):
         filters = (eigvecs / torch.sqrt(eigvals + self.w.eps)).T.reshape(-1, 3, k, k)
         if self.w.both_signs:
             filters = torch.cat([filters, -filters])
-        self.weight.copy_(filters.to(self.weight))
+        master = self.weight if master is None else master
+        # in float32 first, as before a network held its weights in bf16 and autocast rounded them from float32
+        master.copy_(filters.to(master.device, devices.wide_dtype(master.dtype)))
+        if master is not self.weight:
+            self.weight.copy_(master)
 
 
 def whitening_bias(net, steps_per_epoch=1):
@@ -274,16 +280,16 @@ def whitening_bias(net, steps_per_epoch=1):
                                linear=b.decay == "linear")
 
 
-def fit_whitening(model, train_images, size):
+def fit_whitening(model, train_images, size, masters=None):
     """Fits every Whitening layer to the first training images (as many as it takes), cropped back to `size`
-    (a side, or height and width)."""
+    (a side, or height and width), and the float32 masters (optim.MasterWeights) of filters held in bf16."""
     layers = [m for m in model.modules() if isinstance(m, Whitening)]
     if layers:
         h, w = (size, size) if isinstance(size, int) else size
         pad = (train_images.shape[-1] - w) // 2
         x = train_images[:max(m.w.fit.images for m in layers), :, pad:pad + h, pad:pad + w]
         for m in layers:
-            m.fit(x)
+            m.fit(x, masters.weights([m.weight])[0] if masters else None)
 
 
 def widths(net, base):
@@ -396,6 +402,20 @@ def build_model(r, device, *, memory_format=torch.contiguous_format, num_classes
     if r.network.model not in MODELS:
         raise ValueError(f"unknown model {r.network.model!r}; choose from {sorted(MODELS)}")
     return MODELS[r.network.model](r, num_classes).to(device, memory_format=memory_format)
+
+
+def autocast_weights(model):
+    """The parameters autocast casts to its dtype wherever it runs them: every convolution's and linear layer's weight
+    and bias (batch norm's scales and biases run in float32, as torch.autocast leaves them)."""
+    return [p for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear)) for p in m.parameters(recurse=False)]
+
+
+def hold_weights(model, dtype):
+    """model's autocast_weights held in dtype from now on (their storage made once, here: the addresses CUDA graphs
+    record), so that no step casts them; the float32 values they are rounded from kept by optim.MasterWeights."""
+    for p in autocast_weights(model):
+        p.data = p.data.to(dtype)
+    return model
 
 
 def pools_to_one_pixel(r, side):

@@ -197,8 +197,12 @@ def strict_compile():
 # ---------------------------------------------------------------------------------------------------------------
 # Weight averaging
 
-def float_state(model):
-    return [t for t in model.state_dict().values() if t.is_floating_point()]
+def float_state(model, masters=None):
+    """The model's floating-point parameters and buffers (state_dict's), each one it holds in a lower precision as its
+    float32 master (masters: optim.MasterWeights): what weight averaging averages and hands over."""
+    if not masters:
+        return [t for t in model.state_dict().values() if t.is_floating_point()]
+    return [t.detach() for t in masters.weights(model.state_dict(keep_vars=True).values()) if t.is_floating_point()]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -231,17 +235,18 @@ class LookaheadTailSettings:
 
 
 class ExponentialAverage:
-    """Exponential moving average of a model's parameters and batch-norm statistics, updated every `every` steps
-    with decay momentum**every (so `momentum` is per step); the averaged model is the one evaluated."""
+    """Exponential moving average of a model's parameters (their float32 masters, where masters holds them) and
+    batch-norm statistics, updated every `every` steps with decay momentum**every (so `momentum` is per step); the
+    averaged model, in float32, is the one evaluated."""
 
-    def __init__(self, model, momentum, every):
-        self.model = copy.deepcopy(model)
-        self.rho, self.every = momentum ** every, every
+    def __init__(self, model, momentum, every, masters=None):
+        self.model = masters.float_copy(model) if masters else copy.deepcopy(model)
+        self.rho, self.every, self.masters = momentum ** every, every, masters
 
     @torch.no_grad()
     def update(self, model, step, total_steps):
         if step % self.every == 0:
-            torch._foreach_lerp_(float_state(self.model), float_state(model), 1 - self.rho)
+            torch._foreach_lerp_(float_state(self.model), float_state(model, self.masters), 1 - self.rho)
 
     def state_dict(self):
         return self.model.state_dict()
@@ -251,25 +256,30 @@ class ExponentialAverage:
 
 
 class LookaheadAverage:
-    """Lookahead (Zhang et al. 2019) as weight averaging (Jordan 2024), every `every` steps; the model is evaluated:
+    """Lookahead (Zhang et al. 2019) as weight averaging (Jordan 2024), every `every` steps, of the weights (their
+    float32 masters, where masters holds them, whose copies then take them); the model is evaluated:
         slow <- slow + (1 - decay)(fast - slow);  fast <- slow;  decay = momentum^every x (step / total steps)^3"""
     model = None
 
-    def __init__(self, model, momentum, every):
-        self.slow = [t.detach().clone() for t in float_state(model)]
-        self.momentum, self.every = momentum, every
+    def __init__(self, model, momentum, every, masters=None):
+        self.slow = [t.detach().clone() for t in float_state(model, masters)]
+        self.momentum, self.every, self.masters = momentum, every, masters
 
     @torch.no_grad()
     def update(self, model, step, total_steps):
         if step % self.every == 0:
-            fast = float_state(model)
+            fast = float_state(model, self.masters)
             torch._foreach_lerp_(self.slow, fast, 1 - self.momentum ** self.every * (step / total_steps) ** 3)
             torch._foreach_copy_(fast, self.slow)
+            if self.masters:
+                self.masters.refresh()
 
     @torch.no_grad()
     def finish(self, model):
         """The hand-over, after the last scheduled update (airbench94): the slow weights end the run."""
-        torch._foreach_copy_(float_state(model), self.slow)
+        torch._foreach_copy_(float_state(model, self.masters), self.slow)
+        if self.masters:
+            self.masters.refresh()
 
     def state_dict(self):
         return self.slow
@@ -279,24 +289,27 @@ class LookaheadAverage:
 
 
 class LookaheadTail:
-    """Lookahead over a run's last `steps` steps (E1): the average starts as the weights and batch-norm statistics at
-    the tail's first step, then every `every` steps
+    """Lookahead over a run's last `steps` steps (E1): the average starts as the weights (their float32 masters, where
+    masters holds them, whose copies then take them) and batch-norm statistics at the tail's first step, then every
+    `every` steps
         ema <- decay ema + (1 - decay) w;  w <- ema"""
     model = None
 
-    def __init__(self, model, decay, every, steps):
-        self.ema = [t.detach().clone() for t in float_state(model)]     # made once; the tail's start fills it
-        self.decay, self.every, self.steps = decay, every, steps
+    def __init__(self, model, decay, every, steps, masters=None):
+        self.ema = [t.detach().clone() for t in float_state(model, masters)]     # made once; the tail's start fills it
+        self.decay, self.every, self.steps, self.masters = decay, every, steps, masters
 
     @torch.no_grad()
     def update(self, model, step, total_steps):
         since = step - max(total_steps - self.steps, 0)     # from 0, the weights as built: those cloned above
         if since == 0:
-            torch._foreach_copy_(self.ema, float_state(model))
+            torch._foreach_copy_(self.ema, float_state(model, self.masters))
         elif since > 0 and since % self.every == 0:
-            weights = float_state(model)
+            weights = float_state(model, self.masters)
             torch._foreach_lerp_(self.ema, weights, 1 - self.decay)
             torch._foreach_copy_(weights, self.ema)
+            if self.masters:
+                self.masters.refresh()
 
     def state_dict(self):
         return self.ema
@@ -305,18 +318,22 @@ class LookaheadTail:
         torch._foreach_copy_(self.ema, state)
 
 
-def averaging(model, *, ema=None, lookahead=None, tail=None, steps_per_epoch=None):
+def averaging(model, *, ema=None, lookahead=None, tail=None, steps_per_epoch=None, masters=None):
     """The run's weight averaging from its settings (EMASettings, LookaheadSettings, LookaheadTailSettings, or None):
-    EMA, lookahead, lookahead's tail (its length from the run's steps_per_epoch) or None."""
+    EMA, lookahead, lookahead's tail (its length from the run's steps_per_epoch) or None; of the float32 masters of
+    the weights the model holds in a lower precision (masters: optim.MasterWeights)."""
     if ema:
-        return ExponentialAverage(model, ema.momentum, ema.every)
+        return ExponentialAverage(model, ema.momentum, ema.every, masters)
     if lookahead:
-        return LookaheadAverage(model, lookahead.momentum, lookahead.every)
+        return LookaheadAverage(model, lookahead.momentum, lookahead.every, masters)
     if tail:
-        return LookaheadTail(model, tail.decay, tail.every, math.ceil(tail.epochs * steps_per_epoch))
+        return LookaheadTail(model, tail.decay, tail.every, math.ceil(tail.epochs * steps_per_epoch), masters)
     return None
 
 
-def evaluation_model(model, average):
-    """The weights a run evaluates: the EMA's when there is one, else the model's."""
-    return average.model if average is not None and average.model is not None else model
+def evaluation_model(model, average, masters=None):
+    """The weights a run evaluates: the EMA's when there is one, else the model's; given the masters of weights the
+    model holds in a lower precision, a float32 copy holding them (what a run returns)."""
+    if average is not None and average.model is not None:
+        return average.model
+    return masters.float_copy(model) if masters else model

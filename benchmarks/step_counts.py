@@ -16,13 +16,17 @@ clone https://github.com/hiverge/cifar10-speedrun peers/cifar10-speedrun) at the
 
 Counted as a GPU compiles: Inductor's realisation thresholds at their GPU values (fusion_bytes.GPU_THRESHOLDS) and
 no CPU-only scatter-add fallback; the whitening bias detached, as in all but a run's first 0.19 epochs; bf16
-autocast for ours (devices.compute_dtype on CUDA), the record in fp16 as it trains. What the counts cannot see: the
-kernels a GPU's Triton fusion or split reductions would add or merge where the CPU's C++ scheduler decides
-otherwise (its loop fusion of siblings, OuterLoopFusedSchedulerNode), max-autotune's templates and CUDA graphs, the
-several kernels cuDNN or cuBLAS may run for one extern call, and the time of anything.
+autocast for ours (devices.compute_dtype on CUDA), its weights held as a GPU's run holds them
+(cifar10_fast.held_weights), the record in fp16 as it trains; each graph with the outputs its step returns.
+Inductor's kernels are generated, not compiled (each runs as a no-op): the counts are the same, in seconds. What the
+counts cannot see: the kernels a GPU's Triton fusion or split reductions would add or merge where the CPU's C++
+scheduler decides otherwise (its loop fusion of siblings, OuterLoopFusedSchedulerNode), a convolution's bias, which
+Inductor adds in a pointwise kernel of its own on a GPU (the whitening's, ours and the record's), max-autotune's
+templates and CUDA graphs, the several kernels cuDNN or cuBLAS may run for one extern call, and the time of anything.
 """
 import argparse
 import contextlib
+import copy
 import functools
 import importlib.util
 import math
@@ -99,7 +103,9 @@ def scheduled(nodes, lists=()):
 @contextlib.contextmanager
 def counting_graphs():
     """While inside, every graph Inductor compiles (as a GPU would lower it, no cache) appends its scheduled() counts
-    to the list yielded, and each compiled graph keeps its own counts (gpu_counts), read by cuda_launches."""
+    to the list yielded, and each compiled graph keeps its own counts (gpu_counts), read by cuda_launches. Its kernels'
+    code is generated but not compiled: each runs as a no-op (counts, not values; seconds, not a minute of g++)."""
+    from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.codegen.common import BackendFeature
     from torch._inductor.graph import GraphLowering
     from torch._inductor.output_code import CompiledFxGraph
@@ -122,44 +128,44 @@ def counting_graphs():
             {"_post_fusion_custom_pass": look, "fx_graph_cache": False, "force_disable_caches": True}), \
             mock.patch.object(CompiledFxGraph, "__init__", keep), \
             mock.patch.object(GraphLowering, "has_feature", has_feature), \
+            mock.patch.object(AsyncCompile, "cpp_pybinding", lambda compiler, argtypes, code: lambda *args: None), \
             mock.patch.object(Scheduler, "create_foreach_nodes", lambda scheduler: None):   # C++ fuses no such node
         yield graphs
 
 
-def training_graphs(loss_of, x, y):
-    """{"forward", "backward"}: scheduled() of the two graphs Inductor compiles of loss_of(x, y) (a network and its
-    summed loss, as one function) and its backward."""
+def training_graphs(step_of, x, y):
+    """{"forward", "backward"}: scheduled() of the two graphs Inductor compiles of step_of(x, y) (a network, its summed
+    loss and whatever else a step returns, as one function: the loss, or a tuple led by it) and its backward."""
     torch._dynamo.reset()
     with counting_graphs() as graphs:
-        torch.compile(loss_of, dynamic=False)(x, y).backward()
+        out = torch.compile(step_of, dynamic=False)(x, y)
+        (out[0] if isinstance(out, tuple) else out).backward()
     forward, backward = graphs
     return {"forward": forward, "backward": backward}
 
 
-def recipe_network(name, *, width=1.0, side=32, batch=COUNT_BATCH, bf16_weights=False, **changes):
-    """(a function of (images, labels) to their summed loss as recipe `name`'s compiled step computes it (its network
-    in train mode, channels_last, bf16 autocast, the whitening bias detached), a batch of bf16 images, as a GPU's
-    run holds them, and labels). bf16_weights: the convolutions' and linear layers' weights and biases held in bf16
-    (batch norm's kept float32), an option counted, not a recipe's."""
+def recipe_network(name, *, width=1.0, side=32, batch=COUNT_BATCH, **changes):
+    """(a function of (images, labels) to what recipe `name`'s compiled step returns (cifar10_fast.WithLoss: its summed
+    loss, logits and step sums; its network in train mode, channels_last, its weights held as a GPU's run holds them
+    (cifar10_fast.held_weights), bf16 autocast, the whitening bias detached), a batch of bf16 images, as a GPU's run
+    holds them, and labels)."""
     r = cf.recipe(name, width=width, **changes)
     torch.manual_seed(0)
     net = tb.build_model(r, "cpu", memory_format=torch.channels_last).train()
+    if held := cf.held_weights(r, torch.bfloat16):
+        tb.hold_weights(net, held)
     tb.fit_whitening(net, torch.randn(64, 3, 32, 32), 32)
-    for m in net.modules() if bf16_weights else ():
-        if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear)):
-            for p in (m.weight, m.bias):
-                if p is not None:
-                    p.data = p.data.to(torch.bfloat16)
     bias = tb.whitening_bias(net)
     if bias:
         bias.param.requires_grad_(False)
     step = cf.WithLoss(net, r.label_smoothing)
 
-    def loss_of(x, y):
+    def step_of(x, y):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return step(x, y)[1]
+            logits, loss, sums = step(x, y)
+        return loss, logits, sums
     x = torch.randn(batch, 3, side, side, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
-    return loss_of, x, torch.randint(0, 10, (batch,))
+    return step_of, x, torch.randint(0, 10, (batch,))
 
 
 def record_module():
@@ -333,17 +339,22 @@ def as_cuda():
 def recipe_steps(name, steps=21, *, backend="inductor", **changes):
     """[CudaLaunches of each of recipe `name`'s first `steps` steps], from set_lr through its optimisers and the sums
     of cifar10_fast.train_run, the gradients random, the whitening bias detached (as after its first 0.19 epochs: one
-    compiled graph), the network at full width, channels_last and float32 as on CUDA, 243 steps a run. backend: the
-    compiled optimiser step's ("eager": its graph's kernels left uncounted, the rest counted in seconds)."""
+    compiled graph), the network at full width, channels_last, its weights held as on CUDA (cifar10_fast.held_weights:
+    bf16 copies of float32 masters), 243 steps a run. backend: the compiled optimiser step's ("eager": its graph's
+    kernels left uncounted, the rest counted in seconds)."""
     r = cf.recipe(name, **changes)
     torch.manual_seed(0)
     model = tb.build_model(r, "cpu", memory_format=torch.channels_last)
-    tb.fit_whitening(model, torch.randn(64, 3, 32, 32), 32)
+    fresh = copy.deepcopy(model)
+    if held := cf.held_weights(r, torch.bfloat16):
+        tb.hold_weights(model, held)
+    masters = optim.MasterWeights.of_fresh(model, fresh)
+    tb.fit_whitening(model, torch.randn(64, 3, 32, 32), 32, masters)
     bias = replace(tb.whitening_bias(model), until_step=0) if tb.whitening_bias(model) else None
     torch._dynamo.reset()
     compiled = lambda fn, _="inductor": outside_the_mode(torch.compile(fn, backend=backend, dynamic=False))
     with as_cuda(), counting_graphs(), mock.patch.object(optim, "compiled", functools.cache(compiled)):
-        opts = optim.make_optimizers(model, r, steps_per_epoch=32, own_rates=[bias])
+        opts = optim.make_optimizers(model, r, steps_per_epoch=32, own_rates=[bias], masters=masters)
         sums, step_sums = torch.zeros(2), torch.zeros(2)       # step_sums: the compiled step's output
         counts = []
         for k in range(steps):
