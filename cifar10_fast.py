@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import devices
 # the recipes, re-exported: cf.recipe("fast94"), cf.FAST94, cf.RECIPES, cf.JOURNEY
-from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_FASTEST, FAST94_MUON,  # noqa: F401
+from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_LOWFLOP, FAST94_MUON,  # noqa: F401
                              FAST94_NEXT, FAST94_NEXT_LOWRES, FAST95, FAST96, JOURNEY, MYRTLE10, MYRTLE24,
                              RECIPES, Recipe, journey_recipes, measured, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, low_resolution,

@@ -256,14 +256,14 @@ FAST94_NEXT_LOWRES = replace(FAST94_NEXT, name="fast94_next_lowres",
                                  "fast94_next before it joins it (target 94%)",
                              augment=replace(FAST94_NEXT.augment, resolution_schedule=(24, 24)))
 
-# Our fastest 94% attempt: fast94_next_lowres with 0.3 epochs more at 32 px, which win back the low-resolution epochs'
+# Our lowest-FLOP 94% attempt: fast94_next_lowres with 0.3 epochs more at 32 px, which win back the low-resolution epochs'
 # accuracy (94.07% +- 0.16 on the CPU, n = 13, at 0.242 PFLOP of training against fast94_next's 0.264).
 # measured: not measured on a GPU; published: none (an idea of ours)
-FAST94_FASTEST = replace(FAST94_NEXT_LOWRES, name="fast94_fastest",
+FAST94_LOWFLOP = replace(FAST94_NEXT_LOWRES, name="fast94_lowflop",
                          doc="fast94_next_lowres for 7.89 epochs: our lower-FLOP schedule (target 94%)", epochs=7.89)
 
 # A resolution curriculum and its tail (Fulcrum Research's E1, 2026, published: 94.05% in 1.828 s on an A100,
-# n = 200): fast94_fastest's first epochs at 24 then 28 px, the rest at 32, the rate linear to 5% of its peak at 8.5
+# n = 200): fast94_lowflop's first epochs at 24 then 28 px, the rest at 32, the rate linear to 5% of its peak at 8.5
 # epochs and held there, lookahead over the last 0.625 epochs (E1's: 20 steps of 32, from 8 steps before its decay's
 # end, every 4).
 # Its length is E1's own, chosen by E1's measurements of this schedule (its runners/results): 94.046% at 8.875
@@ -271,18 +271,18 @@ FAST94_FASTEST = replace(FAST94_NEXT_LOWRES, name="fast94_fastest",
 # epoch near 94%, so 8.875 is the shortest length measured above 94% and a shorter one would be a guess
 # (docs/perf-notes.md).
 # measured: not measured on a GPU; published: 94.05%, 1.828 s (A100, E1)
-FAST94_CURRICULUM = replace(FAST94_FASTEST, name="fast94_curriculum",
-                            doc="fast94_fastest with E1's curriculum (3 epochs at 24 px, 3 at 28, the rest at 32) "
+FAST94_CURRICULUM = replace(FAST94_LOWFLOP, name="fast94_curriculum",
+                            doc="fast94_lowflop with E1's curriculum (3 epochs at 24 px, 3 at 28, the rest at 32) "
                                 "and tail (the rate floored at 5% from 8.5 epochs, lookahead over the last 20 steps): "
                                 "8.875 epochs (target 94%)", epochs=8.875,
                             lr=LRSettings(knots=(0, 8.5 / 8.875, 1), values=(0.5415, 0.0, 0.0), floor=0.05),
                             lookahead_tail=LookaheadTailSettings(decay=0.7, every=4, epochs=0.625),
-                            augment=replace(FAST94_FASTEST.augment, resolution_schedule=(24, 24, 24, 28, 28, 28)))
+                            augment=replace(FAST94_LOWFLOP.augment, resolution_schedule=(24, 24, 24, 28, 28, 28)))
 
 RECIPES = {r.name: r for r in (MYRTLE24, MYRTLE10)}
 RECIPES.update(journey_recipes(JOURNEY))
 RECIPES.update({r.name: r for r in (FAST94, FAST95, FAST96, FAST94_MUON, FAST94_NEXT, FAST94_NEXT_LOWRES,
-                                      FAST94_FASTEST, FAST94_CURRICULUM)})
+                                      FAST94_LOWFLOP, FAST94_CURRICULUM)})
 
 
 # What each recipe's peer published (by its authors, not measured here), beside our figure on a GPU; the journey's

@@ -140,7 +140,7 @@ def blurpool_operations(blur=imagenet_models.BlurPool):
 
 
 # (recipe, its changes): the recipes that train at more than one side, and the curriculum's alternatives
-SCHEDULES = [("fast94_next", {}), ("fast94_next_lowres", {}), ("fast94_fastest", {}), ("fast94_curriculum", {}),
+SCHEDULES = [("fast94_next", {}), ("fast94_next_lowres", {}), ("fast94_lowflop", {}), ("fast94_curriculum", {}),
              ("fast94_curriculum", {"epochs": 7.89}), ("fast94_curriculum", {"epochs": 8.5}),
              ("fast94_curriculum", {"resolution_schedule": (24, 24, 28, 28)}),
              ("fast94_curriculum", {"resolution_schedule": (24, 24, 24, 28, 28, 28, 32, 32, 32), "epochs": 8.875})]

@@ -11,7 +11,7 @@ finished piece written at once as JSON under results/<device>/ (the only source 
             counted FLOPs of every recipe; every other result embeds this fingerprint
   tier 1    fast94_next (n=100, --compile max-autotune) beside the 2-second record's own cifar10_speedrun.py
             (n=50; cloned into peers/cifar10-speedrun/); then fast94 (n=100) beside airbench's train94 (n=25)
-  tier 2    fast94_fastest and its ablations in turn with fast94_next in one process (50 each); fast94_next
+  tier 2    fast94_lowflop and its ablations in turn with fast94_next in one process (50 each); fast94_next
             and fast94_muon beside airbench94 (100 / 25); fast94_next_lowres, our idea, compiled as fast94_next
             is (50); fast95 beside airbench95 (25 / 10); myrtle24 (5); myrtle10 (10)
   tier 3    fast96 beside airbench96 (10 / 5); the journey stages (3 each); fast94 with each of its tricks
@@ -70,10 +70,10 @@ SETUP_GUESS_S = {None: 40.0, "max-autotune": 300.0}
 CPU_ACCURACY = {"fast94_next": 13, "fast94": 13, "fast94_muon": 13, "fast94_next_lowres": 5,
                 "fast94_next_lowres --epochs 7.89": 13}
 SMOKE_CIFAR = ["--subset", "256", "--epochs", "1", "--width", "0.0625", "--batch-size", "64"]
-# fast94_fastest's piece: fast94_next, then fast94_fastest, then each ablation (fast94_fastest with one switch left out,
+# fast94_lowflop's piece: fast94_next, then fast94_lowflop, then each ablation (fast94_lowflop with one switch left out,
 # a recipe of its own), all in turn in one process. Its switch: the lower-FLOP schedule, whose ablation is fast94_next
 # itself.
-FASTEST_SIDES = ("fast94_next", "fast94_fastest")
+LOWFLOP_SIDES = ("fast94_next", "fast94_lowflop")
 # The peers' sides in compare.py's names: the record's is hiverge's (cifar10_speedrun.py), kept here as "record"
 COMPARE_SIDE = {"record": "hiverge"}
 # fast94 with each trick switched off in turn, as settings by flag name (cf.recipe("fast94", **changes)): what the
@@ -132,10 +132,10 @@ def pieces():
               {"fast94_next": "fast94_next", "record": "fast94_next"}, {"fast94_next": 0.94, "record": 0.94},
               "max-autotune", ("gpu", "record")),
         fast("fast94", "fast94", 100, "airbench94", 25, 0.94, "1"),
-        # our fastest attempt and each of its switches left out, in turn with fast94_next in one process
-        Piece("fast94_fastest", "2", "fast94_fastest and each switch's ablation in turn with fast94_next in one "
-              "process (n=50 each), compiled max-autotune", "alternating", {s: 50 for s in FASTEST_SIDES},
-              {s: s for s in FASTEST_SIDES}, {s: 0.94 for s in FASTEST_SIDES}, "max-autotune", ("gpu",)),
+        # our lowest-FLOP attempt and each of its switches left out, in turn with fast94_next in one process
+        Piece("fast94_lowflop", "2", "fast94_lowflop and each switch's ablation in turn with fast94_next in one "
+              "process (n=50 each), compiled max-autotune", "alternating", {s: 50 for s in LOWFLOP_SIDES},
+              {s: s for s in LOWFLOP_SIDES}, {s: 0.94 for s in LOWFLOP_SIDES}, "max-autotune", ("gpu",)),
         fast("fast94_next", "fast94_next", 100, "airbench94", 25, 0.94, "2"),     # the record's configuration
         fast("fast94_muon", "fast94_muon", 100, "airbench94", 25, 0.94, "2"),
         Piece("fast94_next_lowres", "2", "fast94_next_lowres (n=50), compiled max-autotune, beside fast94_next's "

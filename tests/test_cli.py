@@ -59,8 +59,8 @@ def test_list_recipes():
     assert lines[0].split()[:3] == ["recipe", "what", "it"] and max(map(len, lines)) <= 100
     names = [l.split()[0] for l in lines[1:] if not l.startswith(" ")]      # a doc's further lines are indented
     assert names[:2] == ["myrtle24", "myrtle10"]
-    # our fastest attempt, then the resolution curriculum built on it
-    assert names[-4:] == ["fast94_next", "fast94_next_lowres", "fast94_fastest", "fast94_curriculum"]
+    # our lowest-FLOP attempt, then the resolution curriculum built on it
+    assert names[-4:] == ["fast94_next", "fast94_next_lowres", "fast94_lowflop", "fast94_curriculum"]
 
 
 def test_bad_data_is_one_line_and_nonzero(tmp_path):

@@ -301,7 +301,7 @@ def test_each_recipe_gets_our_gpu_figure_beside_the_published_one_above_its_defi
     above = lambda name: lines[where[name] - 1].strip()
     assert above("fast94_next") == ("# measured: 94.02%, 1.20 s (H200, n = 3, commit abcdef0 + local changes); "
                                     "published: 94.01%, 2.015 s (A100, hiverge)")
-    assert above("fast94_fastest") == "# measured: not measured on a GPU; published: none (an idea of ours)"
+    assert above("fast94_lowflop") == "# measured: not measured on a GPU; published: none (an idea of ours)"
     assert above("batch512") == "# measured: not measured on a GPU; published: 256 s (V100, Myrtle)"
     assert report.with_measured(text, results) == text                     # written once, rewritten in place
     assert max(len(lines[i - 1]) for i in where.values()) <= 120

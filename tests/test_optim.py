@@ -299,7 +299,7 @@ def test_sgd_and_muon_as_one_step_compile_once_whatever_the_rate_and_again_once_
 def test_set_lr_fills_the_one_steps_rates_and_leaves_its_groups_alone():
     import cifar10_fast as cf
     import torch_backend as tb
-    r = cf.recipe("fast94_fastest", width=1 / 16)
+    r = cf.recipe("fast94_lowflop", width=1 / 16)
     net = tb.build_model(r, "cpu")
     (opt,) = optim.make_optimizers(net, r, steps_per_epoch=10, own_rates=[replace(tb.whitening_bias(net), until_step=2)])
     groups = [dict(g) for g in opt.param_groups]

@@ -122,9 +122,9 @@ def test_each_recipe_family_runs_its_whole_command_on_a_gpu(npz, tmp_path, recip
     assert gpu.ops["conv2d"] > 0 and gpu.counts["host_waits"] > 0        # the network ran there, and the clock
 
 
-# fast94_fastest: fast94_next_lowres's resolutions and bias states, and the optimisers' step compiled
+# fast94_lowflop: fast94_next_lowres's resolutions and bias states, and the optimisers' step compiled
 @pytest.mark.parametrize("recipe, flags", [("fast94", []), ("fast94", ["--compile-step", "true", "--eval-every", "2"]),
-                                           ("fast94_muon", []), ("fast94_fastest", [])])
+                                           ("fast94_muon", []), ("fast94_lowflop", [])])
 def test_each_compiled_recipe_compiles_nothing_inside_a_timed_run_on_a_gpu(npz, tmp_path, recipe, flags, aot_eager):
     out = tmp_path / "r.json"
     torch._dynamo.reset()
@@ -166,7 +166,7 @@ def test_the_warm_up_fits_the_whitening_so_no_timed_run_loads_the_linear_algebra
     assert gpu.ops["linalg_svd"] >= 1      # the record's decomposition, on the GPU, before any clock
 
 
-@pytest.mark.parametrize("recipe", ["fast94_next", "fast94_fastest"])   # Muon apart, or one step with 0-d rates
+@pytest.mark.parametrize("recipe", ["fast94_next", "fast94_lowflop"])   # Muon apart, or one step with 0-d rates
 def test_a_timed_run_never_waits_for_the_gpu_before_its_final_evaluation_and_reads_its_clock_and_sums_once(
         npz, monkeypatch, one_thread, recipe, aot_eager):
     """From the clock's start to the final evaluation: no host wait and no blocking copy (events mark the epochs,

@@ -285,7 +285,7 @@ def test_sigterm_ends_the_suite_in_process_keeping_what_finished(tmp_path):
     rc, out, err = stopped_suite(tmp_path, "--smoke", "--results", tmp_path / "r", started=lambda o: "\nfast94: " in o)
     assert rc == 143, out + err
     # the piece after fast94 (tier 1's last), the first of tier 2, was running
-    assert out.strip().splitlines()[-1].startswith("stopped by SIGTERM in fast94_fastest; the finished runs are kept "
+    assert out.strip().splitlines()[-1].startswith("stopped by SIGTERM in fast94_lowflop; the finished runs are kept "
                                                    "in ")
     assert "fast94_muon:" not in out and "journey:" not in out                  # no piece after the signal
     (device,) = (tmp_path / "r").iterdir()
@@ -732,23 +732,23 @@ def test_the_record_beside_fast94_next_is_one_comparison_its_runs_spread_over_ou
     assert alone[alone.index("--sides") + 1] == "fast94_next"               # the record's side done: ours alone
 
 
-def test_fast94_fastest_and_its_ablations_run_in_turn_in_one_command_each_side_its_own_runs_and_ratio():
-    piece = next(pc for pc in suite.pieces() if pc.name == "fast94_fastest")
-    assert list(piece.sides) == ["fast94_next", "fast94_fastest"] and piece.kind == "alternating"
+def test_fast94_lowflop_and_its_ablations_run_in_turn_in_one_command_each_side_its_own_runs_and_ratio():
+    piece = next(pc for pc in suite.pieces() if pc.name == "fast94_lowflop")
+    assert list(piece.sides) == ["fast94_next", "fast94_lowflop"] and piece.kind == "alternating"
     ctx = {"out": "o.json", "device": None, "smoke": False, "data": "c.npz"}
-    chunk = suite.chunk_for(piece, {"fast94_next": 10, "fast94_fastest": 10}, {"fast94_next": 5}, ctx)
-    assert chunk.argv[:8] == ["python", "benchmarks/compare.py", "--sides", "fast94_next,fast94_fastest",
-                              "--runs", "fast94_next=10,fast94_fastest=10", "--seed", "fast94_next=5,fast94_fastest=0"]
-    out = {"rows": [{"side": "fast94_next", "ours_s": 1.0, "own_acc": 0.94}, {"side": "fast94_fastest", "ours_s": 0.9,
+    chunk = suite.chunk_for(piece, {"fast94_next": 10, "fast94_lowflop": 10}, {"fast94_next": 5}, ctx)
+    assert chunk.argv[:8] == ["python", "benchmarks/compare.py", "--sides", "fast94_next,fast94_lowflop",
+                              "--runs", "fast94_next=10,fast94_lowflop=10", "--seed", "fast94_next=5,fast94_lowflop=0"]
+    out = {"rows": [{"side": "fast94_next", "ours_s": 1.0, "own_acc": 0.94}, {"side": "fast94_lowflop", "ours_s": 0.9,
                                                                               "own_acc": 0.94}],
-           "builds": {"fast94_next": {"flops_per_run": 2.0}, "fast94_fastest": {"flops_per_run": 1.0}}}
+           "builds": {"fast94_next": {"flops_per_run": 2.0}, "fast94_lowflop": {"flops_per_run": 1.0}}}
     assert {s: [r["time"] for r in runs] for s, runs in chunk.parse(out).items()} == {
-        "fast94_next": [1.0], "fast94_fastest": [0.9]}
-    assert chunk.flops(out) == {"fast94_next": 2.0, "fast94_fastest": 1.0}
+        "fast94_next": [1.0], "fast94_lowflop": [0.9]}
+    assert chunk.flops(out) == {"fast94_next": 2.0, "fast94_lowflop": 1.0}
     runs = lambda times: [{"seed": i, "final_acc": 0.94, "time": t} for i, t in enumerate(times)]
     result = {"kind": "alternating", "sides": {
         "fast94_next": {"name": "fast94_next", "target": 0.94, "n_wanted": 3, "runs": runs([1.0, 1.1, 1.2])},
-        "fast94_fastest": {"name": "fast94_fastest", "target": 0.94, "n_wanted": 3, "runs": runs([0.9, 1.0, 1.1])}}}
-    ratio = suite.finish(result, {})["time_ratios"]["fast94_fastest"]
-    assert (ratio["of"], ratio["to"]) == ("fast94_fastest", "fast94_next") and ratio["ratio"] == pytest.approx(1.0 / 1.1)
+        "fast94_lowflop": {"name": "fast94_lowflop", "target": 0.94, "n_wanted": 3, "runs": runs([0.9, 1.0, 1.1])}}}
+    ratio = suite.finish(result, {})["time_ratios"]["fast94_lowflop"]
+    assert (ratio["of"], ratio["to"]) == ("fast94_lowflop", "fast94_next") and ratio["ratio"] == pytest.approx(1.0 / 1.1)
     assert result["complete"]
