@@ -862,7 +862,7 @@ def t_figure(results):
              f"its own (6-view accuracy, the Fulcrum harness's evaluation): "
              + "; ".join(pair_sentence(o, p) for o, p in fastest) + "."] if fastest else
             [f"Beside E1 and the 2-second record: {NM}."])
-    said += ([f"Below, beside airbench (its time includes its model construction, which ours leaves out): "
+    said += (["Below, beside airbench (its time includes its model construction, which ours leaves out): "
               + "; ".join(pair_sentence(o, p) for o, p in others) + "."] if others else [])
     return [f"![Time per run of our CIFAR-10 recipes beside the fastest peer and airbench]({FIGURE})", "",
             f"*Time per run on CIFAR-10 on one {devices}, runs in turn with the peer's on the same data (our clock, "

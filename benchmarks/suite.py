@@ -55,7 +55,7 @@ from core import Parser  # noqa: E402
 from outputs import write_json  # noqa: E402
 from processes import die_with_parent  # noqa: E402
 from run_statistics import one_sided_p, ratio_ci, summarize  # noqa: E402
-from compare import PEERS, cache_environment, environment_of, peer_missing  # noqa: E402
+from compare import cache_environment, environment_of, peer_missing  # noqa: E402
 from machine import fingerprint  # noqa: E402
 
 TIERS = ("0", "1", "2", "3", "4", "cpu")

@@ -190,7 +190,7 @@ def test_one_gather_shuffles_and_lays_out_the_epoch_giving_the_images_and_labels
     batches = list(cd.epoch_batches(data, augment, new, batch_size=n // 3, memory_format=memory_format, epoch=epoch,
                                     flip_base=base))
     x, y = epoch_as_it_was(data, augment, old, memory_format=memory_format, epoch=epoch, flip_base=base)
-    assert torch.equal(torch.cat([b for b, _ in batches]), x) and torch.equal(torch.cat([l for _, l in batches]), y)
+    assert torch.equal(torch.cat([b for b, _ in batches]), x) and torch.equal(torch.cat([lab for _, lab in batches]), y)
     assert all(b.is_contiguous(memory_format=memory_format) for b, _ in batches)
     assert torch.equal(new.get_state(), old.get_state())          # as many random numbers drawn
 

@@ -29,10 +29,10 @@ def test_two_runs_print_the_table_and_write_the_json(synth_npz, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "warning: no GPU in use" in r.stderr
     lines = r.stdout.splitlines()
-    header = [l for l in lines if l.split()[:2] == ["epoch", "lr"]]
+    header = [ln for ln in lines if ln.split()[:2] == ["epoch", "lr"]]
     assert len(header) == 2
     assert header[0].split() == ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
-    rows = [l.split() for l in lines if l.split() and l.split()[0] in ("1", "2")]
+    rows = [ln.split() for ln in lines if ln.split() and ln.split()[0] in ("1", "2")]
     assert [row[0] for row in rows] == ["1", "2", "1", "2"] and all(len(row) == 8 for row in rows)
     assert "summary over 2 runs of myrtle24" in r.stdout and "runs reaching 20.00%" in r.stdout
 
@@ -57,7 +57,7 @@ def test_list_recipes():
     assert r.returncode == 0
     lines = r.stdout.splitlines()
     assert lines[0].split()[:3] == ["recipe", "what", "it"] and max(map(len, lines)) <= 100
-    names = [l.split()[0] for l in lines[1:] if not l.startswith(" ")]      # a doc's further lines are indented
+    names = [ln.split()[0] for ln in lines[1:] if not ln.startswith(" ")]      # a doc's further lines are indented
     assert names[:2] == ["myrtle24", "myrtle10"]
     # our lowest-FLOP attempt, then the resolution curriculum built on it
     assert names[-4:] == ["fast94_next", "fast94_next_lowres", "fast94_lowflop", "fast94_curriculum"]

@@ -334,8 +334,8 @@ def test_a_training_crop_can_come_from_the_sides_of_a_landscape_photo(tmp_path):
     box = boxes[edge.nonzero()[0, 0]].tolist()
     crop = idec.cpu_crop(s.train.record(i), box=box, shape=(32, 32)).astype(float)
     with Image.open(src / "train/c0/0.JPEG") as im:
-        t, l, bh_, bw_ = box
-        direct = np.asarray(im.convert("RGB").resize((32, 32), Image.BILINEAR, box=(l, t, l + bw_, t + bh_)), float)
+        t, left, bh_, bw_ = box
+        direct = np.asarray(im.convert("RGB").resize((32, 32), Image.BILINEAR, box=(left, t, left + bw_, t + bh_)), float)
     assert np.abs(crop - direct).mean() < 4
     # the red channel is the column: the crop's colour says which side of the photo it came from
     assert abs(crop[..., 0].mean() - 255 * (box[1] + box[3] / 2) / w) < 10
@@ -553,7 +553,7 @@ def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
                           f"    2    {SIZE}      32 {lr[1]:>10.5g} {lr[3]:>10.5g}   0.35  32 px, whole image"]
     assert lines[5].split() == ["epoch", "res", "batch", "lr", "train_loss", "train_acc", "val_loss", "top1", "top5",
                                 "epoch_time", "total_time", "decode"]
-    rows = [l.split() for l in lines[6:8]]
+    rows = [ln.split() for ln in lines[6:8]]
     assert [row[:3] for row in rows] == [["1", str(SIZE), "32"], ["2", str(SIZE), "32"]]
     assert [row[-1] for row in rows] == ["cpu", "cpu"]                 # the CPU's workers decoded every image
     res = json.loads(out.read_text())
@@ -561,7 +561,7 @@ def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
     assert float(rows[1][7]) == pytest.approx(res["runs"][0]["rows"][1]["top1"], abs=1e-4)
     assert res["runs"][0]["final_top5"] >= res["runs"][0]["final_top1"]
     rc, stdout, _ = run_main(capsys, "train", "--list-recipes")
-    names = [l.split()[0] for l in stdout.splitlines()[1:] if not l.startswith(" ")]     # a doc's further lines indented
+    names = [ln.split()[0] for ln in stdout.splitlines()[1:] if not ln.startswith(" ")]     # a doc's further lines indented
     assert names[:4] == ["rn50_16ep", "rn50_24ep", "rn50_88ep", "rn18_16ep"]
 
 
@@ -720,7 +720,7 @@ def test_two_ranks_resume_after_an_interruption_exactly(store, tmp_path):
               "--batch-size", "16", "--min-res", SIZE, "--max-res", SIZE, "--val-res", SIZE, "--comm-hook", "fp16"]
     a = torchrun(*common, "--checkpoint", tmp_path / "a.pt", "--out", tmp_path / "a.json")
     assert a.returncode == 0, a.stderr[-3000:]
-    assert sum(l.startswith("final top-1") for l in a.stdout.splitlines()) == 1
+    assert sum(ln.startswith("final top-1") for ln in a.stdout.splitlines()) == 1
     assert "2 ranks of 8 images per step" in a.stdout
     resumable = [*common, "--checkpoint", tmp_path / "b.pt", "--resume", "--out", tmp_path / "b.json"]
     b = torchrun(*resumable, "--interrupt-after-epoch", "1")
@@ -741,7 +741,7 @@ def test_two_ranks_resume_after_an_interruption_exactly(store, tmp_path):
 def test_simulate_subcommand():
     r = run_cli("simulate", "--gpus", "1,8")
     assert r.returncode == 0, r.stderr
-    rows = [l.split() for l in r.stdout.splitlines() if l.split()[:1] in (["1"], ["8"])]
+    rows = [ln.split() for ln in r.stdout.splitlines() if ln.split()[:1] in (["1"], ["8"])]
     assert rows and all(row[-1].endswith("%") for row in rows)
     assert any(row[0] == "1" and row[-1] == "100.0%" for row in rows)
 
@@ -1069,7 +1069,7 @@ def test_epochs_that_end_inside_the_warm_up_shorten_it_in_proportion_and_say_so(
     assert rc == 0 and err.strip().splitlines()[0] == (
         "note: --epochs 1 ends inside the recipe's 1-epoch warm-up, so the warm-up is shortened in proportion to "
         "0.125 epochs (--warmup-epochs sets it)")
-    row = out.splitlines()[out.splitlines().index(next(l for l in out.splitlines() if l.split()[:1] == ["epoch"])) + 1]
+    row = out.splitlines()[out.splitlines().index(next(ln for ln in out.splitlines() if ln.split()[:1] == ["epoch"])) + 1]
     assert float(row.split()[3]) > 0                           # the epoch's learning rate is no longer 0
     assert inf.recipe("tiny", epochs=1, warmup_epochs=1.0).schedule.warmup_epochs == 1.0       # asked for: kept
     assert not inf.recipe("tiny", epochs=2).notes and not inf.recipe("tiny").notes

@@ -187,7 +187,7 @@ def test_a_long_epoch_shows_its_progress_on_stderr(npz, capsys, monkeypatch):
     estimate = re.search(r"^estimated time: about \d+ s for 1 run of 2 epochs on this CPU \(from the first epoch, "
                          r"evaluations left out; an estimate\)$", err, re.M)
     assert estimate and err[:estimate.start()].count("epoch 1:") == 4 and "epoch 2:" not in err[:estimate.start()]
-    assert "epoch 1:" not in out and len([l for l in out.splitlines() if l.split()[:1] in (["1"], ["2"])]) == 2
+    assert "epoch 1:" not in out and len([ln for ln in out.splitlines() if ln.split()[:1] in (["1"], ["2"])]) == 2
 
 
 def test_progress_shows_every_long_phase_on_stderr_and_nothing_when_off(npz, capsys, monkeypatch):

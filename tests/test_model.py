@@ -154,7 +154,8 @@ def test_sum_loss_parametrisation_equals_mean_loss_sgd():
         optim.set_lr(opt_a, 0.3)
         T.train_step(a, opt_a, x, y, label_smoothing=r.label_smoothing, dtype=torch.float32)
         F.cross_entropy(b(x), y).backward()
-        opt_b.step(); opt_b.zero_grad()
+        opt_b.step()
+        opt_b.zero_grad()
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-4)
 

@@ -154,7 +154,7 @@ def test_nvimgcodec_decodes_our_crop_boxes_in_our_order_into_the_batches_nvjpeg_
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert len(module.decodes) == len(got)
     boxes = draws.boxes[draws.perm[:len(got) * 8]]
-    regions = [(t, l, t + h, l + w) for t, l, h, w in boxes.tolist()]
+    regions = [(t, left, t + h, left + w) for t, left, h, w in boxes.tolist()]
     assert [r for d in module.decodes for r in d["regions"]] == regions
     assert all(d["thread"].startswith("nvjpeg") for d in module.decodes)
     side = [c[1] for c in gpu.calls[calls:] if c[0] == "enter_stream"][0]

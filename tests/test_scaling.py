@@ -57,8 +57,8 @@ def test_simulate_command_prints_table_and_assumptions():
     out = subprocess.run([sys.executable, "scaling.py", "--gpus", "1,8,64", "--algorithm", "torus"],
                          capture_output=True, text=True, check=True, cwd=os.path.dirname(scaling.__file__)).stdout
     assert "assumptions:" in out and "A model, not a measurement" in out
-    lines = [l.split() for l in out.splitlines() if l.split() and l.split()[0].isdigit()]
-    assert [l[0] for l in lines] == ["1", "8", "64"] and lines[0][-1] == "100.0%"
+    lines = [ln.split() for ln in out.splitlines() if ln.split() and ln.split()[0].isdigit()]
+    assert [ln[0] for ln in lines] == ["1", "8", "64"] and lines[0][-1] == "100.0%"
     assert scaling.main_simulate(["--published"]) == 0
 
 
@@ -101,7 +101,7 @@ def test_every_cluster_recipe_has_a_row_whose_phases_are_the_recipes_on_its_pape
 def test_the_recipes_table_sets_the_model_beside_each_published_time(capsys):
     assert scaling.main_simulate(["--recipes"]) == 0
     out = capsys.readouterr().out
-    lines = [l for l in out.splitlines() if l.startswith("| `")]
+    lines = [ln for ln in out.splitlines() if ln.startswith("| `")]
     assert len(lines) == len(scaling.RECIPE_RUNS) and "| `fastai_16x8` | 128 V100 |" in out
     for line, run in zip(lines, scaling.RECIPE_RUNS):
         model, ratio = line.split("|")[4:6]

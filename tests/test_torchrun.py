@@ -30,8 +30,8 @@ def test_two_ranks_train_with_one_voice(synth_npz, tmp_path):
                  str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
-    assert sum(l.split()[:2] == ["epoch", "lr"] for l in lines) == 1          # one table, from rank 0
-    assert sum(l.startswith("final test accuracy") for l in lines) == 1
+    assert sum(ln.split()[:2] == ["epoch", "lr"] for ln in lines) == 1          # one table, from rank 0
+    assert sum(ln.startswith("final test accuracy") for ln in lines) == 1
     assert "2 ranks of 32 images per step" in r.stdout
     res = json.loads(out.read_text())
     assert res["environment"]["world_size"] == 2 and res["environment"]["comm_hook"] == "bf16"

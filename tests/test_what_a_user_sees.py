@@ -92,7 +92,7 @@ def test_the_imagenet_cpu_warning_names_only_the_ways_to_shrink_not_taken(capsys
                         (["--recipe", "rn18_16ep"], f"{slow}; for a demonstration, shrink the work with few --epochs "
                                                     "and --model resnet_tiny")):
         assert inf.main(["train", "--store", str(store), "--device", "cpu", *flags]) == 1
-        assert [line] == [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning")]
+        assert [line] == [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning")]
     monkeypatch.setattr(inf, "SMALL_STORE", 10)
     inf.main(["train", "--store", str(store), "--device", "cpu", "--recipe", "tiny", "--epochs", "1"])
     assert f"{slow}; for a demonstration, shrink the work with a small store" in capsys.readouterr().err
