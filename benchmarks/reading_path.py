@@ -299,6 +299,9 @@ def main(argv=None):
     for name in names:
         if name not in cf.RECIPES:
             p.error(f"--recipe {name}: unknown; choose from {', '.join(cf.RECIPES)}")
+    for path in args.peer:
+        if not Path(path).is_file():
+            p.error(f"--peer {path}: no such file (benchmarks/compare.py's PEERS: the command that clones each)")
     counts = []
     for name in names:
         c = count(name)
@@ -315,6 +318,9 @@ def main(argv=None):
     for peer in peers:
         print(f"{peer['file']}: {peer['lines']} lines ({peer['code_lines']} of code), {peer['chars']:,} characters "
               f"({peer['code_chars']:,} of code) in 1 file", flush=True)
+    for c in counts:
+        for peer in peers:      # what the reader of a recipe reads against the reference's whole file
+            print(f"{c['recipe']}: {c['path_chars'] / peer['chars']:.2f}x {peer['file']}'s characters", flush=True)
     print_techniques(counts + peers)
     if args.out:
         import machine

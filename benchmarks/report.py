@@ -483,6 +483,9 @@ def t_reading_path(results):
               f"{chars(p, 'chars')} ({chars(p, 'code_chars')})", 1, "–", "–"] for r in rs for p in r.get("peers", [])]
     out = table(["recipe", "lines to read (of code)", "characters (of code)", "files", "calls from main to the step",
                  "lines a reader may skip (flags, checks, warm-up, records)"], rows)
+    ratios = [f"`{c['recipe']}` {c['path_chars'] / p['chars']:.2f}× {p['file']}'s" for r in rs for c in r["recipes"]
+              for p in r.get("peers", []) if "path_chars" in c and p.get("chars")]
+    out += ["", f"Characters to read against each reference's whole file: {'; '.join(ratios)}."] if ratios else []
     for r in rs:
         first, peers = r["recipes"][0], [p for p in r.get("peers", []) if "techniques" in p]
         if "techniques" in first:
