@@ -267,8 +267,8 @@ def check_training_fits(device, training, *, why, remedy, parts=None):
     cannot tell (the CPU)."""
     free = free_memory(device)
     if free is not None and training > USABLE * free:
-        raise UsageError(f"{why} needs about {size_text(training)} on {device}{f' ({parts})' if parts else ''} but it has "
-                         f"{size_text(free)} free; {remedy}")
+        raise UsageError(f"{why} needs about {size_text(training)} on {device}{f' ({parts})' if parts else ''} "
+                         f"but it has {size_text(free)} free; {remedy}")
 
 
 def store_place(nbytes, device, where="auto", *, training=0):
@@ -280,8 +280,8 @@ def store_place(nbytes, device, where="auto", *, training=0):
     free = free_memory(device)
     fits = free is None or nbytes + training <= USABLE * free
     if where == "device" and not fits:
-        raise UsageError(f"--data-on device: the store's {size_text(nbytes)} and training's {size_text(training)} do not fit in "
-                         f"the {size_text(free)} free on {device}; use --data-on host")
+        raise UsageError(f"--data-on device: the store's {size_text(nbytes)} and training's {size_text(training)} "
+                         f"do not fit in the {size_text(free)} free on {device}; use --data-on host")
     return "device" if fits and (where == "device" or free is not None) else "host"
 
 

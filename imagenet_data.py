@@ -157,9 +157,9 @@ def rank_data(store, device, *, where="auto", ctx=None, seed=0, decoder="cpu", w
     if store.format == "jpeg" and decoder == "cpu":
         check_cpu_decoder()
     workers = workers or default_workers(ctx.local_world_size)
-    data = RankData(store=store, train_rows=np.asarray(train, np.int64), val_rows=val, train_y=store.train.labels[train],
-                val_y=store.val.labels[val], decoder=decoder, workers=workers,
-                shares=(ctx.rank, ctx.world_size) if ctx.distributed and not fixed else None)
+    data = RankData(store=store, train_rows=np.asarray(train, np.int64), val_rows=val,
+                    train_y=store.train.labels[train], val_y=store.val.labels[val], decoder=decoder, workers=workers,
+                    shares=(ctx.rank, ctx.world_size) if ctx.distributed and not fixed else None)
     if store.format == "raw":
         squares = store.train_pixels()
         data.where = devices.store_place(len(train) * squares[:1].nbytes, device, where, training=training)
@@ -483,7 +483,8 @@ def train_batches(data, augment, draws, *, res, batch_size, device, dtype, small
                    for xb, small in cpu_batches(data, "train", jobs, device=device))
     for x, small in batches:
         x = torch.where(small[0][FLIP].bool().view(-1, 1, 1, 1), x.flip(3), x)
-        yield (normalised_batch(x, small[1] if len(small) > 1 else None, constants, dtype=dtype, memory_format=memory_format),
+        yield (normalised_batch(x, small[1] if len(small) > 1 else None, constants, dtype=dtype,
+                                memory_format=memory_format),
                small[0][LABEL])
 
 

@@ -335,7 +335,8 @@ def parser():
 
     tp = sub.add_parser("train", help="train on a store", description=TRAIN, formatter_class=HelpFormatter,
                         usage="%(prog)s --store FOLDER [--recipe NAME] [options] [--SETTING VALUE ...]")
-    tp.add_argument("--store", metavar="FOLDER", help="a folder written by prepare (required, but for --list-recipes and --print-recipe)")
+    tp.add_argument("--store", metavar="FOLDER",
+                    help="a folder written by prepare (required, but for --list-recipes and --print-recipe)")
     tp.add_argument("--recipe", default="rn50_16ep", metavar="NAME",
                     help="what to train (--list-recipes) (default: rn50_16ep)")
     tp.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
@@ -500,9 +501,9 @@ def train_command(args, r, *, ctx, argv):
     for note in r.notes:
         say(note, file=sys.stderr)
     if r.per_gpu_batch and r.schedule.lr_scaling == "none":     # FFCV's recipes: the rate does not follow the GPUs
-        say(f"note: {r.batch_size} images on each GPU, {r.batch_size * ctx.world_size} a step on {ctx.world_size}, at lr "
-            f"{r.schedule.lr:g} whatever the number of GPUs, as FFCV's train_imagenet.py trains (--lr-scaling linear "
-            "scales the rate with the images of a step instead)", file=sys.stderr)
+        say(f"note: {r.batch_size} images on each GPU, {r.batch_size * ctx.world_size} a step on {ctx.world_size}, "
+            f"at lr {r.schedule.lr:g} whatever the number of GPUs, as FFCV's train_imagenet.py trains "
+            "(--lr-scaling linear scales the rate with the images of a step instead)", file=sys.stderr)
     try:
         plans = epoch_plans(r, ctx.world_size)   # a schedule that does not divide over the ranks fails here
         decoder = jpeg_decoder(device, args.decoder)

@@ -1,7 +1,7 @@
 """ImageNet's networks and what a recipe builds around them: torchvision's ResNets (or resnet_tiny, for tests and CPU
 demonstrations) with BlurPool and ghost batch norm, the optimiser, and the device memory training them takes, each
-beside the settings it reads (ImageNetNetworkSettings, ImageNetSGDSettings, LARSSettings, RMSpropWarmupSettings): the optimisers
-are momentum SGD (torch's), LARS and RMSprop-to-SGD (here), their rates set by optim.set_lr.
+beside the settings it reads (ImageNetNetworkSettings, ImageNetSGDSettings, LARSSettings, RMSpropWarmupSettings): the
+optimisers are momentum SGD (torch's), LARS and RMSprop-to-SGD (here), their rates set by optim.set_lr.
 
 Papers:
   You, Gitman, Ginsburg 2017, "Large Batch Training of Convolutional Networks" (LARS, arXiv:1708.03888)
@@ -32,8 +32,8 @@ IMAGENET_MODELS = ("resnet_tiny", "resnet18", "resnet34", "resnet50", "resnet101
 class ImageNetNetworkSettings:
     """torchvision's ResNets (resnet_tiny: ours, for tests and CPU demonstrations)."""
     PREFIX = ""
-    model: str = knob("resnet50", choices=IMAGENET_MODELS, doc="torchvision's ResNets; resnet_tiny: ours, for tests and CPU "
-                      "demonstrations")
+    model: str = knob("resnet50", choices=IMAGENET_MODELS,
+                      doc="torchvision's ResNets; resnet_tiny: ours, for tests and CPU demonstrations")
     width: int = knob(16, above=0, whole=True, doc="resnet_tiny's first stage's channels")
     blurpool: bool = knob(True, doc="a blur before each strided convolution (Zhang 2019; FFCV)")
     zero_init: bool = knob(False, doc="each residual block's last batch-norm scale starts at 0 (Goyal et al.)")
@@ -141,7 +141,8 @@ def _closure_loss(closure):
         return closure()
 
 
-# Ours, not timm's Lars: as in You et al., lr goes inside the momentum and 1-D tensors are never adapted (timm: by group)
+# Ours, not timm's Lars: as in You et al., lr goes inside the momentum and 1-D tensors are never adapted
+# (timm: by group)
 class LARS(torch.optim.Optimizer):
     """Layer-wise Adaptive Rate Scaling, You et al. 2017 (Algorithm 1): each weight tensor's step is a fraction eta
     (trust_coefficient) of its norm whatever its gradient's scale, so large batches train at high rates; 1-D tensors
@@ -349,9 +350,10 @@ class MemoryNeed:
         return self.fixed + max(self.activations + self.inputs, self.validation)
 
     def text(self):
-        return (f"{devices.size_text(self.fixed)} of weights and optimiser state, {devices.size_text(self.activations)} of "
-                f"activations, {devices.size_text(self.inputs)} of input buffers, {devices.size_text(self.validation)} for "
-                "validation")
+        return (f"{devices.size_text(self.fixed)} of weights and optimiser state, "
+                f"{devices.size_text(self.activations)} of activations, "
+                f"{devices.size_text(self.inputs)} of input buffers, "
+                f"{devices.size_text(self.validation)} for validation")
 
 
 VAL_BATCH = 256         # imagenet_data.validation_sums' batch

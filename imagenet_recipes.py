@@ -35,7 +35,8 @@ class Recipe:
                            "0: over each micro-batch")
     network: ImageNetNetworkSettings = always_present(ImageNetNetworkSettings())
     schedule: LRScheduleSettings = always_present(LRScheduleSettings(), title="learning rate")
-    resolution: ProgressiveResizingSettings = always_present(ProgressiveResizingSettings(), title="resolution and batch")
+    resolution: ProgressiveResizingSettings = always_present(ProgressiveResizingSettings(),
+                                                             title="resolution and batch")
     augment: CropAugmentSettings = always_present(CropAugmentSettings(), title="augmentation")
     validation: ValidationSettings = always_present(ValidationSettings())
     sgd: ImageNetSGDSettings = always_present(ImageNetSGDSettings(), title="SGD")
@@ -94,7 +95,8 @@ def ffcv(name, doc, *, epochs, res_start, res_end, **changes):
                    resolution=replace(RN50_16EP.resolution, res_start_epoch=res_start, res_end_epoch=res_end))
 
 
-RN18 = dict(network=ImageNetNetworkSettings(model="resnet18", blurpool=True), batch_size=1024,      # rn18: lr 0.5 for 1 GPU x 1024
+# rn18: lr 0.5 for 1 GPU x 1024
+RN18 = dict(network=ImageNetNetworkSettings(model="resnet18", blurpool=True), batch_size=1024,
             schedule=replace(RN50_16EP.schedule, lr=0.5), sgd=replace(RN50_16EP.sgd, weight_decay=5e-5))
 
 # The cluster papers: torchvision's ResNet-50 (no BlurPool) for 90 epochs at 224 px, momentum SGD 0.9 with weight
@@ -199,8 +201,10 @@ RECIPES = {r.name: r for r in (
     Recipe(name="tiny", doc="resnet_tiny width 16 for tests and CPU demonstrations on small stores (res 32, 8 epochs)",
            epochs=8, batch_size=32, network=ImageNetNetworkSettings(model="resnet_tiny", width=16, blurpool=False),
            schedule=LRScheduleSettings(lr=0.2, warmup_epochs=1.0), sgd=ImageNetSGDSettings(weight_decay=5e-5),
-           resolution=ProgressiveResizingSettings(min_res=32, max_res=32, res_start_epoch=0, res_end_epoch=0, res_step=8),
-           augment=CropAugmentSettings(crop_scale=(0.35, 1.0)), validation=ValidationSettings(res=32, crop=0.0, tta="none")),
+           resolution=ProgressiveResizingSettings(min_res=32, max_res=32, res_start_epoch=0, res_end_epoch=0,
+                                                  res_step=8),
+           augment=CropAugmentSettings(crop_scale=(0.35, 1.0)),
+           validation=ValidationSettings(res=32, crop=0.0, tta="none")),
 )}
 
 

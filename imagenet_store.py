@@ -641,7 +641,8 @@ def open_store(path):
         try:
             rows, end = read_split(path / f"{split}.store")
             # mmap "c" (copy-on-write) gives writable arrays, so torch.from_numpy shares them without a copy
-            data = np.memmap(path / f"{split}.store", np.uint8, mode="c", shape=(end,)) if end else np.zeros(0, np.uint8)
+            data = (np.memmap(path / f"{split}.store", np.uint8, mode="c", shape=(end,)) if end
+                    else np.zeros(0, np.uint8))
         except (OSError, ValueError) as e:
             raise DataError(f"{path / f'{split}.store'}: unreadable ({e}); prepare it again") from e
         if len(rows) != index[split]["count"]:

@@ -85,7 +85,8 @@ PUBLISHED = [
          gpus=256, step_time_s=0.232, model_bytes=25.6e6 * 4, link_gbps=50.0, latency_us=50.0,
          algorithm="tree", buckets=4, batch_per_gpu=32, gpus_per_node=8, intra_gbps=160.0, intra_latency_us=5.0,
          note="step 0.232 s = 32 images / (1.28M x 90 epochs / 29 h / 8 GPUs), derived from their 29 h on "
-              "8 P100s; fp32 gradients; one 50 Gbit/s Ethernet NIC per server; tree ~ their recursive halving/doubling"),
+              "8 P100s; fp32 gradients; one 50 Gbit/s Ethernet NIC per server; tree ~ their recursive "
+              "halving/doubling"),
     dict(name="Mikami et al. 2018 (Sony): 1,024 V100 on ABCI, 2D-torus",
          published="84.75% scaling efficiency", metric="efficiency", target=0.8475, gpus=1024,
          step_time_s=32 / 1000, model_bytes=25.6e6 * 2, algorithm="torus", batch_per_gpu=32, **ABCI,
@@ -158,12 +159,14 @@ def fitted_link_gbps(case, lo=0.01, hi=1e4):
 
 def published_table():
     """Markdown table: published figure, our model's output with the assumed setup, and the fitted bandwidth."""
-    lines = ["| run | published | model (assumed setup) | model / published | link Gbit/s: assumed, fitted to the published figure |",
+    lines = ["| run | published | model (assumed setup) | model / published "
+             "| link Gbit/s: assumed, fitted to the published figure |",
              "|---|---|---|---|---|"]
     for case in PUBLISHED:
         got = published_metric(case)
         fit = fitted_link_gbps(case)
-        show = (lambda v: f"{v / 1e6:.2f}M images/s") if case["metric"] == "images_per_s" else (lambda v: f"{100 * v:.1f}%")
+        show = ((lambda v: f"{v / 1e6:.2f}M images/s") if case["metric"] == "images_per_s"
+                else (lambda v: f"{100 * v:.1f}%"))
         lines.append(f"| {case['name']} | {case['published']} | {show(got)} | {got / case['target']:.3f} | "
                      f"{case['link_gbps']:g}, {'n/a' if fit is None else f'{fit:.2f}'} |")
     return "\n".join(lines)
@@ -226,7 +229,8 @@ def main_simulate(argv=None):
                     help="gradient MB all-reduced per step (ResNet-50: 102.4 fp32, 51.2 fp16)")
     ap.add_argument("--link-gbps", type=positive(float), default=25.0,
                     help="Gbit/s of the slowest link (a node's network bandwidth)")
-    ap.add_argument("--latency-us", type=within(float, lambda v: v >= 0, "must not be negative"), default=10.0, help="latency per communication step, microseconds")
+    ap.add_argument("--latency-us", type=within(float, lambda v: v >= 0, "must not be negative"), default=10.0,
+                    help="latency per communication step, microseconds")
     ap.add_argument("--algorithm", default="all", choices=["ring", "tree", "torus", "all"])
     ap.add_argument("--buckets", type=positive(int), default=4)
     ap.add_argument("--batch-per-gpu", type=positive(int), default=32)

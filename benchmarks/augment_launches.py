@@ -3,8 +3,9 @@ recipe, any epoch) and the 2-second record's loader (its own cifar10_speedrun.py
 on the CPU as CUDA runs them (under tests/cuda_standin.py; aten operations that are not views, as op_counts.Count
 counts them), over 32 batches as at 50,000 images and batch 1,536 (the counts do not depend on the images' number).
 "passes": the bytes the operations write, in epochs of 32 px crops in 16 bits (each pass reads about as much
-as it writes; the record's 32 gathers of a batch are one pass). The record's torch.compile'd functions are counted as graph calls (their bodies run eagerly, uncounted); --inductor compiles them on this CPU
-and counts the kernels Inductor makes of each.
+as it writes; the record's 32 gathers of a batch are one pass). The record's torch.compile'd functions are counted
+as graph calls (their bodies run eagerly, uncounted); --inductor compiles them on this CPU and counts the kernels
+Inductor makes of each.
 
     python benchmarks/augment_launches.py
     python benchmarks/augment_launches.py --inductor --out results/cpu-2-cores-amd-epyc/augment_launches.json

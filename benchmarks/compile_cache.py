@@ -1,7 +1,8 @@
 """What a shared compile cache saves: the compiled warm-up of a recipe (cifar10_fast.build with --compile: every
 graph a timed run meets, compiled before its clock) timed in a fresh process with an empty inductor cache (cold) and
 again in a fresh process reading the cache the first one left (warm), as the suite's pieces now share one
-(benchmarks/suite.py, compile_cache; benchmarks/compare.py --cache-dir). Pairs of (cold, warm), each pair with a cache folder of its own.
+(benchmarks/suite.py, compile_cache; benchmarks/compare.py --cache-dir). Pairs of (cold, warm), each pair with a
+cache folder of its own.
 
     python benchmarks/compile_cache.py --out results/<machine>/compile_cache.json
     python benchmarks/compile_cache.py --recipe fast94_next --device cuda --mode max-autotune --pairs 1
@@ -92,8 +93,9 @@ def main(argv=None):
         import machine
         import torch
         write_json(args.out, {"piece": "compile_cache", "command": "python benchmarks/compile_cache.py " + " ".join(
-            sys.argv[1:] if argv is None else argv), "recipe": args.recipe, "device": args.device, "mode": args.mode, "warm_seed": args.warm_seed,
-            "width": args.width, "fingerprint": machine.fingerprint(torch.device(args.device), True), "rows": rows})
+            sys.argv[1:] if argv is None else argv), "recipe": args.recipe, "device": args.device, "mode": args.mode,
+            "warm_seed": args.warm_seed, "width": args.width,
+            "fingerprint": machine.fingerprint(torch.device(args.device), True), "rows": rows})
     return 0
 
 

@@ -109,7 +109,8 @@ def main(argv=None):
     rows, table = [], Table(["recipe", "batch", "layout", "step s", "eval s", "batch_norm_error"], width=17,
                             formats={"step s": ".3f", "eval s": ".3f", "batch_norm_error": ".1e"})
     for name in names:
-        batch, seen, errors = measure(name, repeats=args.repeats, eval_batch=args.eval_batch, batch_size=args.batch_size)
+        batch, seen, errors = measure(name, repeats=args.repeats, eval_batch=args.eval_batch,
+                                      batch_size=args.batch_size)
         for layout, runs in seen.items():
             rows.append({"recipe": name, "batch": batch, "layout": layout, "step s": statistics.median(runs["step"]),
                          "eval s": statistics.median(runs["eval"]), "n": args.repeats,

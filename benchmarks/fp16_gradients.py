@@ -73,7 +73,8 @@ def main(argv=None):
         steps = sorted(int(s) for s in args.steps.split(","))
     except ValueError:
         p.error(f"--steps {args.steps}: must be whole numbers, comma-separated")
-    for flag, value, bad in (("steps", args.steps, min(steps) < 0), ("batch-size", args.batch_size, args.batch_size < 1),
+    for flag, value, bad in (("steps", args.steps, min(steps) < 0),
+                             ("batch-size", args.batch_size, args.batch_size < 1),
                              ("mean-batch", args.mean_batch, args.mean_batch < 1)):
         if bad:
             p.error(f"--{flag} {value}: must be {'positive' if flag != 'steps' else 'at least 0'}")

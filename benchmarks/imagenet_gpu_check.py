@@ -22,9 +22,9 @@ them, and a check not begun by --budget-s recorded as skipped:
             checkpoint, killed (SIGKILL) in its second epoch and relaunched with --resume: both commands' exit status
             and seconds
 
-Beside each decoder's figures, its decode counts over that row's batches (the decoded counts of an imagenet_data.RankData):
-nvJPEG's "hardware" and "software" paths (idec.nvjpeg_paths; "unknown" where nvJPEG's library cannot be asked), or
-the decoder's own name ("cpu", "nvimgcodec").
+Beside each decoder's figures, its decode counts over that row's batches (the decoded counts of an
+imagenet_data.RankData): nvJPEG's "hardware" and "software" paths (idec.nvjpeg_paths; "unknown" where nvJPEG's
+library cannot be asked), or the decoder's own name ("cpu", "nvimgcodec").
 
 Device time on one H100 or H200, estimated (not measured): a minute of start-up and writing 25,000 images on 16
 cores, about 30 s to prepare, 1.5 min for the decoders, steps and together (10 rows of 13 batches at each size), 20 s

@@ -14,13 +14,14 @@ with BlurPool for rn50_16ep), at each resolution in --sizes, in one run:
 and, beside them, what predicts a GPU's speed, counted per step under the CPU stand-in for a CUDA GPU
 (tests/cuda_standin.py) for each store format and place: the operations launched on the GPU and the copies that
 make the host wait, of the data path alone (imagenet_data.train_batches) and of the whole training step (the data,
-then imagenet_fast.accumulated_step), at two batch sizes (--count-batch and twice it; neither count depends on the resolution).
+then imagenet_fast.accumulated_step), at two batch sizes (--count-batch and twice it; neither count depends on the
+resolution).
 
 Per GPU figures are per process; per core figures divide the loader's images/s by the CPU processes (or workers)
 that decode. The store is --store, or one written from --src, or one written from synthetic photos of mixed 4:3, 3:4 and
 square shapes, longer side 500 px (ImageNet's typical), at least 20,000 of them by default.
 
-    python benchmarks/imagenet_throughput.py                              # GPU: rn50_16ep, 20,000 images, 160 and 192 px
+    python benchmarks/imagenet_throughput.py                  # GPU: rn50_16ep, 20,000 images, 160 and 192 px
     python benchmarks/imagenet_throughput.py --store /data/in500 --src /data/imagenet --sizes 160,192,224
     python benchmarks/imagenet_throughput.py --device cpu --recipe tiny --images 2000 --sizes 64 --batch-size 64
 """
@@ -221,8 +222,9 @@ def main(argv=None):
         folder = torchvision.datasets.ImageFolder(str(src / "train"), transforms.Compose([
             transforms.RandomResizedCrop(args.sizes[0]), transforms.RandomHorizontalFlip(), transforms.PILToTensor()]))
         cores = "GPU" if decoder == "gpu" else f"{workers} CPU processes"
-        print(f"{r.network.model}{' + BlurPool' if r.network.blurpool else ''} ({args.recipe}) on {devices.name(device)} "
-              f"({device}, {str(dtype)[6:]}), batch {bs}; {store.format} store of {n} images decoded on the {cores}; "
+        print(f"{r.network.model}{' + BlurPool' if r.network.blurpool else ''} ({args.recipe}) on "
+              f"{devices.name(device)} ({device}, {str(dtype)[6:]}), batch {bs}; {store.format} store of {n} images "
+              f"decoded on the {cores}; "
               f"{args.steps} timed batches after {args.warmup}; images/s")
         table = Table(["res", "loader", "ceiling", "together", "together/ceil", "loader/core", "pil/core", "decode"],
                       width=14,

@@ -58,8 +58,9 @@ def main(argv=None):
                 rows.append({"build": build, "error": f"{e.cmd[5]} of {', '.join(packages)} failed (exit status "
                                                       f"{e.returncode})"})
     for r in rows:
-        print(f"{r['build']:8s} " + (r["error"] if "error" in r else f"downloaded {r['downloaded bytes'] / 1e9:.2f} GB, "
-                                     f"installed {r['installed bytes'] / 1e9:.2f} GB ({len(r['wheels'])} wheels)"))
+        print(f"{r['build']:8s} " + (r["error"] if "error" in r
+                                     else f"downloaded {r['downloaded bytes'] / 1e9:.2f} GB, "
+                                          f"installed {r['installed bytes'] / 1e9:.2f} GB ({len(r['wheels'])} wheels)"))
     if args.out:
         import machine
         write_json(args.out, {"piece": "install_size", "packages": packages, "rows": rows,

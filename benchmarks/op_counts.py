@@ -10,7 +10,7 @@ CPU, counted by a dispatch mode (the count depends on neither the batch nor the 
               schedule and of the curriculum's alternatives: the steps at each side, training and the whole run
 
     python benchmarks/op_counts.py --out results/<machine>/op_counts.json
-    python benchmarks/op_counts.py --flops --out results/<machine>/op_counts.json    # cifar10_flops alone, the rest kept
+    python benchmarks/op_counts.py --flops --out results/<machine>/op_counts.json  # cifar10_flops alone, the rest kept
 
 A CIFAR-10 training step's kernels, as CUDA launches them, are counted by benchmarks/step_counts.py.
 """
@@ -57,7 +57,8 @@ class LoopLARS(imagenet_models.LARS):
                 g = p.grad
                 if p.ndim > 1:
                     w_norm, g_norm = p.norm(), g.norm()
-                    local = group["trust_coefficient"] * w_norm / (g_norm + group["weight_decay"] * w_norm + group["eps"])
+                    local = (group["trust_coefficient"] * w_norm
+                             / (g_norm + group["weight_decay"] * w_norm + group["eps"]))
                     local = torch.where((w_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
                     g = (g + group["weight_decay"] * p) * local
                 state = self.state[p]
@@ -110,7 +111,8 @@ def loop_optimizer(model, r):
 
 def step_operations(recipe, make=None, **changes):
     """(operations of forward and backward, of the whole step) of recipe's ResNet-50 with the optimiser `make` (by
-    default imagenet_models.imagenet_optimizer's), counted at the second step (the first makes the optimiser's state)."""
+    default imagenet_models.imagenet_optimizer's), counted at the second step (the first makes the optimiser's
+    state)."""
     torch.manual_seed(0)
     r = imagenet_recipes.recipe(recipe, **changes)
     model = imagenet_models.imagenet_network(r, 10)

@@ -253,7 +253,8 @@ def count(recipe):
             **{f"{k}_lines": sum(v.values()) for k, v in lines.items()}, "path_code_lines": totals["path"][1],
             "path_files": len(lines["path"]), "path_chars": totals["path"][2], "path_code_chars": totals["path"][3],
             "skippable_chars": totals["skippable"][2],
-            "techniques": techniques([(sources[file], sources[file].touched(numbers)) for file, numbers in path.items()]),
+            "techniques": techniques([(sources[file], sources[file].touched(numbers))
+                                      for file, numbers in path.items()]),
             "functions": sorted(f"{file}:{name} {len(numbers)} ({sources[file].counts(numbers)[1]} code) "
                                 f"{kind(file, name)}" for (file, name), numbers in units.items())}
 

@@ -179,10 +179,13 @@ def t_env(results):
         gpu = fp.get("sm_count") is not None
         rows.append([fp["device_name"], fp.get("sm_count", "–") if gpu else f"{fp.get('host_cores')} cores",
                      f"{fp['memory_gib']} GiB" if gpu else "–", fp.get("driver") or "–", fp.get("cuda") or "–",
-                     fp["torch"], f"{fp.get('sm_clock_after_matmul_mhz') or '–'} / {fp.get('max_sm_clock_mhz') or '–'} MHz"
+                     fp["torch"],
+                     f"{fp.get('sm_clock_after_matmul_mhz') or '–'} / {fp.get('max_sm_clock_mhz') or '–'} MHz"
                      if gpu else "–", f"{fp.get('power_limit_w') or '–'} W" if gpu else "–",
-                     f"{fp['matmul_tflops']:.1f} TFLOP/s ({fp['matmul_dtype']}, {fp['matmul_size']}³, mean of {fp['reps']})",
-                     f"{fp['copy_gbps']:.0f} GB/s", f"{fp['load_average_1min']:.1f}" if "load_average_1min" in fp else "–",
+                     f"{fp['matmul_tflops']:.1f} TFLOP/s ({fp['matmul_dtype']}, {fp['matmul_size']}³, "
+                     f"mean of {fp['reps']})",
+                     f"{fp['copy_gbps']:.0f} GB/s",
+                     f"{fp['load_average_1min']:.1f}" if "load_average_1min" in fp else "–",
                      fp["date"][:10]])
     return table(["device", "SMs", "memory", "driver", "CUDA", "torch", "SM clock after matmuls / max", "power limit",
                   "measured matmul rate", "copy bandwidth (read + write)", "host load (1 min)", "date"],
@@ -230,8 +233,10 @@ def t_side_by_side(results):
             a, b = r["sides"][recipe], r["sides"][peer]
             ratio, after = r.get("time_ratio"), r.get("time_ratio_after_construction")
             rows.append([f"{recipe} / {peer}", device(r), commit_of(r), f"{n_of(a)} / {n_of(b)}",
-                         f"{pct(a['stats']['accuracy'], a.get('target'))} (p {pval(a['stats']['p_mean_above_target'])})",
-                         f"{pct(b['stats']['accuracy'], b.get('target'))} (p {pval(b['stats']['p_mean_above_target'])})"
+                         f"{pct(a['stats']['accuracy'], a.get('target'))} "
+                         f"(p {pval(a['stats']['p_mean_above_target'])})",
+                         f"{pct(b['stats']['accuracy'], b.get('target'))} "
+                         f"(p {pval(b['stats']['p_mean_above_target'])})"
                          if b["runs"] else "not run (needs `pip install airbench` and a GPU)",
                          f"{timed(a['stats'], False)} / {timed(b['stats'], False)}",
                          interval(ratio) if ratio else "–", interval(after, n_of=len(b["runs"])) if after else NM])
@@ -307,8 +312,9 @@ def t_throughput(results):
         for row in r.get("rows", []):
             per_core = "–" if row.get("loader/core") is None else f"{row['loader/core']:.0f}"
             pil = "–" if row.get("pil/core") is None else f"{row['pil/core']:.0f}"
-            rows.append([device(r), f"{r['fingerprint']['load_average_1min']:.1f}", row["res"], f"{row['loader']:.0f}",
-                         f"{row['ceiling']:.0f}", f"{row['together']:.0f}", f"{row['together/ceil']:.3f}", per_core, pil])
+            rows.append([device(r), f"{r['fingerprint']['load_average_1min']:.1f}", row["res"],
+                         f"{row['loader']:.0f}", f"{row['ceiling']:.0f}", f"{row['together']:.0f}",
+                         f"{row['together/ceil']:.3f}", per_core, pil])
     header = ["device", "load (1 min)", "res", "loader img/s", "ceiling img/s", "together img/s", "together / ceiling",
               "loader img/s per core", "PIL ImageFolder img/s per core"]
     if not rows:
@@ -319,8 +325,9 @@ def t_throughput(results):
     if not counted:
         return out + ["", f"Operations and blocking copies per step: {NM}."]
     models = sorted({f"{r['count_model']}{' + BlurPool' if r['count_blurpool'] else ''}" for r, _ in counted})
-    return out + ["", f"Per step, counted under the CPU stand-in for a CUDA GPU (`tests/cuda_standin.py`: every operation "
-                      f"on a GPU tensor, and the copies that make the host wait), {', '.join(models)}, bf16 autocast, "
+    return out + ["", "Per step, counted under the CPU stand-in for a CUDA GPU (`tests/cuda_standin.py`: "
+                      f"every operation on a GPU tensor, and the copies that make the host wait), {', '.join(models)}, "
+                      "bf16 autocast, "
                       "the second step of an epoch, same command:", ""] + table(
         ["store", "batch", "data path: GPU operations", "data path: blocking copies", "whole step: GPU operations",
          "whole step: blocking copies"],
@@ -564,8 +571,10 @@ def t_torchrun(results):
         for r in found:
             a, b = r["sides"]["plain"], r["sides"]["torchrun"]
             ratio = r.get("time_ratio")
-            rows.append([what, device(r), f"{n_of(a)} / {n_of(b)}", secs(a["stats"]["time"]), secs(b["stats"]["time"]),
-                         f"{1 / ratio['ratio']:.3f} [{1 / ratio['high']:.3f}, {1 / ratio['low']:.3f}]" if ratio else "–"])
+            rows.append([what, device(r), f"{n_of(a)} / {n_of(b)}", secs(a["stats"]["time"]),
+                         secs(b["stats"]["time"]),
+                         f"{1 / ratio['ratio']:.3f} [{1 / ratio['high']:.3f}, {1 / ratio['low']:.3f}]"
+                         if ratio else "–"])
         if not found:
             rows.append([what, "GPU", "–", NM, NM, NM])
     return table(["run", "device", "n (plain / torchrun)", "plain `python` time", "`torchrun --nproc_per_node=1` time",
@@ -929,12 +938,15 @@ def with_measured(source, results):
     return "\n".join(lines)
 
 
-TABLES = {"figure": t_figure, "recipes": t_recipes, "tests": t_tests, "coverage": t_coverage, "env": t_env, "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling,
+TABLES = {"figure": t_figure, "recipes": t_recipes, "tests": t_tests, "coverage": t_coverage, "env": t_env,
+          "install": t_install, "cpu_accuracy": t_cpu_accuracy, "flops": t_flops, "scaling": t_scaling,
           "scaling_recipes": t_scaling_recipes,
           "results": lambda r: t_plain(r, (("myrtle24", "myrtle24"), ("myrtle10", "myrtle10"))),
           "cpu_demo": lambda r: t_plain(r, (("cpu_demo", "myrtle24"),), cpu=True) if r.get("cpu_demo")
           else [f"CPU demonstration: {NM}."],
-          "fast": t_fast, "side_by_side": t_side_by_side, "compare": t_compare, "imagenet_gpu": t_imagenet_gpu, "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders, "cpu_loaders": t_cpu_loaders, "cpu_layout": t_cpu_layout, "compile_cache": t_compile_cache,
+          "fast": t_fast, "side_by_side": t_side_by_side, "compare": t_compare, "imagenet_gpu": t_imagenet_gpu,
+          "journey": t_journey, "throughput": t_throughput, "prepare": t_prepare, "decoders": t_decoders,
+          "cpu_loaders": t_cpu_loaders, "cpu_layout": t_cpu_layout, "compile_cache": t_compile_cache,
           "gpu_chunks": t_gpu_chunks, "build_counts": t_build_counts,
           "torchrun": t_torchrun, "floor": t_floor, "op_counts": lambda r: t_op_counts(r, "optimisers"),
           "blurpool_ops": lambda r: t_op_counts(r, "blurpool"), "reading_path": t_reading_path}

@@ -66,7 +66,8 @@ ASSUMED_EFFICIENCY = 0.15
 SETUP_GUESS_S = {None: 40.0, "max-autotune": 300.0}
 # The CPU accuracy tier's sides and runs wanted, in the order they are run. A side is a recipe and its flags as typed
 # after --recipe; the last is fast94_next_lowres's candidate to win back its shortfall (docs/perf-notes.md). The
-# record recipes and the candidate go to 13: at fast94's spread, n = 5 tells only a gap of about a quarter point (README)
+# record recipes and the candidate go to 13: at fast94's spread, n = 5 tells only a gap of about a quarter
+# point (README)
 CPU_ACCURACY = {"fast94_next": 13, "fast94": 13, "fast94_muon": 13, "fast94_next_lowres": 5,
                 "fast94_next_lowres --epochs 7.89": 13}
 SMOKE_CIFAR = ["--subset", "256", "--epochs", "1", "--width", "0.0625", "--batch-size", "64"]
@@ -165,8 +166,10 @@ def pieces():
         Piece("torchrun_fast94", "4", "fast94 under torchrun --nproc_per_node=1 (NCCL) against a plain run",
               "torchrun_cifar", {"plain": 10, "torchrun": 10}, {"plain": "fast94", "torchrun": "fast94"},
               {"plain": 0.94, "torchrun": 0.94}, needs=("gpu", "nccl")),
-        Piece("torchrun_imagenet_tiny", "4", "ImageNet tiny under torchrun --nproc_per_node=1 (NCCL) against a plain run",
-              "torchrun_imagenet", {"plain": 3, "torchrun": 3}, {}, {"plain": 0.0, "torchrun": 0.0}, needs=("gpu", "nccl")),
+        Piece("torchrun_imagenet_tiny", "4",
+              "ImageNet tiny under torchrun --nproc_per_node=1 (NCCL) against a plain run",
+              "torchrun_imagenet", {"plain": 3, "torchrun": 3}, {}, {"plain": 0.0, "torchrun": 0.0},
+              needs=("gpu", "nccl")),
         Piece("cpu_demo", "cpu", "narrow ResNet-9 on 10,000 real images, 2 epochs, on the CPU (n=4)", "cifar",
               {"myrtle24": 4}, {"myrtle24": "myrtle24"}, {"myrtle24": 0.94},
               extra=["--subset", "10000", "--epochs", "2", "--width", "0.25"]),
@@ -348,8 +351,9 @@ def side_stats(runs, target, flops, rate_tflops):
     accs, times = [r["final_acc"] for r in runs], [r["time"] for r in runs]
     s = {"n": len(runs), "accuracy": summarize(accs), "p_mean_above_target": one_sided_p(accs, target),
          "time": summarize(times), "time_to_target": summarize([r.get("time_to_target") for r in runs]),
-         "fraction_reaching_target": (sum(r.get("time_to_target") is not None for r in runs) / len(runs)) if runs else None,
-         "recompiled_runs": sum(1 for r in runs if r.get("recompiles") or r.get("eager_fallbacks"))}   # inside the clock
+         "fraction_reaching_target": (sum(r.get("time_to_target") is not None for r in runs) / len(runs))
+         if runs else None,
+         "recompiled_runs": sum(1 for r in runs if r.get("recompiles") or r.get("eager_fallbacks"))}  # inside the clock
     if flops:
         s["flops_per_run"] = flops
         if runs:
@@ -675,7 +679,8 @@ def main(argv=None):
     if args.smoke:      # tiny networks gain nothing from a second thread, and a busy machine stalls its barrier
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"         # and so for the commands it starts (torchrun's ranks)
-    tiers = (args.tiers or ("0,1,2,3,4,cpu" if args.smoke else "0,1,2,3,4" if device.type == "cuda" else "0,cpu")).split(",")
+    tiers = (args.tiers
+             or ("0,1,2,3,4,cpu" if args.smoke else "0,1,2,3,4" if device.type == "cuda" else "0,cpu")).split(",")
     bad = [t for t in tiers if t not in TIERS]
     names = args.pieces.split(",") if args.pieces else None
     unknown = [n for n in names or [] if n not in {pc.name for pc in all_pieces}]
@@ -706,7 +711,8 @@ def main(argv=None):
                "in_process": args.smoke if args.in_process is None else args.in_process, "torch_device": device,
                "fingerprint": fp, "deadline": deadline}
         say(f"suite on {fp['device_name']} (torch {fp['torch']}): results in {results}"
-            + (f", budget {args.budget_s:.0f} s" if deadline else "") + ("; SMOKE (tiny settings)" if args.smoke else ""))
+            + (f", budget {args.budget_s:.0f} s" if deadline else "")
+            + ("; SMOKE (tiny settings)" if args.smoke else ""))
         try:
             with environment_of(compile_cache(results)):      # pieces in this process and the commands it starts
                 run_tiers(args, ctx, [pc for t in tiers for pc in all_pieces

@@ -196,9 +196,9 @@ def cifar10_npz(tmp_path_factory):
 
 
 def train_once(r, data, *, device="cpu", net=None, seed=0, **options):
-    """One CIFAR-10 run of recipe r on device-resident data (cifar_data.dataset_on_device) through cifar10_fast.train_run, on
-    the cifar10_fast.Network net (a plain one built here by default); options as cifar10_fast.Options takes them
-    (target, eval_every, progress, ...)."""
+    """One CIFAR-10 run of recipe r on device-resident data (cifar_data.dataset_on_device) through
+    cifar10_fast.train_run, on the cifar10_fast.Network net (a plain one built here by default); options as
+    cifar10_fast.Options takes them (target, eval_every, progress, ...)."""
     import cifar10_fast as cf
     import distributed as D
     net = net or cf.build_network(r, torch.device(device), num_classes=data.get("num_classes", 10))

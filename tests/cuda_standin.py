@@ -308,7 +308,8 @@ class StandIn(TorchFunctionMode):
             device = self.device_of(name, (), {"out": out})
         if name in RANDOM or "generator" in kwargs:
             self.check_generator(name, kwargs, device)
-        if out is not None and {self.on.get(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)} != {device}:
+        if out is not None and {self.on.get(t) for t in tree_flatten(out)[0]
+                                if isinstance(t, torch.Tensor)} != {device}:
             raise RuntimeError(f"Expected out tensor to have device {'cpu' if device is None else f'cuda:{device}'}, "
                                f"but got another instead ({name})")
         if device is not None and name in WAITING_INSIDE:

@@ -93,7 +93,8 @@ def test_random_calls_per_epoch_do_not_grow_with_the_dataset(monkeypatch):
     calls = []
     for name in ("rand", "randint", "randperm", "randn", "bernoulli", "multinomial"):
         real = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+        monkeypatch.setattr(torch, name,
+                            lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
     counts = []
     for n in (64, 640):
         calls.clear()

@@ -31,7 +31,8 @@ def test_two_runs_print_the_table_and_write_the_json(synth_npz, tmp_path):
     lines = r.stdout.splitlines()
     header = [ln for ln in lines if ln.split()[:2] == ["epoch", "lr"]]
     assert len(header) == 2
-    assert header[0].split() == ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
+    assert header[0].split() == ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time",
+                                 "total_time"]
     rows = [ln.split() for ln in lines if ln.split() and ln.split()[0] in ("1", "2")]
     assert [row[0] for row in rows] == ["1", "2", "1", "2"] and all(len(row) == 8 for row in rows)
     assert "summary over 2 runs of myrtle24" in r.stdout and "runs reaching 20.00%" in r.stdout

@@ -82,7 +82,8 @@ def test_checksum_mismatch_is_reported_and_leaves_no_cache(tmp_path):
     tgz = tmp_path / "cifar-10-python.tar.gz"
     make_archive(tgz)
     spec = {**spec_of(tgz), "md5": "0" * 32}
-    with pytest.raises(cd.DataError, match=r"cifar-10-python.tar.gz: checksum mismatch \(md5 [0-9a-f]{32}, expected 0{32}\)"):
+    with pytest.raises(cd.DataError,
+                       match=r"cifar-10-python.tar.gz: checksum mismatch \(md5 [0-9a-f]{32}, expected 0{32}\)"):
         cd.load_cifar10(tmp_path, download_ok=False, archive=spec)
     assert leftovers(tmp_path) == []
 
@@ -167,7 +168,8 @@ def test_a_preset_refuses_images_of_another_size(tmp_path):
      r"train_images has shape \(256, 7, 7, 3\), expected \(N, H, W, 3\) with N > 0 and H, W at least 8"),
     (lambda d: d.update(test_images=d["test_images"][..., :1]),
      r"test_images has shape \(128, 32, 32, 1\), expected \(N, H, W, 3\) with N > 0 and H, W at least 8"),
-    (lambda d: d.update(test_images=d["test_images"].astype(np.float32)), "test_images has dtype float32, expected uint8"),
+    (lambda d: d.update(test_images=d["test_images"].astype(np.float32)),
+     "test_images has dtype float32, expected uint8"),
     (lambda d: d.update(train_labels=d["train_labels"][:-1]), r"train_labels has shape \(255,\), expected \(256,\)"),
     (lambda d: d.update(test_labels=d["test_labels"].astype(np.int16) - 1),
      r"test_labels out of range \(-1..8\), expected integers from 0"),

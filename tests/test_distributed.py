@@ -53,7 +53,8 @@ def make_optimizer(name, params):
     if name == "lars":
         return imagenet_models.LARS(params, lr=1.0, momentum=0.9, weight_decay=5e-4, trust_coefficient=0.02)
     # beta_center 2, period 2, one step an epoch: the 5 steps go through all three pieces of alpha_sgd
-    return imagenet_models.RMSpropToSGD(params, lr=0.1, lr_rmsprop=0.01, weight_decay=5e-4, beta_center=2, beta_period=2)
+    return imagenet_models.RMSpropToSGD(params, lr=0.1, lr_rmsprop=0.01, weight_decay=5e-4, beta_center=2,
+                                        beta_period=2)
 
 
 def train(name, ctx):

@@ -81,7 +81,8 @@ def test_a_technique_is_touched_where_its_names_are_in_code_and_a_place_is_a_top
     import reading_path
     script = tmp_path / "script.py"
     script.write_text('hyp = {"lr": 1.0,\n       "label_smoothing": 0.2}\n\n\ndef train(model):\n'
-                      '    """label_smoothing in a docstring is prose."""\n    # and so is label_smoothing in a comment\n'
+                      '    """label_smoothing in a docstring is prose."""\n'
+                      '    # and so is label_smoothing in a comment\n'
                       '    loss = loss_fn(label_smoothing=hyp["label_smoothing"])  # once, this line\n'
                       '    return model[0].flip(3)\n')
     peer = reading_path.count_peer(script)

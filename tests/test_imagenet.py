@@ -110,7 +110,7 @@ def test_store_contents(folder, store, raw_store):
         assert p.endswith("train/c001/truncated.JPEG") and reason == "OSError: Truncated File Read"
         p, reason = index["val"]["skipped_files"][0]
         assert p.endswith("val/c002/text.JPEG") and "cannot identify image file" in reason
-        assert sorted(f.name for f in path.iterdir()) == ["index.json", "train.store", "val.store"]   # nothing left over
+        assert sorted(f.name for f in path.iterdir()) == ["index.json", "train.store", "val.store"]  # nothing left over
     sources = sorted((folder / "train").glob("*/0*.JPEG"))
     s = ims.open_store(store)
     assert s.format == "jpeg" and np.bincount(s.train.labels, minlength=5).tolist() == [24, 24, 24, 24, 0]
@@ -180,7 +180,8 @@ def test_the_jpeg_store_is_smaller_than_the_raw_one_at_the_same_resolution(tmp_p
     raw = ims.prepare(src, tmp_path / "raw", ims.StoreSettings(format="raw", size=side), workers=1, log=lambda s: None)
     for split in ("train", "val"):
         assert jpeg[split]["bytes"] < raw[split]["bytes"] / 2, split
-        assert (tmp_path / "jpeg" / f"{split}.store").stat().st_size < (tmp_path / "raw" / f"{split}.store").stat().st_size
+        assert ((tmp_path / "jpeg" / f"{split}.store").stat().st_size
+                < (tmp_path / "raw" / f"{split}.store").stat().st_size)
     # images larger than --max-side are re-encoded to fit, keeping their aspect
     small = ims.prepare(src, tmp_path / "small", ims.StoreSettings(max_side=160), workers=1, log=lambda s: None)
     s = ims.open_store(tmp_path / "small")
@@ -271,7 +272,8 @@ def test_bad_input_is_one_line_and_nonzero(folder, store, tmp_path, capsys):
     rc, _, err = run_main(capsys, "train", "--store", store, "--resume")
     assert rc == 2 and err.strip() == "error: --resume needs --checkpoint"
     rc, _, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--decoder", "gpu")
-    assert rc == 2 and err.strip().splitlines()[-1] == "error: --decoder gpu needs a CUDA device (nvJPEG); this run is on cpu"
+    assert rc == 2
+    assert err.strip().splitlines()[-1] == "error: --decoder gpu needs a CUDA device (nvJPEG); this run is on cpu"
     rc, _, err = run_main(capsys, "train", "--store", store, "--epochs", "two")
     assert rc == 2 and "--epochs: 'two' is not a whole number" in err
 
@@ -335,7 +337,8 @@ def test_a_training_crop_can_come_from_the_sides_of_a_landscape_photo(tmp_path):
     crop = idec.cpu_crop(s.train.record(i), box=box, shape=(32, 32)).astype(float)
     with Image.open(src / "train/c0/0.JPEG") as im:
         t, left, bh_, bw_ = box
-        direct = np.asarray(im.convert("RGB").resize((32, 32), Image.BILINEAR, box=(left, t, left + bw_, t + bh_)), float)
+        direct = np.asarray(im.convert("RGB").resize((32, 32), Image.BILINEAR, box=(left, t, left + bw_, t + bh_)),
+                            float)
     assert np.abs(crop - direct).mean() < 4
     # the red channel is the column: the crop's colour says which side of the photo it came from
     assert abs(crop[..., 0].mean() - 255 * (box[1] + box[3] / 2) / w) < 10
@@ -444,7 +447,7 @@ def test_blurpool_models():
     assert len(strided) == 7 and len(blurs) == 6  # all but the 3-channel stem conv
     assert m(torch.randn(2, 3, 40, 32)).shape == (2, 10)
     const = torch.full((1, 4, 5, 5), 16.0)
-    blurred = imagenet_models.BlurPool(4)(const)                      # FFCV's: zeros beyond the edge, inside the convolution
+    blurred = imagenet_models.BlurPool(4)(const)          # FFCV's: zeros beyond the edge, inside the convolution
     assert torch.equal(blurred[..., 1:-1, 1:-1], const[..., 1:-1, 1:-1])
     assert blurred[0, 0, 0, 0] == 9 and blurred[0, 0, 0, 2] == 12
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -453,11 +456,13 @@ def test_blurpool_models():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             seen.append(str(func))
             return func(*args, **(kwargs or {}))
-    seen, x, blur = [], torch.randn(2, 16, 9, 9).contiguous(memory_format=torch.channels_last), imagenet_models.BlurPool(16)
+    seen, x = [], torch.randn(2, 16, 9, 9).contiguous(memory_format=torch.channels_last)
+    blur = imagenet_models.BlurPool(16)
     with Ops():
         out = blur(x)
     assert seen == ["aten.convolution.default"] and out.is_contiguous(memory_format=torch.channels_last)
-    assert not any(isinstance(mod, imagenet_models.BlurPool) for mod in inf.imagenet_network(changed(r, blurpool=False), 10).modules())
+    assert not any(isinstance(mod, imagenet_models.BlurPool)
+                   for mod in inf.imagenet_network(changed(r, blurpool=False), 10).modules())
     tiny = inf.imagenet_network(inf.recipe("tiny", width=4), 5)
     assert tiny(torch.randn(2, 3, 24, 24)).shape == (2, 5)
 
@@ -470,7 +475,8 @@ def test_no_weight_decay_on_batchnorm_and_bias():
     names = {id(p): n for n, p in model.named_parameters()}
     assert all(names[id(p)].startswith(("conv", "layer", "fc")) and p.ndim > 1 for p in decayed["params"])
     assert {names[id(p)].split(".")[-1] for p in free["params"]} == {"weight", "bias"}
-    assert "fc.bias" in {names[id(p)] for p in free["params"]} and "bn1.weight" in {names[id(p)] for p in free["params"]}
+    assert "fc.bias" in {names[id(p)] for p in free["params"]}
+    assert "bn1.weight" in {names[id(p)] for p in free["params"]}
 
 
 def train(r, data, *, seed=0, **options):
@@ -561,7 +567,8 @@ def test_train_cli_table_json_and_recipes(store, tmp_path, capsys):
     assert float(rows[1][7]) == pytest.approx(res["runs"][0]["rows"][1]["top1"], abs=1e-4)
     assert res["runs"][0]["final_top5"] >= res["runs"][0]["final_top1"]
     rc, stdout, _ = run_main(capsys, "train", "--list-recipes")
-    names = [ln.split()[0] for ln in stdout.splitlines()[1:] if not ln.startswith(" ")]     # a doc's further lines indented
+    # a doc's further lines are indented
+    names = [ln.split()[0] for ln in stdout.splitlines()[1:] if not ln.startswith(" ")]
     assert names[:4] == ["rn50_16ep", "rn50_24ep", "rn50_88ep", "rn18_16ep"]
 
 
@@ -755,7 +762,7 @@ def test_batch_size_schedule_grows_the_batch_and_the_rate(store, tmp_path, capsy
     assert rc == 0, err
     rows = json.loads(out.read_text())["runs"][0]["rows"]
     assert [r["batch"] for r in rows] == [16, 16, 32]
-    assert rows[2]["lr"] == pytest.approx(2 * rows[1]["lr"])          # lr per 256 images: twice the batch, twice the rate
+    assert rows[2]["lr"] == pytest.approx(2 * rows[1]["lr"])      # lr per 256 images: twice the batch, twice the rate
     for bad, message in (("0,32,2,16", "must not shrink the batch"), ("0,16,2", "is not (epoch, batch) pairs"),
                          ("1,16", "must start at epoch 0")):
         rc, _, err = run_main(capsys, "train", "--store", store, "--recipe", "tiny", "--device", "cpu",
@@ -951,7 +958,8 @@ def test_prepare_benchmark_measures_both_formats_and_the_report_shows_them(tmp_p
         assert row["images"] == 18 and row["images/s"] == pytest.approx(18 / row["seconds"])   # 9 train, 9 val
         assert row["read GB/s"] == pytest.approx(row["source GB"] / row["seconds"])
     text = "\n".join(report.t_prepare(report.load_results(tmp_path)))
-    assert "| 9 synthetic photos, longer side 500 px | jpeg | 18 |" in text and "python benchmarks/imagenet_prepare.py --images 9" in text
+    assert "| 9 synthetic photos, longer side 500 px | jpeg | 18 |" in text
+    assert "python benchmarks/imagenet_prepare.py --images 9" in text
 
 
 @pytest.mark.parametrize("opt", [["--lars", "true", "--lars-trust", "0.02"],
@@ -1058,7 +1066,8 @@ def test_ctrl_c_before_any_run_finished_says_nothing_was_written(store, tmp_path
         f"interrupted in epoch 2 of run 1; no run finished, so nothing was written to {out}")
     assert not out.exists()
     monkeypatch.setattr(inf, "train_run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
-    rc, _, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny", "--checkpoint", ckpt)
+    rc, _, err = run_main(capsys, "train", "--store", store, "--device", "cpu", "--recipe", "tiny",
+                          "--checkpoint", ckpt)
     assert rc == 130 and err.strip().splitlines()[-1] == (
         "interrupted in epoch 1 of run 1; no epoch finished, so no checkpoint was written")
 
@@ -1069,7 +1078,8 @@ def test_epochs_that_end_inside_the_warm_up_shorten_it_in_proportion_and_say_so(
     assert rc == 0 and err.strip().splitlines()[0] == (
         "note: --epochs 1 ends inside the recipe's 1-epoch warm-up, so the warm-up is shortened in proportion to "
         "0.125 epochs (--warmup-epochs sets it)")
-    row = out.splitlines()[out.splitlines().index(next(ln for ln in out.splitlines() if ln.split()[:1] == ["epoch"])) + 1]
+    row = out.splitlines()[out.splitlines().index(next(ln for ln in out.splitlines()
+                                                       if ln.split()[:1] == ["epoch"])) + 1]
     assert float(row.split()[3]) > 0                           # the epoch's learning rate is no longer 0
     assert inf.recipe("tiny", epochs=1, warmup_epochs=1.0).schedule.warmup_epochs == 1.0       # asked for: kept
     assert not inf.recipe("tiny", epochs=2).notes and not inf.recipe("tiny").notes

@@ -73,7 +73,8 @@ def imagenet(name, folder, **changes):
     store = Path(folder) / "store"
     if not (store / "index.json").is_file():
         synthetic_imagefolder(Path(folder) / "src", 4, 24, 8, sizes=(24, 24), lossless=True)
-        ims.prepare(Path(folder) / "src", store, ims.StoreSettings(format="raw", size=24), workers=1, log=lambda s: None)
+        ims.prepare(Path(folder) / "src", store, ims.StoreSettings(format="raw", size=24), workers=1,
+                    log=lambda s: None)
     data = idt.rank_data(ims.open_store(store), torch.device("cpu"), workers=1)
     r = inf.recipe("tiny", width=8, epochs=3, batch_size=16, min_res=24, max_res=24, val_res=24,
                    **{**IMAGENET[name], **changes})
@@ -86,7 +87,8 @@ def imagenet(name, folder, **changes):
 
 
 def run(name, folder, **changes):
-    return cifar10(name, **{**CIFAR_CHANGES.get(name, {}), **changes}) if name in CIFAR else imagenet(name, Path(folder) / name, **changes)
+    return (cifar10(name, **{**CIFAR_CHANGES.get(name, {}), **changes}) if name in CIFAR
+            else imagenet(name, Path(folder) / name, **changes))
 
 
 def deviation(got, ref):

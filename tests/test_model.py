@@ -79,13 +79,15 @@ def test_ghost_batch_norm_uses_per_group_statistics():
     s = 32 // 8
     for group in range(s):                          # image i belongs to group i mod s
         xi = x[group::s]
-        ref = (xi - xi.mean((0, 2, 3), keepdim=True)) / torch.sqrt(xi.var((0, 2, 3), unbiased=False, keepdim=True) + bn.eps)
+        ref = ((xi - xi.mean((0, 2, 3), keepdim=True))
+               / torch.sqrt(xi.var((0, 2, 3), unbiased=False, keepdim=True) + bn.eps))
         torch.testing.assert_close(y[group::s], ref, atol=1e-5, rtol=1e-5)
     # running statistics are the average of the groups' updates
     means = torch.stack([x[g::s].mean((0, 2, 3)) for g in range(s)]).mean(0)
     torch.testing.assert_close(bn.running_mean, 0.1 * means, atol=1e-6, rtol=1e-5)
     bn.eval()
-    torch.testing.assert_close(bn(x), F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0, bn.eps))
+    torch.testing.assert_close(bn(x), F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0,
+                                                   bn.eps))
 
 
 def test_ghost_batch_norm_groups_consecutive_images_when_asked():
@@ -96,7 +98,8 @@ def test_ghost_batch_norm_groups_consecutive_images_when_asked():
     y = bn(x)
     for k in range(4):
         xi = x[8 * k:8 * k + 8]
-        ref = (xi - xi.mean((0, 2, 3), keepdim=True)) / torch.sqrt(xi.var((0, 2, 3), unbiased=False, keepdim=True) + bn.eps)
+        ref = ((xi - xi.mean((0, 2, 3), keepdim=True))
+               / torch.sqrt(xi.var((0, 2, 3), unbiased=False, keepdim=True) + bn.eps))
         torch.testing.assert_close(y[8 * k:8 * k + 8], ref, atol=1e-5, rtol=1e-5)
 
 
@@ -167,7 +170,8 @@ def test_bias_lr_multiplier_groups():
     assert len(opts) == 1
     weights, biases = opts[0].param_groups
     assert weights["lr"] == pytest.approx(1 / 512) and biases["lr"] == pytest.approx(64 / 512)
-    assert weights["weight_decay"] == pytest.approx(5e-4 * 512) and biases["weight_decay"] == pytest.approx(5e-4 * 512 / 64)
+    assert weights["weight_decay"] == pytest.approx(5e-4 * 512)
+    assert biases["weight_decay"] == pytest.approx(5e-4 * 512 / 64)
     assert all(p.ndim == 1 for p in biases["params"]) and len(biases["params"]) == 8
 
 

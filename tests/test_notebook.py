@@ -46,7 +46,8 @@ def execute(timeout=600, **env):
 
 def outputs(nb, mime):
     return [o["data"][mime] for c in nb.cells if c.cell_type == "code"
-            for o in c.outputs if o.get("output_type") in ("display_data", "execute_result") and mime in o.get("data", {})]
+            for o in c.outputs
+            if o.get("output_type") in ("display_data", "execute_result") and mime in o.get("data", {})]
 
 
 def text(nb):

@@ -43,7 +43,8 @@ def test_alpha_sgd_at_its_knots():
     # continuous with a continuous slope at the centre (the ELU shape)
     h = 1e-6
     assert imagenet_models.alpha_sgd(c - h, c, p) == pytest.approx(0.5, abs=1e-6)
-    assert (imagenet_models.alpha_sgd(c, c, p) - imagenet_models.alpha_sgd(c - h, c, p)) / h == pytest.approx(1 / p, rel=1e-4)
+    assert ((imagenet_models.alpha_sgd(c, c, p) - imagenet_models.alpha_sgd(c - h, c, p)) / h
+            == pytest.approx(1 / p, rel=1e-4))
 
 
 def test_rmsprop_to_sgd_is_rmsprop_then_sgd():
@@ -195,7 +196,8 @@ def test_the_foreach_optimisers_step_as_their_loops_did(ours, reference, options
     ours, ref = (cls(tensors_of_a_network(0)[1], lr=0.7, momentum=0.9, **options) for cls in (ours, reference))
     g = torch.Generator().manual_seed(1)
     for step in range(5):
-        grads = [torch.randn(p.shape, generator=g) for p in ours.param_groups[0]["params"] + ours.param_groups[1]["params"]]
+        grads = [torch.randn(p.shape, generator=g)
+                 for p in ours.param_groups[0]["params"] + ours.param_groups[1]["params"]]
         for opt in (ours, ref):
             for group in opt.param_groups:
                 group.update(lr=0.7 * (step + 1) / 5, epoch=float(step))
@@ -301,7 +303,8 @@ def test_set_lr_fills_the_one_steps_rates_and_leaves_its_groups_alone():
     import torch_backend as tb
     r = cf.recipe("fast94_lowflop", width=1 / 16)
     net = tb.build_model(r, "cpu")
-    (opt,) = optim.make_optimizers(net, r, steps_per_epoch=10, own_rates=[replace(tb.whitening_bias(net), until_step=2)])
+    (opt,) = optim.make_optimizers(net, r, steps_per_epoch=10,
+                                   own_rates=[replace(tb.whitening_bias(net), until_step=2)])
     groups = [dict(g) for g in opt.param_groups]
     (bias, bias_lr_tensor), = opt.own_rates
     for step, lr, bias_lr in ((0, 0.5, bias["peak"] * bias["lr_unit"]), (1, 0.4, bias["peak"] * bias["lr_unit"] / 2),

@@ -96,7 +96,8 @@ def test_prepare_on_a_full_disk_stops_in_one_line_and_resumes_once_there_is_room
     assert "train: 8 images in 4 shards; 2 already written, 2 to encode with 1 workers" in said
     ims.prepare(src, tmp_path / "whole", RAW, workers=1, shard_size=2, log=lambda s: None)
     for split in ("train", "val"):
-        assert (tmp_path / "dst" / f"{split}.store").read_bytes() == (tmp_path / "whole" / f"{split}.store").read_bytes()
+        assert ((tmp_path / "dst" / f"{split}.store").read_bytes()
+                == (tmp_path / "whole" / f"{split}.store").read_bytes())
 
 
 @pytest.mark.parametrize("settings, keywords, message", [

@@ -254,14 +254,16 @@ def test_imagenet_settings_are_checked_when_built():
     (the resolution's step and smallest size) waits for the recipe's check, since flags change one at a time."""
     import imagenet_data
     import imagenet_models
-    for build, message in ((lambda: schedules.LRScheduleSettings(warmup_start=2), "--warmup-start 2: must be between 0 and 1"),
+    for build, message in ((lambda: schedules.LRScheduleSettings(warmup_start=2),
+                            "--warmup-start 2: must be between 0 and 1"),
                            (lambda: imagenet_data.ValidationSettings(res=0), "--val-res 0: must be positive"),
                            (lambda: imagenet_models.LARSSettings(trust=-1), "--lars-trust -1: must not be negative"),
                            (lambda: inf.Recipe(epochs=0), "--epochs 0: must be positive")):
         with pytest.raises(UsageError) as e:
             build()
         assert str(e.value) == message
-    assert schedules.ProgressiveResizingSettings(min_res=8).min_res == 8 and inf.recipe("rn50_16ep", min_res=8, res_step=8)
+    assert schedules.ProgressiveResizingSettings(min_res=8).min_res == 8
+    assert inf.recipe("rn50_16ep", min_res=8, res_step=8)
 
 
 # --- the cluster recipes' schedules as docs/imagenet.md gives them from their sources -----------------------------

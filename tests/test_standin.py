@@ -49,7 +49,8 @@ def stores(tmp_path_factory):
 def aot_eager(monkeypatch):
     """torch.compile through dynamo's guards and graphs as on a GPU, with no code generation (seconds)."""
     real = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model=None, mode=None, **kw: real(model, **{**kw, "backend": "aot_eager"}))
+    monkeypatch.setattr(torch, "compile",
+                        lambda model=None, mode=None, **kw: real(model, **{**kw, "backend": "aot_eager"}))
 
 
 # ---------------------------------------------------------------------------------------------------- the stand-in
@@ -112,7 +113,8 @@ def test_a_step_on_the_stand_in_trains_as_on_the_cpu():
 
 # ---------------------------------------------------------------------------------------------------- CIFAR-10
 
-@pytest.mark.parametrize("recipe", ["myrtle24", "myrtle10", "fast94", "fast94_muon", "fast94_next", "fast94_next_lowres"])
+@pytest.mark.parametrize("recipe", ["myrtle24", "myrtle10", "fast94", "fast94_muon", "fast94_next",
+                                    "fast94_next_lowres"])
 def test_each_recipe_family_runs_its_whole_command_on_a_gpu(npz, tmp_path, recipe, aot_eager):
     out = tmp_path / "r.json"
     with StandIn() as gpu:
@@ -185,7 +187,8 @@ def test_a_timed_run_never_waits_for_the_gpu_before_its_final_evaluation_and_rea
     monkeypatch.setattr(cf, "loss_and_accuracy", evaluate)
     r = cf.recipe(recipe, width=1 / 16, batch_size=32, epochs=3)     # Muon, whitening, selective views
     with StandIn() as gpu:
-        data = cd.dataset_on_device(dict(np.load(npz)), torch.device("cuda"), dtype=torch.float32, pad=r.augment.crop_pad)
+        data = cd.dataset_on_device(dict(np.load(npz)), torch.device("cuda"), dtype=torch.float32,
+                                    pad=r.augment.crop_pad)
         result = train_once(r, data, device="cuda", precision="fp32", eval_every=0)
         snaps.append(("end", dict(gpu.counts)))
     assert [what for what, _ in snaps] == ["clock", "evaluation", "end"]
@@ -306,8 +309,8 @@ def test_torchrun_with_two_ranks_trains_on_two_gpus(npz, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- ImageNet
 
-TINY_IN = ["--recipe", "tiny", "--epochs", "2", "--batch-size", "8", "--width", "8", "--min-res", "24", "--max-res", "24",
-           "--val-res", "24"]
+TINY_IN = ["--recipe", "tiny", "--epochs", "2", "--batch-size", "8", "--width", "8", "--min-res", "24",
+           "--max-res", "24", "--val-res", "24"]
 
 
 @pytest.mark.parametrize("fmt, flags", [("raw", ["--data-on", "device"]), ("raw", ["--data-on", "host"]),
@@ -436,9 +439,9 @@ def test_a_batch_that_cannot_fit_the_gpu_stops_in_one_line_naming_the_accumulati
     assert run() == 2
     err = capsys.readouterr().err.strip()
     m = re.fullmatch(rf"error: training resnet50 at {batch} images per process needs about [\d.]+ [GT]iB on cuda:0 "
-                     r"\([\d.]+ MiB of weights and optimiser state, [\d.]+ [GT]iB of activations, [\d.]+ [GM]iB of input "
-                     r"buffers, [\d.]+ GiB for validation\) but it has 80.0 GiB free; add --accumulate (\d+) "
-                     r"\(micro-batches of (\d+) images\), or use more GPUs", err)
+                     r"\([\d.]+ MiB of weights and optimiser state, [\d.]+ [GT]iB of activations, "
+                     r"[\d.]+ [GM]iB of input buffers, [\d.]+ GiB for validation\) but it has 80.0 GiB free; "
+                     r"add --accumulate (\d+) \(micro-batches of (\d+) images\), or use more GPUs", err)
     assert m and int(m[1]) * int(m[2]) == batch, err
     store = ims.open_store(stores["jpeg"])
     need = lambda k: imagenet_models.training_bytes(inf.recipe("akiba_32k", accumulate=k), len(store.index["classes"]),

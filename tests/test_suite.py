@@ -116,7 +116,8 @@ def test_every_result_holds_command_runs_statistics_flops_and_the_fingerprint(sm
     r = json.loads((device / "fast94.json").read_text())
     assert r["complete"] and r["fingerprint"] == fp and r["smoke"]
     side = r["sides"]["fast94"]
-    assert side["command"].startswith("python benchmarks/compare.py --sides fast94,airbench94 --runs fast94=2,airbench94=2")
+    assert side["command"].startswith("python benchmarks/compare.py --sides fast94,airbench94 "
+                                      "--runs fast94=2,airbench94=2")
     assert [run["seed"] for run in side["runs"]] == [0, 1]
     st = side["stats"]
     accs = [run["final_acc"] for run in side["runs"]]
@@ -130,7 +131,8 @@ def test_every_result_holds_command_runs_statistics_flops_and_the_fingerprint(sm
     ablation = json.loads((device / "ablation.json").read_text())
     assert list(ablation["sides"]) == list(suite.ABLATIONS) and all(len(s["runs"]) == 1
                                                                     for s in ablation["sides"].values())
-    assert ablation["sides"]["no TTA"]["command"].startswith("python cifar10_fast.py --recipe fast94 --tta none --runs 1")
+    assert ablation["sides"]["no TTA"]["command"].startswith("python cifar10_fast.py --recipe fast94 --tta none "
+                                                             "--runs 1")
     rows = json.loads((device / "imagenet_throughput.json").read_text())["rows"]
     assert rows[0]["res"] == 32 and rows[0]["ceiling"] > 0
 
@@ -208,7 +210,8 @@ def test_a_budget_runs_only_what_fits():
 def test_the_deadline_stops_a_running_command(tmp_path):
     # the command would write its pid, then a file two minutes later: stopped at the deadline, it never writes it
     polls, pid, late = [], tmp_path / "pid", tmp_path / "late"
-    script = f"import os, time; open({str(pid)!r}, 'w').write(str(os.getpid())); time.sleep(120); open({str(late)!r}, 'w')"
+    script = (f"import os, time; open({str(pid)!r}, 'w').write(str(os.getpid())); time.sleep(120); "
+              f"open({str(late)!r}, 'w')")
     rc = suite.launch(["python", "-c", script], tmp_path / "log", deadline=time.time() + 3, in_process=False,
                       on_poll=lambda: polls.append(1))
     assert rc is None and polls and not late.exists()
@@ -298,7 +301,8 @@ def test_sigterm_ends_the_suite_and_its_running_command(tmp_path):
     npz = tmp_path / "mine.npz"
     suite.synthetic_npz(npz)
     rc, out, err = stopped_suite(tmp_path, "--smoke", "--no-in-process", "--results", tmp_path / "r", "--data-dir",
-                                 npz, "--pieces", "myrtle24,myrtle10", started=lambda o: processes_with("cifar10_fast.py", str(npz)))
+                                 npz, "--pieces", "myrtle24,myrtle10",
+                                 started=lambda o: processes_with("cifar10_fast.py", str(npz)))
     assert rc == 143, out + err
     assert "myrtle10:" not in out and "stopped by SIGTERM in myrtle24" in out
     for _ in range(100):                        # the piece's command is stopped with the suite
@@ -561,7 +565,8 @@ def test_an_outcome_says_when_a_change_is_measured_only_inside_its_whole_recipe(
     assert rows[1].endswith(f"| not alone, only in the whole `fast94_next`: {whole} |")
     assert rows[2].endswith("| not measured |")
     cpu = whole.replace("NVIDIA H200", "CPU")
-    assert rows[3].endswith(f"| {cpu} |") and rows[4].endswith(f"| not alone, only in the whole `cpu:r --epochs 8`: {cpu} |")
+    assert rows[3].endswith(f"| {cpu} |")
+    assert rows[4].endswith(f"| not alone, only in the whole `cpu:r --epochs 8`: {cpu} |")
 
 
 def test_a_piece_not_yet_run_on_a_device_estimates_its_runs_from_the_pieces_that_ran_there(tmp_path):
@@ -674,9 +679,11 @@ def test_the_imagenet_gpu_table_shows_each_decoder_step_and_pairing_and_a_line_o
         "| NVIDIA H200 | step alone | `rn18_16ep` (resnet18) | 224 | 512 | – | 9900 | – | 20.0 GiB (18.0 GiB) | – |",
         "| NVIDIA H200 | decoder feeding the step | `rn50_16ep` (resnet50) | 224 | 512 | gpu | 3000 | 0.968 | "
         "20.0 GiB (18.0 GiB) | hardware 6656 |"]
-    assert lines[7:] == ["", "Command: `python benchmarks/imagenet_gpu_check.py`; 25,000 training JPEGs, mean 399 × 357 "
-                         "px; training killed (exit -9) and resumed (exit 0: resumed from epoch 1 of ckpt.pt); the same "
-                         "batches quiet and under load: gpu 2 differing; sync: not begun: 361 s spent of --budget-s 360."]
+    assert lines[7:] == [
+        "",
+        "Command: `python benchmarks/imagenet_gpu_check.py`; 25,000 training JPEGs, mean 399 × 357 px; training "
+        "killed (exit -9) and resumed (exit 0: resumed from epoch 1 of ckpt.pt); the same batches quiet and under "
+        "load: gpu 2 differing; sync: not begun: 361 s spent of --budget-s 360."]
     empty = report.t_imagenet_gpu({})
     assert len(empty) == 6 and all(row.count("not measured") == 2 for row in empty[2:])
 
@@ -750,5 +757,6 @@ def test_fast94_lowflop_and_its_ablations_run_in_turn_in_one_command_each_side_i
         "fast94_next": {"name": "fast94_next", "target": 0.94, "n_wanted": 3, "runs": runs([1.0, 1.1, 1.2])},
         "fast94_lowflop": {"name": "fast94_lowflop", "target": 0.94, "n_wanted": 3, "runs": runs([0.9, 1.0, 1.1])}}}
     ratio = suite.finish(result, {})["time_ratios"]["fast94_lowflop"]
-    assert (ratio["of"], ratio["to"]) == ("fast94_lowflop", "fast94_next") and ratio["ratio"] == pytest.approx(1.0 / 1.1)
+    assert (ratio["of"], ratio["to"]) == ("fast94_lowflop", "fast94_next")
+    assert ratio["ratio"] == pytest.approx(1.0 / 1.1)
     assert result["complete"]

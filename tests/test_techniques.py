@@ -136,8 +136,9 @@ def test_lookahead_matches_its_formula():
 
 
 def test_lookaheads_tail_is_e1s_average_of_the_last_steps():
-    """E1's tail over a run of 30 steps, its last 2.5 epochs of 4 steps (10), every 4: the weights and batch-norm statistics at step 20 start
-    the average; at steps 24 and 28 ema <- 0.7 ema + 0.3 w and the weights take it; nothing at other steps."""
+    """E1's tail over a run of 30 steps, its last 2.5 epochs of 4 steps (10), every 4: the weights and batch-norm
+    statistics at step 20 start the average; at steps 24 and 28 ema <- 0.7 ema + 0.3 w and the weights take it;
+    nothing at other steps."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     tail = T.averaging(model, tail=T.LookaheadTailSettings(decay=0.7, every=4, epochs=2.5), steps_per_epoch=4)
@@ -407,8 +408,8 @@ def test_muon_keeps_its_low_precisions_on_float32_weights_and_lifts_them_in_a_fl
     weights (--precision fp64)."""
     seen = []
     real = optim.newton_schulz_padded
-    monkeypatch.setattr(optim, "newton_schulz_padded", lambda *a, dtype, **k: seen.append(dtype) or real(*a, dtype=dtype,
-                                                                                                        **k))
+    monkeypatch.setattr(optim, "newton_schulz_padded",
+                        lambda *a, dtype, **k: seen.append(dtype) or real(*a, dtype=dtype, **k))
     p = torch.nn.Parameter(torch.randn(16, 8, 3, 3, dtype=weights))
     opt = optim.Muon([p], lr=0.1, momentum_dtype=torch.float16, batched=True, compile=False)
     p.grad = torch.randn_like(p)
@@ -439,7 +440,8 @@ def test_the_whitening_bias_is_an_own_rate_the_optimisers_must_be_handed():
     r = cf.recipe("fast94_muon", width=1 / 16)
     net = tb.build_model(r, CPU)
     bias = tb.whitening_bias(net, 7)
-    assert (bias.name, bias.until_step, bias.linear, bias.lr_mult) == ("whiten_bias", 21, True, r.whitening.bias.lr_mult)
+    assert ((bias.name, bias.until_step, bias.linear, bias.lr_mult)
+            == ("whiten_bias", 21, True, r.whitening.bias.lr_mult))
     assert bias.param is net[0].bias
     with pytest.raises(ValueError, match=r"^make_optimizers: 0\.bias trains at a rate of its own: hand it over"):
         optim.make_optimizers(net, r)
@@ -450,7 +452,8 @@ def test_the_whitening_bias_is_an_own_rate_the_optimisers_must_be_handed():
 def test_the_whitening_bias_is_detached_after_its_steps(monkeypatch):
     detached = []
     step = cf.train_step
-    monkeypatch.setattr(cf, "train_step", lambda f, *a, **k: detached.append(not tb.whitening_bias(f).param.requires_grad)
+    monkeypatch.setattr(cf, "train_step",
+                        lambda f, *a, **k: detached.append(not tb.whitening_bias(f).param.requires_grad)
                         or step(f, *a, **k))
     r = cf.recipe("fast94_muon", width=1 / 16, batch_size=16, epochs=2, whiten_bias_epochs=0.5)
     res = train_once(r, tiny_data(80), target=2.0)                # 5 steps an epoch: 3 with the bias trained
@@ -617,7 +620,8 @@ def test_the_networks_initialisation_and_the_datas_order_and_augmentation_are_in
     no augmentation; and the whitening bias (drawn at initialisation) no longer repeats the flip bits' draws, as it
     did when both came from one CPU stream."""
     r = cf.recipe("fast94_next", width=1 / 16, batch_size=32, epochs=1)
-    data = cd.dataset_on_device(synthetic_arrays(n_train=64, n_test=32), "cpu", dtype=torch.float32, pad=r.augment.crop_pad)
+    data = cd.dataset_on_device(synthetic_arrays(n_train=64, n_test=32), "cpu", dtype=torch.float32,
+                                pad=r.augment.crop_pad)
     run_seeds, step = cf.run_seeds, cf.train_step
 
     def built(seeds):

@@ -99,7 +99,8 @@ def test_outputs_are_checked_before_training(tmp_path, capsys):
         rc, err = run(script, [*args, "--out", tmp_path], capsys)
         assert rc == 2 and err == [f"error: --out {tmp_path}: is a folder; give a file name"]
         rc, err = run(script, [*args, "--out", tmp_path / "file" / "r.json"], capsys)
-        assert rc == 2 and err == [f"error: --out {tmp_path / 'file' / 'r.json'}: {tmp_path / 'file'} is a file, not a folder"]
+        assert rc == 2
+        assert err == [f"error: --out {tmp_path / 'file' / 'r.json'}: {tmp_path / 'file'} is a file, not a folder"]
     rc, err = run(inf.main, ["train", "--store", tmp_path, "--device", "cpu", "--checkpoint", tmp_path], capsys)
     assert rc == 2 and err == [f"error: --checkpoint {tmp_path}: is a folder; give a file name"]
 
@@ -117,10 +118,12 @@ def test_an_output_in_folders_not_yet_there_is_fine(npz, tmp_path, capsys):
     (["train", "--store", "S", "--epochs", "1.5"], "error: --epochs 1.5: must be a whole number"),
     (["train", "--store", "S", "--crop-scale", "0.5,0.2"],
      "error: --crop-scale 0.5,0.2: must be two fractions, 0 < low <= high <= 1"),
-    (["train", "--store", "S", "--min-res", "16"], "error: --res-step 32: rounds --min-res 16 to 0 pixels; use at most 16"),
+    (["train", "--store", "S", "--min-res", "16"],
+     "error: --res-step 32: rounds --min-res 16 to 0 pixels; use at most 16"),
     (["train", "--store", "S", "--schedule", "exp"],
      "error: argument --schedule: 'exp' is not one of linear, cosine, step, slow_start"),
-    (["train", "--store", "S", "--device", "gpu"], "error: --device gpu: not a device; use cpu, cuda, cuda:N, mps, ..."),
+    (["train", "--store", "S", "--device", "gpu"],
+     "error: --device gpu: not a device; use cpu, cuda, cuda:N, mps, ..."),
     (["train", "--store", "S", "--val-crop", "1.5"], "error: --val-crop 1.5: must be between 0 and 1"),
     (["train", "--store", "S", "--loader-workers", "0"], "error: --loader-workers must be positive"),
     (["train", "--store", "S", "--decoder", "nvjpeg"],
