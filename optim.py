@@ -27,8 +27,7 @@ MUON_COEFFS = (3.4445, -4.7750, 2.0315)      # Jordan et al. 2024; the 2-second 
 
 
 def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, eps=1e-7, dtype=torch.bfloat16):
-    """About the orthogonal factor U Vᵀ of g = U S Vᵀ (or of each matrix of a batch), in dtype; zero rows stay zero:
-        X <- aX + (bA + cA²)X,  A = XXᵀ,  from X = g / |g|"""
+    """About U Vᵀ of g = U S Vᵀ (or of each matrix of a batch), in dtype:  X <- aX + (bA + cA²)X,  A = XXᵀ"""
     a, b, c = coeffs
     x = g.to(dtype)
     tall = x.shape[-2] > x.shape[-1]
@@ -42,7 +41,7 @@ def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, eps=1e-7, dtype=torch.bfloa
 
 
 def newton_schulz_padded(mats, steps=5, coeffs=MUON_COEFFS, dtype=torch.bfloat16):
-    """newton_schulz of every matrix in one batched call, each zero-padded to the largest and cut back out."""
+    """newton_schulz of every matrix in one call, each zero-padded (zero rows stay zero) to the largest."""
     rows = max(m.shape[0] for m in mats)
     cols = -(-max(m.shape[1] for m in mats) // 16) * 16        # a multiple of 16, for the tensor cores
     batch = torch.stack([F.pad(m.to(dtype), (0, cols - m.shape[1], 0, rows - m.shape[0])) for m in mats])
@@ -78,7 +77,7 @@ class MuonSettings:
 
 
 def momentum_step(grads, buffers, momentum, nesterov):
-    """The step, the buffers updated in place:  v = momentum v + g,  step = g + momentum v (nesterov) or v"""
+    """v = momentum v + g (in place), then g + momentum v (nesterov) or v"""
     m = momentum
     if buffers[0].dtype in (torch.float16, torch.bfloat16):   # a Python scalar would be rounded to their dtype
         m = torch.full((), m, dtype=torch.float32, device=buffers[0].device)
@@ -88,14 +87,13 @@ def momentum_step(grads, buffers, momentum, nesterov):
 
 
 def muon_step(filters, grads, buffers, lr, group):
-    """Muon's step of the filter banks (lr a 0-d tensor), first back to norm sqrt(rows) where group["renorm"]:
-        w = (w sqrt(rows) / |w| - lr sqrt(max(1, rows / cols)) NS(momentum_step(g)))(1 - lr weight_decay)"""
+    """Muon's step:  w = (w sqrt(rows) / |w| (if renorm) - lr sqrt(max(1, rows / cols)) NS(v))(1 - lr weight_decay)"""
     updates = momentum_step(grads, buffers, group["momentum"], group["nesterov"])
     mats = [u.reshape(len(p), -1) for u, p in zip(updates, filters)]
     ns = dict(steps=group["ns_steps"], coeffs=group["ns_coeffs"],
               dtype=torch.float64 if filters[0].dtype == torch.float64 else torch.bfloat16)
     mats = newton_schulz_padded(mats, **ns) if group["batched"] else [newton_schulz(m, **ns) for m in mats]
-    norms = torch._foreach_norm(filters)         # one ATen call for every bank: a few kernels, not one a bank
+    norms = torch._foreach_norm(filters)
     torch._foreach_mul_(filters, [torch.where(group["renorm"], n.reciprocal() * len(p) ** 0.5, 1.0)
                                   for n, p in zip(norms, filters)])
     by_scale = {}
@@ -109,7 +107,7 @@ def muon_step(filters, grads, buffers, lr, group):
 
 
 def sgd_step(weights, grads, buffers, rate, group):
-    """torch.optim.SGD's step, in its order:  w = w - rate momentum_step(g + weight_decay w)"""
+    """torch.optim.SGD's step, in its order:  w = w - rate v,  v of g + weight_decay w"""
     if group["weight_decay"]:
         grads = torch._foreach_add(grads, weights, alpha=group["weight_decay"])
     steps = momentum_step(grads, buffers, group["momentum"], group["nesterov"])
@@ -130,7 +128,7 @@ class MasterWeights:
 
     @classmethod
     def of_fresh(cls, model, fresh):
-        """The masters of model's lower-precision parameters: those of fresh, the same network in float32."""
+        """The masters of model's lower-precision parameters: fresh's, the same network in float32."""
         pairs = [(p, q.detach()) for p, q in zip(model.parameters(), fresh.parameters()) if p.dtype != q.dtype]
         return cls([p for p, _ in pairs], [q for _, q in pairs])
 
@@ -162,12 +160,11 @@ class MasterWeights:
 
 
 def sgd_muon_step(groups):
-    """One step of every group (step, weights, grads, buffers, rate, unit, held, settings): sgd_step's or muon_step's
-    at rate (a 0-d tensor) x unit; a weight held in bf16 steps as its float32 master, whose copy then takes its value
-    (held: copies, masters)."""
+    """Every group's step (sgd_step or muon_step) at rate x unit, of the float32 masters, then copied to their copies
+    (held)."""
     for step, weights, grads, buffers, rate, unit, held, settings in groups:
         step(weights, [g.to(w.dtype) for g, w in zip(grads, weights)], buffers, rate * unit, settings)
-        if held:          # a list as long as the group's, which a GPU's foreach kernel fuses with its update
+        if held:          # as long as the group: a GPU's foreach kernel fuses it with the update
             torch._foreach_copy_(*held)
 
 
@@ -184,30 +181,30 @@ class SGDAndMuon(torch.optim.Optimizer):
         self.compile, self.compile_backend, self.masters = compile, compile_backend, masters or MasterWeights()
         device = groups[0]["params"][0].device
         self.lr = torch.zeros((), dtype=torch.float64 if devices.has_float64(device) else torch.float32, device=device)
-        # each group's (rate, unit): the schedule's rate x its unit, or its own rate (OwnRate)
+        # each group's (rate, unit): the schedule's x its unit, or its own
         self.rates = [(self.lr, g["lr_unit"]) if g["until_step"] is None else (torch.zeros_like(self.lr), 1.0)
                       for g in self.param_groups]
         self.own_rates = [(g, rate) for g, (rate, _) in zip(self.param_groups, self.rates) if rate is not self.lr]
         self.muon_steps = self.last_renorm = 0
         self.renorm = torch.zeros((), dtype=torch.bool, device=device)
-        # each group's step and the settings it reads: constants of its graph, and Muon's renorm flag
+        # each group's step and its settings, constants of the graph
         self.steps = [(muon_step, {**{k: g[k] for k in MUON_STEP_SETTINGS}, "renorm": self.renorm})
                       if g.get("name") == "filters" else (sgd_step, {k: g[k] for k in SGD_STEP_SETTINGS})
                       for g in self.param_groups]
         self.filled = {}                # id of a 0-d tensor: the value it was last filled with
-        for g in self.param_groups:     # a float64 run's buffers in float64
+        for g in self.param_groups:
             for p, w in zip(g["params"], self.masters.weights(g["params"])):
                 self.state[p]["momentum"] = torch.zeros_like(w, dtype=None if w.dtype == torch.float64 else
                                                              g.get("momentum_dtype"))
 
     def fill(self, scalar, value):
-        """scalar filled with value unless it holds it: a launch, no wait."""
+        """scalar filled with value unless it holds it."""
         if self.filled.get(id(scalar)) != value:
             scalar.fill_(value)
             self.filled[id(scalar)] = value
 
     def function(self):
-        """sgd_muon_step, compiled or eager as `compile` and the device say."""
+        """sgd_muon_step, compiled or not."""
         on = devices.compiles_helpers(self.lr.device) if self.compile is None else self.compile
         return compiled(sgd_muon_step, self.compile_backend) if on else sgd_muon_step
 
@@ -226,7 +223,7 @@ class SGDAndMuon(torch.optim.Optimizer):
         self.function()(groups)
 
     def tick(self, g):
-        """Muon's clock a step on; renorm says whether it renormalises: every k steps, k from k0 to k1 (0: never)."""
+        """Muon's clock a step on; renorm: whether it renormalises (every k steps, k from k0 to k1; 0: never)."""
         k0, k1 = g["renorm_every"]
         self.muon_steps += 1
         if k0 > 0 and self.muon_steps - self.last_renorm >= k0 + (k1 - k0) * self.muon_steps / g["total_steps"] // 1:
@@ -245,7 +242,7 @@ MUON_DEFAULTS = {"lr_unit": 1.0, "momentum": 0.9, "nesterov": True, "ns_steps": 
 
 
 def muon_group(filters, **settings):
-    """SGDAndMuon's parameter group of Muon (muon_step) for the conv filters: MUON_DEFAULTS changed by settings."""
+    """SGDAndMuon's group of Muon for the conv filters: MUON_DEFAULTS changed by settings."""
     check_muon_settings(settings)
     group = {**MUON_DEFAULTS, **settings}
     return {**group, "params": list(filters), "name": "filters", "until_step": None,
@@ -295,21 +292,14 @@ class OwnRate:
     until_step: int
     linear: bool = False
 
-    @classmethod
-    def over_epochs(cls, epochs, steps_per_epoch, **fields):
-        """The OwnRate lasting `epochs` of steps_per_epoch steps."""
-        return cls(until_step=epoch_steps(epochs, steps_per_epoch), **fields)
-
 
 MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=(), masters=None):
-    """Recipe r's optimisers: SGD on the summed loss of a rank's b images and Muon (r.muon) for the conv filters, as
-    one SGDAndMuon; own_rates: OwnRate (or None) a group each; masters: MasterWeights (docs/cifar10.md):
+    """Recipe r's optimisers: SGD, and Muon (r.muon) for the conv filters, as one SGDAndMuon (docs/cifar10.md):
         SGD's rate = lr unit scale,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
-        its decay = lr unit wd b / scale (myrtle), / (peak scale) otherwise;  Muon's rate = muon.lr lr / peak
-        scale = bias_lr_mult (batch-norm biases), an own rate's lr_mult (to 0 at until_step, linearly if linear), 1"""
+        its decay = lr unit wd b / scale (myrtle), / (peak scale) otherwise;  Muon's rate = muon.lr lr / peak"""
     own_rates = [o for o in own_rates if o is not None]
     own = check_own_rates(model, own_rates)
     sgd, bs, peak = r.sgd, r.batch_size // world, max(r.lr.values)
@@ -319,15 +309,18 @@ def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=(), maste
     for p in model.parameters():
         if p.requires_grad and id(p) not in own:
             groups["bn_biases" if id(p) in bn_biases else "filters" if r.muon and p.ndim == 4 else "weights"].append(p)
-    parts = [("weights", groups["weights"], 1.0, None, False), ("bn_biases", groups["bn_biases"], sgd.bias_lr_mult,
-                                                                 None, False)]
+    parts = [(k, groups[k], s, None, False) for k, s in (("weights", 1.0), ("bn_biases", sgd.bias_lr_mult))]
     parts += [(o.name, [o.param], o.lr_mult, o.until_step, o.linear) for o in own_rates]
     decay = lambda s: sgd.weight_decay * bs / (s if sgd.lr_units == "myrtle" else peak * s)
     groups_sgd = [{"params": ps, "name": name, "lr_unit": unit * s, "weight_decay": decay(s), "peak": peak,
                    "until_step": until, "linear": linear} for name, ps, s, until, linear in parts if ps]
     if not groups["filters"]:
         return [sgd_optimizer(model, r, groups_sgd, masters)]
-    muon = muon_for(groups["filters"], r, steps_per_epoch=steps_per_epoch, world=world)
+    m = r.muon
+    muon = muon_group(groups["filters"], lr_unit=m.lr / peak, momentum=m.momentum, nesterov=sgd.nesterov,
+                      ns_steps=m.ns_steps, ns_coeffs=m.ns_coeffs, renorm_every=m.renorm_every, batched=m.batched,
+                      total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)),
+                      weight_decay=m.weight_decay * bs * world, momentum_dtype=MOMENTUM_DTYPES[m.momentum_dtype])
     return [SGDAndMuon(groups_sgd + [muon], momentum=sgd.momentum, nesterov=sgd.nesterov, masters=masters)]
 
 
@@ -359,18 +352,8 @@ def check_own_rates(model, own_rates):
     return own
 
 
-def muon_for(filters, r, *, steps_per_epoch, world):
-    """muon_group of the filters with r.muon's settings, at muon.lr x the schedule's lr / its peak."""
-    m = r.muon
-    return muon_group(filters, lr_unit=m.lr / max(r.lr.values), momentum=m.momentum, nesterov=r.sgd.nesterov,
-                      ns_steps=m.ns_steps, ns_coeffs=m.ns_coeffs, renorm_every=m.renorm_every, batched=m.batched,
-                      total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)),
-                      weight_decay=m.weight_decay * (r.batch_size // world) * world,
-                      momentum_dtype=MOMENTUM_DTYPES[m.momentum_dtype])
-
-
 def set_lr(opts, lr, step=0, epoch=0.0):
-    """Sets each group's rate to group_rate's; an SGDAndMuon's are 0-d tensors, filled (no wait, no recompile)."""
+    """Sets each group's rate to group_rate's (an SGDAndMuon's 0-d tensors filled: no recompile)."""
     for opt in opts:
         if not isinstance(opt, SGDAndMuon):
             set_group_rates(opt, lr, step, epoch)
@@ -387,7 +370,7 @@ def set_group_rates(opt, lr, step, epoch):
 
 
 def group_rate(g, lr, step):
-    """lr × the group's unit; with until_step 0 from then on, and before it, with linear, its peak falling to 0."""
+    """lr × the group's unit; from until_step 0, and before it with linear its peak falling to 0."""
     until = g["until_step"]
     if until is not None and step >= until:
         return 0.0

@@ -13,6 +13,7 @@ from torch import nn
 import devices
 from core import UsageError
 from optim import OwnRate
+from schedules import epoch_steps
 from settings import component, knob, numbers
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +121,7 @@ def activation(net, act=None):
 
 
 def conv(c_in, c_out, net, kernel=3):
-    """A bias-free convolution; with net.dirac_init its first c_in filters the identity (Jordan 2024)."""
+    """A bias-free convolution, with net.dirac_init its first c_in filters the identity."""
     layer = nn.Conv2d(c_in, c_out, kernel, padding=kernel // 2, bias=False)
     if net.dirac_init and kernel > 1 and c_out >= c_in:
         with torch.no_grad():
@@ -179,8 +180,7 @@ class GlobalMaxPool(nn.Module):
 
 @dataclass(frozen=True)
 class WhiteningFit:
-    """A reference's whitening fit: its first `images` images' patches' covariance (centred or not, / n - ddof)
-    and its eigenvectors by eigh or svd."""
+    """A reference's whitening fit: how many images, its covariance centred or not, / n - ddof, by eigh or svd."""
     name: str
     images: int
     centre: bool
@@ -268,18 +268,17 @@ EIGEN = {"eigh": eigh_eigen, "svd": svd_eigen}
 
 
 def whitening_bias(net, steps_per_epoch=1):
-    """The whitening layer's bias as an optim.OwnRate (its settings' epochs, lr_mult and decay), or None."""
+    """The whitening layer's bias as an optim.OwnRate, or None."""
     white = next((m for m in net.modules() if isinstance(m, Whitening)), None)
     if white is None or white.bias is None:
         return None
     b = white.w.bias
-    return OwnRate.over_epochs(b.epochs, steps_per_epoch, name="whiten_bias", param=white.bias, lr_mult=b.lr_mult,
-                               linear=b.decay == "linear")
+    return OwnRate(name="whiten_bias", param=white.bias, lr_mult=b.lr_mult, linear=b.decay == "linear",
+                   until_step=epoch_steps(b.epochs, steps_per_epoch))
 
 
 def fit_whitening(model, train_images, size, masters=None):
-    """Fits every Whitening layer (and its master in masters) to the first training images, cropped to `size`
-    (a side, or height and width)."""
+    """Fits every Whitening layer (and its master) to the first training images, cropped to size (h, w or a side)."""
     layers = [m for m in model.modules() if isinstance(m, Whitening)]
     if layers:
         h, w = (size, size) if isinstance(size, int) else size
@@ -294,7 +293,7 @@ def widths(net, base):
 
 
 def classifier(c, net, num_classes):
-    """The linear head and the logit scale; with head_unit_std its weights at unit std and the logits / c."""
+    """The linear head and the logits' scale; with head_unit_std its weights at unit std, the logits / c."""
     head = nn.Linear(c, num_classes, bias=False)
     if net.head_unit_std:
         with torch.no_grad():
@@ -341,7 +340,7 @@ def residual_group(first, c, r):
 
 def fastnet(r, num_classes=10):
     """Jordan's (2024) network: patch whitening, conv groups of block_widths channels, max-pool, classifier."""
-    # without whitening: a trainable convolution of the whitening layer's shape (2x2 filters, 24 channels)
+    # without whitening: a trainable convolution of its shape
     white = Whitening(r.whitening) if r.whitening else nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True)
     layers, c = [white, activation(r.network, r.whitening.act if r.whitening else "")], white.out_channels
     for w in widths(r.network, r.network.block_widths):
@@ -453,8 +452,8 @@ class TTASettings:
 
 
 def tta_views(x, mode, weights="airbench"):
-    """(weight, view) pairs: the image, its mirror, with flip_translate both shifted a pixel up-left and down-right
-    (reflect-padded); "airbench" weighs the first two twice."""
+    """(weight, view) pairs: x, its mirror, with flip_translate both shifted a pixel up-left and down-right; weights
+    "airbench": the first two count twice."""
     check_tta_views(mode)
     views = [x] if mode == "none" else [x, x.flip(3)]
     if mode == "flip_translate":
@@ -471,13 +470,13 @@ def check_tta_views(mode):
 
 
 def logits_of(model, x, memory_format=torch.contiguous_format):
-    """A copy of model's float32 (or float64) logits of x in memory_format (every view alike: one compiled graph)."""
-    logits = model(x.contiguous(memory_format=memory_format))  # a copy: a CUDA graph's replay overwrites its outputs
+    """A copy (a CUDA graph's replay overwrites its outputs) of model's float32 or float64 logits of x."""
+    logits = model(x.contiguous(memory_format=memory_format))      # every view alike: one compiled graph
     return logits.to(devices.wide_dtype(logits.dtype), copy=True)
 
 
 def batched(fn, batch_size, *tensors):
-    """fn over the tensors' batches, the last padded with zeros and cut back: one shape, one compiled graph."""
+    """fn over the tensors' batches, the last zero-padded and cut back: one shape, one compiled graph."""
     out, n = [], len(tensors[0])
     for i in range(0, n, batch_size):
         parts = [t[i:i + batch_size] for t in tensors]
@@ -489,7 +488,7 @@ def batched(fn, batch_size, *tensors):
 
 
 def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.contiguous_format):
-    """float32 logits of images, those the plain pass is least sure of (tta.fraction) from tta's views."""
+    """float32 logits of images, of tta's views for the tta.fraction the plain pass is least sure of."""
     forward = lambda x: logits_of(model, x, memory_format)
     logits = batched(forward, batch_size, images)
     n = round(tta.fraction * len(images)) if tta else 0
@@ -501,7 +500,7 @@ def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.
 
 
 def views_logits(forward, x, plain, tta):
-    """The weighted sum of forward's logits of x's tta_views, plain standing for the first's."""
+    """The weighted sum of forward's logits of x's views, plain standing for the first's."""
     (w, _), *views = tta_views(x, tta.views, tta.weights)
     logits = w * plain
     for w, view in views:
@@ -515,8 +514,7 @@ def loss_and_accuracy(model, images, labels, *, tta=None, dtype=torch.float32, b
     """Mean loss and accuracy of the model on images, with tta (tta_logits)."""
     was_training = model.training
     model.eval()
-    with devices.autocast(images.device, dtype):
-        # every batch this size, the views' too: one compiled graph
+    with devices.autocast(images.device, dtype):          # every batch one size: one compiled graph
         logits = tta_logits(model, images, tta, batch_size=min(batch_size, len(images)), memory_format=memory_format)
     model.train(was_training)
     loss, correct = torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
