@@ -70,7 +70,7 @@ class MuonSettings:
     ns_steps: int = knob(3, low=0, whole=True, doc="Newton-Schulz iterations a step")
     ns_coeffs: tuple = numbers(MUON_COEFFS, doc="Newton-Schulz's a, b, c")
     renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="filters back to their norm every k steps, k "
-                                  "from the first to the second over the run (0: never)")
+                                  "from the first to the second (0: never)")
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
     momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"))
     batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call")
@@ -93,9 +93,8 @@ def muon_step(filters, grads, buffers, lr, group):
     ns = dict(steps=group["ns_steps"], coeffs=group["ns_coeffs"],
               dtype=torch.float64 if filters[0].dtype == torch.float64 else torch.bfloat16)
     mats = newton_schulz_padded(mats, **ns) if group["batched"] else [newton_schulz(m, **ns) for m in mats]
-    norms = torch._foreach_norm(filters)
     torch._foreach_mul_(filters, [torch.where(group["renorm"], n.reciprocal() * len(p) ** 0.5, 1.0)
-                                  for n, p in zip(norms, filters)])
+                                  for n, p in zip(torch._foreach_norm(filters), filters)])
     by_scale = {}
     for p, u in zip(filters, mats):
         by_scale.setdefault(max(1.0, u.shape[0] / u.shape[1]) ** 0.5, []).append((p, u.view_as(p)))
@@ -274,7 +273,7 @@ class SGDSettings:
     """Momentum SGD on the batch-summed loss (make_optimizers), in one of three units of rate and decay."""
     PREFIX = ""
     lr_units: str = knob("myrtle", choices=("myrtle", "decoupled", "sum"), doc="myrtle: per image; decoupled: per "
-                         "1024 images over the Nesterov gain (Jordan 2024); sum: torch's (airbench94_muon)")
+                         "1024 images over the Nesterov gain; sum: torch's")
     momentum: float = knob(0.9, low=0, high=1)
     nesterov: bool = knob(True)
     weight_decay: float = knob(5e-4, low=0, doc="in --lr-units")

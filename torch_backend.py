@@ -502,10 +502,7 @@ def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.
 def views_logits(forward, x, plain, tta):
     """The weighted sum of forward's logits of x's views, plain standing for the first's."""
     (w, _), *views = tta_views(x, tta.views, tta.weights)
-    logits = w * plain
-    for w, view in views:
-        logits = logits + w * forward(view)
-    return logits
+    return sum((v * forward(view) for v, view in views), w * plain)
 
 
 @torch.no_grad()
