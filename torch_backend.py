@@ -280,12 +280,11 @@ def whitening_bias(net, steps_per_epoch=1):
 def fit_whitening(model, train_images, size, masters=None):
     """Fits every Whitening layer (and its master) to the first training images, cropped to size (h, w or a side)."""
     layers = [m for m in model.modules() if isinstance(m, Whitening)]
-    if layers:
-        h, w = (size, size) if isinstance(size, int) else size
-        pad = (train_images.shape[-1] - w) // 2
-        x = train_images[:max(m.w.fit.images for m in layers), :, pad:pad + h, pad:pad + w]
-        for m in layers:
-            m.fit(x, masters.weights([m.weight])[0] if masters else None)
+    h, w = (size, size) if isinstance(size, int) else size
+    pad = (train_images.shape[-1] - w) // 2
+    x = train_images[:max((m.w.fit.images for m in layers), default=0), :, pad:pad + h, pad:pad + w]
+    for m in layers:
+        m.fit(x, masters.weights([m.weight])[0] if masters else None)
 
 
 def widths(net, base):
@@ -511,7 +510,7 @@ def loss_and_accuracy(model, images, labels, *, tta=None, dtype=torch.float32, b
     """Mean loss and accuracy of the model on images, with tta (tta_logits)."""
     was_training = model.training
     model.eval()
-    with devices.autocast(images.device, dtype):          # every batch one size: one compiled graph
+    with devices.autocast(images.device, dtype):
         logits = tta_logits(model, images, tta, batch_size=min(batch_size, len(images)), memory_format=memory_format)
     model.train(was_training)
     loss, correct = torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
