@@ -13,6 +13,7 @@ from torch import nn
 import devices
 from core import UsageError
 from optim import OwnRate
+from schedules import epoch_steps
 from settings import component, knob, numbers
 
 # ---------------------------------------------------------------------------------------------
@@ -25,22 +26,19 @@ ACTIVATIONS = {"relu": lambda net: nn.ReLU(inplace=True), "celu": lambda net: nn
 
 @dataclass(frozen=True, kw_only=True)
 class NetworkSettings:
-    """The network: Myrtle's ResNet-9 and ResNet-18, or the three-block fastnet (Jordan 2024); MODELS below."""
+    """The network: Myrtle's ResNet-9 and ResNet-18, or the three-block fastnet (Jordan 2024)."""
     PREFIX = ""
-    model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"), doc="fastnet: the three-block network of "
-                      "Jordan 2024")
+    model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"))
     width: float = knob(1.0, above=0, doc="every layer's channels x this")
-    block_widths: tuple = numbers((64, 256, 256), above=0, whole=True, doc="fastnet's three blocks' channels")
-    block_depth: int = knob(2, choices=(2, 3), doc="fastnet's convolutions per block (3: airbench96's residual)")
-    act: str = knob("relu", choices=tuple(ACTIVATIONS), doc="the activation after each batch norm")
-    celu_alpha: float = knob(0.3, above=0, doc="CELU's alpha (with --act celu)")
-    pool_first: bool = knob(False, doc="max-pool before batch norm (Myrtle): the same maths on 4x fewer pixels")
-    dirac_init: bool = knob(False, doc="convolutions start as the identity (Jordan 2024)")
+    block_widths: tuple = numbers((64, 256, 256), above=0, whole=True, doc="fastnet's blocks' channels")
+    block_depth: int = knob(2, choices=(2, 3), doc="fastnet's convolutions a block (3: airbench96's residual)")
+    act: str = knob("relu", choices=tuple(ACTIVATIONS), doc="after each batch norm")
+    celu_alpha: float = knob(0.3, above=0)
+    pool_first: bool = knob(False, doc="max-pool before batch norm (Myrtle): 4x fewer pixels")
+    dirac_init: bool = knob(False, doc="convolutions start as the identity")
     output_scale: float = knob(0.125, above=0, doc="the logits x this")
-    head_unit_std: bool = knob(False, doc="the head's weights start at unit std, the logits / its width "
-                                          "(airbench94_muon)")
-    global_max_pool: bool = knob(True, doc="the last map max-pooled whole, whatever its size (a smaller image "
-                                           "still pools to 1x1); false: the published networks' fixed window")
+    head_unit_std: bool = knob(False, doc="the head's weights at unit std, the logits / its width")
+    global_max_pool: bool = knob(True, doc="false: the published networks' fixed window")
 
     def check(self):
         if not self.global_max_pool and self.model not in FINAL_POOL_WINDOWS:
@@ -58,9 +56,12 @@ class GhostBatchNorm(nn.BatchNorm2d):
 
     def __init__(self, c, *, group=0, grouping="consecutive", wide_stats=True, **kwargs):
         super().__init__(c, **kwargs)
-        if grouping not in self.GROUPINGS:
-            raise ValueError(f"grouping must be interleaved or consecutive, not {grouping!r}")
         self.group, self.grouping, self.wide_stats = group, grouping, wide_stats
+        self.check()
+
+    def check(self):
+        if self.grouping not in self.GROUPINGS:
+            raise ValueError(f"grouping must be interleaved or consecutive, not {self.grouping!r}")
 
     def forward(self, x):
         g, n = self.group, len(x)
@@ -98,12 +99,11 @@ def set_ghost_groups(model, group):
 class BatchNormSettings:
     """Batch norm, with two of Myrtle's tricks: ghost batches and frozen scales."""
     PREFIX = "bn"
-    momentum: float = knob(0.1, low=0, high=1, doc="PyTorch's convention: the new batch's weight")
-    eps: float = knob(1e-5, above=0, doc="added to the batch variance")
+    momentum: float = knob(0.1, low=0, high=1, doc="the new batch's weight (PyTorch's)")
+    eps: float = knob(1e-5, above=0)
     ghost_batch: int = knob(0, low=0, whole=True, doc="statistics over groups of this many images (0: the batch)")
-    ghost_grouping: str = knob("interleaved", choices=GhostBatchNorm.GROUPINGS, doc="interleaved: image i in "
-                               "group i mod (batch / ghost_batch), as Myrtle's; consecutive: images in order")
-    freeze_scale: bool = knob(False, doc="the scales stay 1; only the biases learn")
+    ghost_grouping: str = knob("interleaved", choices=GhostBatchNorm.GROUPINGS, doc="interleaved: Myrtle's")
+    freeze_scale: bool = knob(False, doc="the scales stay 1")
 
 
 class BatchNorm(GhostBatchNorm):
@@ -111,22 +111,17 @@ class BatchNorm(GhostBatchNorm):
     images grouped as bn.ghost_grouping says, and Myrtle's frozen scale (only the bias learns)."""
 
     def __init__(self, c, bn):
-        # the statistics in the activations' dtype: no float32 copy of each batch
         super().__init__(c, eps=bn.eps, momentum=bn.momentum, group=bn.ghost_batch, grouping=bn.ghost_grouping,
                          wide_stats=False)
         self.weight.requires_grad_(not bn.freeze_scale)
 
 
 def activation(net, act=None):
-    act = act or net.act
-    if act not in ACTIVATIONS:
-        raise ValueError(f"act must be relu, celu, gelu or silu, not {act!r}")
-    return ACTIVATIONS[act](net)
+    return ACTIVATIONS[act or net.act](net)
 
 
 def conv(c_in, c_out, net, kernel=3):
-    """A bias-free convolution; with net.dirac_init its first c_in filters start as the identity (Jordan 2024), so a
-    fresh network passes its input through and early steps train faster."""
+    """A bias-free convolution, with net.dirac_init its first c_in filters the identity."""
     layer = nn.Conv2d(c_in, c_out, kernel, padding=kernel // 2, bias=False)
     if net.dirac_init and kernel > 1 and c_out >= c_in:
         with torch.no_grad():
@@ -170,8 +165,7 @@ FINAL_POOL_WINDOWS = {"resnet9": 4, "fastnet": 3}
 
 
 def final_max_pool(net):
-    """Global max pooling (GlobalMaxPool), or with net.global_max_pool false the published fixed window, which
-    refuses a map smaller than itself."""
+    """GlobalMaxPool, or the published fixed window."""
     return GlobalMaxPool() if net.global_max_pool else nn.MaxPool2d(FINAL_POOL_WINDOWS[net.model])
 
 
@@ -186,8 +180,7 @@ class GlobalMaxPool(nn.Module):
 
 @dataclass(frozen=True)
 class WhiteningFit:
-    """How a reference fits the whitening: its first `images` training images' patches, their covariance centred or
-    not and divided by n - ddof, its eigenvectors from eigh or an SVD (the same, up to sign)."""
+    """A reference's whitening fit: how many images, its covariance centred or not, / n - ddof, by eigh or svd."""
     name: str
     images: int
     centre: bool
@@ -205,24 +198,22 @@ WHITENING_FITS = {f.name: f for f in (
 class WhiteningBiasSettings:
     """The whitening layer's bias: trained for its first `epochs`, then detached (airbench94)."""
     PREFIX = "bias"
-    epochs: float = knob(3.0, low=0, doc="epochs it trains before it is detached")
-    lr_mult: float = knob(1.0, low=0, doc="its rate: the schedule's x this")
-    init: str = knob("zero", choices=("zero", "default"), doc="default: the convolution's own (airbench94_muon)")
-    decay: str = knob("none", choices=("none", "linear"), doc="linear: from its peak to 0 over its epochs")
+    epochs: float = knob(3.0, low=0)
+    lr_mult: float = knob(1.0, low=0, doc="x the schedule's rate")
+    init: str = knob("zero", choices=("zero", "default"), doc="default: the convolution's own")
+    decay: str = knob("none", choices=("none", "linear"), doc="linear: from its peak to 0")
 
 
 @dataclass(frozen=True, kw_only=True)
 class WhiteningSettings:
-    """Patch whitening (Myrtle 2018): a frozen first convolution whose filters whiten the training images' size x
-    size patches, fitted at the start of each run, inside its clock."""
+    """Patch whitening (Myrtle 2018): a frozen first convolution whitening the training images' patches."""
     PREFIX = "whiten"
-    size: int = knob(3, above=0, whole=True, doc="the whitened patches' side, in pixels")
-    pad: int = knob(1, low=0, whole=True, doc="the whitening convolution's padding")
+    size: int = knob(3, above=0, whole=True, doc="the patches' side")
+    pad: int = knob(1, low=0, whole=True)
     both_signs: bool = knob(False, doc="each filter and its negative (Jordan 2024)")
     eps: float = knob(1e-2, low=0, doc="added to each eigenvalue")
-    act: str = knob("", choices=("",) + tuple(ACTIVATIONS), doc="the activation after it ('': the network's)")
-    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS, doc="whose fit to copy: myrtle's "
-                             "(10,000 images, centred), airbench94's (5,000) or the record's (960, by SVD)")
+    act: str = knob("", choices=("",) + tuple(ACTIVATIONS), doc="'': the network's")
+    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS, doc="whose fit to copy")
     bias: WhiteningBiasSettings = component(WhiteningBiasSettings)
 
 
@@ -237,59 +228,63 @@ class Whitening(nn.Conv2d):
                          bias=w.bias is not None)
         self.w = w
         self.weight.requires_grad_(False)
-        if w.bias:
-            # make_optimizers refuses a network that does not hand it over, and says how
+        if w.bias:          # make_optimizers refuses a network that does not hand it over, and says how
             self.bias.own_rate_from = "torch_backend.whitening_bias(model, steps_per_epoch)"
             if w.bias.init == "zero":
                 nn.init.zeros_(self.bias)
 
     @torch.no_grad()
     def fit(self, images, master=None):
-        """The filters fitted to images, written into `master` (float32, of filters held in a lower precision: what
-        they are then rounded from) and the weight."""
+        """The filters fitted to images, written into master (the weight's float32 master, if it has one), then it."""
         k, fit = self.w.size, self.w.fit
-        patches = devices.float32_or_wider(images[:self.w.fit.images]).unfold(2, k, 1).unfold(3, k, 1)  # N,3,H',W',k,k
+        patches = devices.float32_or_wider(images[:fit.images]).unfold(2, k, 1).unfold(3, k, 1)  # N,3,H',W',k,k
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
         if fit.centre:
             patches = patches - patches.mean(0)
-        cov = (patches.T @ patches / (len(patches) - fit.ddof)).to(devices.float64_device(images.device),
-                                                                    torch.float64)
-        if fit.decomp == "eigh":
-            eigvals, eigvecs = torch.linalg.eigh(cov)                                   # ascending
-            eigvals, eigvecs = eigvals.flip(0), eigvecs.flip(1)
-        else:
-            eigvecs, eigvals, _ = torch.linalg.svd(cov)                                 # descending
+        cov = patches.T @ patches / (len(patches) - fit.ddof)
+        eigvals, eigvecs = EIGEN[fit.decomp](cov.to(devices.float64_device(images.device), torch.float64))
         filters = (eigvecs / torch.sqrt(eigvals + self.w.eps)).T.reshape(-1, 3, k, k)
         if self.w.both_signs:
             filters = torch.cat([filters, -filters])
         master = self.weight if master is None else master
-        # in float32 first, as before a network held its weights in bf16 and autocast rounded them from float32
         master.copy_(filters.to(master.device, devices.wide_dtype(master.dtype)))
         if master is not self.weight:
             self.weight.copy_(master)
 
 
+def svd_eigen(cov):
+    """(eigenvalues, eigenvectors) of the symmetric cov by an SVD, largest first."""
+    eigvecs, eigvals, _ = torch.linalg.svd(cov)
+    return eigvals, eigvecs
+
+
+def eigh_eigen(cov):
+    """(eigenvalues, eigenvectors) of the symmetric cov by eigh, largest first."""
+    eigvals, eigvecs = torch.linalg.eigh(cov)
+    return eigvals.flip(0), eigvecs.flip(1)
+
+
+EIGEN = {"eigh": eigh_eigen, "svd": svd_eigen}
+
+
 def whitening_bias(net, steps_per_epoch=1):
-    """The whitening layer's bias as an optim.OwnRate: trained at the schedule's x bias.lr_mult (falling to 0 with
-    bias.decay "linear") for its first bias.epochs, then detached; None where the network has no such bias."""
+    """The whitening layer's bias as an optim.OwnRate, or None."""
     white = next((m for m in net.modules() if isinstance(m, Whitening)), None)
     if white is None or white.bias is None:
         return None
     b = white.w.bias
-    return OwnRate.over_epochs(b.epochs, steps_per_epoch, name="whiten_bias", param=white.bias, lr_mult=b.lr_mult,
-                               linear=b.decay == "linear")
+    return OwnRate(name="whiten_bias", param=white.bias, lr_mult=b.lr_mult, linear=b.decay == "linear",
+                   until_step=epoch_steps(b.epochs, steps_per_epoch))
 
 
 def fit_whitening(model, train_images, size, masters=None):
-    """Fits every Whitening layer to the first training images (as many as it takes), cropped back to `size`
-    (a side, or height and width), and the float32 masters (optim.MasterWeights) of filters held in bf16."""
+    """Fits every Whitening layer (and its master) to the first training images, cropped to size (h, w or a side)."""
     layers = [m for m in model.modules() if isinstance(m, Whitening)]
-    if layers:
-        h, w = (size, size) if isinstance(size, int) else size
-        pad = (train_images.shape[-1] - w) // 2
-        x = train_images[:max(m.w.fit.images for m in layers), :, pad:pad + h, pad:pad + w]
-        for m in layers:
-            m.fit(x, masters.weights([m.weight])[0] if masters else None)
+    h, w = (size, size) if isinstance(size, int) else size
+    pad = (train_images.shape[-1] - w) // 2
+    x = train_images[:max((m.w.fit.images for m in layers), default=0), :, pad:pad + h, pad:pad + w]
+    for m in layers:
+        m.fit(x, masters.weights([m.weight])[0] if masters else None)
 
 
 def widths(net, base):
@@ -297,8 +292,7 @@ def widths(net, base):
 
 
 def classifier(c, net, num_classes):
-    """The linear head and the logit scale output_scale; with head_unit_std its initial weights at unit standard
-    deviation and the logits / c as well (airbench94_muon)."""
+    """The linear head and the logits' scale; with head_unit_std its weights at unit std, the logits / c."""
     head = nn.Linear(c, num_classes, bias=False)
     if net.head_unit_std:
         with torch.no_grad():
@@ -329,23 +323,23 @@ def resnet9(r, num_classes=10):
 
 
 def conv_group(c_in, c_out, r):
-    """Jordan's block: conv -> 2x2 max-pool -> BN -> act -> conv -> BN -> act. At block_depth 3 (airbench96) the
-    second conv-BN-act and a third conv-BN form a residual branch added before the last activation:
-    x <- act(x + BN(conv(act(BN(conv(x))))))."""
+    """Jordan's block: conv -> 2x2 max-pool -> BN -> act -> conv -> BN -> act (residual_group at block_depth 3)."""
     net, bn = r.network, r.batch_norm
     first = [conv(c_in, c_out, net), nn.MaxPool2d(2), BatchNorm(c_out, bn), activation(net)]
-    unit = lambda: [conv(c_out, c_out, net), BatchNorm(c_out, bn)]
-    if net.block_depth == 2:
-        return nn.Sequential(*first, *unit(), activation(net))
     if net.block_depth == 3:
-        return nn.Sequential(*first, Residual(*unit(), activation(net), *unit(), act=activation(net)))
-    raise ValueError(f"block_depth must be 2 or 3, not {net.block_depth}")
+        return residual_group(first, c_out, r)
+    return nn.Sequential(*first, conv(c_out, c_out, net), BatchNorm(c_out, bn), activation(net))
+
+
+def residual_group(first, c, r):
+    """airbench96's block: the layers `first`, then x <- act(x + BN(conv(act(BN(conv(x))))))."""
+    unit = lambda: [conv(c, c, r.network), BatchNorm(c, r.batch_norm)]
+    return nn.Sequential(*first, Residual(*unit(), activation(r.network), *unit(), act=activation(r.network)))
 
 
 def fastnet(r, num_classes=10):
-    """The three-block network of Jordan (2024): patch whitening and its activation, three conv groups of
-    block_widths channels (each halves the resolution), global max-pool, linear, logits x output_scale."""
-    # without whitening: a trainable convolution of the whitening layer's shape (2x2 filters, 24 channels)
+    """Jordan's (2024) network: patch whitening, conv groups of block_widths channels, max-pool, classifier."""
+    # without whitening: a trainable convolution of its shape
     white = Whitening(r.whitening) if r.whitening else nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True)
     layers, c = [white, activation(r.network, r.whitening.act if r.whitening else "")], white.out_channels
     for w in widths(r.network, r.network.block_widths):
@@ -398,9 +392,7 @@ MODELS = {"resnet9": resnet9, "resnet18": resnet18, "fastnet": fastnet}
 
 
 def build_model(r, device, *, memory_format=torch.contiguous_format, num_classes=10):
-    """The network of recipe r (cifar10_recipes.Recipe) on device, in memory_format."""
-    if r.network.model not in MODELS:
-        raise ValueError(f"unknown model {r.network.model!r}; choose from {sorted(MODELS)}")
+    """The network of recipe r on device, in memory_format."""
     return MODELS[r.network.model](r, num_classes).to(device, memory_format=memory_format)
 
 
@@ -445,26 +437,23 @@ def count_parameters(model):
 # Evaluation
 # ---------------------------------------------------------------------------------------------
 
+TTA_VIEWS = ("none", "flip", "flip_translate")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TTASettings:
-    """Test-time augmentation of the final evaluation: the views of every image, or (fraction < 1, the record's
-    selective TTA) of the images the plain pass is least sure of."""
+    """Test-time augmentation of the final evaluation, of every image or of the least sure (selective TTA)."""
     PREFIX = "tta"
     OFF = ("views", "none")
-    views: str = knob("flip", choices=("none", "flip", "flip_translate"), flag="tta", doc="the final evaluation's "
-                      "views of each test image")
-    fraction: float = knob(1.0, above=0, high=1, doc="the share of test images, least sure first, that get every view "
-                           "(1: all)")
-    weights: str = knob("airbench", choices=("airbench", "equal"), doc="airbench: the image and its mirror count "
-                        "twice the shifted views; equal: their mean (the record)")
+    views: str = knob("flip", choices=TTA_VIEWS, flag="tta", doc="each test image's views")
+    fraction: float = knob(1.0, above=0, high=1, doc="the share of test images, least sure first, given every view")
+    weights: str = knob("airbench", choices=("airbench", "equal"), doc="airbench: image and mirror count twice")
 
 
 def tta_views(x, mode, weights="airbench"):
-    """(weight, view) pairs whose weighted logits make the prediction: flip, the image and its mirror; flip_translate
-    (Jordan 2024), also the image shifted a pixel up-left and down-right (reflect-padded) and their mirrors. Weights
-    "airbench": the image and its mirror count twice each shifted view; "equal" (the 2-second record): alike."""
-    if mode not in ("none", "flip", "flip_translate"):
-        raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
+    """(weight, view) pairs: x, its mirror, with flip_translate both shifted a pixel up-left and down-right; weights
+    "airbench": the first two count twice."""
+    check_tta_views(mode)
     views = [x] if mode == "none" else [x, x.flip(3)]
     if mode == "flip_translate":
         h, w = x.shape[-2:]
@@ -474,16 +463,19 @@ def tta_views(x, mode, weights="airbench"):
     return [(c / sum(counts), v) for c, v in zip(counts, views)]
 
 
+def check_tta_views(mode):
+    if mode not in TTA_VIEWS:
+        raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
+
+
 def logits_of(model, x, memory_format=torch.contiguous_format):
-    """The model's float32 (float64 in a float64 run) logits of x, laid out in memory_format first (every view alike:
-    one compiled graph), as a copy of their own (a CUDA graph's next replay overwrites its outputs)."""
-    logits = model(x.contiguous(memory_format=memory_format))
+    """A copy (a CUDA graph's replay overwrites its outputs) of model's float32 or float64 logits of x."""
+    logits = model(x.contiguous(memory_format=memory_format))      # every view alike: one compiled graph
     return logits.to(devices.wide_dtype(logits.dtype), copy=True)
 
 
 def batched(fn, batch_size, *tensors):
-    """torch.cat of fn over the tensors' batches of batch_size, the last padded with zeros to the full size and cut
-    back (one shape: one compiled graph; evaluation's batch norm is per image, so padding changes no logit)."""
+    """fn over the tensors' batches, the last zero-padded and cut back: one shape, one compiled graph."""
     out, n = [], len(tensors[0])
     for i in range(0, n, batch_size):
         parts = [t[i:i + batch_size] for t in tensors]
@@ -495,9 +487,7 @@ def batched(fn, batch_size, *tensors):
 
 
 def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.contiguous_format):
-    """float32 logits of images, in batches: of the plain images, then with tta (a TTASettings) of its views for
-    the `fraction` of images the plain pass is least sure of (the 2-second record's selective TTA; 1: every image):
-    1 + fraction × (views - 1) passes an image."""
+    """float32 logits of images, of tta's views for the tta.fraction the plain pass is least sure of."""
     forward = lambda x: logits_of(model, x, memory_format)
     logits = batched(forward, batch_size, images)
     n = round(tta.fraction * len(images)) if tta else 0
@@ -509,23 +499,18 @@ def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.
 
 
 def views_logits(forward, x, plain, tta):
-    """The weighted sum of forward's logits of x's views (tta_views), `plain` (forward(x)) standing for the first."""
+    """The weighted sum of forward's logits of x's views, plain standing for the first's."""
     (w, _), *views = tta_views(x, tta.views, tta.weights)
-    logits = w * plain
-    for w, view in views:
-        logits = logits + w * forward(view)
-    return logits
+    return sum((v * forward(view) for v, view in views), w * plain)
 
 
 @torch.no_grad()
 def loss_and_accuracy(model, images, labels, *, tta=None, dtype=torch.float32, batch_size=1000,
                       memory_format=torch.contiguous_format):
-    """Mean loss and accuracy of the model on images with test-time augmentation tta (tta_logits; None: plain), read
-    once, at the end."""
+    """Mean loss and accuracy of the model on images, with tta (tta_logits)."""
     was_training = model.training
     model.eval()
     with devices.autocast(images.device, dtype):
-        # every batch this size, the views' too: one compiled graph
         logits = tta_logits(model, images, tta, batch_size=min(batch_size, len(images)), memory_format=memory_format)
     model.train(was_training)
     loss, correct = torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
