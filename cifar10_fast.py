@@ -43,7 +43,7 @@ from settings import add_flags, as_flags, changes_from, check, command_text, fla
 from torch_backend import (TTASettings, build_model, fit_whitening, hold_weights, loss_and_accuracy,
                            pools_to_one_pixel, tta_views, whitening_bias)
 from training import (EpochClock, RunOptions, averaging, check_finite_loss, epoch_table,
-                      evaluation_model, profiled, run_seeds, step_sums, strict_compile, train_step, warmup_calls)
+                      evaluation_model, loss_and_sums, profiled, run_seeds, strict_compile, train_step, warmup_calls)
 from versions import torchvision_mismatch
 
 # ---------------------------------------------------------------------------------------------
@@ -187,9 +187,9 @@ def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10, dty
 
 
 class WithLoss(torch.nn.Module):
-    """The network, and given labels also its summed loss and training.step_sums: compiled (compile_step), the
-    forward, the loss and the sums are one graph, and AOTAutograd compiles their backward as one graph with it. Called
-    without labels it is the network."""
+    """The network, and given labels the step's training.loss_and_sums instead: compiled (compile_step), the forward,
+    the loss and the sums are one graph, and AOTAutograd compiles their backward as one graph with it; the logits,
+    which no step reads, are not among its outputs. Called without labels it is the network."""
     takes_labels = True
 
     def __init__(self, net, label_smoothing):
@@ -198,11 +198,7 @@ class WithLoss(torch.nn.Module):
 
     def forward(self, x, y=None):
         logits = self.net(x)
-        if y is None:
-            return logits
-        loss = F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=self.label_smoothing,
-                               reduction="sum")
-        return logits, loss, step_sums(logits, loss, y)
+        return logits if y is None else loss_and_sums(logits, y, label_smoothing=self.label_smoothing)
 
 
 def warmup(r, built, o, *, ctx, calls=1):

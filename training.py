@@ -43,16 +43,13 @@ class RunOptions:
 
 def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
     """One step on the batch-summed loss (CIFAR-10's; ImageNet's is imagenet_fast.accumulated_step): forward (with its
-    loss and step_sums, when forward computes them: cifar10_fast.WithLoss), backward, every optimiser. Returns
-    step_sums (nothing waits for them)."""
+    loss_and_sums, when forward computes them: cifar10_fast.WithLoss), backward, every optimiser. Returns the step's
+    sums (nothing waits for them)."""
     with devices.autocast(x.device, dtype):
         if getattr(forward, "takes_labels", False):
-            _, loss, sums = forward(x, y)
+            loss, sums = forward(x, y)
         else:
-            logits = forward(x)
-            loss = F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=label_smoothing,
-                                   reduction="sum")
-            sums = step_sums(logits, loss, y)
+            loss, sums = loss_and_sums(forward(x), y, label_smoothing=label_smoothing)
     loss.backward()
     for opt in optimizers:
         opt.step()
@@ -60,10 +57,14 @@ def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
     return sums
 
 
-def step_sums(logits, loss, y):
-    """[the batch's summed loss, its correct predictions], detached, in the loss's dtype (counts exact below 2^24):
-    what an epoch adds up for its table, inside a compiled step's graph where it has one."""
-    return torch.stack([loss.detach(), (logits.detach().argmax(1) == y).sum().to(loss.dtype)])
+def loss_and_sums(logits, y, *, label_smoothing):
+    """(the batch's summed cross-entropy, the step's sums: [that loss, its correct predictions] detached, in the loss's
+    dtype, counts exact below 2^24): each image's loss and whether it is right summed in one reduction, inside a
+    compiled step's graph where it has one (what an epoch adds up for its table)."""
+    losses = F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=label_smoothing, reduction="none")
+    sums = torch.stack([losses, logits.detach().argmax(1).eq(y).to(losses.dtype)]).sum(1)
+    # the sums copied, not a view: a compiled graph's output that views another loses its gradient (torch 2.11, 2.14)
+    return sums[0], sums.detach().clone()
 
 
 def check_finite_loss(mean_loss, *, epoch, hint):

@@ -80,7 +80,7 @@ def model_and_batch(batch, *, width=1.0):
 
 def step(model, x, y):
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(x, y)[1]
+        loss = model(x, y)[0]
     loss.backward()
 
 

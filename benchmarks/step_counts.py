@@ -146,7 +146,7 @@ def training_graphs(step_of, x, y):
 
 def recipe_network(name, *, width=1.0, side=32, batch=COUNT_BATCH, **changes):
     """(a function of (images, labels) to what recipe `name`'s compiled step returns (cifar10_fast.WithLoss: its summed
-    loss, logits and step sums; its network in train mode, channels_last, its weights held as a GPU's run holds them
+    loss and step sums; its network in train mode, channels_last, its weights held as a GPU's run holds them
     (cifar10_fast.held_weights), bf16 autocast, the whitening bias detached), a batch of bf16 images, as a GPU's run
     holds them, and labels)."""
     r = cf.recipe(name, width=width, **changes)
@@ -162,8 +162,7 @@ def recipe_network(name, *, width=1.0, side=32, batch=COUNT_BATCH, **changes):
 
     def step_of(x, y):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits, loss, sums = step(x, y)
-        return loss, logits, sums
+            return step(x, y)
     x = torch.randn(batch, 3, side, side, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
     return step_of, x, torch.randint(0, 10, (batch,))
 

@@ -57,22 +57,22 @@ def test_autocast_casts_exactly_the_weights_a_gpu_run_holds_in_bf16(name, one_th
 
 
 def run(recipe, *, held=True, runs=1, **changes):
-    """train() of recipe under the stand-in, its default precision (bf16): (Result, [each step's step_sums], the
-    network's parameters' dtypes and addresses at each reset)."""
+    """train() of recipe under the stand-in, its default precision (bf16): (Result, [each step's sums, from
+    training.loss_and_sums], the network's parameters' dtypes and addresses at each reset)."""
     sums, resets = [], []
-    real_sums, real_reset = T.step_sums, cf.Network.reset
+    real_sums, real_reset = T.loss_and_sums, cf.Network.reset
 
     def reset(network, seed):
         resets.append([(p.dtype, p.data_ptr()) for p in network.module.parameters()])
         return real_reset(network, seed)
     r = cf.recipe(recipe, **{"width": 1 / 16, "batch_size": 32, "epochs": 2, **changes})
     with pytest.MonkeyPatch.context() as patch, StandIn():
-        patch.setattr(T, "step_sums", lambda *a: sums.append(real_sums(*a)) or sums[-1])
+        patch.setattr(T, "loss_and_sums", lambda *a, **k: sums.append(real_sums(*a, **k)) or sums[-1])
         patch.setattr(cf.Network, "reset", reset)
         if not held:
             patch.setattr(cf, "held_weights", lambda *args: None)
         result = cf.train(r, synthetic_arrays(n_train=128, n_test=64), device="cuda", runs=runs, seed=5)
-    return result, [s.cpu() for s in sums], resets
+    return result, [s.cpu() for _, s in sums], resets
 
 
 def scores_on_the_gpu(result):

@@ -17,11 +17,11 @@ import step_counts  # noqa: E402
 RECORD_LAUNCHES = {"plain": 34, "renormalising": 61}
 # Inductor's kernels (generated and extern) in the compiled forward and backward, by torch version (2.14 decomposes
 # max-pooling's backward into a scatter-add, 2.11 lowers it whole): the record's, and fast94_next's as its compiled
-# step runs (its weights held in bf16, its loss, logits and step sums the graph's outputs), over the record's in its
-# forward by those outputs, and on torch 2.11 in its backward by amax's tie count.
+# step runs (its weights held in bf16, its loss and step sums the graph's outputs), at or under the record's but on
+# torch 2.11 in its backward, by amax's tie count.
 TORCH = torch.__version__[:4]
 RECORD_KERNELS = {"2.14": {"forward": 34, "backward": 39}, "2.11": {"forward": 34, "backward": 31}}
-FAST94_NEXT_KERNELS = {"2.14": {"forward": 36, "backward": 39}, "2.11": {"forward": 39, "backward": 32}}
+FAST94_NEXT_KERNELS = {"2.14": {"forward": 34, "backward": 39}, "2.11": {"forward": 33, "backward": 32}}
 CIFAR_NETWORKS = ["myrtle24", "myrtle10", "baseline_resnet18", "fast94", "fast96", "fast94_muon", "fast94_next"]
 
 
@@ -55,12 +55,13 @@ def test_fast94_next_launches_no_more_kernels_a_step_outside_its_network_than_th
 @pytest.mark.skipif(TORCH not in RECORD_KERNELS, reason=f"no counts on record for torch {TORCH}")
 def test_fast94_next_compiles_all_but_convolution_backward_and_its_weights_in_bf16(one_thread):
     """(b), (c) fast94_next's compiled step at its shapes (width 1/16: the counts are width 1's), forward and
-    backward: no Inductor fallback but the convolutions' backward; its kernels (torch 2.14: 36 + 39 against the
-    record's 34 + 39; 2.11: 39 + 32 against 34 + 31), none of them a cast of its weights."""
+    backward: no Inductor fallback but the convolutions' backward; its kernels (torch 2.14: 34 + 39 against the
+    record's 34 + 39; 2.11: 33 + 32 against 34 + 31), none of them a cast of its weights."""
     graphs = step_counts.training_graphs(*step_counts.recipe_network("fast94_next", width=1 / 16))
     assert set(graphs["forward"]["fallbacks"] + graphs["backward"]["fallbacks"]) == {"convolution_backward"}
     ours, record = {k: g["kernels"] for k, g in graphs.items()}, RECORD_KERNELS[TORCH]
-    assert ours == FAST94_NEXT_KERNELS[TORCH] and ours["backward"] <= record["backward"] + (TORCH == "2.11")
+    assert ours == FAST94_NEXT_KERNELS[TORCH] and ours["forward"] <= record["forward"]
+    assert ours["backward"] <= record["backward"] + (TORCH == "2.11")
 
 
 @pytest.mark.slow

@@ -215,15 +215,18 @@ def whitened_twins(r):
 
 
 def test_the_step_with_its_loss_in_the_forward_is_the_plain_step():
-    """compile_step's WithLoss, run eagerly: its logits and summed loss are the network's and the step's own, and the
-    step through it moves every parameter exactly as the plain step does."""
+    """compile_step's WithLoss, run eagerly: the network without labels; with them the summed loss (each image's,
+    summed with the correct predictions in one reduction) and the sums, and the step through it moves every
+    parameter exactly as the plain step does."""
     r = cf.recipe("fast94_next", width=1 / 16, batch_size=16)
     net, twin, x, y = whitened_twins(r)
     with_loss = cf.WithLoss(twin, r.label_smoothing)
-    logits, loss, sums = with_loss(x, y)
-    assert torch.equal(logits, net(x)) and torch.equal(with_loss(x), logits)
-    assert torch.equal(loss, F.cross_entropy(logits.float(), y, label_smoothing=r.label_smoothing, reduction="sum"))
-    assert sums.tolist() == [loss.item(), (logits.argmax(1) == y).sum().item()]
+    loss, sums = with_loss(x, y)
+    logits = net(x)
+    assert torch.equal(with_loss(x), logits)
+    assert loss.item() == pytest.approx(F.cross_entropy(logits, y, label_smoothing=r.label_smoothing,
+                                                        reduction="sum").item(), rel=1e-6)
+    assert sums.tolist() == [loss.item(), (logits.argmax(1) == y).sum().item()] and sums.grad_fn is None
     plain, fused = (optim.make_optimizers(m, r, own_rates=[tb.whitening_bias(m)])
                      for m in (net, twin))
     for opts in (plain, fused):
