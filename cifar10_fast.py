@@ -10,6 +10,7 @@ each component's class beside the code that reads it. Any setting is also a flag
 --whiten-eps 1e-3, --lookahead-momentum 0). train_run is one run, every trick at the line where it acts or is handed
 to the part that applies it (label smoothing to training.train_step's loss).
 """
+import dataclasses
 import io
 import math
 import os
@@ -39,7 +40,7 @@ from processes import exit_now
 from progress import Heartbeat, with_progress
 from run_statistics import print_summary, summarize_runs
 from schedules import per_rank_batch, run_steps
-from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
+from settings import add_flags, as_flags, by_name, changed, changes_from, check, command_text, flag_error, one_of
 from torch_backend import (TTASettings, build_model, fit_whitening, hold_weights, loss_and_accuracy,
                            pools_to_one_pixel, tta_views, whitening_bias)
 from training import (EpochClock, RunOptions, averaging, check_finite_loss, epoch_table,
@@ -238,12 +239,18 @@ class Options(RunOptions):
     on_epoch: object = None
     data_flag: str = "data"          # how a message names the data: train()'s data="FILE.npz", or a script's flag
 
+    def __new__(cls, *args, **options):
+        check_options(options)      # a recipe setting given here: one line naming train()'s changes=
+        return super().__new__(cls)
+
 
 @dataclass(kw_only=True)
 class Result:
     """What train() returns: the last run's trained network (the weights evaluated: the EMA's or lookahead's when
-    the recipe averages), its per-epoch rows, the summary over all runs, every run's result and the recipe."""
+    the recipe averages), the (mean, std) its images were normalised by, its per-epoch rows, the summary over all
+    runs, every run's result, the recipe and the FLOPs of a run."""
     model: torch.nn.Module
+    stats: tuple
     rows: list
     summary: dict
     runs: list
@@ -251,13 +258,11 @@ class Result:
     flops: dict
 
 
-def train(recipe_or_name, data=None, *, subset=None, dataset=None, ctx=None, **changes):
-    """The Result of o.runs fresh networks of a recipe (a Recipe, or a name with settings by flag name), trained on
-    data (a .npz, a data folder, an unpacked archive or a dict of the four arrays; docs/cifar10.md, Library use) with
-    Options o from the keywords (runs=10, device="cpu", progress=True, on_epoch=print)."""
-    o = Options(**{k: changes.pop(k) for k in list(changes) if k in Options.__dataclass_fields__})
-    r, arrays, stats, ctx = recipe_and_data(recipe_or_name, data, o, subset=subset, dataset=dataset, ctx=ctx,
-                                            changes=changes)
+def train(recipe, data=None, *, changes=None, options=None, subset=None, dataset=None, ctx=None):
+    """The Result of options.runs fresh networks of `recipe` (a Recipe or a recipe's name) with `changes` (its settings
+    by flag name: {"epochs": 3}), trained on `data` (docs/cifar10.md, Library use) as `options` (an Options) says."""
+    o = options or Options()
+    r, arrays, stats, ctx = recipe_and_data(recipe, data, o, changes=changes, subset=subset, dataset=dataset, ctx=ctx)
     device, results = torch.device(ctx.device), []
     with strict_compile(), devices.parameters_dtype(devices.compute_dtype(device, o.precision)):
         built = build(r, arrays, o, ctx=ctx, stats=stats)
@@ -284,10 +289,9 @@ def train(recipe_or_name, data=None, *, subset=None, dataset=None, ctx=None, **c
 
 
 def result_so_far(r, result, results, *, built, o, stats, wall_s):
-    """The Result once `result` joins `results`: the summary over the runs so far, its FLOPs and network (which
-    keeps the statistics it trained on, for scores()); with o.verbose, the run's line printed."""
+    """The Result once `result` joins `results`: the summary over the runs so far, its FLOPs, its network and the
+    statistics it trained on (for scores()); with o.verbose, the run's line printed."""
     model = result.pop("model")
-    model.normalisation = stats
     results.append({**result, "wall_s": wall_s})
     summary = summarize_runs(results, o.target, SUMMARY, "final_acc")
     flops = built.flops["total"]
@@ -298,21 +302,46 @@ def result_so_far(r, result, results, *, built, o, stats, wall_s):
               + (f"time to {o.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {o.target:.2%}")
               + f"; training {result['train_time']:.2f} s + final evaluation {result['final_eval_time']:.2f} s",
               flush=True)
-    return Result(model=model, rows=result["rows"], summary=summary, runs=list(results), recipe=r, flops=built.flops)
+    return Result(model=model, stats=stats, rows=result["rows"], summary=summary, runs=list(results), recipe=r,
+                  flops=built.flops)
 
 
-def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
-    """train()'s arguments checked and its data loaded: (the recipe, the four arrays of the subset, the whole training
-    set's per-channel statistics, ctx)."""
-    if isinstance(recipe_or_name, Recipe) and changes:
-        raise UsageError("train: give a recipe's name with its changes, or a Recipe (recipe(name, **changes))")
+def check_options(options):
+    """Raises UsageError (one line, naming where it belongs) for a name in `options` that is not a run option."""
+    fields = [f.name for f in dataclasses.fields(Options)]
+    for name in options:
+        if name in by_name(Recipe):
+            raise UsageError(f"Options({name}=...): {name} is a recipe setting, not a run option; give it in "
+                             f"train(..., changes={{{name!r}: ...}})")
+        if name not in fields:
+            raise UsageError(f"Options({name}=...): not a run option; the run options are {', '.join(fields)}")
+
+
+def check_changes(changes):
+    """Raises UsageError (one line, naming where it belongs) unless `changes` is a dict of recipe settings."""
+    if not isinstance(changes, dict):
+        raise UsageError(f"train: changes must be a dict of recipe settings by flag name ({{'epochs': 3}}), not "
+                         f"{type(changes).__name__}")
+    for name in changes:
+        if name in Options.__dataclass_fields__:
+            raise UsageError(f"changes={{{name!r}: ...}}: {name} is a run option, not a recipe setting; give it in "
+                             f"train(..., options=cf.Options({name}=...))")
+
+
+def recipe_and_data(recipe_or_name, data, o, *, changes, subset, dataset, ctx):
+    """train()'s arguments checked and its data loaded: (the recipe with its changes, the four arrays of the subset,
+    the whole training set's per-channel statistics, ctx)."""
+    if not isinstance(o, Options):
+        raise UsageError(f"train: options must be a cf.Options, not {type(o).__name__}")
+    check_changes(changes or {})
     if not isinstance(recipe_or_name, (Recipe, str)):
         raise UsageError(f"train: the recipe must be a Recipe or a recipe's name, not {type(recipe_or_name).__name__}")
     if data is not None and not isinstance(data, (str, os.PathLike, dict)):
         what = f"of shape {tuple(data.shape)}" if hasattr(data, "shape") else f"{data!r:.40}"     # not an array's repr
         raise UsageError(f"train: data must be a path (a .npz, a data folder, an unpacked archive) or a dict of the "
                          f"four arrays, not {type(data).__name__} {what}")
-    r = recipe_or_name if isinstance(recipe_or_name, Recipe) else recipe(recipe_or_name, **changes)
+    r = (changed(recipe_or_name, **changes) if changes else recipe_or_name) if isinstance(recipe_or_name, Recipe) \
+        else recipe(recipe_or_name, **(changes or {}))
     check_run(o.runs, o.target, seed=o.seed, eval_every=o.eval_every, precision=o.precision)
     check_output(o.profile, "--profile")
     if o.compile not in (None, *COMPILE_MODES):
@@ -427,16 +456,17 @@ def say_estimate(r, epoch_s, *, runs, n_train):
 
 
 def scores(model, images, labels, *, tta=None, stats=None, batch_size=1000):
-    """{"loss", "accuracy"} of a trained network (Result.model) on images, with test-time augmentation `tta` (a
-    TTASettings, or None). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by the statistics
-    train() keeps on the model, or stats = (mean, std)), or a float tensor (N, 3, H, W) already normalised."""
+    """{"loss", "accuracy"} of a trained network (a Result, or a network) on images, with test-time augmentation `tta`
+    (a TTASettings, or None). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by a Result's stats,
+    or stats = (mean, std)), or a float tensor (N, 3, H, W) already normalised."""
+    if isinstance(model, Result):
+        model, stats = model.model, stats or model.stats
     dtype = check_scores_input(model, images, labels, tta)
     device = next(model.parameters()).device
     if isinstance(images, np.ndarray):
-        stats = stats or getattr(model, "normalisation", None)
         if stats is None:
-            raise UsageError("scores: give stats=(mean, std), the training images' (a network train() returned "
-                             "keeps them)")
+            raise UsageError("scores: give stats=(mean, std), the training images' (Result.stats), or the Result "
+                             "whole")
         images = upload_normalised(np.ascontiguousarray(images), device, dtype=dtype, stats=stats)
     images = images.to(device, dtype)
     labels = torch.as_tensor(np.asarray(labels) if isinstance(labels, (list, tuple)) else labels, device=device).long()
@@ -450,7 +480,8 @@ def check_scores_input(model, images, labels, tta):
     """Raises UsageError (one line) unless scores() can evaluate model on images and labels with tta; returns the
     dtype the images are normalised in: the model's float32, or float64 (a network train(precision="fp64") made)."""
     if not isinstance(model, torch.nn.Module) or not any(True for _ in model.parameters()):
-        raise UsageError(f"scores: model must be a trained network (Result.model), not {type(model).__name__}")
+        raise UsageError(f"scores: model must be a Result or a trained network (Result.model), not "
+                         f"{type(model).__name__}")
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float32, torch.float64):
         raise UsageError(f"scores: the model's parameters are {str(dtype)[6:]}; give it in float32 (or float64)")
@@ -625,12 +656,11 @@ def main(argv=None):
         where.update(run=len(result.runs) + 1, epoch=1, finished=len(result.runs))
         save(result, False)
     try:
-        result = train(r, args.data_dir, subset=args.subset, dataset=args.dataset, ctx=ctx, on_run=run_done,
-                       data_flag="--data-dir",
-                       on_epoch=lambda row: where.update(epoch=row["epoch"] + 1), runs=args.runs,
-                       seed=args.seed, target=args.target, eval_every=args.eval_every, precision=args.precision,
-                       compile=args.compile, profile=args.profile, verbose=ctx.is_main,
-                       progress=ctx.is_main and not args.quiet)
+        o = Options(runs=args.runs, seed=args.seed, target=args.target, eval_every=args.eval_every,
+                    precision=args.precision, compile=args.compile, profile=args.profile, verbose=ctx.is_main,
+                    progress=ctx.is_main and not args.quiet, on_run=run_done, data_flag="--data-dir",
+                    on_epoch=lambda row: where.update(epoch=row["epoch"] + 1))
+        result = train(r, args.data_dir, options=o, subset=args.subset, dataset=args.dataset, ctx=ctx)
         barrier()                 # leave together
     except (UsageError, DataError) as e:
         say_error(e)

@@ -71,14 +71,16 @@ def run(recipe, *, held=True, runs=1, **changes):
         patch.setattr(cf.Network, "reset", reset)
         if not held:
             patch.setattr(cf, "held_weights", lambda *args: None)
-        result = cf.train(r, synthetic_arrays(n_train=128, n_test=64), device="cuda", runs=runs, seed=5)
+        result = cf.train(r, synthetic_arrays(n_train=128, n_test=64),
+                          options=cf.Options(device="cuda", runs=runs, seed=5))
     return result, [s.cpu() for s in sums], resets
 
 
 def scores_on_the_gpu(result):
     data = synthetic_arrays(n_train=128, n_test=64)
     with StandIn():
-        return cf.scores(result.model.to("cuda"), data["test_images"], data["test_labels"], tta=result.recipe.tta)
+        return cf.scores(result.model.to("cuda"), data["test_images"], data["test_labels"], tta=result.recipe.tta,
+                         stats=result.stats)
 
 
 @pytest.mark.parametrize("recipe, changes", [
