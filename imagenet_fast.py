@@ -48,12 +48,12 @@ from imagenet_store import FORMATS, StoreSettings, check_classes, check_prepare,
 from optim import set_lr
 from outputs import check_output, write_result
 from processes import exit_now
-from progress import Heartbeat, with_progress
+from progress import EpochClock, Heartbeat, epoch_table, with_progress
 from run_statistics import print_summary, summarize_runs
 from schedules import epoch_plans, plan, step_lr
 from settings import add_flags, changes_from, flag_error, flat, one_of
 from torch_backend import set_ghost_groups
-from training import EpochClock, averaging, check_finite_loss, epoch_table, evaluation_model, run_seeds
+from training import averaging, check_finite_loss, evaluation_model, run_seeds
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -93,8 +93,8 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
         model = imagenet_network(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
     opt = imagenet_optimizer(model, r)
     forward = register_comm_hook(wrap_ddp(model, ctx, ctx.bucket_mb), ctx.hook) if ctx.distributed else model
-    clock = EpochClock(device, columns=COLUMNS, accuracy="top5" if r.target_top5 else "top1", target=o.target,
-                       eval_every=o.eval_every, reads_every_epoch=True)      # its checkpoint records its rows
+    clock = EpochClock(devices.timer(device), columns=COLUMNS, accuracy="top5" if r.target_top5 else "top1",
+                       target=o.target, eval_every=o.eval_every, reads_every_epoch=True)      # its checkpoint records its rows
     if r.bn_stats == "last_batch":               # no moving averages: the last batch's, pooled over ranks (Akiba)
         use_last_batch_stats(model)
     average = averaging(model, ema=r.ema, lookahead=r.lookahead)
