@@ -11,7 +11,6 @@ each component's class beside the code that reads it. Any setting is also a flag
 to the part that applies it (label smoothing to training.train_step's loss).
 """
 import dataclasses
-import io
 import math
 import os
 import sys
@@ -61,13 +60,12 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
     steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), batch, r.epochs)
     seeds = run_seeds(seed, ctx.rank)
-    masters = net.reset(seeds["init"])         # float32 masters of the weights a GPU's network holds in bf16
+    masters = net.reset(seeds["init"])         # float32 masters of a GPU's bf16 weights
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
     bias = whitening_bias(net.module, steps_per_epoch)     # at a rate of its own, then detached (airbench94)
     opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, own_rates=[bias], masters=masters)
     flip_base = flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
-    clock = EpochClock(devices.timer(device), columns=COLUMNS, accuracy="test_acc", target=o.target,
-                       eval_every=o.eval_every)
+    clock = EpochClock(devices.timer(device), o, columns=COLUMNS, accuracy="test_acc")
     fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:], masters)
     average = averaging(net.module, ema=r.ema, lookahead=r.lookahead, tail=r.lookahead_tail,
                         steps_per_epoch=steps_per_epoch, masters=masters)
@@ -122,7 +120,7 @@ def compile_counts(since=None):
 # ---------------------------------------------------------------------------------------------
 
 def device_data(arrays, r, ctx, device, *, dtype, stats):
-    """This process's dataset on the device, normalised by stats: under torchrun, its rank's (rank_data)."""
+    """This process's dataset on the device (under torchrun: rank_data)."""
     if ctx.distributed:
         return rank_data(arrays, r, ctx, device, dtype=dtype, stats=stats)
     return dataset_on_device(arrays, device, dtype=dtype, pad=r.augment.crop_pad, stats=stats)
@@ -152,7 +150,7 @@ class Network:
     num_classes: int = 10
 
     def reset(self, seed):
-        """The MasterWeights of the module's state re-initialised in place as torch.manual_seed(seed) builds it."""
+        """The MasterWeights of the module re-initialised in place as torch.manual_seed(seed) builds it."""
         torch.manual_seed(seed)
         device = next(self.module.parameters()).device
         fresh = build_model(self.recipe, device, memory_format=devices.memory_format(device),
@@ -162,9 +160,8 @@ class Network:
 
 
 def held_weights(r, dtype, distributed=False):
-    """The dtype (bf16 on a GPU) r's network holds its weights in, their float32 masters in its optimiser; else None."""
-    low = dtype in (torch.bfloat16, torch.float16)
-    return dtype if low and steps_masters(r) and not distributed else None
+    """The dtype (a GPU's bf16) r's network holds its weights in, float32 masters in its optimiser; else None."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) and steps_masters(r) and not distributed else None
 
 
 def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10, dtype=torch.float32):
@@ -258,37 +255,36 @@ class Result:
 
 
 def train(recipe, data=None, *, changes=None, options=None, subset=None, dataset=None, ctx=None):
-    """The Result of `recipe` (a Recipe or a name) with `changes` (settings by flag name) trained on `data` as `options`
-    say."""
+    """The Result of `recipe` (a Recipe or a name) with `changes` trained on `data` as `options` say."""
     o = options or Options()
     r, arrays, stats, ctx = recipe_and_data(recipe, data, o, changes=changes, subset=subset, dataset=dataset, ctx=ctx)
     device, results = torch.device(ctx.device), []
     with strict_compile(), devices.parameters_dtype(devices.compute_dtype(device, o.precision)):
         built = build(r, arrays, o, ctx=ctx, stats=stats)
         for k in range(o.runs):
-            table = epoch_table(COLUMNS, file=None if o.verbose else io.StringIO(),
+            table = epoch_table(COLUMNS, on=o.verbose,
                                 title=f"run {k + 1}/{o.runs} (seed {o.seed + k})" if o.runs > 1 else None)
             started, compiled = time.perf_counter(), compile_counts()
 
-            def epoch_done(row, k=k):
+            def epoch_done(row):
                 table.append(row)
-                say_estimate(r, row, o, run=k, device=device, n_train=len(arrays["train_labels"]))
+                say_estimate(r, row, o, first=not results, device=device, n_train=len(arrays["train_labels"]))
                 o.on_epoch and o.on_epoch(row)
             profile = o.profile if k == 0 and ctx.is_main else None     # the first timed run's, after the warm-up
             with profiled(profile, device):
                 result = train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done)
             last = result_so_far(r, result, results, built=built, o=o, started=started, compiled=compiled,
-                                 profiled=bool(profile))
+                                 profile=profile)
             o.on_run and o.on_run(last)
     return last
 
 
-def result_so_far(r, result, results, *, built, o, started, compiled, profiled):
+def result_so_far(r, result, results, *, built, o, started, compiled, profile):
     """The Result once `result` joins `results`, with its wall time since `started`, the graphs compiled inside it
     (none the warm-up met) since `compiled` and whether it was profiled: the summary over the runs so far, its FLOPs,
     its network and the statistics it trained on (for scores()); with o.verbose, the run's line printed."""
     model, wall_s = result.pop("model"), time.perf_counter() - started
-    result.update(compile_counts(since=compiled), **({"profiled": True} if profiled else {}))
+    result.update(compile_counts(since=compiled), **({"profiled": True} if profile else {}))
     results.append({**result, "wall_s": wall_s})
     summary = summarize_runs(results, o.target, SUMMARY, "final_acc")
     flops = built.flops["total"]
@@ -425,7 +421,7 @@ class Built:
 
 
 def build(r, arrays, o, *, ctx, stats=None):
-    """Built for recipe r: the data on the device, the FLOPs, the network (warmed up on an accelerator or compiled)."""
+    """Built for recipe r: its data on the device, FLOPs and network, warmed up on an accelerator or compiled."""
     device, stats = torch.device(ctx.device), stats or channel_stats(arrays["train_images"])
     dtype = devices.compute_dtype(device, o.precision)
     data = device_data(arrays, r, ctx, device, dtype=dtype, stats=stats)
@@ -437,10 +433,10 @@ def build(r, arrays, o, *, ctx, stats=None):
     return built
 
 
-def say_estimate(r, row, o, *, run, device, n_train):
+def say_estimate(r, row, o, *, first, device, n_train):
     """On a CPU with o.progress, after the first run's first epoch: the time every run's training will take, from
     that epoch's `row` (on stderr)."""
-    if run or row["epoch"] != 1 or not o.progress or not devices.is_cpu(device):
+    if not first or row["epoch"] != 1 or not o.progress or not devices.is_cpu(device):
         return
     steps_per_epoch, total_steps = run_steps(n_train, r.batch_size, r.epochs)
     runs, total = o.runs, o.runs * row["epoch_time"] * total_steps / steps_per_epoch

@@ -22,7 +22,7 @@ MAX_EPOCHS = 1000         # beyond it a typo (--epochs 1e12), not a run: its rat
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """What a run computes. Settings left out (None) are techniques the recipe does not use."""
+    """What a run computes; a technique it does not use is None."""
     name: str = "custom"
     doc: str = ""
     epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="epochs to train; a fraction cuts the last short")

@@ -347,7 +347,7 @@ def load_cifar10(path="data", **kwargs):
 # ---------------------------------------------------------------------------------------------
 
 def upload_normalised(x, device, *, dtype, stats, pad=0):
-    """uint8 NHWC images on the device, NCHW in dtype, normalised by stats = (mean, std) and reflect-padded by pad."""
+    """uint8 NHWC images on the device as NCHW in dtype, normalised by stats and reflect-padded by pad."""
     wide = devices.wide_dtype(dtype)
     x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).to(wide)
     mean, std = (torch.tensor(v, device=device, dtype=wide).view(1, -1, 1, 1) for v in stats)
@@ -356,12 +356,13 @@ def upload_normalised(x, device, *, dtype, stats, pad=0):
 
 
 def dataset_on_device(d, device, *, dtype, pad, stats=None):
-    """The four arrays on the device, normalised by stats (the training images' own by default), and num_classes."""
+    """The four arrays on the device, normalised by stats (by default the training images'), and num_classes."""
     stats = stats or channel_stats(d["train_images"])
     prep = lambda x, p: upload_normalised(x, device, dtype=dtype, stats=stats, pad=p)
+    labels = lambda y: torch.from_numpy(y).to(device).long()
     return {"train_images": prep(d["train_images"], pad), "test_images": prep(d["test_images"], 0),
-            "train_labels": torch.from_numpy(d["train_labels"]).to(device).long(),
-            "test_labels": torch.from_numpy(d["test_labels"]).to(device).long(), "num_classes": num_classes(d)}
+            "train_labels": labels(d["train_labels"]), "test_labels": labels(d["test_labels"]),
+            "num_classes": num_classes(d)}
 
 
 def pair(size):
@@ -370,7 +371,7 @@ def pair(size):
 
 @dataclass(frozen=True, kw_only=True)
 class AugmentSettings:
-    """Each epoch's augmentation, drawn for all images at once, and the side it trains at."""
+    """Each epoch's augmentation (drawn for all images at once) and the side it trains at."""
     PREFIX = ""
     crop_pad: int = knob(4, low=0, whole=True, doc="random crops of the images padded by this")
     flip: str = knob("random", choices=("none", "random", "alternate"), doc="alternate: each image both ways in "
@@ -387,11 +388,10 @@ class AugmentSettings:
 
 
 def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, device=None, order=None):
-    """{what: tensor}: one epoch's random draws for n images of `size`. Alternate flips (Jordan 2024) and jitter:
+    """{what: tensor}: one epoch's random draws for n images. Alternate flips (Jordan 2024) and jitter:
         flip_i = flip_base_i xor (epoch odd);  x <- (x + b) c,  b ~ U(±jitter_brightness), c ~ 1 + U(±jitter_contrast)
     """
-    pad, jitter = augment.crop_pad, (augment.jitter_brightness, augment.jitter_contrast)
-    device = device or generator.device
+    device, pad = device or generator.device, augment.crop_pad
     draws = {"perm": torch.randperm(n, device=device, generator=order or generator)}
     if pad:
         draws["dy"], draws["dx"] = torch.randint(0, 2 * pad + 1, (2, n), device=device, generator=generator)
@@ -401,12 +401,11 @@ def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, d
         draws["flip"] = ~flip_base if epoch % 2 else flip_base
     if augment.cutout:
         draws["cy"], draws["cx"] = cutout_corners(n, size, augment.cutout, generator=generator, device=device)
-    if any(jitter):
+    if augment.jitter_brightness or augment.jitter_contrast:
         u = torch.rand(2, n, device=device, generator=generator) * 2 - 1
-        u[0].mul_(jitter[0])
-        u[1].mul_(jitter[1]).add_(1)
+        u[0].mul_(augment.jitter_brightness)
+        u[1].mul_(augment.jitter_contrast).add_(1)
         draws["jitter"] = u         # one tensor, so that one gather puts both factors in the epoch's order
-        draws["brightness"], draws["contrast"] = u
     return draws
 
 
@@ -424,7 +423,7 @@ def flip_bits(n, generator, device=None):
 
 
 def crop_flip(x, size, *, dy=None, dx=None, flip=None, order=None, channels_last=False):
-    """Windows of `size` at offsets (dy, dx) of padded images x, flipped, in `order`, by one gather."""
+    """Windows of `size` at offsets (dy, dx) of padded images x, flipped, in `order`: one gather."""
     n, c = x.shape[:2]
     h, w = pair(size)
     i = torch.arange(h, device=x.device)
@@ -473,7 +472,7 @@ def low_resolution(x, size, *, memory_format=torch.preserve_format):
 
 
 def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):
-    """Yields one shuffled epoch's full batches (images, labels), augmented as `augment` says at `epoch`'s side."""
+    """Yields one shuffled epoch's full batches (images, labels), augmented, at `epoch`'s side."""
     size, x, y = tuple(data["test_images"].shape[-2:]), data["train_images"], data["train_labels"]
     draws = draw_augmentation(len(x), size, augment, generator=generator, epoch=epoch, flip_base=flip_base,
                               device=x.device, order=order)
@@ -481,13 +480,13 @@ def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=
     if side == size:
         x = augment_images(x, draws, size, augment.cutout, order=draws["perm"], memory_format=memory_format)
     else:
-        x = resized_images(x, draws, size, side, augment.cutout, memory_format=memory_format)
+        x = resized_images(x, draws, size, side, cutout=augment.cutout, memory_format=memory_format)
     y = y[draws["perm"]]
     for i in range(len(x) // batch_size):
         yield x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]
 
 
-def resized_images(x, draws, size, side, cutout, *, memory_format):
+def resized_images(x, draws, size, side, *, cutout, memory_format):
     """The padded images x with one epoch's draws applied (augment_images), resized to `side` in memory_format."""
     # resized from NCHW, and laid out as memory_format by the resize's cast
     x = augment_images(x, draws, size, cutout, order=draws["perm"], memory_format=torch.contiguous_format)

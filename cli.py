@@ -68,8 +68,8 @@ def grid(s):
 
 class HelpFormatter(argparse.HelpFormatter):
     """--help at most 100 columns wide (narrower in a narrower terminal), a flag's help beside it where the flag
-    and its metavar take at most 26 columns; a description's paragraphs filled to the width, but for those with indented lines
-    (commands, lists), kept as written."""
+    and its metavar take at most 26 columns; a description's paragraphs filled to the width, but for those with
+    indented lines (commands, lists), kept as written."""
 
     def __init__(self, prog):
         super().__init__(prog, max_help_position=28, width=min(100, shutil.get_terminal_size().columns) - 2)

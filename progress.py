@@ -3,6 +3,7 @@ bars a Ctrl-C left open closed (close_progress), tables printed a row at a time 
 column), and a run's record of its epochs: their clock and rows (EpochClock) and the table both scripts print of them
 (epoch_table). Nothing here imports torch at import time.
 """
+import io
 import math
 import sys
 import time
@@ -135,10 +136,11 @@ def fit(value, width, spec=".4f"):
     return f"{value:.0e}"
 
 
-def epoch_table(columns, file=None, title=None):
-    """The per-epoch table both scripts print (progress.Table), under its title (printed at once) where there is one:
-    accuracies and losses to 4 decimals, times to 2, each column as wide as its name or its numbers, under 100
-    characters for either script's columns."""
+def epoch_table(columns, file=None, *, on=True, title=None):
+    """The per-epoch table both scripts print (progress.Table; with on false, nowhere), under its title (printed at
+    once) where there is one: accuracies and losses to 4 decimals, times to 2, each column as wide as its name or its
+    numbers, under 100 characters for either script's columns."""
+    file = file if on else io.StringIO()
     if title:
         print(title, file=file or sys.stdout, flush=True)
     return Table(columns, width=7, file=file, formats={"epoch_time": ".2f", "total_time": ".2f"},
@@ -146,14 +148,14 @@ def epoch_table(columns, file=None, title=None):
 
 
 class EpochClock:
-    """A run's clock (`timer`: devices.timer, started once the network is built) and its table's rows, epoch by epoch:
-    stop() ends an epoch's training on the clock, evaluated() its evaluation off it (the last one's time is the run's
-    final_eval_time), rows_read() reads the clock where the host waits anyway, resume() leaves what the host did with
-    the rows off the clock. Nothing waits for the device before a read."""
+    """A run's clock (`timer`: devices.timer, started once the network is built) and its table's rows, epoch by epoch,
+    with o.target and o.eval_every: stop() ends an epoch's training on the clock, evaluated() its evaluation off it
+    (the last one's time is the run's final_eval_time), rows_read() reads the clock where the host waits anyway,
+    resume() leaves what the host did with the rows off the clock. Nothing waits for the device before a read."""
 
-    def __init__(self, timer, *, columns, accuracy, target, eval_every, reads_every_epoch=False):
-        self.clock, self.columns, self.eval_every = timer, columns, eval_every
-        self.accuracy, self.target, self.reads_every_epoch = accuracy, target, reads_every_epoch
+    def __init__(self, timer, o, *, columns, accuracy, reads_every_epoch=False):
+        self.clock, self.columns, self.eval_every = timer, columns, o.eval_every
+        self.accuracy, self.target, self.reads_every_epoch = accuracy, o.target, reads_every_epoch
         self.rows, self.time_to_target, self.final_eval_time = [], None, 0.0
         self.pending, self.host_has_read = [], False
 

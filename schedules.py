@@ -66,7 +66,7 @@ class LRSettings:
             raise flag_error("lr_knots", self.knots, "must not decrease")
 
     def at(self, t):
-        """The rate at t, a fraction of the run: linear between knots, constant beyond, at least floor × the peak."""
+        """The rate at t (a fraction of the run): linear between knots, at least floor × the peak."""
         k, v = self.knots, self.values
         i = next((i for i in range(len(k)) if t <= k[i]), None)
         if i is None or i == 0 or k[i] == k[i - 1]:

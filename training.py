@@ -205,7 +205,7 @@ class LookaheadTail:
 
 
 def averaging(model, *, ema=None, lookahead=None, tail=None, steps_per_epoch=None, masters=None):
-    """The run's weight average (of the float32 masters where there are masters), from its settings, or None."""
+    """The run's weight average (of the float32 masters, given them), from its settings, or None."""
     if ema:
         return ExponentialAverage(model, ema.momentum, ema.every, masters)
     if lookahead:
@@ -216,7 +216,7 @@ def averaging(model, *, ema=None, lookahead=None, tail=None, steps_per_epoch=Non
 
 
 def evaluation_model(model, average, masters=None):
-    """The network a run evaluates: the EMA's, else the model (given masters, a float32 copy holding them)."""
+    """The EMA's network, else the model (given masters, a float32 copy holding them)."""
     if average is not None and average.model is not None:
         return average.model
     return masters.float_copy(model) if masters else model
