@@ -62,7 +62,7 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     seeds = run_seeds(seed, ctx.rank)
     masters = net.reset(seeds["init"])         # float32 masters of a GPU's bf16 weights
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
-    bias = whitening_bias(net.module, steps_per_epoch)     # at a rate of its own, then detached (airbench94)
+    bias = whitening_bias(net.module, steps_per_epoch)     # its own rate, then detached (airbench94)
     opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, own_rates=[bias], masters=masters)
     flip_base = flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
     clock = EpochClock(devices.timer(device), o, columns=COLUMNS, accuracy="test_acc")
@@ -120,13 +120,13 @@ def compile_counts(since=None):
 # ---------------------------------------------------------------------------------------------
 
 def device_data(arrays, r, ctx, device, *, dtype, stats):
-    """This process's dataset on the device (under torchrun: rank_data)."""
+    """This process's dataset on the device (under torchrun: rank_dataset)."""
     if ctx.distributed:
-        return rank_data(arrays, r, ctx, device, dtype=dtype, stats=stats)
+        return rank_dataset(arrays, r, ctx, device, dtype=dtype, stats=stats)
     return dataset_on_device(arrays, device, dtype=dtype, pad=r.augment.crop_pad, stats=stats)
 
 
-def rank_data(arrays, r, ctx, device, *, dtype, stats):
+def rank_dataset(arrays, r, ctx, device, *, dtype, stats):
     """The rank's contiguous shard of the training set on the device, and the images every rank fits the whitening on
     (whiten_images, taken before sharding: frozen parameters, which DDP never syncs)."""
     rows = shard(len(arrays["train_labels"]), ctx.rank, ctx.world_size)
@@ -160,7 +160,7 @@ class Network:
 
 
 def held_weights(r, dtype, distributed=False):
-    """The dtype (a GPU's bf16) r's network holds its weights in, float32 masters in its optimiser; else None."""
+    """The low dtype r's network holds its weights in (a GPU's bf16), with float32 masters; else None."""
     return dtype if dtype in (torch.bfloat16, torch.float16) and steps_masters(r) and not distributed else None
 
 

@@ -320,7 +320,7 @@ def measured():
 
 
 def recipe(name, **changes):
-    """The recipe `name` with settings changed by flag name (width=0.25), checked."""
+    """The recipe `name` with settings changed by flag name, checked."""
     check_recipe_name(name)
     return changed(RECIPES[name], **changes)
 

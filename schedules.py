@@ -30,11 +30,11 @@ def epoch_steps(epochs, steps_per_epoch):
 
 def run_steps(n_train, batch, epochs):
     """(steps per epoch, total steps) of `epochs` over n_train images in full batches of `batch`."""
-    check_batch(n_train, batch)
+    check_batch_fits(n_train, batch)
     return n_train // batch, max(1, epoch_steps(epochs, n_train // batch))
 
 
-def check_batch(n_train, batch):
+def check_batch_fits(n_train, batch):
     """Raises ValueError unless n_train images make at least one batch of `batch`."""
     if n_train < batch:
         raise ValueError(f"batch size {batch} is larger than the {n_train} training images")
