@@ -10,7 +10,7 @@ each component's class beside the code that reads it. Any setting is also a flag
 --whiten-eps 1e-3, --lookahead-momentum 0). train_run is one run, every trick at the line where it acts or is handed
 to the part that applies it (label smoothing to training.train_step's loss).
 """
-import io
+import dataclasses
 import math
 import os
 import sys
@@ -29,21 +29,21 @@ from cifar10_recipes import (FAST94, FAST94_CURRICULUM, FAST94_LOWFLOP, FAST94_M
                              RECIPES, Recipe, journey_recipes, measured, recipe)
 from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, flip_bits, load, low_resolution,
                         upload_normalised, num_classes, pair, take_subset, dataset_on_device)
-from cli import (HelpFormatter, add_run_flags, check_run, check_whole, claim_output, command, cpu_warning, ctrl_c_exit,
-                 interrupted, join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
-from core import DataError, Parser, UsageError, say_error
+from cli import (COMPILE_MODES, check_run, check_whole, cifar10_parser, claim_output, command, cpu_warning,
+                 ctrl_c_exit, interrupted, join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
+from core import DataError, UsageError, say_error
 from distributed import Context, barrier, leave, register_comm_hook, shard, wrap_ddp
 from optim import MasterWeights, make_optimizers, set_lr, steps_masters
-from outputs import check_output, write_result
+from outputs import check_output, profiled, write_result
 from processes import exit_now
-from progress import Heartbeat, with_progress
+from progress import EpochClock, Heartbeat, epoch_table, with_progress
 from run_statistics import print_summary, summarize_runs
 from schedules import per_rank_batch, run_steps
-from settings import add_flags, as_flags, changes_from, check, command_text, flag_error, one_of
+from settings import as_flags, by_name, changed, changes_from, check, command_text, flag_error
 from torch_backend import (TTASettings, build_model, fit_whitening, hold_weights, loss_and_accuracy,
                            pools_to_one_pixel, tta_views, whitening_bias)
-from training import (EpochClock, RunOptions, averaging, check_finite_loss, epoch_table,
-                      evaluation_model, loss_and_sums, profiled, run_seeds, strict_compile, train_step, warmup_calls)
+from training import (RunOptions, averaging, check_finite_loss, evaluation_model, loss_and_sums, run_seeds,
+                      strict_compile, train_step, warmup_calls)
 from versions import torchvision_mismatch
 
 # ---------------------------------------------------------------------------------------------
@@ -54,28 +54,24 @@ COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "e
 
 
 def train_run(r, built, o, *, ctx, seed, on_epoch=None):
-    """One run of recipe r, Built once a process (its data on the device, its Network reset here), with Options o:
-    {"seed", "rows", "final_acc", "train_time", "final_eval_time", "time", "time_to_target", "model"}."""
+    """One run of recipe r on a Built: {"seed", "rows", "final_acc", "model", and its times}."""
     data, net = built.data, built.network
     device, batch = torch.device(ctx.device), r.batch_size // ctx.world_size
     dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
     steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), batch, r.epochs)
-    seeds = run_seeds(seed, ctx.rank)          # the network, the data's order and its augmentation: 3 streams
-    masters = net.reset(seeds["init"])         # the float32 weights of those the network holds in bf16 (a GPU's)
+    seeds = run_seeds(seed, ctx.rank)
+    masters = net.reset(seeds["init"])         # float32 masters of a GPU's bf16 weights
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
-    bias = whitening_bias(net.module, steps_per_epoch)     # at a rate of its own, then detached (airbench94)
+    bias = whitening_bias(net.module, steps_per_epoch)     # its own rate, then detached (airbench94)
     opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, own_rates=[bias], masters=masters)
     flip_base = flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
-    clock = EpochClock(device, columns=COLUMNS, accuracy="test_acc", target=o.target, eval_every=o.eval_every)
-    fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:],
-                  masters)                                                                             # timed
+    clock = EpochClock(devices.timer(device), o, columns=COLUMNS, accuracy="test_acc")
+    fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:], masters)
     average = averaging(net.module, ema=r.ema, lookahead=r.lookahead, tail=r.lookahead_tail,
                         steps_per_epoch=steps_per_epoch, masters=masters)
-    step, hint = 0, f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})"
+    step = 0
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
-        sums, seen = torch.zeros(2, device=device), 0         # the epoch's summed loss and correct predictions
-        steps = min(steps_per_epoch, total_steps - step)          # the last epoch may be cut short
-        # each epoch at its side in the resolution schedule (r.augment.resolution), resized in epoch_batches
+        sums, steps = torch.zeros(2, device=device), min(steps_per_epoch, total_steps - step)
         batches = islice(epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
                                        batch_size=batch, memory_format=memory_format), steps)
         for x, y in with_progress(batches, steps, f"epoch {epoch + 1}", PROGRESS_AFTER_S, on=o.progress):
@@ -84,13 +80,13 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
             if bias and not ctx.distributed:        # DDP wants every gradient: the bias's rate goes to 0 instead
                 bias.param.requires_grad_(step < bias.until_step)
             sums = sums + train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
-            step, seen = step + 1, seen + len(y)
+            step += 1
             if average:
                 average.update(net.module, step, total_steps)
         last = step == total_steps
         if r.lookahead and last:
-            average.finish(net.module)           # lookahead: the slow weights end the run
-        clock.stop(sums, seen, epoch=epoch + 1, lr=lr)      # read where the host waits
+            average.finish(net.module)
+        clock.stop(sums, steps * batch, epoch=epoch + 1, lr=lr)
         if clock.evaluates(epoch, last=last):
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
                 loss, acc = loss_and_accuracy(evaluation_model(net.eval_forward, average), data["test_images"],
@@ -98,24 +94,25 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
                                               memory_format=memory_format)
             clock.evaluated(test_loss=loss, test_acc=acc)
         for row in clock.rows_read():
-            check_finite_loss(row["train_loss"], epoch=row["epoch"], hint=hint)
+            check_loss(row, r)
             on_epoch and on_epoch(row)
         clock.resume()
     return {"seed": seed, "rows": clock.rows, "final_acc": clock.rows[-1]["test_acc"], **clock.times(),
             "model": evaluation_model(net.module, average, masters)}
 
 
-def compile_counts():
-    """(graphs torch.compile has made in this process so far, frames it gave up on and left to run eagerly):
-    torch._dynamo's counts."""
+def check_loss(row, r):
+    """Raises DataError (one line, naming the likely setting) unless the epoch's training loss is finite."""
+    check_finite_loss(row["train_loss"], epoch=row["epoch"],
+                      hint=f"the learning rate is the likely cause (--lr-values peaks at {max(r.lr.values):g})")
+
+
+def compile_counts(since=None):
+    """(graphs torch.compile has made in this process, frames it left to run eagerly): torch._dynamo's counts; given
+    an earlier count `since`, {"recompiles", "eager_fallbacks"} since then."""
     from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"], counters["frames"]["total"] - counters["frames"]["ok"]
-
-
-def compiled_since(before):
-    """{"recompiles", "eager_fallbacks"}: the graphs torch.compile made, and the frames it left to run eagerly, since
-    compile_counts() gave `before`."""
-    return dict(zip(("recompiles", "eager_fallbacks"), (now - then for now, then in zip(compile_counts(), before))))
+    now = counters["stats"]["unique_graphs"], counters["frames"]["total"] - counters["frames"]["ok"]
+    return now if since is None else dict(zip(("recompiles", "eager_fallbacks"), (a - b for a, b in zip(now, since))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,16 +120,21 @@ def compiled_since(before):
 # ---------------------------------------------------------------------------------------------
 
 def device_data(arrays, r, ctx, device, *, dtype, stats):
-    """This process's dataset on the device, normalised by stats (the whole training set's): under torchrun its own
-    contiguous shard of the training set. whiten_images are the images the whitening is fitted on, taken before
-    sharding, so that every rank fits the filters one process would (frozen parameters, which DDP never syncs)."""
+    """This process's dataset on the device (under torchrun: rank_dataset)."""
+    if ctx.distributed:
+        return rank_dataset(arrays, r, ctx, device, dtype=dtype, stats=stats)
+    return dataset_on_device(arrays, device, dtype=dtype, pad=r.augment.crop_pad, stats=stats)
+
+
+def rank_dataset(arrays, r, ctx, device, *, dtype, stats):
+    """The rank's contiguous shard of the training set on the device, and the images every rank fits the whitening on
+    (whiten_images, taken before sharding: frozen parameters, which DDP never syncs)."""
     rows = shard(len(arrays["train_labels"]), ctx.rank, ctx.world_size)
     own = {**arrays, "train_images": arrays["train_images"][rows.start:rows.stop],
            "train_labels": arrays["train_labels"][rows.start:rows.stop]}
     data = dataset_on_device(own, device, dtype=dtype, pad=r.augment.crop_pad, stats=stats)
     fit = r.whitening.fit.images if r.whitening else 0
-    data["whiten_images"] = (upload_normalised(arrays["train_images"][:fit], device, dtype=dtype, stats=stats)
-                             if ctx.distributed else data["train_images"])
+    data["whiten_images"] = upload_normalised(arrays["train_images"][:fit], device, dtype=dtype, stats=stats)
     data["num_classes"] = num_classes(arrays)
     return data
 
@@ -140,8 +142,7 @@ def device_data(arrays, r, ctx, device, *, dtype, stats):
 @dataclass(kw_only=True)
 class Network:
     """The network a process builds once (build_network()) and each run resets: `module`, what a training step calls
-    (`train_forward`) and what an evaluation calls (`eval_forward`), each the module itself, in DDP or compiled as
-    it was built; `recipe` and `num_classes` build the fresh network whose weights a reset takes."""
+    (`train_forward`) and what an evaluation calls (`eval_forward`); `recipe` and `num_classes` build it afresh."""
     module: torch.nn.Module
     train_forward: object
     eval_forward: object
@@ -149,9 +150,7 @@ class Network:
     num_classes: int = 10
 
     def reset(self, seed):
-        """Re-initialises the module's state (weights, batch-norm statistics) as torch.manual_seed(seed) and
-        build_model would build it afresh, in place; returns the MasterWeights of the weights it holds in a lower
-        precision (held_weights), their float32 values as built."""
+        """The MasterWeights of the module re-initialised in place as torch.manual_seed(seed) builds it."""
         torch.manual_seed(seed)
         device = next(self.module.parameters()).device
         fresh = build_model(self.recipe, device, memory_format=devices.memory_format(device),
@@ -161,17 +160,12 @@ class Network:
 
 
 def held_weights(r, dtype, distributed=False):
-    """The dtype a network of recipe r holds its autocast_weights in, computing in `dtype`: that dtype (bf16 on a GPU),
-    where its optimiser steps float32 masters of them (optim.steps_masters) and no DDP would all-reduce their
-    gradients in it; else None (float32, cast by autocast at every step)."""
-    low = dtype in (torch.bfloat16, torch.float16)
-    return dtype if low and steps_masters(r) and not distributed else None
+    """The low dtype r's network holds its weights in (a GPU's bf16), with float32 masters; else None."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) and steps_masters(r) and not distributed else None
 
 
 def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10, dtype=torch.float32):
-    """The Network of recipe r computing in dtype, its weights held as held_weights says: a training step calls it in
-    DDP under torchrun (an evaluation the module itself), and torch.compile'd with compile_mode (with r.compile_step, as
-    WithLoss), which an evaluation then calls too."""
+    """The Network of recipe r computing in dtype: in DDP under torchrun, compiled with compile_mode."""
     distributed = ctx is not None and ctx.distributed
     module = build_model(r, device, memory_format=devices.memory_format(device), num_classes=num_classes)
     if held := held_weights(r, dtype, distributed):
@@ -180,7 +174,7 @@ def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10, dty
     if compile_mode:
         if r.compile_step:
             forward = WithLoss(forward, r.label_smoothing)
-        # dynamic=False: each shape (the low-resolution epochs) compiles a graph of its own, once, in the warm-up
+        # dynamic=False: a graph for each shape (the low-resolution epochs), each compiled once, in the warm-up
         forward = torch.compile(forward, mode=None if compile_mode == "default" else compile_mode, dynamic=False)
     return Network(module=module, train_forward=forward, eval_forward=module if distributed else forward, recipe=r,
                    num_classes=num_classes)
@@ -201,20 +195,23 @@ class WithLoss(torch.nn.Module):
         return logits if y is None else loss_and_sums(logits, y, label_smoothing=self.label_smoothing)
 
 
-def warmup(r, built, o, *, ctx, calls=1):
-    """Runs off the clock, `calls` times (training.warmup_calls), a whole run of r on the Built from the first run's
-    seed, so that the first timed run meets nothing new (graphs compiled and captured, kernels loaded and autotuned,
-    buffers cached); each run resets the network and re-seeds its streams, so the runs' numbers stay as they were."""
-    for _ in range(calls):
-        train_run(r, built, replace(o, progress=False), ctx=ctx, seed=o.seed)
-    devices.synchronize(torch.device(ctx.device))
+def warmup(r, built, o, *, ctx, calls=None):
+    """Runs off the clock, `calls` times (by default training.warmup_calls), a whole run of r on the Built from the
+    first run's seed, so that the first timed run meets nothing new (graphs compiled and captured, kernels loaded and
+    autotuned, buffers cached); each run resets the network and re-seeds its streams: the numbers stay as they were."""
+    devices.autotune(torch.device(ctx.device))
+    calls = calls or warmup_calls(o.compile)
+    what = "compiling every graph the runs meet (torch.compile)" if o.compile else "cuDNN's autotuning"
+    with Heartbeat(f"warm-up: {calls} whole run{'s' * (calls > 1)} off the clock, {what}", on=o.progress):
+        for _ in range(calls):
+            train_run(r, built, replace(o, progress=False), ctx=ctx, seed=o.seed)
+        devices.synchronize(torch.device(ctx.device))
 
 
 # ---------------------------------------------------------------------------------------------
 # The library: train() and scores(); the command line below is a thin layer over them
 # ---------------------------------------------------------------------------------------------
 
-COMPILE_MODES = ("default", "max-autotune", "reduce-overhead")       # torch.compile's modes
 SUMMARY = ("final_acc", "time", "train_time", "time_to_target")     # the results summarised over runs
 PROGRESS_AFTER_S = 5.0          # an epoch that looks longer shows its steps on stderr
 
@@ -234,12 +231,18 @@ class Options(RunOptions):
     on_epoch: object = None
     data_flag: str = "data"          # how a message names the data: train()'s data="FILE.npz", or a script's flag
 
+    def __new__(cls, **options):
+        check_options(options)
+        return super().__new__(cls)
+
 
 @dataclass(kw_only=True)
 class Result:
     """What train() returns: the last run's trained network (the weights evaluated: the EMA's or lookahead's when
-    the recipe averages), its per-epoch rows, the summary over all runs, every run's result and the recipe."""
+    the recipe averages), the (mean, std) its images were normalised by, its per-epoch rows, the summary over all
+    runs, every run's result, the recipe and the FLOPs of a run."""
     model: torch.nn.Module
+    stats: tuple
     rows: list
     summary: dict
     runs: list
@@ -247,43 +250,37 @@ class Result:
     flops: dict
 
 
-def train(recipe_or_name, data=None, *, subset=None, dataset=None, ctx=None, **changes):
-    """The Result of o.runs fresh networks of a recipe (a Recipe, or a name with settings by flag name), trained on
-    data (a .npz, a data folder, an unpacked archive or a dict of the four arrays; docs/cifar10.md, Library use) with
-    Options o from the keywords (runs=10, device="cpu", progress=True, on_epoch=print)."""
-    o = Options(**{k: changes.pop(k) for k in list(changes) if k in Options.__dataclass_fields__})
-    r, arrays, stats, ctx = recipe_and_data(recipe_or_name, data, o, subset=subset, dataset=dataset, ctx=ctx,
-                                            changes=changes)
+def train(recipe, data=None, *, changes=None, options=None, subset=None, dataset=None, ctx=None):
+    """The Result of `recipe` (a Recipe or a name) with `changes` trained on `data` as `options` say."""
+    o = options or Options()
+    r, arrays, stats, ctx = recipe_and_data(recipe, data, o, changes=changes, subset=subset, dataset=dataset, ctx=ctx)
     device, results = torch.device(ctx.device), []
     with strict_compile(), devices.parameters_dtype(devices.compute_dtype(device, o.precision)):
         built = build(r, arrays, o, ctx=ctx, stats=stats)
         for k in range(o.runs):
-            if o.verbose and o.runs > 1:
-                print(f"run {k + 1}/{o.runs} (seed {o.seed + k})", flush=True)
-            table = epoch_table(COLUMNS, file=None if o.verbose else io.StringIO())
-            started = time.perf_counter()
+            table = epoch_table(COLUMNS, on=o.verbose,
+                                title=f"run {k + 1}/{o.runs} (seed {o.seed + k})" if o.runs > 1 else None)
+            started, compiled = time.perf_counter(), compile_counts()
 
-            def epoch_done(row, first=k == 0):
+            def epoch_done(row):
                 table.append(row)
-                if first and row["epoch"] == 1 and o.progress and devices.is_cpu(device):
-                    say_estimate(r, row["epoch_time"], runs=o.runs, n_train=len(arrays["train_labels"]))
+                say_estimate(r, row, o, first=not results, device=device, n_train=len(arrays["train_labels"]))
                 o.on_epoch and o.on_epoch(row)
-            compiled_before = compile_counts()      # a graph made inside a run: one the warm-up did not meet
             profile = o.profile if k == 0 and ctx.is_main else None     # the first timed run's, after the warm-up
             with profiled(profile, device):
-                result = {**train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done),
-                          **compiled_since(compiled_before), **({"profiled": True} if profile else {})}
-            last = result_so_far(r, result, results, built=built, o=o, stats=stats,
-                                 wall_s=time.perf_counter() - started)
+                result = train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done)
+            last = result_so_far(r, result, results, built=built, o=o, started=started, compiled=compiled,
+                                 profile=profile)
             o.on_run and o.on_run(last)
     return last
 
 
-def result_so_far(r, result, results, *, built, o, stats, wall_s):
-    """The Result once `result` joins `results`: the summary over the runs so far, its FLOPs and network (which
-    keeps the statistics it trained on, for scores()); with o.verbose, the run's line printed."""
-    model = result.pop("model")
-    model.normalisation = stats
+def result_so_far(r, result, results, *, built, o, started, compiled, profile):
+    """The Result once `result` joins `results`, with its wall time since `started`, the graphs compiled inside it
+    (none the warm-up met) since `compiled` and whether it was profiled: the summary over the runs so far, its FLOPs,
+    its network and the statistics it trained on (for scores()); with o.verbose, the run's line printed."""
+    model, wall_s = result.pop("model"), time.perf_counter() - started
+    result.update(compile_counts(since=compiled), **({"profiled": True} if profile else {}))
     results.append({**result, "wall_s": wall_s})
     summary = summarize_runs(results, o.target, SUMMARY, "final_acc")
     flops = built.flops["total"]
@@ -294,21 +291,46 @@ def result_so_far(r, result, results, *, built, o, stats, wall_s):
               + (f"time to {o.target:.2%}: {ttt:.2f} s" if ttt is not None else f"did not reach {o.target:.2%}")
               + f"; training {result['train_time']:.2f} s + final evaluation {result['final_eval_time']:.2f} s",
               flush=True)
-    return Result(model=model, rows=result["rows"], summary=summary, runs=list(results), recipe=r, flops=built.flops)
+    return Result(model=model, stats=built.stats, rows=result["rows"], summary=summary, runs=list(results), recipe=r,
+                  flops=built.flops)
 
 
-def recipe_and_data(recipe_or_name, data, o, *, subset, dataset, ctx, changes):
-    """train()'s arguments checked and its data loaded: (the recipe, the four arrays of the subset, the whole training
-    set's per-channel statistics, ctx)."""
-    if isinstance(recipe_or_name, Recipe) and changes:
-        raise UsageError("train: give a recipe's name with its changes, or a Recipe (recipe(name, **changes))")
+def check_options(options):
+    """Raises UsageError (one line, naming where it belongs) for a name in `options` that is not a run option."""
+    fields = [f.name for f in dataclasses.fields(Options)]
+    for name in options:
+        if name in by_name(Recipe):
+            raise UsageError(f"Options({name}=...): {name} is a recipe setting, not a run option; give it in "
+                             f"train(..., changes={{{name!r}: ...}})")
+        if name not in fields:
+            raise UsageError(f"Options({name}=...): not a run option; the run options are {', '.join(fields)}")
+
+
+def check_changes(changes):
+    """Raises UsageError (one line, naming where it belongs) unless `changes` is a dict of recipe settings."""
+    if not isinstance(changes, dict):
+        raise UsageError(f"train: changes must be a dict of recipe settings by flag name ({{'epochs': 3}}), not "
+                         f"{type(changes).__name__}")
+    for name in changes:
+        if name in Options.__dataclass_fields__:
+            raise UsageError(f"changes={{{name!r}: ...}}: {name} is a run option, not a recipe setting; give it in "
+                             f"train(..., options=cf.Options({name}=...))")
+
+
+def recipe_and_data(recipe_or_name, data, o, *, changes, subset, dataset, ctx):
+    """train()'s arguments checked and its data loaded: (the recipe with its changes, the four arrays of the subset,
+    the whole training set's per-channel statistics, ctx)."""
+    if not isinstance(o, Options):
+        raise UsageError(f"train: options must be a cf.Options, not {type(o).__name__}")
+    check_changes(changes or {})
     if not isinstance(recipe_or_name, (Recipe, str)):
         raise UsageError(f"train: the recipe must be a Recipe or a recipe's name, not {type(recipe_or_name).__name__}")
     if data is not None and not isinstance(data, (str, os.PathLike, dict)):
         what = f"of shape {tuple(data.shape)}" if hasattr(data, "shape") else f"{data!r:.40}"     # not an array's repr
         raise UsageError(f"train: data must be a path (a .npz, a data folder, an unpacked archive) or a dict of the "
                          f"four arrays, not {type(data).__name__} {what}")
-    r = recipe_or_name if isinstance(recipe_or_name, Recipe) else recipe(recipe_or_name, **changes)
+    r = (changed(recipe_or_name, **changes) if changes else recipe_or_name) if isinstance(recipe_or_name, Recipe) \
+        else recipe(recipe_or_name, **(changes or {}))
     check_run(o.runs, o.target, seed=o.seed, eval_every=o.eval_every, precision=o.precision)
     check_output(o.profile, "--profile")
     if o.compile not in (None, *COMPILE_MODES):
@@ -386,53 +408,51 @@ def count_flops(r, data, *, batch=2):
 
 @dataclass(kw_only=True)
 class Built:
-    """What a process builds once for a recipe: its data on the device (device_data, with the statistics it was
-    normalised by), its Network (build_network(), which each run resets) and the FLOPs of a run (count_flops)."""
+    """What a process builds once for a recipe: its data on the device (device_data), its Network (build_network(),
+    which each run resets), the FLOPs of a run (count_flops) and the (mean, std) the images were normalised by."""
     data: dict
     network: Network
     flops: dict = None
+    stats: tuple = None
 
 
 def build(r, arrays, o, *, ctx, stats=None):
-    """Built for recipe r from the four arrays with Options o: the data on the device (normalised by stats, the
-    training images' own by default), the FLOPs counted, the network compiled (o.compile) or in DDP (under
-    torchrun); on an accelerator or with compile, the untimed warm-up done (inside strict_compile, for compile)."""
+    """Built for recipe r: its data on the device, FLOPs and network, warmed up on an accelerator or compiled."""
     device, stats = torch.device(ctx.device), stats or channel_stats(arrays["train_images"])
     dtype = devices.compute_dtype(device, o.precision)
-    data = {**device_data(arrays, r, ctx, device, dtype=dtype, stats=stats), "stats": stats}
+    data = device_data(arrays, r, ctx, device, dtype=dtype, stats=stats)
     flops = count_flops(r, {**data, "train_labels": torch.empty(len(arrays["train_labels"]))})
-    net = build_network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data.get("num_classes", 10),
-                        dtype=dtype)
-    built = Built(data=data, network=net, flops=flops)
+    net = build_network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data["num_classes"], dtype=dtype)
+    built = Built(data=data, network=net, flops=flops, stats=stats)
     if not devices.is_cpu(device) or o.compile:
-        devices.autotune(device)
-        calls = warmup_calls(o.compile)
-        what = "compiling every graph the runs meet (torch.compile)" if o.compile else "cuDNN's autotuning"
-        with Heartbeat(f"warm-up: {calls} whole run{'s' * (calls > 1)} off the clock, {what}", on=o.progress):
-            warmup(r, built, o, ctx=ctx, calls=calls)
+        warmup(r, built, o, ctx=ctx)
     return built
 
 
-def say_estimate(r, epoch_s, *, runs, n_train):
-    """On a CPU, after the first epoch: the time every run's training will take, from that epoch's (on stderr)."""
+def say_estimate(r, row, o, *, first, device, n_train):
+    """On a CPU with o.progress, after the first run's first epoch: the time every run's training will take, from
+    that epoch's `row` (on stderr)."""
+    if not first or row["epoch"] != 1 or not o.progress or not devices.is_cpu(device):
+        return
     steps_per_epoch, total_steps = run_steps(n_train, r.batch_size, r.epochs)
-    total = runs * epoch_s * total_steps / steps_per_epoch
+    runs, total = o.runs, o.runs * row["epoch_time"] * total_steps / steps_per_epoch
     print(f"estimated time: about {f'{total / 60:.0f} min' if total >= 90 else f'{total:.0f} s'} for {runs} run"
           f"{'s' * (runs > 1)} of {r.epochs:g} epoch{'s' * (r.epochs != 1)} on this CPU (from the first epoch, "
           "evaluations left out; an estimate)", file=sys.stderr, flush=True)
 
 
 def scores(model, images, labels, *, tta=None, stats=None, batch_size=1000):
-    """{"loss", "accuracy"} of a trained network (Result.model) on images, with test-time augmentation `tta` (a
-    TTASettings, or None). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by the statistics
-    train() keeps on the model, or stats = (mean, std)), or a float tensor (N, 3, H, W) already normalised."""
+    """{"loss", "accuracy"} of a trained network (a Result, or a network) on images, with test-time augmentation `tta`
+    (a TTASettings, or None). images: uint8 (N, H, W, 3) numpy arrays, normalised as in training (by a Result's stats,
+    or stats = (mean, std)), or a float tensor (N, 3, H, W) already normalised."""
+    if isinstance(model, Result):
+        model, stats = model.model, stats or model.stats
     dtype = check_scores_input(model, images, labels, tta)
     device = next(model.parameters()).device
     if isinstance(images, np.ndarray):
-        stats = stats or getattr(model, "normalisation", None)
         if stats is None:
-            raise UsageError("scores: give stats=(mean, std), the training images' (a network train() returned "
-                             "keeps them)")
+            raise UsageError("scores: give stats=(mean, std), the training images' (Result.stats), or the Result "
+                             "whole")
         images = upload_normalised(np.ascontiguousarray(images), device, dtype=dtype, stats=stats)
     images = images.to(device, dtype)
     labels = torch.as_tensor(np.asarray(labels) if isinstance(labels, (list, tuple)) else labels, device=device).long()
@@ -446,7 +466,8 @@ def check_scores_input(model, images, labels, tta):
     """Raises UsageError (one line) unless scores() can evaluate model on images and labels with tta; returns the
     dtype the images are normalised in: the model's float32, or float64 (a network train(precision="fp64") made)."""
     if not isinstance(model, torch.nn.Module) or not any(True for _ in model.parameters()):
-        raise UsageError(f"scores: model must be a trained network (Result.model), not {type(model).__name__}")
+        raise UsageError(f"scores: model must be a Result or a trained network (Result.model), not "
+                         f"{type(model).__name__}")
     dtype = next(model.parameters()).dtype
     if dtype not in (torch.float32, torch.float64):
         raise UsageError(f"scores: the model's parameters are {str(dtype)[6:]}; give it in float32 (or float64)")
@@ -533,43 +554,8 @@ def check_data(r, arrays, ctx, say=None):
 # ---------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    args = parser().parse_args(argv)
+    args = cifar10_parser(__doc__).parse_args(argv)
     return args, changes_from(args, Recipe)
-
-
-def parser():
-    """The command line's parser: this script's flags, the runs' (cli.add_run_flags) and the recipe's settings."""
-    p = Parser(description=__doc__, formatter_class=HelpFormatter,
-               usage="%(prog)s [--recipe NAME] [--data-dir PATH] [options] [--SETTING VALUE ...]")
-    p.add_argument("--recipe", default="myrtle24", metavar="NAME",
-                   help="what to train (--list-recipes) (default: myrtle24)")
-    p.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
-    p.add_argument("--print-recipe", action="store_true",
-                   help="print the recipe's every setting (with the flags given) as the command that trains it, and "
-                        "exit")
-    p.add_argument("--dataset", default=None, type=one_of(DATASETS), metavar="{" + ",".join(DATASETS) + "}",
-                   help="what a data folder holds, downloaded there if missing; for a .npz, that it is that dataset, "
-                        "checked as such (default: cifar10; a .npz: your own data)")
-    p.add_argument("--data-dir", default="data", metavar="PATH",
-                   help="a data folder (the dataset downloaded and cached there), an unpacked archive folder, or a .npz "
-                        "(train_images, train_labels, test_images, test_labels: any images (N, H, W, 3) uint8) "
-                        "(default: data)")
-    p.add_argument("--subset", type=int, default=None, metavar="N",
-                   help="train on the first N training images (default: all)")
-    p.add_argument("--target", type=float, default=0.94, metavar="X",
-                   help="the test accuracy whose first epoch stops the clock (default: 0.94)")
-    p.add_argument("--out", default=None, metavar="FILE",
-                   help="write the recipe, environment, per-epoch rows and summary there as JSON (default: none)")
-    p.add_argument("--profile", default=None, metavar="FILE",
-                   help="write a torch.profiler trace (Chrome's JSON) of the first timed run, after the warm-up (the "
-                        "GPU's kernels on a GPU), and print its top kernels by time on stderr; that run's time is the "
-                        "profiler's too (default: none)")
-    p.add_argument("--compile", default=None, choices=COMPILE_MODES,
-                   help="torch.compile the network in this mode, once, in the untimed warm-up; reduce-overhead also "
-                        "captures CUDA graphs (default: not compiled)")
-    add_run_flags(p, comm_hook=True)
-    add_flags(p, Recipe, recipe=MYRTLE24)
-    return p
 
 
 # what train() does before a run's first epoch, by function: what Ctrl-C stopped there
@@ -621,12 +607,11 @@ def main(argv=None):
         where.update(run=len(result.runs) + 1, epoch=1, finished=len(result.runs))
         save(result, False)
     try:
-        result = train(r, args.data_dir, subset=args.subset, dataset=args.dataset, ctx=ctx, on_run=run_done,
-                       data_flag="--data-dir",
-                       on_epoch=lambda row: where.update(epoch=row["epoch"] + 1), runs=args.runs,
-                       seed=args.seed, target=args.target, eval_every=args.eval_every, precision=args.precision,
-                       compile=args.compile, profile=args.profile, verbose=ctx.is_main,
-                       progress=ctx.is_main and not args.quiet)
+        o = Options(runs=args.runs, seed=args.seed, target=args.target, eval_every=args.eval_every,
+                    precision=args.precision, compile=args.compile, profile=args.profile, verbose=ctx.is_main,
+                    progress=ctx.is_main and not args.quiet, on_run=run_done, data_flag="--data-dir",
+                    on_epoch=lambda row: where.update(epoch=row["epoch"] + 1))
+        result = train(r, args.data_dir, options=o, subset=args.subset, dataset=args.dataset, ctx=ctx)
         barrier()                 # leave together
     except (UsageError, DataError) as e:
         say_error(e)

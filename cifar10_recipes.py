@@ -22,7 +22,7 @@ MAX_EPOCHS = 1000         # beyond it a typo (--epochs 1e12), not a run: its rat
 
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
-    """What a run computes. Settings left out (None) are techniques the recipe does not use."""
+    """What a run computes; a technique it does not use is None."""
     name: str = "custom"
     doc: str = ""
     epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="epochs to train; a fraction cuts the last short")
@@ -42,7 +42,7 @@ class Recipe:
     compile_step: bool = knob(False, doc="with --compile: the forward and the loss compiled as one function")
 
     def __post_init__(self):
-        check(self)           # every recipe made is checked whole, by whoever makes it
+        check(self)
 
     def check(self):
         averages = [flag for flag, on in (("--ema-momentum", self.ema), ("--lookahead-momentum", self.lookahead),
@@ -119,7 +119,8 @@ JOURNEY = [
                       lr_values=(0.0, 0.4, 0.0), output_scale=0.125)),
     # measured: not measured on a GPU; published: 70 s (V100, Myrtle)
     dict(name="gpu_aug", published_v100_s=70, changes=dict(),
-         doc="same as resnet9_24: Myrtle's step moved preprocessing and augmentation to the GPU; ours always runs there"),
+         doc="same as resnet9_24: Myrtle's step moved preprocessing and augmentation to the GPU; ours always runs "
+             "there"),
     # measured: not measured on a GPU; published: 64 s (V100, Myrtle)
     dict(name="maxpool_pre", published_v100_s=64,
          doc="max-pool before batch norm (4x fewer pixels to normalise), 25 epochs to win back the accuracy",
@@ -144,7 +145,8 @@ JOURNEY = [
     # measured: not measured on a GPU; published: 33.5 s (V100, Myrtle)
     dict(name="ema", published_v100_s=33.5,
          doc="EMA of the weights (0.99 every 5 steps), lr floored at 0.1 for the last 2 epochs, 13 epochs",
-         changes=dict(ema_momentum=0.99, ema_every=5, epochs=13, lr_knots=(0, 0.2, 11 / 13), lr_values=(0.0, 1.0, 0.1))),
+         changes=dict(ema_momentum=0.99, ema_every=5, epochs=13, lr_knots=(0, 0.2, 11 / 13),
+                      lr_values=(0.0, 1.0, 0.1))),
     # measured: not measured on a GPU; published: 26 s (V100, Myrtle)
     dict(name="tta10", published_v100_s=26, doc="flip test-time augmentation, no cutout, 10 epochs (= myrtle10)",
          changes=dict(tta="flip", cutout=0, epochs=10, lr_knots=(0, 0.2, 0.8))),
@@ -256,8 +258,8 @@ FAST94_NEXT_LOWRES = replace(FAST94_NEXT, name="fast94_next_lowres",
                                  "fast94_next before it joins it (target 94%)",
                              augment=replace(FAST94_NEXT.augment, resolution_schedule=(24, 24)))
 
-# Our lowest-FLOP 94% attempt: fast94_next_lowres with 0.3 epochs more at 32 px, which win back the low-resolution epochs'
-# accuracy (94.07% +- 0.16 on the CPU, n = 13, at 0.242 PFLOP of training against fast94_next's 0.264).
+# Our lowest-FLOP 94% attempt: fast94_next_lowres with 0.3 epochs more at 32 px, which win back the low-resolution
+# epochs' accuracy (94.07% +- 0.16 on the CPU, n = 13, at 0.242 PFLOP of training against fast94_next's 0.264).
 # measured: not measured on a GPU; published: none (an idea of ours)
 FAST94_LOWFLOP = replace(FAST94_NEXT_LOWRES, name="fast94_lowflop",
                          doc="fast94_next_lowres for 7.89 epochs: our lower-FLOP schedule (target 94%)", epochs=7.89)
@@ -318,8 +320,12 @@ def measured():
 
 
 def recipe(name, **changes):
-    """A recipe by name, with settings changed by flag name (width=0.25, whiten_eps=1e-3), checked: the one value a
-    run passes down. A bad name or value is a UsageError of one line."""
+    """The recipe `name` with settings changed by flag name, checked."""
+    check_recipe_name(name)
+    return changed(RECIPES[name], **changes)
+
+
+def check_recipe_name(name):
+    """Raises UsageError (one line, naming the recipes) unless `name` is a recipe's."""
     if name not in RECIPES:
         raise UsageError(f"unknown recipe {name!r}; choose from {', '.join(RECIPES)}")
-    return changed(RECIPES[name], **changes)

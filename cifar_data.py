@@ -101,7 +101,8 @@ def _batches_to_arrays(read, where, spec):
         except Exception as e:
             raise DataError(f"{where}/{name}: not a {spec['title']} batch ({type(e).__name__}: {e})") from e
         if x.ndim != 2 or x.shape[1] != 3072 or len(x) != len(y):
-            raise DataError(f"{where}/{name}: wrong shapes (data {x.shape}, labels {y.shape}); expected (N, 3072) and (N,)")
+            raise DataError(f"{where}/{name}: wrong shapes (data {x.shape}, labels {y.shape}); expected (N, 3072) "
+                            "and (N,)")
         return as_pixels(x, f"{where}/{name}").reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), y
     train, test = [load(name) for name in spec["train"]], [load(name) for name in spec["test"]]
     join = lambda batches, i: np.concatenate([batch[i] for batch in batches])
@@ -269,7 +270,8 @@ def channel_stats(images, chunk=1 << 20):
 
 def take_subset(arrays, n_train=None, n_test=None):
     """The first n_train training and n_test test images (None keeps them all)."""
-    return {**arrays, "train_images": arrays["train_images"][:n_train], "train_labels": arrays["train_labels"][:n_train],
+    return {**arrays, "train_images": arrays["train_images"][:n_train],
+            "train_labels": arrays["train_labels"][:n_train],
             "test_images": arrays["test_images"][:n_test], "test_labels": arrays["test_labels"][:n_test]}
 
 
@@ -280,24 +282,25 @@ def write_cache(path, d):
     write_atomic(path, write)
 
 
-def data_path_error(p):
-    """The one line for a --data-dir that is neither a .npz file (any case of the suffix) nor a folder, or None:
+def check_data_path(p):
+    """Raises DataError (one line) for a --data-dir that is neither a .npz file (any case of the suffix) nor a folder:
     what is there instead (a fifo, a device, a folder named .npz, a loop of links) or that nothing is."""
     npz = p.suffix.lower() == ".npz"
     try:
         os.stat(p)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            return f"{p}: is a loop of symbolic links"
-        return f"{p}: no such file" if npz else None
+            raise DataError(f"{p}: is a loop of symbolic links") from None
+        if npz:
+            raise DataError(f"{p}: no such file") from None
+        return
     kind = not_a_file(p)
     if npz and kind:
-        return f"{p}: is {kind}, not a .npz file"
+        raise DataError(f"{p}: is {kind}, not a .npz file")
     if not npz and kind not in (None, "a folder"):
-        return f"{p}: is {kind}; expected a .npz file or a folder"
+        raise DataError(f"{p}: is {kind}; expected a .npz file or a folder")
     if not npz and kind is None:
-        return f"{p}: expected a .npz file or a folder"
-    return None
+        raise DataError(f"{p}: expected a .npz file or a folder")
 
 
 def load(path="data", dataset=None, *, download_ok=True, archive=None, url=None, progress=True, flag="--data-dir"):
@@ -306,8 +309,7 @@ def load(path="data", dataset=None, *, download_ok=True, archive=None, url=None,
     folder's (None: cifar10) or what a .npz must be (None: one's own); `flag`: how a message names the data
     (data_argument); `archive`, `url`: for tests."""
     p = Path(path)
-    if error := data_path_error(p):
-        raise DataError(error)
+    check_data_path(p)
     if p.suffix.lower() == ".npz":
         return check_arrays(read_npz(p), p, dataset)
     dataset = dataset or "cifar10"
@@ -345,8 +347,7 @@ def load_cifar10(path="data", **kwargs):
 # ---------------------------------------------------------------------------------------------
 
 def upload_normalised(x, device, *, dtype, stats, pad=0):
-    """uint8 NHWC images uploaded, normalised by stats (per-channel mean and std, see channel_stats) and
-    reflect-padded by pad pixels on the device, NCHW in dtype (computed in float32, or float64 for a float64 run)."""
+    """uint8 NHWC images on the device as NCHW in dtype, normalised by stats and reflect-padded by pad."""
     wide = devices.wide_dtype(dtype)
     x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).to(wide)
     mean, std = (torch.tensor(v, device=device, dtype=wide).view(1, -1, 1, 1) for v in stats)
@@ -355,24 +356,22 @@ def upload_normalised(x, device, *, dtype, stats, pad=0):
 
 
 def dataset_on_device(d, device, *, dtype, pad, stats=None):
-    """Uploads uint8 once; normalises (and reflect-pads the training images) once, on the device. stats, the
-    (mean, std) to normalise by, are the training images' own unless given (the whole training set's, when d
-    holds a part of it); num_classes comes from the labels."""
+    """The four arrays on the device, normalised by stats (by default the training images'), and num_classes."""
     stats = stats or channel_stats(d["train_images"])
     prep = lambda x, p: upload_normalised(x, device, dtype=dtype, stats=stats, pad=p)
+    labels = lambda y: torch.from_numpy(y).to(device).long()
     return {"train_images": prep(d["train_images"], pad), "test_images": prep(d["test_images"], 0),
-            "train_labels": torch.from_numpy(d["train_labels"]).to(device).long(),
-            "test_labels": torch.from_numpy(d["test_labels"]).to(device).long(), "num_classes": num_classes(d)}
+            "train_labels": labels(d["train_labels"]), "test_labels": labels(d["test_labels"]),
+            "num_classes": num_classes(d)}
 
 
 def pair(size):
-    """(height, width) of a size given as both, or as a square's side."""
     return (size, size) if isinstance(size, int) else tuple(size)
 
 
 @dataclass(frozen=True, kw_only=True)
 class AugmentSettings:
-    """Each epoch's augmentation, drawn for all images at once (below), and the side it trains at."""
+    """Each epoch's augmentation (drawn for all images at once) and the side it trains at."""
     PREFIX = ""
     crop_pad: int = knob(4, low=0, whole=True, doc="random crops of the images padded by this")
     flip: str = knob("random", choices=("none", "random", "alternate"), doc="alternate: each image both ways in "
@@ -380,47 +379,43 @@ class AugmentSettings:
     cutout: int = knob(8, low=0, whole=True, doc="a square of this side set to 0")
     jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image (the record)")
     jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image (the record)")
-    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i resized to the i-th side in pixels "
-                                      "(antialiased), the epochs past the list at the images' own (24,24,28: two "
-                                      "epochs at 24, one at 28, the rest at 32)")
+    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i resized to the i-th side (antialiased), "
+                                      "the rest at the images' own (24,24,28)")
 
     def resolution(self, epoch, full):
-        """The side epoch `epoch` (from 0) trains at: its entry in resolution_schedule, or `full` past the list."""
-        schedule = self.resolution_schedule
-        return schedule[epoch] if epoch < len(schedule) else full
+        """The side epoch `epoch` (from 0) trains at."""
+        return self.resolution_schedule[epoch] if epoch < len(self.resolution_schedule) else full
 
 
 def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, device=None, order=None):
-    """Every random number of one epoch of n images of `size` augmented as `augment` says, in at most six calls,
-    the order from the generator `order` (by default the same); jitter's two factors are the rows of draws["jitter"].
-    Alternate flips (Jordan 2024) and jitter:
-        flip_i = flip_base_i xor (epoch odd);  x <- (x + b) c,  b ~ U(±jitter_brightness), c ~ 1 + U(±jitter_contrast)"""
-    pad, flip, cutout = augment.crop_pad, augment.flip, augment.cutout
-    jitter = (augment.jitter_brightness, augment.jitter_contrast)
-    device = device or generator.device
+    """{what: tensor}: one epoch's random draws for n images. Alternate flips (Jordan 2024) and jitter:
+        flip_i = flip_base_i xor (epoch odd);  x <- (x + b) c,  b ~ U(±jitter_brightness), c ~ 1 + U(±jitter_contrast)
+    """
+    device, pad = device or generator.device, augment.crop_pad
     draws = {"perm": torch.randperm(n, device=device, generator=order or generator)}
     if pad:
         draws["dy"], draws["dx"] = torch.randint(0, 2 * pad + 1, (2, n), device=device, generator=generator)
-    if flip == "random":
+    if augment.flip == "random":
         draws["flip"] = flip_bits(n, generator, device)
-    elif flip == "alternate":
+    elif augment.flip == "alternate":
         draws["flip"] = ~flip_base if epoch % 2 else flip_base
-    elif flip != "none":
-        raise ValueError(f"flip must be none, random or alternate, not {flip!r}")
-    if cutout:
-        h, w = pair(size)
-        draw = lambda high, shape: torch.randint(0, high, shape, device=device, generator=generator)
-        if h == w:      # both corners in one call, as square images always drew them (a seed trains as it did)
-            draws["cy"], draws["cx"] = draw(h - cutout + 1, (2, n))
-        else:
-            draws["cy"], draws["cx"] = draw(h - cutout + 1, (n,)), draw(w - cutout + 1, (n,))
-    if any(jitter):
+    if augment.cutout:
+        draws["cy"], draws["cx"] = cutout_corners(n, size, augment.cutout, generator=generator, device=device)
+    if augment.jitter_brightness or augment.jitter_contrast:
         u = torch.rand(2, n, device=device, generator=generator) * 2 - 1
-        u[0].mul_(jitter[0])
-        u[1].mul_(jitter[1]).add_(1)
+        u[0].mul_(augment.jitter_brightness)
+        u[1].mul_(augment.jitter_contrast).add_(1)
         draws["jitter"] = u         # one tensor, so that one gather puts both factors in the epoch's order
-        draws["brightness"], draws["contrast"] = u
     return draws
+
+
+def cutout_corners(n, size, cutout, *, generator, device):
+    """(rows, columns) of n cutout squares' top-left corners in images of `size`."""
+    h, w = pair(size)
+    draw = lambda high, shape: torch.randint(0, high, shape, device=device, generator=generator)
+    if h == w:      # both corners in one call, as square images always drew them (a seed trains as it did)
+        return draw(h - cutout + 1, (2, n))
+    return draw(h - cutout + 1, (n,)), draw(w - cutout + 1, (n,))
 
 
 def flip_bits(n, generator, device=None):
@@ -428,9 +423,7 @@ def flip_bits(n, generator, device=None):
 
 
 def crop_flip(x, size, *, dy=None, dx=None, flip=None, order=None, channels_last=False):
-    """Windows of `size` at per-image offsets (dy, dx) from padded images x, mirrored where flip is set (None: offset
-    0, no flip), of the images in `order` (None: as they are), in one gather: row and column indices (N, h) and
-    (N, w) broadcast, so the images are read once and the crops written once, NCHW or channels_last."""
+    """Windows of `size` at offsets (dy, dx) of padded images x, flipped, in `order`: one gather."""
     n, c = x.shape[:2]
     h, w = pair(size)
     i = torch.arange(h, device=x.device)
@@ -439,10 +432,9 @@ def crop_flip(x, size, *, dy=None, dx=None, flip=None, order=None, channels_last
     cols = j if flip is None else torch.where(flip[:, None], w - 1 - j, j)
     cols = cols if dx is None else dx[:, None] + cols
     image = torch.arange(n, device=x.device) if order is None else order
-    if order is not None:           # the per-image indices in the order too
+    if order is not None:
         rows = rows if dy is None else rows[order]
         cols = cols if dx is None and flip is None else cols[order]
-    rows, cols = rows.view(-1, h), cols.view(-1, w)
     if channels_last:       # the channels sliced, not indexed, come last: the (N, h, w, C) gathered is NCHW's layout
         return x[image.view(-1, 1, 1), :, rows.view(-1, h, 1), cols.view(-1, 1, w)].permute(0, 3, 1, 2)
     channel = torch.arange(c, device=x.device).view(1, -1, 1, 1)
@@ -460,8 +452,7 @@ def cutout_mask(cy, cx, size, patch):
 
 
 def augment_images(images, draws, size, cutout, *, order=None, memory_format=torch.contiguous_format):
-    """Applies one epoch's draws to all (padded) images at once; returns them in `order` (None: as they are), in
-    memory_format: cropped, flipped, shuffled and laid out by one gather, then jittered and cut out in place."""
+    """The padded images with one epoch's draws applied, in `order` and memory_format."""
     x = crop_flip(images, size, dy=draws.get("dy"), dx=draws.get("dx"), flip=draws.get("flip"), order=order,
                   channels_last=memory_format == torch.channels_last)
     in_order = lambda t: t if order is None else t[..., order]
@@ -481,20 +472,22 @@ def low_resolution(x, size, *, memory_format=torch.preserve_format):
 
 
 def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):
-    """Yields (images, labels) for one shuffled epoch, augmented as `augment` (AugmentSettings) says, in batches
-    of batch_size, resized to the resolution schedule's side for `epoch` (augment.resolution); the last partial
-    batch is dropped. The augmentation is drawn from generator, the order from `order` (by default the same)."""
-    a = augment
-    size = tuple(data["test_images"].shape[-2:])
-    x, y = data["train_images"], data["train_labels"]
-    draws = draw_augmentation(len(x), size, a, generator=generator, epoch=epoch, flip_base=flip_base, device=x.device,
-                              order=order)
-    side = augment.resolution(epoch, size)
-    resized = pair(side) != size        # resized from NCHW, and laid out as memory_format by the resize's cast
-    x = augment_images(x, draws, size, a.cutout, order=draws["perm"],
-                       memory_format=torch.contiguous_format if resized else memory_format)
-    if resized:
-        x = low_resolution(x, side, memory_format=memory_format)
+    """Yields one shuffled epoch's full batches (images, labels), augmented, at `epoch`'s side."""
+    size, x, y = tuple(data["test_images"].shape[-2:]), data["train_images"], data["train_labels"]
+    draws = draw_augmentation(len(x), size, augment, generator=generator, epoch=epoch, flip_base=flip_base,
+                              device=x.device, order=order)
+    side = pair(augment.resolution(epoch, size))
+    if side == size:
+        x = augment_images(x, draws, size, augment.cutout, order=draws["perm"], memory_format=memory_format)
+    else:
+        x = resized_images(x, draws, size, side, cutout=augment.cutout, memory_format=memory_format)
     y = y[draws["perm"]]
     for i in range(len(x) // batch_size):
         yield x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]
+
+
+def resized_images(x, draws, size, side, *, cutout, memory_format):
+    """The padded images x with one epoch's draws applied (augment_images), resized to `side` in memory_format."""
+    # resized from NCHW, and laid out as memory_format by the resize's cast
+    x = augment_images(x, draws, size, cutout, order=draws["perm"], memory_format=torch.contiguous_format)
+    return low_resolution(x, side, memory_format=memory_format)

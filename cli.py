@@ -22,14 +22,17 @@ import traceback
 import torch
 
 import devices
-from core import UsageError, first_to_say
+from core import Parser, UsageError, first_to_say
 from distributed import HOOKS, comm_hook, first_sentence, init_from_env, leave, print0
 from outputs import check_output, output_lock
 from progress import close_progress
-from settings import flag_error, flat
+from settings import add_flags, flag_error, flat, one_of
 
 
 PRECISION_CHOICES = ("auto", *devices.PRECISIONS)         # --precision's choices
+
+
+COMPILE_MODES = ("default", "max-autotune", "reduce-overhead")       # torch.compile's modes
 
 
 def check_run(runs, target, *, seed=0, device=None, out=None, eval_every=1, precision="auto"):
@@ -113,6 +116,43 @@ def add_run_flags(p, *, comm_hook=False):
     t.add_argument("--dist-timeout", type=float, default=10.0, metavar="MINUTES",
                    help="how long a collective may wait for the other ranks before the run stops (default: 10: "
                         "torch's own for NCCL, for gloo too)")
+
+
+def cifar10_parser(description):
+    """cifar10_fast.py's parser: its flags, the runs' (add_run_flags) and the recipe's settings."""
+    from cifar10_recipes import MYRTLE24, Recipe       # here: the recipes import torch_backend, optim, ...
+    from cifar_data import DATASETS
+    p = Parser(description=description, formatter_class=HelpFormatter,
+               usage="%(prog)s [--recipe NAME] [--data-dir PATH] [options] [--SETTING VALUE ...]")
+    p.add_argument("--recipe", default="myrtle24", metavar="NAME",
+                   help="what to train (--list-recipes) (default: myrtle24)")
+    p.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
+    p.add_argument("--print-recipe", action="store_true",
+                   help="print the recipe's every setting (with the flags given) as the command that trains it, and "
+                        "exit")
+    p.add_argument("--dataset", default=None, type=one_of(DATASETS), metavar="{" + ",".join(DATASETS) + "}",
+                   help="what a data folder holds, downloaded there if missing; for a .npz, that it is that dataset, "
+                        "checked as such (default: cifar10; a .npz: your own data)")
+    p.add_argument("--data-dir", default="data", metavar="PATH",
+                   help="a data folder (the dataset downloaded and cached there), an unpacked archive folder, or a "
+                        ".npz (train_images, train_labels, test_images, test_labels: any images (N, H, W, 3) uint8) "
+                        "(default: data)")
+    p.add_argument("--subset", type=int, default=None, metavar="N",
+                   help="train on the first N training images (default: all)")
+    p.add_argument("--target", type=float, default=0.94, metavar="X",
+                   help="the test accuracy whose first epoch stops the clock (default: 0.94)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="write the recipe, environment, per-epoch rows and summary there as JSON (default: none)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="write a torch.profiler trace (Chrome's JSON) of the first timed run, after the warm-up (the "
+                        "GPU's kernels on a GPU), and print its top kernels by time on stderr; that run's time is the "
+                        "profiler's too (default: none)")
+    p.add_argument("--compile", default=None, choices=COMPILE_MODES,
+                   help="torch.compile the network in this mode, once, in the untimed warm-up; reduce-overhead also "
+                        "captures CUDA graphs (default: not compiled)")
+    add_run_flags(p, comm_hook=True)
+    add_flags(p, Recipe, recipe=MYRTLE24)
+    return p
 
 
 def join_ranks(args, hook=None):

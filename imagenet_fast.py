@@ -15,7 +15,6 @@ optimiser and the memory they take are imagenet_models.py's, the checkpoints ima
 """
 import contextlib
 import errno
-import io
 import os
 import sys
 from collections import Counter
@@ -48,12 +47,12 @@ from imagenet_store import FORMATS, StoreSettings, check_classes, check_prepare,
 from optim import set_lr
 from outputs import check_output, write_result
 from processes import exit_now
-from progress import Heartbeat, with_progress
+from progress import EpochClock, Heartbeat, epoch_table, with_progress
 from run_statistics import print_summary, summarize_runs
 from schedules import epoch_plans, plan, step_lr
 from settings import add_flags, changes_from, flag_error, flat, one_of
 from torch_backend import set_ghost_groups
-from training import EpochClock, averaging, check_finite_loss, epoch_table, evaluation_model, run_seeds
+from training import averaging, check_finite_loss, evaluation_model, run_seeds
 
 # ---------------------------------------------------------------------------------------------
 # One run
@@ -93,8 +92,8 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
         model = imagenet_network(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
     opt = imagenet_optimizer(model, r)
     forward = register_comm_hook(wrap_ddp(model, ctx, ctx.bucket_mb), ctx.hook) if ctx.distributed else model
-    clock = EpochClock(device, columns=COLUMNS, accuracy="top5" if r.target_top5 else "top1", target=o.target,
-                       eval_every=o.eval_every, reads_every_epoch=True)      # its checkpoint records its rows
+    clock = EpochClock(devices.timer(device), o, columns=COLUMNS, accuracy="top5" if r.target_top5 else "top1",
+                       reads_every_epoch=True)      # its checkpoint records its rows
     if r.bn_stats == "last_batch":               # no moving averages: the last batch's, pooled over ranks (Akiba)
         use_last_batch_stats(model)
     average = averaging(model, ema=r.ema, lookahead=r.lookahead)
@@ -617,7 +616,7 @@ def train_runs(args, r, data, *, ctx, argv, store):
         seed, epochs = args.seed + k, []
         if args.runs > 1:
             print0(f"run {k + 1}/{args.runs} (seed {seed})")
-        table = epoch_table(COLUMNS, file=None if ctx.is_main else io.StringIO())
+        table = epoch_table(COLUMNS, on=ctx.is_main)
         checkpoint = args.checkpoint if args.runs == 1 else (args.checkpoint and f"{args.checkpoint}.seed{seed}")
         try:        # an epoch counted before its row is shown: a stop once the row is out names its checkpoint
             result = train_run(r, data, replace(o, checkpoint=checkpoint), ctx=ctx, seed=seed,

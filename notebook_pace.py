@@ -52,7 +52,8 @@ def time_steps(r, arrays, *, device, steps, test_images=250):
     scale = len(arrays["test_labels"]) / tested             # an evaluation's time grows with its images
     arrays = {**arrays, "test_images": arrays["test_images"][:tested], "test_labels": arrays["test_labels"][:tested]}
     started = time.perf_counter()
-    result = cf.train(replace(r, epochs=2.0), arrays, subset=images, device=device, runs=1, eval_every=0)
+    result = cf.train(replace(r, epochs=2.0), arrays, subset=images,
+                      options=cf.Options(device=device, runs=1, eval_every=0))
     call_s, run = time.perf_counter() - started, result.runs[0]
     (first, second), flops = run["rows"], result.flops
     steps_per_epoch = run_steps(images, r.batch_size, 1.0)[0]

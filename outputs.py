@@ -1,12 +1,13 @@
 """What a run writes, and where: an output path checked before the run (check_output, not_a_file, writable_folder)
 and written by one run at a time (output_lock), a folder left as it was by work that failed (made_folder), and files
-written whole (write_atomic), JSON records among them, each carrying the code's version (write_json, write_result).
-Nothing here imports torch.
+written whole (write_atomic), JSON records among them, each carrying the code's version (write_json, write_result),
+and a run's profile (profiled). Nothing here imports torch until a run is profiled.
 """
 import contextlib
 import json
 import os
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -202,3 +203,37 @@ def write_result(path, record, flag="--out"):
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
         raise DataError(f"{flag} {path}: not written ({why}); the result is printed in full above, on stdout, as "
                         "one line of JSON") from None
+
+
+@contextlib.contextmanager
+def profiled(path, device, *, rows=12, file=None):
+    """A run's record of its kernels: while inside, torch.profiler records the CPU's operators and, on a CUDA GPU, its
+    kernels; then the trace is written to path (Chrome's JSON, for Perfetto or chrome://tracing) and its top kernels by
+    time printed on file (stderr). path None: nothing recorded."""
+    if path is None:
+        yield
+        return
+    import devices      # here: outputs.py imports no torch unless a run is profiled
+    from torch.profiler import ProfilerActivity, profile
+    on_gpu = str(device).startswith("cuda")
+    with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * on_gpu]) as prof:
+        yield
+        devices.synchronize(device)
+    write_atomic(path, prof.export_chrome_trace)
+    print(f"wrote a trace of the run to {path}\n" + top_kernels(prof, rows), file=file or sys.stderr, flush=True)
+
+
+def top_kernels(prof, rows=12):
+    """A table of the events of torch.profiler's `prof` that took the most time: the GPU's kernels (their time on
+    it) where any were recorded, else the CPU's operators (their own time), with their calls and share of the total."""
+    from torch.autograd import DeviceType
+    events = prof.key_averages()
+    chosen = [e for e in events if e.device_type != DeviceType.CPU and e.self_device_time_total > 0]
+    time, what = (lambda e: e.self_device_time_total), "kernels by their time on the GPU"
+    if not chosen:
+        chosen = [e for e in events if e.self_cpu_time_total > 0]
+        time, what = (lambda e: e.self_cpu_time_total), "operators by their own time on the CPU (no GPU kernels)"
+    total = sum(time(e) for e in chosen)
+    top = sorted(chosen, key=time, reverse=True)[:rows]
+    lines = [f"top {len(top)} {what}, of {total / 1e3:.1f} ms in all:", f"{'ms':>9} {'share':>6} {'calls':>6}  name"]
+    return "\n".join(lines + [f"{time(e) / 1e3:9.3f} {time(e) / total:6.1%} {e.count:6d}  {e.key[:100]}" for e in top])

@@ -1,7 +1,9 @@
 """What a run prints as it goes: an epoch's steps (Progress, with_progress), a long phase's heartbeat (Heartbeat), the
-bars a Ctrl-C left open closed (close_progress), and tables printed a row at a time (Table, with fit for a number's
-column). Nothing here imports torch.
+bars a Ctrl-C left open closed (close_progress), tables printed a row at a time (Table, with fit for a number's
+column), and a run's record of its epochs: their clock and rows (EpochClock) and the table both scripts print of them
+(epoch_table). Nothing here imports torch at import time.
 """
+import io
 import math
 import sys
 import time
@@ -132,3 +134,82 @@ def fit(value, width, spec=".4f"):
         if len(text) <= width:
             return text
     return f"{value:.0e}"
+
+
+def epoch_table(columns, file=None, *, on=True, title=None):
+    """The per-epoch table both scripts print (progress.Table; with on false, nowhere), under its title (printed at
+    once) where there is one: accuracies and losses to 4 decimals, times to 2, each column as wide as its name or its
+    numbers, under 100 characters for either script's columns."""
+    file = file if on else io.StringIO()
+    if title:
+        print(title, file=file or sys.stdout, flush=True)
+    return Table(columns, width=7, file=file, formats={"epoch_time": ".2f", "total_time": ".2f"},
+                 widths={"epoch": 6, "res": 4, "batch": 6, "lr": 8, "decode": 11})
+
+
+class EpochClock:
+    """A run's clock (`timer`: devices.timer, started once the network is built) and its table's rows, epoch by epoch,
+    with o.target and o.eval_every: stop() ends an epoch's training on the clock, evaluated() its evaluation off it
+    (the last one's time is the run's final_eval_time), rows_read() reads the clock where the host waits anyway,
+    resume() leaves what the host did with the rows off the clock. Nothing waits for the device before a read."""
+
+    def __init__(self, timer, o, *, columns, accuracy, reads_every_epoch=False):
+        self.clock, self.columns, self.eval_every = timer, columns, o.eval_every
+        self.accuracy, self.target, self.reads_every_epoch = accuracy, o.target, reads_every_epoch
+        self.rows, self.time_to_target, self.final_eval_time = [], None, 0.0
+        self.pending, self.host_has_read = [], False
+
+    def continue_from(self, progress):
+        """A resumed run's rows, training time and time to target (as a checkpoint's progress records them)."""
+        self.rows, self.clock.total, self.time_to_target = (progress[k] for k in ("rows", "train_time",
+                                                                                   "time_to_target"))
+
+    def stop(self, sums, seen, **columns):
+        """The epoch's training ends on the clock (a mark, not waited for): its columns, and its summed loss and
+        correct predictions (a tensor [loss, correct] on the device, read later) over `seen` images."""
+        self.pending.append({**columns, "sums": sums, "seen": seen, "mark": self.clock.mark()})
+
+    def evaluates(self, epoch, *, last):
+        """Whether epoch (from 0) ends with an evaluation: the last, and every eval_every-th (0: the last alone)."""
+        return last or bool(self.eval_every and (epoch + 1) % self.eval_every == 0)
+
+    def evaluated(self, **metrics):
+        """The epoch's evaluation ends, its columns `metrics`: its time off the clock."""
+        self.pending[-1].update(metrics, eval_mark=self.clock.mark(include=False))
+
+    def rows_read(self):
+        """The rows of the epochs stopped since the last reading (added to self.rows), their times and sums read in
+        one wait and one copy; none while the clock reads later (devices.EventTimer) and no evaluation has waited
+        for the device, unless it reads every epoch."""
+        if not self.pending or not (self.reads_every_epoch or "eval_mark" in self.pending[-1]
+                                    or not self.clock.reads_later):
+            return []
+        import torch        # here: progress.py imports no torch until a run reads its clock
+        readings, sums = self.clock.read(), torch.stack([p["sums"] for p in self.pending]).tolist()
+        rows = []
+        for p, (loss, correct) in zip(self.pending, sums):
+            row = {**p, "train_loss": loss / p["seen"], "train_acc": correct / p["seen"],
+                   "epoch_time": readings[p["mark"]][0], "total_time": readings[p["mark"]][1]}
+            rows.append({c: row.get(c) for c in self.columns})
+            if "eval_mark" in p:
+                self.final_eval_time = readings[p["eval_mark"]][0]
+                if self.time_to_target is None and row[self.accuracy] >= self.target:
+                    self.time_to_target = row["total_time"]
+        self.rows += rows
+        self.pending, self.host_has_read = [], True
+        return rows
+
+    def resume(self):
+        """The clock runs on, the host's reading and printing since rows_read off it (nothing when none were read)."""
+        if self.host_has_read:
+            self.clock.mark(include=False)
+            self.host_has_read = False
+
+    @property
+    def train_time(self):
+        return self.clock.total
+
+    def times(self):
+        """{"train_time", "final_eval_time", "time" (the two together), "time_to_target"} of the run so far."""
+        return {"train_time": self.clock.total, "final_eval_time": self.final_eval_time,
+                "time": self.clock.total + self.final_eval_time, "time_to_target": self.time_to_target}

@@ -3,7 +3,8 @@ learning rate over the run (warm-up then linear, cosine, step or slow-start deca
 size of each epoch (progressive resizing, batch-size control) and a batch's share per rank, and the phase tables
 (fast.ai's: epoch ranges, each with its size, batch, rate or ramp, crop scale and validation) that every ImageNet
 schedule is read as, one row per epoch (plan), and each epoch on a rank (epoch_plans: its micro-batches and batch-norm
-groups), with the settings they read (LRScheduleSettings, ProgressiveResizingSettings); and a CIFAR-10 run's steps (run_steps).
+groups), with the settings they read (LRScheduleSettings, ProgressiveResizingSettings); and a CIFAR-10 run's steps
+(run_steps).
 
 Nothing here imports torch: each schedule is plain arithmetic on epochs and steps, tested on its own.
 
@@ -23,18 +24,20 @@ from settings import check_own, flag_error, knob
 
 
 def epoch_steps(epochs, steps_per_epoch):
-    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476); epochs may be
-    fractional. Less a hair, so that a product that should be whole (1.1 × 10 = 11.000000000000002) stays so."""
-    return math.ceil(epochs * steps_per_epoch - 1e-9)
+    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476)."""
+    return math.ceil(epochs * steps_per_epoch - 1e-9)        # 1.1 × 10 = 11.000000000000002 stays 11
 
 
 def run_steps(n_train, batch, epochs):
-    """(steps per epoch, total steps) of a run of `epochs` (fractional: the last epoch is cut short) over n_train
-    images in batches of `batch`; the last partial batch of an epoch is dropped."""
-    steps_per_epoch = n_train // batch
-    if steps_per_epoch == 0:
+    """(steps per epoch, total steps) of `epochs` over n_train images in full batches of `batch`."""
+    check_batch_fits(n_train, batch)
+    return n_train // batch, max(1, epoch_steps(epochs, n_train // batch))
+
+
+def check_batch_fits(n_train, batch):
+    """Raises ValueError unless n_train images make at least one batch of `batch`."""
+    if n_train < batch:
         raise ValueError(f"batch size {batch} is larger than the {n_train} training images")
-    return steps_per_epoch, max(1, epoch_steps(epochs, steps_per_epoch))
 
 
 def per_rank_batch(global_batch, world):
@@ -49,14 +52,11 @@ def per_rank_batch(global_batch, world):
 
 @dataclass(frozen=True, kw_only=True)
 class LRSettings:
-    """The learning rate over the run: linear between knots (fractions of the run) and values (in the units of
-    SGDSettings.lr_units); --epochs stretches it with the run."""
+    """The learning rate over the run (in SGDSettings.lr_units), linear between knots."""
     PREFIX = "lr"
-    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1, doc="where the rate's linear pieces meet, as fractions of the "
-                        "run")
+    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1, doc="where the linear pieces meet, as fractions of the run")
     values: tuple = knob((0.0, 0.4, 0.0), low=0, doc="the rate at each knot (in --lr-units)")
-    floor: float = knob(0.0, low=0, high=1, doc="the rate never falls below this fraction of its peak: linear down "
-                        "to it, then held (E1: 0.05; 0: no floor)")
+    floor: float = knob(0.0, low=0, high=1, doc="the least rate, as a fraction of the peak (E1: 0.05; 0: none)")
 
     def check(self):
         if len(self.knots) != len(self.values):
@@ -66,17 +66,14 @@ class LRSettings:
             raise flag_error("lr_knots", self.knots, "must not decrease")
 
     def at(self, t):
-        """The rate at t, a fraction of the run: linear between the knots, constant beyond the ends, and at least
-        floor × the peak where there is a floor."""
-        rate = self.linear_at(t)
-        return max(rate, self.floor * max(self.values)) if self.floor else rate
-
-    def linear_at(self, t):
+        """The rate at t (a fraction of the run): linear between knots, at least floor × the peak."""
         k, v = self.knots, self.values
         i = next((i for i in range(len(k)) if t <= k[i]), None)
         if i is None or i == 0 or k[i] == k[i - 1]:
-            return float(v[-1] if i is None else v[i])
-        return float(v[i - 1] + (t - k[i - 1]) / (k[i] - k[i - 1]) * (v[i] - v[i - 1]))
+            rate = float(v[-1] if i is None else v[i])
+        else:
+            rate = float(v[i - 1] + (t - k[i - 1]) / (k[i] - k[i - 1]) * (v[i] - v[i - 1]))
+        return max(rate, self.floor * max(self.values)) if self.floor else rate
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -336,7 +333,8 @@ def plan(r, world=1):
 class EpochPlan:
     """One epoch of a run on this rank (plan's row): its resolution, this rank's batch in micro-batches of `micro`
     images normalised in groups of `group` (0: whole micro-batches), the steps of the epoch, the run's steps before it
-    and in all, its crops (an imagenet_data.CropAugmentSettings) and what validation after it sees (an imagenet_data.ValidationSettings)."""
+    and in all, its crops (an imagenet_data.CropAugmentSettings) and what validation after it sees (an
+    imagenet_data.ValidationSettings)."""
     epoch: int
     res: int
     batch: int

@@ -248,7 +248,7 @@ class OurSide:
             run = cf.train_run(self.r, self.built, self.options, ctx=self.ctx, seed=seed)
         synchronize()
         wall = time.perf_counter() - t0
-        run.update(cf.compiled_since(before))         # graphs compiled inside the clock: a flagged run
+        run.update(cf.compile_counts(since=before))         # graphs compiled inside the clock: a flagged run
         device = torch.device(self.ctx.device)
         dtype, memory_format = devices.compute_dtype(device, self.options.precision), devices.memory_format(device)
         model = run.pop("model")

@@ -71,14 +71,16 @@ def run(recipe, *, held=True, runs=1, **changes):
         patch.setattr(cf.Network, "reset", reset)
         if not held:
             patch.setattr(cf, "held_weights", lambda *args: None)
-        result = cf.train(r, synthetic_arrays(n_train=128, n_test=64), device="cuda", runs=runs, seed=5)
+        result = cf.train(r, synthetic_arrays(n_train=128, n_test=64),
+                          options=cf.Options(device="cuda", runs=runs, seed=5))
     return result, [s.cpu() for _, s in sums], resets
 
 
 def scores_on_the_gpu(result):
     data = synthetic_arrays(n_train=128, n_test=64)
     with StandIn():
-        return cf.scores(result.model.to("cuda"), data["test_images"], data["test_labels"], tta=result.recipe.tta)
+        return cf.scores(result.model.to("cuda"), data["test_images"], data["test_labels"], tta=result.recipe.tta,
+                         stats=result.stats)
 
 
 @pytest.mark.parametrize("recipe, changes", [
@@ -120,9 +122,9 @@ def test_a_reset_keeps_the_parameters_and_hands_over_the_float32_initialisation(
     assert len(masters.copies) == len(tb.autocast_weights(net.module)) == 9       # the head, 7 convolutions, a bias
     assert any(not torch.equal(m, m.bfloat16().float()) for m in masters.masters)       # not rounded
     by_id = dict(zip(map(id, net.module.parameters()), fresh.parameters()))
-    for copy, master in zip(masters.copies, masters.masters):
-        assert copy.dtype == torch.bfloat16 and master.dtype == torch.float32
-        assert torch.equal(master, by_id[id(copy)].detach()) and torch.equal(copy, master.bfloat16())
+    for held, master in zip(masters.copies, masters.masters):
+        assert held.dtype == torch.bfloat16 and master.dtype == torch.float32
+        assert torch.equal(master, by_id[id(held)].detach()) and torch.equal(held, master.bfloat16())
     images = torch.randn(64, 3, 32, 32)
     tb.fit_whitening(net.module, images, 32, masters)
     white = net.module[0]

@@ -56,8 +56,9 @@ def test_list_recipes_prints_one_line_per_stage(capsys):
 
 
 def test_train_trains_every_run_and_summarize_runs_summarises():
-    result = cf.train("ema", synthetic_arrays(n_train=128, n_test=64), device="cpu", runs=2, seed=3, target=0.01,
-                      epochs=2, width=0.125, batch_size=64)
+    result = cf.train("ema", synthetic_arrays(n_train=128, n_test=64),
+                      changes=dict(epochs=2, width=0.125, batch_size=64),
+                      options=cf.Options(device="cpu", runs=2, seed=3, target=0.01))
     runs = result.runs
     summary = summarize_runs(runs, 0.01, cf.SUMMARY, "final_acc")
     assert [r["seed"] for r in runs] == [3, 4] and all(len(r["rows"]) == 2 for r in runs)

@@ -20,7 +20,8 @@ import torch_backend as tb
 from conftest import ROOT, pattern_arrays, synthetic_arrays, synthetic_npz, train_once
 
 CPU = torch.device("cpu")
-TINY = dict(device="cpu", epochs=1, width=1 / 16, batch_size=64)
+TINY = dict(epochs=1, width=1 / 16, batch_size=64)           # recipe settings: train()'s changes
+ON_CPU = cf.Options(device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -65,21 +66,21 @@ def test_nothing_installs_the_modules_generic_names():
 
 
 def test_train_returns_the_model_rows_and_summary_and_evaluate_agrees(npz):
-    result = cf.train("fast94", data=npz, runs=2, seed=5, target=0.2, **TINY)
+    result = cf.train("fast94", npz, changes=TINY, options=cf.Options(device="cpu", runs=2, seed=5, target=0.2))
     assert [r["seed"] for r in result.runs] == [5, 6] and result.rows == result.runs[-1]["rows"]
     assert result.summary["final_acc"]["n"] == 2 and result.recipe.network.width == 1 / 16
     assert result.summary["flops_per_run"] == result.flops["total"] > 0
     test = np.load(npz)
-    score = cf.scores(result.model, test["test_images"], test["test_labels"],
+    score = cf.scores(result, test["test_images"], test["test_labels"],
                       tta=tb.TTASettings(views="flip_translate"))
     assert score["accuracy"] == result.rows[-1]["test_acc"]          # the same images, normalised the same way
     assert score["loss"] == pytest.approx(result.rows[-1]["test_loss"], rel=1e-5)
     with pytest.raises(core.UsageError, match=r"^--tta all: must be one of none, flip, flip_translate$"):
-        cf.scores(result.model, test["test_images"], test["test_labels"], tta=tb.TTASettings(views="all"))
+        cf.scores(result, test["test_images"], test["test_labels"], tta=tb.TTASettings(views="all"))
     with pytest.raises(core.UsageError, match=r"^--batch-size 0: must be positive$"):
-        cf.train("fast94", data=npz, device="cpu", batch_size=0)
+        cf.train("fast94", npz, changes={"batch_size": 0}, options=ON_CPU)
     with pytest.raises(core.UsageError, match=r"^unknown settings \['batchsize'\]; see --help for the flags$"):
-        cf.train("fast94", data=npz, device="cpu", batchsize=64)
+        cf.train("fast94", npz, changes={"batchsize": 64}, options=ON_CPU)
     with pytest.raises(core.UsageError, match=r"^--dataset mnist: must be one of cifar10, cifar100$"):
         cf.train("fast94", dataset="mnist")
 
@@ -91,7 +92,8 @@ def test_train_returns_the_model_rows_and_summary_and_evaluate_agrees(npz):
 # 0.5, is below every final one.
 def test_a_hundred_classes_learn_above_chance(one_thread):
     data = pattern_arrays(2000, 500, classes=100, seed=0)
-    result = cf.train("fast94", data=data, device="cpu", seed=0, epochs=3, width=0.25, batch_size=100)
+    result = cf.train("fast94", data, changes=dict(epochs=3, width=0.25, batch_size=100),
+                      options=cf.Options(device="cpu", seed=0))
     assert result.model[-2].out_features == 100
     assert result.rows[-1]["train_loss"] < result.rows[0]["train_loss"]
     assert result.summary["final_acc"]["mean"] >= 0.10
@@ -99,7 +101,8 @@ def test_a_hundred_classes_learn_above_chance(one_thread):
 
 def test_64_pixel_images_learn_above_chance(one_thread):
     data = pattern_arrays(1000, 200, classes=10, size=(64, 64), seed=0)
-    result = cf.train("myrtle24", data=data, device="cpu", seed=0, epochs=2, width=0.125, batch_size=50)
+    result = cf.train("myrtle24", data, changes=dict(epochs=2, width=0.125, batch_size=50),
+                      options=cf.Options(device="cpu", seed=0))
     assert result.summary["final_acc"]["mean"] >= 0.5
 
 
@@ -115,23 +118,24 @@ def test_every_network_takes_any_number_of_classes_and_image_size(model):
 def test_images_of_other_sizes_train_end_to_end():
     """A 24x40 set through augmentation (translate, flip, cutout), whitening and selective TTA."""
     data = pattern_arrays(128, 32, classes=3, size=(24, 40))
-    result = cf.train("fast94_next", data=data, **{**TINY, "batch_size": 32}, cutout=6)
-    assert len(result.rows) == 1 and result.model.normalisation == cd.channel_stats(data["train_images"])
+    result = cf.train("fast94_next", data, changes={**TINY, "batch_size": 32, "cutout": 6}, options=ON_CPU)
+    assert len(result.rows) == 1 and result.stats == cd.channel_stats(data["train_images"])
 
 
 def test_labels_decide_the_classes_and_a_missing_one_is_named(capsys):
     data = pattern_arrays(128, 32, classes=3)
     data["train_labels"][data["train_labels"] == 1] = 0                  # class 1 has no training image
     data["test_labels"][0] = 4                                             # labels 0..4: five classes
-    result = cf.train("fast94", data=data, verbose=True, **{**TINY, "batch_size": 32})
+    result = cf.train("fast94", data, changes={**TINY, "batch_size": 32},
+                      options=cf.Options(device="cpu", verbose=True))
     assert result.model[-2].out_features == 5
     assert "warning: 3 of the 5 classes have no training image (labels 1, 3, 4)" in capsys.readouterr().err
 
 
 def test_normalisation_comes_from_all_the_training_images_before_the_subset(npz):
     full = np.load(npz)["train_images"]
-    result = cf.train("fast94", data=npz, subset=128, **TINY)
-    assert result.model.normalisation == cd.channel_stats(full) != cd.channel_stats(full[:128])
+    result = cf.train("fast94", npz, changes=TINY, options=ON_CPU, subset=128)
+    assert result.stats == cd.channel_stats(full) != cd.channel_stats(full[:128])
     mean, std = cd.channel_stats(full)
     x = full.reshape(-1, 3).astype(np.float64)
     np.testing.assert_allclose(mean, x.mean(0), atol=0.0005)          # rounded to 0.001
@@ -144,7 +148,8 @@ def test_cifar10s_statistics_are_the_old_constants_and_train_as_before(cifar10_n
     arrays = cd.load_cifar10(cifar10_npz)
     assert cd.channel_stats(arrays["train_images"]) == (cd.MEAN, cd.STD)
     arrays = cd.take_subset(arrays, None, 500)
-    result = cf.train("myrtle10", data=arrays, subset=1000, device="cpu", epochs=1, width=1 / 8, batch_size=160)
+    result = cf.train("myrtle10", arrays, changes=dict(epochs=1, width=1 / 8, batch_size=160), options=ON_CPU,
+                      subset=1000)
     r = cf.recipe("myrtle10", width=1 / 8, epochs=1, batch_size=160)
     arrays = cd.take_subset(arrays, 1000)
     data = cd.dataset_on_device(arrays, CPU, dtype=torch.float32, pad=r.augment.crop_pad, stats=(cd.MEAN, cd.STD))
@@ -170,14 +175,16 @@ def test_deterministic_runs_with_one_seed_have_identical_parameters(npz, determi
     assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
     assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     for recipe in ("fast94", "myrtle10"):
-        a, b = (cf.train(recipe, data=npz, seed=3, **TINY).model.state_dict() for _ in range(2))
+        a, b = (cf.train(recipe, npz, changes=TINY, options=cf.Options(device="cpu", seed=3)).model.state_dict()
+                for _ in range(2))
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_long_epoch_shows_its_progress_on_stderr(npz, capsys, monkeypatch):
     monkeypatch.setattr(progress.Progress, "every_s", 0.0)        # a line per step (30 s apart when not a terminal)
     monkeypatch.setattr(cf, "PROGRESS_AFTER_S", 0.0)          # every epoch counts as long
-    cf.train("fast94", data=npz, verbose=True, progress=True, **{**TINY, "epochs": 2})
+    cf.train("fast94", npz, changes={**TINY, "epochs": 2},
+             options=cf.Options(device="cpu", verbose=True, progress=True))
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.startswith("epoch ")]
     assert lines[0].startswith("epoch 1:") and lines[-1].startswith("epoch 2: 100%")
@@ -197,14 +204,14 @@ def test_progress_shows_every_long_phase_on_stderr_and_nothing_when_off(npz, cap
     monkeypatch.setattr(cf, "PROGRESS_AFTER_S", 0.0)
     real = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model=None, mode=None, **kw: real(model, **{**kw, "backend": "eager"}))
-    cf.train("fast94", data=npz, progress=True, compile="default", **TINY)
+    cf.train("fast94", npz, changes=TINY, options=cf.Options(device="cpu", progress=True, compile="default"))
     out, err = capsys.readouterr()
     assert out == ""
     warm_up = "warm-up: 1 whole run off the clock, compiling every graph the runs meet (torch.compile)"
     for phase in (f"loading {npz}", warm_up, "final evaluation"):
         assert re.search(rf"^{re.escape(phase)}: done in \d+ s$", err, re.M), (phase, err)
     assert re.search(r"^epoch 1: ", err, re.M) and re.search(r"^estimated time: about", err, re.M)
-    cf.train("fast94", data=npz, compile="default", **TINY)
+    cf.train("fast94", npz, changes=TINY, options=cf.Options(device="cpu", compile="default"))
     assert capsys.readouterr() == ("", "")
 
 
@@ -228,7 +235,7 @@ def test_epochs_between_are_evaluated_plainly_or_not_at_all_and_the_last_with_th
     monkeypatch.setattr(cf, "loss_and_accuracy",
                         lambda model, x, y, **k: calls.append(k["tta"].views if k["tta"] else "none")
                         or real(model, x, y, **k))
-    result = cf.train("fast94", data=npz, eval_every=every, **{**TINY, "epochs": 3})
+    result = cf.train("fast94", npz, changes={**TINY, "epochs": 3}, options=cf.Options(device="cpu", eval_every=every))
     assert calls == [tta for _, tta in evaluated]
     rows = result.rows
     assert [r["epoch"] for r in rows] == [1, 2, 3]
@@ -243,8 +250,7 @@ def test_the_clock_starts_once_the_network_is_built_and_counts_the_whitening_fit
     for module, name in ((cf, "build_model"), (cf, "fit_whitening"), (devices, "timer")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **k: events.append(name) or real(*a, **k))
-    cf.train("fast94", data=synthetic_arrays(n_train=64, n_test=32), device="cpu", epochs=1, width=1 / 16,
-             batch_size=32)
+    cf.train("fast94", synthetic_arrays(n_train=64, n_test=32), changes={**TINY, "batch_size": 32}, options=ON_CPU)
     assert events[-3:] == ["build_model", "timer", "fit_whitening"]
 
 
@@ -255,16 +261,28 @@ def test_the_clock_starts_once_the_network_is_built_and_counts_the_whitening_fit
     (lambda: cf.train("myrtle24", 42), "train: data must be a path (a .npz, a data folder, an unpacked archive) or a "
                                        "dict of the four arrays, not int 42"),
     (lambda: cf.train(24), "train: the recipe must be a Recipe or a recipe's name, not int"),
-    (lambda: cf.train("myrtle24", seed=-5), "--seed -5: must not be negative (the runs' seeds: seed, seed + 1, ...)"),
-    (lambda: cf.train("myrtle24", seed=1.5), "--seed 1.5: must be a whole number, not float 1.5"),
-    (lambda: cf.train("myrtle24", runs="3"), "--runs 3: must be a whole number, not str '3'"),
+    (lambda: cf.train("myrtle24", options=cf.Options(seed=-5)),
+     "--seed -5: must not be negative (the runs' seeds: seed, seed + 1, ...)"),
+    (lambda: cf.train("myrtle24", options=cf.Options(seed=1.5)), "--seed 1.5: must be a whole number, not float 1.5"),
+    (lambda: cf.train("myrtle24", options=cf.Options(runs="3")), "--runs 3: must be a whole number, not str '3'"),
     (lambda: cf.train("myrtle24", subset=0.5), "--subset 0.5: must be a whole number, not float 0.5"),
-    (lambda: cf.train("myrtle24", target="high"), "--target high: must be in (0, 1]"),
-    (lambda: cf.train("myrtle24", precision="fp8"), "--precision fp8: must be one of auto, bf16, fp16, fp32, fp64"),
-    (lambda: cf.train("myrtle24", compile="fast"), "--compile fast: must be one of default, max-autotune, "
-                                                   "reduce-overhead (or None: not compiled)"),
+    (lambda: cf.train("myrtle24", options=cf.Options(target="high")), "--target high: must be in (0, 1]"),
+    (lambda: cf.train("myrtle24", options=cf.Options(precision="fp8")),
+     "--precision fp8: must be one of auto, bf16, fp16, fp32, fp64"),
+    (lambda: cf.train("myrtle24", options=cf.Options(compile="fast")),
+     "--compile fast: must be one of default, max-autotune, reduce-overhead (or None: not compiled)"),
+    (lambda: cf.Options(epochs=3), "Options(epochs=...): epochs is a recipe setting, not a run option; give it in "
+                                   "train(..., changes={'epochs': ...})"),
+    (lambda: cf.Options(runz=3), "Options(runz=...): not a run option; the run options are target, eval_every, "
+                                 "precision, progress, device, runs, seed, compile, verbose, profile, on_run, "
+                                 "on_epoch, data_flag"),
+    (lambda: cf.train("myrtle24", changes={"runs": 3}), "changes={'runs': ...}: runs is a run option, not a recipe "
+                                                        "setting; give it in train(..., options=cf.Options(runs=...))"),
+    (lambda: cf.train("myrtle24", changes=[("epochs", 3)]), "train: changes must be a dict of recipe settings by flag "
+                                                            "name ({'epochs': 3}), not list"),
+    (lambda: cf.train("myrtle24", options={"runs": 3}), "train: options must be a cf.Options, not dict"),
     (lambda: cf.scores(None, np.zeros((2, 32, 32, 3), np.uint8), [0, 1]),
-     "scores: model must be a trained network (Result.model), not NoneType"),
+     "scores: model must be a Result or a trained network (Result.model), not NoneType"),
     (lambda: cf.scores(torch.nn.Linear(2, 2), [1, 2], [0, 1]),
      "scores: images must be a numpy array (N, H, W, 3) of uint8 or a normalised tensor (N, 3, H, W), not list"),
     (lambda: cf.scores(torch.nn.Linear(2, 2), np.zeros((2, 32, 32, 3), np.uint8), [0]),
@@ -293,12 +311,12 @@ def test_a_setting_of_a_technique_switched_off_is_refused_naming_both_in_either_
 def test_a_run_shorter_than_one_step_and_one_class_of_training_images_are_refused():
     data = synthetic_arrays(64, 32)
     with pytest.raises(core.UsageError) as e:
-        cf.train("myrtle24", data, device="cpu", width=1 / 16, batch_size=32, epochs=0.0001)
+        cf.train("myrtle24", data, changes=dict(width=1 / 16, batch_size=32, epochs=0.0001), options=ON_CPU)
     assert str(e.value) == "--epochs 0.0001: shorter than one step (an epoch here is 2 steps of 32 images); give at " \
                            "least 1/2"
     data["train_labels"][:] = 3
     with pytest.raises(core.UsageError) as e:
-        cf.train("myrtle24", data, device="cpu", width=1 / 16, batch_size=32)
+        cf.train("myrtle24", data, changes=dict(width=1 / 16, batch_size=32), options=ON_CPU)
     assert str(e.value) == "the 64 training images are all of one class (label 3); a classifier needs at least 2 (a " \
                            "larger --subset?)"
 
@@ -307,12 +325,12 @@ def test_a_run_shorter_than_one_step_and_one_class_of_training_images_are_refuse
 def trained():
     """A tiny fast94 trained a step on synthetic data: (its Result, the data)."""
     data = synthetic_arrays(128, 64)
-    return cf.train("fast94", data=data, **{**TINY, "epochs": 0.5}), data
+    return cf.train("fast94", data, changes={**TINY, "epochs": 0.5}, options=ON_CPU), data
 
 
 def scores_of(trained, images=None, labels=None, **kwargs):
     result, data = trained
-    return cf.scores(result.model, data["test_images"] if images is None else images,
+    return cf.scores(result, data["test_images"] if images is None else images,
                      data["test_labels"] if labels is None else labels, **kwargs)
 
 
@@ -346,7 +364,7 @@ def test_scores_refuses_what_it_cannot_evaluate_in_one_line(trained, images, lab
 def test_scores_of_a_float64_model_are_its_float32_copys_and_a_half_one_is_refused(trained):
     result, data = trained
     model64 = copy_of(result.model).double()
-    wide = cf.scores(model64, data["test_images"], data["test_labels"], tta=result.recipe.tta)
+    wide = cf.scores(model64, data["test_images"], data["test_labels"], tta=result.recipe.tta, stats=result.stats)
     assert wide["accuracy"] == scores_of(trained, tta=result.recipe.tta)["accuracy"]
     assert wide["loss"] == pytest.approx(scores_of(trained, tta=result.recipe.tta)["loss"], rel=1e-5)
     with pytest.raises(core.UsageError) as e:
@@ -362,7 +380,7 @@ def test_train_takes_torch_tensors_and_reversed_views_as_it_takes_arrays():
     data = synthetic_arrays(128, 64)
     flipped = {**data, "train_images": data["train_images"][:, ::-1]}       # negative strides: a view, not a copy
     assert flipped["train_images"].strides[1] < 0
-    runs = [cf.train("fast94", data=d, **{**TINY, "epochs": 0.5}) for d in (
+    runs = [cf.train("fast94", d, changes={**TINY, "epochs": 0.5}, options=ON_CPU) for d in (
         data, {k: torch.from_numpy(v) for k, v in data.items()},
         flipped, {**flipped, "train_images": flipped["train_images"].copy()})]
     state = [r.model.state_dict() for r in runs]
@@ -372,7 +390,7 @@ def test_train_takes_torch_tensors_and_reversed_views_as_it_takes_arrays():
 
 def test_an_array_given_as_data_is_named_by_its_shape_not_its_values():
     with pytest.raises(core.UsageError) as e:
-        cf.train("fast94", data=np.zeros((10, 32, 32, 3), np.uint8), **TINY)
+        cf.train("fast94", np.zeros((10, 32, 32, 3), np.uint8), changes=TINY, options=ON_CPU)
     assert str(e.value) == ("train: data must be a path (a .npz, a data folder, an unpacked archive) or a dict of the "
                             "four arrays, not ndarray of shape (10, 32, 32, 3)")
 
@@ -384,7 +402,7 @@ def test_offline_the_library_names_its_own_argument_not_the_flag(tmp_path, monke
         url = f"http://127.0.0.1:{s.getsockname()[1]}/cifar-10-python.tar.gz"
     monkeypatch.setitem(cd.DATASETS["cifar10"], "url", url)
     with pytest.raises(core.DataError) as e:
-        cf.train("fast94", data=tmp_path / "data", **TINY)
+        cf.train("fast94", tmp_path / "data", changes=TINY, options=ON_CPU)
     assert str(e.value).endswith(f"; put cifar-10-python.tar.gz in {tmp_path / 'data'}, or give the data as one "
                                  'file: data="FILE.npz" holding train_images (N, 32, 32, 3) uint8, train_labels (N,), '
                                  "test_images and test_labels") and "--data-dir" not in str(e.value)
@@ -395,9 +413,9 @@ def test_a_constant_channel_trains_to_a_finite_loss_and_images_all_one_colour_ar
     data["train_images"][..., 2], data["test_images"][..., 2] = 0, 0        # a blue channel of zeros
     assert cd.channel_stats(data["train_images"])[1][2] == 0
     for name in ("fast94", "myrtle24"):
-        result = cf.train(name, data=data, **{**TINY, "epochs": 1})
+        result = cf.train(name, data, changes=TINY, options=ON_CPU)
         assert all(np.isfinite(row["train_loss"]) and np.isfinite(row["test_loss"]) for row in result.rows), name
     data["train_images"][:] = 7
     with pytest.raises(core.DataError) as e:
-        cf.train("fast94", data=data, **TINY)
+        cf.train("fast94", data, changes=TINY, options=ON_CPU)
     assert str(e.value) == "data: every pixel of every training image is (7, 7, 7); there is nothing to learn"

@@ -60,8 +60,9 @@ def cifar10(recipe, **changes):
     """{"steps", "final_acc", "test_loss"} of a tiny float64 CIFAR-10 run of the recipe."""
     losses, undo = record_losses()
     try:
-        result = cf.train(recipe, data=synthetic_arrays(n_train=256, n_test=64), device="cpu", seed=3, epochs=3,
-                          width=1 / 16, batch_size=64, precision="fp64", **changes)
+        result = cf.train(recipe, data=synthetic_arrays(n_train=256, n_test=64),
+                          changes=dict(epochs=3, width=1 / 16, batch_size=64, **changes),
+                          options=cf.Options(device="cpu", seed=3, precision="fp64"))
     finally:
         undo()
     return {"steps": losses, "final_acc": result.runs[0]["final_acc"], "test_loss": result.rows[-1]["test_loss"]}

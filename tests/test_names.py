@@ -25,7 +25,6 @@ PARALLEL = {
     "MAX_EPOCHS": ({"cifar10_recipes", "imagenet_recipes"}, "the longest run a recipe may ask for"),
     "MEAN": ({"cifar_data", "imagenet_data"}, "the dataset's per-channel mean"),
     "STD": ({"cifar_data", "imagenet_data"}, "the dataset's per-channel standard deviation"),
-    "parser": ({"cifar10_fast", "imagenet_fast"}, "the script's argument parser"),
     "check_classes": ({"cifar_data", "imagenet_store"}, "the refusal of data with fewer than 2 classes"),
 }
 

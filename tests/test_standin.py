@@ -221,8 +221,8 @@ def test_the_first_timed_run_meets_nothing_new_and_counts_as_every_later_run(rec
         return built
     monkeypatch.setattr(cf, "build", build)
     with StandIn(peaks=True) as gpu:
-        cf.train(r, synthetic_arrays(n_train=128, n_test=64), device="cuda", runs=3, compile="reduce-overhead",
-                 eval_every=0, on_run=lambda result: snap())
+        cf.train(r, synthetic_arrays(n_train=128, n_test=64), options=cf.Options(
+            device="cuda", runs=3, compile="reduce-overhead", eval_every=0, on_run=lambda result: snap()))
     runs = [({k: b[0].get(k, 0) - a[0].get(k, 0) for k in b[0]}, b[1] - a[1], [y - x for x, y in zip(a[2], b[2])],
              b[3]) for a, b in zip(snaps, snaps[1:])]
     assert runs[0][0] == runs[1][0] == runs[2][0] and runs[0][1] == runs[1][1] == runs[2][1]
@@ -241,9 +241,9 @@ def test_the_warm_up_run_leaves_the_timed_runs_numbers_as_they_were(monkeypatch,
     rows = lambda result: [[row[k] for k in ("train_loss", "train_acc", "test_loss", "test_acc")]
                            for run in result.runs for row in run["rows"]]
     with StandIn():
-        warmed = cf.train(r, arrays, device="cuda", runs=2, seed=5, precision="fp32")
+        warmed = cf.train(r, arrays, options=cf.Options(device="cuda", runs=2, seed=5, precision="fp32"))
         monkeypatch.setattr(cf, "warmup", lambda *args, **kwargs: None)
-        cold = cf.train(r, arrays, device="cuda", runs=2, seed=5, precision="fp32")
+        cold = cf.train(r, arrays, options=cf.Options(device="cuda", runs=2, seed=5, precision="fp32"))
     assert rows(warmed) == rows(cold) and len(rows(cold)) == 4
 
 

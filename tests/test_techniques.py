@@ -491,12 +491,13 @@ def test_brightness_and_contrast_jitter():
     x = torch.randn(500, 3, 8, 8)
     jitter = cd.AugmentSettings(crop_pad=0, flip="none", cutout=0, jitter_brightness=0.14, jitter_contrast=0.13)
     r = cd.draw_augmentation(500, 8, jitter, generator=g)
-    assert r["brightness"].abs().max() <= 0.14 and (r["contrast"] - 1).abs().max() <= 0.13
-    assert r["brightness"].std() > 0.07 and (r["contrast"] - 1).std() > 0.06          # uniform: std = range / √3
+    brightness, contrast = r["jitter"]
+    assert brightness.abs().max() <= 0.14 and (contrast - 1).abs().max() <= 0.13
+    assert brightness.std() > 0.07 and (contrast - 1).std() > 0.06          # uniform: std = range / √3
     out = cd.augment_images(x, r, 8, 0)
-    torch.testing.assert_close(out, (x + r["brightness"].view(-1, 1, 1, 1)) * r["contrast"].view(-1, 1, 1, 1))
+    torch.testing.assert_close(out, (x + brightness.view(-1, 1, 1, 1)) * contrast.view(-1, 1, 1, 1))
     plain = cd.AugmentSettings(crop_pad=0, flip="none", cutout=0)
-    assert "brightness" not in cd.draw_augmentation(500, 8, plain, generator=g)                       # off: no draw
+    assert "jitter" not in cd.draw_augmentation(500, 8, plain, generator=g)                       # off: no draw
 
 
 def test_low_resolution_epochs_and_their_flops():

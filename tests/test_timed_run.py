@@ -12,6 +12,7 @@ import cifar10_fast as cf
 import cifar_data as cd
 import devices
 import distributed as D
+import progress
 import settings
 import torch_backend as tb
 import training as T
@@ -66,8 +67,8 @@ def test_the_epoch_clock_stops_before_each_evaluation_and_reads_its_rows_only_wh
     host's printing then off the clock; the training time leaves out every evaluation, the final one is the run's
     final_eval_time, the time to target is the first evaluated epoch's total at or above it."""
     made = fake_cuda_events(monkeypatch, [0.0, 10.0, 25.0, 30.0, 40.0, 50.0, 57.0, 60.0])      # ms on the GPU
-    clock = T.EpochClock("cuda:0", columns=["epoch", "train_loss", "train_acc", "acc", "epoch_time", "total_time"],
-                         accuracy="acc", target=0.5, eval_every=2)
+    clock = progress.EpochClock(devices.timer("cuda:0"), T.RunOptions(target=0.5, eval_every=2), accuracy="acc",
+                                columns=["epoch", "train_loss", "train_acc", "acc", "epoch_time", "total_time"])
     read = []
     for epoch, acc in enumerate((None, 0.4, 0.6)):
         clock.stop(torch.tensor([6.0, 2.0 + epoch]), 4, epoch=epoch + 1)

@@ -6,11 +6,11 @@ import math
 import pytest
 
 import cifar10_fast as cf
+import cli
 import imagenet_fast as inf
 from conftest import small_jpeg_store
 from core import DataError
-from progress import fit
-from training import epoch_table
+from progress import epoch_table, fit
 
 CIFAR_ROW = {"epoch": 1, "lr": 0.4, "train_loss": 1.7511622, "train_acc": 0.5102336, "test_loss": None,
              "test_acc": None, "epoch_time": 0.2030570, "total_time": 0.2030570}
@@ -102,7 +102,7 @@ def parsers():
     """(name, parser) of every command line a user runs: CIFAR-10's, and ImageNet's prepare and train."""
     import argparse
     sub = next(a for a in inf.parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return [("cifar10_fast.py", cf.parser()), *((f"imagenet_fast.py {name}", sub.choices[name])
+    return [("cifar10_fast.py", cli.cifar10_parser(cf.__doc__)), *((f"imagenet_fast.py {name}", sub.choices[name])
                                                 for name in ("prepare", "train"))]
 
 
