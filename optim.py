@@ -27,13 +27,13 @@ MUON_COEFFS = (3.4445, -4.7750, 2.0315)      # Jordan et al. 2024; the 2-second 
 
 
 def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, eps=1e-7, dtype=torch.bfloat16):
-    """About U Vᵀ of g = U S Vᵀ (or of each matrix of a batch), in dtype:  X <- aX + (bA + cA²)X,  A = XXᵀ"""
+    """About U Vᵀ of g = U S Vᵀ (of each matrix of a batch), in dtype:  X <- aX + (bA + cA²)X,  A = XXᵀ"""
     a, b, c = coeffs
     x = g.to(dtype)
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)    # spectral norm ≤ Frobenius norm ≤ 1: inside the basin
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)  # spectral norm ≤ Frobenius norm ≤ 1: inside the basin
     for _ in range(steps):
         s = x @ x.mT
         x = a * x + (b * s + c * s @ s) @ x
@@ -41,9 +41,9 @@ def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, eps=1e-7, dtype=torch.bfloa
 
 
 def newton_schulz_padded(mats, steps=5, coeffs=MUON_COEFFS, dtype=torch.bfloat16):
-    """newton_schulz of every matrix in one call, each zero-padded (zero rows stay zero) to the largest."""
+    """newton_schulz of every matrix in one call, each zero-padded to the largest (zero rows stay zero)."""
     rows = max(m.shape[0] for m in mats)
-    cols = -(-max(m.shape[1] for m in mats) // 16) * 16        # a multiple of 16, for the tensor cores
+    cols = -(-max(m.shape[1] for m in mats) // 16) * 16  # a multiple of 16, for the tensor cores
     batch = torch.stack([F.pad(m.to(dtype), (0, cols - m.shape[1], 0, rows - m.shape[0])) for m in mats])
     out = newton_schulz(batch, steps, coeffs, dtype=dtype)
     return [o[:m.shape[0], :m.shape[1]].to(m.dtype) for o, m in zip(out, mats)]
@@ -67,19 +67,19 @@ class MuonSettings:
     PREFIX = "muon"
     lr: float = knob(0.24, low=0, doc="at the schedule's peak")
     momentum: float = knob(0.6, low=0, high=1)
-    ns_steps: int = knob(3, low=0, whole=True, doc="Newton-Schulz iterations a step")
-    ns_coeffs: tuple = numbers(MUON_COEFFS, doc="Newton-Schulz's a, b, c")
-    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="filters back to their norm every k steps, k "
-                                  "from the first to the second (0: never)")
+    ns_steps: int = knob(3, low=0, whole=True, doc="Newton-Schulz iterations")
+    ns_coeffs: tuple = numbers(MUON_COEFFS, doc="its a, b, c")
+    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="filters to norm sqrt(rows) every k steps, k from "
+                                  "the first to the second (0: never)")
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
     momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"))
-    batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call")
+    batched: bool = knob(False, doc="all filters in one Newton-Schulz call")
 
 
 def momentum_step(grads, buffers, momentum, nesterov):
     """v = momentum v + g (in place), then g + momentum v (nesterov) or v"""
     m = momentum
-    if buffers[0].dtype in (torch.float16, torch.bfloat16):   # a Python scalar would be rounded to their dtype
+    if buffers[0].dtype in (torch.float16, torch.bfloat16):  # a Python scalar would be rounded to their dtype
         m = torch.full((), m, dtype=torch.float32, device=buffers[0].device)
     torch._foreach_mul_(buffers, m)
     torch._foreach_add_(buffers, grads)
@@ -95,12 +95,11 @@ def muon_step(filters, grads, buffers, lr, group):
     mats = newton_schulz_padded(mats, **ns) if group["batched"] else [newton_schulz(m, **ns) for m in mats]
     torch._foreach_mul_(filters, [torch.where(group["renorm"], n.reciprocal() * len(p) ** 0.5, 1.0)
                                   for n, p in zip(torch._foreach_norm(filters), filters)])
-    by_scale = {}
-    for p, u in zip(filters, mats):
-        by_scale.setdefault(max(1.0, u.shape[0] / u.shape[1]) ** 0.5, []).append((p, u.view_as(p)))
-    for scale, pairs in by_scale.items():           # a tensor is no foreach alpha: the steps scaled first
-        banks, steps = [p for p, _ in pairs], [u for _, u in pairs]
-        torch._foreach_add_(banks, torch._foreach_mul(steps, (-lr * scale).to(steps[0].dtype)))
+    scales = [max(1.0, len(m) / m.shape[1]) ** 0.5 for m in mats]
+    for s in dict.fromkeys(scales):  # a tensor is no foreach alpha: the steps scaled first, a call per scale
+        banks = [p for p, t in zip(filters, scales) if t == s]
+        steps = [m.view_as(p) for p, m, t in zip(filters, mats, scales) if t == s]
+        torch._foreach_add_(banks, torch._foreach_mul(steps, (-lr * s).to(steps[0].dtype)))
     if group["weight_decay"]:
         torch._foreach_mul_(filters, (1 - lr * group["weight_decay"]).to(filters[0].dtype))
 
@@ -138,11 +137,6 @@ class MasterWeights:
         """params, each held one as its master."""
         return [self.of.get(id(p), p) for p in params]
 
-    def held(self, params):
-        """(the copies among params, their masters), or None."""
-        copies = [p for p in params if id(p) in self.of]
-        return (copies, self.weights(copies)) if copies else None
-
     @torch.no_grad()
     def refresh(self):
         """The copies take their masters' values, rounded to their dtype."""
@@ -163,7 +157,7 @@ def sgd_muon_step(groups):
     (held)."""
     for step, weights, grads, buffers, rate, unit, held, settings in groups:
         step(weights, [g.to(w.dtype) for g, w in zip(grads, weights)], buffers, rate * unit, settings)
-        if held:          # as long as the group: a GPU's foreach kernel fuses it with the update
+        if held:  # as long as the group: a GPU's foreach kernel fuses it with the update
             torch._foreach_copy_(*held)
 
 
@@ -190,7 +184,7 @@ class SGDAndMuon(torch.optim.Optimizer):
         self.steps = [(muon_step, {**{k: g[k] for k in MUON_STEP_SETTINGS}, "renorm": self.renorm})
                       if g.get("name") == "filters" else (sgd_step, {k: g[k] for k in SGD_STEP_SETTINGS})
                       for g in self.param_groups]
-        self.filled = {}                # id of a 0-d tensor: the value it was last filled with
+        self.filled = {}  # id of a 0-d tensor: the value it was last filled with
         for g in self.param_groups:
             for p, w in zip(g["params"], self.masters.weights(g["params"])):
                 self.state[p]["momentum"] = torch.zeros_like(w, dtype=None if w.dtype == torch.float64 else
@@ -216,13 +210,14 @@ class SGDAndMuon(torch.optim.Optimizer):
                 continue
             if step is muon_step:
                 self.tick(g)
-            buffers = [self.state[p]["momentum"] for p in params]
-            groups.append((step, self.masters.weights(params), [p.grad for p in params], buffers, rate, unit,
-                           self.masters.held(params), settings))
+            weights, buffers = self.masters.weights(params), [self.state[p]["momentum"] for p in params]
+            held = [(p, w) for p, w in zip(params, weights) if w is not p]  # (copy, master) pairs
+            groups.append((step, weights, [p.grad for p in params], buffers, rate, unit,
+                           held and [list(c) for c in zip(*held)], settings))
         self.function()(groups)
 
     def tick(self, g):
-        """Muon's clock a step on; renorm: whether it renormalises (every k steps, k from k0 to k1; 0: never)."""
+        """Muon's clock a step on; renorm: whether it renormalises (every k steps, k from k0 to k1)."""
         k0, k1 = g["renorm_every"]
         self.muon_steps += 1
         if k0 > 0 and self.muon_steps - self.last_renorm >= k0 + (k1 - k0) * self.muon_steps / g["total_steps"] // 1:
@@ -315,10 +310,9 @@ def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=(), maste
                    "until_step": until, "linear": linear} for name, ps, s, until, linear in parts if ps]
     if not groups["filters"]:
         return [sgd_optimizer(model, r, groups_sgd, masters)]
-    m = r.muon
-    muon = muon_group(groups["filters"], lr_unit=m.lr / peak, momentum=m.momentum, nesterov=sgd.nesterov,
-                      ns_steps=m.ns_steps, ns_coeffs=m.ns_coeffs, renorm_every=m.renorm_every, batched=m.batched,
-                      total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)),
+    m, same = r.muon, ("momentum", "ns_steps", "ns_coeffs", "renorm_every", "batched")
+    muon = muon_group(groups["filters"], **{k: getattr(m, k) for k in same}, lr_unit=m.lr / peak,
+                      nesterov=sgd.nesterov, total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)),
                       weight_decay=m.weight_decay * bs * world, momentum_dtype=MOMENTUM_DTYPES[m.momentum_dtype])
     return [SGDAndMuon(groups_sgd + [muon], momentum=sgd.momentum, nesterov=sgd.nesterov, masters=masters)]
 

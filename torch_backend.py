@@ -26,19 +26,19 @@ ACTIVATIONS = {"relu": lambda net: nn.ReLU(inplace=True), "celu": lambda net: nn
 
 @dataclass(frozen=True, kw_only=True)
 class NetworkSettings:
-    """The network: Myrtle's ResNet-9 and ResNet-18, or the three-block fastnet (Jordan 2024)."""
+    """Myrtle's ResNet-9 or ResNet-18, or Jordan's (2024) three-block fastnet."""
     PREFIX = ""
     model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"))
-    width: float = knob(1.0, above=0, doc="every layer's channels x this")
+    width: float = knob(1.0, above=0, doc="channels x this")
     block_widths: tuple = numbers((64, 256, 256), above=0, whole=True, doc="fastnet's blocks' channels")
-    block_depth: int = knob(2, choices=(2, 3), doc="fastnet's convolutions a block (3: airbench96's residual)")
+    block_depth: int = knob(2, choices=(2, 3), doc="convs a block (3: airbench96's)")
     act: str = knob("relu", choices=tuple(ACTIVATIONS), doc="after each batch norm")
     celu_alpha: float = knob(0.3, above=0)
-    pool_first: bool = knob(False, doc="max-pool before batch norm (Myrtle): 4x fewer pixels")
-    dirac_init: bool = knob(False, doc="convolutions start as the identity")
-    output_scale: float = knob(0.125, above=0, doc="the logits x this")
-    head_unit_std: bool = knob(False, doc="the head's weights at unit std, the logits / its width")
-    global_max_pool: bool = knob(True, doc="false: the published networks' fixed window")
+    pool_first: bool = knob(False, doc="max-pool before batch norm (Myrtle's)")
+    dirac_init: bool = knob(False, doc="convs start as identities")
+    output_scale: float = knob(0.125, above=0, doc="logits x this")
+    head_unit_std: bool = knob(False, doc="head weights' std 1, logits / width")
+    global_max_pool: bool = knob(True, doc="false: the papers' fixed window")
 
     def check(self):
         if not self.global_max_pool and self.model not in FINAL_POOL_WINDOWS:
@@ -97,18 +97,17 @@ def set_ghost_groups(model, group):
 
 @dataclass(frozen=True, kw_only=True)
 class BatchNormSettings:
-    """Batch norm, with two of Myrtle's tricks: ghost batches and frozen scales."""
+    """Batch norm, with Myrtle's ghost batches and frozen scales."""
     PREFIX = "bn"
-    momentum: float = knob(0.1, low=0, high=1, doc="the new batch's weight (PyTorch's)")
+    momentum: float = knob(0.1, low=0, high=1, doc="PyTorch's")
     eps: float = knob(1e-5, above=0)
-    ghost_batch: int = knob(0, low=0, whole=True, doc="statistics over groups of this many images (0: the batch)")
+    ghost_batch: int = knob(0, low=0, whole=True, doc="statistics' group of images (0: the batch)")
     ghost_grouping: str = knob("interleaved", choices=GhostBatchNorm.GROUPINGS, doc="interleaved: Myrtle's")
     freeze_scale: bool = knob(False, doc="the scales stay 1")
 
 
 class BatchNorm(GhostBatchNorm):
-    """GhostBatchNorm of c channels with the settings bn (BatchNormSettings): ghost batches of bn.ghost_batch
-    images grouped as bn.ghost_grouping says, and Myrtle's frozen scale (only the bias learns)."""
+    """GhostBatchNorm of c channels with the settings bn (BatchNormSettings)."""
 
     def __init__(self, c, bn):
         super().__init__(c, eps=bn.eps, momentum=bn.momentum, group=bn.ghost_batch, grouping=bn.ghost_grouping,
@@ -121,7 +120,7 @@ def activation(net, act=None):
 
 
 def conv(c_in, c_out, net, kernel=3):
-    """A bias-free convolution, with net.dirac_init its first c_in filters the identity."""
+    """A bias-free convolution; with dirac_init its first c_in filters the identity."""
     layer = nn.Conv2d(c_in, c_out, kernel, padding=kernel // 2, bias=False)
     if net.dirac_init and kernel > 1 and c_out >= c_in:
         with torch.no_grad():
@@ -165,7 +164,7 @@ FINAL_POOL_WINDOWS = {"resnet9": 4, "fastnet": 3}
 
 
 def final_max_pool(net):
-    """GlobalMaxPool, or the published fixed window."""
+    """GlobalMaxPool, or the paper's fixed window."""
     return GlobalMaxPool() if net.global_max_pool else nn.MaxPool2d(FINAL_POOL_WINDOWS[net.model])
 
 
@@ -180,7 +179,7 @@ class GlobalMaxPool(nn.Module):
 
 @dataclass(frozen=True)
 class WhiteningFit:
-    """A reference's whitening fit: how many images, its covariance centred or not, / n - ddof, by eigh or svd."""
+    """A reference's whitening fit: images, covariance centred or not, / (n - ddof), by eigh or svd."""
     name: str
     images: int
     centre: bool
@@ -196,24 +195,24 @@ WHITENING_FITS = {f.name: f for f in (
 
 @dataclass(frozen=True, kw_only=True)
 class WhiteningBiasSettings:
-    """The whitening layer's bias: trained for its first `epochs`, then detached (airbench94)."""
+    """The whitening bias: trained its first `epochs`, then detached (airbench94)."""
     PREFIX = "bias"
     epochs: float = knob(3.0, low=0)
     lr_mult: float = knob(1.0, low=0, doc="x the schedule's rate")
-    init: str = knob("zero", choices=("zero", "default"), doc="default: the convolution's own")
-    decay: str = knob("none", choices=("none", "linear"), doc="linear: from its peak to 0")
+    init: str = knob("zero", choices=("zero", "default"), doc="default: nn.Conv2d's")
+    decay: str = knob("none", choices=("none", "linear"), doc="linear: peak to 0")
 
 
 @dataclass(frozen=True, kw_only=True)
 class WhiteningSettings:
-    """Patch whitening (Myrtle 2018): a frozen first convolution whitening the training images' patches."""
+    """Patch whitening (Myrtle 2018): a frozen first convolution whitening the images' patches."""
     PREFIX = "whiten"
-    size: int = knob(3, above=0, whole=True, doc="the patches' side")
+    size: int = knob(3, above=0, whole=True, doc="patch side")
     pad: int = knob(1, low=0, whole=True)
-    both_signs: bool = knob(False, doc="each filter and its negative (Jordan 2024)")
-    eps: float = knob(1e-2, low=0, doc="added to each eigenvalue")
+    both_signs: bool = knob(False, doc="filters and negatives (Jordan 2024)")
+    eps: float = knob(1e-2, low=0, doc="added to eigenvalues")
     act: str = knob("", choices=("",) + tuple(ACTIVATIONS), doc="'': the network's")
-    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS, doc="whose fit to copy")
+    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS, doc="whose fit")
     bias: WhiteningBiasSettings = component(WhiteningBiasSettings)
 
 
@@ -228,14 +227,14 @@ class Whitening(nn.Conv2d):
                          bias=w.bias is not None)
         self.w = w
         self.weight.requires_grad_(False)
-        if w.bias:          # make_optimizers refuses a network that does not hand it over, and says how
+        if w.bias:  # make_optimizers refuses a network that does not hand it over, and says how
             self.bias.own_rate_from = "torch_backend.whitening_bias(model, steps_per_epoch)"
             if w.bias.init == "zero":
                 nn.init.zeros_(self.bias)
 
     @torch.no_grad()
     def fit(self, images, master=None):
-        """The filters fitted to images, written into master (the weight's float32 master, if it has one), then it."""
+        """The filters fitted to images, written into master (the weight's float32 master), then the weight."""
         k, fit = self.w.size, self.w.fit
         patches = devices.float32_or_wider(images[:fit.images]).unfold(2, k, 1).unfold(3, k, 1)  # N,3,H',W',k,k
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
@@ -253,7 +252,7 @@ class Whitening(nn.Conv2d):
 
 
 def svd_eigen(cov):
-    """(eigenvalues, eigenvectors) of the symmetric cov by an SVD, largest first."""
+    """(eigenvalues, eigenvectors) of the symmetric cov by SVD, largest first."""
     eigvecs, eigvals, _ = torch.linalg.svd(cov)
     return eigvals, eigvecs
 
@@ -278,7 +277,7 @@ def whitening_bias(net, steps_per_epoch=1):
 
 
 def fit_whitening(model, train_images, size, masters=None):
-    """Fits every Whitening layer (and its master) to the first training images, cropped to size (h, w or a side)."""
+    """Fits every Whitening layer (and its master) to the first training images, cropped to size (h, w or side)."""
     layers = [m for m in model.modules() if isinstance(m, Whitening)]
     h, w = (size, size) if isinstance(size, int) else size
     pad = (train_images.shape[-1] - w) // 2
@@ -292,7 +291,7 @@ def widths(net, base):
 
 
 def classifier(c, net, num_classes):
-    """The linear head and the logits' scale; with head_unit_std its weights at unit std, the logits / c."""
+    """The linear head and the logits' scale."""
     head = nn.Linear(c, num_classes, bias=False)
     if net.head_unit_std:
         with torch.no_grad():
@@ -323,7 +322,7 @@ def resnet9(r, num_classes=10):
 
 
 def conv_group(c_in, c_out, r):
-    """Jordan's block: conv -> 2x2 max-pool -> BN -> act -> conv -> BN -> act (residual_group at block_depth 3)."""
+    """Jordan's block: conv, 2x2 max-pool, BN, act, conv, BN, act (residual_group at block_depth 3)."""
     net, bn = r.network, r.batch_norm
     first = [conv(c_in, c_out, net), nn.MaxPool2d(2), BatchNorm(c_out, bn), activation(net)]
     if net.block_depth == 3:
@@ -338,7 +337,7 @@ def residual_group(first, c, r):
 
 
 def fastnet(r, num_classes=10):
-    """Jordan's (2024) network: patch whitening, conv groups of block_widths channels, max-pool, classifier."""
+    """Jordan's (2024) network: patch whitening, conv groups, max-pool, classifier."""
     # without whitening: a trainable convolution of its shape
     white = Whitening(r.whitening) if r.whitening else nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True)
     layers, c = [white, activation(r.network, r.whitening.act if r.whitening else "")], white.out_channels
@@ -442,12 +441,12 @@ TTA_VIEWS = ("none", "flip", "flip_translate")
 
 @dataclass(frozen=True, kw_only=True)
 class TTASettings:
-    """Test-time augmentation of the final evaluation, of every image or of the least sure (selective TTA)."""
+    """Test-time augmentation of the final evaluation, of every image or of the least sure."""
     PREFIX = "tta"
     OFF = ("views", "none")
-    views: str = knob("flip", choices=TTA_VIEWS, flag="tta", doc="each test image's views")
-    fraction: float = knob(1.0, above=0, high=1, doc="the share of test images, least sure first, given every view")
-    weights: str = knob("airbench", choices=("airbench", "equal"), doc="airbench: image and mirror count twice")
+    views: str = knob("flip", choices=TTA_VIEWS, flag="tta", doc="views of a test image")
+    fraction: float = knob(1.0, above=0, high=1, doc="share of test images, least sure first, given views")
+    weights: str = knob("airbench", choices=("airbench", "equal"), doc="airbench: image, mirror x2")
 
 
 def tta_views(x, mode, weights="airbench"):
@@ -470,14 +469,14 @@ def check_tta_views(mode):
 
 def logits_of(model, x, memory_format=torch.contiguous_format):
     """A copy (a CUDA graph's replay overwrites its outputs) of model's float32 or float64 logits of x."""
-    logits = model(x.contiguous(memory_format=memory_format))      # every view alike: one compiled graph
+    logits = model(x.contiguous(memory_format=memory_format))  # every view alike: one compiled graph
     return logits.to(devices.wide_dtype(logits.dtype), copy=True)
 
 
 def batched(fn, batch_size, *tensors):
     """fn over the tensors' batches, the last zero-padded and cut back: one shape, one compiled graph."""
-    out, n = [], len(tensors[0])
-    for i in range(0, n, batch_size):
+    out = []
+    for i in range(0, len(tensors[0]), batch_size):
         parts = [t[i:i + batch_size] for t in tensors]
         short = batch_size - len(parts[0])
         if short:
@@ -493,15 +492,11 @@ def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.
     n = round(tta.fraction * len(images)) if tta else 0
     if n:
         some = slice(None) if n == len(images) else logits.softmax(1).amax(1).topk(n, largest=False).indices
-        logits[some] = batched(lambda x, plain: views_logits(forward, x, plain, tta), batch_size, images[some],
-                               logits[some])
+        def views(x, plain):  # the views' weighted sum, the plain pass standing for the first's
+            (w, _), *rest = tta_views(x, tta.views, tta.weights)
+            return sum((v * forward(view) for v, view in rest), w * plain)
+        logits[some] = batched(views, batch_size, images[some], logits[some])
     return logits
-
-
-def views_logits(forward, x, plain, tta):
-    """The weighted sum of forward's logits of x's views, plain standing for the first's."""
-    (w, _), *views = tta_views(x, tta.views, tta.weights)
-    return sum((v * forward(view) for v, view in views), w * plain)
 
 
 @torch.no_grad()
