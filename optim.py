@@ -63,7 +63,7 @@ def compiled(fn, backend="inductor"):
 
 @dataclass(frozen=True, kw_only=True)
 class MuonSettings:
-    """Muon (Jordan et al. 2024) for the convolutions' filters."""
+    """Muon (Jordan et al. 2024) for the conv filters."""
     PREFIX = "muon"
     lr: float = knob(0.24, low=0, doc="at the schedule's peak")
     momentum: float = knob(0.6, low=0, high=1)
@@ -128,7 +128,7 @@ class MasterWeights:
     def of_fresh(cls, model, fresh):
         """The masters of model's lower-precision parameters: fresh's, the same network in float32."""
         pairs = [(p, q.detach()) for p, q in zip(model.parameters(), fresh.parameters()) if p.dtype != q.dtype]
-        return cls([p for p, _ in pairs], [q for _, q in pairs])
+        return cls(*zip(*pairs))
 
     def __bool__(self):
         return bool(self.copies)
@@ -153,8 +153,7 @@ class MasterWeights:
 
 
 def sgd_muon_step(groups):
-    """Every group's step (sgd_step or muon_step) at rate x unit, of the float32 masters, then copied to their copies
-    (held)."""
+    """Each group's step (sgd_step or muon_step) at rate x unit of the float32 masters, then their copies (held)."""
     for step, weights, grads, buffers, rate, unit, held, settings in groups:
         step(weights, [g.to(w.dtype) for g, w in zip(grads, weights)], buffers, rate * unit, settings)
         if held:  # as long as the group: a GPU's foreach kernel fuses it with the update
@@ -208,21 +207,17 @@ class SGDAndMuon(torch.optim.Optimizer):
             params = [p for p in g["params"] if p.grad is not None]
             if not params:
                 continue
-            if step is muon_step:
-                self.tick(g)
+            if step is muon_step:  # Muon's clock, the host's: it renormalises every k steps, k from k0 to k1
+                self.muon_steps += 1
+                t, (k0, k1) = self.muon_steps, g["renorm_every"]
+                if k0 and t - self.last_renorm >= k0 + (k1 - k0) * t / g["total_steps"] // 1:
+                    self.last_renorm = t
+                self.fill(self.renorm, self.last_renorm == t)
             weights, buffers = self.masters.weights(params), [self.state[p]["momentum"] for p in params]
             held = [(p, w) for p, w in zip(params, weights) if w is not p]  # (copy, master) pairs
             groups.append((step, weights, [p.grad for p in params], buffers, rate, unit,
                            held and [list(c) for c in zip(*held)], settings))
         self.function()(groups)
-
-    def tick(self, g):
-        """Muon's clock a step on; renorm: whether it renormalises (every k steps, k from k0 to k1)."""
-        k0, k1 = g["renorm_every"]
-        self.muon_steps += 1
-        if k0 > 0 and self.muon_steps - self.last_renorm >= k0 + (k1 - k0) * self.muon_steps / g["total_steps"] // 1:
-            self.last_renorm = self.muon_steps
-        self.fill(self.renorm, self.last_renorm == self.muon_steps)
 
 
 MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "weight_decay")
@@ -272,7 +267,7 @@ class SGDSettings:
     momentum: float = knob(0.9, low=0, high=1)
     nesterov: bool = knob(True)
     weight_decay: float = knob(5e-4, low=0, doc="in --lr-units")
-    bias_lr_mult: float = knob(1.0, low=0, doc="batch norm's biases' rate, x the schedule's")
+    bias_lr_mult: float = knob(1.0, low=0, doc="batch norm biases' rate x")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -346,14 +341,14 @@ def check_own_rates(model, own_rates):
 
 
 def set_lr(opts, lr, step=0, epoch=0.0):
-    """Sets each group's rate to group_rate's (an SGDAndMuon's 0-d tensors filled: no recompile)."""
+    """Sets each group's rate to group_rate's."""
     for opt in opts:
-        if not isinstance(opt, SGDAndMuon):
+        if isinstance(opt, SGDAndMuon):  # its 0-d tensors filled: no recompile
+            opt.fill(opt.lr, lr)
+            for g, rate in opt.own_rates:
+                opt.fill(rate, group_rate(g, lr, step))
+        else:
             set_group_rates(opt, lr, step, epoch)
-            continue
-        opt.fill(opt.lr, lr)
-        for g, rate in opt.own_rates:
-            opt.fill(rate, group_rate(g, lr, step))
 
 
 def set_group_rates(opt, lr, step, epoch):

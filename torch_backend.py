@@ -339,12 +339,12 @@ def residual_group(first, c, r):
 def fastnet(r, num_classes=10):
     """Jordan's (2024) network: patch whitening, conv groups, max-pool, classifier."""
     # without whitening: a trainable convolution of its shape
-    white = Whitening(r.whitening) if r.whitening else nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True)
-    layers, c = [white, activation(r.network, r.whitening.act if r.whitening else "")], white.out_channels
-    for w in widths(r.network, r.network.block_widths):
+    white, net = Whitening(r.whitening) if r.whitening else nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True), r.network
+    layers, c = [white, activation(net, r.whitening.act if r.whitening else "")], white.out_channels
+    for w in widths(net, net.block_widths):
         layers.append(conv_group(c, w, r))
         c = w
-    layers += [final_max_pool(r.network), nn.Flatten(), *classifier(c, r.network, num_classes)]
+    layers += [final_max_pool(net), nn.Flatten(), *classifier(c, net, num_classes)]
     return nn.Sequential(*layers)
 
 
@@ -450,8 +450,7 @@ class TTASettings:
 
 
 def tta_views(x, mode, weights="airbench"):
-    """(weight, view) pairs: x, its mirror, with flip_translate both shifted a pixel up-left and down-right; weights
-    "airbench": the first two count twice."""
+    """(weight, view) pairs: x, its mirror, with flip_translate both shifted a pixel up-left and down-right."""
     check_tta_views(mode)
     views = [x] if mode == "none" else [x, x.flip(3)]
     if mode == "flip_translate":
@@ -500,13 +499,12 @@ def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.
 
 
 @torch.no_grad()
-def loss_and_accuracy(model, images, labels, *, tta=None, dtype=torch.float32, batch_size=1000,
-                      memory_format=torch.contiguous_format):
-    """Mean loss and accuracy of the model on images, with tta (tta_logits)."""
+def loss_and_accuracy(model, images, labels, *, dtype=torch.float32, batch_size=1000, **options):
+    """Mean loss and accuracy of the model on images, with tta_logits' options (tta, memory_format)."""
     was_training = model.training
     model.eval()
     with devices.autocast(images.device, dtype):
-        logits = tta_logits(model, images, tta, batch_size=min(batch_size, len(images)), memory_format=memory_format)
+        logits = tta_logits(model, images, batch_size=min(batch_size, len(images)), **options)
     model.train(was_training)
     loss, correct = torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
                                  (logits.argmax(1) == labels).sum().float()]).tolist()
