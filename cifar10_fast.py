@@ -87,9 +87,9 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
             average.finish(net.module)
         clock.stop(sums, steps * batch, epoch=epoch + 1, lr=lr)
         if clock.evaluates(epoch, last=last):
+            model, tta = evaluation_model(net.eval_forward, average), r.tta if last else None
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
-                loss, acc = loss_and_accuracy(evaluation_model(net.eval_forward, average), data["test_images"],
-                                              data["test_labels"], dtype=dtype, tta=r.tta if last else None,
+                loss, acc = loss_and_accuracy(model, data["test_images"], data["test_labels"], dtype=dtype, tta=tta,
                                               memory_format=memory_format)
             clock.evaluated(test_loss=loss, test_acc=acc)
         for row in clock.rows_read():

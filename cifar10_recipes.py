@@ -234,10 +234,11 @@ FAST94_NEXT = Recipe(
     network=NetworkSettings(model="fastnet", block_widths=(64, 256, 256), block_depth=2, act="silu",
                             dirac_init=True, output_scale=1.0, head_unit_std=True),
     batch_norm=BatchNormSettings(momentum=1 - 0.5566, eps=1e-12, freeze_scale=True),  # 0.5566 in their convention
-    whitening=WhiteningSettings(size=2, pad=0, both_signs=True, eps=5e-4, act="gelu", fit=WHITENING_FITS["record"],
-                                bias=WhiteningBiasSettings(epochs=0.19,  # ceil(0.19 x 32) = 7 steps
-                                                           lr_mult=0.0573 / 0.5415,  # its bias_lr / head_lr
-                                                           init="default", decay="linear")),
+    whitening=WhiteningSettings(
+        size=2, pad=0, both_signs=True, eps=5e-4, act="gelu", fit=WHITENING_FITS["record"],
+        bias=WhiteningBiasSettings(epochs=0.19,  # ceil(0.19 x 32) = 7 steps
+                                   lr_mult=0.0573 / 0.5415,  # its bias_lr / head_lr
+                                   init="default", decay="linear")),
     lr=LRSettings(knots=(0, 1), values=(0.5415, 0.0)),  # the head's rate a step (torch's units): its head_lr, to 0
     sgd=SGDSettings(lr_units="sum", momentum=0.825, nesterov=True,
                     weight_decay=1.0418e-6,  # per image: its wd = 1.0418e-6 x 1,536

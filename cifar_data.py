@@ -480,8 +480,8 @@ def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=
     else:
         x = resized_images(x, draws, size, side, cutout=augment.cutout, memory_format=memory_format)
     y = y[draws["perm"]]
-    for i in range(len(x) // batch_size):
-        yield x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]
+    for i in range(0, len(x) - batch_size + 1, batch_size):
+        yield x[i:i + batch_size], y[i:i + batch_size]
 
 
 def resized_images(x, draws, size, side, *, cutout, memory_format):

@@ -15,6 +15,7 @@ Papers:
   Mikami et al. 2018, "ImageNet/ResNet-50 Training in 224 Seconds" (Sony, batch-size control, arXiv:1811.05233)
   Howard, Shaw, Bulatov 2018, fast.ai and DIU's "ImageNet in 18 minutes" (github.com/cybertronai/imagenet18, train.py)
 """
+import bisect
 import functools
 import math
 from dataclasses import dataclass, replace
@@ -68,9 +69,9 @@ class LRSettings:
     def at(self, t):
         """The rate at t (a fraction of the run)."""
         k, v = self.knots, self.values
-        i = next((i for i in range(len(k)) if t <= k[i]), None)
-        if i is None or i == 0 or k[i] == k[i - 1]:
-            rate = float(v[-1] if i is None else v[i])
+        i = bisect.bisect_left(k, t)  # the first knot at or after t
+        if i in (0, len(k)) or k[i] == k[i - 1]:
+            rate = float(v[min(i, len(v) - 1)])
         else:
             rate = float(v[i - 1] + (t - k[i - 1]) / (k[i] - k[i - 1]) * (v[i] - v[i - 1]))
         return max(rate, self.floor * max(self.values)) if self.floor else rate
