@@ -227,7 +227,7 @@ FAST94_MUON = replace(
 # Newton-Schulz input before its normalisation (theirs divides it away again).
 # measured: 94.01%, 1.14 s (H200, n = 91, commit not recorded); published: 94.01%, 2.015 s (A100, hiverge)
 FAST94_NEXT = Recipe(
-    name="fast94_next", doc="the 2-second record's: batched Newton-Schulz, SiLU, jitter, selective TTA (target 94%)",
+    name="fast94_next", doc="the 2-second record: batched Newton-Schulz, SiLU, jitter, selective TTA (target 94%)",
     epochs=7.59,  # ceil(7.59 x 32) = 243 steps of 1,536 images: its total_train_steps
     batch_size=1536,  # images a step: its training_batch_size
     label_smoothing=0.09,

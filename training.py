@@ -35,8 +35,7 @@ class RunOptions:
 
 
 def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
-    """One CIFAR-10 step on the batch-summed loss (with its loss_and_sums where forward computes them: WithLoss): its
-    sums, not waited for."""
+    """One step on the batch-summed loss (computed in forward where it takes labels: WithLoss): its sums, unread."""
     with devices.autocast(x.device, dtype):
         if getattr(forward, "takes_labels", False):
             loss, sums = forward(x, y)
@@ -50,8 +49,7 @@ def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
 
 
 def loss_and_sums(logits, y, *, label_smoothing):
-    """(the batch's summed cross-entropy, [that loss, its correct predictions] detached): one reduction, in the loss's
-    dtype (counts exact below 2^24)."""
+    """(the summed cross-entropy, [that loss, correct predictions] detached): one reduction, exact below 2^24."""
     losses = F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=label_smoothing, reduction="none")
     sums = torch.stack([losses, logits.detach().argmax(1).eq(y).to(losses.dtype)]).sum(1)
     # copied, not a view: a compiled graph's output that views another loses its gradient
