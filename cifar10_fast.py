@@ -55,16 +55,16 @@ COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "e
 
 def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     """One run of recipe r on a Built: {"seed", "rows", "final_acc", "model", and its times}."""
-    data, net = built.data, built.network
-    device, batch = torch.device(ctx.device), r.batch_size // ctx.world_size
+    data, net, device = built.data, built.network, torch.device(ctx.device)
+    n, batch = len(data["train_labels"]), r.batch_size // ctx.world_size
     dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
-    steps_per_epoch, total_steps = run_steps(len(data["train_labels"]), batch, r.epochs)
+    steps_per_epoch, total_steps = run_steps(n, batch, r.epochs)
     seeds = run_seeds(seed, ctx.rank)
-    masters = net.reset(seeds["init"])         # float32 masters of a GPU's bf16 weights
+    masters = net.reset(seeds["init"])  # float32 masters of a GPU's bf16 weights
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
-    bias = whitening_bias(net.module, steps_per_epoch)     # its own rate, then detached (airbench94)
+    bias = whitening_bias(net.module, steps_per_epoch)  # its own rate, then detached (airbench94)
     opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, own_rates=[bias], masters=masters)
-    flip_base = flip_bits(len(data["train_labels"]), augment, device) if r.augment.flip == "alternate" else None
+    flip_base = flip_bits(n, augment, device) if r.augment.flip == "alternate" else None
     clock = EpochClock(devices.timer(device), o, columns=COLUMNS, accuracy="test_acc")
     fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:], masters)
     average = averaging(net.module, ema=r.ema, lookahead=r.lookahead, tail=r.lookahead_tail,
@@ -77,20 +77,19 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
         for x, y in with_progress(batches, steps, f"epoch {epoch + 1}", PROGRESS_AFTER_S, on=o.progress):
             lr = r.lr.at(step / total_steps)
             set_lr(opts, lr, step)
-            if bias and not ctx.distributed:        # DDP wants every gradient: the bias's rate goes to 0 instead
+            if bias and not ctx.distributed:  # DDP wants every gradient: the bias's rate goes to 0 instead
                 bias.param.requires_grad_(step < bias.until_step)
             sums = sums + train_step(net.train_forward, opts, x, y, label_smoothing=r.label_smoothing, dtype=dtype)
             step += 1
-            if average:
-                average.update(net.module, step, total_steps)
+            average and average.update(net.module, step, total_steps)
         last = step == total_steps
         if r.lookahead and last:
             average.finish(net.module)
         clock.stop(sums, steps * batch, epoch=epoch + 1, lr=lr)
         if clock.evaluates(epoch, last=last):
+            model, tta = evaluation_model(net.eval_forward, average), r.tta if last else None
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
-                loss, acc = loss_and_accuracy(evaluation_model(net.eval_forward, average), data["test_images"],
-                                              data["test_labels"], dtype=dtype, tta=r.tta if last else None,
+                loss, acc = loss_and_accuracy(model, data["test_images"], data["test_labels"], dtype=dtype, tta=tta,
                                               memory_format=memory_format)
             clock.evaluated(test_loss=loss, test_acc=acc)
         for row in clock.rows_read():
@@ -120,7 +119,7 @@ def compile_counts(since=None):
 # ---------------------------------------------------------------------------------------------
 
 def device_data(arrays, r, ctx, device, *, dtype, stats):
-    """This process's dataset on the device (under torchrun: rank_dataset)."""
+    """This process's dataset on the device."""
     if ctx.distributed:
         return rank_dataset(arrays, r, ctx, device, dtype=dtype, stats=stats)
     return dataset_on_device(arrays, device, dtype=dtype, pad=r.augment.crop_pad, stats=stats)
@@ -150,7 +149,7 @@ class Network:
     num_classes: int = 10
 
     def reset(self, seed):
-        """The MasterWeights of the module re-initialised in place as torch.manual_seed(seed) builds it."""
+        """The MasterWeights of the module re-initialised in place from `seed`."""
         torch.manual_seed(seed)
         device = next(self.module.parameters()).device
         fresh = build_model(self.recipe, device, memory_format=devices.memory_format(device),
@@ -160,12 +159,12 @@ class Network:
 
 
 def held_weights(r, dtype, distributed=False):
-    """The low dtype r's network holds its weights in (a GPU's bf16), with float32 masters; else None."""
+    """The low dtype (a GPU's bf16) r's network holds its weights in, with float32 masters; else None."""
     return dtype if dtype in (torch.bfloat16, torch.float16) and steps_masters(r) and not distributed else None
 
 
 def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10, dtype=torch.float32):
-    """The Network of recipe r computing in dtype: in DDP under torchrun, compiled with compile_mode."""
+    """The Network of recipe r in dtype: in DDP under torchrun, compiled with compile_mode."""
     distributed = ctx is not None and ctx.distributed
     module = build_model(r, device, memory_format=devices.memory_format(device), num_classes=num_classes)
     if held := held_weights(r, dtype, distributed):
@@ -174,7 +173,7 @@ def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10, dty
     if compile_mode:
         if r.compile_step:
             forward = WithLoss(forward, r.label_smoothing)
-        # dynamic=False: a graph for each shape (the low-resolution epochs), each compiled once, in the warm-up
+        # dynamic=False: a graph for each shape (low-resolution epochs), each compiled in the warm-up
         forward = torch.compile(forward, mode=None if compile_mode == "default" else compile_mode, dynamic=False)
     return Network(module=module, train_forward=forward, eval_forward=module if distributed else forward, recipe=r,
                    num_classes=num_classes)
@@ -251,7 +250,7 @@ class Result:
 
 
 def train(recipe, data=None, *, changes=None, options=None, subset=None, dataset=None, ctx=None):
-    """The Result of `recipe` (a Recipe or a name) with `changes` trained on `data` as `options` say."""
+    """The Result of `recipe` (a Recipe or a name) with `changes` trained on `data`."""
     o = options or Options()
     r, arrays, stats, ctx = recipe_and_data(recipe, data, o, changes=changes, subset=subset, dataset=dataset, ctx=ctx)
     device, results = torch.device(ctx.device), []
@@ -266,7 +265,7 @@ def train(recipe, data=None, *, changes=None, options=None, subset=None, dataset
                 table.append(row)
                 say_estimate(r, row, o, first=not results, device=device, n_train=len(arrays["train_labels"]))
                 o.on_epoch and o.on_epoch(row)
-            profile = o.profile if k == 0 and ctx.is_main else None     # the first timed run's, after the warm-up
+            profile = o.profile if k == 0 and ctx.is_main else None  # the first run's, after the warm-up
             with profiled(profile, device):
                 result = train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done)
             last = result_so_far(r, result, results, built=built, o=o, started=started, compiled=compiled,
@@ -417,7 +416,7 @@ class Built:
 
 
 def build(r, arrays, o, *, ctx, stats=None):
-    """Built for recipe r: its data on the device, FLOPs and network, warmed up on an accelerator or compiled."""
+    """Built for recipe r: data on the device, FLOPs, network, warmed up on an accelerator or compiled."""
     device, stats = torch.device(ctx.device), stats or channel_stats(arrays["train_images"])
     dtype = devices.compute_dtype(device, o.precision)
     data = device_data(arrays, r, ctx, device, dtype=dtype, stats=stats)

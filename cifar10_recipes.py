@@ -25,9 +25,9 @@ class Recipe:
     """What a run computes; a technique it does not use is None."""
     name: str = "custom"
     doc: str = ""
-    epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="epochs to train; a fraction cuts the last short")
-    batch_size: int = knob(512, above=0, whole=True, doc="images per step, split over torchrun's ranks")
-    label_smoothing: float = knob(0.0, low=0, high=1, doc="the loss's label smoothing (0: none)")
+    epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="a fraction cuts the last short")
+    batch_size: int = knob(512, above=0, whole=True, doc="images a step, over all ranks")
+    label_smoothing: float = knob(0.0, low=0, high=1, doc="0: none")
     network: NetworkSettings = always_present(NetworkSettings())
     batch_norm: BatchNormSettings = always_present(BatchNormSettings())
     whitening: WhiteningSettings = component(WhiteningSettings)
@@ -39,7 +39,7 @@ class Recipe:
     ema: EMASettings = component(EMASettings, title="EMA")
     lookahead: LookaheadSettings = component(LookaheadSettings)
     lookahead_tail: LookaheadTailSettings = component(LookaheadTailSettings, title="lookahead tail")
-    compile_step: bool = knob(False, doc="with --compile: the forward and the loss compiled as one function")
+    compile_step: bool = knob(False, doc="with --compile: forward and loss as one graph")
 
     def __post_init__(self):
         check(self)
@@ -227,29 +227,29 @@ FAST94_MUON = replace(
 # Newton-Schulz input before its normalisation (theirs divides it away again).
 # measured: 94.01%, 1.14 s (H200, n = 91, commit not recorded); published: 94.01%, 2.015 s (A100, hiverge)
 FAST94_NEXT = Recipe(
-    name="fast94_next", doc="the 2-second record's configuration: batched Newton-Schulz, SiLU, jitter, selective TTA, "
-                            "7.59 epochs at batch 1536 (target 94%)",
-    epochs=7.59,                # ceil(7.59 x 32) = 243 steps of 1,536 images: its total_train_steps
-    batch_size=1536,            # images a step: its training_batch_size
+    name="fast94_next", doc="the 2-second record: batched Newton-Schulz, SiLU, jitter, selective TTA (target 94%)",
+    epochs=7.59,  # ceil(7.59 x 32) = 243 steps of 1,536 images: its total_train_steps
+    batch_size=1536,  # images a step: its training_batch_size
     label_smoothing=0.09,
     network=NetworkSettings(model="fastnet", block_widths=(64, 256, 256), block_depth=2, act="silu",
                             dirac_init=True, output_scale=1.0, head_unit_std=True),
-    batch_norm=BatchNormSettings(momentum=1 - 0.5566, eps=1e-12, freeze_scale=True),      # 0.5566 in their convention
-    whitening=WhiteningSettings(size=2, pad=0, both_signs=True, eps=5e-4, act="gelu", fit=WHITENING_FITS["record"],
-                                bias=WhiteningBiasSettings(epochs=0.19,        # ceil(0.19 x 32) = 7 steps
-                                                           lr_mult=0.0573 / 0.5415,    # its bias_lr over its head_lr
-                                                           init="default", decay="linear")),
-    lr=LRSettings(knots=(0, 1), values=(0.5415, 0.0)),     # the head's rate a step (torch's units): its head_lr, to 0
+    batch_norm=BatchNormSettings(momentum=1 - 0.5566, eps=1e-12, freeze_scale=True),  # 0.5566 in their convention
+    whitening=WhiteningSettings(
+        size=2, pad=0, both_signs=True, eps=5e-4, act="gelu", fit=WHITENING_FITS["record"],
+        bias=WhiteningBiasSettings(epochs=0.19,  # ceil(0.19 x 32) = 7 steps
+                                   lr_mult=0.0573 / 0.5415,  # its bias_lr / head_lr
+                                   init="default", decay="linear")),
+    lr=LRSettings(knots=(0, 1), values=(0.5415, 0.0)),  # the head's rate a step (torch's units): its head_lr, to 0
     sgd=SGDSettings(lr_units="sum", momentum=0.825, nesterov=True,
-                    weight_decay=1.0418e-6,                 # per image of the batch: its wd = 1.0418e-6 x 1,536
-                    bias_lr_mult=0.0573 / 0.5415),          # batch norm's biases at its bias_lr
+                    weight_decay=1.0418e-6,  # per image: its wd = 1.0418e-6 x 1,536
+                    bias_lr_mult=0.0573 / 0.5415),  # batch norm's biases at its bias_lr
     muon=MuonSettings(lr=0.205, momentum=0.655, ns_steps=3,
                       ns_coeffs=(3.4576, -4.7391, 2.0843),  # its tuned quintic (Jordan et al.'s: MUON_COEFFS)
-                      renorm_every=(2, 17),                 # its norm_freq = 2 + int(15 x progress): 2 to 17 steps
+                      renorm_every=(2, 17),  # its norm_freq = 2 + int(15 x progress): 2 to 17 steps
                       weight_decay=1.0418e-6, momentum_dtype="fp16", batched=True),
     augment=AugmentSettings(crop_pad=2, flip="alternate", cutout=0, jitter_brightness=0.1399,
                             jitter_contrast=0.1308),
-    tta=TTASettings(views="flip_translate", fraction=0.25, weights="equal"),   # the 25% least confident images
+    tta=TTASettings(views="flip_translate", fraction=0.25, weights="equal"),  # the 25% least confident images
     compile_step=True)
 
 # measured: not measured on a GPU; published: none (an idea of ours)

@@ -347,16 +347,16 @@ def load_cifar10(path="data", **kwargs):
 # ---------------------------------------------------------------------------------------------
 
 def upload_normalised(x, device, *, dtype, stats, pad=0):
-    """uint8 NHWC images on the device as NCHW in dtype, normalised by stats and reflect-padded by pad."""
+    """uint8 NHWC images on the device as NCHW in dtype, normalised by stats, reflect-padded by pad."""
     wide = devices.wide_dtype(dtype)
     x = torch.from_numpy(x).to(device).permute(0, 3, 1, 2).to(wide)
     mean, std = (torch.tensor(v, device=device, dtype=wide).view(1, -1, 1, 1) for v in stats)
-    x = (x - mean) / torch.where(std > 0, std, 1.0)        # a constant channel (std 0) normalised to 0, not NaN
+    x = (x - mean) / torch.where(std > 0, std, 1.0)  # a constant channel (std 0) normalised to 0, not NaN
     return (F.pad(x, (pad,) * 4, mode="reflect") if pad else x).to(dtype)
 
 
 def dataset_on_device(d, device, *, dtype, pad, stats=None):
-    """The four arrays on the device, normalised by stats (by default the training images'), and num_classes."""
+    """The four arrays on the device, normalised by stats (default: the training images'), and num_classes."""
     stats = stats or channel_stats(d["train_images"])
     prep = lambda x, p: upload_normalised(x, device, dtype=dtype, stats=stats, pad=p)
     labels = lambda y: torch.from_numpy(y).to(device).long()
@@ -371,26 +371,24 @@ def pair(size):
 
 @dataclass(frozen=True, kw_only=True)
 class AugmentSettings:
-    """Each epoch's augmentation (drawn for all images at once) and the side it trains at."""
+    """Each epoch's augmentation, drawn for all images at once, and the side it trains at."""
     PREFIX = ""
-    crop_pad: int = knob(4, low=0, whole=True, doc="random crops of the images padded by this")
+    crop_pad: int = knob(4, low=0, whole=True, doc="crops of the images padded by this")
     flip: str = knob("random", choices=("none", "random", "alternate"), doc="alternate: each image both ways in "
-                     "any two epochs (Jordan 2024)")
+                     "any two epochs")
     cutout: int = knob(8, low=0, whole=True, doc="a square of this side set to 0")
-    jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image (the record)")
-    jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image (the record)")
-    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i resized to the i-th side (antialiased), "
-                                      "the rest at the images' own (24,24,28)")
+    jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image")
+    jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image")
+    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i's side (antialiased), then "
+                                      "the images' own (24,24,28)")
 
     def resolution(self, epoch, full):
-        """The side epoch `epoch` (from 0) trains at."""
         return self.resolution_schedule[epoch] if epoch < len(self.resolution_schedule) else full
 
 
 def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, device=None, order=None):
-    """{what: tensor}: one epoch's random draws for n images. Alternate flips (Jordan 2024) and jitter:
-        flip_i = flip_base_i xor (epoch odd);  x <- (x + b) c,  b ~ U(±jitter_brightness), c ~ 1 + U(±jitter_contrast)
-    """
+    """{what: tensor}: one epoch's random draws for n images. Alternate flips (Jordan 2024), jitter:
+    flip_i = flip_base_i xor (epoch odd);  x <- (x + b) c,  b ~ U(±jitter_brightness), c ~ 1 + U(±jitter_contrast)"""
     device, pad = device or generator.device, augment.crop_pad
     draws = {"perm": torch.randperm(n, device=device, generator=order or generator)}
     if pad:
@@ -405,7 +403,7 @@ def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, d
         u = torch.rand(2, n, device=device, generator=generator) * 2 - 1
         u[0].mul_(augment.jitter_brightness)
         u[1].mul_(augment.jitter_contrast).add_(1)
-        draws["jitter"] = u         # one tensor, so that one gather puts both factors in the epoch's order
+        draws["jitter"] = u  # one tensor: one gather puts both factors in the epoch's order
     return draws
 
 
@@ -423,7 +421,7 @@ def flip_bits(n, generator, device=None):
 
 
 def crop_flip(x, size, *, dy=None, dx=None, flip=None, order=None, channels_last=False):
-    """Windows of `size` at offsets (dy, dx) of padded images x, flipped, in `order`: one gather."""
+    """Windows of `size` at (dy, dx) of padded images x, flipped, in `order`: one gather."""
     n, c = x.shape[:2]
     h, w = pair(size)
     i = torch.arange(h, device=x.device)
@@ -435,7 +433,7 @@ def crop_flip(x, size, *, dy=None, dx=None, flip=None, order=None, channels_last
     if order is not None:
         rows = rows if dy is None else rows[order]
         cols = cols if dx is None and flip is None else cols[order]
-    if channels_last:       # the channels sliced, not indexed, come last: the (N, h, w, C) gathered is NCHW's layout
+    if channels_last:  # channels sliced, not indexed, come last: the (N, h, w, C) gathered is NCHW's layout
         return x[image.view(-1, 1, 1), :, rows.view(-1, h, 1), cols.view(-1, 1, w)].permute(0, 3, 1, 2)
     channel = torch.arange(c, device=x.device).view(1, -1, 1, 1)
     return x[image.view(-1, 1, 1, 1), channel, rows.view(-1, 1, h, 1), cols.view(-1, 1, 1, w)]
@@ -452,7 +450,7 @@ def cutout_mask(cy, cx, size, patch):
 
 
 def augment_images(images, draws, size, cutout, *, order=None, memory_format=torch.contiguous_format):
-    """The padded images with one epoch's draws applied, in `order` and memory_format."""
+    """The padded images with one epoch's draws applied, in `order`."""
     x = crop_flip(images, size, dy=draws.get("dy"), dx=draws.get("dx"), flip=draws.get("flip"), order=order,
                   channels_last=memory_format == torch.channels_last)
     in_order = lambda t: t if order is None else t[..., order]
@@ -472,7 +470,7 @@ def low_resolution(x, size, *, memory_format=torch.preserve_format):
 
 
 def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):
-    """Yields one shuffled epoch's full batches (images, labels), augmented, at `epoch`'s side."""
+    """Yields one shuffled epoch's full batches (images, labels), augmented, at its side."""
     size, x, y = tuple(data["test_images"].shape[-2:]), data["train_images"], data["train_labels"]
     draws = draw_augmentation(len(x), size, augment, generator=generator, epoch=epoch, flip_base=flip_base,
                               device=x.device, order=order)
@@ -482,8 +480,8 @@ def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=
     else:
         x = resized_images(x, draws, size, side, cutout=augment.cutout, memory_format=memory_format)
     y = y[draws["perm"]]
-    for i in range(len(x) // batch_size):
-        yield x[i * batch_size:(i + 1) * batch_size], y[i * batch_size:(i + 1) * batch_size]
+    for i in range(0, len(x) - batch_size + 1, batch_size):
+        yield x[i:i + batch_size], y[i:i + batch_size]
 
 
 def resized_images(x, draws, size, side, *, cutout, memory_format):

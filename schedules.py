@@ -15,6 +15,7 @@ Papers:
   Mikami et al. 2018, "ImageNet/ResNet-50 Training in 224 Seconds" (Sony, batch-size control, arXiv:1811.05233)
   Howard, Shaw, Bulatov 2018, fast.ai and DIU's "ImageNet in 18 minutes" (github.com/cybertronai/imagenet18, train.py)
 """
+import bisect
 import functools
 import math
 from dataclasses import dataclass, replace
@@ -24,12 +25,12 @@ from settings import check_own, flag_error, knob
 
 
 def epoch_steps(epochs, steps_per_epoch):
-    """ceil(epochs × steps per epoch), as airbench counts steps (9.9 epochs of 48 steps: 476)."""
-    return math.ceil(epochs * steps_per_epoch - 1e-9)        # 1.1 × 10 = 11.000000000000002 stays 11
+    """ceil(epochs × steps per epoch), as airbench counts steps."""
+    return math.ceil(epochs * steps_per_epoch - 1e-9)  # 1.1 × 10 = 11.000000000000002 stays 11
 
 
 def run_steps(n_train, batch, epochs):
-    """(steps per epoch, total steps) of `epochs` over n_train images in full batches of `batch`."""
+    """(steps per epoch, total steps) of `epochs` over n_train images in full batches."""
     check_batch_fits(n_train, batch)
     return n_train // batch, max(1, epoch_steps(epochs, n_train // batch))
 
@@ -52,11 +53,11 @@ def per_rank_batch(global_batch, world):
 
 @dataclass(frozen=True, kw_only=True)
 class LRSettings:
-    """The learning rate over the run (in SGDSettings.lr_units), linear between knots."""
+    """The learning rate over the run (in --lr-units), linear between knots."""
     PREFIX = "lr"
     knots: tuple = knob((0, 5 / 24, 1), low=0, high=1, doc="where the linear pieces meet, as fractions of the run")
-    values: tuple = knob((0.0, 0.4, 0.0), low=0, doc="the rate at each knot (in --lr-units)")
-    floor: float = knob(0.0, low=0, high=1, doc="the least rate, as a fraction of the peak (E1: 0.05; 0: none)")
+    values: tuple = knob((0.0, 0.4, 0.0), low=0, doc="the rate at each knot")
+    floor: float = knob(0.0, low=0, high=1, doc="the least rate, a fraction of the peak (0: none)")
 
     def check(self):
         if len(self.knots) != len(self.values):
@@ -66,11 +67,11 @@ class LRSettings:
             raise flag_error("lr_knots", self.knots, "must not decrease")
 
     def at(self, t):
-        """The rate at t (a fraction of the run): linear between knots, at least floor × the peak."""
+        """The rate at t (a fraction of the run)."""
         k, v = self.knots, self.values
-        i = next((i for i in range(len(k)) if t <= k[i]), None)
-        if i is None or i == 0 or k[i] == k[i - 1]:
-            rate = float(v[-1] if i is None else v[i])
+        i = bisect.bisect_left(k, t)  # the first knot at or after t
+        if i in (0, len(k)) or k[i] == k[i - 1]:
+            rate = float(v[min(i, len(v) - 1)])
         else:
             rate = float(v[i - 1] + (t - k[i - 1]) / (k[i] - k[i - 1]) * (v[i] - v[i - 1]))
         return max(rate, self.floor * max(self.values)) if self.floor else rate

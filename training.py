@@ -19,7 +19,7 @@ from settings import knob
 
 
 def run_seeds(seed, rank=0):
-    """{stream: seed} of a run's independent streams; "order" and "augment" each rank's own."""
+    """{stream: seed} of a run's independent streams; "order" and "augment" per rank."""
     draw = lambda *key: int(np.random.SeedSequence([seed, *key]).generate_state(1, np.uint64)[0] >> 1)
     return {"init": draw(0), "order": draw(1, rank), "augment": draw(2, rank), "shares": draw(3)}
 
@@ -35,9 +35,7 @@ class RunOptions:
 
 
 def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
-    """One step on the batch-summed loss (CIFAR-10's; ImageNet's is imagenet_fast.accumulated_step): forward (with its
-    loss_and_sums, when forward computes them: cifar10_fast.WithLoss), backward, every optimiser. Returns the step's
-    sums (nothing waits for them)."""
+    """One step on the batch-summed loss (computed in forward where it takes labels: WithLoss): its sums, unread."""
     with devices.autocast(x.device, dtype):
         if getattr(forward, "takes_labels", False):
             loss, sums = forward(x, y)
@@ -51,12 +49,10 @@ def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
 
 
 def loss_and_sums(logits, y, *, label_smoothing):
-    """(the batch's summed cross-entropy, the step's sums: [that loss, its correct predictions] detached, in the loss's
-    dtype, counts exact below 2^24): each image's loss and whether it is right summed in one reduction, inside a
-    compiled step's graph where it has one (what an epoch adds up for its table)."""
+    """(the summed cross-entropy, [that loss, correct predictions] detached): one reduction, exact below 2^24."""
     losses = F.cross_entropy(devices.float32_or_wider(logits), y, label_smoothing=label_smoothing, reduction="none")
     sums = torch.stack([losses, logits.detach().argmax(1).eq(y).to(losses.dtype)]).sum(1)
-    # the sums copied, not a view: a compiled graph's output that views another loses its gradient (torch 2.11, 2.14)
+    # copied, not a view: a compiled graph's output that views another loses its gradient
     return sums[0], sums.detach().clone()
 
 
@@ -206,7 +202,7 @@ class LookaheadTail:
 
 
 def averaging(model, *, ema=None, lookahead=None, tail=None, steps_per_epoch=None, masters=None):
-    """The run's weight average (of the float32 masters, given them), from its settings, or None."""
+    """The run's weight average (of the float32 masters, given them), or None."""
     if ema:
         return ExponentialAverage(model, ema.momentum, ema.every, masters)
     if lookahead:
