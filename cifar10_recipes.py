@@ -25,9 +25,9 @@ class Recipe:
     """What a run computes; a technique it does not use is None."""
     name: str = "custom"
     doc: str = ""
-    epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="a fraction cuts the last short")
-    batch_size: int = knob(512, above=0, whole=True, doc="images a step, over all ranks")
-    label_smoothing: float = knob(0.0, low=0, high=1, doc="0: none")
+    epochs: float = knob(24, above=0, high=MAX_EPOCHS, doc="epochs to train; a fraction cuts the last short")
+    batch_size: int = knob(512, above=0, whole=True, doc="images per step, split over torchrun's ranks")
+    label_smoothing: float = knob(0.0, low=0, high=1, doc="the loss's label smoothing (0: none)")
     network: NetworkSettings = always_present(NetworkSettings())
     batch_norm: BatchNormSettings = always_present(BatchNormSettings())
     whitening: WhiteningSettings = component(WhiteningSettings)
@@ -39,7 +39,7 @@ class Recipe:
     ema: EMASettings = component(EMASettings, title="EMA")
     lookahead: LookaheadSettings = component(LookaheadSettings)
     lookahead_tail: LookaheadTailSettings = component(LookaheadTailSettings, title="lookahead tail")
-    compile_step: bool = knob(False, doc="with --compile: forward and loss as one graph")
+    compile_step: bool = knob(False, doc="with --compile: the forward and the loss compiled as one function")
 
     def __post_init__(self):
         check(self)

@@ -373,14 +373,16 @@ def pair(size):
 class AugmentSettings:
     """Each epoch's augmentation, drawn for all images at once, and the side it trains at."""
     PREFIX = ""
-    crop_pad: int = knob(4, low=0, whole=True, doc="crops of the images padded by this")
-    flip: str = knob("random", choices=("none", "random", "alternate"), doc="alternate: each image both ways in "
-                     "any two epochs")
+    crop_pad: int = knob(4, low=0, whole=True, doc="random crops of the images padded by this")
+    flip: str = knob("random", choices=("none", "random", "alternate"),
+                     doc="alternate: each image both ways in any two epochs (Jordan 2024)")
     cutout: int = knob(8, low=0, whole=True, doc="a square of this side set to 0")
-    jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image")
-    jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image")
-    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i's side (antialiased), then "
-                                      "the images' own (24,24,28)")
+    jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image (the record)")
+    jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image (the record)")
+    resolution_schedule: tuple = knob((), above=0, whole=True,
+                                      doc="epoch i resized to the i-th side in pixels (antialiased), the epochs past "
+                                          "the list at the images' own (24,24,28: two epochs at 24, one at 28, the "
+                                          "rest at 32)")
 
     def resolution(self, epoch, full):
         return self.resolution_schedule[epoch] if epoch < len(self.resolution_schedule) else full

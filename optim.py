@@ -66,14 +66,15 @@ class MuonSettings:
     """Muon (Jordan et al. 2024) for the conv filters."""
     PREFIX = "muon"
     lr: float = knob(0.24, low=0, doc="at the schedule's peak")
-    momentum: float = knob(0.6, low=0, high=1)
-    ns_steps: int = knob(3, low=0, whole=True, doc="Newton-Schulz iterations")
-    ns_coeffs: tuple = numbers(MUON_COEFFS, doc="its a, b, c")
-    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="filters to norm sqrt(rows) every k steps, k from "
-                                  "the first to the second (0: never)")
+    momentum: float = knob(0.6, low=0, high=1, doc="Muon's momentum")
+    ns_steps: int = knob(3, low=0, whole=True, doc="Newton-Schulz iterations per step")
+    ns_coeffs: tuple = numbers(MUON_COEFFS, doc="Newton-Schulz's a, b, c: X <- aX + bAX + cA²X, A = XXᵀ")
+    renorm_every: tuple = numbers((1, 1), low=0, whole=True,
+                                  doc="every k steps, k growing from the first to the second over the run, the "
+                                      "filters back to their norm (0: never)")
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
-    momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"))
-    batched: bool = knob(False, doc="all filters in one Newton-Schulz call")
+    momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"), doc="the dtype of Muon's momentum buffers")
+    batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call (the record)")
 
 
 def momentum_step(grads, buffers, momentum, nesterov):
@@ -86,7 +87,7 @@ def momentum_step(grads, buffers, momentum, nesterov):
     return torch._foreach_add(grads, buffers, alpha=momentum) if nesterov else buffers
 
 
-def muon_step(filters, grads, buffers, lr, group):
+def muon_step(filters, grads, buffers, lr, *, group):
     """Muon's step:  w = (w sqrt(rows) / |w| (if renorm) - lr sqrt(max(1, rows / cols)) NS(v))(1 - lr weight_decay)"""
     updates = momentum_step(grads, buffers, group["momentum"], group["nesterov"])
     mats = [u.reshape(len(p), -1) for u, p in zip(updates, filters)]
@@ -104,7 +105,7 @@ def muon_step(filters, grads, buffers, lr, group):
         torch._foreach_mul_(filters, (1 - lr * group["weight_decay"]).to(filters[0].dtype))
 
 
-def sgd_step(weights, grads, buffers, rate, group):
+def sgd_step(weights, grads, buffers, rate, *, group):
     """torch.optim.SGD's step, in its order:  w = w - rate v,  v of g + weight_decay w"""
     if group["weight_decay"]:
         grads = torch._foreach_add(grads, weights, alpha=group["weight_decay"])
@@ -155,7 +156,7 @@ class MasterWeights:
 def sgd_muon_step(groups):
     """Each group's step (sgd_step or muon_step) at rate x unit of the float32 masters, then their copies (held)."""
     for step, weights, grads, buffers, rate, unit, held, settings in groups:
-        step(weights, [g.to(w.dtype) for g, w in zip(grads, weights)], buffers, rate * unit, settings)
+        step(weights, [g.to(w.dtype) for g, w in zip(grads, weights)], buffers, rate * unit, group=settings)
         if held:  # as long as the group: a GPU's foreach kernel fuses it with the update
             torch._foreach_copy_(*held)
 
@@ -262,12 +263,13 @@ def Muon(filters, lr, *, compile=None, compile_backend="inductor", **settings): 
 class SGDSettings:
     """Momentum SGD on the batch-summed loss (make_optimizers), in one of three units of rate and decay."""
     PREFIX = ""
-    lr_units: str = knob("myrtle", choices=("myrtle", "decoupled", "sum"), doc="myrtle: per image; decoupled: per "
-                         "1024 images over the Nesterov gain; sum: torch's")
-    momentum: float = knob(0.9, low=0, high=1)
-    nesterov: bool = knob(True)
-    weight_decay: float = knob(5e-4, low=0, doc="in --lr-units")
-    bias_lr_mult: float = knob(1.0, low=0, doc="batch norm biases' rate x")
+    lr_units: str = knob("myrtle", choices=("myrtle", "decoupled", "sum"),
+                         doc="myrtle: per image; decoupled: per 1024 images over the Nesterov gain (Jordan 2024); "
+                             "sum: torch's (airbench94_muon)")
+    momentum: float = knob(0.9, low=0, high=1, doc="SGD's momentum")
+    nesterov: bool = knob(True, doc="Nesterov's momentum")
+    weight_decay: float = knob(5e-4, low=0, doc="the weight decay (in --lr-units)")
+    bias_lr_mult: float = knob(1.0, low=0, doc="batch norm's biases learn at this times the rate")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)

@@ -55,9 +55,11 @@ def per_rank_batch(global_batch, world):
 class LRSettings:
     """The learning rate over the run (in --lr-units), linear between knots."""
     PREFIX = "lr"
-    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1, doc="where the linear pieces meet, as fractions of the run")
-    values: tuple = knob((0.0, 0.4, 0.0), low=0, doc="the rate at each knot")
-    floor: float = knob(0.0, low=0, high=1, doc="the least rate, a fraction of the peak (0: none)")
+    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1, doc="where the rate's linear pieces meet, as fractions of the "
+                                                           "run")
+    values: tuple = knob((0.0, 0.4, 0.0), low=0, doc="the rate at each knot (in --lr-units)")
+    floor: float = knob(0.0, low=0, high=1, doc="the rate never falls below this fraction of its peak: linear down to "
+                                                "it, then held (E1: 0.05; 0: no floor)")
 
     def check(self):
         if len(self.knots) != len(self.values):
@@ -91,13 +93,15 @@ class LRScheduleSettings:
     lr_scale_base: int = knob(256, above=0, whole=True, doc="the images --lr is a rate per")
     warmup_epochs: float = knob(2.0, low=0, doc="epochs of linear warm-up to --lr")
     warmup_start: float = knob(0.0, low=0, high=1, doc="where the warm-up starts, as a fraction of --lr")
-    schedule: str = knob("linear", choices=("linear", "cosine", "step", "slow_start"), doc="the rate after the "
-                         "warm-up: linear to 0, cosine, x0.1 at each --step-epochs, or Akiba et al.'s")
-    step_epochs: tuple = knob((30.0, 60.0, 80.0), low=0, doc="with --schedule step: the epochs where the rate drops "
-                              "x0.1")
-    lr_scaling: str = knob("linear", choices=("linear", "none"), doc="linear: lr is per --lr-scale-base images of the "
-                           "global batch (Goyal et al.); none: lr is the optimiser's rate, whatever the batch and the "
-                           "number of GPUs (FFCV's script, fast.ai's tables)")
+    schedule: str = knob("linear", choices=("linear", "cosine", "step", "slow_start"),
+                         doc="the rate after the warm-up: linear to 0, cosine, x0.1 at each --step-epochs, or Akiba "
+                             "et al.'s")
+    step_epochs: tuple = knob((30.0, 60.0, 80.0), low=0,
+                              doc="with --schedule step: the epochs where the rate drops x0.1")
+    lr_scaling: str = knob("linear", choices=("linear", "none"),
+                           doc="linear: lr is per --lr-scale-base images of the global batch (Goyal et al.); none: lr "
+                               "is the optimiser's rate, whatever the batch and the number of GPUs (FFCV's script, "
+                               "fast.ai's tables)")
     phases: tuple = knob((), low=0, doc="a phase table instead of the warm-up, decay, resolution and batch settings: "
                          "rows of start epoch, end epoch, res, global batch, lr at start, lr at end (linear between), "
                          "smallest crop scale, validation res (0: --val-res), rectangular validation (0 or 1), commas "

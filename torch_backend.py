@@ -28,17 +28,20 @@ ACTIVATIONS = {"relu": lambda net: nn.ReLU(inplace=True), "celu": lambda net: nn
 class NetworkSettings:
     """Myrtle's ResNet-9 or ResNet-18, or Jordan's (2024) three-block fastnet."""
     PREFIX = ""
-    model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"))
-    width: float = knob(1.0, above=0, doc="channels x this")
-    block_widths: tuple = numbers((64, 256, 256), above=0, whole=True, doc="fastnet's blocks' channels")
-    block_depth: int = knob(2, choices=(2, 3), doc="convs a block (3: airbench96's)")
-    act: str = knob("relu", choices=tuple(ACTIVATIONS), doc="after each batch norm")
-    celu_alpha: float = knob(0.3, above=0)
-    pool_first: bool = knob(False, doc="max-pool before batch norm (Myrtle's)")
-    dirac_init: bool = knob(False, doc="convs start as identities")
-    output_scale: float = knob(0.125, above=0, doc="logits x this")
-    head_unit_std: bool = knob(False, doc="head weights' std 1, logits / width")
-    global_max_pool: bool = knob(True, doc="false: the papers' fixed window")
+    model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"),
+                      doc="fastnet: the three-block network of Jordan 2024")
+    width: float = knob(1.0, above=0, doc="every layer's channels x this")
+    block_widths: tuple = numbers((64, 256, 256), above=0, whole=True, doc="fastnet's three blocks' channels")
+    block_depth: int = knob(2, choices=(2, 3), doc="fastnet's convolutions per block (3: airbench96's residual)")
+    act: str = knob("relu", choices=tuple(ACTIVATIONS), doc="the activation after each batch norm")
+    celu_alpha: float = knob(0.3, above=0, doc="CELU's alpha (with --act celu)")
+    pool_first: bool = knob(False, doc="max-pool before batch norm (Myrtle): the same maths on 4x fewer pixels")
+    dirac_init: bool = knob(False, doc="convolutions start as the identity (Jordan 2024)")
+    output_scale: float = knob(0.125, above=0, doc="the logits x this")
+    head_unit_std: bool = knob(False, doc="the head's weights start at unit std, the logits / its width "
+                                          "(airbench94_muon)")
+    global_max_pool: bool = knob(True, doc="the last map max-pooled whole, whatever its size (a smaller image still "
+                                           "pools to 1x1); false: the published networks' fixed window")
 
     def check(self):
         if not self.global_max_pool and self.model not in FINAL_POOL_WINDOWS:
@@ -99,11 +102,13 @@ def set_ghost_groups(model, group):
 class BatchNormSettings:
     """Batch norm, with Myrtle's ghost batches and frozen scales."""
     PREFIX = "bn"
-    momentum: float = knob(0.1, low=0, high=1, doc="PyTorch's")
-    eps: float = knob(1e-5, above=0)
-    ghost_batch: int = knob(0, low=0, whole=True, doc="statistics' group of images (0: the batch)")
-    ghost_grouping: str = knob("interleaved", choices=GhostBatchNorm.GROUPINGS, doc="interleaved: Myrtle's")
-    freeze_scale: bool = knob(False, doc="the scales stay 1")
+    momentum: float = knob(0.1, low=0, high=1, doc="PyTorch's convention: the new batch's weight")
+    eps: float = knob(1e-5, above=0, doc="added to the batch variance")
+    ghost_batch: int = knob(0, low=0, whole=True, doc="statistics over groups of this many images (0: the batch)")
+    ghost_grouping: str = knob("interleaved", choices=GhostBatchNorm.GROUPINGS,
+                               doc="interleaved: image i in group i mod (batch / ghost_batch), as Myrtle's; "
+                                   "consecutive: images in order")
+    freeze_scale: bool = knob(False, doc="the scales stay 1; only the biases learn")
 
 
 class BatchNorm(GhostBatchNorm):
@@ -197,22 +202,24 @@ WHITENING_FITS = {f.name: f for f in (
 class WhiteningBiasSettings:
     """The whitening bias: trained its first `epochs`, then detached (airbench94)."""
     PREFIX = "bias"
-    epochs: float = knob(3.0, low=0)
-    lr_mult: float = knob(1.0, low=0, doc="x the schedule's rate")
-    init: str = knob("zero", choices=("zero", "default"), doc="default: nn.Conv2d's")
-    decay: str = knob("none", choices=("none", "linear"), doc="linear: peak to 0")
+    epochs: float = knob(3.0, low=0, doc="epochs it trains before it is detached")
+    lr_mult: float = knob(1.0, low=0, doc="its rate: the schedule's x this")
+    init: str = knob("zero", choices=("zero", "default"), doc="default: the convolution's own (airbench94_muon)")
+    decay: str = knob("none", choices=("none", "linear"), doc="linear: from its peak to 0 over its epochs")
 
 
 @dataclass(frozen=True, kw_only=True)
 class WhiteningSettings:
     """Patch whitening (Myrtle 2018): a frozen first convolution whitening the images' patches."""
     PREFIX = "whiten"
-    size: int = knob(3, above=0, whole=True, doc="patch side")
-    pad: int = knob(1, low=0, whole=True)
-    both_signs: bool = knob(False, doc="filters and negatives (Jordan 2024)")
-    eps: float = knob(1e-2, low=0, doc="added to eigenvalues")
-    act: str = knob("", choices=("",) + tuple(ACTIVATIONS), doc="'': the network's")
-    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS, doc="whose fit")
+    size: int = knob(3, above=0, whole=True, doc="the whitened patches' side, in pixels")
+    pad: int = knob(1, low=0, whole=True, doc="the whitening convolution's padding")
+    both_signs: bool = knob(False, doc="each filter and its negative (Jordan 2024)")
+    eps: float = knob(1e-2, low=0, doc="added to each eigenvalue")
+    act: str = knob("", choices=("",) + tuple(ACTIVATIONS), doc="the activation after it ('': the network's)")
+    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS,
+                             doc="whose fit to copy: myrtle's (10,000 images, centred), airbench94's (5,000) or the "
+                                 "record's (960, by SVD)")
     bias: WhiteningBiasSettings = component(WhiteningBiasSettings)
 
 
@@ -444,9 +451,12 @@ class TTASettings:
     """Test-time augmentation of the final evaluation, of every image or of the least sure."""
     PREFIX = "tta"
     OFF = ("views", "none")
-    views: str = knob("flip", choices=TTA_VIEWS, flag="tta", doc="views of a test image")
-    fraction: float = knob(1.0, above=0, high=1, doc="share of test images, least sure first, given views")
-    weights: str = knob("airbench", choices=("airbench", "equal"), doc="airbench: image, mirror x2")
+    views: str = knob("flip", choices=TTA_VIEWS, flag="tta", doc="the final evaluation's views of each test image")
+    fraction: float = knob(1.0, above=0, high=1, doc="the share of test images, least sure first, that get every view "
+                                                     "(1: all)")
+    weights: str = knob("airbench", choices=("airbench", "equal"),
+                        doc="airbench: the image and its mirror count twice the shifted views; equal: their mean (the "
+                            "record)")
 
 
 def tta_views(x, mode, weights="airbench"):
