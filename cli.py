@@ -118,18 +118,23 @@ def add_run_flags(p, *, comm_hook=False):
                         "torch's own for NCCL, for gloo too)")
 
 
+def add_recipe_flags(p, *, default):
+    """--recipe, --list-recipes and --print-recipe, as both scripts take them."""
+    p.add_argument("--recipe", default=default, metavar="NAME",
+                   help=f"what to train (--list-recipes) (default: {default})")
+    p.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
+    p.add_argument("--print-recipe", action="store_true",
+                   help="print the recipe's every setting (with the flags given) as the command that trains it, and "
+                        "exit")
+
+
 def cifar10_parser(description):
     """cifar10_fast.py's parser: its flags, the runs' (add_run_flags) and the recipe's settings."""
     from cifar10_recipes import MYRTLE24, Recipe       # here: the recipes import torch_backend, optim, ...
     from cifar_data import DATASETS
     p = Parser(description=description, formatter_class=HelpFormatter,
                usage="%(prog)s [--recipe NAME] [--data-dir PATH] [options] [--SETTING VALUE ...]")
-    p.add_argument("--recipe", default="myrtle24", metavar="NAME",
-                   help="what to train (--list-recipes) (default: myrtle24)")
-    p.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
-    p.add_argument("--print-recipe", action="store_true",
-                   help="print the recipe's every setting (with the flags given) as the command that trains it, and "
-                        "exit")
+    add_recipe_flags(p, default="myrtle24")
     p.add_argument("--dataset", default=None, type=one_of(DATASETS), metavar="{" + ",".join(DATASETS) + "}",
                    help="what a data folder holds, downloaded there if missing; for a .npz, that it is that dataset, "
                         "checked as such (default: cifar10; a .npz: your own data)")

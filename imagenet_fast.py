@@ -33,8 +33,8 @@ import torch.nn.functional as F
 import devices
 import scaling
 import training
-from cli import (HelpFormatter, add_run_flags, check_run, claim_output, command, cpu_warning, ctrl_c_exit, interrupted,
-                 join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
+from cli import (HelpFormatter, add_recipe_flags, add_run_flags, check_run, claim_output, command, cpu_warning,
+                 ctrl_c_exit, interrupted, join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
 from core import DataError, Parser, UsageError, say_error
 from distributed import (barrier, broadcast_buffers, checkpoint_writers, leave, leave_together, print0,
                          register_comm_hook, sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
@@ -336,12 +336,7 @@ def parser():
                         usage="%(prog)s --store FOLDER [--recipe NAME] [options] [--SETTING VALUE ...]")
     tp.add_argument("--store", metavar="FOLDER",
                     help="a folder written by prepare (required, but for --list-recipes and --print-recipe)")
-    tp.add_argument("--recipe", default="rn50_16ep", metavar="NAME",
-                    help="what to train (--list-recipes) (default: rn50_16ep)")
-    tp.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
-    tp.add_argument("--print-recipe", action="store_true",
-                    help="print the recipe's every setting (with the flags given) as the command that trains it, and "
-                         "exit")
+    add_recipe_flags(tp, default="rn50_16ep")
     tp.add_argument("--data-on", default="auto", choices=["auto", "device", "host"],
                     help="where a raw store lives (default: auto: on the device if it fits beside training)")
     tp.add_argument("--decoder", default="auto", type=one_of(DECODERS),
