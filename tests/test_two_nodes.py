@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason
 
 MARK = "TWO_NODES_JOB"         # environment variable naming the job a process belongs to
 TIMEOUT = 240                  # seconds a job may take, start-up included, before the test fails
-EPOCHS = 4
+EPOCHS = 12                    # the kill lands after the second checkpoint: ten epochs' margin on a loaded machine
 TIMING = ("epoch_time", "total_time")
 # tiny and quick: 96 images of 4 classes at 16 px, a global batch of 16: 6 steps an epoch
 TINY = ["--recipe", "tiny", "--device", "cpu", "--width=4", "--batch-size=16", "--min-res=16", "--max-res=16",
@@ -181,8 +181,10 @@ def test_two_nodes_killed_and_resumed_with_rank_0_on_the_other_node_train_imagen
     try:        # node 1's worker ends with its agent, so node 0's loses its peer at once and its agent ends
         ends = finished(doomed, timeout=90)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"node 0's agent still runs 90 s after node 1's was killed; the checkpoint is at epoch "
-                    f"{epoch_of(two[0] / 'ckpt.pt')} of {EPOCHS}: node 1's worker trained on without its agent")
+        last = epoch_of(two[0] / "ckpt.pt")
+        pytest.fail(f"node 0's agent still runs 90 s after node 1's was killed; the checkpoint is at epoch {last} of "
+                    f"{EPOCHS}: " + ("the run had ended before the kill took effect (a machine too loaded for the test)"
+                                     if last == EPOCHS else "node 1's worker trained on without its agent"))
     check_ok(finished(reference))
     assert all(rc != 0 for rc, _, _ in ends), "the job went on without node 1"
     epoch, behind = epoch_of(two[0] / "ckpt.pt"), epoch_of(stale)
