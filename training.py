@@ -138,6 +138,16 @@ class ExponentialAverage:
         self.model.load_state_dict(state)
 
 
+@torch.no_grad()
+def pull_and_hand_over(average, weights, weight, masters):
+    """Lookahead's update, in both its forms (and the network's lower-precision copies, where masters holds them):
+        average <- average + weight (weights - average);  weights <- average"""
+    torch._foreach_lerp_(average, weights, weight)
+    torch._foreach_copy_(weights, average)
+    if masters:
+        masters.refresh()
+
+
 class LookaheadAverage:
     """Lookahead (Zhang et al. 2019) as weight averaging (Jordan 2024), every `every` steps, of the weights (their
     float32 masters, where masters holds them, whose copies then take them); the model is evaluated:
@@ -151,11 +161,8 @@ class LookaheadAverage:
     @torch.no_grad()
     def update(self, model, step, total_steps):
         if step % self.every == 0:
-            fast = float_state(model, self.masters)
-            torch._foreach_lerp_(self.slow, fast, 1 - self.momentum ** self.every * (step / total_steps) ** 3)
-            torch._foreach_copy_(fast, self.slow)
-            if self.masters:
-                self.masters.refresh()
+            decay = self.momentum ** self.every * (step / total_steps) ** 3
+            pull_and_hand_over(self.slow, float_state(model, self.masters), 1 - decay, self.masters)
 
     @torch.no_grad()
     def finish(self, model):
@@ -188,11 +195,7 @@ class LookaheadTail:
         if since == 0:
             torch._foreach_copy_(self.ema, float_state(model, self.masters))
         elif since > 0 and since % self.every == 0:
-            weights = float_state(model, self.masters)
-            torch._foreach_lerp_(self.ema, weights, 1 - self.decay)
-            torch._foreach_copy_(weights, self.ema)
-            if self.masters:
-                self.masters.refresh()
+            pull_and_hand_over(self.ema, float_state(model, self.masters), 1 - self.decay, self.masters)
 
     def state_dict(self):
         return self.ema
