@@ -53,8 +53,9 @@ from versions import torchvision_mismatch
 COLUMNS = ["epoch", "lr", "train_loss", "train_acc", "test_loss", "test_acc", "epoch_time", "total_time"]
 
 
-def train_run(r, built, o, *, ctx, seed, on_epoch=None):
-    """One run of recipe r on a Built: {"seed", "rows", "final_acc", "model", and its times}."""
+def train_run(r, built, o, *, ctx, seed, table=None):
+    """One run of recipe r on a Built: {"seed", "rows", "final_acc", "model", and its times}; each epoch's row to
+    `table` (progress.epoch_table) and o.on_epoch."""
     data, net, device = built.data, built.network, torch.device(ctx.device)
     n, batch = len(data["train_labels"]), r.batch_size // ctx.world_size
     dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
@@ -65,7 +66,7 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
     bias = whitening_bias(net.module, steps_per_epoch)  # its own rate, then detached (airbench94)
     opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, own_rates=[bias], masters=masters)
     flip_base = flip_bits(n, augment, device) if r.augment.flip == "alternate" else None
-    clock = EpochClock(devices.timer(device), o, columns=COLUMNS, accuracy="test_acc")
+    clock = EpochClock(devices.timer(device), o, columns=COLUMNS, accuracy="test_acc", table=table)
     fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:], masters)
     average = averaging(net.module, ema=r.ema, lookahead=r.lookahead, tail=r.lookahead_tail,
                         steps_per_epoch=steps_per_epoch, masters=masters)
@@ -94,7 +95,8 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
             clock.evaluated(test_loss=loss, test_acc=acc)
         for row in clock.rows_read():
             check_loss(row, r)
-            on_epoch and on_epoch(row)
+            say_estimate(r, row, o, first=seed == o.seed, device=device, n_train=n)
+            o.on_epoch and o.on_epoch(row)
         clock.resume()
     return {"seed": seed, "rows": clock.rows, "final_acc": clock.rows[-1]["test_acc"], **clock.times(),
             "model": evaluation_model(net.module, average, masters)}
@@ -117,13 +119,6 @@ def compile_counts(since=None):
 # ---------------------------------------------------------------------------------------------
 # What a process builds once: the data on the device, the network compiled and warmed up
 # ---------------------------------------------------------------------------------------------
-
-def device_data(arrays, r, ctx, device, *, dtype, stats):
-    """This process's dataset on the device."""
-    if ctx.distributed:
-        return rank_dataset(arrays, r, ctx, device, dtype=dtype, stats=stats)
-    return dataset_on_device(arrays, device, dtype=dtype, pad=r.augment.crop_pad, stats=stats)
-
 
 def rank_dataset(arrays, r, ctx, device, *, dtype, stats):
     """The rank's contiguous shard of the training set on the device, and the images every rank fits the whitening on
@@ -174,7 +169,7 @@ def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10, dty
         if r.compile_step:
             forward = WithLoss(forward, r.label_smoothing)
         # dynamic=False: a graph for each shape (low-resolution epochs), each compiled in the warm-up
-        forward = torch.compile(forward, mode=None if compile_mode == "default" else compile_mode, dynamic=False)
+        forward = torch.compile(forward, mode=compile_mode, dynamic=False)
     return Network(module=module, train_forward=forward, eval_forward=module if distributed else forward, recipe=r,
                    num_classes=num_classes)
 
@@ -203,7 +198,7 @@ def warmup(r, built, o, *, ctx, calls=None):
     what = "compiling every graph the runs meet (torch.compile)" if o.compile else "cuDNN's autotuning"
     with Heartbeat(f"warm-up: {calls} whole run{'s' * (calls > 1)} off the clock, {what}", on=o.progress):
         for _ in range(calls):
-            train_run(r, built, replace(o, progress=False), ctx=ctx, seed=o.seed)
+            train_run(r, built, replace(o, progress=False, on_epoch=None), ctx=ctx, seed=o.seed)
         devices.synchronize(torch.device(ctx.device))
 
 
@@ -257,17 +252,12 @@ def train(recipe, data=None, *, changes=None, options=None, subset=None, dataset
     with strict_compile(), devices.parameters_dtype(devices.compute_dtype(device, o.precision)):
         built = build(r, arrays, o, ctx=ctx, stats=stats)
         for k in range(o.runs):
-            table = epoch_table(COLUMNS, on=o.verbose,
-                                title=f"run {k + 1}/{o.runs} (seed {o.seed + k})" if o.runs > 1 else None)
+            table = epoch_table(COLUMNS, on=o.verbose, title=f"run {k + 1}/{o.runs} (seed {o.seed + k})"
+                                if o.runs > 1 else None)
             started, compiled = time.perf_counter(), compile_counts()
-
-            def epoch_done(row):
-                table.append(row)
-                say_estimate(r, row, o, first=not results, device=device, n_train=len(arrays["train_labels"]))
-                o.on_epoch and o.on_epoch(row)
             profile = o.profile if k == 0 and ctx.is_main else None  # the first run's, after the warm-up
             with profiled(profile, device):
-                result = train_run(r, built, o, ctx=ctx, seed=o.seed + k, on_epoch=epoch_done)
+                result = train_run(r, built, o, ctx=ctx, seed=o.seed + k, table=table)
             last = result_so_far(r, result, results, built=built, o=o, started=started, compiled=compiled,
                                  profile=profile)
             o.on_run and o.on_run(last)
@@ -364,10 +354,11 @@ def as_numpy(arrays):
     return {k: v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v for k, v in arrays.items()}
 
 
-def count_flops(r, data, *, batch=2):
-    """FLOPs of one run of recipe r: every training step (forward and backward, each epoch at its side in the
-    resolution schedule) and the final selective-TTA evaluation, counted by torch.utils.flop_counter (convolutions,
-    matmuls) on a small batch and scaled linearly; per-epoch evaluations are excluded, as they are from the time."""
+def count_flops(r, data, *, n_train=None, batch=2):
+    """FLOPs of one run of recipe r over n_train images (None: data's): every training step (forward and backward,
+    each epoch at its side in the resolution schedule) and the final selective-TTA evaluation, counted by
+    torch.utils.flop_counter (convolutions, matmuls) on a small batch and scaled linearly; per-epoch evaluations are
+    excluded, as they are from the time."""
     from torch.utils.flop_counter import FlopCounterMode
     device = data["test_images"].device
     model = build_model(r, device, num_classes=data.get("num_classes", 10))
@@ -379,7 +370,7 @@ def count_flops(r, data, *, batch=2):
         with FlopCounterMode(display=False) as counter:
             F.cross_entropy(model(x), y).backward()
         return counter.get_total_flops() / len(x)
-    steps_per_epoch, steps = run_steps(len(data["train_labels"]), r.batch_size, r.epochs)
+    steps_per_epoch, steps = run_steps(n_train or len(data["train_labels"]), r.batch_size, r.epochs)
     full = tuple(x.shape[-2:])
     steps_at = {}           # side: the run's steps at it
     for epoch in range(-(-steps // steps_per_epoch)):
@@ -407,7 +398,7 @@ def count_flops(r, data, *, batch=2):
 
 @dataclass(kw_only=True)
 class Built:
-    """What a process builds once for a recipe: its data on the device (device_data), its Network (build_network(),
+    """What a process builds once for a recipe: its data on the device (this rank's), its Network (build_network(),
     which each run resets), the FLOPs of a run (count_flops) and the (mean, std) the images were normalised by."""
     data: dict
     network: Network
@@ -419,8 +410,9 @@ def build(r, arrays, o, *, ctx, stats=None):
     """Built for recipe r: data on the device, FLOPs, network, warmed up on an accelerator or compiled."""
     device, stats = torch.device(ctx.device), stats or channel_stats(arrays["train_images"])
     dtype = devices.compute_dtype(device, o.precision)
-    data = device_data(arrays, r, ctx, device, dtype=dtype, stats=stats)
-    flops = count_flops(r, {**data, "train_labels": torch.empty(len(arrays["train_labels"]))})
+    data = (rank_dataset(arrays, r, ctx, device, dtype=dtype, stats=stats) if ctx.distributed
+            else dataset_on_device(arrays, device, dtype=dtype, pad=r.augment.crop_pad, stats=stats))
+    flops = count_flops(r, data, n_train=len(arrays["train_labels"]))
     net = build_network(r, device, compile_mode=o.compile, ctx=ctx, num_classes=data["num_classes"], dtype=dtype)
     built = Built(data=data, network=net, flops=flops, stats=stats)
     if not devices.is_cpu(device) or o.compile:

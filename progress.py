@@ -148,13 +148,14 @@ def epoch_table(columns, file=None, *, on=True, title=None):
 
 
 class EpochClock:
-    """A run's clock (`timer`: devices.timer, started once the network is built) and its table's rows, epoch by epoch,
-    with o.target and o.eval_every: stop() ends an epoch's training on the clock, evaluated() its evaluation off it
-    (the last one's time is the run's final_eval_time), rows_read() reads the clock where the host waits anyway,
-    resume() leaves what the host did with the rows off the clock. Nothing waits for the device before a read."""
+    """A run's clock (`timer`: devices.timer, started once the network is built) and its table's rows, epoch by epoch
+    (each printed to `table` where given), with o.target and o.eval_every: stop() ends an epoch's training on the
+    clock, evaluated() its evaluation off it (the last one's time is the run's final_eval_time), rows_read() reads the
+    clock where the host waits anyway, resume() leaves what the host did with the rows off the clock. Nothing waits
+    for the device before a read."""
 
-    def __init__(self, timer, o, *, columns, accuracy, reads_every_epoch=False):
-        self.clock, self.columns, self.eval_every = timer, columns, o.eval_every
+    def __init__(self, timer, o, *, columns, accuracy, reads_every_epoch=False, table=None):
+        self.clock, self.columns, self.eval_every, self.table = timer, columns, o.eval_every, table
         self.accuracy, self.target, self.reads_every_epoch = accuracy, o.target, reads_every_epoch
         self.rows, self.time_to_target, self.final_eval_time = [], None, 0.0
         self.pending, self.host_has_read = [], False
@@ -196,6 +197,8 @@ class EpochClock:
                 if self.time_to_target is None and row[self.accuracy] >= self.target:
                     self.time_to_target = row["total_time"]
         self.rows += rows
+        for row in rows if self.table else ():
+            self.table.append(row)
         self.pending, self.host_has_read = [], True
         return rows
 

@@ -105,7 +105,8 @@ def warm_and_timed_paths(r, arrays, calls, **options):
     """(Counter of the paths the warm-up calls, Counter of those a timed run then calls) of recipe r on the CPU,
     through Paths."""
     ctx, device = D.Context(device="cpu"), torch.device("cpu")
-    data = cf.device_data(arrays, r, ctx, device, dtype=torch.float32, stats=cd.channel_stats(arrays["train_images"]))
+    data = cd.dataset_on_device(arrays, device, dtype=torch.float32, pad=r.augment.crop_pad,
+                                stats=cd.channel_stats(arrays["train_images"]))
     torch.manual_seed(0)
     net = tb.build_model(r, device)
     forward = Paths(net)
