@@ -252,11 +252,9 @@ def train(recipe, data=None, *, changes=None, options=None, subset=None, dataset
     with strict_compile(), devices.parameters_dtype(devices.compute_dtype(device, o.precision)):
         built = build(r, arrays, o, ctx=ctx, stats=stats)
         for k in range(o.runs):
-            table = epoch_table(COLUMNS, on=o.verbose, title=f"run {k + 1}/{o.runs} (seed {o.seed + k})"
-                                if o.runs > 1 else None)
+            table = epoch_table(COLUMNS, on=o.verbose, title=o.runs > 1 and f"run {k + 1}/{o.runs} (seed {o.seed + k})")
             started, compiled = time.perf_counter(), compile_counts()
-            profile = o.profile if k == 0 and ctx.is_main else None  # the first run's, after the warm-up
-            with profiled(profile, device):
+            with profiled(o.profile if k == 0 and ctx.is_main else None, device) as profile:  # the first run's
                 result = train_run(r, built, o, ctx=ctx, seed=o.seed + k, table=table)
             last = result_so_far(r, result, results, built=built, o=o, started=started, compiled=compiled,
                                  profile=profile)

@@ -209,15 +209,15 @@ def write_result(path, record, flag="--out"):
 def profiled(path, device, *, rows=12, file=None):
     """A run's record of its kernels: while inside, torch.profiler records the CPU's operators and, on a CUDA GPU, its
     kernels; then the trace is written to path (Chrome's JSON, for Perfetto or chrome://tracing) and its top kernels by
-    time printed on file (stderr). path None: nothing recorded."""
+    time printed on file (stderr). path None: nothing recorded. It yields path."""
     if path is None:
-        yield
+        yield None
         return
     import devices      # here: outputs.py imports no torch unless a run is profiled
     from torch.profiler import ProfilerActivity, profile
     on_gpu = str(device).startswith("cuda")
     with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * on_gpu]) as prof:
-        yield
+        yield path
         devices.synchronize(device)
     write_atomic(path, prof.export_chrome_trace)
     print(f"wrote a trace of the run to {path}\n" + top_kernels(prof, rows), file=file or sys.stderr, flush=True)
