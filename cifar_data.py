@@ -422,23 +422,20 @@ def flip_bits(n, generator, device=None):
     return torch.rand(n, device=device or generator.device, generator=generator) < 0.5
 
 
-def crop_flip(x, size, *, dy=None, dx=None, flip=None, order=None, channels_last=False):
-    """Windows of `size` at (dy, dx) of padded images x, flipped, in `order`: one gather."""
-    n, c = x.shape[:2]
+def crop_flip(x, draws, size, *, channels_last=False):
+    """Windows of `size` at the draws' (dy, dx) of padded images x, flipped, in their order (perm): one gather."""
+    dy, dx, flip, order = draws.get("dy"), draws.get("dx"), draws.get("flip"), draws["perm"]
     h, w = pair(size)
     i = torch.arange(h, device=x.device)
     j = i if w == h else torch.arange(w, device=x.device)
     rows = i if dy is None else dy[:, None] + i
     cols = j if flip is None else torch.where(flip[:, None], w - 1 - j, j)
     cols = cols if dx is None else dx[:, None] + cols
-    image = torch.arange(n, device=x.device) if order is None else order
-    if order is not None:
-        rows = rows if dy is None else rows[order]
-        cols = cols if dx is None and flip is None else cols[order]
+    rows, cols = (t[order] if t.dim() == 2 else t for t in (rows, cols))      # an image's own: in its order
     if channels_last:  # channels sliced, not indexed, come last: the (N, h, w, C) gathered is NCHW's layout
-        return x[image.view(-1, 1, 1), :, rows.view(-1, h, 1), cols.view(-1, 1, w)].permute(0, 3, 1, 2)
-    channel = torch.arange(c, device=x.device).view(1, -1, 1, 1)
-    return x[image.view(-1, 1, 1, 1), channel, rows.view(-1, 1, h, 1), cols.view(-1, 1, 1, w)]
+        return x[order.view(-1, 1, 1), :, rows.view(-1, h, 1), cols.view(-1, 1, w)].permute(0, 3, 1, 2)
+    channel = torch.arange(x.shape[1], device=x.device).view(1, -1, 1, 1)
+    return x[order.view(-1, 1, 1, 1), channel, rows.view(-1, 1, h, 1), cols.view(-1, 1, 1, w)]
 
 
 def cutout_mask(cy, cx, size, patch):
@@ -451,16 +448,15 @@ def cutout_mask(cy, cx, size, patch):
     return (inside(cy, h)[:, :, None] & inside(cx, w)[:, None, :])[:, None]
 
 
-def augment_images(images, draws, size, cutout, *, order=None, memory_format=torch.contiguous_format):
-    """The padded images with one epoch's draws applied, in `order`."""
-    x = crop_flip(images, size, dy=draws.get("dy"), dx=draws.get("dx"), flip=draws.get("flip"), order=order,
-                  channels_last=memory_format == torch.channels_last)
-    in_order = lambda t: t if order is None else t[..., order]
+def augment_images(images, draws, size, cutout, *, memory_format=torch.contiguous_format):
+    """The padded images with one epoch's draws applied, in their order (perm)."""
+    x = crop_flip(images, draws, size, channels_last=memory_format == torch.channels_last)
+    order = draws["perm"]
     if "jitter" in draws:
-        brightness, contrast = (f.view(-1, 1, 1, 1) for f in in_order(draws["jitter"]).to(x.dtype))
+        brightness, contrast = (f.view(-1, 1, 1, 1) for f in draws["jitter"][:, order].to(x.dtype))
         x.add_(brightness).mul_(contrast)
     if "cy" in draws:
-        x.masked_fill_(cutout_mask(in_order(draws["cy"]), in_order(draws["cx"]), size, cutout), 0)
+        x.masked_fill_(cutout_mask(draws["cy"][order], draws["cx"][order], size, cutout), 0)
     return x
 
 
@@ -478,7 +474,7 @@ def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=
                               device=x.device, order=order)
     side = pair(augment.resolution(epoch, size))
     if side == size:
-        x = augment_images(x, draws, size, augment.cutout, order=draws["perm"], memory_format=memory_format)
+        x = augment_images(x, draws, size, augment.cutout, memory_format=memory_format)
     else:
         x = resized_images(x, draws, size, side, cutout=augment.cutout, memory_format=memory_format)
     y = y[draws["perm"]]
@@ -489,5 +485,5 @@ def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=
 def resized_images(x, draws, size, side, *, cutout, memory_format):
     """The padded images x with one epoch's draws applied (augment_images), resized to `side` in memory_format."""
     # resized from NCHW, and laid out as memory_format by the resize's cast
-    x = augment_images(x, draws, size, cutout, order=draws["perm"], memory_format=torch.contiguous_format)
+    x = augment_images(x, draws, size, cutout)
     return low_resolution(x, side, memory_format=memory_format)

@@ -56,8 +56,9 @@ def main(argv=None):
     n, c, size = len(x), x.shape[1], arrays["test_images"].shape[1]
     r = cd.draw_augmentation(n, size, cd.AugmentSettings(crop_pad=args.pad, flip="random", cutout=0),
                              generator=torch.Generator().manual_seed(0))
+    r["perm"] = torch.arange(n)  # the images' own order, as the masked selects keep them (a run shuffles them too)
     old = lambda: crop_flip_by_masks(x, r, size)
-    new = lambda: cd.crop_flip(x, size, dy=r["dy"], dx=r["dx"], flip=r["flip"])
+    new = lambda: cd.crop_flip(x, r, size)
     print(f"{n} images {tuple(x.shape[1:])} {x.dtype}, crops of {size}, pad {args.pad}, flip random; "
           f"{torch.get_num_threads()} threads")
     print("bit-identical:", torch.equal(old(), new()))
