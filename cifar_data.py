@@ -358,10 +358,9 @@ def upload_normalised(x, device, *, dtype, stats, pad=0):
 def dataset_on_device(d, device, *, dtype, pad, stats=None):
     """The four arrays on the device, normalised by stats (default: the training images'), and num_classes."""
     stats = stats or channel_stats(d["train_images"])
-    prep = lambda x, p: upload_normalised(x, device, dtype=dtype, stats=stats, pad=p)
-    labels = lambda y: torch.from_numpy(y).to(device).long()
-    return {"train_images": prep(d["train_images"], pad), "test_images": prep(d["test_images"], 0),
-            "train_labels": labels(d["train_labels"]), "test_labels": labels(d["test_labels"]),
+    return {"train_images": upload_normalised(d["train_images"], device, dtype=dtype, stats=stats, pad=pad),
+            "test_images": upload_normalised(d["test_images"], device, dtype=dtype, stats=stats),
+            **{k: torch.from_numpy(d[k]).to(device).long() for k in ("train_labels", "test_labels")},
             "num_classes": num_classes(d)}
 
 
@@ -379,10 +378,8 @@ class AugmentSettings:
     cutout: int = knob(8, low=0, whole=True, doc="a square of this side set to 0")
     jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image (the record)")
     jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image (the record)")
-    resolution_schedule: tuple = knob((), above=0, whole=True,
-                                      doc="epoch i resized to the i-th side in pixels (antialiased), the epochs past "
-                                          "the list at the images' own (24,24,28: two epochs at 24, one at 28, the "
-                                          "rest at 32)")
+    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i's side in pixels (resized antialiased); "
+                                      "past the list, the images' own (24,24,28: 2 epochs at 24, 1 at 28, then 32)")
 
     def resolution(self, epoch, full):
         return self.resolution_schedule[epoch] if epoch < len(self.resolution_schedule) else full
