@@ -106,7 +106,7 @@ def test_random_calls_per_epoch_do_not_grow_with_the_dataset(monkeypatch):
 
 
 def crop_flip_by_masks(x, r, size):
-    """The crop and flip as they were before the one-gather crop_flip, kept as its reference: a torch.where over the
+    """The crop and flip as they were before augment_images's one gather, kept as its reference: a torch.where over the
     whole set for every offset of each axis, then one for the flip."""
     h, w = cd.pair(size)
     if "dy" in r:
