@@ -429,22 +429,22 @@ def cutout_mask(cy, cx, size, patch):
     return (inside(cy, h)[:, :, None] & inside(cx, w)[:, None, :])[:, None]
 
 
-def augment_images(images, draws, size, cutout, *, memory_format=torch.contiguous_format):
+def augment_images(x, draws, size, cutout, *, memory_format=torch.contiguous_format):
     """The padded images with one epoch's draws applied, in their order (perm): crops and flips in one gather."""
     dy, dx, flip, order = draws.get("dy"), draws.get("dx"), draws.get("flip"), draws["perm"]
     h, w = pair(size)
-    i = torch.arange(h, device=images.device)
-    j = i if w == h else torch.arange(w, device=images.device)
+    i = torch.arange(h, device=x.device)
+    j = i if w == h else torch.arange(w, device=x.device)
     rows = i if dy is None else dy[:, None] + i
     cols = j if flip is None else torch.where(flip[:, None], w - 1 - j, j)
     cols = cols if dx is None else dx[:, None] + cols
     rows, cols = (t[order] if t.dim() == 2 else t for t in (rows, cols))      # each image's, in the epoch's order
     # channels sliced, not indexed, come last: the (N, h, w, C) gathered is NCHW's layout
     if memory_format == torch.channels_last:
-        x = images[order.view(-1, 1, 1), :, rows.view(-1, h, 1), cols.view(-1, 1, w)].permute(0, 3, 1, 2)
+        x = x[order.view(-1, 1, 1), :, rows.view(-1, h, 1), cols.view(-1, 1, w)].permute(0, 3, 1, 2)
     else:
-        channel = torch.arange(images.shape[1], device=images.device).view(1, -1, 1, 1)
-        x = images[order.view(-1, 1, 1, 1), channel, rows.view(-1, 1, h, 1), cols.view(-1, 1, 1, w)]
+        channel = torch.arange(x.shape[1], device=x.device).view(1, -1, 1, 1)
+        x = x[order.view(-1, 1, 1, 1), channel, rows.view(-1, 1, h, 1), cols.view(-1, 1, 1, w)]
     if "jitter" in draws:
         brightness, contrast = (f.view(-1, 1, 1, 1) for f in draws["jitter"][:, order].to(x.dtype))
         x.add_(brightness).mul_(contrast)
