@@ -358,10 +358,9 @@ def upload_normalised(x, device, *, dtype, stats, pad=0):
 def dataset_on_device(d, device, *, dtype, pad, stats=None):
     """The four arrays on the device, normalised by stats (default: the training images'), and num_classes."""
     stats = stats or channel_stats(d["train_images"])
-    prep = lambda x, p: upload_normalised(x, device, dtype=dtype, stats=stats, pad=p)
-    labels = lambda y: torch.from_numpy(y).to(device).long()
-    return {"train_images": prep(d["train_images"], pad), "test_images": prep(d["test_images"], 0),
-            "train_labels": labels(d["train_labels"]), "test_labels": labels(d["test_labels"]),
+    return {"train_images": upload_normalised(d["train_images"], device, dtype=dtype, stats=stats, pad=pad),
+            "test_images": upload_normalised(d["test_images"], device, dtype=dtype, stats=stats),
+            **{k: torch.from_numpy(d[k]).to(device).long() for k in ("train_labels", "test_labels")},
             "num_classes": num_classes(d)}
 
 
@@ -379,10 +378,8 @@ class AugmentSettings:
     cutout: int = knob(8, low=0, whole=True, doc="a square of this side set to 0")
     jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image (the record)")
     jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image (the record)")
-    resolution_schedule: tuple = knob((), above=0, whole=True,
-                                      doc="epoch i resized to the i-th side in pixels (antialiased), the epochs past "
-                                          "the list at the images' own (24,24,28: two epochs at 24, one at 28, the "
-                                          "rest at 32)")
+    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i's side in pixels (resized antialiased); "
+                                      "past the list, the images' own (24,24,28: 2 epochs at 24, 1 at 28, then 32)")
 
     def resolution(self, epoch, full):
         return self.resolution_schedule[epoch] if epoch < len(self.resolution_schedule) else full
@@ -422,25 +419,6 @@ def flip_bits(n, generator, device=None):
     return torch.rand(n, device=device or generator.device, generator=generator) < 0.5
 
 
-def crop_flip(x, size, *, dy=None, dx=None, flip=None, order=None, channels_last=False):
-    """Windows of `size` at (dy, dx) of padded images x, flipped, in `order`: one gather."""
-    n, c = x.shape[:2]
-    h, w = pair(size)
-    i = torch.arange(h, device=x.device)
-    j = i if w == h else torch.arange(w, device=x.device)
-    rows = i if dy is None else dy[:, None] + i
-    cols = j if flip is None else torch.where(flip[:, None], w - 1 - j, j)
-    cols = cols if dx is None else dx[:, None] + cols
-    image = torch.arange(n, device=x.device) if order is None else order
-    if order is not None:
-        rows = rows if dy is None else rows[order]
-        cols = cols if dx is None and flip is None else cols[order]
-    if channels_last:  # channels sliced, not indexed, come last: the (N, h, w, C) gathered is NCHW's layout
-        return x[image.view(-1, 1, 1), :, rows.view(-1, h, 1), cols.view(-1, 1, w)].permute(0, 3, 1, 2)
-    channel = torch.arange(c, device=x.device).view(1, -1, 1, 1)
-    return x[image.view(-1, 1, 1, 1), channel, rows.view(-1, 1, h, 1), cols.view(-1, 1, 1, w)]
-
-
 def cutout_mask(cy, cx, size, patch):
     """True inside each image's patch×patch square, shape (N, 1, height, width) of `size`."""
     h, w = pair(size)
@@ -451,16 +429,27 @@ def cutout_mask(cy, cx, size, patch):
     return (inside(cy, h)[:, :, None] & inside(cx, w)[:, None, :])[:, None]
 
 
-def augment_images(images, draws, size, cutout, *, order=None, memory_format=torch.contiguous_format):
-    """The padded images with one epoch's draws applied, in `order`."""
-    x = crop_flip(images, size, dy=draws.get("dy"), dx=draws.get("dx"), flip=draws.get("flip"), order=order,
-                  channels_last=memory_format == torch.channels_last)
-    in_order = lambda t: t if order is None else t[..., order]
+def augment_images(x, draws, size, cutout, *, memory_format=torch.contiguous_format):
+    """The padded images with one epoch's draws applied, in their order (perm): crops and flips in one gather."""
+    dy, dx, flip, order = draws.get("dy"), draws.get("dx"), draws.get("flip"), draws["perm"]
+    h, w = pair(size)
+    i = torch.arange(h, device=x.device)
+    j = i if w == h else torch.arange(w, device=x.device)
+    rows = i if dy is None else dy[:, None] + i
+    cols = j if flip is None else torch.where(flip[:, None], w - 1 - j, j)
+    cols = cols if dx is None else dx[:, None] + cols
+    rows, cols = (t[order] if t.dim() == 2 else t for t in (rows, cols))      # each image's, in the epoch's order
+    # channels sliced, not indexed, come last: the (N, h, w, C) gathered is NCHW's layout
+    if memory_format == torch.channels_last:
+        x = x[order.view(-1, 1, 1), :, rows.view(-1, h, 1), cols.view(-1, 1, w)].permute(0, 3, 1, 2)
+    else:
+        channel = torch.arange(x.shape[1], device=x.device).view(1, -1, 1, 1)
+        x = x[order.view(-1, 1, 1, 1), channel, rows.view(-1, 1, h, 1), cols.view(-1, 1, 1, w)]
     if "jitter" in draws:
-        brightness, contrast = (f.view(-1, 1, 1, 1) for f in in_order(draws["jitter"]).to(x.dtype))
+        brightness, contrast = (f.view(-1, 1, 1, 1) for f in draws["jitter"][:, order].to(x.dtype))
         x.add_(brightness).mul_(contrast)
     if "cy" in draws:
-        x.masked_fill_(cutout_mask(in_order(draws["cy"]), in_order(draws["cx"]), size, cutout), 0)
+        x.masked_fill_(cutout_mask(draws["cy"][order], draws["cx"][order], size, cutout), 0)
     return x
 
 
@@ -478,7 +467,7 @@ def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=
                               device=x.device, order=order)
     side = pair(augment.resolution(epoch, size))
     if side == size:
-        x = augment_images(x, draws, size, augment.cutout, order=draws["perm"], memory_format=memory_format)
+        x = augment_images(x, draws, size, augment.cutout, memory_format=memory_format)
     else:
         x = resized_images(x, draws, size, side, cutout=augment.cutout, memory_format=memory_format)
     y = y[draws["perm"]]
@@ -489,5 +478,5 @@ def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=
 def resized_images(x, draws, size, side, *, cutout, memory_format):
     """The padded images x with one epoch's draws applied (augment_images), resized to `side` in memory_format."""
     # resized from NCHW, and laid out as memory_format by the resize's cast
-    x = augment_images(x, draws, size, cutout, order=draws["perm"], memory_format=torch.contiguous_format)
+    x = augment_images(x, draws, size, cutout)
     return low_resolution(x, side, memory_format=memory_format)

@@ -55,11 +55,11 @@ def per_rank_batch(global_batch, world):
 class LRSettings:
     """The learning rate over the run (in --lr-units), linear between knots."""
     PREFIX = "lr"
-    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1, doc="where the rate's linear pieces meet, as fractions of the "
-                                                           "run")
+    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1,
+                        doc="where the rate's linear pieces meet, as fractions of the run")
     values: tuple = knob((0.0, 0.4, 0.0), low=0, doc="the rate at each knot (in --lr-units)")
-    floor: float = knob(0.0, low=0, high=1, doc="the rate never falls below this fraction of its peak: linear down to "
-                                                "it, then held (E1: 0.05; 0: no floor)")
+    floor: float = knob(0.0, low=0, high=1, doc="the rate's floor, as a fraction of its peak: linear down to it, "
+                        "then held (E1: 0.05; 0: none)")
 
     def check(self):
         if len(self.knots) != len(self.values):
@@ -76,7 +76,7 @@ class LRSettings:
             rate = float(v[min(i, len(v) - 1)])
         else:
             rate = float(v[i - 1] + (t - k[i - 1]) / (k[i] - k[i - 1]) * (v[i] - v[i - 1]))
-        return max(rate, self.floor * max(self.values)) if self.floor else rate
+        return max(rate, self.floor * max(v))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -35,12 +35,10 @@ class RunOptions:
 
 
 def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
-    """One step on the batch-summed loss (computed in forward where it takes labels: WithLoss): its sums, unread."""
+    """One step on the batch-summed loss (forward's own where it takes labels: WithLoss): its sums, unread."""
     with devices.autocast(x.device, dtype):
-        if getattr(forward, "takes_labels", False):
-            loss, sums = forward(x, y)
-        else:
-            loss, sums = loss_and_sums(forward(x), y, label_smoothing=label_smoothing)
+        takes_labels = getattr(forward, "takes_labels", False)
+        loss, sums = forward(x, y) if takes_labels else loss_and_sums(forward(x), y, label_smoothing=label_smoothing)
     loss.backward()
     for opt in optimizers:
         opt.step()

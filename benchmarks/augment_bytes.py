@@ -1,7 +1,7 @@
 """The crop and flip of one CIFAR-10 epoch, as it was (a torch.where over the whole training set per offset of each
-axis, then one for the flip: tests/test_augment.py keeps it as the reference) and as it is (cifar_data.crop_flip, one
-gather), on the CPU: the bytes each moves (counted from the shapes), the operators and allocations torch.profiler
-sees in one call of each, and their times, alternating old and new in this one process.
+axis, then one for the flip: tests/test_augment.py keeps it as the reference) and as it is (one gather in
+cifar_data.augment_images), on the CPU: the bytes each moves (counted from the shapes), the operators and allocations
+torch.profiler sees in one call of each, and their times, alternating old and new in this one process.
 
     python benchmarks/augment_bytes.py --data cifar10.npz    # 50,000 images, pad 4, 20 repetitions
     python benchmarks/augment_bytes.py --data data.npz --pad 2 --reps 10
@@ -56,8 +56,9 @@ def main(argv=None):
     n, c, size = len(x), x.shape[1], arrays["test_images"].shape[1]
     r = cd.draw_augmentation(n, size, cd.AugmentSettings(crop_pad=args.pad, flip="random", cutout=0),
                              generator=torch.Generator().manual_seed(0))
+    r["perm"] = torch.arange(n)  # the images' own order, as the masked selects keep them (a run's is shuffled)
     old = lambda: crop_flip_by_masks(x, r, size)
-    new = lambda: cd.crop_flip(x, size, dy=r["dy"], dx=r["dx"], flip=r["flip"])
+    new = lambda: cd.augment_images(x, r, size, cutout=0)  # no jitter, no cutout: the crop and flip alone
     print(f"{n} images {tuple(x.shape[1:])} {x.dtype}, crops of {size}, pad {args.pad}, flip random; "
           f"{torch.get_num_threads()} threads")
     print("bit-identical:", torch.equal(old(), new()))

@@ -24,7 +24,7 @@ def test_crop_offsets_cover_the_range_uniformly_and_crop_exactly():
     r = cd.draw_augmentation(n, size, cd.AugmentSettings(crop_pad=pad, flip="none", cutout=0), generator=g)
     x = cd.augment_images(padded_index_images(n, size, pad), r, size, cutout=0)
     dy, dx = (x[:, 0, 0, 0] // 100).long(), (x[:, 0, 0, 0] % 100).long()
-    assert torch.equal(dy, r["dy"]) and torch.equal(dx, r["dx"])
+    assert torch.equal(dy, r["dy"][r["perm"]]) and torch.equal(dx, r["dx"][r["perm"]])     # in the epoch's order
     # every crop is a contiguous size×size window starting at its offset
     expected = padded_index_images(1, size, pad)[0, 0]
     for i in range(0, n, 997):
@@ -43,7 +43,7 @@ def test_about_half_flipped_and_flips_mirror():
     x = torch.arange(32.0).view(1, 1, 1, 32).expand(n, 3, 32, 32)
     out = cd.augment_images(x, r, 32, cutout=0)
     flipped = out[:, 0, 0, 0] == 31
-    assert torch.equal(flipped, r["flip"])
+    assert torch.equal(flipped, r["flip"][r["perm"]])
     assert torch.equal(out[flipped][0, 0, 0], torch.arange(31.0, -1, -1))
     assert abs(flipped.float().mean().item() - 0.5) < 0.02       # ~4 sigma for n=10000
 
@@ -59,7 +59,7 @@ def test_cutout_patches_have_the_stated_size_and_stay_inside(patch):
     assert torch.equal(out[:, 0] == 0, out[:, 2] == 0)              # same patch in every channel
     ys = zero.any(2).float().argmax(1)
     xs = zero.any(1).float().argmax(1)
-    assert torch.equal(ys, r["cy"]) and torch.equal(xs, r["cx"])
+    assert torch.equal(ys, r["cy"][r["perm"]]) and torch.equal(xs, r["cx"][r["perm"]])
     assert r["cy"].min() == 0 and r["cy"].max() == 32 - patch       # the whole range is used
 
 
@@ -106,7 +106,7 @@ def test_random_calls_per_epoch_do_not_grow_with_the_dataset(monkeypatch):
 
 
 def crop_flip_by_masks(x, r, size):
-    """The crop and flip as they were before the one-gather crop_flip, kept as its reference: a torch.where over the
+    """The crop and flip as they were before augment_images's one gather, kept as its reference: a torch.where over the
     whole set for every offset of each axis, then one for the flip."""
     h, w = cd.pair(size)
     if "dy" in r:
@@ -140,7 +140,7 @@ def test_the_one_gather_crops_and_flips_exactly_as_the_masked_selects_did(dtype,
         if k in r:
             r[k][:len(every)] = fixed[k]
     out = cd.augment_images(x, r, size, cutout=0)
-    assert torch.equal(out, crop_flip_by_masks(x, r, size)) and out.is_contiguous()
+    assert torch.equal(out, crop_flip_by_masks(x, r, size)[r["perm"]]) and out.is_contiguous()
 
 
 def epoch_as_it_was(data, augment, generator, *, memory_format, epoch=0, flip_base=None):
