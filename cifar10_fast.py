@@ -84,8 +84,6 @@ def train_run(r, built, o, *, ctx, seed, table=None):
             step += 1
             average and average.update(net.module, step, total_steps)
         last = step == total_steps
-        if r.lookahead and last:
-            average.finish(net.module)
         clock.stop(sums, steps * batch, epoch=epoch + 1, lr=lr)
         if clock.evaluates(epoch, last=last):
             model, tta = evaluation_model(net.eval_forward, average), r.tta if last else None

@@ -112,8 +112,6 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
         trained["trained_steps"] += steps
         decoded = decoded_by_text(data.decoded - decoded)
         last = p.epoch == r.epochs - 1
-        if r.lookahead and last:
-            average.finish(model)                # lookahead: the slow weights end the run
         clock.stop(torch.stack([losses, correct]), seen, epoch=p.epoch + 1, res=p.res, lr=lr, decode=decoded,
                    batch=p.batch * ctx.world_size)       # the global batch
         check_finite_loss(epoch_loss(losses, ctx) / (seen * ctx.world_size), epoch=p.epoch + 1,

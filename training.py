@@ -148,7 +148,7 @@ def pull_and_hand_over(average, weights, weight, masters):
 
 class LookaheadAverage:
     """Lookahead (Zhang et al. 2019) as weight averaging (Jordan 2024), every `every` steps, of the weights (their
-    float32 masters, where masters holds them, whose copies then take them); the model is evaluated:
+    float32 masters, where masters holds them, whose copies then take them), handed over whole at the last step:
         slow <- slow + (1 - decay)(fast - slow);  fast <- slow;  decay = momentum^every x (step / total steps)^3"""
     model = None
 
@@ -161,10 +161,12 @@ class LookaheadAverage:
         if step % self.every == 0:
             decay = self.momentum ** self.every * (step / total_steps) ** 3
             pull_and_hand_over(self.slow, float_state(model, self.masters), 1 - decay, self.masters)
+        if step == total_steps:
+            self.finish(model)
 
     @torch.no_grad()
     def finish(self, model):
-        """The hand-over, after the last scheduled update (airbench94): the slow weights end the run."""
+        """The hand-over, after the last step's scheduled update (airbench94): the slow weights end the run."""
         torch._foreach_copy_(float_state(model, self.masters), self.slow)
         if self.masters:
             self.masters.refresh()
