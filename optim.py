@@ -116,40 +116,32 @@ def sgd_step(weights, grads, buffers, rate, *, group):
 # ----------------------------------------------------------------------------------------------------------
 # SGD and Muon as one compiled step
 
-class MasterWeights:
-    """The float32 masters of the parameters a network holds in a lower precision (its copies, in autocast's dtype,
-    which the forward reads as autocast would have cast them), by position: what the optimiser steps, weight averaging
+class MasterWeights(dict):
+    """{copy: its float32 master} of the parameters a network holds in a lower precision (its copies, in autocast's
+    dtype, which the forward reads as autocast would have cast them): what the optimiser steps, weight averaging
     averages and the whitening fit writes, the copies then taking their values. Empty where nothing is held."""
-
-    def __init__(self, copies=(), masters=()):
-        self.copies, self.masters = list(copies), list(masters)
-        self.of = {id(c): m for c, m in zip(self.copies, self.masters)}
 
     @classmethod
     def of_fresh(cls, model, fresh):
         """The masters of model's lower-precision parameters: fresh's, the same network in float32."""
-        pairs = [(p, q.detach()) for p, q in zip(model.parameters(), fresh.parameters()) if p.dtype != q.dtype]
-        return cls(*zip(*pairs))
-
-    def __bool__(self):
-        return bool(self.copies)
+        return cls((p, q.detach()) for p, q in zip(model.parameters(), fresh.parameters()) if p.dtype != q.dtype)
 
     def weights(self, params):
         """params, each held one as its master."""
-        return [self.of.get(id(p), p) for p in params]
+        return [self.get(p, p) for p in params]
 
     @torch.no_grad()
     def refresh(self):
         """The copies take their masters' values, rounded to their dtype."""
-        if self.copies:
-            torch._foreach_copy_(self.copies, self.masters)
+        if self:
+            torch._foreach_copy_(list(self), list(self.values()))
 
     def float_copy(self, model):
         """A copy of model holding its masters' float32 values where it holds copies: what a run returns."""
         out = copy.deepcopy(model)
         for p, q in zip(model.parameters(), out.parameters()):
-            if id(p) in self.of:
-                q.data = self.of[id(p)].clone()
+            if p in self:
+                q.data = self[p].clone()
         return out
 
 
@@ -171,21 +163,20 @@ class SGDAndMuon(torch.optim.Optimizer):
 
     def __init__(self, groups, *, momentum, nesterov, masters=None, compile=None, compile_backend="inductor"):
         super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
-        self.compile, self.compile_backend, self.masters = compile, compile_backend, masters or MasterWeights()
-        device = groups[0]["params"][0].device
+        device, self.masters = groups[0]["params"][0].device, masters or MasterWeights()
         self.lr = torch.zeros((), dtype=torch.float64 if devices.has_float64(device) else torch.float32, device=device)
-        # each group's (rate, unit): the schedule's x its unit, or its own
-        self.rates = [(self.lr, g["lr_unit"]) if g["until_step"] is None else (torch.zeros_like(self.lr), 1.0)
-                      for g in self.param_groups]
-        self.own_rates = [(g, rate) for g, (rate, _) in zip(self.param_groups, self.rates) if rate is not self.lr]
+        self.renorm = torch.zeros((), dtype=torch.bool, device=device)  # whether a step renormalises
         self.muon_steps = self.last_renorm = 0
-        self.renorm = torch.zeros((), dtype=torch.bool, device=device)
-        # each group's step and its settings, constants of the graph
-        self.steps = [(muon_step, {**{k: g[k] for k in MUON_STEP_SETTINGS}, "renorm": self.renorm})
-                      if g.get("name") == "filters" else (sgd_step, {k: g[k] for k in SGD_STEP_SETTINGS})
-                      for g in self.param_groups]
         self.filled = {}  # id of a 0-d tensor: the value it was last filled with
-        for g in self.param_groups:
+        on = devices.compiles_helpers(device) if compile is None else compile
+        self.function = compiled(sgd_muon_step, compile_backend) if on else sgd_muon_step
+        for g in self.param_groups:  # its rate x unit: its own (set_lr's group_rate) x 1, or the schedule's x lr_unit
+            own = g["until_step"] is not None
+            g["rate"], g["unit"] = (torch.zeros_like(self.lr), 1.0) if own else (self.lr, g["lr_unit"])
+            if g["name"] == "filters":  # its step, and its settings: constants of the graph
+                g["step"], g["settings"] = muon_step, {**{k: g[k] for k in MUON_STEP_SETTINGS}, "renorm": self.renorm}
+            else:
+                g["step"], g["settings"] = sgd_step, {k: g[k] for k in SGD_STEP_SETTINGS}
             for p, w in zip(g["params"], self.masters.weights(g["params"])):
                 self.state[p]["momentum"] = torch.zeros_like(w, dtype=None if w.dtype == torch.float64 else
                                                              g.get("momentum_dtype"))
@@ -196,29 +187,24 @@ class SGDAndMuon(torch.optim.Optimizer):
             scalar.fill_(value)
             self.filled[id(scalar)] = value
 
-    def function(self):
-        """sgd_muon_step, compiled or not."""
-        on = devices.compiles_helpers(self.lr.device) if self.compile is None else self.compile
-        return compiled(sgd_muon_step, self.compile_backend) if on else sgd_muon_step
-
     @torch.no_grad()
     def step(self):
         groups = []
-        for g, (rate, unit), (step, settings) in zip(self.param_groups, self.rates, self.steps):
+        for g in self.param_groups:
             params = [p for p in g["params"] if p.grad is not None]
             if not params:
                 continue
-            if step is muon_step:  # Muon's clock, the host's: it renormalises every k steps, k from k0 to k1
+            if g["step"] is muon_step:  # Muon's clock, the host's: it renormalises every k steps, k from k0 to k1
                 self.muon_steps += 1
                 t, (k0, k1) = self.muon_steps, g["renorm_every"]
-                if k0 and t - self.last_renorm >= k0 + (k1 - k0) * t / g["total_steps"] // 1:
+                if k0 and t - self.last_renorm >= k0 + (k1 - k0) * t // g["total_steps"]:
                     self.last_renorm = t
                 self.fill(self.renorm, self.last_renorm == t)
-            weights, buffers = self.masters.weights(params), [self.state[p]["momentum"] for p in params]
-            held = [(p, w) for p, w in zip(params, weights) if w is not p]  # (copy, master) pairs
-            groups.append((step, weights, [p.grad for p in params], buffers, rate, unit,
-                           held and [list(c) for c in zip(*held)], settings))
-        self.function()(groups)
+            copies = [p for p in params if p in self.masters]  # held in a lower precision: written after the step
+            groups.append((g["step"], self.masters.weights(params), [p.grad for p in params],
+                           [self.state[p]["momentum"] for p in params], g["rate"], g["unit"],
+                           copies and [copies, self.masters.weights(copies)], g["settings"]))
+        self.function(groups)
 
 
 MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "weight_decay")
@@ -343,12 +329,11 @@ def check_own_rates(model, own_rates):
 
 
 def set_lr(opts, lr, step=0, epoch=0.0):
-    """Sets each group's rate to group_rate's."""
+    """Sets each group's rate to group_rate's (SGDAndMuon's shared rate to lr, its step multiplying in the unit)."""
     for opt in opts:
         if isinstance(opt, SGDAndMuon):  # its 0-d tensors filled: no recompile
-            opt.fill(opt.lr, lr)
-            for g, rate in opt.own_rates:
-                opt.fill(rate, group_rate(g, lr, step))
+            for g in opt.param_groups:  # the schedule's rate (set once), or the group's own
+                opt.fill(g["rate"], lr if g["rate"] is opt.lr else group_rate(g, lr, step))
         else:
             set_group_rates(opt, lr, step, epoch)
 

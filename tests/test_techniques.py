@@ -71,7 +71,7 @@ def test_muon_orthogonalises_its_update():
 
 def step_sizes(opt):
     """{group name: its step size}: an SGDAndMuon's rate (a 0-d tensor) × the group's unit."""
-    return {g["name"]: rate.item() * unit for g, (rate, unit) in zip(opt.param_groups, opt.rates)}
+    return {g["name"]: g["rate"].item() * g["unit"] for g in opt.param_groups}
 
 
 def test_muon_takes_the_conv_filters_only():
