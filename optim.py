@@ -26,14 +26,14 @@ from settings import knob, numbers
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)      # Jordan et al. 2024; the 2-second record tuned (3.4576, -4.7391, 2.0843)
 
 
-def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, eps=1e-7, dtype=torch.bfloat16):
+def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, dtype=torch.bfloat16):
     """About U Vᵀ of g = U S Vᵀ (of each matrix of a batch), in dtype:  X <- aX + (bA + cA²)X,  A = XXᵀ"""
     a, b, c = coeffs
     x = g.to(dtype)
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)  # spectral norm ≤ Frobenius norm ≤ 1: inside the basin
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm ≤ Frobenius norm ≤ 1: inside the basin
     for _ in range(steps):
         s = x @ x.mT
         x = a * x + (b * s + c * s @ s) @ x
@@ -220,9 +220,7 @@ MUON_DEFAULTS = {"lr_unit": 1.0, "momentum": 0.9, "nesterov": True, "ns_steps": 
 def muon_group(filters, **settings):
     """SGDAndMuon's group of Muon for the conv filters: MUON_DEFAULTS changed by settings."""
     check_muon_settings(settings)
-    group = {**MUON_DEFAULTS, **settings}
-    return {**group, "params": list(filters), "name": "filters", "until_step": None,
-            "ns_coeffs": tuple(group["ns_coeffs"]), "renorm_every": tuple(group["renorm_every"])}
+    return {**MUON_DEFAULTS, **settings, "params": filters, "name": "filters", "until_step": None}
 
 
 def check_muon_settings(settings):
@@ -275,28 +273,28 @@ MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=(), masters=None):
     """Recipe r's optimisers: SGD, and Muon (r.muon) for the conv filters, as one SGDAndMuon (docs/cifar10.md):
-        SGD's rate = lr unit scale,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
-        its decay = lr unit wd b / scale (myrtle), / (peak scale) otherwise;  Muon's rate = muon.lr lr / peak"""
+        SGD's rate = lr unit mult,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
+        its weight_decay = wd b / mult (myrtle), wd b / (peak mult) (else);  Muon's rate = lr muon.lr / peak"""
     own_rates = [o for o in own_rates if o is not None]
     own = check_own_rates(model, own_rates)
-    sgd, bs, peak = r.sgd, r.batch_size // world, max(r.lr.values)
-    unit = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - sgd.momentum))), "sum": world}[sgd.lr_units]
+    sgd, b, peak = r.sgd, r.batch_size // world, max(r.lr.values)
+    unit = {"myrtle": 1 / b, "decoupled": world / (1024 * (1 + 1 / (1 - sgd.momentum))), "sum": world}[sgd.lr_units]
     bn_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, nn.BatchNorm2d)}
     groups = {"weights": [], "bn_biases": [], "filters": []}
     for p in model.parameters():
         if p.requires_grad and id(p) not in own:
             groups["bn_biases" if id(p) in bn_biases else "filters" if r.muon and p.ndim == 4 else "weights"].append(p)
-    parts = [(k, groups[k], s, None, False) for k, s in (("weights", 1.0), ("bn_biases", sgd.bias_lr_mult))]
+    parts = [(k, groups[k], mult, None, False) for k, mult in (("weights", 1.0), ("bn_biases", sgd.bias_lr_mult))]
     parts += [(o.name, [o.param], o.lr_mult, o.until_step, o.linear) for o in own_rates]
-    decay = lambda s: sgd.weight_decay * bs / (s if sgd.lr_units == "myrtle" else peak * s)
-    groups_sgd = [{"params": ps, "name": name, "lr_unit": unit * s, "weight_decay": decay(s), "peak": peak,
-                   "until_step": until, "linear": linear} for name, ps, s, until, linear in parts if ps]
+    decay = lambda mult: sgd.weight_decay * b / (mult if sgd.lr_units == "myrtle" else peak * mult)
+    groups_sgd = [{"params": ps, "name": name, "lr_unit": unit * mult, "weight_decay": decay(mult), "peak": peak,
+                   "until_step": until, "linear": linear} for name, ps, mult, until, linear in parts if ps]
     if not groups["filters"]:
         return [sgd_optimizer(model, r, groups_sgd, masters)]
     m, same = r.muon, ("momentum", "ns_steps", "ns_coeffs", "renorm_every", "batched")
     muon = muon_group(groups["filters"], **{k: getattr(m, k) for k in same}, lr_unit=m.lr / peak,
                       nesterov=sgd.nesterov, total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)),
-                      weight_decay=m.weight_decay * bs * world, momentum_dtype=MOMENTUM_DTYPES[m.momentum_dtype])
+                      weight_decay=m.weight_decay * b * world, momentum_dtype=MOMENTUM_DTYPES[m.momentum_dtype])
     return [SGDAndMuon(groups_sgd + [muon], momentum=sgd.momentum, nesterov=sgd.nesterov, masters=masters)]
 
 
@@ -347,8 +345,6 @@ def set_group_rates(opt, lr, step, epoch):
 def group_rate(g, lr, step):
     """lr × the group's unit; from until_step 0, and before it with linear its peak falling to 0."""
     until = g["until_step"]
-    if until is not None and step >= until:
-        return 0.0
-    if until is not None and g.get("linear"):
-        return g["peak"] * g["lr_unit"] * (1 - step / until)
-    return lr * g["lr_unit"]
+    if until is None or step < until and not g["linear"]:
+        return lr * g["lr_unit"]
+    return 0.0 if step >= until else g["peak"] * g["lr_unit"] * (1 - step / until)
