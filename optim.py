@@ -30,8 +30,7 @@ def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, dtype=torch.bfloat16):
     """About U Vᵀ of g = U S Vᵀ (of each matrix of a batch), in dtype:  X <- aX + (bA + cA²)X,  A = XXᵀ"""
     a, b, c = coeffs
     x = g.to(dtype)
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
+    if tall := x.shape[-2] > x.shape[-1]:
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm ≤ Frobenius norm ≤ 1: inside the basin
     for _ in range(steps):
@@ -61,6 +60,9 @@ def compiled(fn, backend="inductor"):
     return _COMPILED[fn, backend]
 
 
+MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 @dataclass(frozen=True, kw_only=True)
 class MuonSettings:
     """Muon (Jordan et al. 2024) for the conv filters."""
@@ -69,11 +71,10 @@ class MuonSettings:
     momentum: float = knob(0.6, low=0, high=1, doc="Muon's momentum")
     ns_steps: int = knob(3, low=0, whole=True, doc="Newton-Schulz iterations per step")
     ns_coeffs: tuple = numbers(MUON_COEFFS, doc="Newton-Schulz's a, b, c: X <- aX + bAX + cA²X, A = XXᵀ")
-    renorm_every: tuple = numbers((1, 1), low=0, whole=True,
-                                  doc="every k steps, k growing from the first to the second over the run, the "
-                                      "filters back to their norm (0: never)")
+    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="the filters back to their norm every k steps, k "
+                                  "growing from the first to the second over the run (0: never)")
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
-    momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"), doc="the dtype of Muon's momentum buffers")
+    momentum_dtype: str = knob("fp32", choices=tuple(MOMENTUM_DTYPES), doc="the dtype of Muon's momentum buffers")
     batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call (the record)")
 
 
@@ -89,8 +90,7 @@ def momentum_step(grads, buffers, momentum, nesterov):
 
 def muon_step(filters, grads, buffers, lr, *, group):
     """Muon's step:  w = (w sqrt(rows) / |w| (if renorm) - lr sqrt(max(1, rows / cols)) NS(v))(1 - lr weight_decay)"""
-    updates = momentum_step(grads, buffers, group["momentum"], group["nesterov"])
-    mats = [u.reshape(len(p), -1) for u, p in zip(updates, filters)]
+    mats = [u.flatten(1) for u in momentum_step(grads, buffers, group["momentum"], group["nesterov"])]  # out x in k k
     ns = dict(steps=group["ns_steps"], coeffs=group["ns_coeffs"],
               dtype=torch.float64 if filters[0].dtype == torch.float64 else torch.bfloat16)
     mats = newton_schulz_padded(mats, **ns) if group["batched"] else [newton_schulz(m, **ns) for m in mats]
@@ -161,15 +161,14 @@ class SGDAndMuon(torch.optim.Optimizer):
     and the device is told by a 0-d flag, filled where it changes (fill). masters (MasterWeights): the float32 weights
     it steps for the parameters the network holds in a lower precision, whose copies it then writes."""
 
-    def __init__(self, groups, *, momentum, nesterov, masters=None, compile=None, compile_backend="inductor"):
+    def __init__(self, groups, *, momentum, nesterov, masters=None):
         super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
         device, self.masters = groups[0]["params"][0].device, masters or MasterWeights()
         self.lr = torch.zeros((), dtype=torch.float64 if devices.has_float64(device) else torch.float32, device=device)
         self.renorm = torch.zeros((), dtype=torch.bool, device=device)  # whether a step renormalises
         self.muon_steps = self.last_renorm = 0
         self.filled = {}  # id of a 0-d tensor: the value it was last filled with
-        on = devices.compiles_helpers(device) if compile is None else compile
-        self.function = compiled(sgd_muon_step, compile_backend) if on else sgd_muon_step
+        self.function = compiled(sgd_muon_step) if devices.compiles_helpers(device) else sgd_muon_step
         for g in self.param_groups:  # its rate x unit: its own (set_lr's group_rate) x 1, or the schedule's x lr_unit
             own = g["until_step"] is not None
             g["rate"], g["unit"] = (torch.zeros_like(self.lr), 1.0) if own else (self.lr, g["lr_unit"])
@@ -231,11 +230,10 @@ def check_muon_settings(settings):
 
 
 # Ours: torch.optim.Muon is absent from torch 2.4 (which we support), takes 2-D weights only and averages momentum
-def Muon(filters, lr, *, compile=None, compile_backend="inductor", **settings):  # noqa: N802 (an optimiser's name)
+def Muon(filters, lr, **settings):  # noqa: N802 (an optimiser's name)
     """An SGDAndMuon of Muon alone (muon_group's settings) at the rate lr: the one Muon step, for a network's
     filters on their own."""
-    opt = SGDAndMuon([muon_group(filters, **settings)], momentum=0.0, nesterov=False, compile=compile,
-                     compile_backend=compile_backend)
+    opt = SGDAndMuon([muon_group(filters, **settings)], momentum=0.0, nesterov=False)
     opt.lr.fill_(lr)
     return opt
 
@@ -266,9 +264,6 @@ class OwnRate:
     lr_mult: float
     until_step: int
     linear: bool = False
-
-
-MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=(), masters=None):
@@ -327,19 +322,13 @@ def check_own_rates(model, own_rates):
 
 
 def set_lr(opts, lr, step=0, epoch=0.0):
-    """Sets each group's rate to group_rate's (SGDAndMuon's shared rate to lr, its step multiplying in the unit)."""
+    """Sets each group's rate to group_rate's (SGDAndMuon's shared one to lr, its step multiplying in the unit)."""
     for opt in opts:
-        if isinstance(opt, SGDAndMuon):  # its 0-d tensors filled: no recompile
-            for g in opt.param_groups:  # the schedule's rate (set once), or the group's own
+        for g in opt.param_groups:
+            if isinstance(opt, SGDAndMuon):  # its 0-d tensors filled: no recompile
                 opt.fill(g["rate"], lr if g["rate"] is opt.lr else group_rate(g, lr, step))
-        else:
-            set_group_rates(opt, lr, step, epoch)
-
-
-def set_group_rates(opt, lr, step, epoch):
-    """Each group's rate (group_rate) and clock: the coming step's epoch, which RMSprop-to-SGD's hand-over reads."""
-    for g in opt.param_groups:
-        g["lr"], g["epoch"] = group_rate(g, lr, step), epoch
+            else:  # and its clock: the coming step's epoch, which RMSprop-to-SGD's hand-over reads
+                g["lr"], g["epoch"] = group_rate(g, lr, step), epoch
 
 
 def group_rate(g, lr, step):

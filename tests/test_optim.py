@@ -145,7 +145,8 @@ def test_compiled_muon_is_one_graph_and_steps_as_eager(batched):
     torch._dynamo.reset()
     counters.clear()
     params, twins = filter_banks(), filter_banks()
-    compiled = optim.Muon(params, lr=0.1, batched=batched, compile=True, compile_backend="eager")
+    compiled = optim.Muon(params, lr=0.1, batched=batched)
+    compiled.function = optim.compiled(optim.sgd_muon_step, "eager")
     eager = optim.Muon(twins, lr=0.1, batched=batched)
     assert eager.function is optim.sgd_muon_step
     for _ in range(4):

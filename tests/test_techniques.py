@@ -414,7 +414,7 @@ def test_muon_keeps_its_low_precisions_on_float32_weights_and_lifts_them_in_a_fl
     monkeypatch.setattr(optim, "newton_schulz_padded",
                         lambda *a, dtype, **k: seen.append(dtype) or real(*a, dtype=dtype, **k))
     p = torch.nn.Parameter(torch.randn(16, 8, 3, 3, dtype=weights))
-    opt = optim.Muon([p], lr=0.1, momentum_dtype=torch.float16, batched=True, compile=False)
+    opt = optim.Muon([p], lr=0.1, momentum_dtype=torch.float16, batched=True)
     p.grad = torch.randn_like(p)
     opt.step()
     assert (opt.state[p]["momentum"].dtype, seen, p.dtype) == (momentum, [orthogonalised], weights)
