@@ -155,11 +155,12 @@ def sgd_muon_step(groups):
 
 class SGDAndMuon(torch.optim.Optimizer):
     """The optimiser of a recipe with Muon (make_optimizers): its SGD groups and Muon's ("filters", muon_group)
-    stepping as one function, sgd_muon_step, the rates 0-d tensors set_lr fills: compiled where Newton–Schulz is
-    (CUDA; one graph whatever the rates, a second once the whitening bias is detached), eager elsewhere. Muon's
-    clock (its steps, its last renormalisation) is the host's: whether a step renormalises depends on the step alone,
-    and the device is told by a 0-d flag, filled where it changes (fill). masters (MasterWeights): the float32 weights
-    it steps for the parameters the network holds in a lower precision, whose copies it then writes."""
+    stepping as one function, sgd_muon_step, each group holding its step, the step's settings, its unit and its rate
+    (a 0-d tensor set_lr fills): compiled where Newton–Schulz is (CUDA; one graph whatever the rates, a second once the
+    whitening bias is detached), eager elsewhere. Muon's clock (its steps, its last renormalisation) is the host's:
+    whether a step renormalises depends on the step alone, and the device is told by a 0-d flag, filled where it
+    changes (fill). masters (MasterWeights): the float32 weights it steps for the parameters the network holds in a
+    lower precision, whose copies it then writes."""
 
     def __init__(self, groups, *, momentum, nesterov, masters=None):
         super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
