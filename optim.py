@@ -325,11 +325,17 @@ def check_own_rates(model, own_rates):
 def set_lr(opts, lr, step=0, epoch=0.0):
     """Sets each group's rate to group_rate's (SGDAndMuon's shared one to lr, its step multiplying in the unit)."""
     for opt in opts:
-        for g in opt.param_groups:
-            if isinstance(opt, SGDAndMuon):  # its 0-d tensors filled: no recompile
+        if isinstance(opt, SGDAndMuon):  # its 0-d tensors filled: no recompile
+            for g in opt.param_groups:
                 opt.fill(g["rate"], lr if g["rate"] is opt.lr else group_rate(g, lr, step))
-            else:  # and its clock: the coming step's epoch, which RMSprop-to-SGD's hand-over reads
-                g["lr"], g["epoch"] = group_rate(g, lr, step), epoch
+        else:
+            set_group_rates(opt, lr, step, epoch)
+
+
+def set_group_rates(opt, lr, step, epoch):
+    """Each group's rate (group_rate) and clock: the coming step's epoch, which RMSprop-to-SGD's hand-over reads."""
+    for g in opt.param_groups:
+        g["lr"], g["epoch"] = group_rate(g, lr, step), epoch
 
 
 def group_rate(g, lr, step):
