@@ -26,14 +26,13 @@ from settings import knob, numbers
 MUON_COEFFS = (3.4445, -4.7750, 2.0315)      # Jordan et al. 2024; the 2-second record tuned (3.4576, -4.7391, 2.0843)
 
 
-def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, eps=1e-7, dtype=torch.bfloat16):
+def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, dtype=torch.bfloat16):
     """About U Vᵀ of g = U S Vᵀ (of each matrix of a batch), in dtype:  X <- aX + (bA + cA²)X,  A = XXᵀ"""
     a, b, c = coeffs
     x = g.to(dtype)
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
+    if tall := x.shape[-2] > x.shape[-1]:
         x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + eps)  # spectral norm ≤ Frobenius norm ≤ 1: inside the basin
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm ≤ Frobenius norm ≤ 1: inside the basin
     for _ in range(steps):
         s = x @ x.mT
         x = a * x + (b * s + c * s @ s) @ x
@@ -61,6 +60,9 @@ def compiled(fn, backend="inductor"):
     return _COMPILED[fn, backend]
 
 
+MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 @dataclass(frozen=True, kw_only=True)
 class MuonSettings:
     """Muon (Jordan et al. 2024) for the conv filters."""
@@ -69,11 +71,10 @@ class MuonSettings:
     momentum: float = knob(0.6, low=0, high=1, doc="Muon's momentum")
     ns_steps: int = knob(3, low=0, whole=True, doc="Newton-Schulz iterations per step")
     ns_coeffs: tuple = numbers(MUON_COEFFS, doc="Newton-Schulz's a, b, c: X <- aX + bAX + cA²X, A = XXᵀ")
-    renorm_every: tuple = numbers((1, 1), low=0, whole=True,
-                                  doc="every k steps, k growing from the first to the second over the run, the "
-                                      "filters back to their norm (0: never)")
+    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="the filters back to their norm every k steps, k "
+                                  "growing from the first to the second over the run (0: never)")
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
-    momentum_dtype: str = knob("fp32", choices=("fp32", "fp16", "bf16"), doc="the dtype of Muon's momentum buffers")
+    momentum_dtype: str = knob("fp32", choices=tuple(MOMENTUM_DTYPES), doc="the dtype of Muon's momentum buffers")
     batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call (the record)")
 
 
@@ -89,8 +90,7 @@ def momentum_step(grads, buffers, momentum, nesterov):
 
 def muon_step(filters, grads, buffers, lr, *, group):
     """Muon's step:  w = (w sqrt(rows) / |w| (if renorm) - lr sqrt(max(1, rows / cols)) NS(v))(1 - lr weight_decay)"""
-    updates = momentum_step(grads, buffers, group["momentum"], group["nesterov"])
-    mats = [u.reshape(len(p), -1) for u, p in zip(updates, filters)]
+    mats = [u.flatten(1) for u in momentum_step(grads, buffers, group["momentum"], group["nesterov"])]  # out x in k k
     ns = dict(steps=group["ns_steps"], coeffs=group["ns_coeffs"],
               dtype=torch.float64 if filters[0].dtype == torch.float64 else torch.bfloat16)
     mats = newton_schulz_padded(mats, **ns) if group["batched"] else [newton_schulz(m, **ns) for m in mats]
@@ -116,40 +116,32 @@ def sgd_step(weights, grads, buffers, rate, *, group):
 # ----------------------------------------------------------------------------------------------------------
 # SGD and Muon as one compiled step
 
-class MasterWeights:
-    """The float32 masters of the parameters a network holds in a lower precision (its copies, in autocast's dtype,
-    which the forward reads as autocast would have cast them), by position: what the optimiser steps, weight averaging
+class MasterWeights(dict):
+    """{copy: its float32 master} of the parameters a network holds in a lower precision (its copies, in autocast's
+    dtype, which the forward reads as autocast would have cast them): what the optimiser steps, weight averaging
     averages and the whitening fit writes, the copies then taking their values. Empty where nothing is held."""
-
-    def __init__(self, copies=(), masters=()):
-        self.copies, self.masters = list(copies), list(masters)
-        self.of = {id(c): m for c, m in zip(self.copies, self.masters)}
 
     @classmethod
     def of_fresh(cls, model, fresh):
         """The masters of model's lower-precision parameters: fresh's, the same network in float32."""
-        pairs = [(p, q.detach()) for p, q in zip(model.parameters(), fresh.parameters()) if p.dtype != q.dtype]
-        return cls(*zip(*pairs))
-
-    def __bool__(self):
-        return bool(self.copies)
+        return cls((p, q.detach()) for p, q in zip(model.parameters(), fresh.parameters()) if p.dtype != q.dtype)
 
     def weights(self, params):
         """params, each held one as its master."""
-        return [self.of.get(id(p), p) for p in params]
+        return [self.get(p, p) for p in params]
 
     @torch.no_grad()
     def refresh(self):
         """The copies take their masters' values, rounded to their dtype."""
-        if self.copies:
-            torch._foreach_copy_(self.copies, self.masters)
+        if self:
+            torch._foreach_copy_(list(self), list(self.values()))
 
     def float_copy(self, model):
         """A copy of model holding its masters' float32 values where it holds copies: what a run returns."""
         out = copy.deepcopy(model)
         for p, q in zip(model.parameters(), out.parameters()):
-            if id(p) in self.of:
-                q.data = self.of[id(p)].clone()
+            if p in self:
+                q.data = self[p].clone()
         return out
 
 
@@ -163,29 +155,28 @@ def sgd_muon_step(groups):
 
 class SGDAndMuon(torch.optim.Optimizer):
     """The optimiser of a recipe with Muon (make_optimizers): its SGD groups and Muon's ("filters", muon_group)
-    stepping as one function, sgd_muon_step, the rates 0-d tensors set_lr fills: compiled where Newton–Schulz is
-    (CUDA; one graph whatever the rates, a second once the whitening bias is detached), eager elsewhere. Muon's
-    clock (its steps, its last renormalisation) is the host's: whether a step renormalises depends on the step alone,
-    and the device is told by a 0-d flag, filled where it changes (fill). masters (MasterWeights): the float32 weights
-    it steps for the parameters the network holds in a lower precision, whose copies it then writes."""
+    stepping as one function, sgd_muon_step, each group holding its step, the step's settings, its unit and its rate
+    (a 0-d tensor set_lr fills): compiled where Newton–Schulz is (CUDA; one graph whatever the rates, a second once the
+    whitening bias is detached), eager elsewhere. Muon's clock (its steps, its last renormalisation) is the host's:
+    whether a step renormalises depends on the step alone, and the device is told by a 0-d flag, filled where it
+    changes (fill). masters (MasterWeights): the float32 weights it steps for the parameters the network holds in a
+    lower precision, whose copies it then writes."""
 
-    def __init__(self, groups, *, momentum, nesterov, masters=None, compile=None, compile_backend="inductor"):
+    def __init__(self, groups, *, momentum, nesterov, masters=None):
         super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
-        self.compile, self.compile_backend, self.masters = compile, compile_backend, masters or MasterWeights()
-        device = groups[0]["params"][0].device
+        device, self.masters = groups[0]["params"][0].device, masters or MasterWeights()
         self.lr = torch.zeros((), dtype=torch.float64 if devices.has_float64(device) else torch.float32, device=device)
-        # each group's (rate, unit): the schedule's x its unit, or its own
-        self.rates = [(self.lr, g["lr_unit"]) if g["until_step"] is None else (torch.zeros_like(self.lr), 1.0)
-                      for g in self.param_groups]
-        self.own_rates = [(g, rate) for g, (rate, _) in zip(self.param_groups, self.rates) if rate is not self.lr]
+        self.renorm = torch.zeros((), dtype=torch.bool, device=device)  # whether a step renormalises
         self.muon_steps = self.last_renorm = 0
-        self.renorm = torch.zeros((), dtype=torch.bool, device=device)
-        # each group's step and its settings, constants of the graph
-        self.steps = [(muon_step, {**{k: g[k] for k in MUON_STEP_SETTINGS}, "renorm": self.renorm})
-                      if g.get("name") == "filters" else (sgd_step, {k: g[k] for k in SGD_STEP_SETTINGS})
-                      for g in self.param_groups]
         self.filled = {}  # id of a 0-d tensor: the value it was last filled with
-        for g in self.param_groups:
+        self.function = compiled(sgd_muon_step) if devices.compiles_helpers(device) else sgd_muon_step
+        for g in self.param_groups:  # its rate x unit: its own (set_lr's group_rate) x 1, or the schedule's x lr_unit
+            own = g["until_step"] is not None
+            g["rate"], g["unit"] = (torch.zeros_like(self.lr), 1.0) if own else (self.lr, g["lr_unit"])
+            if g["name"] == "filters":  # its step, and its settings: constants of the graph
+                g["step"], g["settings"] = muon_step, {**{k: g[k] for k in MUON_STEP_SETTINGS}, "renorm": self.renorm}
+            else:
+                g["step"], g["settings"] = sgd_step, {k: g[k] for k in SGD_STEP_SETTINGS}
             for p, w in zip(g["params"], self.masters.weights(g["params"])):
                 self.state[p]["momentum"] = torch.zeros_like(w, dtype=None if w.dtype == torch.float64 else
                                                              g.get("momentum_dtype"))
@@ -196,29 +187,24 @@ class SGDAndMuon(torch.optim.Optimizer):
             scalar.fill_(value)
             self.filled[id(scalar)] = value
 
-    def function(self):
-        """sgd_muon_step, compiled or not."""
-        on = devices.compiles_helpers(self.lr.device) if self.compile is None else self.compile
-        return compiled(sgd_muon_step, self.compile_backend) if on else sgd_muon_step
-
     @torch.no_grad()
     def step(self):
         groups = []
-        for g, (rate, unit), (step, settings) in zip(self.param_groups, self.rates, self.steps):
+        for g in self.param_groups:
             params = [p for p in g["params"] if p.grad is not None]
             if not params:
                 continue
-            if step is muon_step:  # Muon's clock, the host's: it renormalises every k steps, k from k0 to k1
+            if g["step"] is muon_step:  # Muon's clock, the host's: it renormalises every k steps, k from k0 to k1
                 self.muon_steps += 1
                 t, (k0, k1) = self.muon_steps, g["renorm_every"]
-                if k0 and t - self.last_renorm >= k0 + (k1 - k0) * t / g["total_steps"] // 1:
+                if k0 and t - self.last_renorm >= k0 + (k1 - k0) * t // g["total_steps"]:
                     self.last_renorm = t
                 self.fill(self.renorm, self.last_renorm == t)
-            weights, buffers = self.masters.weights(params), [self.state[p]["momentum"] for p in params]
-            held = [(p, w) for p, w in zip(params, weights) if w is not p]  # (copy, master) pairs
-            groups.append((step, weights, [p.grad for p in params], buffers, rate, unit,
-                           held and [list(c) for c in zip(*held)], settings))
-        self.function()(groups)
+            copies = [p for p in params if p in self.masters]  # held in a lower precision: written after the step
+            groups.append((g["step"], self.masters.weights(params), [p.grad for p in params],
+                           [self.state[p]["momentum"] for p in params], g["rate"], g["unit"],
+                           copies and [copies, self.masters.weights(copies)], g["settings"]))
+        self.function(groups)
 
 
 MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "weight_decay")
@@ -234,9 +220,7 @@ MUON_DEFAULTS = {"lr_unit": 1.0, "momentum": 0.9, "nesterov": True, "ns_steps": 
 def muon_group(filters, **settings):
     """SGDAndMuon's group of Muon for the conv filters: MUON_DEFAULTS changed by settings."""
     check_muon_settings(settings)
-    group = {**MUON_DEFAULTS, **settings}
-    return {**group, "params": list(filters), "name": "filters", "until_step": None,
-            "ns_coeffs": tuple(group["ns_coeffs"]), "renorm_every": tuple(group["renorm_every"])}
+    return {**MUON_DEFAULTS, **settings, "params": filters, "name": "filters", "until_step": None}
 
 
 def check_muon_settings(settings):
@@ -247,11 +231,10 @@ def check_muon_settings(settings):
 
 
 # Ours: torch.optim.Muon is absent from torch 2.4 (which we support), takes 2-D weights only and averages momentum
-def Muon(filters, lr, *, compile=None, compile_backend="inductor", **settings):  # noqa: N802 (an optimiser's name)
+def Muon(filters, lr, **settings):  # noqa: N802 (an optimiser's name)
     """An SGDAndMuon of Muon alone (muon_group's settings) at the rate lr: the one Muon step, for a network's
     filters on their own."""
-    opt = SGDAndMuon([muon_group(filters, **settings)], momentum=0.0, nesterov=False, compile=compile,
-                     compile_backend=compile_backend)
+    opt = SGDAndMuon([muon_group(filters, **settings)], momentum=0.0, nesterov=False)
     opt.lr.fill_(lr)
     return opt
 
@@ -284,33 +267,30 @@ class OwnRate:
     linear: bool = False
 
 
-MOMENTUM_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=(), masters=None):
     """Recipe r's optimisers: SGD, and Muon (r.muon) for the conv filters, as one SGDAndMuon (docs/cifar10.md):
-        SGD's rate = lr unit scale,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
-        its decay = lr unit wd b / scale (myrtle), / (peak scale) otherwise;  Muon's rate = muon.lr lr / peak"""
+        SGD's rate = lr unit mult,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
+        its weight_decay = wd b / mult (myrtle), wd b / (peak mult) (else);  Muon's rate = lr muon.lr / peak"""
     own_rates = [o for o in own_rates if o is not None]
     own = check_own_rates(model, own_rates)
-    sgd, bs, peak = r.sgd, r.batch_size // world, max(r.lr.values)
-    unit = {"myrtle": 1 / bs, "decoupled": world / (1024 * (1 + 1 / (1 - sgd.momentum))), "sum": world}[sgd.lr_units]
+    sgd, b, peak = r.sgd, r.batch_size // world, max(r.lr.values)
+    unit = {"myrtle": 1 / b, "decoupled": world / (1024 * (1 + 1 / (1 - sgd.momentum))), "sum": world}[sgd.lr_units]
     bn_biases = {id(mod.bias) for mod in model.modules() if isinstance(mod, nn.BatchNorm2d)}
     groups = {"weights": [], "bn_biases": [], "filters": []}
     for p in model.parameters():
         if p.requires_grad and id(p) not in own:
             groups["bn_biases" if id(p) in bn_biases else "filters" if r.muon and p.ndim == 4 else "weights"].append(p)
-    parts = [(k, groups[k], s, None, False) for k, s in (("weights", 1.0), ("bn_biases", sgd.bias_lr_mult))]
+    parts = [(k, groups[k], mult, None, False) for k, mult in (("weights", 1.0), ("bn_biases", sgd.bias_lr_mult))]
     parts += [(o.name, [o.param], o.lr_mult, o.until_step, o.linear) for o in own_rates]
-    decay = lambda s: sgd.weight_decay * bs / (s if sgd.lr_units == "myrtle" else peak * s)
-    groups_sgd = [{"params": ps, "name": name, "lr_unit": unit * s, "weight_decay": decay(s), "peak": peak,
-                   "until_step": until, "linear": linear} for name, ps, s, until, linear in parts if ps]
+    decay = lambda mult: sgd.weight_decay * b / (mult if sgd.lr_units == "myrtle" else peak * mult)
+    groups_sgd = [{"params": ps, "name": name, "lr_unit": unit * mult, "weight_decay": decay(mult), "peak": peak,
+                   "until_step": until, "linear": linear} for name, ps, mult, until, linear in parts if ps]
     if not groups["filters"]:
         return [sgd_optimizer(model, r, groups_sgd, masters)]
     m, same = r.muon, ("momentum", "ns_steps", "ns_coeffs", "renorm_every", "batched")
     muon = muon_group(groups["filters"], **{k: getattr(m, k) for k in same}, lr_unit=m.lr / peak,
                       nesterov=sgd.nesterov, total_steps=max(1, epoch_steps(r.epochs, steps_per_epoch)),
-                      weight_decay=m.weight_decay * bs * world, momentum_dtype=MOMENTUM_DTYPES[m.momentum_dtype])
+                      weight_decay=m.weight_decay * b * world, momentum_dtype=MOMENTUM_DTYPES[m.momentum_dtype])
     return [SGDAndMuon(groups_sgd + [muon], momentum=sgd.momentum, nesterov=sgd.nesterov, masters=masters)]
 
 
@@ -343,12 +323,11 @@ def check_own_rates(model, own_rates):
 
 
 def set_lr(opts, lr, step=0, epoch=0.0):
-    """Sets each group's rate to group_rate's."""
+    """Sets each group's rate to group_rate's (SGDAndMuon's shared one to lr, its step multiplying in the unit)."""
     for opt in opts:
         if isinstance(opt, SGDAndMuon):  # its 0-d tensors filled: no recompile
-            opt.fill(opt.lr, lr)
-            for g, rate in opt.own_rates:
-                opt.fill(rate, group_rate(g, lr, step))
+            for g in opt.param_groups:
+                opt.fill(g["rate"], lr if g["rate"] is opt.lr else group_rate(g, lr, step))
         else:
             set_group_rates(opt, lr, step, epoch)
 
@@ -362,8 +341,6 @@ def set_group_rates(opt, lr, step, epoch):
 def group_rate(g, lr, step):
     """lr × the group's unit; from until_step 0, and before it with linear its peak falling to 0."""
     until = g["until_step"]
-    if until is not None and step >= until:
-        return 0.0
-    if until is not None and g.get("linear"):
-        return g["peak"] * g["lr_unit"] * (1 - step / until)
-    return lr * g["lr_unit"]
+    if until is None or step < until and not g["linear"]:
+        return lr * g["lr_unit"]
+    return 0.0 if step >= until else g["peak"] * g["lr_unit"] * (1 - step / until)

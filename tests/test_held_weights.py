@@ -119,10 +119,10 @@ def test_a_reset_keeps_the_parameters_and_hands_over_the_float32_initialisation(
     torch.manual_seed(3)
     fresh = tb.build_model(r, "cpu")
     assert [p.data_ptr() for p in net.module.parameters()] == addresses
-    assert len(masters.copies) == len(tb.autocast_weights(net.module)) == 9       # the head, 7 convolutions, a bias
-    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters.masters)       # not rounded
+    assert len(masters) == len(tb.autocast_weights(net.module)) == 9       # the head, 7 convolutions, a bias
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters.values())       # not rounded
     by_id = dict(zip(map(id, net.module.parameters()), fresh.parameters()))
-    for held, master in zip(masters.copies, masters.masters):
+    for held, master in masters.items():
         assert held.dtype == torch.bfloat16 and master.dtype == torch.float32
         assert torch.equal(master, by_id[id(held)].detach()) and torch.equal(held, master.bfloat16())
     images = torch.randn(64, 3, 32, 32)
@@ -158,7 +158,7 @@ def test_the_optimiser_steps_the_masters_and_writes_their_bf16_copies(one_thread
             opt[0].zero_grad(set_to_none=True)
     for p, q in zip(masters.weights(list(held.parameters())), reference.parameters()):
         assert torch.equal(p, q)
-    assert all(torch.equal(c, m.bfloat16()) for c, m in zip(masters.copies, masters.masters))
+    assert all(torch.equal(c, m.bfloat16()) for c, m in masters.items())
     with pytest.raises(ValueError, match=r"^make_optimizers: fast94's optimiser \(SGD\) steps its parameters "
                                          r"themselves; it keeps no float32 masters \(steps_masters\)$"):
         net = tb.build_model(cf.recipe("fast94", width=1 / 16), "cpu")

@@ -145,9 +145,10 @@ def test_compiled_muon_is_one_graph_and_steps_as_eager(batched):
     torch._dynamo.reset()
     counters.clear()
     params, twins = filter_banks(), filter_banks()
-    compiled = optim.Muon(params, lr=0.1, batched=batched, compile=True, compile_backend="eager")
+    compiled = optim.Muon(params, lr=0.1, batched=batched)
+    compiled.function = optim.compiled(optim.sgd_muon_step, "eager")
     eager = optim.Muon(twins, lr=0.1, batched=batched)
-    assert eager.function() is optim.sgd_muon_step
+    assert eager.function is optim.sgd_muon_step
     for _ in range(4):
         compiled.step()
         eager.step()
@@ -241,7 +242,7 @@ def steps_of(recipe, *, backend=None, steps=8, ddp=False, as_one=False):
         opts = [optim.SGDAndMuon([dict(g) for g in opts[0].param_groups], momentum=r.sgd.momentum,
                                  nesterov=r.sgd.nesterov)]
     if backend:
-        opts[0].compile, opts[0].compile_backend = True, backend
+        opts[0].function = optim.compiled(optim.sgd_muon_step, backend)
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         optim.set_lr(opts, max(r.lr.values) * (1 - step / 10), step)
@@ -306,7 +307,8 @@ def test_set_lr_fills_the_one_steps_rates_and_leaves_its_groups_alone():
     (opt,) = optim.make_optimizers(net, r, steps_per_epoch=10,
                                    own_rates=[replace(tb.whitening_bias(net), until_step=2)])
     groups = [dict(g) for g in opt.param_groups]
-    (bias, bias_lr_tensor), = opt.own_rates
+    bias, = [g for g in opt.param_groups if g["rate"] is not opt.lr]
+    bias_lr_tensor = bias["rate"]
     for step, lr, bias_lr in ((0, 0.5, bias["peak"] * bias["lr_unit"]), (1, 0.4, bias["peak"] * bias["lr_unit"] / 2),
                               (2, 0.3, 0.0)):
         optim.set_lr([opt], lr, step)
