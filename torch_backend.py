@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import devices
+from cifar_data import pair
 from core import UsageError
 from optim import OwnRate
 from schedules import epoch_steps
@@ -224,10 +225,8 @@ class WhiteningSettings:
 
 
 class Whitening(nn.Conv2d):
-    """Patch whitening with the settings w (WhiteningSettings): a frozen convolution whose filters whiten the
-    patches of the first w.fit.images training images (and, with both_signs, their negatives), and a bias (w.bias)
-    that trains at a rate of its own (whitening_bias) until the run detaches it (its requires_grad):
-        filters = eigenvectors of C / sqrt(eigenvalues + eps),  C = P'P / (n - ddof), P the patches (centred or not)"""
+    """Patch whitening with the settings w (WhiteningSettings): a frozen convolution whose filters fit_whitening
+    fits, and a bias (w.bias) that trains at a rate of its own (whitening_bias) until the run detaches it."""
 
     def __init__(self, w):
         super().__init__(3, 3 * w.size ** 2 * (2 if w.both_signs else 1), w.size, padding=w.pad,
@@ -238,24 +237,6 @@ class Whitening(nn.Conv2d):
             self.bias.own_rate_from = "torch_backend.whitening_bias(model, steps_per_epoch)"
             if w.bias.init == "zero":
                 nn.init.zeros_(self.bias)
-
-    @torch.no_grad()
-    def fit(self, images, master=None):
-        """The filters fitted to images, written into master (the weight's float32 master), then the weight."""
-        k, fit = self.w.size, self.w.fit
-        patches = devices.float32_or_wider(images[:fit.images]).unfold(2, k, 1).unfold(3, k, 1)  # N,3,H',W',k,k
-        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
-        if fit.centre:
-            patches = patches - patches.mean(0)
-        cov = patches.T @ patches / (len(patches) - fit.ddof)
-        eigvals, eigvecs = EIGEN[fit.decomp](cov.to(devices.float64_device(images.device), torch.float64))
-        filters = (eigvecs / torch.sqrt(eigvals + self.w.eps)).T.reshape(-1, 3, k, k)
-        if self.w.both_signs:
-            filters = torch.cat([filters, -filters])
-        master = self.weight if master is None else master
-        master.copy_(filters.to(master.device, devices.wide_dtype(master.dtype)))
-        if master is not self.weight:
-            self.weight.copy_(master)
 
 
 def svd_eigen(cov):
@@ -283,14 +264,28 @@ def whitening_bias(net, steps_per_epoch=1):
                    until_step=epoch_steps(b.epochs, steps_per_epoch))
 
 
+@torch.no_grad()
 def fit_whitening(model, train_images, size, masters=None):
-    """Fits every Whitening layer (and its master) to the first training images, cropped to size (h, w or side)."""
-    layers = [m for m in model.modules() if isinstance(m, Whitening)]
-    h, w = (size, size) if isinstance(size, int) else size
+    """Fits model's Whitening filters (and float32 master) to the first fit.images training images, cropped to size:
+        filters = eigenvectors of C / sqrt(eigenvalues + eps),  C = P'P / (n - ddof), P the patches (centred or not)"""
+    white = next((m for m in model.modules() if isinstance(m, Whitening)), None)
+    if white is None:
+        return
+    (h, w), k, fit = pair(size), white.w.size, white.w.fit
     pad = (train_images.shape[-1] - w) // 2
-    x = train_images[:max((m.w.fit.images for m in layers), default=0), :, pad:pad + h, pad:pad + w]
-    for m in layers:
-        m.fit(x, masters.weights([m.weight])[0] if masters else None)
+    x = devices.float32_or_wider(train_images[:fit.images, :, pad:pad + h, pad:pad + w])
+    patches = x.unfold(2, k, 1).unfold(3, k, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)  # a row each
+    if fit.centre:
+        patches = patches - patches.mean(0)
+    cov = patches.T @ patches / (len(patches) - fit.ddof)
+    eigvals, eigvecs = EIGEN[fit.decomp](cov.to(devices.float64_device(x.device), torch.float64))
+    filters = (eigvecs / torch.sqrt(eigvals + white.w.eps)).T.reshape(-1, 3, k, k)
+    if white.w.both_signs:
+        filters = torch.cat([filters, -filters])
+    master = masters.weights([white.weight])[0] if masters else white.weight
+    master.copy_(filters.to(master.device, devices.wide_dtype(master.dtype)))
+    if master is not white.weight:
+        white.weight.copy_(master)
 
 
 def widths(net, base):
