@@ -89,8 +89,7 @@ def train_run(r, built, o, *, ctx, seed, on_epoch=None):
         if clock.evaluates(epoch, last=last):
             model, tta = evaluation_model(net.eval_forward, average), r.tta if last else None
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
-                loss, acc = loss_and_accuracy(model, data["test_images"], data["test_labels"], dtype=dtype, tta=tta,
-                                              memory_format=memory_format)
+                loss, acc = loss_and_accuracy(model, data["test_images"], data["test_labels"], dtype=dtype, tta=tta)
             clock.evaluated(test_loss=loss, test_acc=acc)
         for row in clock.rows_read():
             check_loss(row, r)
@@ -456,8 +455,7 @@ def scores(model, images, labels, *, tta=None, stats=None, batch_size=1000):
     images = images.to(device, dtype)
     labels = torch.as_tensor(np.asarray(labels) if isinstance(labels, (list, tuple)) else labels, device=device).long()
     loss, accuracy = loss_and_accuracy(model, images, labels, tta=tta, batch_size=batch_size,
-                                       dtype=dtype if dtype == torch.float64 else devices.compute_dtype(device),
-                                       memory_format=devices.memory_format(device))
+                                       dtype=dtype if dtype == torch.float64 else devices.compute_dtype(device))
     return {"loss": loss, "accuracy": accuracy}
 
 

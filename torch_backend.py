@@ -471,9 +471,9 @@ def check_tta_views(mode):
         raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
 
 
-def logits_of(model, x, memory_format=torch.contiguous_format):
+def logits_of(model, x):
     """A copy (a CUDA graph's replay overwrites its outputs) of model's float32 or float64 logits of x."""
-    logits = model(x.contiguous(memory_format=memory_format))  # every view alike: one compiled graph
+    logits = model(x.contiguous(memory_format=devices.memory_format(x.device)))  # every view alike: one compiled graph
     return logits.to(devices.wide_dtype(logits.dtype), copy=True)
 
 
@@ -489,27 +489,26 @@ def batched(fn, batch_size, *tensors):
     return torch.cat(out)
 
 
-def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.contiguous_format):
+def tta_logits(model, images, tta=None, *, batch_size=1000):
     """float32 logits of images, of tta's views for the tta.fraction the plain pass is least sure of."""
-    forward = lambda x: logits_of(model, x, memory_format)
-    logits = batched(forward, batch_size, images)
+    logits = batched(lambda x: logits_of(model, x), batch_size, images)
     n = round(tta.fraction * len(images)) if tta else 0
     if n:
         some = slice(None) if n == len(images) else logits.softmax(1).amax(1).topk(n, largest=False).indices
         def views(x, plain):  # the views' weighted sum, the plain pass standing for the first's
             (w, _), *rest = tta_views(x, tta.views, tta.weights)
-            return sum((v * forward(view) for v, view in rest), w * plain)
+            return sum((v * logits_of(model, view) for v, view in rest), w * plain)
         logits[some] = batched(views, batch_size, images[some], logits[some])
     return logits
 
 
 @torch.no_grad()
-def loss_and_accuracy(model, images, labels, *, dtype=torch.float32, batch_size=1000, **options):
-    """Mean loss and accuracy of the model on images, with tta_logits' options (tta, memory_format)."""
+def loss_and_accuracy(model, images, labels, *, dtype=torch.float32, batch_size=1000, tta=None):
+    """Mean loss and accuracy of the model on images, with test-time augmentation tta (tta_logits)."""
     was_training = model.training
     model.eval()
     with devices.autocast(images.device, dtype):
-        logits = tta_logits(model, images, batch_size=min(batch_size, len(images)), **options)
+        logits = tta_logits(model, images, tta, batch_size=min(batch_size, len(images)))
     model.train(was_training)
     loss, correct = torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
                                  (logits.argmax(1) == labels).sum().float()]).tolist()
