@@ -151,8 +151,7 @@ class Network:
         """The MasterWeights of the module re-initialised in place from `seed`."""
         torch.manual_seed(seed)
         device = next(self.module.parameters()).device
-        fresh = build_model(self.recipe, device, memory_format=devices.memory_format(device),
-                            num_classes=self.num_classes)
+        fresh = build_model(self.recipe, device, num_classes=self.num_classes)
         self.module.load_state_dict(fresh.state_dict())
         return MasterWeights.of_fresh(self.module, fresh)
 
@@ -165,7 +164,7 @@ def held_weights(r, dtype, distributed=False):
 def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10, dtype=torch.float32):
     """The Network of recipe r in dtype: in DDP under torchrun, compiled with compile_mode."""
     distributed = ctx is not None and ctx.distributed
-    module = build_model(r, device, memory_format=devices.memory_format(device), num_classes=num_classes)
+    module = build_model(r, device, num_classes=num_classes)
     if held := held_weights(r, dtype, distributed):
         hold_weights(module, held)
     forward = register_comm_hook(wrap_ddp(module, ctx, ctx.bucket_mb), ctx.hook) if distributed else module

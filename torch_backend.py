@@ -392,9 +392,9 @@ def resnet18(r, num_classes=10):
 MODELS = {"resnet9": resnet9, "resnet18": resnet18, "fastnet": fastnet}
 
 
-def build_model(r, device, *, memory_format=torch.contiguous_format, num_classes=10):
-    """The network of recipe r on device, in memory_format."""
-    return MODELS[r.network.model](r, num_classes).to(device, memory_format=memory_format)
+def build_model(r, device, *, num_classes=10):
+    """The network of recipe r on device, in the device's memory format."""
+    return MODELS[r.network.model](r, num_classes).to(device, memory_format=devices.memory_format(device))
 
 
 def autocast_weights(model):
