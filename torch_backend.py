@@ -5,6 +5,7 @@ and the ghost batch norm ImageNet's networks use too. Each network is built from
 the optimisers in optim.py, the loop in cifar10_fast.py, every device decision in devices.py.
 """
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -169,11 +170,6 @@ class Mul(nn.Module):
 FINAL_POOL_WINDOWS = {"resnet9": 4, "fastnet": 3}
 
 
-def final_max_pool(net):
-    """GlobalMaxPool, or the paper's fixed window."""
-    return GlobalMaxPool() if net.global_max_pool else nn.MaxPool2d(FINAL_POOL_WINDOWS[net.model])
-
-
 class GlobalMaxPool(nn.Module):
     """The maximum over each channel's map, whatever its size, as amax: Inductor compiles its backward (the gradient to
     the maximum, shared equally among ties) into its own kernels, deterministic on CUDA, where adaptive max-pooling's
@@ -293,12 +289,13 @@ def widths(net, base):
 
 
 def classifier(c, net, num_classes):
-    """The linear head and the logits' scale."""
+    """The last max-pool (GlobalMaxPool, or the paper's fixed window), the linear head and the logits' scale."""
+    pool = GlobalMaxPool() if net.global_max_pool else nn.MaxPool2d(FINAL_POOL_WINDOWS[net.model])
     head = nn.Linear(c, num_classes, bias=False)
     if net.head_unit_std:
         with torch.no_grad():
             head.weight /= head.weight.std()
-    return [head, Mul(net.output_scale / (c if net.head_unit_std else 1))]
+    return [pool, nn.Flatten(), head, Mul(net.output_scale / (c if net.head_unit_std else 1))]
 
 
 def resnet9(r, num_classes=10):
@@ -318,7 +315,6 @@ def resnet9(r, num_classes=10):
         conv_bn(c1, c2, r, pool=True),
         conv_bn(c2, c3, r, pool=True),
         Residual(conv_bn(c3, c3, r), conv_bn(c3, c3, r)),
-        final_max_pool(r.network), nn.Flatten(),
         *classifier(c3, r.network, num_classes),
     )
 
@@ -339,15 +335,12 @@ def residual_group(first, c, r):
 
 
 def fastnet(r, num_classes=10):
-    """Jordan's (2024) network: patch whitening, conv groups, max-pool, classifier."""
-    # without whitening: a trainable convolution of its shape
-    white, net = Whitening(r.whitening) if r.whitening else nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True), r.network
-    layers, c = [white, activation(net, r.whitening.act if r.whitening else "")], white.out_channels
-    for w in widths(net, net.block_widths):
-        layers.append(conv_group(c, w, r))
-        c = w
-    layers += [final_max_pool(net), nn.Flatten(), *classifier(c, net, num_classes)]
-    return nn.Sequential(*layers)
+    """Jordan's (2024) network: patch whitening, conv groups, classifier."""
+    net, w = r.network, r.whitening
+    white = Whitening(w) if w else nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True)  # else a trainable conv of its shape
+    c = [white.out_channels, *widths(net, net.block_widths)]
+    groups = [conv_group(c_in, c_out, r) for c_in, c_out in pairwise(c)]
+    return nn.Sequential(white, activation(net, w.act if w else ""), *groups, *classifier(c[-1], net, num_classes))
 
 
 class PreActBlock(nn.Module):
@@ -459,9 +452,8 @@ def tta_views(x, mode, weights="airbench"):
     check_tta_views(mode)
     views = [x] if mode == "none" else [x, x.flip(3)]
     if mode == "flip_translate":
-        h, w = x.shape[-2:]
         padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
-        views += [v for shifted in (padded[..., :h, :w], padded[..., 2:, 2:]) for v in (shifted, shifted.flip(3))]
+        views += [v for shifted in (padded[..., :-2, :-2], padded[..., 2:, 2:]) for v in (shifted, shifted.flip(3))]
     counts = [2 if i < 2 and weights == "airbench" else 1 for i in range(len(views))]
     return [(c / sum(counts), v) for c, v in zip(counts, views)]
 
@@ -480,12 +472,10 @@ def logits_of(model, x):
 def batched(fn, batch_size, *tensors):
     """fn over the tensors' batches, the last zero-padded and cut back: one shape, one compiled graph."""
     out = []
-    for i in range(0, len(tensors[0]), batch_size):
-        parts = [t[i:i + batch_size] for t in tensors]
+    for parts in zip(*(t.split(batch_size) for t in tensors)):
         short = batch_size - len(parts[0])
-        if short:
-            parts = [torch.cat([p, p.new_zeros((short, *p.shape[1:]))]) for p in parts]
-        out.append(fn(*parts)[:batch_size - short])
+        padded = [torch.cat([p, p.new_zeros((short, *p.shape[1:]))]) for p in parts] if short else parts
+        out.append(fn(*padded)[:batch_size - short])
     return torch.cat(out)
 
 
