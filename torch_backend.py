@@ -30,8 +30,7 @@ ACTIVATIONS = {"relu": lambda net: nn.ReLU(inplace=True), "celu": lambda net: nn
 class NetworkSettings:
     """Myrtle's ResNet-9 or ResNet-18, or Jordan's (2024) three-block fastnet."""
     PREFIX = ""
-    model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"),
-                      doc="fastnet: the three-block network of Jordan 2024")
+    model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"), doc="fastnet: Jordan's (2024) network")
     width: float = knob(1.0, above=0, doc="every layer's channels x this")
     block_widths: tuple = numbers((64, 256, 256), above=0, whole=True, doc="fastnet's three blocks' channels")
     block_depth: int = knob(2, choices=(2, 3), doc="fastnet's convolutions per block (3: airbench96's residual)")
@@ -40,10 +39,9 @@ class NetworkSettings:
     pool_first: bool = knob(False, doc="max-pool before batch norm (Myrtle): the same maths on 4x fewer pixels")
     dirac_init: bool = knob(False, doc="convolutions start as the identity (Jordan 2024)")
     output_scale: float = knob(0.125, above=0, doc="the logits x this")
-    head_unit_std: bool = knob(False, doc="the head's weights start at unit std, the logits / its width "
-                                          "(airbench94_muon)")
-    global_max_pool: bool = knob(True, doc="the last map max-pooled whole, whatever its size (a smaller image still "
-                                           "pools to 1x1); false: the published networks' fixed window")
+    head_unit_std: bool = knob(False, doc="the head starts at unit std, the logits / its width (airbench94_muon)")
+    global_max_pool: bool = knob(True, doc="the last map max-pooled whole (a smaller image too pools to 1x1); "
+                                           "false: the published networks' fixed window")
 
     def check(self):
         if not self.global_max_pool and self.model not in FINAL_POOL_WINDOWS:
@@ -225,8 +223,7 @@ class Whitening(nn.Conv2d):
     fits, and a bias (w.bias) that trains at a rate of its own (whitening_bias) until the run detaches it."""
 
     def __init__(self, w):
-        super().__init__(3, 3 * w.size ** 2 * (2 if w.both_signs else 1), w.size, padding=w.pad,
-                         bias=w.bias is not None)
+        super().__init__(3, 3 * w.size ** 2 * (2 if w.both_signs else 1), w.size, padding=w.pad, bias=bool(w.bias))
         self.w = w
         self.weight.requires_grad_(False)
         if w.bias:  # make_optimizers refuses a network that does not hand it over, and says how
@@ -289,7 +286,7 @@ def widths(net, base):
 
 
 def classifier(c, net, num_classes):
-    """The last max-pool (GlobalMaxPool, or the paper's fixed window), the linear head and the logits' scale."""
+    """The last max-pool (global, or the paper's window), the linear head and the logits' scale."""
     pool = GlobalMaxPool() if net.global_max_pool else nn.MaxPool2d(FINAL_POOL_WINDOWS[net.model])
     head = nn.Linear(c, num_classes, bias=False)
     if net.head_unit_std:
@@ -320,7 +317,7 @@ def resnet9(r, num_classes=10):
 
 
 def conv_group(c_in, c_out, r):
-    """Jordan's block: conv, 2x2 max-pool, BN, act, conv, BN, act (residual_group at block_depth 3)."""
+    """Jordan's block (airbench94's ConvGroup), or at block_depth 3 airbench96's (residual_group)."""
     net, bn = r.network, r.batch_norm
     first = [conv(c_in, c_out, net), nn.MaxPool2d(2), BatchNorm(c_out, bn), activation(net)]
     if net.block_depth == 3:
@@ -440,11 +437,9 @@ class TTASettings:
     PREFIX = "tta"
     OFF = ("views", "none")
     views: str = knob("flip", choices=TTA_VIEWS, flag="tta", doc="the final evaluation's views of each test image")
-    fraction: float = knob(1.0, above=0, high=1, doc="the share of test images, least sure first, that get every view "
-                                                     "(1: all)")
+    fraction: float = knob(1.0, above=0, high=1, doc="the share of test images, least sure first, given every view")
     weights: str = knob("airbench", choices=("airbench", "equal"),
-                        doc="airbench: the image and its mirror count twice the shifted views; equal: their mean (the "
-                            "record)")
+                        doc="airbench: image and mirror count twice the shifted views; equal: their mean (the record)")
 
 
 def tta_views(x, mode, weights="airbench"):
