@@ -128,8 +128,7 @@ def conv(c_in, c_out, net, kernel=3):
     """A bias-free convolution; with dirac_init its first c_in filters the identity."""
     layer = nn.Conv2d(c_in, c_out, kernel, padding=kernel // 2, bias=False)
     if net.dirac_init and kernel > 1 and c_out >= c_in:
-        with torch.no_grad():
-            nn.init.dirac_(layer.weight[:c_in])
+        nn.init.dirac_(layer.weight[:c_in])
     return layer
 
 
@@ -232,21 +231,6 @@ class Whitening(nn.Conv2d):
                 nn.init.zeros_(self.bias)
 
 
-def svd_eigen(cov):
-    """(eigenvalues, eigenvectors) of the symmetric cov by SVD, largest first."""
-    eigvecs, eigvals, _ = torch.linalg.svd(cov)
-    return eigvals, eigvecs
-
-
-def eigh_eigen(cov):
-    """(eigenvalues, eigenvectors) of the symmetric cov by eigh, largest first."""
-    eigvals, eigvecs = torch.linalg.eigh(cov)
-    return eigvals.flip(0), eigvecs.flip(1)
-
-
-EIGEN = {"eigh": eigh_eigen, "svd": svd_eigen}
-
-
 def whitening_bias(net, steps_per_epoch=1):
     """The whitening layer's bias as an optim.OwnRate, or None."""
     white = next((m for m in net.modules() if isinstance(m, Whitening)), None)
@@ -270,8 +254,11 @@ def fit_whitening(model, train_images, size, masters=None):
     patches = x.unfold(2, k, 1).unfold(3, k, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)  # a row each
     if fit.centre:
         patches = patches - patches.mean(0)
-    cov = patches.T @ patches / (len(patches) - fit.ddof)
-    eigvals, eigvecs = EIGEN[fit.decomp](cov.to(devices.float64_device(x.device), torch.float64))
+    cov = (patches.T @ patches / (len(patches) - fit.ddof)).to(devices.float64_device(x.device), torch.float64)
+    if fit.decomp == "svd":  # cov is symmetric: its singular vectors are its eigenvectors, largest first
+        eigvecs, eigvals, _ = torch.linalg.svd(cov)
+    else:
+        eigvals, eigvecs = (t.flip(-1) for t in torch.linalg.eigh(cov))  # ascending: flipped, largest first
     filters = (eigvecs / torch.sqrt(eigvals + white.w.eps)).T.reshape(-1, 3, k, k)
     if white.w.both_signs:
         filters = torch.cat([filters, -filters])
@@ -458,12 +445,6 @@ def check_tta_views(mode):
         raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
 
 
-def logits_of(model, x):
-    """A copy (a CUDA graph's replay overwrites its outputs) of model's float32 or float64 logits of x."""
-    logits = model(x.contiguous(memory_format=devices.memory_format(x.device)))  # every view alike: one compiled graph
-    return logits.to(devices.wide_dtype(logits.dtype), copy=True)
-
-
 def batched(fn, batch_size, *tensors):
     """fn over the tensors' batches, the last zero-padded and cut back: one shape, one compiled graph."""
     out = []
@@ -475,14 +456,17 @@ def batched(fn, batch_size, *tensors):
 
 
 def tta_logits(model, images, tta=None, *, batch_size=1000):
-    """float32 logits of images, of tta's views for the tta.fraction the plain pass is least sure of."""
-    logits = batched(lambda x: logits_of(model, x), batch_size, images)
+    """float32 (float64) logits of images, of tta's views for the tta.fraction the plain pass is least sure of."""
+    def forward(x):  # a copy: a CUDA graph's replay overwrites its outputs
+        logits = model(x.contiguous(memory_format=devices.memory_format(x.device)))  # every view alike: one graph
+        return logits.to(devices.wide_dtype(logits.dtype), copy=True)
+    logits = batched(forward, batch_size, images)
     n = round(tta.fraction * len(images)) if tta else 0
     if n:
         some = slice(None) if n == len(images) else logits.softmax(1).amax(1).topk(n, largest=False).indices
         def views(x, plain):  # the views' weighted sum, the plain pass standing for the first's
             (w, _), *rest = tta_views(x, tta.views, tta.weights)
-            return sum((v * logits_of(model, view) for v, view in rest), w * plain)
+            return sum((v * forward(view) for v, view in rest), w * plain)
         logits[some] = batched(views, batch_size, images[some], logits[some])
     return logits
 

@@ -252,7 +252,7 @@ class OurSide:
         device = torch.device(self.ctx.device)
         dtype = devices.compute_dtype(device, self.options.precision)
         model = run.pop("model")
-        forward = lambda v: tb.logits_of(model, v)
+        forward = lambda v: tb.tta_logits(model, v, batch_size=len(v))
 
         def autocast_forward(v):
             with devices.autocast(device, dtype):
