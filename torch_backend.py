@@ -105,9 +105,8 @@ class BatchNormSettings:
     momentum: float = knob(0.1, low=0, high=1, doc="PyTorch's convention: the new batch's weight")
     eps: float = knob(1e-5, above=0, doc="added to the batch variance")
     ghost_batch: int = knob(0, low=0, whole=True, doc="statistics over groups of this many images (0: the batch)")
-    ghost_grouping: str = knob("interleaved", choices=GhostBatchNorm.GROUPINGS,
-                               doc="interleaved: image i in group i mod (batch / ghost_batch), as Myrtle's; "
-                                   "consecutive: images in order")
+    ghost_grouping: str = knob("interleaved", choices=GhostBatchNorm.GROUPINGS, doc="interleaved: image i in group "
+                               "i mod (batch / ghost_batch), as Myrtle's; consecutive: images in order")
     freeze_scale: bool = knob(False, doc="the scales stay 1; only the biases learn")
 
 
@@ -211,9 +210,8 @@ class WhiteningSettings:
     both_signs: bool = knob(False, doc="each filter and its negative (Jordan 2024)")
     eps: float = knob(1e-2, low=0, doc="added to each eigenvalue")
     act: str = knob("", choices=("",) + tuple(ACTIVATIONS), doc="the activation after it ('': the network's)")
-    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS,
-                             doc="whose fit to copy: myrtle's (10,000 images, centred), airbench94's (5,000) or the "
-                                 "record's (960, by SVD)")
+    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS, doc="whose fit to copy: myrtle's "
+                             "(10,000 images, centred), airbench94's (5,000) or the record's (960, by SVD)")
     bias: WhiteningBiasSettings = component(WhiteningBiasSettings)
 
 
@@ -251,7 +249,7 @@ def fit_whitening(model, train_images, size, masters=None):
     (h, w), k, fit = pair(size), white.w.size, white.w.fit
     pad = (train_images.shape[-1] - w) // 2
     x = devices.float32_or_wider(train_images[:fit.images, :, pad:pad + h, pad:pad + w])
-    patches = x.unfold(2, k, 1).unfold(3, k, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)  # a row each
+    patches = x.unfold(2, k, 1).unfold(3, k, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)  # a patch a row
     if fit.centre:
         patches = patches - patches.mean(0)
     cov = (patches.T @ patches / (len(patches) - fit.ddof)).to(devices.float64_device(x.device), torch.float64)
