@@ -88,8 +88,7 @@ def train_run(r, built, o, *, ctx, seed, table=None):
         if clock.evaluates(epoch, last=last):
             model, tta = evaluation_model(net.eval_forward, average), r.tta if last else None
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
-                loss, acc = loss_and_accuracy(model, data["test_images"], data["test_labels"], dtype=dtype, tta=tta,
-                                              memory_format=memory_format)
+                loss, acc = loss_and_accuracy(model, data["test_images"], data["test_labels"], dtype=dtype, tta=tta)
             clock.evaluated(test_loss=loss, test_acc=acc)
         for row in clock.rows_read():
             check_loss(row, r)
@@ -145,8 +144,7 @@ class Network:
         """The MasterWeights of the module re-initialised in place from `seed`."""
         torch.manual_seed(seed)
         device = next(self.module.parameters()).device
-        fresh = build_model(self.recipe, device, memory_format=devices.memory_format(device),
-                            num_classes=self.num_classes)
+        fresh = build_model(self.recipe, device, num_classes=self.num_classes)
         self.module.load_state_dict(fresh.state_dict())
         return MasterWeights.of_fresh(self.module, fresh)
 
@@ -159,7 +157,7 @@ def held_weights(r, dtype, distributed=False):
 def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10, dtype=torch.float32):
     """The Network of recipe r in dtype: in DDP under torchrun, compiled with compile_mode."""
     distributed = ctx is not None and ctx.distributed
-    module = build_model(r, device, memory_format=devices.memory_format(device), num_classes=num_classes)
+    module = build_model(r, device, num_classes=num_classes)
     if held := held_weights(r, dtype, distributed):
         hold_weights(module, held)
     forward = register_comm_hook(wrap_ddp(module, ctx, ctx.bucket_mb), ctx.hook) if distributed else module
@@ -444,8 +442,7 @@ def scores(model, images, labels, *, tta=None, stats=None, batch_size=1000):
     images = images.to(device, dtype)
     labels = torch.as_tensor(np.asarray(labels) if isinstance(labels, (list, tuple)) else labels, device=device).long()
     loss, accuracy = loss_and_accuracy(model, images, labels, tta=tta, batch_size=batch_size,
-                                       dtype=dtype if dtype == torch.float64 else devices.compute_dtype(device),
-                                       memory_format=devices.memory_format(device))
+                                       dtype=dtype if dtype == torch.float64 else devices.compute_dtype(device))
     return {"loss": loss, "accuracy": accuracy}
 
 

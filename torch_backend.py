@@ -5,12 +5,14 @@ and the ghost batch norm ImageNet's networks use too. Each network is built from
 the optimisers in optim.py, the loop in cifar10_fast.py, every device decision in devices.py.
 """
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import devices
+from cifar_data import pair
 from core import UsageError
 from optim import OwnRate
 from schedules import epoch_steps
@@ -28,8 +30,7 @@ ACTIVATIONS = {"relu": lambda net: nn.ReLU(inplace=True), "celu": lambda net: nn
 class NetworkSettings:
     """Myrtle's ResNet-9 or ResNet-18, or Jordan's (2024) three-block fastnet."""
     PREFIX = ""
-    model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"),
-                      doc="fastnet: the three-block network of Jordan 2024")
+    model: str = knob("resnet9", choices=("resnet9", "resnet18", "fastnet"), doc="fastnet: Jordan's (2024) network")
     width: float = knob(1.0, above=0, doc="every layer's channels x this")
     block_widths: tuple = numbers((64, 256, 256), above=0, whole=True, doc="fastnet's three blocks' channels")
     block_depth: int = knob(2, choices=(2, 3), doc="fastnet's convolutions per block (3: airbench96's residual)")
@@ -38,10 +39,9 @@ class NetworkSettings:
     pool_first: bool = knob(False, doc="max-pool before batch norm (Myrtle): the same maths on 4x fewer pixels")
     dirac_init: bool = knob(False, doc="convolutions start as the identity (Jordan 2024)")
     output_scale: float = knob(0.125, above=0, doc="the logits x this")
-    head_unit_std: bool = knob(False, doc="the head's weights start at unit std, the logits / its width "
-                                          "(airbench94_muon)")
-    global_max_pool: bool = knob(True, doc="the last map max-pooled whole, whatever its size (a smaller image still "
-                                           "pools to 1x1); false: the published networks' fixed window")
+    head_unit_std: bool = knob(False, doc="the head starts at unit std, the logits / its width (airbench94_muon)")
+    global_max_pool: bool = knob(True, doc="the last map max-pooled whole (a smaller image too pools to 1x1); "
+                                           "false: the published networks' fixed window")
 
     def check(self):
         if not self.global_max_pool and self.model not in FINAL_POOL_WINDOWS:
@@ -105,9 +105,8 @@ class BatchNormSettings:
     momentum: float = knob(0.1, low=0, high=1, doc="PyTorch's convention: the new batch's weight")
     eps: float = knob(1e-5, above=0, doc="added to the batch variance")
     ghost_batch: int = knob(0, low=0, whole=True, doc="statistics over groups of this many images (0: the batch)")
-    ghost_grouping: str = knob("interleaved", choices=GhostBatchNorm.GROUPINGS,
-                               doc="interleaved: image i in group i mod (batch / ghost_batch), as Myrtle's; "
-                                   "consecutive: images in order")
+    ghost_grouping: str = knob("interleaved", choices=GhostBatchNorm.GROUPINGS, doc="interleaved: image i in group "
+                               "i mod (batch / ghost_batch), as Myrtle's; consecutive: images in order")
     freeze_scale: bool = knob(False, doc="the scales stay 1; only the biases learn")
 
 
@@ -128,8 +127,7 @@ def conv(c_in, c_out, net, kernel=3):
     """A bias-free convolution; with dirac_init its first c_in filters the identity."""
     layer = nn.Conv2d(c_in, c_out, kernel, padding=kernel // 2, bias=False)
     if net.dirac_init and kernel > 1 and c_out >= c_in:
-        with torch.no_grad():
-            nn.init.dirac_(layer.weight[:c_in])
+        nn.init.dirac_(layer.weight[:c_in])
     return layer
 
 
@@ -166,11 +164,6 @@ class Mul(nn.Module):
 # the published networks' last pooling (Myrtle's ResNet-9, airbench's three blocks): a fixed window, the whole map
 # only for 32 px images
 FINAL_POOL_WINDOWS = {"resnet9": 4, "fastnet": 3}
-
-
-def final_max_pool(net):
-    """GlobalMaxPool, or the paper's fixed window."""
-    return GlobalMaxPool() if net.global_max_pool else nn.MaxPool2d(FINAL_POOL_WINDOWS[net.model])
 
 
 class GlobalMaxPool(nn.Module):
@@ -217,60 +210,23 @@ class WhiteningSettings:
     both_signs: bool = knob(False, doc="each filter and its negative (Jordan 2024)")
     eps: float = knob(1e-2, low=0, doc="added to each eigenvalue")
     act: str = knob("", choices=("",) + tuple(ACTIVATIONS), doc="the activation after it ('': the network's)")
-    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS,
-                             doc="whose fit to copy: myrtle's (10,000 images, centred), airbench94's (5,000) or the "
-                                 "record's (960, by SVD)")
+    fit: WhiteningFit = knob(WHITENING_FITS["myrtle"], choices=WHITENING_FITS, doc="whose fit to copy: myrtle's "
+                             "(10,000 images, centred), airbench94's (5,000) or the record's (960, by SVD)")
     bias: WhiteningBiasSettings = component(WhiteningBiasSettings)
 
 
 class Whitening(nn.Conv2d):
-    """Patch whitening with the settings w (WhiteningSettings): a frozen convolution whose filters whiten the
-    patches of the first w.fit.images training images (and, with both_signs, their negatives), and a bias (w.bias)
-    that trains at a rate of its own (whitening_bias) until the run detaches it (its requires_grad):
-        filters = eigenvectors of C / sqrt(eigenvalues + eps),  C = P'P / (n - ddof), P the patches (centred or not)"""
+    """Patch whitening with the settings w (WhiteningSettings): a frozen convolution whose filters fit_whitening
+    fits, and a bias (w.bias) that trains at a rate of its own (whitening_bias) until the run detaches it."""
 
     def __init__(self, w):
-        super().__init__(3, 3 * w.size ** 2 * (2 if w.both_signs else 1), w.size, padding=w.pad,
-                         bias=w.bias is not None)
+        super().__init__(3, 3 * w.size ** 2 * (2 if w.both_signs else 1), w.size, padding=w.pad, bias=bool(w.bias))
         self.w = w
         self.weight.requires_grad_(False)
         if w.bias:  # make_optimizers refuses a network that does not hand it over, and says how
             self.bias.own_rate_from = "torch_backend.whitening_bias(model, steps_per_epoch)"
             if w.bias.init == "zero":
                 nn.init.zeros_(self.bias)
-
-    @torch.no_grad()
-    def fit(self, images, master=None):
-        """The filters fitted to images, written into master (the weight's float32 master), then the weight."""
-        k, fit = self.w.size, self.w.fit
-        patches = devices.float32_or_wider(images[:fit.images]).unfold(2, k, 1).unfold(3, k, 1)  # N,3,H',W',k,k
-        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)
-        if fit.centre:
-            patches = patches - patches.mean(0)
-        cov = patches.T @ patches / (len(patches) - fit.ddof)
-        eigvals, eigvecs = EIGEN[fit.decomp](cov.to(devices.float64_device(images.device), torch.float64))
-        filters = (eigvecs / torch.sqrt(eigvals + self.w.eps)).T.reshape(-1, 3, k, k)
-        if self.w.both_signs:
-            filters = torch.cat([filters, -filters])
-        master = self.weight if master is None else master
-        master.copy_(filters.to(master.device, devices.wide_dtype(master.dtype)))
-        if master is not self.weight:
-            self.weight.copy_(master)
-
-
-def svd_eigen(cov):
-    """(eigenvalues, eigenvectors) of the symmetric cov by SVD, largest first."""
-    eigvecs, eigvals, _ = torch.linalg.svd(cov)
-    return eigvals, eigvecs
-
-
-def eigh_eigen(cov):
-    """(eigenvalues, eigenvectors) of the symmetric cov by eigh, largest first."""
-    eigvals, eigvecs = torch.linalg.eigh(cov)
-    return eigvals.flip(0), eigvecs.flip(1)
-
-
-EIGEN = {"eigh": eigh_eigen, "svd": svd_eigen}
 
 
 def whitening_bias(net, steps_per_epoch=1):
@@ -283,14 +239,31 @@ def whitening_bias(net, steps_per_epoch=1):
                    until_step=epoch_steps(b.epochs, steps_per_epoch))
 
 
+@torch.no_grad()
 def fit_whitening(model, train_images, size, masters=None):
-    """Fits every Whitening layer (and its master) to the first training images, cropped to size (h, w or side)."""
-    layers = [m for m in model.modules() if isinstance(m, Whitening)]
-    h, w = (size, size) if isinstance(size, int) else size
+    """Fits model's Whitening filters (and float32 master) to the first fit.images training images, cropped to size:
+        filters = eigenvectors of C / sqrt(eigenvalues + eps),  C = P'P / (n - ddof), P the patches (centred or not)"""
+    white = next((m for m in model.modules() if isinstance(m, Whitening)), None)
+    if white is None:
+        return
+    (h, w), k, fit = pair(size), white.w.size, white.w.fit
     pad = (train_images.shape[-1] - w) // 2
-    x = train_images[:max((m.w.fit.images for m in layers), default=0), :, pad:pad + h, pad:pad + w]
-    for m in layers:
-        m.fit(x, masters.weights([m.weight])[0] if masters else None)
+    x = devices.float32_or_wider(train_images[:fit.images, :, pad:pad + h, pad:pad + w])
+    patches = x.unfold(2, k, 1).unfold(3, k, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)  # a patch a row
+    if fit.centre:
+        patches = patches - patches.mean(0)
+    cov = (patches.T @ patches / (len(patches) - fit.ddof)).to(devices.float64_device(x.device), torch.float64)
+    if fit.decomp == "svd":  # cov is symmetric: its singular vectors are its eigenvectors, largest first
+        eigvecs, eigvals, _ = torch.linalg.svd(cov)
+    else:
+        eigvals, eigvecs = (t.flip(-1) for t in torch.linalg.eigh(cov))  # ascending: flipped, largest first
+    filters = (eigvecs / torch.sqrt(eigvals + white.w.eps)).T.reshape(-1, 3, k, k)
+    if white.w.both_signs:
+        filters = torch.cat([filters, -filters])
+    master = masters.weights([white.weight])[0] if masters else white.weight
+    master.copy_(filters.to(master.device, devices.wide_dtype(master.dtype)))
+    if master is not white.weight:
+        white.weight.copy_(master)
 
 
 def widths(net, base):
@@ -298,12 +271,13 @@ def widths(net, base):
 
 
 def classifier(c, net, num_classes):
-    """The linear head and the logits' scale."""
+    """The last max-pool (global, or the paper's window), the linear head and the logits' scale."""
+    pool = GlobalMaxPool() if net.global_max_pool else nn.MaxPool2d(FINAL_POOL_WINDOWS[net.model])
     head = nn.Linear(c, num_classes, bias=False)
     if net.head_unit_std:
         with torch.no_grad():
             head.weight /= head.weight.std()
-    return [head, Mul(net.output_scale / (c if net.head_unit_std else 1))]
+    return [pool, nn.Flatten(), head, Mul(net.output_scale / (c if net.head_unit_std else 1))]
 
 
 def resnet9(r, num_classes=10):
@@ -323,13 +297,12 @@ def resnet9(r, num_classes=10):
         conv_bn(c1, c2, r, pool=True),
         conv_bn(c2, c3, r, pool=True),
         Residual(conv_bn(c3, c3, r), conv_bn(c3, c3, r)),
-        final_max_pool(r.network), nn.Flatten(),
         *classifier(c3, r.network, num_classes),
     )
 
 
 def conv_group(c_in, c_out, r):
-    """Jordan's block: conv, 2x2 max-pool, BN, act, conv, BN, act (residual_group at block_depth 3)."""
+    """Jordan's block (airbench94's ConvGroup), or at block_depth 3 airbench96's (residual_group)."""
     net, bn = r.network, r.batch_norm
     first = [conv(c_in, c_out, net), nn.MaxPool2d(2), BatchNorm(c_out, bn), activation(net)]
     if net.block_depth == 3:
@@ -344,15 +317,12 @@ def residual_group(first, c, r):
 
 
 def fastnet(r, num_classes=10):
-    """Jordan's (2024) network: patch whitening, conv groups, max-pool, classifier."""
-    # without whitening: a trainable convolution of its shape
-    white, net = Whitening(r.whitening) if r.whitening else nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True), r.network
-    layers, c = [white, activation(net, r.whitening.act if r.whitening else "")], white.out_channels
-    for w in widths(net, net.block_widths):
-        layers.append(conv_group(c, w, r))
-        c = w
-    layers += [final_max_pool(net), nn.Flatten(), *classifier(c, net, num_classes)]
-    return nn.Sequential(*layers)
+    """Jordan's (2024) network: patch whitening, conv groups, classifier."""
+    net, w = r.network, r.whitening
+    white = Whitening(w) if w else nn.Conv2d(3, 2 * 3 * 2 ** 2, 2, bias=True)  # else a trainable conv of its shape
+    c = [white.out_channels, *widths(net, net.block_widths)]
+    groups = [conv_group(c_in, c_out, r) for c_in, c_out in pairwise(c)]
+    return nn.Sequential(white, activation(net, w.act if w else ""), *groups, *classifier(c[-1], net, num_classes))
 
 
 class PreActBlock(nn.Module):
@@ -397,9 +367,9 @@ def resnet18(r, num_classes=10):
 MODELS = {"resnet9": resnet9, "resnet18": resnet18, "fastnet": fastnet}
 
 
-def build_model(r, device, *, memory_format=torch.contiguous_format, num_classes=10):
-    """The network of recipe r on device, in memory_format."""
-    return MODELS[r.network.model](r, num_classes).to(device, memory_format=memory_format)
+def build_model(r, device, *, num_classes=10):
+    """The network of recipe r on device, in the device's memory format."""
+    return MODELS[r.network.model](r, num_classes).to(device, memory_format=devices.memory_format(device))
 
 
 def autocast_weights(model):
@@ -452,11 +422,9 @@ class TTASettings:
     PREFIX = "tta"
     OFF = ("views", "none")
     views: str = knob("flip", choices=TTA_VIEWS, flag="tta", doc="the final evaluation's views of each test image")
-    fraction: float = knob(1.0, above=0, high=1, doc="the share of test images, least sure first, that get every view "
-                                                     "(1: all)")
+    fraction: float = knob(1.0, above=0, high=1, doc="the share of test images, least sure first, given every view")
     weights: str = knob("airbench", choices=("airbench", "equal"),
-                        doc="airbench: the image and its mirror count twice the shifted views; equal: their mean (the "
-                            "record)")
+                        doc="airbench: image and mirror count twice the shifted views; equal: their mean (the record)")
 
 
 def tta_views(x, mode, weights="airbench"):
@@ -464,9 +432,8 @@ def tta_views(x, mode, weights="airbench"):
     check_tta_views(mode)
     views = [x] if mode == "none" else [x, x.flip(3)]
     if mode == "flip_translate":
-        h, w = x.shape[-2:]
         padded = F.pad(x, (1, 1, 1, 1), mode="reflect")
-        views += [v for shifted in (padded[..., :h, :w], padded[..., 2:, 2:]) for v in (shifted, shifted.flip(3))]
+        views += [v for shifted in (padded[..., :-2, :-2], padded[..., 2:, 2:]) for v in (shifted, shifted.flip(3))]
     counts = [2 if i < 2 and weights == "airbench" else 1 for i in range(len(views))]
     return [(c / sum(counts), v) for c, v in zip(counts, views)]
 
@@ -476,27 +443,21 @@ def check_tta_views(mode):
         raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
 
 
-def logits_of(model, x, memory_format=torch.contiguous_format):
-    """A copy (a CUDA graph's replay overwrites its outputs) of model's float32 or float64 logits of x."""
-    logits = model(x.contiguous(memory_format=memory_format))  # every view alike: one compiled graph
-    return logits.to(devices.wide_dtype(logits.dtype), copy=True)
-
-
 def batched(fn, batch_size, *tensors):
     """fn over the tensors' batches, the last zero-padded and cut back: one shape, one compiled graph."""
     out = []
-    for i in range(0, len(tensors[0]), batch_size):
-        parts = [t[i:i + batch_size] for t in tensors]
+    for parts in zip(*(t.split(batch_size) for t in tensors)):
         short = batch_size - len(parts[0])
-        if short:
-            parts = [torch.cat([p, p.new_zeros((short, *p.shape[1:]))]) for p in parts]
-        out.append(fn(*parts)[:batch_size - short])
+        padded = [torch.cat([p, p.new_zeros((short, *p.shape[1:]))]) for p in parts] if short else parts
+        out.append(fn(*padded)[:batch_size - short])
     return torch.cat(out)
 
 
-def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.contiguous_format):
-    """float32 logits of images, of tta's views for the tta.fraction the plain pass is least sure of."""
-    forward = lambda x: logits_of(model, x, memory_format)
+def tta_logits(model, images, tta=None, *, batch_size=1000):
+    """float32 (float64) logits of images, of tta's views for the tta.fraction the plain pass is least sure of."""
+    def forward(x):  # a copy: a CUDA graph's replay overwrites its outputs
+        logits = model(x.contiguous(memory_format=devices.memory_format(x.device)))  # every view alike: one graph
+        return logits.to(devices.wide_dtype(logits.dtype), copy=True)
     logits = batched(forward, batch_size, images)
     n = round(tta.fraction * len(images)) if tta else 0
     if n:
@@ -509,12 +470,12 @@ def tta_logits(model, images, tta=None, *, batch_size=1000, memory_format=torch.
 
 
 @torch.no_grad()
-def loss_and_accuracy(model, images, labels, *, dtype=torch.float32, batch_size=1000, **options):
-    """Mean loss and accuracy of the model on images, with tta_logits' options (tta, memory_format)."""
+def loss_and_accuracy(model, images, labels, *, dtype=torch.float32, batch_size=1000, tta=None):
+    """Mean loss and accuracy of the model on images, with test-time augmentation tta (tta_logits)."""
     was_training = model.training
     model.eval()
     with devices.autocast(images.device, dtype):
-        logits = tta_logits(model, images, batch_size=min(batch_size, len(images)), **options)
+        logits = tta_logits(model, images, tta, batch_size=min(batch_size, len(images)))
     model.train(was_training)
     loss, correct = torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
                                  (logits.argmax(1) == labels).sum().float()]).tolist()

@@ -250,9 +250,9 @@ class OurSide:
         wall = time.perf_counter() - t0
         run.update(cf.compile_counts(since=before))         # graphs compiled inside the clock: a flagged run
         device = torch.device(self.ctx.device)
-        dtype, memory_format = devices.compute_dtype(device, self.options.precision), devices.memory_format(device)
+        dtype = devices.compute_dtype(device, self.options.precision)
         model = run.pop("model")
-        forward = lambda v: tb.logits_of(model, v, memory_format)
+        forward = lambda v: tb.tta_logits(model, v, batch_size=len(v))
 
         def autocast_forward(v):
             with devices.autocast(device, dtype):

@@ -32,7 +32,7 @@ LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channel
 def setup(r, layout, *, eval_batch):
     """(one training step, one evaluation forward) of recipe r's network in layout, on fixed random batches."""
     gen = torch.Generator().manual_seed(0)
-    model = tb.build_model(r, "cpu", memory_format=layout)
+    model = tb.build_model(r, "cpu").to(memory_format=layout)
     opts = make_optimizers(model, r, own_rates=[tb.whitening_bias(model)])
     set_lr(opts, max(r.lr.values), 0)
     x = torch.randn(r.batch_size, 3, 32, 32, generator=gen).contiguous(memory_format=layout)
@@ -46,7 +46,7 @@ def setup(r, layout, *, eval_batch):
     def evaluate():
         model.eval()
         with torch.no_grad():
-            tb.logits_of(model, test, layout)
+            model(test.contiguous(memory_format=layout))
     return step, evaluate
 
 

@@ -71,7 +71,7 @@ def model_and_batch(batch, *, width=1.0):
     """(fast94_next as --compile-step compiles it, WithLoss, in train mode, its weights held as a GPU's run holds them;
     a batch of images and labels)."""
     r = cf.recipe("fast94_next", width=width)
-    net = tb.build_model(r, "cpu", memory_format=torch.channels_last)
+    net = tb.build_model(r, "cpu").to(memory_format=torch.channels_last)
     tb.hold_weights(net, cf.held_weights(r, torch.bfloat16))
     torch.manual_seed(0)
     x = torch.randn(batch, 3, 32, 32).to(memory_format=torch.channels_last)

@@ -151,7 +151,7 @@ def recipe_network(name, *, width=1.0, side=32, batch=COUNT_BATCH, **changes):
     holds them, and labels)."""
     r = cf.recipe(name, width=width, **changes)
     torch.manual_seed(0)
-    net = tb.build_model(r, "cpu", memory_format=torch.channels_last).train()
+    net = tb.build_model(r, "cpu").to(memory_format=torch.channels_last).train()
     if held := cf.held_weights(r, torch.bfloat16):
         tb.hold_weights(net, held)
     tb.fit_whitening(net, torch.randn(64, 3, 32, 32), 32)
@@ -343,7 +343,7 @@ def recipe_steps(name, steps=21, *, backend="inductor", **changes):
     kernels left uncounted, the rest counted in seconds)."""
     r = cf.recipe(name, **changes)
     torch.manual_seed(0)
-    model = tb.build_model(r, "cpu", memory_format=torch.channels_last)
+    model = tb.build_model(r, "cpu").to(memory_format=torch.channels_last)
     fresh = copy.deepcopy(model)
     if held := cf.held_weights(r, torch.bfloat16):
         tb.hold_weights(model, held)

@@ -137,7 +137,7 @@ def test_whitening_filters_decorrelate_patches():
     # correlated "images": smooth noise with unequal channel scales
     x = F.avg_pool2d(torch.randn(200, 3, 20, 20), 3, 1) * torch.tensor([1.0, 2.0, 0.5]).view(1, 3, 1, 1)
     w = tb.Whitening(tb.WhiteningSettings(size=3, pad=0, eps=1e-6))
-    w.fit(x)
+    tb.fit_whitening(w, x, x.shape[-2:])
     out = F.conv2d(x, w.weight)                              # valid positions only
     z = out.permute(0, 2, 3, 1).reshape(-1, 27)
     cov = torch.cov(z.T)

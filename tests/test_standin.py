@@ -284,9 +284,9 @@ def test_in_float32_the_selective_views_read_no_output_a_cuda_graph_has_overwrit
     with StandIn():
         data = cd.dataset_on_device(arrays, torch.device("cuda"), dtype=torch.float32, pad=0)
         torch.manual_seed(0)
-        net = tb.build_model(r, "cuda", memory_format=torch.channels_last)
+        net = tb.build_model(r, "cuda")
         graphed = torch.compile(net, mode="reduce-overhead", backend="eager", dynamic=False)
-        options = dict(tta=r.tta, batch_size=100, memory_format=torch.channels_last)       # selective: a quarter
+        options = dict(tta=r.tta, batch_size=100)       # selective: a quarter
         eager = tb.loss_and_accuracy(net, data["test_images"], data["test_labels"], **options)
         assert tb.loss_and_accuracy(graphed, data["test_images"], data["test_labels"], **options) == eager
 

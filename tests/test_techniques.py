@@ -27,7 +27,7 @@ def correlated_images(n=300, size=16):
 def test_2x2_whitening_with_both_signs_gives_identity_covariance():
     x = correlated_images()
     w = tb.Whitening(tb.WhiteningSettings(size=2, pad=0, eps=1e-6, both_signs=True, bias=tb.WhiteningBiasSettings()))
-    w.fit(x)
+    tb.fit_whitening(w, x, x.shape[-2:])
     assert w.weight.shape == (24, 3, 2, 2) and not w.weight.requires_grad and w.bias.requires_grad
     out = F.conv2d(x, w.weight)
     z = out.permute(0, 2, 3, 1).reshape(-1, 24)
