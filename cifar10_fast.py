@@ -32,7 +32,7 @@ from cifar_data import (DATASETS, channel_stats, check_arrays, epoch_batches, fl
 from cli import (COMPILE_MODES, check_run, check_whole, cifar10_parser, claim_output, command, cpu_warning,
                  ctrl_c_exit, interrupted, join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
 from core import DataError, UsageError, say_error
-from distributed import Context, barrier, leave, register_comm_hook, shard, wrap_ddp
+from distributed import Context, barrier, data_parallel, leave, shard
 from optim import MasterWeights, make_optimizers, set_lr, steps_masters
 from outputs import check_output, profiled, write_result
 from processes import exit_now
@@ -160,7 +160,7 @@ def build_network(r, device, *, compile_mode=None, ctx=None, num_classes=10, dty
     module = build_model(r, device, num_classes=num_classes)
     if held := held_weights(r, dtype, distributed):
         hold_weights(module, held)
-    forward = register_comm_hook(wrap_ddp(module, ctx, ctx.bucket_mb), ctx.hook) if distributed else module
+    forward = data_parallel(module, ctx) if distributed else module
     if compile_mode:
         if r.compile_step:
             forward = WithLoss(forward, r.label_smoothing)

@@ -38,7 +38,7 @@ class Recipe:
     tta: TTASettings = component(TTASettings, title="test-time augmentation")
     ema: EMASettings = component(EMASettings, title="EMA")
     lookahead: LookaheadSettings = component(LookaheadSettings)
-    lookahead_tail: LookaheadTailSettings = component(LookaheadTailSettings, title="lookahead tail")
+    lookahead_tail: LookaheadTailSettings = component(LookaheadTailSettings)
     compile_step: bool = knob(False, doc="with --compile: the forward and the loss compiled as one function")
 
     def __post_init__(self):

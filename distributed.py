@@ -194,6 +194,11 @@ def wrap_ddp(model, ctx, bucket_mb=25.0, **kwargs):
                                    gradient_as_bucket_view=True, **kwargs)
 
 
+def data_parallel(model, ctx):
+    """model in DistributedDataParallel (wrap_ddp) with ctx's bucket size and communication hook."""
+    return register_comm_hook(wrap_ddp(model, ctx, ctx.bucket_mb), ctx.hook)
+
+
 def rehearse_backward(ddp_model, example):
     """One forward and backward of `example` through a new DDP model, gradients dropped, so its buckets are laid out
     as in a trained model: the layout sets the order of the ranks' sums, so a resumed run (beyond two ranks) would

@@ -36,8 +36,8 @@ import training
 from cli import (HelpFormatter, add_recipe_flags, add_run_flags, check_run, claim_output, command, cpu_warning,
                  ctrl_c_exit, interrupted, join_ranks, phase_of, recipe_list, run_record, runtime_error_exit, stop_of)
 from core import DataError, Parser, UsageError, say_error
-from distributed import (barrier, broadcast_buffers, checkpoint_writers, leave, leave_together, print0,
-                         register_comm_hook, sync_batch_norm_stats, use_last_batch_stats, wrap_ddp)
+from distributed import (barrier, broadcast_buffers, checkpoint_writers, data_parallel, leave, leave_together, print0,
+                         sync_batch_norm_stats, use_last_batch_stats)
 from imagenet_checkpoints import INTERRUPTED, Trainable, resume_run, save_checkpoint, store_identity
 from imagenet_data import EpochWork, batch_indices, draw_epoch, loss_top1_top5, rank_data, train_batches
 from imagenet_decoders import DECODERS, GPU_DECODERS, decoded_by_text, jpeg_decoder
@@ -91,7 +91,7 @@ def train_run(r, data, o, *, ctx, seed, on_epoch=None):
     with devices.parameters_dtype(dtype):
         model = imagenet_network(r, len(data.store.index["classes"])).to(device, memory_format=memory_format)
     opt = imagenet_optimizer(model, r)
-    forward = register_comm_hook(wrap_ddp(model, ctx, ctx.bucket_mb), ctx.hook) if ctx.distributed else model
+    forward = data_parallel(model, ctx) if ctx.distributed else model
     clock = EpochClock(devices.timer(device), o, columns=COLUMNS, accuracy="top5" if r.target_top5 else "top1",
                        reads_every_epoch=True)      # its checkpoint records its rows
     if r.bn_stats == "last_batch":               # no moving averages: the last batch's, pooled over ranks (Akiba)
