@@ -443,29 +443,23 @@ def check_tta_views(mode):
         raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
 
 
-def batched(fn, batch_size, *tensors):
-    """fn over the tensors' batches, the last zero-padded and cut back: one shape, one compiled graph."""
-    out = []
-    for parts in zip(*(t.split(batch_size) for t in tensors)):
-        short = batch_size - len(parts[0])
-        padded = [torch.cat([p, p.new_zeros((short, *p.shape[1:]))]) for p in parts] if short else parts
-        out.append(fn(*padded)[:batch_size - short])
-    return torch.cat(out)
-
-
 def tta_logits(model, images, tta=None, *, batch_size=1000):
-    """float32 (float64) logits of images, of tta's views for the tta.fraction the plain pass is least sure of."""
-    def forward(x):  # a copy: a CUDA graph's replay overwrites its outputs
-        logits = model(x.contiguous(memory_format=devices.memory_format(x.device)))  # every view alike: one graph
-        return logits.to(devices.wide_dtype(logits.dtype), copy=True)
-    logits = batched(forward, batch_size, images)
+    """float32 (float64) logits of images; with tta, for the tta.fraction least sure (the plain pass's smallest top
+    softmax), the views' weighted sum (tta_views), the plain pass standing for the first view's:
+        logits(x) = sum_v w_v model(v(x))"""
+    def forward(x):  # the last batch zero-padded, every view in one memory format: one shape, one graph
+        padded = torch.cat([x, x.new_zeros((batch_size - len(x), *x.shape[1:]))]) if len(x) < batch_size else x
+        logits = model(padded.contiguous(memory_format=devices.memory_format(x.device)))[:len(x)]
+        return logits.to(devices.wide_dtype(logits.dtype), copy=True)  # a CUDA graph's replay overwrites its outputs
+    logits = torch.cat([forward(x) for x in images.split(batch_size)])
     n = round(tta.fraction * len(images)) if tta else 0
     if n:
         some = slice(None) if n == len(images) else logits.softmax(1).amax(1).topk(n, largest=False).indices
-        def views(x, plain):  # the views' weighted sum, the plain pass standing for the first's
+        sums = []
+        for x, plain in zip(images[some].split(batch_size), logits[some].split(batch_size)):
             (w, _), *rest = tta_views(x, tta.views, tta.weights)
-            return sum((v * forward(view) for v, view in rest), w * plain)
-        logits[some] = batched(views, batch_size, images[some], logits[some])
+            sums.append(sum((v * forward(view) for v, view in rest), w * plain))
+        logits[some] = torch.cat(sums)
     return logits
 
 
