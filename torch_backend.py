@@ -261,9 +261,8 @@ def fit_whitening(model, train_images, size, masters=None):
     if white.w.both_signs:
         filters = torch.cat([filters, -filters])
     master = masters.weights([white.weight])[0] if masters else white.weight
-    master.copy_(filters.to(master.device, devices.wide_dtype(master.dtype)))
-    if master is not white.weight:
-        white.weight.copy_(master)
+    master.copy_(filters.to(master))
+    white.weight.copy_(master)  # the held bf16 copy, where there is one
 
 
 def widths(net, base):
