@@ -110,13 +110,15 @@ class BatchNormSettings:
     freeze_scale: bool = knob(False, doc="the scales stay 1; only the biases learn")
 
 
-class BatchNorm(GhostBatchNorm):
-    """GhostBatchNorm of c channels with the settings bn (BatchNormSettings)."""
-
-    def __init__(self, c, bn):
-        super().__init__(c, eps=bn.eps, momentum=bn.momentum, group=bn.ghost_batch, grouping=bn.ghost_grouping,
-                         wide_stats=False)
-        self.weight.requires_grad_(not bn.freeze_scale)
+def batch_norm(c, bn):
+    """Batch norm of c channels with the settings bn (BatchNormSettings): a GhostBatchNorm where bn.ghost_batch."""
+    if bn.ghost_batch:
+        layer = GhostBatchNorm(c, eps=bn.eps, momentum=bn.momentum, group=bn.ghost_batch, grouping=bn.ghost_grouping,
+                               wide_stats=False)
+    else:
+        layer = nn.BatchNorm2d(c, eps=bn.eps, momentum=bn.momentum)
+    layer.weight.requires_grad_(not bn.freeze_scale)
+    return layer
 
 
 def activation(net, act=None):
@@ -134,7 +136,7 @@ def conv(c_in, c_out, net, kernel=3):
 def conv_bn(c_in, c_out, r, *, pool=False, kernel=3):
     """conv -> batch norm -> activation, with an optional 2x2 max-pool after it, or moved to straight after the conv
     (net.pool_first), which does the same maths on 4x fewer pixels."""
-    layers = [conv(c_in, c_out, r.network, kernel), BatchNorm(c_out, r.batch_norm), activation(r.network)]
+    layers = [conv(c_in, c_out, r.network, kernel), batch_norm(c_out, r.batch_norm), activation(r.network)]
     if pool:
         layers.insert(1 if r.network.pool_first else 3, nn.MaxPool2d(2))
     return nn.Sequential(*layers)
@@ -303,15 +305,15 @@ def resnet9(r, num_classes=10):
 def conv_group(c_in, c_out, r):
     """Jordan's block (airbench94's ConvGroup), or at block_depth 3 airbench96's (residual_group)."""
     net, bn = r.network, r.batch_norm
-    first = [conv(c_in, c_out, net), nn.MaxPool2d(2), BatchNorm(c_out, bn), activation(net)]
+    first = [conv(c_in, c_out, net), nn.MaxPool2d(2), batch_norm(c_out, bn), activation(net)]
     if net.block_depth == 3:
         return residual_group(first, c_out, r)
-    return nn.Sequential(*first, conv(c_out, c_out, net), BatchNorm(c_out, bn), activation(net))
+    return nn.Sequential(*first, conv(c_out, c_out, net), batch_norm(c_out, bn), activation(net))
 
 
 def residual_group(first, c, r):
     """airbench96's block: the layers `first`, then x <- act(x + BN(conv(act(BN(conv(x))))))."""
-    unit = lambda: [conv(c, c, r.network), BatchNorm(c, r.batch_norm)]
+    unit = lambda: [conv(c, c, r.network), batch_norm(c, r.batch_norm)]
     return nn.Sequential(*first, Residual(*unit(), activation(r.network), *unit(), act=activation(r.network)))
 
 
@@ -330,7 +332,7 @@ class PreActBlock(nn.Module):
 
     def __init__(self, c_in, c_out, stride, r):
         super().__init__()
-        self.bn1, self.bn2 = BatchNorm(c_in, r.batch_norm), BatchNorm(c_out, r.batch_norm)
+        self.bn1, self.bn2 = batch_norm(c_in, r.batch_norm), batch_norm(c_out, r.batch_norm)
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.act = activation(r.network)
@@ -443,8 +445,8 @@ def check_tta_views(mode):
 
 
 def tta_logits(model, images, tta=None, *, batch_size=1000):
-    """float32 (float64) logits of images; with tta, for the tta.fraction least sure (the plain pass's smallest top
-    softmax), the views' weighted sum (tta_views), the plain pass standing for the first view's:
+    """float32 (float64) logits of images; with tta, for the tta.fraction least sure (smallest top softmax), the
+    weighted sum of its views' (tta_views), the plain pass's standing for the first view's:
         logits(x) = sum_v w_v model(v(x))"""
     def forward(x):  # the last batch zero-padded, every view in one memory format: one shape, one graph
         padded = torch.cat([x, x.new_zeros((batch_size - len(x), *x.shape[1:]))]) if len(x) < batch_size else x
