@@ -40,8 +40,8 @@ class NetworkSettings:
     dirac_init: bool = knob(False, doc="convolutions start as the identity (Jordan 2024)")
     output_scale: float = knob(0.125, above=0, doc="the logits x this")
     head_unit_std: bool = knob(False, doc="the head starts at unit std, the logits / its width (airbench94_muon)")
-    global_max_pool: bool = knob(True, doc="the last map max-pooled whole (a smaller image too pools to 1x1); "
-                                           "false: the published networks' fixed window")
+    global_max_pool: bool = knob(True, doc="the last map max-pooled whole (any size pools to 1x1); false: the "
+                                           "published networks' fixed window")
 
     def check(self):
         if not self.global_max_pool and self.model not in FINAL_POOL_WINDOWS:
@@ -197,7 +197,7 @@ WHITENING_FITS = {f.name: f for f in (
 class WhiteningBiasSettings:
     """The whitening bias: trained its first `epochs`, then detached (airbench94)."""
     PREFIX = "bias"
-    epochs: float = knob(3.0, low=0, doc="epochs it trains before it is detached")
+    epochs: float = knob(3.0, low=0, doc="epochs before it is detached")
     lr_mult: float = knob(1.0, low=0, doc="its rate: the schedule's x this")
     init: str = knob("zero", choices=("zero", "default"), doc="default: the convolution's own (airbench94_muon)")
     decay: str = knob("none", choices=("none", "linear"), doc="linear: from its peak to 0 over its epochs")
@@ -207,8 +207,8 @@ class WhiteningBiasSettings:
 class WhiteningSettings:
     """Patch whitening (Myrtle 2018): a frozen first convolution whitening the images' patches."""
     PREFIX = "whiten"
-    size: int = knob(3, above=0, whole=True, doc="the whitened patches' side, in pixels")
-    pad: int = knob(1, low=0, whole=True, doc="the whitening convolution's padding")
+    size: int = knob(3, above=0, whole=True, doc="the patches' side, in pixels")
+    pad: int = knob(1, low=0, whole=True, doc="the convolution's padding")
     both_signs: bool = knob(False, doc="each filter and its negative (Jordan 2024)")
     eps: float = knob(1e-2, low=0, doc="added to each eigenvalue")
     act: str = knob("", choices=("",) + tuple(ACTIVATIONS), doc="the activation after it ('': the network's)")
@@ -466,7 +466,7 @@ def tta_logits(model, images, tta=None, *, batch_size=1000):
 
 @torch.no_grad()
 def loss_and_accuracy(model, images, labels, *, dtype=torch.float32, batch_size=1000, tta=None):
-    """Mean loss and accuracy of the model on images, with test-time augmentation tta (tta_logits)."""
+    """Mean loss and accuracy of model on images, with test-time augmentation tta (tta_logits)."""
     was_training = model.training
     model.eval()
     with devices.autocast(images.device, dtype):
