@@ -254,7 +254,7 @@ def fit_whitening(model, train_images, size, masters=None):
     patches = x.unfold(2, k, 1).unfold(3, k, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)  # a patch a row
     if fit.centre:
         patches = patches - patches.mean(0)
-    cov = (patches.T @ patches / (len(patches) - fit.ddof)).to(devices.float64_device(x.device), torch.float64)
+    cov = devices.in_float64(patches.T @ patches / (len(patches) - fit.ddof))
     if fit.decomp == "svd":  # cov is symmetric: its singular vectors are its eigenvectors, largest first
         eigvecs, eigvals, _ = torch.linalg.svd(cov)
     else:
