@@ -111,7 +111,7 @@ class BatchNormSettings:
 
 
 def batch_norm(c, bn):
-    """Batch norm of c channels with the settings bn (BatchNormSettings): a GhostBatchNorm where bn.ghost_batch."""
+    """Batch norm of c channels with the settings bn (BatchNormSettings)."""
     if bn.ghost_batch:
         layer = GhostBatchNorm(c, eps=bn.eps, momentum=bn.momentum, group=bn.ghost_batch, grouping=bn.ghost_grouping,
                                wide_stats=False)
@@ -179,7 +179,7 @@ class GlobalMaxPool(nn.Module):
 
 @dataclass(frozen=True)
 class WhiteningFit:
-    """A reference's whitening fit: images, covariance centred or not, / (n - ddof), by eigh or svd."""
+    """A reference's whitening fit: the terms of fit_whitening's formula."""
     name: str
     images: int
     centre: bool
@@ -225,7 +225,7 @@ class Whitening(nn.Conv2d):
         super().__init__(3, 3 * w.size ** 2 * (2 if w.both_signs else 1), w.size, padding=w.pad, bias=bool(w.bias))
         self.w = w
         self.weight.requires_grad_(False)
-        if w.bias:  # make_optimizers refuses a network that does not hand it over, and says how
+        if w.bias:  # make_optimizers refuses a network not handing it over, saying how
             self.bias.own_rate_from = "torch_backend.whitening_bias(model, steps_per_epoch)"
             if w.bias.init == "zero":
                 nn.init.zeros_(self.bias)
@@ -272,7 +272,7 @@ def widths(net, base):
 
 
 def classifier(c, net, num_classes):
-    """The last max-pool (global, or the paper's window), the linear head and the logits' scale."""
+    """The last max-pool, the linear head and the logits' scale."""
     pool = GlobalMaxPool() if net.global_max_pool else nn.MaxPool2d(FINAL_POOL_WINDOWS[net.model])
     head = nn.Linear(c, num_classes, bias=False)
     if net.head_unit_std:
@@ -445,8 +445,8 @@ def check_tta_views(mode):
 
 
 def tta_logits(model, images, tta=None, *, batch_size=1000):
-    """float32 (float64) logits of images; with tta, for the tta.fraction least sure (smallest top softmax), the
-    weighted sum of its views' (tta_views), the plain pass's standing for the first view's:
+    """float32 (float64) logits of images; with tta, of the tta.fraction least sure (smallest top softmax) the
+    views' weighted sum, the plain pass standing for the first view's:
         logits(x) = sum_v w_v model(v(x))"""
     def forward(x):  # the last batch zero-padded, every view in one memory format: one shape, one graph
         padded = torch.cat([x, x.new_zeros((batch_size - len(x), *x.shape[1:]))]) if len(x) < batch_size else x
