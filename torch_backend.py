@@ -468,9 +468,8 @@ def tta_logits(model, images, tta=None, *, batch_size=1000):
 def loss_and_accuracy(model, images, labels, *, dtype=torch.float32, batch_size=1000, tta=None):
     """Mean loss and accuracy of model on images, with test-time augmentation tta (tta_logits)."""
     was_training = model.training
-    model.eval()
     with devices.autocast(images.device, dtype):
-        logits = tta_logits(model, images, tta, batch_size=min(batch_size, len(images)))
+        logits = tta_logits(model.eval(), images, tta, batch_size=min(batch_size, len(images)))
     model.train(was_training)
     loss, correct = torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
                                  (logits.argmax(1) == labels).sum().float()]).tolist()
