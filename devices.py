@@ -357,6 +357,11 @@ def float64_device(device):
     return torch.device(device) if has_float64(device) else torch.device("cpu")
 
 
+def in_float64(t):
+    """t in float64 for a small decomposition, on its device where that has float64, else on the CPU."""
+    return t.to(float64_device(t.device), torch.float64)
+
+
 def memory_format(device):
     """channels_last on a CUDA GPU; contiguous elsewhere (the CPU's channels_last batch norm is inexact: perf-notes)."""
     return torch.channels_last if torch.device(device).type == "cuda" else torch.contiguous_format

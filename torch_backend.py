@@ -40,8 +40,8 @@ class NetworkSettings:
     dirac_init: bool = knob(False, doc="convolutions start as the identity (Jordan 2024)")
     output_scale: float = knob(0.125, above=0, doc="the logits x this")
     head_unit_std: bool = knob(False, doc="the head starts at unit std, the logits / its width (airbench94_muon)")
-    global_max_pool: bool = knob(True, doc="the last map max-pooled whole (a smaller image too pools to 1x1); "
-                                           "false: the published networks' fixed window")
+    global_max_pool: bool = knob(True, doc="the last map max-pooled whole (any size pools to 1x1); false: the "
+                                           "published networks' fixed window")
 
     def check(self):
         if not self.global_max_pool and self.model not in FINAL_POOL_WINDOWS:
@@ -110,13 +110,15 @@ class BatchNormSettings:
     freeze_scale: bool = knob(False, doc="the scales stay 1; only the biases learn")
 
 
-class BatchNorm(GhostBatchNorm):
-    """GhostBatchNorm of c channels with the settings bn (BatchNormSettings)."""
-
-    def __init__(self, c, bn):
-        super().__init__(c, eps=bn.eps, momentum=bn.momentum, group=bn.ghost_batch, grouping=bn.ghost_grouping,
-                         wide_stats=False)
-        self.weight.requires_grad_(not bn.freeze_scale)
+def batch_norm(c, bn):
+    """Batch norm of c channels with the settings bn (BatchNormSettings)."""
+    if bn.ghost_batch:
+        layer = GhostBatchNorm(c, eps=bn.eps, momentum=bn.momentum, group=bn.ghost_batch, grouping=bn.ghost_grouping,
+                               wide_stats=False)
+    else:
+        layer = nn.BatchNorm2d(c, eps=bn.eps, momentum=bn.momentum)
+    layer.weight.requires_grad_(not bn.freeze_scale)
+    return layer
 
 
 def activation(net, act=None):
@@ -134,7 +136,7 @@ def conv(c_in, c_out, net, kernel=3):
 def conv_bn(c_in, c_out, r, *, pool=False, kernel=3):
     """conv -> batch norm -> activation, with an optional 2x2 max-pool after it, or moved to straight after the conv
     (net.pool_first), which does the same maths on 4x fewer pixels."""
-    layers = [conv(c_in, c_out, r.network, kernel), BatchNorm(c_out, r.batch_norm), activation(r.network)]
+    layers = [conv(c_in, c_out, r.network, kernel), batch_norm(c_out, r.batch_norm), activation(r.network)]
     if pool:
         layers.insert(1 if r.network.pool_first else 3, nn.MaxPool2d(2))
     return nn.Sequential(*layers)
@@ -177,7 +179,7 @@ class GlobalMaxPool(nn.Module):
 
 @dataclass(frozen=True)
 class WhiteningFit:
-    """A reference's whitening fit: images, covariance centred or not, / (n - ddof), by eigh or svd."""
+    """A reference's whitening fit: the terms of fit_whitening's formula."""
     name: str
     images: int
     centre: bool
@@ -195,7 +197,7 @@ WHITENING_FITS = {f.name: f for f in (
 class WhiteningBiasSettings:
     """The whitening bias: trained its first `epochs`, then detached (airbench94)."""
     PREFIX = "bias"
-    epochs: float = knob(3.0, low=0, doc="epochs it trains before it is detached")
+    epochs: float = knob(3.0, low=0, doc="epochs before it is detached")
     lr_mult: float = knob(1.0, low=0, doc="its rate: the schedule's x this")
     init: str = knob("zero", choices=("zero", "default"), doc="default: the convolution's own (airbench94_muon)")
     decay: str = knob("none", choices=("none", "linear"), doc="linear: from its peak to 0 over its epochs")
@@ -205,8 +207,8 @@ class WhiteningBiasSettings:
 class WhiteningSettings:
     """Patch whitening (Myrtle 2018): a frozen first convolution whitening the images' patches."""
     PREFIX = "whiten"
-    size: int = knob(3, above=0, whole=True, doc="the whitened patches' side, in pixels")
-    pad: int = knob(1, low=0, whole=True, doc="the whitening convolution's padding")
+    size: int = knob(3, above=0, whole=True, doc="the patches' side, in pixels")
+    pad: int = knob(1, low=0, whole=True, doc="the convolution's padding")
     both_signs: bool = knob(False, doc="each filter and its negative (Jordan 2024)")
     eps: float = knob(1e-2, low=0, doc="added to each eigenvalue")
     act: str = knob("", choices=("",) + tuple(ACTIVATIONS), doc="the activation after it ('': the network's)")
@@ -223,7 +225,7 @@ class Whitening(nn.Conv2d):
         super().__init__(3, 3 * w.size ** 2 * (2 if w.both_signs else 1), w.size, padding=w.pad, bias=bool(w.bias))
         self.w = w
         self.weight.requires_grad_(False)
-        if w.bias:  # make_optimizers refuses a network that does not hand it over, and says how
+        if w.bias:  # make_optimizers refuses a network not handing it over, saying how
             self.bias.own_rate_from = "torch_backend.whitening_bias(model, steps_per_epoch)"
             if w.bias.init == "zero":
                 nn.init.zeros_(self.bias)
@@ -252,7 +254,7 @@ def fit_whitening(model, train_images, size, masters=None):
     patches = x.unfold(2, k, 1).unfold(3, k, 1).permute(0, 2, 3, 1, 4, 5).reshape(-1, 3 * k * k)  # a patch a row
     if fit.centre:
         patches = patches - patches.mean(0)
-    cov = (patches.T @ patches / (len(patches) - fit.ddof)).to(devices.float64_device(x.device), torch.float64)
+    cov = devices.in_float64(patches.T @ patches / (len(patches) - fit.ddof))
     if fit.decomp == "svd":  # cov is symmetric: its singular vectors are its eigenvectors, largest first
         eigvecs, eigvals, _ = torch.linalg.svd(cov)
     else:
@@ -261,9 +263,8 @@ def fit_whitening(model, train_images, size, masters=None):
     if white.w.both_signs:
         filters = torch.cat([filters, -filters])
     master = masters.weights([white.weight])[0] if masters else white.weight
-    master.copy_(filters.to(master.device, devices.wide_dtype(master.dtype)))
-    if master is not white.weight:
-        white.weight.copy_(master)
+    master.copy_(filters.to(master))
+    white.weight.copy_(master)  # the held bf16 copy, where there is one
 
 
 def widths(net, base):
@@ -271,7 +272,7 @@ def widths(net, base):
 
 
 def classifier(c, net, num_classes):
-    """The last max-pool (global, or the paper's window), the linear head and the logits' scale."""
+    """The last max-pool, the linear head and the logits' scale."""
     pool = GlobalMaxPool() if net.global_max_pool else nn.MaxPool2d(FINAL_POOL_WINDOWS[net.model])
     head = nn.Linear(c, num_classes, bias=False)
     if net.head_unit_std:
@@ -304,15 +305,15 @@ def resnet9(r, num_classes=10):
 def conv_group(c_in, c_out, r):
     """Jordan's block (airbench94's ConvGroup), or at block_depth 3 airbench96's (residual_group)."""
     net, bn = r.network, r.batch_norm
-    first = [conv(c_in, c_out, net), nn.MaxPool2d(2), BatchNorm(c_out, bn), activation(net)]
+    first = [conv(c_in, c_out, net), nn.MaxPool2d(2), batch_norm(c_out, bn), activation(net)]
     if net.block_depth == 3:
         return residual_group(first, c_out, r)
-    return nn.Sequential(*first, conv(c_out, c_out, net), BatchNorm(c_out, bn), activation(net))
+    return nn.Sequential(*first, conv(c_out, c_out, net), batch_norm(c_out, bn), activation(net))
 
 
 def residual_group(first, c, r):
     """airbench96's block: the layers `first`, then x <- act(x + BN(conv(act(BN(conv(x))))))."""
-    unit = lambda: [conv(c, c, r.network), BatchNorm(c, r.batch_norm)]
+    unit = lambda: [conv(c, c, r.network), batch_norm(c, r.batch_norm)]
     return nn.Sequential(*first, Residual(*unit(), activation(r.network), *unit(), act=activation(r.network)))
 
 
@@ -331,7 +332,7 @@ class PreActBlock(nn.Module):
 
     def __init__(self, c_in, c_out, stride, r):
         super().__init__()
-        self.bn1, self.bn2 = BatchNorm(c_in, r.batch_norm), BatchNorm(c_out, r.batch_norm)
+        self.bn1, self.bn2 = batch_norm(c_in, r.batch_norm), batch_norm(c_out, r.batch_norm)
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.act = activation(r.network)
@@ -443,39 +444,32 @@ def check_tta_views(mode):
         raise ValueError(f"tta must be none, flip or flip_translate, not {mode!r}")
 
 
-def batched(fn, batch_size, *tensors):
-    """fn over the tensors' batches, the last zero-padded and cut back: one shape, one compiled graph."""
-    out = []
-    for parts in zip(*(t.split(batch_size) for t in tensors)):
-        short = batch_size - len(parts[0])
-        padded = [torch.cat([p, p.new_zeros((short, *p.shape[1:]))]) for p in parts] if short else parts
-        out.append(fn(*padded)[:batch_size - short])
-    return torch.cat(out)
-
-
 def tta_logits(model, images, tta=None, *, batch_size=1000):
-    """float32 (float64) logits of images, of tta's views for the tta.fraction the plain pass is least sure of."""
-    def forward(x):  # a copy: a CUDA graph's replay overwrites its outputs
-        logits = model(x.contiguous(memory_format=devices.memory_format(x.device)))  # every view alike: one graph
-        return logits.to(devices.wide_dtype(logits.dtype), copy=True)
-    logits = batched(forward, batch_size, images)
+    """float32 (float64) logits of images; with tta, of the tta.fraction least sure (smallest top softmax) the
+    views' weighted sum, the plain pass standing for the first view's:
+        logits(x) = sum_v w_v model(v(x))"""
+    def forward(x):  # the last batch zero-padded, every view in one memory format: one shape, one graph
+        padded = torch.cat([x, x.new_zeros((batch_size - len(x), *x.shape[1:]))]) if len(x) < batch_size else x
+        logits = model(padded.contiguous(memory_format=devices.memory_format(x.device)))[:len(x)]
+        return logits.to(devices.wide_dtype(logits.dtype), copy=True)  # a CUDA graph's replay overwrites its outputs
+    logits = torch.cat([forward(x) for x in images.split(batch_size)])
     n = round(tta.fraction * len(images)) if tta else 0
     if n:
         some = slice(None) if n == len(images) else logits.softmax(1).amax(1).topk(n, largest=False).indices
-        def views(x, plain):  # the views' weighted sum, the plain pass standing for the first's
+        sums = []
+        for x, plain in zip(images[some].split(batch_size), logits[some].split(batch_size)):
             (w, _), *rest = tta_views(x, tta.views, tta.weights)
-            return sum((v * forward(view) for v, view in rest), w * plain)
-        logits[some] = batched(views, batch_size, images[some], logits[some])
+            sums.append(sum((v * forward(view) for v, view in rest), w * plain))
+        logits[some] = torch.cat(sums)
     return logits
 
 
 @torch.no_grad()
 def loss_and_accuracy(model, images, labels, *, dtype=torch.float32, batch_size=1000, tta=None):
-    """Mean loss and accuracy of the model on images, with test-time augmentation tta (tta_logits)."""
+    """Mean loss and accuracy of model on images, with test-time augmentation tta (tta_logits)."""
     was_training = model.training
-    model.eval()
     with devices.autocast(images.device, dtype):
-        logits = tta_logits(model, images, tta, batch_size=min(batch_size, len(images)))
+        logits = tta_logits(model.eval(), images, tta, batch_size=min(batch_size, len(images)))
     model.train(was_training)
     loss, correct = torch.stack([F.cross_entropy(logits, labels, reduction="sum"),
                                  (logits.argmax(1) == labels).sum().float()]).tolist()

@@ -92,6 +92,15 @@ def test_sums_and_statistics_are_float32_but_in_a_float64_run(dtype, wide):
     assert torch.get_default_dtype() == before
 
 
+def test_a_small_decomposition_runs_in_float64_on_the_device_unless_it_has_none():
+    """Apple's MPS has no float64: the whitening's covariance goes to the CPU."""
+    assert [devices.float64_device(name) for name in ("cpu", "cuda:1", "mps")] == [torch.device(d) for d in (
+        "cpu", "cuda:1", "cpu")]
+    wide = devices.in_float64(torch.full((2, 2), 1 / 3, dtype=torch.bfloat16))
+    assert wide.dtype == torch.float64 and wide.device.type == "cpu"
+    assert torch.equal(wide, torch.full((2, 2), 1 / 3, dtype=torch.bfloat16).double())
+
+
 def test_where_a_store_lives(gpus, monkeypatch):
     """On the device when it fits beside training in the usable part of the free memory (asked there when it does
     not: one line naming --data-on host), else in host memory; on the CPU the two are one."""

@@ -73,7 +73,7 @@ def test_bf16_and_float32_paths_agree():
 
 def test_ghost_batch_norm_uses_per_group_statistics():
     torch.manual_seed(0)
-    bn = tb.BatchNorm(4, tb.BatchNormSettings(ghost_batch=8))
+    bn = tb.batch_norm(4, tb.BatchNormSettings(ghost_batch=8))
     x = torch.randn(32, 4, 5, 5) * 3 + 1
     y = bn(x)
     s = 32 // 8
@@ -93,7 +93,7 @@ def test_ghost_batch_norm_uses_per_group_statistics():
 def test_ghost_batch_norm_groups_consecutive_images_when_asked():
     """ghost_grouping consecutive: images 0-7 one group, 8-15 the next (ImageNet's, which micro-batches reproduce)."""
     torch.manual_seed(0)
-    bn = tb.BatchNorm(4, tb.BatchNormSettings(ghost_batch=8, ghost_grouping="consecutive"))
+    bn = tb.batch_norm(4, tb.BatchNormSettings(ghost_batch=8, ghost_grouping="consecutive"))
     x = torch.randn(32, 4, 5, 5) * 3 + 1
     y = bn(x)
     for k in range(4):
@@ -107,7 +107,7 @@ def test_ghost_batch_norm_makes_no_copy_of_a_channels_last_batch():
     """On a GPU batches are channels_last; a reshape to (g, s·c, h, w) would copy them (and back)."""
     from torch.utils._python_dispatch import TorchDispatchMode
     torch.manual_seed(0)
-    bn = tb.BatchNorm(4, tb.BatchNormSettings(ghost_batch=8))
+    bn = tb.batch_norm(4, tb.BatchNormSettings(ghost_batch=8))
     twin = copy.deepcopy(bn)
     x = (torch.randn(32, 4, 5, 5) * 3 + 1).requires_grad_()
     last = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
