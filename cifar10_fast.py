@@ -58,7 +58,7 @@ def train_run(r, built, o, *, ctx, seed, table=None):
     `table` (progress.epoch_table) and o.on_epoch."""
     data, net, device = built.data, built.network, torch.device(ctx.device)
     n, batch = len(data["train_labels"]), r.batch_size // ctx.world_size
-    dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
+    dtype = devices.compute_dtype(device, o.precision)
     steps_per_epoch, total_steps = run_steps(n, batch, r.epochs)
     seeds = run_seeds(seed, ctx.rank)
     masters = net.reset(seeds["init"])  # float32 masters of a GPU's bf16 weights
@@ -74,7 +74,7 @@ def train_run(r, built, o, *, ctx, seed, table=None):
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         sums, steps = torch.zeros(2, device=device), min(steps_per_epoch, total_steps - step)
         batches = islice(epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
-                                       batch_size=batch, memory_format=memory_format), steps)
+                                       batch_size=batch), steps)
         for x, y in with_progress(batches, steps, f"epoch {epoch + 1}", PROGRESS_AFTER_S, on=o.progress):
             lr = r.lr.at(step / total_steps)
             set_lr(opts, lr, step)

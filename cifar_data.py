@@ -460,23 +460,23 @@ def low_resolution(x, size, *, memory_format=torch.preserve_format):
                          align_corners=False).to(x.dtype, memory_format=memory_format)
 
 
-def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):
+def epoch_batches(data, augment, generator, *, batch_size, epoch=0, flip_base=None, order=None):
     """Yields one shuffled epoch's full batches (images, labels), augmented, at its side."""
     size, x, y = tuple(data["test_images"].shape[-2:]), data["train_images"], data["train_labels"]
     draws = draw_augmentation(len(x), size, augment, generator=generator, epoch=epoch, flip_base=flip_base,
                               device=x.device, order=order)
     side = pair(augment.resolution(epoch, size))
     if side == size:
-        x = augment_images(x, draws, size, augment.cutout, memory_format=memory_format)
+        x = augment_images(x, draws, size, augment.cutout, memory_format=devices.memory_format(x.device))
     else:
-        x = resized_images(x, draws, size, side, cutout=augment.cutout, memory_format=memory_format)
+        x = resized_images(x, draws, size, side, cutout=augment.cutout)
     y = y[draws["perm"]]
     for i in range(0, len(x) - batch_size + 1, batch_size):
         yield x[i:i + batch_size], y[i:i + batch_size]
 
 
-def resized_images(x, draws, size, side, *, cutout, memory_format):
-    """The padded images x with one epoch's draws applied (augment_images), resized to `side` in memory_format."""
-    # resized from NCHW, and laid out as memory_format by the resize's cast
+def resized_images(x, draws, size, side, *, cutout):
+    """The padded images x with one epoch's draws applied (augment_images), resized to `side`."""
+    # resized from NCHW, and laid out as the device's by the resize's cast
     x = augment_images(x, draws, size, cutout)
-    return low_resolution(x, side, memory_format=memory_format)
+    return low_resolution(x, side, memory_format=devices.memory_format(x.device))
