@@ -431,13 +431,13 @@ def cutout_mask(cy, cx, size, patch):
 
 def augment_images(x, draws, size, cutout, *, memory_format=torch.contiguous_format):
     """The padded images with one epoch's draws applied, in their order (perm): crops and flips in one gather."""
-    dy, dx, flip, order = draws.get("dy"), draws.get("dx"), draws.get("flip"), draws["perm"]
-    h, w = pair(size)
-    i = torch.arange(h, device=x.device)
-    j = i if w == h else torch.arange(w, device=x.device)
-    rows = i if dy is None else dy[:, None] + i
-    cols = j if flip is None else torch.where(flip[:, None], w - 1 - j, j)
-    cols = cols if dx is None else dx[:, None] + cols
+    order, (h, w) = draws["perm"], pair(size)
+    rows = torch.arange(h, device=x.device)
+    cols = rows if w == h else torch.arange(w, device=x.device)
+    if "flip" in draws:
+        cols = torch.where(draws["flip"][:, None], w - 1 - cols, cols)
+    if "dy" in draws:
+        rows, cols = draws["dy"][:, None] + rows, draws["dx"][:, None] + cols
     rows, cols = (t[order] if t.dim() == 2 else t for t in (rows, cols))      # each image's, in the epoch's order
     # channels sliced, not indexed, come last: the (N, h, w, C) gathered is NCHW's layout
     if memory_format == torch.channels_last:

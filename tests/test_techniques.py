@@ -116,7 +116,7 @@ def test_flip_translate_views_are_what_they_claim():
 def test_lookahead_matches_its_formula():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
-    la = T.LookaheadAverage(model, momentum=0.95, every=5)
+    la = T.LookaheadAverage(model, T.LookaheadSettings(momentum=0.95, every=5))
     slow = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.add_(2.0)                                            # the fast weights move
