@@ -65,7 +65,7 @@ def train_run(r, built, o, *, ctx, seed, table=None):
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
     bias = whitening_bias(net.module, steps_per_epoch)  # its own rate, then detached (airbench94)
     opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, own_rates=[bias], masters=masters)
-    flip_base = flip_bits(n, augment, device) if r.augment.flip == "alternate" else None
+    flip_base = flip_bits(n, augment) if r.augment.flip == "alternate" else None
     clock = EpochClock(devices.timer(device), o, columns=COLUMNS, accuracy="test_acc", table=table)
     fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:], masters)
     average = averaging(net.module, ema=r.ema, lookahead=r.lookahead, tail=r.lookahead_tail,

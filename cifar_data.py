@@ -385,15 +385,15 @@ class AugmentSettings:
         return self.resolution_schedule[epoch] if epoch < len(self.resolution_schedule) else full
 
 
-def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, device=None, order=None):
+def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, order=None):
     """{what: tensor}: one epoch's random draws for n images. Alternate flips (Jordan 2024), jitter:
     flip_i = flip_base_i xor (epoch odd);  x <- (x + b) c,  b ~ U(±jitter_brightness), c ~ 1 + U(±jitter_contrast)"""
-    device, pad = device or generator.device, augment.crop_pad
+    device, pad = generator.device, augment.crop_pad
     draws = {"perm": torch.randperm(n, device=device, generator=order or generator)}
     if pad:
         draws["dy"], draws["dx"] = torch.randint(0, 2 * pad + 1, (2, n), device=device, generator=generator)
     if augment.flip == "random":
-        draws["flip"] = flip_bits(n, generator, device)
+        draws["flip"] = flip_bits(n, generator)
     elif augment.flip == "alternate":
         draws["flip"] = ~flip_base if epoch % 2 else flip_base
     if augment.cutout:
@@ -415,8 +415,8 @@ def cutout_corners(n, size, cutout, *, generator, device):
     return draw(h - cutout + 1, (n,)), draw(w - cutout + 1, (n,))
 
 
-def flip_bits(n, generator, device=None):
-    return torch.rand(n, device=device or generator.device, generator=generator) < 0.5
+def flip_bits(n, generator):
+    return torch.rand(n, device=generator.device, generator=generator) < 0.5
 
 
 def cutout_mask(cy, cx, size, patch):
@@ -463,8 +463,7 @@ def low_resolution(x, size, *, memory_format=torch.preserve_format):
 def epoch_batches(data, augment, generator, *, batch_size, epoch=0, flip_base=None, order=None):
     """Yields one shuffled epoch's full batches (images, labels), augmented, at its side."""
     size, x, y = tuple(data["test_images"].shape[-2:]), data["train_images"], data["train_labels"]
-    draws = draw_augmentation(len(x), size, augment, generator=generator, epoch=epoch, flip_base=flip_base,
-                              device=x.device, order=order)
+    draws = draw_augmentation(len(x), size, augment, generator=generator, epoch=epoch, flip_base=flip_base, order=order)
     side = pair(augment.resolution(epoch, size))
     if side == size:
         x = augment_images(x, draws, size, augment.cutout, memory_format=devices.memory_format(x.device))
