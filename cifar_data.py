@@ -397,7 +397,7 @@ def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, o
     elif augment.flip == "alternate":
         draws["flip"] = ~flip_base if epoch % 2 else flip_base
     if augment.cutout:
-        draws["cy"], draws["cx"] = cutout_corners(n, size, augment.cutout, generator=generator, device=device)
+        draws["cy"], draws["cx"] = cutout_corners(n, size, augment.cutout, generator)
     if augment.jitter_brightness or augment.jitter_contrast:
         u = torch.rand(2, n, device=device, generator=generator) * 2 - 1
         u[0].mul_(augment.jitter_brightness)
@@ -406,10 +406,10 @@ def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, o
     return draws
 
 
-def cutout_corners(n, size, cutout, *, generator, device):
+def cutout_corners(n, size, cutout, generator):
     """(rows, columns) of n cutout squares' top-left corners in images of `size`."""
     h, w = pair(size)
-    draw = lambda high, shape: torch.randint(0, high, shape, device=device, generator=generator)
+    draw = lambda high, shape: torch.randint(0, high, shape, device=generator.device, generator=generator)
     if h == w:      # both corners in one call, as square images always drew them (a seed trains as it did)
         return draw(h - cutout + 1, (2, n))
     return draw(h - cutout + 1, (n,)), draw(w - cutout + 1, (n,))

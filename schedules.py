@@ -55,8 +55,7 @@ def per_rank_batch(global_batch, world):
 class LRSettings:
     """The learning rate over the run, linear between knots."""
     PREFIX = "lr"
-    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1,
-                        doc="where the rate's linear pieces meet, as fractions of the run")
+    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1, doc="fractions of the run where the rate's linear pieces meet")
     values: tuple = knob((0.0, 0.4, 0.0), low=0, doc="the rate at each knot (in --lr-units)")
     floor: float = knob(0.0, low=0, high=1, doc="a floor under the rate, as a fraction of its peak (E1: 0.05; 0: none)")
 
