@@ -370,7 +370,7 @@ def pair(size):
 
 @dataclass(frozen=True, kw_only=True)
 class AugmentSettings:
-    """Each epoch's augmentation, drawn for all images at once, and the side it trains at."""
+    """Each epoch's augmentation and the side it trains at."""
     PREFIX = ""
     crop_pad: int = knob(4, low=0, whole=True, doc="random crops of the images padded by this")
     flip: str = knob("random", choices=("none", "random", "alternate"),
@@ -378,8 +378,8 @@ class AugmentSettings:
     cutout: int = knob(8, low=0, whole=True, doc="a square of this side set to 0")
     jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image (the record)")
     jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image (the record)")
-    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i's side in pixels (resized antialiased); "
-                                      "past the list, the images' own (24,24,28: 2 epochs at 24, 1 at 28, then 32)")
+    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i's side in pixels (resized antialiased), "
+                                      "then the images' own (24,24,28: 2 epochs at 24, 1 at 28, then 32)")
 
     def resolution(self, epoch, full):
         return self.resolution_schedule[epoch] if epoch < len(self.resolution_schedule) else full
@@ -462,14 +462,14 @@ def low_resolution(x, size, *, memory_format=torch.preserve_format):
 
 def epoch_batches(data, augment, generator, *, batch_size, epoch=0, flip_base=None, order=None):
     """Yields one shuffled epoch's full batches (images, labels), augmented, at its side."""
-    size, x, y = tuple(data["test_images"].shape[-2:]), data["train_images"], data["train_labels"]
+    size, x = tuple(data["test_images"].shape[-2:]), data["train_images"]
     draws = draw_augmentation(len(x), size, augment, generator=generator, epoch=epoch, flip_base=flip_base, order=order)
     side = pair(augment.resolution(epoch, size))
     if side == size:
         x = augment_images(x, draws, size, augment.cutout, memory_format=devices.memory_format(x.device))
     else:
         x = resized_images(x, draws, size, side, cutout=augment.cutout)
-    y = y[draws["perm"]]
+    y = data["train_labels"][draws["perm"]]
     for i in range(0, len(x) - batch_size + 1, batch_size):
         yield x[i:i + batch_size], y[i:i + batch_size]
 

@@ -219,6 +219,6 @@ def averaging(model, *, ema=None, lookahead=None, tail=None, steps_per_epoch=Non
 
 def evaluation_model(model, average, masters=None):
     """The EMA's network, else the model (given masters, a float32 copy holding them)."""
-    if average is not None and average.model is not None:
+    if getattr(average, "model", None) is not None:
         return average.model
     return masters.float_copy(model) if masters else model
