@@ -58,14 +58,14 @@ def train_run(r, built, o, *, ctx, seed, table=None):
     `table` (progress.epoch_table) and o.on_epoch."""
     data, net, device = built.data, built.network, torch.device(ctx.device)
     n, batch = len(data["train_labels"]), r.batch_size // ctx.world_size
-    dtype, memory_format = devices.compute_dtype(device, o.precision), devices.memory_format(device)
+    dtype = devices.compute_dtype(device, o.precision)
     steps_per_epoch, total_steps = run_steps(n, batch, r.epochs)
     seeds = run_seeds(seed, ctx.rank)
     masters = net.reset(seeds["init"])  # float32 masters of a GPU's bf16 weights
     order, augment = (devices.generator(device, seeds[k]) for k in ("order", "augment"))
     bias = whitening_bias(net.module, steps_per_epoch)  # its own rate, then detached (airbench94)
     opts = make_optimizers(net.module, r, steps_per_epoch, ctx.world_size, own_rates=[bias], masters=masters)
-    flip_base = flip_bits(n, augment, device) if r.augment.flip == "alternate" else None
+    flip_base = flip_bits(n, augment) if r.augment.flip == "alternate" else None
     clock = EpochClock(devices.timer(device), o, columns=COLUMNS, accuracy="test_acc", table=table)
     fit_whitening(net.module, data.get("whiten_images", data["train_images"]), data["test_images"].shape[-2:], masters)
     average = averaging(net.module, ema=r.ema, lookahead=r.lookahead, tail=r.lookahead_tail,
@@ -74,7 +74,7 @@ def train_run(r, built, o, *, ctx, seed, table=None):
     for epoch in range(math.ceil(total_steps / steps_per_epoch)):
         sums, steps = torch.zeros(2, device=device), min(steps_per_epoch, total_steps - step)
         batches = islice(epoch_batches(data, r.augment, augment, order=order, epoch=epoch, flip_base=flip_base,
-                                       batch_size=batch, memory_format=memory_format), steps)
+                                       batch_size=batch), steps)
         for x, y in with_progress(batches, steps, f"epoch {epoch + 1}", PROGRESS_AFTER_S, on=o.progress):
             lr = r.lr.at(step / total_steps)
             set_lr(opts, lr, step)

@@ -370,7 +370,7 @@ def pair(size):
 
 @dataclass(frozen=True, kw_only=True)
 class AugmentSettings:
-    """Each epoch's augmentation, drawn for all images at once, and the side it trains at."""
+    """Each epoch's augmentation and the side it trains at."""
     PREFIX = ""
     crop_pad: int = knob(4, low=0, whole=True, doc="random crops of the images padded by this")
     flip: str = knob("random", choices=("none", "random", "alternate"),
@@ -378,26 +378,26 @@ class AugmentSettings:
     cutout: int = knob(8, low=0, whole=True, doc="a square of this side set to 0")
     jitter_brightness: float = knob(0.0, low=0, doc="+- this, per image (the record)")
     jitter_contrast: float = knob(0.0, low=0, doc="x 1 +- this, per image (the record)")
-    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i's side in pixels (resized antialiased); "
-                                      "past the list, the images' own (24,24,28: 2 epochs at 24, 1 at 28, then 32)")
+    resolution_schedule: tuple = knob((), above=0, whole=True, doc="epoch i's side in pixels (resized antialiased), "
+                                      "then the images' own (24,24,28: 2 epochs at 24, 1 at 28, then 32)")
 
     def resolution(self, epoch, full):
         return self.resolution_schedule[epoch] if epoch < len(self.resolution_schedule) else full
 
 
-def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, device=None, order=None):
+def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, order=None):
     """{what: tensor}: one epoch's random draws for n images. Alternate flips (Jordan 2024), jitter:
     flip_i = flip_base_i xor (epoch odd);  x <- (x + b) c,  b ~ U(±jitter_brightness), c ~ 1 + U(±jitter_contrast)"""
-    device, pad = device or generator.device, augment.crop_pad
+    device, pad = generator.device, augment.crop_pad
     draws = {"perm": torch.randperm(n, device=device, generator=order or generator)}
     if pad:
         draws["dy"], draws["dx"] = torch.randint(0, 2 * pad + 1, (2, n), device=device, generator=generator)
     if augment.flip == "random":
-        draws["flip"] = flip_bits(n, generator, device)
+        draws["flip"] = flip_bits(n, generator)
     elif augment.flip == "alternate":
         draws["flip"] = ~flip_base if epoch % 2 else flip_base
     if augment.cutout:
-        draws["cy"], draws["cx"] = cutout_corners(n, size, augment.cutout, generator=generator, device=device)
+        draws["cy"], draws["cx"] = cutout_corners(n, size, augment.cutout, generator)
     if augment.jitter_brightness or augment.jitter_contrast:
         u = torch.rand(2, n, device=device, generator=generator) * 2 - 1
         u[0].mul_(augment.jitter_brightness)
@@ -406,17 +406,17 @@ def draw_augmentation(n, size, augment, *, generator, epoch=0, flip_base=None, d
     return draws
 
 
-def cutout_corners(n, size, cutout, *, generator, device):
+def cutout_corners(n, size, cutout, generator):
     """(rows, columns) of n cutout squares' top-left corners in images of `size`."""
     h, w = pair(size)
-    draw = lambda high, shape: torch.randint(0, high, shape, device=device, generator=generator)
+    draw = lambda high, shape: torch.randint(0, high, shape, device=generator.device, generator=generator)
     if h == w:      # both corners in one call, as square images always drew them (a seed trains as it did)
         return draw(h - cutout + 1, (2, n))
     return draw(h - cutout + 1, (n,)), draw(w - cutout + 1, (n,))
 
 
-def flip_bits(n, generator, device=None):
-    return torch.rand(n, device=device or generator.device, generator=generator) < 0.5
+def flip_bits(n, generator):
+    return torch.rand(n, device=generator.device, generator=generator) < 0.5
 
 
 def cutout_mask(cy, cx, size, patch):
@@ -431,13 +431,13 @@ def cutout_mask(cy, cx, size, patch):
 
 def augment_images(x, draws, size, cutout, *, memory_format=torch.contiguous_format):
     """The padded images with one epoch's draws applied, in their order (perm): crops and flips in one gather."""
-    dy, dx, flip, order = draws.get("dy"), draws.get("dx"), draws.get("flip"), draws["perm"]
-    h, w = pair(size)
-    i = torch.arange(h, device=x.device)
-    j = i if w == h else torch.arange(w, device=x.device)
-    rows = i if dy is None else dy[:, None] + i
-    cols = j if flip is None else torch.where(flip[:, None], w - 1 - j, j)
-    cols = cols if dx is None else dx[:, None] + cols
+    order, (h, w) = draws["perm"], pair(size)
+    rows = torch.arange(h, device=x.device)
+    cols = rows if w == h else torch.arange(w, device=x.device)
+    if "flip" in draws:
+        cols = torch.where(draws["flip"][:, None], w - 1 - cols, cols)
+    if "dy" in draws:
+        rows, cols = draws["dy"][:, None] + rows, draws["dx"][:, None] + cols
     rows, cols = (t[order] if t.dim() == 2 else t for t in (rows, cols))      # each image's, in the epoch's order
     # channels sliced, not indexed, come last: the (N, h, w, C) gathered is NCHW's layout
     if memory_format == torch.channels_last:
@@ -460,23 +460,22 @@ def low_resolution(x, size, *, memory_format=torch.preserve_format):
                          align_corners=False).to(x.dtype, memory_format=memory_format)
 
 
-def epoch_batches(data, augment, generator, *, batch_size, memory_format, epoch=0, flip_base=None, order=None):
+def epoch_batches(data, augment, generator, *, batch_size, epoch=0, flip_base=None, order=None):
     """Yields one shuffled epoch's full batches (images, labels), augmented, at its side."""
-    size, x, y = tuple(data["test_images"].shape[-2:]), data["train_images"], data["train_labels"]
-    draws = draw_augmentation(len(x), size, augment, generator=generator, epoch=epoch, flip_base=flip_base,
-                              device=x.device, order=order)
+    size, x = tuple(data["test_images"].shape[-2:]), data["train_images"]
+    draws = draw_augmentation(len(x), size, augment, generator=generator, epoch=epoch, flip_base=flip_base, order=order)
     side = pair(augment.resolution(epoch, size))
     if side == size:
-        x = augment_images(x, draws, size, augment.cutout, memory_format=memory_format)
+        x = augment_images(x, draws, size, augment.cutout, memory_format=devices.memory_format(x.device))
     else:
-        x = resized_images(x, draws, size, side, cutout=augment.cutout, memory_format=memory_format)
-    y = y[draws["perm"]]
+        x = resized_images(x, draws, size, side, cutout=augment.cutout)
+    y = data["train_labels"][draws["perm"]]
     for i in range(0, len(x) - batch_size + 1, batch_size):
         yield x[i:i + batch_size], y[i:i + batch_size]
 
 
-def resized_images(x, draws, size, side, *, cutout, memory_format):
-    """The padded images x with one epoch's draws applied (augment_images), resized to `side` in memory_format."""
-    # resized from NCHW, and laid out as memory_format by the resize's cast
+def resized_images(x, draws, size, side, *, cutout):
+    """The padded images x with one epoch's draws applied (augment_images), resized to `side`."""
+    # resized from NCHW, and laid out as the device's by the resize's cast
     x = augment_images(x, draws, size, cutout)
-    return low_resolution(x, side, memory_format=memory_format)
+    return low_resolution(x, side, memory_format=devices.memory_format(x.device))

@@ -53,13 +53,11 @@ def per_rank_batch(global_batch, world):
 
 @dataclass(frozen=True, kw_only=True)
 class LRSettings:
-    """The learning rate over the run (in --lr-units), linear between knots."""
+    """The learning rate over the run, linear between knots."""
     PREFIX = "lr"
-    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1,
-                        doc="where the rate's linear pieces meet, as fractions of the run")
+    knots: tuple = knob((0, 5 / 24, 1), low=0, high=1, doc="fractions of the run where the rate's linear pieces meet")
     values: tuple = knob((0.0, 0.4, 0.0), low=0, doc="the rate at each knot (in --lr-units)")
-    floor: float = knob(0.0, low=0, high=1, doc="the rate's floor, as a fraction of its peak: linear down to it, "
-                        "then held (E1: 0.05; 0: none)")
+    floor: float = knob(0.0, low=0, high=1, doc="a floor under the rate, as a fraction of its peak (E1: 0.05; 0: none)")
 
     def check(self):
         if len(self.knots) != len(self.values):
@@ -71,12 +69,12 @@ class LRSettings:
     def at(self, t):
         """The rate at t (a fraction of the run)."""
         k, v = self.knots, self.values
-        i = bisect.bisect_left(k, t)  # the first knot at or after t
-        if i in (0, len(k)) or k[i] == k[i - 1]:
-            rate = float(v[min(i, len(v) - 1)])
+        i = bisect.bisect_left(k, t)  # k[i - 1] < t <= k[i]
+        if i in (0, len(k)):  # constant beyond the ends
+            rate = v[min(i, len(v) - 1)]
         else:
-            rate = float(v[i - 1] + (t - k[i - 1]) / (k[i] - k[i - 1]) * (v[i] - v[i - 1]))
-        return max(rate, self.floor * max(v))
+            rate = v[i - 1] + (t - k[i - 1]) / (k[i] - k[i - 1]) * (v[i] - v[i - 1])
+        return max(float(rate), self.floor * max(v))
 
 
 # ----------------------------------------------------------------------------------------------------------

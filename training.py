@@ -37,8 +37,8 @@ class RunOptions:
 def train_step(forward, optimizers, x, y, *, label_smoothing, dtype):
     """One step on the batch-summed loss (forward's own where it takes labels: WithLoss): its sums, unread."""
     with devices.autocast(x.device, dtype):
-        takes_labels = getattr(forward, "takes_labels", False)
-        loss, sums = forward(x, y) if takes_labels else loss_and_sums(forward(x), y, label_smoothing=label_smoothing)
+        loss, sums = (forward(x, y) if getattr(forward, "takes_labels", False)
+                      else loss_and_sums(forward(x), y, label_smoothing=label_smoothing))
     loss.backward()
     for opt in optimizers:
         opt.step()
@@ -116,13 +116,13 @@ class LookaheadTailSettings:
 
 
 class ExponentialAverage:
-    """Exponential moving average of a model's parameters (their float32 masters, where masters holds them) and
-    batch-norm statistics, updated every `every` steps with decay momentum**every (so `momentum` is per step); the
-    averaged model, in float32, is the one evaluated."""
+    """Exponential moving average (settings: EMASettings) of a model's parameters (their float32 masters, where
+    masters holds them) and batch-norm statistics, updated every `every` steps with decay momentum**every (so
+    `momentum` is per step); the averaged model, in float32, is the one evaluated."""
 
-    def __init__(self, model, momentum, every, masters=None):
+    def __init__(self, model, settings, masters=None):
         self.model = masters.float_copy(model) if masters else copy.deepcopy(model)
-        self.rho, self.every, self.masters = momentum ** every, every, masters
+        self.rho, self.every, self.masters = settings.momentum ** settings.every, settings.every, masters
 
     @torch.no_grad()
     def update(self, model, step, total_steps):
@@ -147,14 +147,15 @@ def pull_and_hand_over(average, weights, weight, masters):
 
 
 class LookaheadAverage:
-    """Lookahead (Zhang et al. 2019) as weight averaging (Jordan 2024), every `every` steps, of the weights (their
-    float32 masters, where masters holds them, whose copies then take them), handed over whole at the last step:
+    """Lookahead (Zhang et al. 2019) as weight averaging (Jordan 2024; settings: LookaheadSettings), every `every`
+    steps, of the weights (their float32 masters, where masters holds them, whose copies then take them), handed over
+    whole at the last step:
         slow <- slow + (1 - decay)(fast - slow);  fast <- slow;  decay = momentum^every x (step / total steps)^3"""
     model = None
 
-    def __init__(self, model, momentum, every, masters=None):
+    def __init__(self, model, settings, masters=None):
         self.slow = [t.detach().clone() for t in float_state(model, masters)]
-        self.momentum, self.every, self.masters = momentum, every, masters
+        self.momentum, self.every, self.masters = settings.momentum, settings.every, masters
 
     @torch.no_grad()
     def update(self, model, step, total_steps):
@@ -179,15 +180,16 @@ class LookaheadAverage:
 
 
 class LookaheadTail:
-    """Lookahead over a run's last `steps` steps (E1): the average starts as the weights (their float32 masters, where
-    masters holds them, whose copies then take them) and batch-norm statistics at the tail's first step, then every
-    `every` steps
+    """Lookahead over a run's last `epochs`, rounded up to whole steps (E1; settings: LookaheadTailSettings): the
+    average starts as the weights (their float32 masters, where masters holds them, whose copies then take them) and
+    batch-norm statistics at the tail's first step, then every `every` steps
         ema <- decay ema + (1 - decay) w;  w <- ema"""
     model = None
 
-    def __init__(self, model, decay, every, steps, masters=None):
+    def __init__(self, model, settings, steps_per_epoch, masters=None):
         self.ema = [t.detach().clone() for t in float_state(model, masters)]     # made once; the tail's start fills it
-        self.decay, self.every, self.steps, self.masters = decay, every, steps, masters
+        self.decay, self.every, self.masters = settings.decay, settings.every, masters
+        self.steps = math.ceil(settings.epochs * steps_per_epoch)
 
     @torch.no_grad()
     def update(self, model, step, total_steps):
@@ -207,16 +209,16 @@ class LookaheadTail:
 def averaging(model, *, ema=None, lookahead=None, tail=None, steps_per_epoch=None, masters=None):
     """The run's weight average (of the float32 masters, given them), or None."""
     if ema:
-        return ExponentialAverage(model, ema.momentum, ema.every, masters)
+        return ExponentialAverage(model, ema, masters)
     if lookahead:
-        return LookaheadAverage(model, lookahead.momentum, lookahead.every, masters)
+        return LookaheadAverage(model, lookahead, masters)
     if tail:
-        return LookaheadTail(model, tail.decay, tail.every, math.ceil(tail.epochs * steps_per_epoch), masters)
+        return LookaheadTail(model, tail, steps_per_epoch, masters)
     return None
 
 
 def evaluation_model(model, average, masters=None):
     """The EMA's network, else the model (given masters, a float32 copy holding them)."""
-    if average is not None and average.model is not None:
+    if getattr(average, "model", None) is not None:
         return average.model
     return masters.float_copy(model) if masters else model

@@ -104,10 +104,9 @@ def ours(recipe, epoch, n=BATCHES * BATCH):
         data = cd.dataset_on_device(arrays, device, dtype=devices.compute_dtype(device), pad=r.augment.crop_pad,
                                     stats=((0.0,) * 3, (1.0,) * 3))
         g = devices.generator(device, 0)
-        base = cd.flip_bits(n, g, device) if r.augment.flip == "alternate" else None
+        base = cd.flip_bits(n, g) if r.augment.flip == "alternate" else None
         with EpochCount(n * 3 * 32 * 32 * 2) as count:
-            batches = list(cd.epoch_batches(data, r.augment, g, batch_size=n // BATCHES, epoch=epoch, flip_base=base,
-                                            memory_format=devices.memory_format(device)))
+            batches = list(cd.epoch_batches(data, r.augment, g, batch_size=n // BATCHES, epoch=epoch, flip_base=base))
     assert len(batches) == BATCHES
     return count.summary()
 

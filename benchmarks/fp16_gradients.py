@@ -99,8 +99,7 @@ def main(argv=None):
           "shares of the non-zero gradients (mass: of their summed magnitude)", flush=True)
     step = 0
     flip_base = cd.flip_bits(len(data["train_labels"]), gen) if r.augment.flip == "alternate" else None
-    for x, y in cd.epoch_batches(data, r.augment, gen, batch_size=args.batch_size, flip_base=flip_base,
-                                 memory_format=torch.contiguous_format):
+    for x, y in cd.epoch_batches(data, r.augment, gen, batch_size=args.batch_size, flip_base=flip_base):
         hooks = [m.register_forward_hook(keep_output) for m in leaves] if step in steps else []
         set_lr(opts, r.lr.at(step / total), step)
         loss = F.cross_entropy(model(x).float(), y, label_smoothing=r.label_smoothing, reduction="sum")

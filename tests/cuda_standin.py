@@ -70,6 +70,11 @@ class Generator(torch._C.Generator):
     def __init__(self, device="cpu"):
         pass
 
+    @property
+    def device(self):
+        """Its device, as a CUDA generator's (its draws are the CPU's)."""
+        return self.standin_device
+
 
 class Stream(torch.Stream):
     """torch.cuda.Stream: records what is asked of it (waits, events), in order (a torch.Stream, so that torch's own

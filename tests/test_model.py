@@ -178,7 +178,7 @@ def test_bias_lr_multiplier_groups():
 def test_ema_matches_its_formula():
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
-    ema = T.ExponentialAverage(model, momentum=0.9, every=2)
+    ema = T.ExponentialAverage(model, T.EMASettings(momentum=0.9, every=2))
     w0 = model.weight.detach().clone()
     with torch.no_grad():
         model.weight.add_(1.0)

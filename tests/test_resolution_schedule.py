@@ -119,11 +119,9 @@ def test_each_epoch_trains_at_its_side_in_the_schedule_and_the_last_map_pools_wh
     # what a 24 px epoch yields: that epoch's augmented 32 px images, resized
     g, h = (torch.Generator().manual_seed(1) for _ in range(2))
     base = cd.flip_bits(64, torch.Generator().manual_seed(0))
-    small = next(cd.epoch_batches(data, r.augment, g, batch_size=32, memory_format=torch.contiguous_format,
-                                  flip_base=base))[0]                                  # epoch 0: 24 px
+    small = next(cd.epoch_batches(data, r.augment, g, batch_size=32, flip_base=base))[0]      # epoch 0: 24 px
     whole = dataclasses.replace(r.augment, resolution_schedule=())
-    full = next(cd.epoch_batches(data, whole, h, batch_size=32, memory_format=torch.contiguous_format,
-                                 flip_base=base))[0]
+    full = next(cd.epoch_batches(data, whole, h, batch_size=32, flip_base=base))[0]
     torch.testing.assert_close(small, F.interpolate(full, size=(24, 24), mode="bilinear", antialias=True))
 
 

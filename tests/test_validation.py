@@ -155,7 +155,7 @@ def test_help_lists_the_allowed_values(capsys):
     import settings
     assert out.count("(default: ") >= len(settings.leaves(cf.Recipe))
     for shown in ("--block-widths X,X,X fastnet's three blocks' channels (default: 64,256,256)",
-                  "--lr-knots X,... where the rate's linear pieces meet, as fractions of the run (default: "
+                  "--lr-knots X,... fractions of the run where the rate's linear pieces meet (default: "
                   "0,0.20833333333333334,1)", "--bn-eps X added to the batch variance (default: 1e-05)",
                   "added to each eigenvalue (default: off; on: 0.01)",
                   "--whiten true|false Patch whitening (Myrtle 2018), on or off (default: off)"):
