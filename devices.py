@@ -324,6 +324,11 @@ def wide_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def low_dtype(dtype, low):
+    """low, the lower precision a technique keeps beside weights of dtype (None: theirs), but float64 in a float64 run."""
+    return torch.float64 if dtype == torch.float64 else low
+
+
 def float32_or_wider(t):
     """t upcast for sums and statistics: a half-precision tensor in float32, a float64 one as it is."""
     return t.to(wide_dtype(t.dtype))
@@ -344,6 +349,11 @@ def parameters_dtype(dtype):
 def has_float64(device):
     """Whether the device computes in float64 (Apple's MPS does not)."""
     return torch.device(device).type != "mps"
+
+
+def rate_dtype(device):
+    """The dtype of an optimiser's 0-d learning rate: float64, as torch.optim's Python float, where the device has it."""
+    return torch.float64 if has_float64(device) else torch.float32
 
 
 def sum_dtype(device):

@@ -92,7 +92,7 @@ def muon_step(filters, grads, buffers, lr, *, group):
     """Muon's step:  w = (w sqrt(rows) / |w| (if renorm) - lr sqrt(max(1, rows / cols)) NS(v))(1 - lr weight_decay)"""
     mats = [u.flatten(1) for u in momentum_step(grads, buffers, group["momentum"], group["nesterov"])]  # out x in k k
     ns = dict(steps=group["ns_steps"], coeffs=group["ns_coeffs"],
-              dtype=torch.float64 if filters[0].dtype == torch.float64 else torch.bfloat16)
+              dtype=devices.low_dtype(filters[0].dtype, torch.bfloat16))
     mats = newton_schulz_padded(mats, **ns) if group["batched"] else [newton_schulz(m, **ns) for m in mats]
     torch._foreach_mul_(filters, [torch.where(group["renorm"], n.reciprocal() * len(p) ** 0.5, 1.0)
                                   for n, p in zip(torch._foreach_norm(filters), filters)])
@@ -147,7 +147,7 @@ class MasterWeights(dict):
 
 def sgd_muon_step(groups):
     """Each group's step (sgd_step or muon_step) at rate x unit of the float32 masters, then their copies (held)."""
-    for step, weights, grads, buffers, rate, unit, held, settings in groups:
+    for (step, weights, buffers, rate, unit, held, settings), grads in groups:
         step(weights, [g.to(w.dtype) for g, w in zip(grads, weights)], buffers, rate * unit, group=settings)
         if held:  # as long as the group: a GPU's foreach kernel fuses it with the update
             torch._foreach_copy_(*held)
@@ -155,31 +155,32 @@ def sgd_muon_step(groups):
 
 class SGDAndMuon(torch.optim.Optimizer):
     """The optimiser of a recipe with Muon (make_optimizers): its SGD groups and Muon's ("filters", muon_group)
-    stepping as one function, sgd_muon_step, each group holding its step, the step's settings, its unit and its rate
-    (a 0-d tensor set_lr fills): compiled where Newton–Schulz is (CUDA; one graph whatever the rates, a second once the
-    whitening bias is detached), eager elsewhere. Muon's clock (its steps, its last renormalisation) is the host's:
-    whether a step renormalises depends on the step alone, and the device is told by a 0-d flag, filled where it
-    changes (fill). masters (MasterWeights): the float32 weights it steps for the parameters the network holds in a
-    lower precision, whose copies it then writes."""
+    stepping as one function, sgd_muon_step, given each group's grads and step_parts (made once: its step and the
+    step's settings, its weights, buffers, unit and rate, a 0-d tensor set_lr fills), a detached group skipped:
+    compiled where Newton–Schulz is (CUDA; one graph whatever the rates, a second once the whitening bias is
+    detached), eager elsewhere. Muon's clock (its steps, its last renormalisation) is the host's: whether a step
+    renormalises depends on the step alone, and the device is told by a 0-d flag, filled where it changes (fill).
+    masters (MasterWeights): the float32 weights it steps for the parameters the network holds in a lower precision,
+    whose copies it then writes."""
 
     def __init__(self, groups, *, momentum, nesterov, masters=None):
         super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
-        device, self.masters = groups[0]["params"][0].device, masters or MasterWeights()
-        self.lr = torch.zeros((), dtype=torch.float64 if devices.has_float64(device) else torch.float32, device=device)
-        self.renorm = torch.zeros((), dtype=torch.bool, device=device)  # whether a step renormalises
+        device, masters = groups[0]["params"][0].device, masters or MasterWeights()
+        self.lr = torch.zeros((), dtype=devices.rate_dtype(device), device=device)
         self.muon_steps = self.last_renorm = 0
         self.filled = {}  # id of a 0-d tensor: the value it was last filled with
         self.function = compiled(sgd_muon_step) if devices.compiles_helpers(device) else sgd_muon_step
         for g in self.param_groups:  # its rate x unit: its own (set_lr's group_rate) x 1, or the schedule's x lr_unit
             own = g["until_step"] is not None
             g["rate"], g["unit"] = (torch.zeros_like(self.lr), 1.0) if own else (self.lr, g["lr_unit"])
-            if g["name"] == "filters":  # its step, and its settings: constants of the graph
-                g["step"], g["settings"] = muon_step, {**{k: g[k] for k in MUON_STEP_SETTINGS}, "renorm": self.renorm}
-            else:
-                g["step"], g["settings"] = sgd_step, {k: g[k] for k in SGD_STEP_SETTINGS}
-            for p, w in zip(g["params"], self.masters.weights(g["params"])):
-                self.state[p]["momentum"] = torch.zeros_like(w, dtype=None if w.dtype == torch.float64 else
-                                                             g.get("momentum_dtype"))
+            if muon := g["name"] == "filters":  # told by a 0-d flag whether a step renormalises
+                g["renorm"] = torch.zeros((), dtype=torch.bool, device=device)
+            weights, copies = masters.weights(g["params"]), [p for p in g["params"] if p in masters]
+            buffers = [torch.zeros_like(w, dtype=devices.low_dtype(w.dtype, g.get("momentum_dtype"))) for w in weights]
+            self.state.update((p, {"momentum": v}) for p, v in zip(g["params"], buffers))
+            g["step_parts"] = (muon_step if muon else sgd_step, weights, buffers, g["rate"], g["unit"],
+                               copies and [copies, masters.weights(copies)],  # held in a lower precision: written too
+                               {k: g[k] for k in (MUON_STEP_SETTINGS if muon else SGD_STEP_SETTINGS)})
 
     def fill(self, scalar, value):
         """scalar filled with value unless it holds it."""
@@ -191,23 +192,19 @@ class SGDAndMuon(torch.optim.Optimizer):
     def step(self):
         groups = []
         for g in self.param_groups:
-            params = [p for p in g["params"] if p.grad is not None]
-            if not params:
+            if g["params"][0].grad is None:  # detached: a group's parameters have grads together or none
                 continue
-            if g["step"] is muon_step:  # Muon's clock, the host's: it renormalises every k steps, k from k0 to k1
+            if g["name"] == "filters":  # Muon's clock, the host's: it renormalises every k steps, k from k0 to k1
                 self.muon_steps += 1
                 t, (k0, k1) = self.muon_steps, g["renorm_every"]
                 if k0 and t - self.last_renorm >= k0 + (k1 - k0) * t // g["total_steps"]:
                     self.last_renorm = t
-                self.fill(self.renorm, self.last_renorm == t)
-            copies = [p for p in params if p in self.masters]  # held in a lower precision: written after the step
-            groups.append((g["step"], self.masters.weights(params), [p.grad for p in params],
-                           [self.state[p]["momentum"] for p in params], g["rate"], g["unit"],
-                           copies and [copies, self.masters.weights(copies)], g["settings"]))
+                self.fill(g["renorm"], self.last_renorm == t)
+            groups.append((g["step_parts"], [p.grad for p in g["params"]]))
         self.function(groups)
 
 
-MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "weight_decay")
+MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "weight_decay", "renorm")
 SGD_STEP_SETTINGS = ("momentum", "nesterov", "weight_decay")
 
 

@@ -92,6 +92,18 @@ def test_sums_and_statistics_are_float32_but_in_a_float64_run(dtype, wide):
     assert torch.get_default_dtype() == before
 
 
+@pytest.mark.parametrize("dtype, low, kept", [
+    (torch.float32, torch.float16, torch.float16), (torch.float32, torch.bfloat16, torch.bfloat16),
+    (torch.float32, None, None), (torch.float64, torch.bfloat16, torch.float64), (torch.float64, None, torch.float64)])
+def test_a_lower_precision_is_kept_but_in_a_float64_run(dtype, low, kept):
+    assert devices.low_dtype(dtype, low) == kept
+
+
+@pytest.mark.parametrize("name, dtype", [("cpu", torch.float64), ("cuda:0", torch.float64), ("mps", torch.float32)])
+def test_a_learning_rate_is_float64_where_the_device_has_it(name, dtype):
+    assert devices.rate_dtype(name) == dtype
+
+
 def test_where_a_store_lives(gpus, monkeypatch):
     """On the device when it fits beside training in the usable part of the free memory (asked there when it does
     not: one line naming --data-on host), else in host memory; on the CPU the two are one."""
