@@ -325,8 +325,16 @@ def wide_dtype(dtype):
 
 
 def low_dtype(dtype, low):
-    """low, the lower precision a technique keeps beside weights of dtype (None: theirs), but float64 in a float64 run."""
+    """low, the lower precision a technique keeps beside weights of dtype (None: theirs); float64 in a float64 run."""
     return torch.float64 if dtype == torch.float64 else low
+
+
+def scalar_for(t, value):
+    """value as a scalar that multiplies t: a float32 0-d tensor where t is half precision (a Python number would be
+    rounded to t's dtype), else value itself."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return torch.full((), value, dtype=torch.float32, device=t.device)
+    return value
 
 
 def float32_or_wider(t):
@@ -352,7 +360,7 @@ def has_float64(device):
 
 
 def rate_dtype(device):
-    """The dtype of an optimiser's 0-d learning rate: float64, as torch.optim's Python float, where the device has it."""
+    """The dtype of an optimiser's 0-d rate: float64 (as torch.optim's Python float) where the device has it."""
     return torch.float64 if has_float64(device) else torch.float32
 
 

@@ -80,10 +80,7 @@ class MuonSettings:
 
 def momentum_step(grads, buffers, momentum, nesterov):
     """v = momentum v + g (in place), then g + momentum v (nesterov) or v"""
-    m = momentum
-    if buffers[0].dtype in (torch.float16, torch.bfloat16):  # a Python scalar would be rounded to their dtype
-        m = torch.full((), m, dtype=torch.float32, device=buffers[0].device)
-    torch._foreach_mul_(buffers, m)
+    torch._foreach_mul_(buffers, devices.scalar_for(buffers[0], momentum))
     torch._foreach_add_(buffers, grads)
     return torch._foreach_add(grads, buffers, alpha=momentum) if nesterov else buffers
 
