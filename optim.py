@@ -167,9 +167,8 @@ class SGDAndMuon(torch.optim.Optimizer):
         self.muon_steps = self.last_renorm = 0
         self.filled = {}  # id of a 0-d tensor: the value it was last filled with
         self.function = compiled(sgd_muon_step) if devices.compiles_helpers(device) else sgd_muon_step
-        for g in self.param_groups:  # its rate x unit: its own (set_lr's group_rate) x 1, or the schedule's x lr_unit
-            own = g["until_step"] is not None
-            g["rate"], g["unit"] = (torch.zeros_like(self.lr), 1.0) if own else (self.lr, g["lr_unit"])
+        for g in self.param_groups:  # its rate x unit: the schedule's x lr_unit, or its own (set_lr's group_rate) x 1
+            g["rate"], g["unit"] = (self.lr, g["lr_unit"]) if g["until_step"] is None else (self.lr.new_zeros(()), 1.0)
             if muon := g["name"] == "filters":  # told by a 0-d flag whether a step renormalises
                 g["renorm"] = torch.zeros((), dtype=torch.bool, device=device)
             weights, copies = masters.weights(g["params"]), [p for p in g["params"] if p in masters]
@@ -187,18 +186,15 @@ class SGDAndMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        groups = []
-        for g in self.param_groups:
-            if g["params"][0].grad is None:  # detached: a group's parameters have grads together or none
-                continue
+        groups = [g for g in self.param_groups if g["params"][0].grad is not None]  # a group's grads come together
+        for g in groups:
             if g["name"] == "filters":  # Muon's clock, the host's: it renormalises every k steps, k from k0 to k1
                 self.muon_steps += 1
                 t, (k0, k1) = self.muon_steps, g["renorm_every"]
                 if k0 and t - self.last_renorm >= k0 + (k1 - k0) * t // g["total_steps"]:
                     self.last_renorm = t
                 self.fill(g["renorm"], self.last_renorm == t)
-            groups.append((g["step_parts"], [p.grad for p in g["params"]]))
-        self.function(groups)
+        self.function([(g["step_parts"], [p.grad for p in g["params"]]) for g in groups])
 
 
 MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "weight_decay", "renorm")
