@@ -41,11 +41,10 @@ def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, dtype=torch.bfloat16):
 
 def newton_schulz_padded(mats, steps=5, coeffs=MUON_COEFFS, dtype=torch.bfloat16):
     """newton_schulz of every matrix in one call, each zero-padded to the largest (zero rows stay zero)."""
-    rows = max(m.shape[0] for m in mats)
+    rows = max(len(m) for m in mats)
     cols = -(-max(m.shape[1] for m in mats) // 16) * 16  # a multiple of 16, for the tensor cores
-    batch = torch.stack([F.pad(m.to(dtype), (0, cols - m.shape[1], 0, rows - m.shape[0])) for m in mats])
-    out = newton_schulz(batch, steps, coeffs, dtype=dtype)
-    return [o[:m.shape[0], :m.shape[1]].to(m.dtype) for o, m in zip(out, mats)]
+    batch = torch.stack([F.pad(m.to(dtype), (0, cols - m.shape[1], 0, rows - len(m))) for m in mats])
+    return [o[:len(m), :m.shape[1]].to(m.dtype) for o, m in zip(newton_schulz(batch, steps, coeffs, dtype=dtype), mats)]
 
 
 _COMPILED = {}
@@ -71,10 +70,10 @@ class MuonSettings:
     momentum: float = knob(0.6, low=0, high=1, doc="Muon's momentum")
     ns_steps: int = knob(3, low=0, whole=True, doc="Newton-Schulz iterations per step")
     ns_coeffs: tuple = numbers(MUON_COEFFS, doc="Newton-Schulz's a, b, c: X <- aX + bAX + cA²X, A = XXᵀ")
-    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="the filters back to their norm every k steps, k "
-                                  "growing from the first to the second over the run (0: never)")
+    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="filters back to their norm every k steps, k growing "
+                                  "from the first to the second over the run (0: never)")
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
-    momentum_dtype: str = knob("fp32", choices=tuple(MOMENTUM_DTYPES), doc="the dtype of Muon's momentum buffers")
+    momentum_dtype: str = knob("fp32", choices=tuple(MOMENTUM_DTYPES), doc="Muon's momentum buffers' dtype")
     batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call (the record)")
 
 
@@ -241,7 +240,7 @@ class SGDSettings:
                              "sum: torch's (airbench94_muon)")
     momentum: float = knob(0.9, low=0, high=1, doc="SGD's momentum")
     nesterov: bool = knob(True, doc="Nesterov's momentum")
-    weight_decay: float = knob(5e-4, low=0, doc="the weight decay (in --lr-units)")
+    weight_decay: float = knob(5e-4, low=0, doc="in --lr-units")
     bias_lr_mult: float = knob(1.0, low=0, doc="batch norm's biases learn at this times the rate")
 
 
@@ -261,7 +260,7 @@ def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=(), maste
     """Recipe r's optimisers: SGD, and Muon (r.muon) for the conv filters, as one SGDAndMuon (docs/cifar10.md):
         SGD's rate = lr unit mult,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
         its weight_decay = wd b / mult (myrtle), wd b / (peak mult) (else);  Muon's rate = lr muon.lr / peak"""
-    own_rates = [o for o in own_rates if o is not None]
+    own_rates = [o for o in own_rates if o]
     own = check_own_rates(model, own_rates)
     sgd, b, peak = r.sgd, r.batch_size // world, max(r.lr.values)
     unit = {"myrtle": 1 / b, "decoupled": world / (1024 * (1 + 1 / (1 - sgd.momentum))), "sum": world}[sgd.lr_units]
