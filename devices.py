@@ -324,6 +324,19 @@ def wide_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def low_dtype(dtype, low):
+    """low, the lower precision a technique keeps beside weights of dtype (None: theirs); float64 in a float64 run."""
+    return torch.float64 if dtype == torch.float64 else low
+
+
+def scalar_for(t, value):
+    """value as a scalar that multiplies t: a float32 0-d tensor where t is half precision (a Python number would be
+    rounded to t's dtype), else value itself."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return torch.full((), value, dtype=torch.float32, device=t.device)
+    return value
+
+
 def float32_or_wider(t):
     """t upcast for sums and statistics: a half-precision tensor in float32, a float64 one as it is."""
     return t.to(wide_dtype(t.dtype))
@@ -344,6 +357,11 @@ def parameters_dtype(dtype):
 def has_float64(device):
     """Whether the device computes in float64 (Apple's MPS does not)."""
     return torch.device(device).type != "mps"
+
+
+def rate_dtype(device):
+    """The dtype of an optimiser's 0-d rate: float64 (as torch.optim's Python float) where the device has it."""
+    return torch.float64 if has_float64(device) else torch.float32
 
 
 def sum_dtype(device):

@@ -41,11 +41,10 @@ def newton_schulz(g, steps=5, coeffs=MUON_COEFFS, *, dtype=torch.bfloat16):
 
 def newton_schulz_padded(mats, steps=5, coeffs=MUON_COEFFS, dtype=torch.bfloat16):
     """newton_schulz of every matrix in one call, each zero-padded to the largest (zero rows stay zero)."""
-    rows = max(m.shape[0] for m in mats)
+    rows = max(len(m) for m in mats)
     cols = -(-max(m.shape[1] for m in mats) // 16) * 16  # a multiple of 16, for the tensor cores
-    batch = torch.stack([F.pad(m.to(dtype), (0, cols - m.shape[1], 0, rows - m.shape[0])) for m in mats])
-    out = newton_schulz(batch, steps, coeffs, dtype=dtype)
-    return [o[:m.shape[0], :m.shape[1]].to(m.dtype) for o, m in zip(out, mats)]
+    batch = torch.stack([F.pad(m.to(dtype), (0, cols - m.shape[1], 0, rows - len(m))) for m in mats])
+    return [o[:len(m), :m.shape[1]].to(m.dtype) for o, m in zip(newton_schulz(batch, steps, coeffs, dtype=dtype), mats)]
 
 
 _COMPILED = {}
@@ -71,19 +70,16 @@ class MuonSettings:
     momentum: float = knob(0.6, low=0, high=1, doc="Muon's momentum")
     ns_steps: int = knob(3, low=0, whole=True, doc="Newton-Schulz iterations per step")
     ns_coeffs: tuple = numbers(MUON_COEFFS, doc="Newton-Schulz's a, b, c: X <- aX + bAX + cA²X, A = XXᵀ")
-    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="the filters back to their norm every k steps, k "
-                                  "growing from the first to the second over the run (0: never)")
+    renorm_every: tuple = numbers((1, 1), low=0, whole=True, doc="filters back to their norm every k steps, k growing "
+                                  "from the first to the second over the run (0: never)")
     weight_decay: float = knob(0.0, low=0, doc="decoupled, per image")
-    momentum_dtype: str = knob("fp32", choices=tuple(MOMENTUM_DTYPES), doc="the dtype of Muon's momentum buffers")
+    momentum_dtype: str = knob("fp32", choices=tuple(MOMENTUM_DTYPES), doc="Muon's momentum buffers' dtype")
     batched: bool = knob(False, doc="every filter bank in one Newton-Schulz call (the record)")
 
 
 def momentum_step(grads, buffers, momentum, nesterov):
     """v = momentum v + g (in place), then g + momentum v (nesterov) or v"""
-    m = momentum
-    if buffers[0].dtype in (torch.float16, torch.bfloat16):  # a Python scalar would be rounded to their dtype
-        m = torch.full((), m, dtype=torch.float32, device=buffers[0].device)
-    torch._foreach_mul_(buffers, m)
+    torch._foreach_mul_(buffers, devices.scalar_for(buffers[0], momentum))
     torch._foreach_add_(buffers, grads)
     return torch._foreach_add(grads, buffers, alpha=momentum) if nesterov else buffers
 
@@ -92,7 +88,7 @@ def muon_step(filters, grads, buffers, lr, *, group):
     """Muon's step:  w = (w sqrt(rows) / |w| (if renorm) - lr sqrt(max(1, rows / cols)) NS(v))(1 - lr weight_decay)"""
     mats = [u.flatten(1) for u in momentum_step(grads, buffers, group["momentum"], group["nesterov"])]  # out x in k k
     ns = dict(steps=group["ns_steps"], coeffs=group["ns_coeffs"],
-              dtype=torch.float64 if filters[0].dtype == torch.float64 else torch.bfloat16)
+              dtype=devices.low_dtype(filters[0].dtype, torch.bfloat16))
     mats = newton_schulz_padded(mats, **ns) if group["batched"] else [newton_schulz(m, **ns) for m in mats]
     torch._foreach_mul_(filters, [torch.where(group["renorm"], n.reciprocal() * len(p) ** 0.5, 1.0)
                                   for n, p in zip(torch._foreach_norm(filters), filters)])
@@ -147,7 +143,7 @@ class MasterWeights(dict):
 
 def sgd_muon_step(groups):
     """Each group's step (sgd_step or muon_step) at rate x unit of the float32 masters, then their copies (held)."""
-    for step, weights, grads, buffers, rate, unit, held, settings in groups:
+    for (step, weights, buffers, rate, unit, held, settings), grads in groups:
         step(weights, [g.to(w.dtype) for g, w in zip(grads, weights)], buffers, rate * unit, group=settings)
         if held:  # as long as the group: a GPU's foreach kernel fuses it with the update
             torch._foreach_copy_(*held)
@@ -155,31 +151,31 @@ def sgd_muon_step(groups):
 
 class SGDAndMuon(torch.optim.Optimizer):
     """The optimiser of a recipe with Muon (make_optimizers): its SGD groups and Muon's ("filters", muon_group)
-    stepping as one function, sgd_muon_step, each group holding its step, the step's settings, its unit and its rate
-    (a 0-d tensor set_lr fills): compiled where Newton–Schulz is (CUDA; one graph whatever the rates, a second once the
-    whitening bias is detached), eager elsewhere. Muon's clock (its steps, its last renormalisation) is the host's:
-    whether a step renormalises depends on the step alone, and the device is told by a 0-d flag, filled where it
-    changes (fill). masters (MasterWeights): the float32 weights it steps for the parameters the network holds in a
-    lower precision, whose copies it then writes."""
+    stepping as one function, sgd_muon_step, given each group's grads and step_parts (made once: its step and the
+    step's settings, its weights, buffers, unit and rate, a 0-d tensor set_lr fills), a detached group skipped:
+    compiled where Newton–Schulz is (CUDA; one graph whatever the rates, a second once the whitening bias is
+    detached), eager elsewhere. Muon's clock (its steps, its last renormalisation) is the host's: whether a step
+    renormalises depends on the step alone, and the device is told by a 0-d flag, filled where it changes (fill).
+    masters (MasterWeights): the float32 weights it steps for the parameters the network holds in a lower precision,
+    whose copies it then writes."""
 
     def __init__(self, groups, *, momentum, nesterov, masters=None):
         super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
-        device, self.masters = groups[0]["params"][0].device, masters or MasterWeights()
-        self.lr = torch.zeros((), dtype=torch.float64 if devices.has_float64(device) else torch.float32, device=device)
-        self.renorm = torch.zeros((), dtype=torch.bool, device=device)  # whether a step renormalises
+        device, masters = groups[0]["params"][0].device, masters or MasterWeights()
+        self.lr = torch.zeros((), dtype=devices.rate_dtype(device), device=device)
         self.muon_steps = self.last_renorm = 0
         self.filled = {}  # id of a 0-d tensor: the value it was last filled with
         self.function = compiled(sgd_muon_step) if devices.compiles_helpers(device) else sgd_muon_step
-        for g in self.param_groups:  # its rate x unit: its own (set_lr's group_rate) x 1, or the schedule's x lr_unit
-            own = g["until_step"] is not None
-            g["rate"], g["unit"] = (torch.zeros_like(self.lr), 1.0) if own else (self.lr, g["lr_unit"])
-            if g["name"] == "filters":  # its step, and its settings: constants of the graph
-                g["step"], g["settings"] = muon_step, {**{k: g[k] for k in MUON_STEP_SETTINGS}, "renorm": self.renorm}
-            else:
-                g["step"], g["settings"] = sgd_step, {k: g[k] for k in SGD_STEP_SETTINGS}
-            for p, w in zip(g["params"], self.masters.weights(g["params"])):
-                self.state[p]["momentum"] = torch.zeros_like(w, dtype=None if w.dtype == torch.float64 else
-                                                             g.get("momentum_dtype"))
+        for g in self.param_groups:  # its rate x unit: the schedule's x lr_unit, or its own (set_lr's group_rate) x 1
+            g["rate"], g["unit"] = (self.lr, g["lr_unit"]) if g["until_step"] is None else (self.lr.new_zeros(()), 1.0)
+            if muon := g["name"] == "filters":  # told by a 0-d flag whether a step renormalises
+                g["renorm"] = torch.zeros((), dtype=torch.bool, device=device)
+            weights, copies = masters.weights(g["params"]), [p for p in g["params"] if p in masters]
+            buffers = [torch.zeros_like(w, dtype=devices.low_dtype(w.dtype, g.get("momentum_dtype"))) for w in weights]
+            self.state.update((p, {"momentum": v}) for p, v in zip(g["params"], buffers))
+            g["step_parts"] = (muon_step if muon else sgd_step, weights, buffers, g["rate"], g["unit"],
+                               copies and [copies, masters.weights(copies)],  # held in a lower precision: written too
+                               {k: g[k] for k in (MUON_STEP_SETTINGS if muon else SGD_STEP_SETTINGS)})
 
     def fill(self, scalar, value):
         """scalar filled with value unless it holds it."""
@@ -189,25 +185,18 @@ class SGDAndMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        groups = []
-        for g in self.param_groups:
-            params = [p for p in g["params"] if p.grad is not None]
-            if not params:
-                continue
-            if g["step"] is muon_step:  # Muon's clock, the host's: it renormalises every k steps, k from k0 to k1
+        groups = [g for g in self.param_groups if g["params"][0].grad is not None]  # a group's grads come together
+        for g in groups:
+            if g["name"] == "filters":  # Muon's clock, the host's: it renormalises every k steps, k from k0 to k1
                 self.muon_steps += 1
                 t, (k0, k1) = self.muon_steps, g["renorm_every"]
                 if k0 and t - self.last_renorm >= k0 + (k1 - k0) * t // g["total_steps"]:
                     self.last_renorm = t
-                self.fill(self.renorm, self.last_renorm == t)
-            copies = [p for p in params if p in self.masters]  # held in a lower precision: written after the step
-            groups.append((g["step"], self.masters.weights(params), [p.grad for p in params],
-                           [self.state[p]["momentum"] for p in params], g["rate"], g["unit"],
-                           copies and [copies, self.masters.weights(copies)], g["settings"]))
-        self.function(groups)
+                self.fill(g["renorm"], self.last_renorm == t)
+        self.function([(g["step_parts"], [p.grad for p in g["params"]]) for g in groups])
 
 
-MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "weight_decay")
+MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "weight_decay", "renorm")
 SGD_STEP_SETTINGS = ("momentum", "nesterov", "weight_decay")
 
 
@@ -251,7 +240,7 @@ class SGDSettings:
                              "sum: torch's (airbench94_muon)")
     momentum: float = knob(0.9, low=0, high=1, doc="SGD's momentum")
     nesterov: bool = knob(True, doc="Nesterov's momentum")
-    weight_decay: float = knob(5e-4, low=0, doc="the weight decay (in --lr-units)")
+    weight_decay: float = knob(5e-4, low=0, doc="in --lr-units")
     bias_lr_mult: float = knob(1.0, low=0, doc="batch norm's biases learn at this times the rate")
 
 
@@ -271,7 +260,7 @@ def make_optimizers(model, r, steps_per_epoch=1, world=1, *, own_rates=(), maste
     """Recipe r's optimisers: SGD, and Muon (r.muon) for the conv filters, as one SGDAndMuon (docs/cifar10.md):
         SGD's rate = lr unit mult,  unit = 1/b (myrtle), world / (1024 (1 + 1/(1 - momentum))) (decoupled), world (sum)
         its weight_decay = wd b / mult (myrtle), wd b / (peak mult) (else);  Muon's rate = lr muon.lr / peak"""
-    own_rates = [o for o in own_rates if o is not None]
+    own_rates = [o for o in own_rates if o]
     own = check_own_rates(model, own_rates)
     sgd, b, peak = r.sgd, r.batch_size // world, max(r.lr.values)
     unit = {"myrtle": 1 / b, "decoupled": world / (1024 * (1 + 1 / (1 - sgd.momentum))), "sum": world}[sgd.lr_units]

@@ -101,6 +101,29 @@ def test_a_small_decomposition_runs_in_float64_on_the_device_unless_it_has_none(
     assert torch.equal(wide, torch.full((2, 2), 1 / 3, dtype=torch.bfloat16).double())
 
 
+@pytest.mark.parametrize("dtype, low, kept", [
+    (torch.float32, torch.float16, torch.float16), (torch.float32, torch.bfloat16, torch.bfloat16),
+    (torch.float32, None, None), (torch.float64, torch.bfloat16, torch.float64), (torch.float64, None, torch.float64)])
+def test_a_lower_precision_is_kept_but_in_a_float64_run(dtype, low, kept):
+    assert devices.low_dtype(dtype, low) == kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_a_scalar_multiplies_a_half_precision_tensor_as_float32(dtype):
+    """0.6 unrounded to float16 or bf16 (a 0-d float32 tensor on the tensor's device); a Python number otherwise."""
+    scalar = devices.scalar_for(torch.ones(2, dtype=dtype), 0.6)
+    if dtype in (torch.float16, torch.bfloat16):
+        assert (scalar.dtype, scalar.shape, scalar.device, scalar.item()) == (torch.float32, (), torch.device("cpu"),
+                                                                              torch.tensor(0.6).item())
+    else:
+        assert scalar == 0.6 and isinstance(scalar, float)
+
+
+@pytest.mark.parametrize("name, dtype", [("cpu", torch.float64), ("cuda:0", torch.float64), ("mps", torch.float32)])
+def test_a_learning_rate_is_float64_where_the_device_has_it(name, dtype):
+    assert devices.rate_dtype(name) == dtype
+
+
 def test_where_a_store_lives(gpus, monkeypatch):
     """On the device when it fits beside training in the usable part of the free memory (asked there when it does
     not: one line naming --data-on host), else in host memory; on the CPU the two are one."""
