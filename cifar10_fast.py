@@ -86,9 +86,9 @@ def train_run(r, built, o, *, ctx, seed, table=None):
         last = step == total_steps
         clock.stop(sums, steps * batch, epoch=epoch + 1, lr=lr)
         if clock.evaluates(epoch, last=last):
-            model, tta = evaluation_model(net.eval_forward, average), r.tta if last else None
             with Heartbeat("final evaluation" if last else f"evaluation of epoch {epoch + 1}", on=o.progress):
-                loss, acc = loss_and_accuracy(model, data["test_images"], data["test_labels"], dtype=dtype, tta=tta)
+                loss, acc = loss_and_accuracy(evaluation_model(net.eval_forward, average), data["test_images"],
+                                              data["test_labels"], dtype=dtype, tta=r.tta if last else None)
             clock.evaluated(test_loss=loss, test_acc=acc)
         for row in clock.rows_read():
             check_loss(row, r)
@@ -400,9 +400,9 @@ class Built:
     stats: tuple = None
 
 
-def build(r, arrays, o, *, ctx, stats=None):
+def build(r, arrays, o, *, ctx, stats):
     """Built for recipe r: data on the device, FLOPs, network, warmed up on an accelerator or compiled."""
-    device, stats = torch.device(ctx.device), stats or channel_stats(arrays["train_images"])
+    device = torch.device(ctx.device)
     dtype = devices.compute_dtype(device, o.precision)
     data = (rank_dataset(arrays, r, ctx, device, dtype=dtype, stats=stats) if ctx.distributed
             else dataset_on_device(arrays, device, dtype=dtype, pad=r.augment.crop_pad, stats=stats))

@@ -232,7 +232,8 @@ class OurSide:
         self.options = cf.Options(target=target(name), eval_every=0, compile=compile_mode)   # the end's alone
         self.ctx = D.Context(device=device)
         with T.strict_compile():
-            self.built = cf.build(self.r, arrays, self.options, ctx=self.ctx)
+            self.built = cf.build(self.r, arrays, self.options, ctx=self.ctx,
+                                  stats=cf.channel_stats(arrays["train_images"]))
         self.test = (self.built.data["test_images"], self.built.data["test_labels"])
 
     def run(self, seed):

@@ -34,7 +34,9 @@ import distributed as D
 from conftest_free import arrays
 r = cf.recipe({recipe!r}, width={width})
 start = time.perf_counter()
-cf.build(r, arrays({n}, {seed}), cf.Options(compile={mode!r}), ctx=D.Context(device={device!r}))
+data = arrays({n}, {seed})
+cf.build(r, data, cf.Options(compile={mode!r}), ctx=D.Context(device={device!r}),
+         stats=cf.channel_stats(data["train_images"]))
 print(json.dumps({{"seconds": time.perf_counter() - start}}))
 """
 ARRAYS = """

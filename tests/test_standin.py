@@ -164,7 +164,7 @@ def test_the_warm_up_fits_the_whitening_so_no_timed_run_loads_the_linear_algebra
     arrays = dict(np.load(npz))
     r = cf.recipe("fast94_next", width=1 / 16, batch_size=32)
     with StandIn() as gpu:
-        cf.build(r, arrays, cf.Options(), ctx=D.Context(device="cuda"))
+        cf.build(r, arrays, cf.Options(), ctx=D.Context(device="cuda"), stats=cf.channel_stats(arrays["train_images"]))
     assert gpu.ops["linalg_svd"] >= 1      # the record's decomposition, on the GPU, before any clock
 
 
