@@ -77,6 +77,16 @@ def test_the_reading_path_on_record_is_the_codes_as_it_stands(path):
         assert {k: now[k] for k in fields} == {k: recorded[k] for k in fields}, recorded["recipe"]
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "results").glob("*/reading_path.json")), ids=lambda p: p.parent.name)
+def test_fast94_next_reads_in_at_most_one_and_a_half_times_the_records_characters(path):
+    """The path of fast94_next on record (the test above holds it to the code) against the 2-second record's whole
+    script, counted beside it: at most 1.5x its characters."""
+    record = json.loads(path.read_text())
+    ours = next(r["path_chars"] for r in record["recipes"] if r["recipe"] == "fast94_next")
+    theirs = next(p["chars"] for p in record["peers"] if p["file"] == "cifar10_speedrun.py")
+    assert ours <= 1.5 * theirs, f"{ours:,} characters, {ours / theirs:.3f}x the record's {theirs:,}"
+
+
 def test_a_technique_is_touched_where_its_names_are_in_code_and_a_place_is_a_top_level_definition(tmp_path):
     import reading_path
     script = tmp_path / "script.py"
