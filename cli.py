@@ -22,7 +22,7 @@ import traceback
 import torch
 
 import devices
-from core import Parser, UsageError, first_to_say
+from core import Parser, UsageError, say_once
 from distributed import HOOKS, comm_hook, first_sentence, init_from_env, leave, print0
 from outputs import check_output, output_lock
 from progress import close_progress
@@ -185,7 +185,7 @@ def join_ranks(args, hook=None):
 
 
 def lost_peer(error, ctx):
-    """For a RuntimeError a rank's work raised: exit status 1 and one line in all (first_to_say) when a collective
+    """For a RuntimeError a rank's work raised: exit status 1 and one line in all (say_once) when a collective
     failed because another rank is gone (it ended, or its machine did); the error raised again when it is a fault of
     this rank's own."""
     lost = isinstance(error, torch.distributed.DistError) or any(
@@ -193,8 +193,7 @@ def lost_peer(error, ctx):
                                         "NCCL communicator was aborted", "Socket Timeout", "Broken pipe"))
     if not (ctx.distributed and lost):
         raise error
-    if first_to_say("lost_peer"):
-        print(f"error: rank {ctx.rank} lost its peers: {first_sentence(error)}", file=sys.stderr, flush=True)
+    say_once(f"error: rank {ctx.rank} lost its peers: {first_sentence(error)}", "lost_peer")
     return 1
 
 
@@ -207,9 +206,12 @@ def runtime_error_exit(error, ctx, *, ways, **stop):
     asked = devices.refused_size(error)
     how = f"out of memory on {ctx.device}" + (f" (asked for {asked} more)" if asked else "")
     close_progress()
-    if not ctx.distributed or first_to_say("out_of_memory"):
-        rank = f"rank {ctx.rank} ran " if ctx.distributed else ""
-        print(f"error: {rank}{interrupted(how=how, **stop)}; {ways}", file=sys.stderr, flush=True)
+    rank = f"rank {ctx.rank} ran " if ctx.distributed else ""
+    line = f"error: {rank}{interrupted(how=how, **stop)}; {ways}"
+    if ctx.distributed:
+        say_once(line, "out_of_memory")
+    else:
+        print(line, file=sys.stderr, flush=True)
     return 1
 
 
