@@ -58,7 +58,7 @@ def say_once(line, what):
     """Prints `line` on stderr once in the torchrun job's attempt: by the first process to count `what` in the store
     at MASTER_ADDR:MASTER_PORT (torchrun's agent's, which outlives its workers and serves them before their process
     group exists), or by any that cannot reach it within seconds (its machine gone); the others wait up to 5 s until
-    it is said, since torchrun stops every worker once one has ended. Returns whether this process said it."""
+    it is said, since torchrun stops every worker once one has ended."""
     import datetime
     from torch.distributed import DistError, TCPStore
     try:
@@ -77,4 +77,3 @@ def say_once(line, what):
             store.wait([f"{key}/said"])
     except (RuntimeError, DistError):
         pass            # the first gone, or the store: nothing more to wait for
-    return first

@@ -330,6 +330,6 @@ def set_group_rates(opt, lr, step, epoch):
 def group_rate(g, lr, step):
     """lr × the group's unit; from until_step 0, and before it with linear its peak falling to 0."""
     until = g["until_step"]
-    if until is None or step < until and not g["linear"]:
+    if until is None or (step < until and not g["linear"]):
         return lr * g["lr_unit"]
     return 0.0 if step >= until else g["peak"] * g["lr_unit"] * (1 - step / until)

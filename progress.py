@@ -197,8 +197,9 @@ class EpochClock:
                 if self.time_to_target is None and row[self.accuracy] >= self.target:
                     self.time_to_target = row["total_time"]
         self.rows += rows
-        for row in rows if self.table else ():
-            self.table.append(row)
+        if self.table:
+            for row in rows:
+                self.table.append(row)
         self.pending, self.host_has_read = [], True
         return rows
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import devices
 from core import DataError
+from schedules import epoch_steps
 from settings import knob
 
 
@@ -189,7 +190,7 @@ class LookaheadTail:
     def __init__(self, model, settings, steps_per_epoch, masters=None):
         self.ema = [t.detach().clone() for t in float_state(model, masters)]     # made once; the tail's start fills it
         self.decay, self.every, self.masters = settings.decay, settings.every, masters
-        self.steps = math.ceil(settings.epochs * steps_per_epoch)
+        self.steps = epoch_steps(settings.epochs, steps_per_epoch)
 
     @torch.no_grad()
     def update(self, model, step, total_steps):
