@@ -92,7 +92,7 @@ def train_run(r, built, o, *, ctx, seed, table=None):
             clock.evaluated(test_loss=loss, test_acc=acc)
         for row in clock.rows_read():
             check_loss(row, r)
-            say_estimate(r, row, o, first=seed == o.seed, device=device, n_train=n)
+            say_estimate(r, row, o, first=seed == o.seed, device=device, epochs=total_steps / steps_per_epoch)
             o.on_epoch and o.on_epoch(row)
         clock.resume()
     return {"seed": seed, "rows": clock.rows, "final_acc": clock.rows[-1]["test_acc"], **clock.times(),
@@ -414,13 +414,12 @@ def build(r, arrays, o, *, ctx, stats):
     return built
 
 
-def say_estimate(r, row, o, *, first, device, n_train):
+def say_estimate(r, row, o, *, first, device, epochs):
     """On a CPU with o.progress, after the first run's first epoch: the time every run's training will take, from
-    that epoch's `row` (on stderr)."""
+    that epoch's `row` and the run's length in epochs of steps (on stderr)."""
     if not first or row["epoch"] != 1 or not o.progress or not devices.is_cpu(device):
         return
-    steps_per_epoch, total_steps = run_steps(n_train, r.batch_size, r.epochs)
-    runs, total = o.runs, o.runs * row["epoch_time"] * total_steps / steps_per_epoch
+    runs, total = o.runs, o.runs * row["epoch_time"] * epochs
     print(f"estimated time: about {f'{total / 60:.0f} min' if total >= 90 else f'{total:.0f} s'} for {runs} run"
           f"{'s' * (runs > 1)} of {r.epochs:g} epoch{'s' * (r.epochs != 1)} on this CPU (from the first epoch, "
           "evaluations left out; an estimate)", file=sys.stderr, flush=True)

@@ -359,14 +359,9 @@ def has_float64(device):
     return torch.device(device).type != "mps"
 
 
-def rate_dtype(device):
-    """The dtype of an optimiser's 0-d rate: float64 (as torch.optim's Python float) where the device has it."""
-    return torch.float64 if has_float64(device) else torch.float32
-
-
-def sum_dtype(device):
-    """The dtype of sums over a whole validation set: float64, or float32 where the device has no float64 (exact
-    for counts below 2^24)."""
+def widest_float(device):
+    """float64, or float32 where the device has none: the dtype of an optimiser's 0-d rate (as torch.optim's Python
+    float) and of sums over a whole validation set (float32 exact for counts below 2^24)."""
     return torch.float64 if has_float64(device) else torch.float32
 
 

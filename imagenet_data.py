@@ -523,11 +523,11 @@ def val_batches(data, val, batch_size, *, device):
 @torch.no_grad()
 def validation_sums(model, data, val, *, tta, device, dtype, batch_size=256):
     """Evaluation of the validation images this process holds, each seen as val_view says. The summed loss, top-1
-    and top-5 counts and the number of images, as one tensor on the device (float64 where it has it, devices.sum_dtype):
-    nothing waits for it."""
+    and top-5 counts and the number of images, as one tensor on the device (devices.widest_float): nothing waits for
+    it."""
     was_training, memory_format = model.training, devices.memory_format(device)
     model.eval()
-    totals = torch.zeros(4, dtype=devices.sum_dtype(device), device=device)
+    totals = torch.zeros(4, dtype=devices.widest_float(device), device=device)
     totals[3] = len(data.val_rows)
     constants = devices.to_device(CONSTANTS, device)
     for x, y in val_batches(data, val, batch_size, device=device):

@@ -162,7 +162,7 @@ class SGDAndMuon(torch.optim.Optimizer):
     def __init__(self, groups, *, momentum, nesterov, masters=None):
         super().__init__(groups, dict(momentum=momentum, nesterov=nesterov))
         device, masters = groups[0]["params"][0].device, masters or MasterWeights()
-        self.lr = torch.zeros((), dtype=devices.rate_dtype(device), device=device)
+        self.lr = torch.zeros((), dtype=devices.widest_float(device), device=device)
         self.muon_steps = self.last_renorm = 0
         self.filled = {}  # id of a 0-d tensor: the value it was last filled with
         self.function = compiled(sgd_muon_step) if devices.compiles_helpers(device) else sgd_muon_step

@@ -120,8 +120,8 @@ def test_a_scalar_multiplies_a_half_precision_tensor_as_float32(dtype):
 
 
 @pytest.mark.parametrize("name, dtype", [("cpu", torch.float64), ("cuda:0", torch.float64), ("mps", torch.float32)])
-def test_a_learning_rate_is_float64_where_the_device_has_it(name, dtype):
-    assert devices.rate_dtype(name) == dtype
+def test_rates_and_whole_set_sums_are_float64_where_the_device_has_it(name, dtype):
+    assert devices.widest_float(name) == dtype
 
 
 def test_where_a_store_lives(gpus, monkeypatch):

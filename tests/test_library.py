@@ -197,6 +197,19 @@ def test_a_long_epoch_shows_its_progress_on_stderr(npz, capsys, monkeypatch):
     assert "epoch 1:" not in out and len([ln for ln in out.splitlines() if ln.split()[:1] in (["1"], ["2"])]) == 2
 
 
+@pytest.mark.parametrize("runs, epochs, said", [(1, 2.5, "about 25 s for 1 run of 9.9"),
+                                                 (3, 9.9, "about 5 min for 3 runs")])
+def test_the_estimate_scales_the_first_epoch_by_the_run_length_in_epochs_and_the_runs(runs, epochs, said, capsys):
+    """The first epoch's 10 s times the run's length in epochs (of its steps, which a rank counts in its shard) and the
+    runs; nothing but on the first run's first epoch on a CPU."""
+    r, o = cf.recipe("fast94"), cf.Options(progress=True, runs=runs)
+    cf.say_estimate(r, {"epoch": 1, "epoch_time": 10.0}, o, first=True, device=CPU, epochs=epochs)
+    assert said in capsys.readouterr().err
+    for first, epoch, device in ((False, 1, CPU), (True, 2, CPU), (True, 1, torch.device("cuda"))):
+        cf.say_estimate(r, {"epoch": epoch, "epoch_time": 10.0}, o, first=first, device=device, epochs=epochs)
+    assert capsys.readouterr().err == ""
+
+
 def test_progress_shows_every_long_phase_on_stderr_and_nothing_when_off(npz, capsys, monkeypatch):
     """A phase that turns out long (here: any, the threshold 0) says so on stderr while it runs and when it ends:
     loading, the compiled warm-up, each epoch, the final evaluation; with progress off, stderr stays empty."""
