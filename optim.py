@@ -185,7 +185,7 @@ class SGDAndMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        groups = [g for g in self.param_groups if g["params"][0].grad is not None]  # a group's grads come together
+        groups = [g for g in self.param_groups if check_grads(g)]
         for g in groups:
             if g["name"] == "filters":  # Muon's clock, the host's: it renormalises every k steps, k from k0 to k1
                 self.muon_steps += 1
@@ -194,6 +194,16 @@ class SGDAndMuon(torch.optim.Optimizer):
                     self.last_renorm = t
                 self.fill(g["renorm"], self.last_renorm == t)
         self.function([(g["step_parts"], [p.grad for p in g["params"]]) for g in groups])
+
+
+def check_grads(group):
+    """Whether an SGDAndMuon group's parameters have gradients, all of them (False: none has, a detached group); a
+    ValueError where only some have: one step takes the whole group."""
+    have = {p.grad is not None for p in group["params"]}
+    if len(have) > 1:
+        raise ValueError(f"SGDAndMuon: some parameters of group {group['name']!r} have no gradient, others have one; "
+                         "it steps a group whole (leave the unused ones out of it)")
+    return True in have
 
 
 MUON_STEP_SETTINGS = ("momentum", "nesterov", "batched", "ns_steps", "ns_coeffs", "weight_decay", "renorm")

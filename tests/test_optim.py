@@ -117,6 +117,23 @@ def test_muon_makes_its_momentum_buffers_once(monkeypatch):
     assert all(opt.state[p]["momentum"] is b for p, b in zip(params, buffers))
 
 
+
+@pytest.mark.parametrize("without", [[0], [3], [1, 4]])
+def test_a_group_steps_whole_or_not_at_all_and_some_grads_missing_is_one_error(without):
+    """No gradient anywhere in a group (a detached one): skipped, nothing moves; some missing, wherever they are in the
+    group: one ValueError before anything moves, none of the others' gradients silently dropped."""
+    params = filter_banks()
+    opt, before = optim.Muon(params, lr=0.1), [p.detach().clone() for p in params]
+    for i in without:
+        params[i].grad = None
+    with pytest.raises(ValueError, match=r"^SGDAndMuon: some parameters of group 'filters' have no gradient, others "
+                                         r"have one; it steps a group whole \(leave the unused ones out of it\)$"):
+        opt.step()
+    for p in params:
+        p.grad = None
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before)) and opt.muon_steps == 0
+
 @pytest.mark.parametrize("batched", [False, True])
 def test_newton_schulz_compiled_equals_eager(batched):
     torch._dynamo.reset()
