@@ -19,7 +19,6 @@ from schedules import epoch_steps
 from settings import knob, numbers
 
 
-
 # ----------------------------------------------------------------------------------------------------------
 # Muon: orthogonalised momentum for conv filters
 

@@ -56,7 +56,6 @@ class EpochCount(TorchDispatchMode):
                 "passes": round(self.written / self.epoch_bytes, 2), "ops": dict(self.ops), "graphs": dict(self.graphs)}
 
 
-
 def compiled_kernels(step):
     """{"graph_calls", "kernels", "library_calls", "outside", "outside_launches", "guard_reads"}: what one call of step
     runs, seen by torch.profiler with Inductor's CPU kernels recorded (compile first, inside kernel_profile()): the
@@ -90,6 +89,7 @@ def kernel_profile():
     """Inductor's generated CPU kernels recorded by torch.profiler (set while a graph compiles)."""
     import torch._inductor.config
     return torch._inductor.config.patch({"cpp.enable_kernel_profile": True})
+
 
 def ours(recipe, epoch, n=BATCHES * BATCH):
     """EpochCount.summary() of cifar_data.epoch_batches's epoch `epoch` of recipe (a name), consumed whole, as CUDA

@@ -33,6 +33,8 @@ def side_by_side_pieces():
     """(our recipe, the peer beside it) of every side-by-side piece of the suite, in its order."""
     from suite import pieces
     return [tuple(pc.sides) for pc in pieces() if pc.kind == "side_by_side"]
+
+
 DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")))
 
 

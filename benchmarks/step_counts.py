@@ -60,6 +60,8 @@ def record_renormalising_steps(total=RECORD_RUN_STEPS):
         if step - last >= 2 + int(15 * step / total):
             last, count = step, count + 1
     return count
+
+
 # Inductor as on a GPU: its realisation thresholds, and scatter-add generated (a GPU's atomic add) rather than left
 # to ATen, which the CPU's C++ backend alone does by default
 GPU_LOWERING = {**fusion_bytes.GPU_THRESHOLDS, ("inductor", "cpp.fallback_scatter_reduce_sum"): False}

@@ -93,8 +93,6 @@ def test_rmsprop_to_sgd_follows_its_formula_when_the_rate_changes(case):
         torch.testing.assert_close(p.detach(), want, rtol=1e-10, atol=1e-12, msg=f"step {k + 1}")
 
 
-
-
 def filter_banks():
     """Conv filter banks with gradients, in the shapes of a small network: two of them alike."""
     torch.manual_seed(5)
@@ -117,7 +115,6 @@ def test_muon_makes_its_momentum_buffers_once(monkeypatch):
     assert all(opt.state[p]["momentum"] is b for p, b in zip(params, buffers))
 
 
-
 @pytest.mark.parametrize("without", [[0], [3], [1, 4]])
 def test_a_group_steps_whole_or_not_at_all_and_some_grads_missing_is_one_error(without):
     """No gradient anywhere in a group (a detached one): skipped, nothing moves; some missing, wherever they are in the
@@ -133,6 +130,7 @@ def test_a_group_steps_whole_or_not_at_all_and_some_grads_missing_is_one_error(w
         p.grad = None
     opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before)) and opt.muon_steps == 0
+
 
 @pytest.mark.parametrize("batched", [False, True])
 def test_newton_schulz_compiled_equals_eager(batched):
